@@ -1,0 +1,26 @@
+# The two commands of the README. Each creates its own virtualenv (.venv) on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 resolves to the CPU build on these machines; never the CUDA one.
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/batchyard demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m bench.dispatch_bench
+
+clean:
+	rm -rf $(VENV) *.egg-info

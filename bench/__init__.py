@@ -1,0 +1,1 @@
+"""Batchyard bench harness: load generation, demo and micro-benchmarks."""

@@ -1,0 +1,59 @@
+"""The ``batchyard`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ConfigError, load_config
+
+
+def _node(args):
+    try:
+        return load_config(args.config)
+    except ConfigError as e:
+        print(f"batchyard: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="batchyard", description="Batchyard inference dispatcher")
+    ap.add_argument("--log-level", default="INFO")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("dispatcher", help="run the dispatcher process of a node")
+    p.add_argument("--config", required=True)
+    p = sub.add_parser("worker", help="run one worker process of a node")
+    p.add_argument("--config", required=True)
+    p.add_argument("--name", required=True)
+    p = sub.add_parser("up", help="start a node's dispatcher and workers; restart workers that die")
+    p.add_argument("--config", required=True)
+    p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
+    p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
+    p.add_argument("--policy", default="greedy")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    if args.cmd == "dispatcher":
+        from .server import run_dispatcher
+
+        run_dispatcher(_node(args))
+        return 0
+    if args.cmd == "worker":
+        from workers.main import run_worker
+
+        return run_worker(_node(args), args.name)
+    if args.cmd == "up":
+        from .supervisor import run_up
+
+        return run_up(args.config, _node(args))
+    if args.cmd == "demo":
+        from bench.demo import run_demo
+
+        return run_demo(duration=args.duration, rate=args.rate, policy=args.policy)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

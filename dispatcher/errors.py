@@ -1,0 +1,58 @@
+"""Client-side exceptions: one class per reply status, all under BatchyardError."""
+
+from __future__ import annotations
+
+from .protocol import Status
+
+
+class BatchyardError(Exception):
+    status = Status.INTERNAL
+
+    def __init__(self, message: str, status: Status | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.status.name}: {self.message}"
+
+
+class Cancelled(BatchyardError):
+    status = Status.CANCELLED
+
+
+class InvalidArgument(BatchyardError):
+    status = Status.INVALID_ARGUMENT
+
+
+class DeadlineExceeded(BatchyardError):
+    status = Status.DEADLINE_EXCEEDED
+
+
+class UnknownModel(BatchyardError):
+    status = Status.UNKNOWN_MODEL
+
+
+class Overloaded(BatchyardError):
+    status = Status.OVERLOADED
+
+
+class InternalError(BatchyardError):
+    status = Status.INTERNAL
+
+
+class Unavailable(BatchyardError):
+    status = Status.UNAVAILABLE
+
+
+_BY_STATUS = {cls.status: cls for cls in
+              (Cancelled, InvalidArgument, DeadlineExceeded, UnknownModel, Overloaded, InternalError, Unavailable)}
+
+
+def error_for(status: int, message: str) -> BatchyardError:
+    try:
+        st = Status(status)
+    except ValueError:
+        return BatchyardError(f"unknown status {status}: {message}")
+    return _BY_STATUS.get(st, BatchyardError)(message)

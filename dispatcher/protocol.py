@@ -1,0 +1,254 @@
+"""Wire protocol: typed MessagePack messages shared by clients, the dispatcher and workers.
+
+Every message is a ZeroMQ multipart message whose first frame is a MessagePack map (the
+*header*) and whose further frames are raw tensor bytes (*payload frames*). `docs/protocol.md`
+is the normative description; this module is its executable form. Decoding is typed
+(msgspec), so a wrong type, a missing field or an out-of-range value is rejected with a path
+to the offending field (``$.inputs[0].shape[1]``) before any other code sees the message.
+Nothing here is ever pickled.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec bounds fit int64
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+# Segment names are file names under /dev/shm: no slashes, no dots at the start.
+SegmentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")]
+Priority = Annotated[int, msgspec.Meta(ge=0, le=2)]
+
+PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 0, 1, 2
+PRIORITY_NAMES = ("high", "normal", "low")
+
+
+class Status(enum.IntEnum):
+    """Reply status codes. Values follow gRPC's codes where the meaning is the same."""
+
+    OK = 0
+    CANCELLED = 1
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    UNKNOWN_MODEL = 5  # gRPC NOT_FOUND
+    OVERLOADED = 8  # gRPC RESOURCE_EXHAUSTED
+    INTERNAL = 13
+    UNAVAILABLE = 14
+
+
+DTYPES = frozenset(
+    ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+     "float16", "float32", "float64"]
+)
+
+
+# ---------------------------------------------------------------- tensors and placement
+class ShmRef(msgspec.Struct, frozen=True):
+    """A byte range in a POSIX shared-memory segment (``/dev/shm/<segment>``)."""
+
+    segment: SegmentName
+    offset: NonNeg
+    nbytes: NonNeg
+
+
+class TensorRef(msgspec.Struct, omit_defaults=True):
+    """A tensor's metadata plus where its bytes are: exactly one of ``frame`` or ``shm``."""
+
+    name: Name
+    dtype: str
+    shape: list[Dim]
+    frame: int = -1  # index among the message's payload frames (0 = first after the header)
+    shm: Optional[ShmRef] = None
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    """One input or output of a model. ``shape`` is per item: the batch dimension is implied."""
+
+    name: Name
+    dtype: str
+    shape: tuple[Dim, ...]
+
+
+class ModelSpec(msgspec.Struct, frozen=True):
+    """What a model takes and returns; sent by workers at registration, served to clients."""
+
+    name: Name
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 64
+
+
+class Timing(msgspec.Struct):
+    queue_us: int
+    compute_us: int
+    total_us: int
+    batch_size: int
+    path: str
+    worker: str
+
+
+# ---------------------------------------------------------------- client -> dispatcher
+class InferRequest(msgspec.Struct, tag="infer", tag_field="type", omit_defaults=True):
+    v: int
+    id: U64
+    model: Name
+    inputs: list[TensorRef]
+    priority: Priority = PRIORITY_NORMAL
+    timeout_us: NonNeg = 0  # 0: the dispatcher's default timeout
+    outputs: dict[str, ShmRef] = {}  # outputs the client wants written into its shared memory
+
+
+class ModelInfoRequest(msgspec.Struct, tag="model_info", tag_field="type"):
+    v: int
+    id: U64
+    model: Name
+
+
+class StatusRequest(msgspec.Struct, tag="status", tag_field="type", omit_defaults=True):
+    """Dispatcher state. Held (long poll) until ``min_registrations`` worker registrations
+    have happened or ``wait_us`` has passed, so callers wait on an event rather than poll."""
+
+    v: int
+    id: U64
+    min_registrations: NonNeg = 0
+    wait_us: NonNeg = 0
+
+
+ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest]
+
+
+# ---------------------------------------------------------------- dispatcher -> client
+class InferReply(msgspec.Struct, tag="result", tag_field="type", omit_defaults=True):
+    v: int
+    id: Optional[int]
+    status: int
+    message: str = ""
+    outputs: list[TensorRef] = []
+    timing: Optional[Timing] = None
+
+
+class ModelInfoReply(msgspec.Struct, tag="model_info", tag_field="type", omit_defaults=True):
+    v: int
+    id: int
+    status: int
+    message: str = ""
+    spec: Optional[ModelSpec] = None
+
+
+class WorkerInfo(msgspec.Struct):
+    name: str
+    pid: int
+    path: str
+    models: list[str]
+    inflight: int
+    simulated: bool
+
+
+class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
+    v: int
+    id: int
+    status: int
+    registrations: int
+    queued: int
+    workers: list[WorkerInfo]
+    models: list[str]
+
+
+ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply]
+
+
+# ---------------------------------------------------------------- worker <-> dispatcher
+class Register(msgspec.Struct, tag="register", tag_field="type"):
+    v: int
+    worker: Name
+    pid: int
+    path: str  # "cpu" | "gpu" | "sim"
+    models: list[ModelSpec]
+    max_inflight: Annotated[int, msgspec.Meta(ge=1)] = 1
+    numa_node: int = -1
+    simulated: bool = False
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
+    worker: Name
+
+
+class ItemResult(msgspec.Struct, omit_defaults=True):
+    seq: int
+    status: int
+    message: str = ""
+    outputs: list[TensorRef] = []  # ``frame`` indices count from this item's first frame
+    n_frames: int = 0
+
+
+class BatchDone(msgspec.Struct, tag="batch_done", tag_field="type"):
+    batch_id: int
+    worker: str
+    compute_us: int
+    results: list[ItemResult]
+
+
+WorkerMessage = Union[Register, Heartbeat, BatchDone]
+
+
+class Batch(msgspec.Struct, tag="batch", tag_field="type"):
+    """One message per batch. After this header come, per request, the client's original
+    header frame followed by its ``n_frames[i]`` payload frames, forwarded untouched."""
+
+    batch_id: int
+    model: str
+    seqs: list[int]
+    n_frames: list[int]
+
+
+class Registered(msgspec.Struct, tag="registered", tag_field="type"):
+    worker: str
+
+
+class Reregister(msgspec.Struct, tag="reregister", tag_field="type"):
+    worker: str
+
+
+class RegisterRejected(msgspec.Struct, tag="register_rejected", tag_field="type"):
+    worker: str
+    message: str
+
+
+DispatcherToWorker = Union[Batch, Registered, Reregister, RegisterRejected]
+
+
+# ---------------------------------------------------------------- codecs
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+client_message_decoder = msgspec.msgpack.Decoder(ClientMessage)
+reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
+worker_message_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+to_worker_decoder = msgspec.msgpack.Decoder(DispatcherToWorker)
+infer_request_decoder = msgspec.msgpack.Decoder(InferRequest)
+
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def salvage_id(raw: bytes) -> Optional[int]:
+    """Best effort: the request id of a header that failed typed decoding, so the error
+    reply can still be matched by the client. None when the header is not even a map."""
+    try:
+        obj: Any = msgspec.msgpack.decode(raw)
+    except Exception:
+        return None
+    if isinstance(obj, dict):
+        rid = obj.get("id")
+        if isinstance(rid, int) and 0 <= rid < 2**63:
+            return rid
+    return None
+
+
+def error_reply(rid: Optional[int], status: Status, message: str) -> bytes:
+    return encode(InferReply(v=PROTOCOL_VERSION, id=rid, status=int(status), message=message))

@@ -1,0 +1,138 @@
+"""Scheduler state: what the policy sees. Pure data, no I/O, no clock.
+
+The live dispatcher and the simulator both build this state and hand it to the same policy
+objects. ``Request`` carries a few opaque I/O fields (``client``, ``frames``) that only the
+live dispatcher fills; the policy never reads them.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+QUEUED, INFLIGHT, DONE = 0, 1, 2
+N_PRIORITIES = 3
+
+
+class Request:
+    __slots__ = ("seq", "model", "items", "priority", "arrival", "deadline", "state",
+                 "retries", "dispatched_at", "client", "req_id", "frames", "batch_id")
+
+    def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
+                 deadline: float, client: Any = None, req_id: int = 0,
+                 frames: Optional[list] = None):
+        self.seq = seq
+        self.model = model
+        self.items = items
+        self.priority = priority
+        self.arrival = arrival
+        self.deadline = deadline
+        self.state = QUEUED
+        self.retries = 0
+        self.dispatched_at = 0.0
+        self.client = client
+        self.req_id = req_id
+        self.frames = frames  # [client header, *payload frames], forwarded to the worker untouched
+        self.batch_id = -1
+
+
+class ModelQueue:
+    """FIFO per priority for one model; counts queued requests and items."""
+
+    __slots__ = ("model", "by_priority", "requests", "items")
+
+    def __init__(self, model: str):
+        self.model = model
+        self.by_priority = tuple(collections.deque() for _ in range(N_PRIORITIES))
+        self.requests = 0
+        self.items = 0
+
+    def push(self, req: Request) -> None:
+        self.by_priority[req.priority].append(req)
+        self.requests += 1
+        self.items += req.items
+
+    def push_front(self, req: Request) -> None:
+        """Put a request back at the head of its class (a retry after a worker died)."""
+        self.by_priority[req.priority].appendleft(req)
+        self.requests += 1
+        self.items += req.items
+
+    def remove(self, req: Request) -> bool:
+        try:
+            self.by_priority[req.priority].remove(req)
+        except ValueError:
+            return False
+        self.requests -= 1
+        self.items -= req.items
+        return True
+
+    def oldest_arrival(self) -> float:
+        return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
+
+    def take(self, max_items: int) -> list[Request]:
+        """Pop up to ``max_items`` items, high priority first, FIFO within a class.
+        A request is never split; one bigger than what is left ends the batch."""
+        out: list[Request] = []
+        room = max_items
+        for q in self.by_priority:
+            while q and q[0].items <= room:
+                req = q.popleft()
+                room -= req.items
+                out.append(req)
+            if q:
+                break  # the head of this class does not fit: keep priority order
+        n = max_items - room
+        self.requests -= len(out)
+        self.items -= n
+        return out
+
+
+@dataclass
+class WorkerState:
+    name: str
+    path: str  # "cpu" | "gpu" | "sim"
+    models: dict[str, int]  # model -> max batch (items) this worker accepts
+    capacity: int = 1  # batches in flight at once
+    inflight: int = 0
+    last_seen: float = 0.0
+    pid: int = 0
+    simulated: bool = False
+    identity: bytes = b""
+
+    @property
+    def free(self) -> bool:
+        return self.inflight < self.capacity
+
+
+@dataclass
+class SchedulerState:
+    queues: dict[str, ModelQueue] = field(default_factory=dict)
+    workers: dict[str, WorkerState] = field(default_factory=dict)
+    # model -> workers serving it, in registration order (policy iteration order)
+    serving: dict[str, list[WorkerState]] = field(default_factory=dict)
+
+    def queue(self, model: str) -> ModelQueue:
+        q = self.queues.get(model)
+        if q is None:
+            q = self.queues[model] = ModelQueue(model)
+        return q
+
+    def add_worker(self, w: WorkerState) -> None:
+        self.remove_worker(w.name)
+        self.workers[w.name] = w
+        for m in w.models:
+            self.serving.setdefault(m, []).append(w)
+
+    def remove_worker(self, name: str) -> Optional[WorkerState]:
+        w = self.workers.pop(name, None)
+        if w is not None:
+            for m in w.models:
+                lst = self.serving.get(m, [])
+                if w in lst:
+                    lst.remove(w)
+        return w
+
+    def queued_requests(self) -> int:
+        return sum(q.requests for q in self.queues.values())

@@ -1,0 +1,140 @@
+"""``batchyard up``: start a node's dispatcher and workers, wait until ready, restart workers
+that die, and stop everything cleanly on SIGTERM/SIGINT.
+
+Children are plain processes (``python -m dispatcher.cli ...``) so that systemd units can run
+exactly the same commands one by one. Each child gets PR_SET_PDEATHSIG so that nothing
+outlives a supervisor that was killed hard. Waiting is on signals (sigtimedwait on SIGCHLD,
+SIGTERM, SIGINT), never a polling loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .config import NodeConfig
+
+log = logging.getLogger("batchyard.up")
+_PR_SET_PDEATHSIG = 1
+RESTART_BACKOFF_MAX_S = 10.0
+STOP_TIMEOUT_S = 10.0
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Supervisor:
+    def __init__(self, config_path: str | Path, node: NodeConfig, env: Optional[dict] = None):
+        self.config_path = str(config_path)
+        self.node = node
+        self.env = env
+        self.dispatcher: Optional[subprocess.Popen] = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self._last_start: dict[str, float] = {}
+
+    def _spawn(self, *args: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "dispatcher.cli", *args, "--config", self.config_path]
+        return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.env)
+
+    def start(self) -> None:
+        self.dispatcher = self._spawn("dispatcher")
+        for w in self.node.workers:
+            self.start_worker(w.name)
+
+    def start_worker(self, name: str) -> None:
+        self.workers[name] = self._spawn("worker", "--name", name)
+        self._last_start[name] = time.monotonic()
+        log.info("started worker %s (pid %d)", name, self.workers[name].pid)
+
+    def wait_ready(self, timeout: float = 300.0) -> "object":
+        """Block until every configured worker has registered with the dispatcher."""
+        from .client import Client
+
+        with Client(self.node.dispatcher.frontend) as c:
+            st = c.status(min_registrations=len(self.node.workers), wait=timeout)
+        if st.registrations < len(self.node.workers):
+            raise TimeoutError(f"only {st.registrations} of {len(self.node.workers)} workers registered "
+                               f"within {timeout:.0f} s")
+        return st
+
+    def run_forever(self) -> int:
+        """Supervise until SIGTERM/SIGINT. Returns the exit code for the `up` command."""
+        sigs = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        pending_restart: dict[str, float] = {}
+        try:
+            while True:
+                timeout = None
+                if pending_restart:
+                    timeout = max(0.0, min(pending_restart.values()) - time.monotonic())
+                info = signal.sigtimedwait(sigs, timeout) if timeout is not None else signal.sigwaitinfo(sigs)
+                if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
+                    log.info("signal %d: stopping", info.si_signo)
+                    return 0
+                if self.dispatcher.poll() is not None:
+                    log.error("dispatcher exited with %s; stopping the node", self.dispatcher.returncode)
+                    return 1
+                now = time.monotonic()
+                for name, proc in list(self.workers.items()):
+                    if proc.poll() is not None and name not in pending_restart:
+                        # Back off only when a worker keeps dying right after start.
+                        quick = now - self._last_start.get(name, 0.0) < 5.0
+                        n = self.restarts.get(name, 0)
+                        delay = min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** n) if quick else 0.0
+                        self.restarts[name] = n + 1 if quick else 0
+                        log.warning("worker %s (pid %d) exited with %s; restart in %.1f s",
+                                    name, proc.pid, proc.returncode, delay)
+                        pending_restart[name] = now + delay
+                for name, at in list(pending_restart.items()):
+                    if at <= now:
+                        del pending_restart[name]
+                        self.start_worker(name)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+    def stop(self) -> None:
+        """Workers first (they finish their batch), then the dispatcher (it drains)."""
+        procs = list(self.workers.values())
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        _wait_all(procs, STOP_TIMEOUT_S)
+        if self.dispatcher is not None:
+            if self.dispatcher.poll() is None:
+                self.dispatcher.terminate()
+            _wait_all([self.dispatcher], STOP_TIMEOUT_S)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %.0f s; killing it", p.pid, timeout)
+            p.kill()
+            p.wait()
+
+
+def run_up(config_path: str, node: NodeConfig) -> int:
+    from .proctitle import set_title
+
+    set_title("batchyard::up")
+    sup = Supervisor(config_path, node)
+    sup.start()
+    try:
+        st = sup.wait_ready()
+        log.info("node ready: %d workers, models %s", len(st.workers), st.models)
+        print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
+        return sup.run_forever()
+    finally:
+        sup.stop()

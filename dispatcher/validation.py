@@ -1,0 +1,113 @@
+"""Semantic checks of an infer request against its model's spec.
+
+Typed decoding (protocol.py) already guarantees field types and ranges; this module checks
+what needs the model: names, dtypes, shapes, byte counts, frame indices and the inline-size
+limit. It never reads tensor bytes: shared-memory references are checked for arithmetic
+consistency here and for existence and bounds by the worker that maps them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .protocol import DTYPES, InferRequest, ModelSpec, TensorSpec
+
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
+
+
+class RequestInvalid(Exception):
+    """The request cannot be served as sent; the message says which field and why."""
+
+
+def item_nbytes(spec: TensorSpec) -> int:
+    return _ITEMSIZE[spec.dtype] * math.prod(spec.shape)
+
+
+def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
+                   max_inline_bytes: int) -> int:
+    """Return the request's item count (its batch dimension) or raise RequestInvalid."""
+    by_name = {t.name: t for t in spec.inputs}
+    seen: set[str] = set()
+    items = -1
+    inline_total = 0
+    used_frames: set[int] = set()
+    for i, ref in enumerate(req.inputs):
+        where = f"inputs[{i}] ({ref.name!r})"
+        tspec = by_name.get(ref.name)
+        if tspec is None:
+            raise RequestInvalid(f"{where}: model {spec.name!r} has no input {ref.name!r}; "
+                                 f"expected {sorted(by_name)}")
+        if ref.name in seen:
+            raise RequestInvalid(f"{where}: input given twice")
+        seen.add(ref.name)
+        if ref.dtype != tspec.dtype:
+            raise RequestInvalid(f"{where}: dtype {ref.dtype!r}, model expects {tspec.dtype!r}")
+        if len(ref.shape) != len(tspec.shape) + 1 or tuple(ref.shape[1:]) != tspec.shape:
+            expected = ", ".join(["n", *map(str, tspec.shape)])
+            raise RequestInvalid(f"{where}: shape {list(ref.shape)}, model expects [{expected}]")
+        n = ref.shape[0]
+        if n < 1 or n > spec.max_batch:
+            raise RequestInvalid(f"{where}: batch dimension {n} outside 1..{spec.max_batch}")
+        if items == -1:
+            items = n
+        elif n != items:
+            raise RequestInvalid(f"{where}: batch dimension {n} differs from other inputs' {items}")
+        nbytes = n * item_nbytes(tspec)
+        if (ref.frame >= 0) == (ref.shm is not None):
+            raise RequestInvalid(f"{where}: give exactly one of 'frame' or 'shm'")
+        if ref.shm is not None:
+            if ref.shm.nbytes != nbytes:
+                raise RequestInvalid(f"{where}: shm nbytes {ref.shm.nbytes}, shape and dtype "
+                                     f"need {nbytes}")
+            if ref.shm.offset % _ITEMSIZE[ref.dtype]:
+                raise RequestInvalid(f"{where}: shm offset {ref.shm.offset} not aligned to "
+                                     f"{ref.dtype} ({_ITEMSIZE[ref.dtype]} bytes)")
+        else:
+            if ref.frame >= len(frame_sizes):
+                raise RequestInvalid(f"{where}: frame {ref.frame} but the message has "
+                                     f"{len(frame_sizes)} payload frames")
+            if ref.frame in used_frames:
+                raise RequestInvalid(f"{where}: frame {ref.frame} used by two inputs")
+            used_frames.add(ref.frame)
+            if frame_sizes[ref.frame] != nbytes:
+                raise RequestInvalid(f"{where}: frame has {frame_sizes[ref.frame]} bytes, shape "
+                                     f"and dtype need {nbytes}")
+            inline_total += nbytes
+    missing = set(by_name) - seen
+    if missing:
+        raise RequestInvalid(f"missing inputs {sorted(missing)} for model {spec.name!r}")
+    if len(used_frames) != len(frame_sizes):
+        raise RequestInvalid(f"message has {len(frame_sizes)} payload frames, inputs use "
+                             f"{len(used_frames)}")
+    if inline_total > max_inline_bytes:
+        raise RequestInvalid(f"inline payload {inline_total} bytes exceeds max_inline_bytes "
+                             f"{max_inline_bytes}; send large tensors through shared memory")
+    out_specs = {t.name: t for t in spec.outputs}
+    for name, ref in req.outputs.items():
+        ospec = out_specs.get(name)
+        if ospec is None:
+            raise RequestInvalid(f"outputs[{name!r}]: model {spec.name!r} has no such output; "
+                                 f"expected {sorted(out_specs)}")
+        need = items * item_nbytes(ospec)
+        if ref.nbytes < need:
+            raise RequestInvalid(f"outputs[{name!r}]: shm region of {ref.nbytes} bytes, output "
+                                 f"needs {need}")
+        if ref.offset % _ITEMSIZE[ospec.dtype]:
+            raise RequestInvalid(f"outputs[{name!r}]: shm offset {ref.offset} not aligned")
+    return items
+
+
+def validate_spec(spec: ModelSpec) -> None:
+    """Raise ValueError for a spec no request could satisfy (bad dtype, duplicate names)."""
+    for group, tensors in (("input", spec.inputs), ("output", spec.outputs)):
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {spec.name!r}: duplicate {group} names {names}")
+        if not tensors:
+            raise ValueError(f"model {spec.name!r}: no {group}s")
+        for t in tensors:
+            if t.dtype not in DTYPES:
+                raise ValueError(f"model {spec.name!r} {group} {t.name!r}: dtype {t.dtype!r} "
+                                 f"not one of {sorted(DTYPES)}")

@@ -1,0 +1,91 @@
+"""Fixtures: real nodes (dispatcher + worker processes) on private ipc paths, always torn down.
+
+Every test gets fresh ipc endpoints in its own temp dir, a supervisor whose children die with
+it (PR_SET_PDEATHSIG), and a check that no Batchyard shared-memory segment it created is left
+in /dev/shm afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dispatcher.client import Client
+from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
+                               WorkerConfig, to_toml)
+from dispatcher.shm import live_segments, reap_orphans
+from dispatcher.supervisor import Supervisor
+
+SUM_MODEL = ModelConfig(name="sum", factory="workers.models:mlp", max_batch=16,
+                        inputs=(TensorConfig("x", "float32", (4,)),),
+                        outputs=(TensorConfig("y", "float32", (2,)),))
+BIG_MODEL = ModelConfig(name="big", factory="workers.models:mlp", max_batch=4,
+                        inputs=(TensorConfig("x", "float32", (256, 1024)),),
+                        outputs=(TensorConfig("y", "float32", (256, 1024)),))
+MLP_MODEL = ModelConfig(name="mlp", factory="workers.models:mlp", max_batch=16,
+                        inputs=(TensorConfig("x", "float32", (256,)),),
+                        outputs=(TensorConfig("y", "float32", (256,)),))
+
+
+def sim_worker(name="sim0", models=("sum", "big"), **sim):
+    return WorkerConfig(name=name, kind="sim", models=models,
+                        sim=SimConfig(launch_us=sim.get("launch_us", 100.0),
+                                      per_item_us=sim.get("per_item_us", 10.0)))
+
+
+class Node:
+    def __init__(self, node: NodeConfig, sup: Supervisor, run_dir: str):
+        self.cfg = node
+        self.sup = sup
+        self.run_dir = run_dir
+        self.address = node.dispatcher.frontend
+
+    def client(self, **kw) -> Client:
+        return Client(self.address, **kw)
+
+
+@pytest.fixture
+def run_dir():
+    # ipc paths must stay under ~100 characters, so not pytest's long tmp_path.
+    d = tempfile.mkdtemp(prefix="by-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def start_node(run_dir):
+    """start_node(workers=[...], models=[...], **dispatcher_overrides) -> Node, ready."""
+    started: list[Supervisor] = []
+
+    def start(workers, models=(SUM_MODEL, BIG_MODEL), **dkw):
+        dkw.setdefault("heartbeat_interval_s", 0.1)
+        dkw.setdefault("worker_dead_after_s", 0.6)
+        node = NodeConfig(
+            dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **dkw),
+            models=tuple(models), workers=tuple(workers)).validate()
+        path = Path(run_dir) / "node.toml"
+        path.write_text(to_toml(node))
+        sup = Supervisor(path, node)
+        started.append(sup)
+        sup.start()
+        sup.wait_ready(timeout=180)
+        return Node(node, sup, run_dir)
+
+    yield start
+    for sup in started:
+        sup.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shm():
+    before = set(live_segments())
+    yield
+    reap_orphans()
+    leaked = set(live_segments()) - before
+    for name in leaked:  # clean up so one failure does not cascade, then fail
+        os.unlink(os.path.join("/dev/shm", name))
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"

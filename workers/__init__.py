@@ -1,0 +1,1 @@
+"""Batchyard worker processes: AMX (PyTorch bf16 on CPU) and simulated devices."""

@@ -1,0 +1,54 @@
+"""Worker process entry point: ``batchyard worker --config FILE --name NAME``.
+
+Order matters: pin CPUs and bind NUMA memory, *then* import torch (through the executor),
+load and warm every model, and only then register with the dispatcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+
+from dispatcher.config import NodeConfig
+from dispatcher.proctitle import set_title
+
+log = logging.getLogger("batchyard.worker")
+
+
+def run_worker(node: NodeConfig, name: str) -> int:
+    wcfg = node.worker(name)
+    title = {"amx": "amx-worker", "sim": "sim-worker"}[wcfg.kind]
+    set_title(f"batchyard::{title}[{name}]")
+    from .pinning import bind_numa_node, pin_cpus
+
+    cpus = pin_cpus(wcfg.cpus)
+    numa_note = bind_numa_node(wcfg.numa_node)
+    log.info("worker %s pid %d: cpus %s; %s", name, os.getpid(), cpus, numa_note)
+    if wcfg.kind == "amx":
+        # Single-threaded by default: one pinned single-thread worker per core measured ~25 %
+        # more throughput than one multi-threaded worker, and is robust to noisy neighbours.
+        os.environ.setdefault("OMP_NUM_THREADS", str(wcfg.threads))
+        from .executors import TorchCpuExecutor
+
+        executor = TorchCpuExecutor(threads=wcfg.threads)
+    else:
+        from .executors import SimulatedExecutor
+
+        executor = SimulatedExecutor(wcfg.sim, seed=zlib.crc32(name.encode()))
+    specs = {}
+    for model in wcfg.models:
+        mcfg = node.model(model)
+        spec = mcfg.spec()
+        executor.load(spec, mcfg.factory)
+        specs[model] = spec
+    from .runtime import WorkerRuntime
+
+    rt = WorkerRuntime(name, node.dispatcher.backend, executor, specs,
+                       heartbeat_interval_s=node.dispatcher.heartbeat_interval_s,
+                       max_inflight=wcfg.max_inflight,
+                       numa_node=-1 if wcfg.numa_node is None else wcfg.numa_node)
+    warm = {m: wcfg.warmup_sizes for m in wcfg.models if wcfg.warmup_sizes}
+    if wcfg.kind == "amx":
+        rt.warmup(warm)
+    return rt.serve()

@@ -1,0 +1,48 @@
+"""CPU affinity and NUMA memory binding for a worker process.
+
+Must run *before* torch is imported: oneDNN/OpenMP size their thread pools from the affinity
+mask they see at import (measured: pinned before import, the worker came up single-threaded).
+Memory binding uses libnuma through ctypes when the host has it; without libnuma the worker
+still runs, unbound, and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger("batchyard.worker")
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
+    """Restrict this process to ``cpus`` (empty: leave as is). Returns the effective set."""
+    if cpus:
+        available = os.sched_getaffinity(0)
+        bad = set(cpus) - available
+        if bad:
+            raise ValueError(f"cpus {sorted(bad)} are not available to this process (have {sorted(available)})")
+        os.sched_setaffinity(0, cpus)
+    return sorted(os.sched_getaffinity(0))
+
+
+def bind_numa_node(node: int | None) -> str:
+    """Run on and allocate from NUMA ``node``. Returns a one-line description for the log."""
+    if node is None:
+        return "numa: not bound (no numa_node in config)"
+    path = ctypes.util.find_library("numa") or "libnuma.so.1"
+    try:
+        numa = ctypes.CDLL(path, use_errno=True)
+    except OSError:
+        return f"numa: libnuma not found, node {node} binding skipped"
+    if numa.numa_available() < 0:
+        return "numa: kernel reports NUMA unavailable, binding skipped"
+    max_node = numa.numa_max_node()
+    if not 0 <= node <= max_node:
+        raise ValueError(f"numa_node {node} does not exist (host has nodes 0..{max_node})")
+    numa.numa_set_strict(1)
+    if numa.numa_run_on_node(node) != 0:
+        raise OSError(ctypes.get_errno(), f"numa_run_on_node({node}) failed")
+    numa.numa_set_preferred(node)  # membind without libnuma's bitmask structs
+    return f"numa: running on and preferring memory of node {node} (of {max_node + 1})"
