@@ -155,6 +155,7 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
     id: int
     status: int
     registrations: int
+    dispatcher_pid: int
     queued: int
     workers: list[WorkerInfo]
     models: list[str]

@@ -159,7 +159,9 @@ class Dispatcher:
         if self.deadlines:
             wake = min(wake, self.deadlines[0][0])
         if self.status_waiters:
-            wake = min(wake, min(w[0] for w in self.status_waiters))
+            self._answer_status_waiters(now)
+            if self.status_waiters:
+                wake = min(wake, min(w[0] for w in self.status_waiters))
         self._arm(wake)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
@@ -287,8 +289,9 @@ class Dispatcher:
                     reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.OK, spec=spec)
                 self._reply(identity, P.encode(reply))
             else:
+                # Answered after this step's decision (see _step), so a status reply tells the
+                # client that everything it sent before has been queued and decided on.
                 self.status_waiters.append((now + msg.wait_us / 1e6, identity, msg))
-                self._answer_status_waiters(now)
 
     def _unknown_model(self, model: str) -> str:
         return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs)}"
@@ -334,7 +337,7 @@ class Dispatcher:
                                 inflight=w.inflight, simulated=w.simulated)
                    for w in self.state.workers.values()]
         return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK,
-                             registrations=self.registrations, queued=self._queued_total(),
+                             registrations=self.registrations, dispatcher_pid=os.getpid(), queued=self._queued_total(),
                              workers=workers, models=sorted(self.specs))
 
     # ------------------------------------------------------------------ 3. deadlines
@@ -385,8 +388,6 @@ class Dispatcher:
         for w in list(self.state.workers.values()):
             if w.last_seen < dead_before:
                 self._worker_lost(w.name, f"no heartbeat for {now - w.last_seen:.1f} s", now)
-        if self.status_waiters:
-            self._answer_status_waiters(now)
         if now >= self._next_janitor:
             self._next_janitor = now + self.cfg.janitor_interval_s
             for name in reap_orphans():

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,7 +21,8 @@ from dispatcher.client import Client
 from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig, to_toml)
 from dispatcher.shm import live_segments, reap_orphans
-from dispatcher.supervisor import Supervisor
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SUM_MODEL = ModelConfig(name="sum", factory="workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (4,)),),
@@ -38,11 +42,22 @@ def sim_worker(name="sim0", models=("sum", "big"), **sim):
 
 
 class Node:
-    def __init__(self, node: NodeConfig, sup: Supervisor, run_dir: str):
+    """A node run by a real `batchyard up` process (so worker restarts are real too)."""
+
+    def __init__(self, node: NodeConfig, up: subprocess.Popen, run_dir: str):
         self.cfg = node
-        self.sup = sup
+        self.up = up
         self.run_dir = run_dir
         self.address = node.dispatcher.frontend
+
+    def stop(self) -> None:
+        if self.up.poll() is None:
+            self.up.send_signal(signal.SIGTERM)
+            try:
+                self.up.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # children die with it (PR_SET_PDEATHSIG)
+                self.up.kill()
+                self.up.wait()
 
     def client(self, **kw) -> Client:
         return Client(self.address, **kw)
@@ -69,15 +84,18 @@ def start_node(run_dir):
             models=tuple(models), workers=tuple(workers)).validate()
         path = Path(run_dir) / "node.toml"
         path.write_text(to_toml(node))
-        sup = Supervisor(path, node)
-        started.append(sup)
-        sup.start()
-        sup.wait_ready(timeout=180)
-        return Node(node, sup, run_dir)
+        up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(path)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL)
+        n = Node(node, up, run_dir)
+        started.append(n)
+        with Client(n.address) as c:  # long poll: answered when every worker has registered
+            st = c.status(min_registrations=len(workers), wait=180)
+        assert st.registrations >= len(workers), f"node did not come up: {st}"
+        return n
 
     yield start
-    for sup in started:
-        sup.stop()
+    for n in started:
+        n.stop()
 
 
 @pytest.fixture(autouse=True)

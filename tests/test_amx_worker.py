@@ -1,0 +1,57 @@
+"""The real CPU executor: outputs through the whole path equal running the model directly."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dispatcher.config import ModelConfig, TensorConfig, WorkerConfig
+from workers.models import MLP, minilm, tokenize
+
+from conftest import MLP_MODEL
+
+MINILM = ModelConfig(name="minilm", factory="workers.models:minilm", max_batch=4,
+                     inputs=(TensorConfig("input_ids", "int64", (128,)), TensorConfig("attention_mask", "int64", (128,))),
+                     outputs=(TensorConfig("embedding", "float32", (384,)),))
+
+
+def amx_worker(name, models, sizes):
+    return WorkerConfig(name=name, kind="amx", models=models, threads=1, warmup_sizes=sizes)
+
+
+def test_mlp_outputs_equal_direct_bf16_run_and_batches_mix_requests(start_node):
+    node = start_node([amx_worker("amx0", ("mlp",), (1, 2, 4, 8))], models=(MLP_MODEL,))
+    ref = MLP(d_in=256, d_hidden=1024).eval().to(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((int(rng.integers(1, 3)), 256)).astype(np.float32) for _ in range(24)]
+    with node.client() as c:
+        futs = [c.submit("mlp", {"x": x}) for x in xs]
+        results = [f.result() for f in futs]
+    for x, r in zip(xs, results):
+        with torch.inference_mode():
+            want = ref(torch.from_numpy(x).to(torch.bfloat16))["y"].float().numpy()
+        # Same bf16 weights; a different batch composition may change oneDNN's blocking,
+        # so allow bf16 rounding (8 bits of mantissa) rather than bit equality.
+        np.testing.assert_allclose(r["y"], want, rtol=2e-2, atol=2e-2)
+        assert r.timing.path == "cpu"
+    assert max(r.timing.batch_size for r in results) > 1
+
+
+def test_minilm_embeddings_match_the_model_run_directly(start_node):
+    node = start_node([amx_worker("amx0", ("minilm",), (1, 2))], models=(MINILM,))
+    texts = ["Watch p99, never the average.", "The GPU only eats batches that are already fat.",
+             "Tail requests always have an escape route."]
+    ids, mask = tokenize(texts)
+    with node.client() as c:
+        got = np.concatenate([c.infer("minilm", {"input_ids": ids[i:i + 1], "attention_mask": mask[i:i + 1]})["embedding"]
+                              for i in range(len(texts))])
+    model32 = minilm().eval()
+    with torch.inference_mode():
+        want32 = model32(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))["embedding"].numpy()
+    cos = np.sum(got * want32, axis=1)  # both L2-normalised
+    assert got.shape == (3, 384)
+    assert np.all(cos > 0.99), f"bf16 embeddings drifted from fp32: cosine {cos}"
+    model16 = model32.to(torch.bfloat16)  # what the worker runs: weights converted once
+    with torch.inference_mode():
+        want16 = model16(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))["embedding"].numpy()
+    np.testing.assert_allclose(got, want16, atol=2e-2)

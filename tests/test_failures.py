@@ -1,0 +1,131 @@
+"""Crashes: workers killed mid-batch, clients killed holding shared memory, `up` stopping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dispatcher.client import Client
+from dispatcher.config import DispatcherConfig, NodeConfig, to_toml
+from dispatcher.errors import DeadlineExceeded, Unavailable
+from dispatcher.shm import SHM_DIR, live_segments
+
+from conftest import SUM_MODEL, sim_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pid_of(status, name):
+    return next(w.pid for w in status.workers if w.name == name)
+
+
+@pytest.mark.parametrize("n_workers", [1, 2])
+def test_worker_sigkill_mid_batch_loses_nothing_and_up_restarts_it(start_node, n_workers):
+    workers = [sim_worker(f"w{i}", launch_us=400_000.0) for i in range(n_workers)]
+    node = start_node(workers)
+    timeout = 8.0
+    with node.client() as c:
+        st = c.status()
+        futs = [c.submit("sum", {"x": np.full((1, 4), i, np.float32)}, timeout=timeout) for i in range(6)]
+        c.status()  # every request is queued or running now
+        victim = _pid_of(st, "w0")
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcomes = []
+        for i, f in enumerate(futs):
+            try:
+                outcomes.append(f.result()["y"].tolist() == [[4.0 * i, 4.0 * i]])
+            except (Unavailable, DeadlineExceeded) as e:  # explicit, typed, in time
+                outcomes.append(type(e).__name__)
+        assert time.monotonic() - t0 < timeout + 1.5, "a request waited past its deadline"
+        assert all(o is True or o in ("Unavailable", "DeadlineExceeded") for o in outcomes), outcomes
+        # Every request was retried once elsewhere (or on the restarted worker) and answered.
+        assert outcomes.count(True) >= 1
+        back = c.status(min_registrations=st.registrations + 1, wait=60)
+        assert _pid_of(back, "w0") != victim
+        assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+
+
+CRASHING_CLIENT = """
+import os, sys, numpy as np
+from dispatcher.client import Client
+c = Client(sys.argv[1])
+a = c.alloc_array((1024,), np.float32)
+print(c.pool.segment_names()[0], flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_segments_of_a_crashed_client_are_reaped(run_dir):
+    proc = subprocess.run([sys.executable, "-c", CRASHING_CLIENT, f"ipc://{run_dir}/x"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    seg = proc.stdout.strip()
+    assert seg and os.path.exists(os.path.join(SHM_DIR, seg))  # left behind by the crash...
+    with Client(f"ipc://{run_dir}/x"):  # ...and removed by the next client to start (or the dispatcher's janitor)
+        pass
+    assert not os.path.exists(os.path.join(SHM_DIR, seg))
+
+
+def test_client_close_unlinks_its_segments(run_dir):
+    c = Client(f"ipc://{run_dir}/x")
+    c.alloc_array((4096,), np.float32)
+    names = c.pool.segment_names()
+    assert names and set(names) <= set(live_segments(os.getpid()))
+    c.close()
+    assert not set(names) & set(live_segments())
+
+
+def test_up_stops_cleanly_on_sigterm(run_dir):
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      models=(SUM_MODEL,), workers=(sim_worker("w0", ("sum",)),)).validate()
+    cfg = Path(run_dir) / "node.toml"
+    cfg.write_text(to_toml(node))
+    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(cfg)], cwd=ROOT,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in up.stdout.readline()  # printed once every worker has registered
+        with Client(node.dispatcher.frontend) as c:
+            st = c.status()
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+        pids = [w.pid for w in st.workers]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_systemd_units_verify(tmp_path):
+    if not shutil_which("systemd-analyze"):
+        pytest.skip("systemd-analyze not installed")
+    units = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+    assert units
+    # Point ExecStart at a binary that exists here; verify checks that it does.
+    exe = Path(sys.executable).parent / "batchyard"
+    for u in units:
+        text = u.read_text().replace("/opt/batchyard/venv/bin/batchyard", str(exe))
+        inst = tmp_path / u.name.replace("@.", "@0.")
+        inst.write_text(text)
+    for inst in sorted(tmp_path.glob("*.service")):
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(inst)], capture_output=True, text=True)
+        problems = [ln for ln in (r.stdout + r.stderr).splitlines()
+                    if inst.stem.split("@")[0] in ln or "Unknown" in ln or "Invalid" in ln]
+        assert r.returncode == 0 and not problems, (inst.name, r.stdout, r.stderr)
+
+
+def shutil_which(name):
+    import shutil
+
+    return shutil.which(name)

@@ -1,0 +1,212 @@
+"""End to end with real processes: SDK -> dispatcher -> simulated worker -> back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from dispatcher import protocol as P
+from dispatcher.client import AsyncClient, Client
+from dispatcher.errors import DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, UnknownModel
+from workers.executors import sim_outputs
+
+from conftest import BIG_MODEL, SUM_MODEL, sim_worker
+
+SUM, BIG = SUM_MODEL.spec(), BIG_MODEL.spec()
+
+
+def expected_sum(x):
+    return sim_outputs({"x": x}, SUM)["y"]
+
+
+def test_many_clients_interleaved_each_get_their_own_answers(start_node):
+    node = start_node([sim_worker("sim0"), sim_worker("sim1")])
+    errors = []
+
+    def sync_client(k):
+        try:
+            with node.client() as c:
+                rng = np.random.default_rng(k)
+                xs = [rng.integers(0, 100, size=(int(rng.integers(1, 4)), 4)).astype(np.float32) for _ in range(60)]
+                futs = [c.submit("sum", {"x": x}) for x in xs]  # all in flight at once
+                for x, f in zip(xs, futs):
+                    np.testing.assert_array_equal(f.result()["y"], expected_sum(x))
+        except Exception as e:  # surfaced below; a thread cannot fail the test itself
+            errors.append(e)
+
+    async def async_client(k):
+        async with AsyncClient(node.address) as c:
+            rng = np.random.default_rng(100 + k)
+            xs = [rng.integers(0, 100, size=(1, 4)).astype(np.float32) for _ in range(80)]
+            results = await asyncio.gather(*(c.infer("sum", {"x": x}, priority=k % 3) for x in xs))
+            for x, r in zip(xs, results):
+                np.testing.assert_array_equal(r["y"], expected_sum(x))
+                assert r.timing.path == "sim" and r.timing.batch_size >= 1
+
+    threads = [threading.Thread(target=sync_client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+
+    async def many():
+        await asyncio.gather(*(async_client(k) for k in range(3)))
+
+    asyncio.run(many())
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_batches_form_under_load(start_node):
+    node = start_node([sim_worker("sim0", launch_us=3000.0)])
+    with node.client() as c:
+        futs = [c.submit("sum", {"x": np.full((1, 4), i, np.float32)}) for i in range(40)]
+        sizes = [f.result().timing.batch_size for f in futs]
+    assert max(sizes) > 1  # requests that arrived while the worker was busy went together
+
+
+def test_large_tensors_go_through_shared_memory_both_ways(start_node):
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        x = np.random.default_rng(0).integers(0, 3, size=(2, 256, 1024)).astype(np.float32)
+        r = c.infer("big", {"x": x})  # copied into the pool by the SDK (1 MiB per item)
+        np.testing.assert_array_equal(r["y"], sim_outputs({"x": x}, BIG)["y"])
+        inplace = c.alloc_array((1, 256, 1024), np.float32)  # filled in place: no copy at all
+        inplace[...] = 2.0
+        r2 = c.infer("big", {"x": inplace})
+        np.testing.assert_array_equal(r2["y"], sim_outputs({"x": inplace}, BIG)["y"])
+        # The output array is a view of the client's shared memory, not a copy off the socket.
+        seg_names = set(c.pool.segment_names())
+        assert r2["y"].base is not None and seg_names
+        del r, r2, inplace
+
+
+def test_unknown_model_and_bad_shapes_raise_typed_errors(start_node):
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        with pytest.raises(UnknownModel, match="unknown model 'nope'; this dispatcher serves"):
+            c.infer("nope", {"x": np.zeros((1, 4), np.float32)})
+        with pytest.raises(InvalidArgument, match="dtype 'float64', model expects 'float32'"):
+            c.infer("sum", {"x": np.zeros((1, 4), np.float64)})
+        with pytest.raises(InvalidArgument, match=r"shape \[1, 3\], model expects \[n, 4\]"):
+            c.infer("sum", {"x": np.zeros((1, 3), np.float32)})
+        np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
+
+
+def raw_roundtrip(address, frames, timeout_ms=5000):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        s.send_multipart(frames)
+        assert s.poll(timeout_ms), "no reply from the dispatcher"
+        reply = s.recv_multipart()
+    finally:
+        s.close()
+    return P.reply_decoder.decode(reply[0])
+
+
+def header(**fields):
+    base = {"type": "infer", "v": 1, "id": 9, "model": "sum",
+            "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4], "frame": 0}]}
+    base.update(fields)
+    return msgspec.msgpack.encode(base)
+
+
+X1 = np.ones((1, 4), np.float32).tobytes()
+
+
+@pytest.mark.parametrize("frames,status,needle", [
+    ([b"\x00garbage\xff"], P.Status.INVALID_ARGUMENT, "malformed header"),
+    ([b"\xc1\xc1"], P.Status.INVALID_ARGUMENT, "malformed header"),
+    ([msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 9})], P.Status.INVALID_ARGUMENT, "missing required field"),
+    ([header(v=99), X1], P.Status.INVALID_ARGUMENT, "protocol version 99 not supported"),
+    ([header(model="ghost"), X1], P.Status.UNKNOWN_MODEL, "unknown model 'ghost'"),
+    ([header(inputs=[{"name": "x", "dtype": "int32", "shape": [1, 4], "frame": 0}]), X1],
+     P.Status.INVALID_ARGUMENT, "dtype 'int32'"),
+    ([header(inputs=[{"name": "x", "dtype": "float32", "shape": [2, 4], "frame": 0}]), X1],
+     P.Status.INVALID_ARGUMENT, "frame has 16 bytes, shape and dtype need 32"),
+    ([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                      "shm": {"segment": "batchyard_1_missing", "offset": 0, "nbytes": 16}}])],
+     P.Status.INVALID_ARGUMENT, "segment 'batchyard_1_missing' does not exist"),
+    ([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                      "shm": {"segment": "../../etc/passwd", "offset": 0, "nbytes": 16}}])],
+     P.Status.INVALID_ARGUMENT, "segment"),
+])
+def test_bad_input_gets_explicit_status_and_others_keep_being_served(start_node, frames, status, needle):
+    node = start_node([sim_worker()])
+    with node.client() as good:
+        before = good.submit("sum", {"x": np.ones((1, 4), np.float32)})
+        reply = raw_roundtrip(node.address, frames)
+        assert reply.status == status, reply
+        assert needle in reply.message
+        assert reply.id == P.salvage_id(frames[0])  # matched to the request whenever possible
+        after = good.infer("sum", {"x": np.full((1, 4), 2, np.float32)})
+        np.testing.assert_array_equal(after["y"], [[8.0, 8.0]])
+        assert before.result()["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_shm_reference_out_of_bounds_is_rejected_by_the_worker(start_node):
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        region = c.pool.alloc(64)
+        seg = region.segment
+        size = c.pool.segment_bytes
+        frames = [header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                                  "shm": {"segment": seg, "offset": size - 8, "nbytes": 16}}])]
+        reply = raw_roundtrip(node.address, frames)
+        assert reply.status == P.Status.INVALID_ARGUMENT
+        assert "outside segment" in reply.message
+        c.pool.free(region)
+        assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_oversized_inline_payload_is_refused_with_a_hint(start_node):
+    node = start_node([sim_worker()], max_inline_bytes=1024)
+    with node.client(shm_threshold=1 << 30) as c:  # force inline
+        with pytest.raises(InvalidArgument, match="exceeds max_inline_bytes 1024; send large tensors through shared memory"):
+            c.infer("big", {"x": np.zeros((1, 256, 1024), np.float32)})
+    with node.client() as c:  # the default SDK threshold sends it by shared memory: accepted
+        assert c.infer("big", {"x": np.zeros((1, 256, 1024), np.float32)})["y"].shape == (1, 256, 1024)
+
+
+def test_expired_deadline_and_full_queue_get_their_status(start_node):
+    node = start_node([sim_worker("slow", launch_us=300_000.0)], max_queue=2)
+    with node.client() as c:
+        busy = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=10)
+        c.status()  # answered after the dispatcher decided on `busy`: it is running now
+        q1 = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=0.05)
+        q2 = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=10)
+        over = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=10)
+        with pytest.raises(DeadlineExceeded, match="deadline passed in queue"):
+            q1.result()
+        with pytest.raises(Overloaded, match="queue for 'sum' is full"):
+            over.result()
+        assert busy.result()["y"].tolist() == [[4.0, 4.0]]
+        assert q2.result()["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_client_without_dispatcher_fails_fast_with_clear_error(run_dir):
+    with Client(f"ipc://{run_dir}/nobody-home") as c:
+        with pytest.raises(DeadlineExceeded, match="no reply from the dispatcher"):
+            c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=0.2)
+
+
+def test_dispatcher_shutdown_answers_queued_requests(start_node):
+    node = start_node([sim_worker("slow", launch_us=500_000.0)])
+    with node.client() as c:
+        running = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
+        c.status()  # answered after `running` was dispatched to the (only) worker
+        queued = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
+        c.status()  # `queued` has reached the dispatcher and waits behind it
+        os.kill(c.status().dispatcher_pid, signal.SIGTERM)
+        with pytest.raises(Unavailable, match="shutting down"):
+            queued.result()
+        assert running.result()["y"].tolist() == [[4.0, 4.0]]  # drained, not dropped

@@ -1,0 +1,246 @@
+"""Pure pieces, no processes: codec, validation, config, policies, shm pool, timer."""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from dispatcher import protocol as P
+from dispatcher.config import ConfigError, parse_config, to_toml, load_config
+from dispatcher.policy import Greedy, TimeWindow, make_policy
+from dispatcher.shm import SHM_DIR, SegmentCache, ShmError, ShmPool, live_segments, reap_orphans
+from dispatcher.state import Request, SchedulerState, WorkerState
+from dispatcher.timer import OneShotTimer
+from dispatcher.validation import RequestInvalid, validate_infer
+
+from conftest import SUM_MODEL, sim_worker
+
+SPEC = SUM_MODEL.spec()
+
+
+def infer(inputs, outputs=None, **kw):
+    return P.InferRequest(v=1, id=7, model="sum", inputs=inputs, outputs=outputs or {}, **kw)
+
+
+def x_ref(shape=(2, 4), dtype="float32", **placement):
+    placement = placement or {"frame": 0}
+    return P.TensorRef(name="x", dtype=dtype, shape=list(shape), **placement)
+
+
+# ---------------------------------------------------------------- codec + validation
+def test_codec_round_trip_keeps_every_field():
+    req = infer([x_ref(shm=P.ShmRef("batchyard_1_ab", 64, 32))], priority=0, timeout_us=5000,
+                outputs={"y": P.ShmRef("batchyard_1_ab", 128, 16)})
+    back = P.client_message_decoder.decode(P.encode(req))
+    assert back == req
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b"\xc1", "malformed"),  # reserved msgpack byte
+    (msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 1, "inputs": []}), "model"),
+    (msgspec.msgpack.encode({"type": "infer", "v": 1, "id": -3, "model": "m", "inputs": []}), "id"),
+    (msgspec.msgpack.encode({"type": "launch", "v": 1, "id": 1}), "launch"),
+    (msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 1, "model": "m", "inputs": [],
+                             "priority": 9}), "priority"),
+])
+def test_typed_decoding_rejects_with_field_path(raw, needle):
+    with pytest.raises(P.DecodeError) as e:
+        P.client_message_decoder.decode(raw)
+    assert needle in str(e.value) or needle == "malformed"
+
+
+def test_salvage_id_recovers_id_from_bad_header():
+    raw = msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 42, "model": 5})
+    assert P.salvage_id(raw) == 42
+    assert P.salvage_id(b"\xc1") is None
+
+
+@pytest.mark.parametrize("req,frames,needle", [
+    (infer([x_ref(dtype="float64")]), [64], "dtype 'float64', model expects 'float32'"),
+    (infer([x_ref(shape=(2, 5))]), [40], "shape [2, 5], model expects [n, 4]"),
+    (infer([x_ref(shape=(17, 4))]), [17 * 16], "batch dimension 17 outside 1..16"),
+    (infer([]), [], "missing inputs ['x']"),
+    (infer([x_ref(), P.TensorRef(name="z", dtype="float32", shape=[2, 4], frame=1)]), [32, 32], "no input 'z'"),
+    (infer([x_ref()]), [31], "frame has 31 bytes, shape and dtype need 32"),
+    (infer([x_ref(frame=3)]), [32], "frame 3 but the message has 1 payload frames"),
+    (infer([x_ref(shm=P.ShmRef("batchyard_1_a", 0, 999))]), [], "shm nbytes 999"),
+    (infer([x_ref(shm=P.ShmRef("batchyard_1_a", 2, 32))]), [], "not aligned"),
+    (infer([x_ref()]), [32, 8], "2 payload frames, inputs use 1"),
+    (infer([x_ref()], outputs={"y": P.ShmRef("batchyard_1_a", 0, 4)}), [32], "output needs 16"),
+])
+def test_validation_names_the_problem(req, frames, needle):
+    with pytest.raises(RequestInvalid) as e:
+        validate_infer(req, SPEC, frames, max_inline_bytes=1 << 20)
+    assert needle in str(e.value)
+
+
+def test_validation_enforces_inline_limit_and_counts_items():
+    assert validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=32) == 2
+    with pytest.raises(RequestInvalid, match="exceeds max_inline_bytes 16; send large tensors through shared memory"):
+        validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=16)
+
+
+# ---------------------------------------------------------------- config
+def good_config(**dispatcher):
+    d = {"frontend": "ipc:///tmp/x/fe", "backend": "ipc:///tmp/x/be", **dispatcher}
+    return {"dispatcher": d,
+            "models": [{"name": "sum", "factory": "workers.models:mlp", "max_batch": 16,
+                        "inputs": [{"name": "x", "dtype": "float32", "shape": [4]}],
+                        "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}]}],
+            "workers": [{"name": "w0", "kind": "sim", "models": ["sum"]}]}
+
+
+@pytest.mark.parametrize("patch,needle", [
+    (lambda c: c["dispatcher"].update(frontend="http://x"), "must start with tcp://"),
+    (lambda c: c["dispatcher"].update(policy="best"), "unknown policy 'best'"),
+    (lambda c: c["dispatcher"].update(max_queue="many"), "max_queue"),
+    (lambda c: c["workers"][0].update(models=["nope"]), "models ['nope'] not defined"),
+    (lambda c: c["workers"][0].update(kind="tpu"), "kind"),
+    (lambda c: c["models"][0]["inputs"][0].update(dtype="bfloat17"), "dtype 'bfloat17'"),
+    (lambda c: c["dispatcher"].update(heartbeat_interval_s=5.0), "heartbeat_interval_s"),
+])
+def test_config_errors_are_precise(patch, needle):
+    c = good_config()
+    patch(c)
+    with pytest.raises(ConfigError) as e:
+        parse_config(c)
+    assert needle in str(e.value)
+
+
+def test_config_toml_round_trip(tmp_path):
+    cfg = parse_config(good_config())
+    cfg = type(cfg)(cfg.dispatcher, cfg.models, (sim_worker("w0", ("sum",)),)).validate()
+    p = tmp_path / "n.toml"
+    p.write_text(to_toml(cfg))
+    assert load_config(p) == cfg
+
+
+# ---------------------------------------------------------------- policies (virtual clock)
+def state_with(n_requests, workers=(("w0", 8),), t0=0.0):
+    st = SchedulerState()
+    for name, mb in workers:
+        st.add_worker(WorkerState(name=name, path="cpu", models={"m": mb}))
+    q = st.queue("m")
+    for i in range(n_requests):
+        q.push(Request(i, "m", 1, 1, t0 + i * 1e-3, math.inf))
+    return st
+
+
+def test_greedy_fills_free_workers_up_to_max_batch():
+    st = state_with(11, workers=(("w0", 8), ("w1", 8)))
+    d = Greedy().decide(st, 1.0)
+    assert [len(x.requests) for x in d.dispatches] == [8, 3]
+    assert st.queue("m").requests == 0
+    assert Greedy().decide(st, 1.0).dispatches == []  # both busy now
+
+
+def test_window_waits_until_delay_or_size():
+    pol = TimeWindow(max_delay_s=0.005, max_batch=4)
+    st = state_with(2)
+    d = pol.decide(st, 0.002)
+    assert d.dispatches == [] and d.wake_at == pytest.approx(0.005)
+    d = pol.decide(st, 0.005)
+    assert len(d.dispatches) == 1 and len(d.dispatches[0].requests) == 2
+    st = state_with(5)
+    d = pol.decide(st, 0.0041)
+    assert len(d.dispatches[0].requests) == 4  # full batch goes before the delay
+
+
+def test_priority_order_high_first_fifo_within_class():
+    st = state_with(0)
+    q = st.queue("m")
+    for seq, prio in [(1, 2), (2, 1), (3, 0), (4, 1)]:
+        q.push(Request(seq, "m", 1, prio, 0.0, math.inf))
+    assert [r.seq for r in q.take(3)] == [3, 2, 4]
+
+
+def test_make_policy_rejects_bad_window():
+    assert make_policy("window:500,8").name == "window:500,8"
+    with pytest.raises(ValueError, match="window:<max_delay_us>,<max_batch>"):
+        make_policy("window:abc")
+
+
+# ---------------------------------------------------------------- shared memory
+def test_pool_reuses_and_coalesces_regions():
+    pool = ShmPool(segment_bytes=1 << 20)
+    try:
+        a, b, c = pool.alloc(1000), pool.alloc(5000), pool.alloc(64)
+        assert len(pool.segment_names()) == 1
+        pool.free(a)
+        pool.free(b)
+        d = pool.alloc(6000)  # fits only if a and b coalesced
+        assert d.offset == 0 and d.segment == a.segment
+        big = pool.alloc(2 << 20)  # larger than a segment: a new one
+        assert len(pool.segment_names()) == 2
+        pool.free(big), pool.free(c), pool.free(d)
+    finally:
+        pool.close()
+    assert not set(pool.segment_names()) & set(os.listdir(SHM_DIR))
+
+
+def test_segment_cache_reports_missing_and_out_of_bounds():
+    pool = ShmPool(segment_bytes=4096)
+    cache = SegmentCache()
+    try:
+        r = pool.alloc(128)
+        pool.view(r)[:4] = b"abcd"
+        assert bytes(cache.buffer(r.segment, r.offset, 4)) == b"abcd"
+        with pytest.raises(ShmError, match="outside segment"):
+            cache.buffer(r.segment, 4000, 200)
+        with pytest.raises(ShmError, match="does not exist"):
+            cache.buffer("batchyard_1_dead", 0, 4)
+    finally:
+        cache.close()
+        pool.close()
+
+
+def test_reap_orphans_removes_only_dead_owners():
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(child.stdout)
+    dead = f"batchyard_{dead_pid}_abc123"
+    open(os.path.join(SHM_DIR, dead), "wb").close()
+    pool = ShmPool(segment_bytes=4096)
+    try:
+        pool.alloc(10)
+        reaped = reap_orphans()
+        assert dead in reaped
+        assert set(pool.segment_names()) <= set(live_segments(os.getpid()))
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------- timer
+def test_timerfd_fires_not_early_and_can_be_rearmed():
+    t = OneShotTimer()
+    try:
+        target = time.monotonic() + 0.003
+        t.arm(target)
+        r, _, _ = select.select([t.fd], [], [], 1.0)
+        assert r and time.monotonic() >= target
+        t.clear()
+        assert t.armed_at == math.inf
+        r, _, _ = select.select([t.fd], [], [], 0)
+        assert not r
+    finally:
+        t.close()
+
+
+def test_reply_decoding_of_error_reply():
+    msg = P.reply_decoder.decode(P.error_reply(None, P.Status.INVALID_ARGUMENT, "bad"))
+    assert msg.id is None and msg.status == 3 and msg.message == "bad"
+
+
+def test_sim_outputs_are_a_function_of_inputs():
+    from workers.executors import sim_outputs
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    y = sim_outputs({"x": x}, SPEC)["y"]
+    assert y.tolist() == [[6.0, 6.0], [22.0, 22.0]]
