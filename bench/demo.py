@@ -60,7 +60,7 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "greedy")
         node = demo_config(run_dir, policy)
         cfg_path = Path(run_dir) / "node.toml"
         cfg_path.write_text(to_toml(node))
-        sup = Supervisor(cfg_path, node)
+        sup = Supervisor(cfg_path, node, log_level="WARNING")
         t0 = time.monotonic()
         sup.start()
         try:

@@ -51,7 +51,7 @@ class _NodeRun:
         self.node = _node(self.dir, n_workers)
         cfg = Path(self.dir) / "node.toml"
         cfg.write_text(to_toml(self.node))
-        self.sup = Supervisor(cfg, self.node)
+        self.sup = Supervisor(cfg, self.node, log_level="WARNING")
 
     def __enter__(self):
         self.sup.start()

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     if args.cmd == "up":
         from .supervisor import run_up
 
-        return run_up(args.config, _node(args))
+        return run_up(args.config, _node(args), args.log_level.upper())
     if args.cmd == "demo":
         from bench.demo import run_demo
 

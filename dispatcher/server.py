@@ -205,6 +205,9 @@ class Dispatcher:
             except zmq.Again:
                 return
             identity = frames[0].bytes
+            if len(frames) < 2:
+                log.warning("dropping empty message from worker connection %r", identity)
+                continue
             try:
                 msg = P.worker_message_decoder.decode(frames[1].buffer)
             except P.DecodeError as e:

@@ -32,18 +32,19 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    def __init__(self, config_path: str | Path, node: NodeConfig, env: Optional[dict] = None):
+    def __init__(self, config_path: str | Path, node: NodeConfig, log_level: str = "INFO"):
         self.config_path = str(config_path)
         self.node = node
-        self.env = env
+        self.log_level = log_level
         self.dispatcher: Optional[subprocess.Popen] = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self._last_start: dict[str, float] = {}
 
     def _spawn(self, *args: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "dispatcher.cli", *args, "--config", self.config_path]
-        return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.env)
+        cmd = [sys.executable, "-m", "dispatcher.cli", "--log-level", self.log_level, *args,
+               "--config", self.config_path]
+        return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 
     def start(self) -> None:
         self.dispatcher = self._spawn("dispatcher")
@@ -125,11 +126,11 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
             p.wait()
 
 
-def run_up(config_path: str, node: NodeConfig) -> int:
+def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO") -> int:
     from .proctitle import set_title
 
     set_title("batchyard::up")
-    sup = Supervisor(config_path, node)
+    sup = Supervisor(config_path, node, log_level)
     sup.start()
     try:
         st = sup.wait_ready()
