@@ -195,7 +195,13 @@ class BatchDone(msgspec.Struct, tag="batch_done", tag_field="type"):
     results: list[ItemResult]
 
 
-WorkerMessage = Union[Register, Heartbeat, BatchDone]
+class Goodbye(msgspec.Struct, tag="goodbye", tag_field="type"):
+    """A worker stopping cleanly: take it out of rotation now, not after the heartbeat timeout."""
+
+    worker: Name
+
+
+WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye]
 
 
 class Batch(msgspec.Struct, tag="batch", tag_field="type"):

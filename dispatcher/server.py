@@ -221,6 +221,8 @@ class Dispatcher:
                     w.last_seen = now
                 else:
                     self._send_worker(identity, P.encode(P.Reregister(worker=msg.worker)))
+            elif type(msg) is P.Goodbye:
+                self._worker_lost(msg.worker, "worker stopped", now)
             else:
                 self._on_register(msg, identity, now)
 
@@ -425,7 +427,8 @@ class Dispatcher:
         w = self.state.remove_worker(name)
         if w is None:
             return
-        log.warning("worker %s (pid %d) declared dead: %s", name, w.pid, reason)
+        log.log(logging.INFO if reason == "worker stopped" else logging.WARNING,
+                "worker %s (pid %d) out of rotation: %s", name, w.pid, reason)
         lost = [b for b in self.batches.values() if b.worker == name]
         for b in lost:
             del self.batches[b.batch_id]

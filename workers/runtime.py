@@ -127,6 +127,8 @@ class WorkerRuntime:
                     rc = 2
                     break
         finally:
+            if registered:
+                sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
             hb.stop.set()
             if hb.is_alive():
                 hb.join(timeout=2)
