@@ -17,7 +17,7 @@ class Record:
     sent: float  # monotonic seconds
     latency_s: float  # client-observed, send to reply
     status: str  # "OK" or the error status name
-    path: str = ""  # "cpu" | "gpu" | "sim" for served requests
+    path: str = ""  # "cpu" | "gpu" for served requests; "gpu*" when the device was simulated
     batch_size: int = 0
     queue_us: int = 0
     compute_us: int = 0
@@ -41,7 +41,7 @@ async def poisson_load(address: str, model: str, make_inputs: Callable[[int], di
                 records.append(Record(t0, time.monotonic() - t0, e.status.name))
                 return
             tm = res.timing
-            records.append(Record(t0, time.monotonic() - t0, "OK", tm.path, tm.batch_size,
+            records.append(Record(t0, time.monotonic() - t0, "OK", tm.path + ("*" if tm.simulated else ""), tm.batch_size,
                                   tm.queue_us, tm.compute_us))
 
         start = time.monotonic()

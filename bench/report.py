@@ -10,11 +10,11 @@ def percentiles(latencies_s, qs=(50, 90, 99)) -> dict[int, float]:
     return {q: float(np.percentile(arr, q)) if arr.size else float("nan") for q in qs}
 
 
-def latency_table(records, duration_s: float, simulated_paths=("sim",)) -> str:
+def latency_table(records, duration_s: float) -> str:
     """p50/p90/p99 (ms) and throughput, overall and per path; errors counted by status."""
     rows = [("all", [r for r in records if r.status == "OK"])]
     for path in sorted({r.path for r in records if r.status == "OK"}):
-        rows.append((path + (" (simulated)" if path in simulated_paths else ""),
+        rows.append((path.rstrip("*") + (" (simulated)" if path.endswith("*") else ""),
                      [r for r in records if r.status == "OK" and r.path == path]))
     lines = [f"{'path':<18}{'count':>7}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'req/s':>9}{'mean B':>8}",
              "-" * 69]

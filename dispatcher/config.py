@@ -51,6 +51,7 @@ class SimConfig:
     launch_us: float = 150.0
     per_item_us: float = 20.0
     jitter: float = 0.0
+    device: Literal["gpu", "cpu"] = "gpu"  # which path it stands in for (replies say simulated)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class WorkerConfig:
 class DispatcherConfig:
     frontend: str  # where clients connect, e.g. "tcp://127.0.0.1:7755" or "ipc:///run/..."
     backend: str  # where workers connect
-    policy: str = "greedy"  # "greedy" | "window:<max_delay_us>,<max_batch>"
+    policy: str = "mcb"  # see dispatcher/policy.py: mcb, three-segment, gpu-only, greedy, fixed:N, window:US,N
+    profile: str = ""  # cost-curve profile written by `batchyard calibrate` (JSON); empty: learn online
     max_queue: int = 10_000  # queued requests per model before OVERLOADED
     max_inline_bytes: int = 4 << 20  # larger payloads must come through shared memory
     default_timeout_s: float = 30.0

@@ -89,8 +89,9 @@ class Timing(msgspec.Struct):
     compute_us: int
     total_us: int
     batch_size: int
-    path: str
+    path: str  # "cpu" | "gpu"
     worker: str
+    simulated: bool = False  # served by a simulated device: its timings are not real hardware
 
 
 # ---------------------------------------------------------------- client -> dispatcher
@@ -169,7 +170,7 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
     v: int
     worker: Name
     pid: int
-    path: str  # "cpu" | "gpu" | "sim"
+    path: str  # "cpu" | "gpu" (a simulated worker names the device it stands in for)
     models: list[ModelSpec]
     max_inflight: Annotated[int, msgspec.Meta(ge=1)] = 1
     numa_node: int = -1

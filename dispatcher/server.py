@@ -33,7 +33,8 @@ import zmq
 
 from . import protocol as P
 from .config import DispatcherConfig, NodeConfig
-from .policy import Dispatch, make_policy
+from .cost_model import CostCurve
+from .policy import Dispatch, feasible, make_policy
 from .protocol import Status
 from .shm import reap_orphans
 from .state import DONE, INFLIGHT, QUEUED, Request, SchedulerState, WorkerState
@@ -81,17 +82,21 @@ class InflightBatch:
 
 
 class Dispatcher:
-    def __init__(self, cfg: DispatcherConfig, models: tuple = (), ctx: Optional[zmq.Context] = None):
+    def __init__(self, cfg: DispatcherConfig, models: tuple = (), ctx: Optional[zmq.Context] = None,
+                 profile: Optional[dict[tuple[str, str], CostCurve]] = None):
         self.cfg = cfg
         self.policy = make_policy(cfg.policy)
         self.ctx = ctx or zmq.Context.instance()
         self.state = SchedulerState()
         self.specs: dict[str, P.ModelSpec] = {m.name: m for m in models}
+        for (model, path), curve in (profile or {}).items():
+            self.state.costs[(model, path)] = curve
         self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
         self.batches: dict[int, InflightBatch] = {}
         self.deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); lazily pruned
         self.status_waiters: list[tuple[float, bytes, P.StatusRequest]] = []
         self.registrations = 0
+        self.decisions: dict[str, int] = {}  # decision reason -> count (waited, dispatched-cpu, ...)
         self._seq = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._wake_at = math.inf
@@ -165,6 +170,8 @@ class Dispatcher:
         self._expire(now)
         if not self._draining:
             decision = self.policy.decide(self.state, now)
+            for reason, n in decision.reasons.items():
+                self.decisions[reason] = self.decisions.get(reason, 0) + n
             for d in decision.dispatches:
                 self._send_to_worker(d, now)
             wake = decision.wake_at
@@ -259,11 +266,13 @@ class Dispatcher:
         if batch is None:
             return  # from a worker declared dead, or for requests already failed over
         w = self.state.workers.get(batch.worker)
-        if w is not None:
-            w.inflight -= 1
-            w.last_seen = now
-        path = w.path if w is not None else "?"
         n_items = sum(r.items for r in batch.requests)
+        if w is not None:
+            w.last_seen = now
+            # compute_us 0: nothing ran (the worker rejected every request): nothing to learn.
+            self.state.on_complete(w, batch.model, n_items, msg.compute_us / 1e6 if msg.compute_us else None, now)
+        path = w.path if w is not None else "?"
+        simulated = w.simulated if w is not None else False
         pos = 2
         fe = self.frontend
         for res in msg.results:
@@ -276,7 +285,7 @@ class Dispatcher:
             timing = P.Timing(queue_us=int((req.dispatched_at - req.arrival) * 1e6),
                               compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6),
-                              batch_size=n_items, path=path, worker=msg.worker)
+                              batch_size=n_items, path=path, worker=msg.worker, simulated=simulated)
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=res.status,
                                            message=res.message, outputs=res.outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
@@ -344,6 +353,12 @@ class Dispatcher:
                                                 f"queue for {msg.model!r} is full ({self.cfg.max_queue} requests)"))
             return
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.cfg.default_timeout_s
+        self.state.arrival(msg.model).arrive(now, items)
+        if not feasible(self.state, msg.model, items, now + timeout, now):
+            self._reply(identity, P.error_reply(msg.id, Status.DEADLINE_EXCEEDED,
+                                                f"no path can finish {items} item(s) of {msg.model!r} within "
+                                                f"{timeout * 1e3:.1f} ms (rejected on arrival)"))
+            return
         seq = next(self._seq)
         req = Request(seq, msg.model, items, msg.priority, now, now + timeout, identity, msg.id,
                       [raw, *payload])
@@ -473,7 +488,14 @@ def run_dispatcher(node: NodeConfig) -> None:
     set_title("batchyard::dispatcher")
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models))
+    profile = None
+    if node.dispatcher.profile:
+        from .cost_model import load_profile
+
+        profile = load_profile(node.dispatcher.profile)
+        log.info("cost curves from %s: %s", node.dispatcher.profile,
+                 {f"{m}/{p}": c.describe() for (m, p), c in profile.items()})
+    d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
     d.start(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, d.begin_shutdown)

@@ -11,6 +11,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .cost_model import ArrivalRate, CostCurve
+
 QUEUED, INFLIGHT, DONE = 0, 1, 2
 N_PRIORITIES = 3
 
@@ -68,6 +70,19 @@ class ModelQueue:
         self.items -= req.items
         return True
 
+    def promote_aged(self, now: float, age_s: float) -> int:
+        """Aging: a request that waited ``age_s`` in its class moves up one class, so a low
+        request's wait is bounded however much high-priority work keeps arriving."""
+        moved = 0
+        for prio in (1, 2):
+            q, up = self.by_priority[prio], self.by_priority[prio - 1]
+            while q and now - q[0].arrival >= age_s * prio:
+                req = q.popleft()
+                req.priority = prio - 1
+                up.append(req)
+                moved += 1
+        return moved
+
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
 
@@ -92,10 +107,11 @@ class ModelQueue:
 @dataclass
 class WorkerState:
     name: str
-    path: str  # "cpu" | "gpu" | "sim"
+    path: str  # "cpu" | "gpu" (a simulated device says which one it stands in for)
     models: dict[str, int]  # model -> max batch (items) this worker accepts
     capacity: int = 1  # batches in flight at once
     inflight: int = 0
+    busy_until: float = 0.0  # predicted instant its in-flight work completes
     last_seen: float = 0.0
     pid: int = 0
     simulated: bool = False
@@ -112,6 +128,37 @@ class SchedulerState:
     workers: dict[str, WorkerState] = field(default_factory=dict)
     # model -> workers serving it, in registration order (policy iteration order)
     serving: dict[str, list[WorkerState]] = field(default_factory=dict)
+    costs: dict[tuple[str, str], CostCurve] = field(default_factory=dict)  # (model, path) -> T(B)
+    arrivals: dict[str, ArrivalRate] = field(default_factory=dict)  # model -> lambda(t)
+
+    def cost(self, model: str, path: str) -> CostCurve:
+        c = self.costs.get((model, path))
+        if c is None:
+            c = self.costs[(model, path)] = CostCurve()
+        return c
+
+    def arrival(self, model: str) -> ArrivalRate:
+        a = self.arrivals.get(model)
+        if a is None:
+            a = self.arrivals[model] = ArrivalRate()
+        return a
+
+    def finish_time(self, w: WorkerState, model: str, items: int, now: float) -> float:
+        """Predicted completion of ``items`` sent to ``w`` now (after what it already has)."""
+        start = now if w.free and w.inflight == 0 else max(now, w.busy_until)
+        return start + self.cost(model, w.path).predict(items)
+
+    def on_dispatch(self, w: WorkerState, model: str, items: int, now: float) -> None:
+        w.busy_until = max(now, w.busy_until) + self.cost(model, w.path).predict(items)
+        w.inflight += 1
+
+    def on_complete(self, w: WorkerState, model: str, items: int, compute_s: Optional[float],
+                    now: float) -> None:
+        w.inflight -= 1
+        if w.inflight == 0:
+            w.busy_until = now
+        if compute_s is not None:
+            self.cost(model, w.path).observe(items, compute_s)
 
     def queue(self, model: str) -> ModelQueue:
         q = self.queues.get(model)

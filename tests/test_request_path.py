@@ -48,7 +48,7 @@ def test_many_clients_interleaved_each_get_their_own_answers(start_node):
             results = await asyncio.gather(*(c.infer("sum", {"x": x}, priority=k % 3) for x in xs))
             for x, r in zip(xs, results):
                 np.testing.assert_array_equal(r["y"], expected_sum(x))
-                assert r.timing.path == "sim" and r.timing.batch_size >= 1
+                assert r.timing.path == "gpu" and r.timing.simulated and r.timing.batch_size >= 1
 
     threads = [threading.Thread(target=sync_client, args=(k,)) for k in range(3)]
     for t in threads:

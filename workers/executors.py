@@ -77,11 +77,11 @@ def sim_outputs(inputs: dict[str, np.ndarray], spec: ModelSpec) -> dict[str, np.
 
 
 class SimulatedExecutor:
-    path = "sim"
     simulated = True
 
     def __init__(self, sim: SimConfig, seed: int = 0):
         self.sim = sim
+        self.path = sim.device
         self.specs: dict[str, ModelSpec] = {}
         self.rng = random.Random(seed)
 

@@ -1,0 +1,171 @@
+"""Cost curves T(B) per (model, path), learned from the hardware. Pure: no clock, no I/O.
+
+``CostCurve`` keeps two views of the same observations:
+- a linear fit ``T(B) = launch + per_item * B`` by recursive least squares with a forgetting
+  factor (what B1/B2 and the reports use);
+- per-batch-size knots (robust running medians), interpolated piecewise-linearly. The MLP's
+  curve on AMX is flat up to B~16 and then rises, which a single line fits badly; where the
+  profile says the line is poor (``mode = "piecewise"``) predictions come from the knots.
+Outliers (first call at a new shape, GC pauses: measured up to 30x) are rejected once a curve
+has enough data: a sample more than ``OUTLIER_FACTOR`` x its prediction is counted, not learned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+OUTLIER_FACTOR = 3.0
+MIN_SAMPLES_FOR_OUTLIERS = 8
+
+
+@dataclass
+class CostCurve:
+    launch_s: float = 1e-4
+    per_item_s: float = 1e-5
+    forgetting: float = 0.995
+    mode: str = "linear"  # "linear" | "piecewise"
+    samples: int = 0
+    outliers: int = 0
+    r2: float = float("nan")  # of the offline linear fit, when built from a profile
+    # RLS state: inverse covariance P (2x2, symmetric) and parameters theta = (launch, per_item)
+    _p: list = field(default_factory=lambda: [1e3, 0.0, 1e3])
+    # knots: batch size -> (estimate, count); kept sorted by size in _sizes
+    _knots: dict = field(default_factory=dict)
+    _sizes: list = field(default_factory=list)
+
+    @classmethod
+    def from_points(cls, points: list[tuple[int, float]], **kw) -> "CostCurve":
+        """Offline fit from (B, seconds) points (a calibration sweep); chooses the mode."""
+        c = cls(**kw)
+        for b, t in points:
+            c._set_knot(b, t)
+        c.launch_s, c.per_item_s, c.r2 = least_squares(points)
+        c.samples = len(points)
+        c.mode = "linear" if fit_error(points, c.launch_s, c.per_item_s) <= 0.15 else "piecewise"
+        return c
+
+    def predict(self, b: int) -> float:
+        if self.mode == "piecewise" and self._sizes:
+            return self._interpolate(b)
+        return max(0.0, self.launch_s + self.per_item_s * b)
+
+    def observe(self, b: int, seconds: float) -> bool:
+        """Learn from one completed batch. Returns False if it was rejected as an outlier."""
+        if self.samples >= MIN_SAMPLES_FOR_OUTLIERS and seconds > OUTLIER_FACTOR * self.predict(b) + 1e-4:
+            self.outliers += 1
+            return False
+        self.samples += 1
+        self._rls(b, seconds)
+        k = self._knots.get(b)
+        if k is None:
+            self._set_knot(b, seconds)
+        else:
+            est, n = k
+            # Running estimate that moves a bounded step: robust to the odd slow batch.
+            step = max(abs(est) * 0.05, 1e-6)
+            est += max(-step, min(step, seconds - est)) if n >= 4 else (seconds - est) / (n + 1)
+            self._knots[b] = (est, n + 1)
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _rls(self, b: int, y: float) -> None:
+        lam = self.forgetting
+        p00, p01, p11 = self._p
+        x0, x1 = 1.0, float(b)
+        px0, px1 = p00 * x0 + p01 * x1, p01 * x0 + p11 * x1
+        denom = lam + x0 * px0 + x1 * px1
+        k0, k1 = px0 / denom, px1 / denom
+        err = y - (self.launch_s * x0 + self.per_item_s * x1)
+        self.launch_s += k0 * err
+        self.per_item_s += k1 * err
+        self._p = [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p11 - k1 * px1) / lam]
+
+    def _set_knot(self, b: int, t: float) -> None:
+        if b not in self._knots:
+            bisect.insort(self._sizes, b)
+        self._knots[b] = (t, 1)
+
+    def _interpolate(self, b: int) -> float:
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, b)
+        if i < len(sizes) and sizes[i] == b:
+            return self._knots[b][0]
+        if i == 0:
+            return self._knots[sizes[0]][0]  # flat below the smallest measured size
+        if i == len(sizes):  # beyond the largest: extend with the fitted slope
+            last = sizes[-1]
+            return self._knots[last][0] + max(self.per_item_s, 0.0) * (b - last)
+        lo, hi = sizes[i - 1], sizes[i]
+        tlo, thi = self._knots[lo][0], self._knots[hi][0]
+        return tlo + (thi - tlo) * (b - lo) / (hi - lo)
+
+    def describe(self) -> dict:
+        return {"launch_us": round(self.launch_s * 1e6, 2), "per_item_us": round(self.per_item_s * 1e6, 3),
+                "mode": self.mode, "r2": self.r2, "samples": self.samples, "outliers": self.outliers,
+                "knots_us": {b: round(self._knots[b][0] * 1e6, 1) for b in self._sizes}}
+
+
+def least_squares(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """Ordinary least squares of t on B: (launch, per_item, R^2)."""
+    n = len(points)
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    if n == 1:
+        return points[0][1], 0.0, 1.0
+    mb = sum(b for b, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    sbb = sum((b - mb) ** 2 for b, _ in points)
+    sbt = sum((b - mb) * (t - mt) for b, t in points)
+    slope = sbt / sbb if sbb else 0.0
+    icpt = mt - slope * mb
+    sst = sum((t - mt) ** 2 for _, t in points)
+    sse = sum((t - icpt - slope * b) ** 2 for b, t in points)
+    return icpt, slope, (1.0 - sse / sst) if sst else 1.0
+
+
+def fit_error(points, launch: float, per_item: float) -> float:
+    """Largest relative error of the line over the points (how well 'linear' describes them)."""
+    return max((abs(launch + per_item * b - t) / t for b, t in points if t > 0), default=0.0)
+
+
+def load_profile(path: str) -> dict[tuple[str, str], CostCurve]:
+    """Read a calibration profile (``batchyard calibrate``): {model: {path: {"points": [[B, s], ...]}}}."""
+    import json
+
+    data = json.loads(open(path).read())
+    return {(model, p): CostCurve.from_points([(int(b), float(t)) for b, t in entry["points"]])
+            for model, paths in data["models"].items() for p, entry in paths.items()}
+
+
+class ArrivalRate:
+    """Arrival rate lambda(t) as an exponentially decaying count: each arrival adds 1/tau and
+    the estimate decays with time constant tau. It follows a step change to 1 - e^-(t/tau) of
+    the new rate (86 % after 2 tau), and it decays while nothing arrives, so a policy waiting
+    for "the next request" stops believing in it when the stream dries up.
+    """
+
+    __slots__ = ("tau", "_rate", "_t")
+
+    def __init__(self, tau_s: float = 0.25, initial: float = 0.0):
+        self.tau = tau_s
+        self._rate = initial
+        self._t = 0.0
+
+    def arrive(self, now: float, n: int = 1) -> None:
+        self._rate = self.rate(now) + n / self.tau
+        self._t = now
+
+    def rate(self, now: float) -> float:
+        dt = now - self._t
+        return self._rate * math.exp(-dt / self.tau) if dt > 0 else self._rate
+
+    def time_when_rate_is(self, target: float, now: float) -> float:
+        """The instant (>= now) at which, with no new arrival, the rate decays to ``target``."""
+        r = self.rate(now)
+        if target <= 0:
+            return math.inf
+        if r <= target:
+            return now
+        return now + self.tau * math.log(r / target)
