@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 OUTLIER_FACTOR = 3.0
 MIN_SAMPLES_FOR_OUTLIERS = 8
+LINEAR_MAX_ERROR = 0.10  # a line that misses a measured point by more than 10 % is not used
 
 
 @dataclass
@@ -43,7 +44,7 @@ class CostCurve:
             c._set_knot(b, t)
         c.launch_s, c.per_item_s, c.r2 = least_squares(points)
         c.samples = len(points)
-        c.mode = "linear" if fit_error(points, c.launch_s, c.per_item_s) <= 0.15 else "piecewise"
+        c.mode = "linear" if fit_error(points, c.launch_s, c.per_item_s) <= LINEAR_MAX_ERROR else "piecewise"
         return c
 
     def predict(self, b: int) -> float:

@@ -1,0 +1,142 @@
+"""decide() on crafted states with a virtual clock, seeds' curves: GPU 0.15 ms + 0.02 ms*B, AMX 0.08 ms*B."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dispatcher.cost_model import ArrivalRate, CostCurve
+from dispatcher.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible
+from dispatcher.state import Request, SchedulerState, WorkerState
+
+MS = 1e-3
+
+
+def seeds_state(n_queued=0, lam_per_s=0.0, gpu_busy_until=None, cpu=True, deadline=math.inf, now=1.0):
+    st = SchedulerState()
+    st.costs[("m", "gpu")] = CostCurve(launch_s=0.15 * MS, per_item_s=0.02 * MS)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.08 * MS)
+    st.costs[("m", "gpu")].samples = st.costs[("m", "cpu")].samples = 100
+    g = WorkerState("gpu0", "gpu", {"m": 64})
+    if gpu_busy_until is not None:
+        g.inflight, g.busy_until = 1, gpu_busy_until
+    st.add_worker(g)
+    if cpu:
+        st.add_worker(WorkerState("cpu0", "cpu", {"m": 64}))
+    st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=lam_per_s)
+    st.arrivals["m"]._t = now
+    q = st.queue("m")
+    for i in range(n_queued):
+        q.push(Request(i, "m", 1, 1, now - 1e-5 * (n_queued - i), deadline))
+    return st
+
+
+def paths(decision):
+    return [(d.worker.path, len(d.requests)) for d in decision.dispatches]
+
+
+def test_small_queue_goes_to_cpu_at_once():
+    st = seeds_state(n_queued=1, lam_per_s=2000)
+    d = MarginalCost().decide(st, 1.0)
+    assert paths(d) == [("cpu", 1)] and d.wake_at == math.inf
+
+
+def test_middle_queue_waits_exactly_until_the_marginal_rule_flips():
+    # GPU only (no escape route), lambda = 20k/s: one more request saves the launch (0.15 ms)
+    # and costs 3 queued items 3/20000 s = 0.15 ms... use 30k/s so waiting pays at first.
+    st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False)
+    pol = MarginalCost()
+    d = pol.decide(st, 1.0)
+    assert d.dispatches == [] and d.reasons == {"waited": 1}
+    # With no arrival, lambda decays; the rule flips when lambda = b / saving = 3 / 0.15 ms.
+    flip = 1.0 + 0.25 * math.log(30_000 / (3 / (0.15 * MS)))
+    assert d.wake_at == pytest.approx(flip, abs=1e-9)
+    assert pol.decide(st, flip - 1e-6).dispatches == []
+    assert paths(pol.decide(st, flip + 1e-9)) == [("gpu", 3)]
+
+
+def test_large_queue_goes_to_gpu_at_once():
+    st = seeds_state(n_queued=40, lam_per_s=30_000)
+    d = MarginalCost().decide(st, 1.0)
+    assert sum(n for _, n in paths(d)) == 40
+    assert ("gpu", 40) in paths(d) or paths(d)[-1][0] == "gpu"
+
+
+def test_busy_gpu_lets_the_batch_keep_growing():
+    st = seeds_state(n_queued=20, lam_per_s=5_000, gpu_busy_until=1.0 + 0.1 * MS)
+    d = MarginalCost().decide(st, 1.0)
+    # GPU after it frees: 0.1 + 0.15 + 0.4 = 0.65 ms < CPU now: 1.6 ms -> wait for the GPU.
+    assert d.dispatches == [] and d.reasons.get("waited") == 1
+
+
+def test_expiring_deadline_flushes_instead_of_waiting():
+    now = 1.0
+    # Waiting would pay (lambda high, GPU only) but the tightest deadline is 0.2 ms after the
+    # batch's predicted finish.
+    st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False, deadline=now + 0.21 * MS + 0.2 * MS)
+    d = MarginalCost().decide(st, now)
+    assert d.dispatches == [] and d.wake_at == pytest.approx(now + 0.2 * MS, abs=1e-9)
+    d = MarginalCost().decide(st, now + 0.2 * MS + 1e-9)
+    assert paths(d) == [("gpu", 3)] and d.reasons == {"flushed": 1, "dispatched-gpu": 1}
+
+
+def test_infeasible_deadline_is_rejected_on_arrival():
+    st = seeds_state(gpu_busy_until=1.0 + 5 * MS, cpu=False)
+    assert not feasible(st, "m", 1, deadline=1.0 + 1 * MS, now=1.0)
+    assert feasible(st, "m", 1, deadline=1.0 + 6 * MS, now=1.0)
+
+
+def test_aging_promotes_a_starved_low_request():
+    st = seeds_state()
+    q = st.queue("m")
+    low = Request(1, "m", 1, 2, 0.0, math.inf)
+    q.push(low)
+    q.push(Request(2, "m", 1, 0, 2 * AGING_S, math.inf))
+    assert q.promote_aged(2 * AGING_S + 1e-9, AGING_S) == 1 and low.priority == 1
+    assert q.promote_aged(4 * AGING_S, AGING_S) == 1 and low.priority == 0
+    assert [r.seq for r in q.take(2)] == [2, 1]
+
+
+def test_three_segment_derives_b1_b2_from_the_curves():
+    st = seeds_state()
+    b1, b2 = crossover_sizes(st, "m", 64)
+    assert (b1, b2) == (3, 15)  # 0.08B >= 0.15+0.02B from B=2.5; 0.15+0.02B >= 0.45 from B=15
+    d = ThreeSegment().decide(seeds_state(n_queued=2, lam_per_s=1000), 1.0)
+    assert paths(d) == [("cpu", 2)]
+    d = ThreeSegment().decide(seeds_state(n_queued=20, lam_per_s=1000), 1.0)
+    assert paths(d) == [("gpu", 20)]
+
+
+def test_cost_curve_learns_online_and_ignores_outliers():
+    c = CostCurve()
+    for _ in range(50):
+        for b in (1, 4, 16, 64):
+            c.observe(b, 0.15e-3 + 0.02e-3 * b)
+    assert c.launch_s == pytest.approx(0.15e-3, rel=0.05)
+    assert c.per_item_s == pytest.approx(0.02e-3, rel=0.05)
+    assert not c.observe(4, 0.1)  # a 100 ms GC pause is not the curve
+    assert c.outliers == 1 and c.predict(4) == pytest.approx(0.23e-3, rel=0.05)
+
+
+def test_piecewise_fit_where_a_line_is_poor():
+    # The MLP on AMX: flat to B=16, then rising (MEASUREMENTS.md, 1 thread).
+    pts = [(1, 3.4e-3), (4, 3.2e-3), (16, 3.6e-3), (64, 6.9e-3)]
+    c = CostCurve.from_points(pts)
+    assert c.mode == "piecewise"
+    assert c.predict(4) == pytest.approx(3.2e-3) and c.predict(40) == pytest.approx(5.25e-3)
+
+
+def test_arrival_rate_tracks_a_step_within_a_second():
+    r = ArrivalRate(tau_s=0.25)
+    t = 0.0
+    for _ in range(1000):  # 1000/s for 1 s
+        t += 1e-3
+        r.arrive(t)
+    assert r.rate(t) == pytest.approx(1000, rel=0.1)
+    for _ in range(5000):  # step to 5000/s
+        t += 2e-4
+        r.arrive(t)
+        if t >= 1.5:
+            break
+    assert r.rate(t) == pytest.approx(5000 * (1 - math.exp(-0.5 / 0.25)) + 1000 * math.exp(-0.5 / 0.25), rel=0.05)
