@@ -107,11 +107,13 @@ class FixedBatch:
             if not q.requests:
                 continue
             q.promote_aged(now, AGING_S)
-            for w in _gpu_or_all(state, model):
+            targets = _gpu_or_all(state, model)
+            for w in targets:
                 while w.free and q.requests and (q.items >= self.n or now >= q.oldest_arrival() + self.max_wait_s):
                     if not _send(state, d, w, q, self.n, now):
                         break
-            if q.requests:
+            # Only a free worker makes the clock matter; otherwise a completion wakes us.
+            if q.requests and any(w.free for w in targets):
                 d.wake_at = min(d.wake_at, q.oldest_arrival() + self.max_wait_s)
         return d
 
@@ -131,12 +133,13 @@ class TimeWindow:
             if not q.requests:
                 continue
             q.promote_aged(now, AGING_S)
-            for w in _gpu_or_all(state, model):
+            targets = _gpu_or_all(state, model)
+            for w in targets:
                 while w.free and q.requests and (q.items >= self.max_batch
                                                  or now >= q.oldest_arrival() + self.max_delay_s):
                     if not _send(state, d, w, q, self.max_batch, now):
                         break
-            if q.requests:
+            if q.requests and any(w.free for w in targets):
                 d.wake_at = min(d.wake_at, max(now, q.oldest_arrival() + self.max_delay_s))
         return d
 

@@ -200,7 +200,9 @@ class Dispatcher:
 
     def _arm(self, when: float) -> None:
         # Only move the timer earlier; a spurious later wake-up is harmless and saves a syscall.
-        if when < self.timer.armed_at:
+        # An instant already past would only repeat the decision just made: completions and
+        # arrivals wake the loop by themselves.
+        if when < self.timer.armed_at and when > _now():
             self.timer.arm(when)
 
     # ------------------------------------------------------------------ 1. workers

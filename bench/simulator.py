@@ -1,0 +1,204 @@
+"""Discrete-event simulator: the real policy objects on a virtual clock.
+
+Devices are *simulated* (service time from a cost curve, optional jitter); everything this
+module reports is simulated. The policy sees the same ``SchedulerState`` as in the live
+dispatcher: queues, workers with ``busy_until``, cost curves it refines from every completed
+batch, and the lambda(t) estimator. Differences from the live dispatcher, on purpose:
+requests whose deadline passes in the queue are dropped when their batch is formed (the live
+dispatcher drops them at the deadline by timer), and there is no network or codec time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dispatcher.cost_model import CostCurve
+from dispatcher.policy import feasible, make_policy
+from dispatcher.state import Request, SchedulerState, WorkerState
+
+from .traces import Trace
+
+MODEL = "m"
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    path: str  # "cpu" | "gpu"
+    launch_s: float
+    per_item_s: float
+    max_batch: int = 64
+    jitter: float = 0.0  # relative std-dev of service time
+
+    def curve(self) -> CostCurve:
+        return CostCurve(launch_s=self.launch_s, per_item_s=self.per_item_s)
+
+
+def seeds_devices(n_cpu: int = 2) -> list[Device]:
+    """The seeds' curves: GPU 0.15 ms + 0.02 ms*B, AMX 0.08 ms*B per worker."""
+    return [Device("gpu0", "gpu", 0.15e-3, 0.02e-3)] + [Device(f"amx{i}", "cpu", 0.0, 0.08e-3) for i in range(n_cpu)]
+
+
+@dataclass
+class SimResult:
+    policy: str
+    trace: str
+    latency: np.ndarray  # per request, seconds; nan when not served
+    status: np.ndarray  # 0 served, 1 rejected on arrival, 2 expired in queue
+    met_deadline: np.ndarray  # bool
+    priority: np.ndarray
+    path_of: np.ndarray  # 0 cpu, 1 gpu, -1 none
+    batch_sizes: list = field(default_factory=list)
+    batch_paths: list = field(default_factory=list)
+    decisions: dict = field(default_factory=dict)
+    duration: float = 0.0
+
+    def summary(self) -> dict:
+        ok = self.status == 0
+        lat = self.latency[ok] * 1e3
+        q = (lambda p: float(np.percentile(lat, p))) if lat.size else (lambda p: float("nan"))
+        bs = np.asarray(self.batch_sizes)
+        paths = np.asarray(self.batch_paths)
+        return {
+            "policy": self.policy, "trace": self.trace, "requests": int(len(self.status)),
+            "served": int(ok.sum()), "rejected": int((self.status == 1).sum()), "expired": int((self.status == 2).sum()),
+            "p50_ms": q(50), "p90_ms": q(90), "p99_ms": q(99), "p999_ms": q(99.9),
+            "mean_ms": float(lat.mean()) if lat.size else float("nan"),
+            "throughput_rps": float(ok.sum() / self.duration) if self.duration else 0.0,
+            "goodput_rps": float((ok & self.met_deadline).sum() / self.duration) if self.duration else 0.0,
+            "mean_batch": float(bs.mean()) if bs.size else 0.0,
+            "gpu_share": float((self.path_of[ok] == 1).mean()) if ok.any() else 0.0,
+            "batch_hist": {int(k): int(v) for k, v in zip(*np.unique(bs, return_counts=True))} if bs.size else {},
+            "decisions": self.decisions,
+        }
+
+
+def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: bool = True) -> SimResult:
+    """Run ``trace`` through ``policy`` (object or name) on ``devices``."""
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    rng = np.random.default_rng(seed)
+    st = SchedulerState()
+    workers = []
+    for dev in devices:
+        w = WorkerState(dev.name, dev.path, {MODEL: dev.max_batch})
+        st.add_worker(w)
+        workers.append((w, dev))
+        st.costs.setdefault((MODEL, dev.path), dev.curve())  # as if calibrated
+        st.costs[(MODEL, dev.path)].samples = 100
+    q = st.queue(MODEL)
+    rate = st.arrival(MODEL)
+    n = len(trace)
+    arr, prio, tout = trace.arrivals, trace.priority, trace.timeout
+    latency = np.full(n, np.nan)
+    status = np.zeros(n, np.int8)
+    met = np.zeros(n, bool)
+    path_of = np.full(n, -1, np.int8)
+    batch_sizes, batch_paths, decisions = [], [], {}
+    events: list = []  # (time, tiebreak, worker index, requests, service_s)
+    tie = 0
+    wake = math.inf
+    i = 0
+    decide = policy.decide
+    dev_of = {w.name: (k, dev) for k, (w, dev) in enumerate(workers)}
+    while i < n or events or (q.requests and wake < math.inf):
+        t_arr = arr[i] if i < n else math.inf
+        t_ev = events[0][0] if events else math.inf
+        now = min(t_arr, t_ev, wake)
+        if now == math.inf:
+            break  # leftovers nobody will ever dispatch (policy gave no wake-up): count as expired
+        if now >= wake:
+            wake = math.inf
+        # completions first: they free workers before we decide
+        while events and events[0][0] <= now:
+            t_done, _, k, reqs, service = heapq.heappop(events)
+            w, dev = workers[k]
+            items = sum(r.items for r in reqs)
+            st.on_complete(w, MODEL, items, service if learn else None, t_done)
+            for r in reqs:
+                latency[r.seq] = t_done - r.arrival
+                met[r.seq] = t_done <= r.deadline
+                path_of[r.seq] = 1 if dev.path == "gpu" else 0
+        while i < n and arr[i] <= now:
+            t = arr[i]
+            rate.arrive(t)
+            deadline = t + tout[i]
+            if deadline < math.inf and not feasible(st, MODEL, 1, deadline, t):
+                status[i] = 1
+            else:
+                q.push(Request(i, MODEL, 1, int(prio[i]), t, deadline))
+            i += 1
+        d = decide(st, now)
+        for reason, c in d.reasons.items():
+            decisions[reason] = decisions.get(reason, 0) + c
+        for disp in d.dispatches:
+            k, dev = dev_of[disp.worker.name]
+            reqs = [r for r in disp.requests if r.deadline > now]
+            for r in disp.requests:
+                if r.deadline <= now:
+                    status[r.seq] = 2
+            if not reqs:
+                # everything in it had expired: release the slot the policy reserved
+                st.on_complete(disp.worker, MODEL, 0, None, now)
+                continue
+            b = len(reqs)
+            service = dev.launch_s + dev.per_item_s * b
+            if dev.jitter:
+                service *= max(0.05, 1.0 + dev.jitter * rng.standard_normal())
+            start = now  # the worker was free when the policy picked it (capacity 1)
+            tie += 1
+            heapq.heappush(events, (start + service, tie, k, reqs, service))
+            batch_sizes.append(b)
+            batch_paths.append(dev.path)
+        # A wake-up at or before now would re-run the same decision: only later ones count.
+        if now < d.wake_at < wake and q.requests:
+            wake = d.wake_at
+    for dq in q.by_priority:  # never dispatched
+        for r in dq:
+            status[r.seq] = 2
+    return SimResult(policy.name, trace.name, latency, status, met, prio.copy(), path_of, batch_sizes,
+                     batch_paths, decisions, duration=trace.duration)
+
+
+def clairvoyant_mean_latency(arrivals: np.ndarray, launch_s: float, per_item_s: float, max_batch: int = 64) -> float:
+    """Exact offline optimum of the mean latency for ONE path with cost a + b*B, knowing every
+    arrival in advance.
+
+    Why it is a bound: with identical requests an exchange argument shows some optimal
+    schedule serves them in arrival order in contiguous batches, each started as soon as both
+    its last request has arrived and the path is free. The dynamic program below enumerates
+    exactly those schedules: state = how many requests are served; for each state it keeps the
+    Pareto set of (path free time, total latency so far), because a schedule that frees the
+    path later can still win later. Nothing is pruned that could lead to the optimum, so the
+    result is the optimum itself, and every online policy on this path is at or above it.
+    (It is *not* a bound for a policy that also uses other paths.)
+    """
+    t = np.asarray(arrivals, dtype=np.float64)
+    n = len(t)
+    prefix = np.concatenate([[0.0], np.cumsum(t)])
+    fronts: list[list[tuple[float, float]]] = [[] for _ in range(n + 1)]
+    fronts[0] = [(-math.inf, 0.0)]
+    for j in range(1, n + 1):
+        cand = []
+        last = t[j - 1]
+        for i in range(max(0, j - max_batch), j):
+            m = j - i
+            svc = launch_s + per_item_s * m
+            sum_t = prefix[j] - prefix[i]
+            for free, cost in fronts[i]:
+                f = (last if last > free else free) + svc
+                cand.append((f, cost + m * f - sum_t))
+        cand.sort()
+        front, best = [], math.inf
+        for f, c in cand:
+            if c < best - 1e-15:
+                front.append((f, c))
+                best = c
+        fronts[j] = front
+        if j >= max_batch:
+            fronts[j - max_batch] = None  # no later batch can start that far back
+    return min(c for _, c in fronts[n]) / n
