@@ -125,7 +125,7 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
                 path_of[r.seq] = 1 if dev.path == "gpu" else 0
         while i < n and arr[i] <= now:
             t = arr[i]
-            rate.arrive(t)
+            st.note_arrival(MODEL, int(prio[i]), 1, t)
             deadline = t + tout[i]
             if deadline < math.inf and not feasible(st, MODEL, 1, deadline, t):
                 status[i] = 1

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from .state import ModelQueue, Request, SchedulerState, WorkerState
 
 AGING_S = 0.05  # a queued request moves up one priority class per AGING_S * class waited
+URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
+RESERVE_UTILISATION = 0.1
 FIXED_MAX_WAIT_S = 0.1
 
 
@@ -242,11 +244,24 @@ class MarginalCost:
         return d
 
     def _decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
-        ws = state.serving.get(model)
-        if not ws:
+        all_ws = state.serving.get(model)
+        if not all_ws:
             return
         while q.requests:
-            b = q.items
+            ws = all_ws
+            urgent = q.class_items[0] + q.class_items[1]
+            lam_u = state.urgent_rate(model, now) if not urgent and len(all_ws) > 1 else 0.0
+            if lam_u > URGENT_RATE:
+                # Batches are not preemptible: low-only batches leave the workers best placed
+                # for lone urgent requests alone, enough of them that urgent traffic keeps each
+                # under RESERVE_UTILISATION busy (so an urgent arrival nearly always finds one free).
+                ranked = sorted(all_ws, key=lambda w: state.cost(model, w.path).predict(1))
+                t1 = state.cost(model, ranked[0].path).predict(1)
+                n_keep = min(len(all_ws) - 1, max(1, math.ceil(lam_u * t1 / RESERVE_UTILISATION)))
+                ws = ranked[n_keep:]
+            # Urgent items go out on their own: padding their batch with low items would make
+            # them wait for the low items' compute.
+            b = urgent if 0 < urgent < q.items else q.items
             best_w, best_t = None, math.inf
             best_free, best_free_t = None, math.inf
             for w in ws:
@@ -272,7 +287,7 @@ class MarginalCost:
                     return
             if slack <= 0:
                 d.count("flushed")
-            if not self._dispatch_split(state, model, q, best_free, ws, now, d):
+            if not self._dispatch_split(state, model, q, b, best_free, ws, now, d):
                 return
 
     @staticmethod
@@ -282,9 +297,8 @@ class MarginalCost:
         return tightest - finish
 
     @staticmethod
-    def _dispatch_split(state: SchedulerState, model: str, q: ModelQueue, main: WorkerState,
+    def _dispatch_split(state: SchedulerState, model: str, q: ModelQueue, b: int, main: WorkerState,
                         ws: list[WorkerState], now: float, d: Decision) -> int:
-        b = q.items
         others = [w for w in ws if w.free and w is not main and w.path != main.path]
         if others and b > 1:
             o = others[0]
@@ -297,7 +311,7 @@ class MarginalCost:
                     best_k, best_sum = k, total
             if 0 < best_k < b:
                 return _send(state, d, o, q, best_k, now, "split") + \
-                    _send(state, d, main, q, q.items, now, f"dispatched-{main.path}")
+                    _send(state, d, main, q, b - best_k, now, f"dispatched-{main.path}")
             if best_k == b:
                 main = o
         return _send(state, d, main, q, b, now)

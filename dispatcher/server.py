@@ -355,7 +355,7 @@ class Dispatcher:
                                                 f"queue for {msg.model!r} is full ({self.cfg.max_queue} requests)"))
             return
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.cfg.default_timeout_s
-        self.state.arrival(msg.model).arrive(now, items)
+        self.state.note_arrival(msg.model, msg.priority, items, now)
         if not feasible(self.state, msg.model, items, now + timeout, now):
             self._reply(identity, P.error_reply(msg.id, Status.DEADLINE_EXCEEDED,
                                                 f"no path can finish {items} item(s) of {msg.model!r} within "

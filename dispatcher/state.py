@@ -42,24 +42,27 @@ class Request:
 class ModelQueue:
     """FIFO per priority for one model; counts queued requests and items."""
 
-    __slots__ = ("model", "by_priority", "requests", "items")
+    __slots__ = ("model", "by_priority", "requests", "items", "class_items")
 
     def __init__(self, model: str):
         self.model = model
         self.by_priority = tuple(collections.deque() for _ in range(N_PRIORITIES))
         self.requests = 0
         self.items = 0
+        self.class_items = [0] * N_PRIORITIES
 
     def push(self, req: Request) -> None:
         self.by_priority[req.priority].append(req)
         self.requests += 1
         self.items += req.items
+        self.class_items[req.priority] += req.items
 
     def push_front(self, req: Request) -> None:
         """Put a request back at the head of its class (a retry after a worker died)."""
         self.by_priority[req.priority].appendleft(req)
         self.requests += 1
         self.items += req.items
+        self.class_items[req.priority] += req.items
 
     def remove(self, req: Request) -> bool:
         try:
@@ -68,6 +71,7 @@ class ModelQueue:
             return False
         self.requests -= 1
         self.items -= req.items
+        self.class_items[req.priority] -= req.items
         return True
 
     def promote_aged(self, now: float, age_s: float) -> int:
@@ -80,6 +84,8 @@ class ModelQueue:
                 req = q.popleft()
                 req.priority = prio - 1
                 up.append(req)
+                self.class_items[prio] -= req.items
+                self.class_items[prio - 1] += req.items
                 moved += 1
         return moved
 
@@ -91,10 +97,11 @@ class ModelQueue:
         A request is never split; one bigger than what is left ends the batch."""
         out: list[Request] = []
         room = max_items
-        for q in self.by_priority:
+        for prio, q in enumerate(self.by_priority):
             while q and q[0].items <= room:
                 req = q.popleft()
                 room -= req.items
+                self.class_items[prio] -= req.items
                 out.append(req)
             if q:
                 break  # the head of this class does not fit: keep priority order
@@ -142,6 +149,20 @@ class SchedulerState:
         if a is None:
             a = self.arrivals[model] = ArrivalRate()
         return a
+
+    def note_arrival(self, model: str, priority: int, items: int, now: float) -> None:
+        """Feed lambda(t): the model's total, and the rate of classes above low (for reservation)."""
+        self.arrival(model).arrive(now, items)
+        if priority < 2:
+            key = model + "#urgent"
+            a = self.arrivals.get(key)
+            if a is None:
+                a = self.arrivals[key] = ArrivalRate()
+            a.arrive(now, items)
+
+    def urgent_rate(self, model: str, now: float) -> float:
+        a = self.arrivals.get(model + "#urgent")
+        return a.rate(now) if a is not None else 0.0
 
     def finish_time(self, w: WorkerState, model: str, items: int, now: float) -> float:
         """Predicted completion of ``items`` sent to ``w`` now (after what it already has)."""
