@@ -33,7 +33,7 @@ SENTENCES = [
 ]
 
 
-def demo_config(run_dir: str, policy: str = "greedy") -> NodeConfig:
+def demo_config(run_dir: str, policy: str = "mcb") -> NodeConfig:
     cpus = sorted(os.sched_getaffinity(0))
     minilm = ModelConfig(
         name="minilm", factory="workers.models:minilm", max_batch=32,
@@ -52,7 +52,7 @@ def demo_config(run_dir: str, policy: str = "greedy") -> NodeConfig:
         )).validate()
 
 
-def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "greedy") -> int:
+def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb") -> int:
     from workers.models import tokenize
 
     ids, mask = tokenize(SENTENCES)

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,47 +68,24 @@ def pct(xs, q):
 # ---------------------------------------------------------------- (a) added latency
 def _direct_worker_latency(n: int) -> list[float]:
     """Play the dispatcher's part for one worker: the SDK's own encoding, one-request batches."""
+    from workers.harness import DirectWorker
+
     run_dir = tempfile.mkdtemp(prefix="by-bench-", dir="/tmp")
-    node = _node(run_dir)
-    cfg = Path(run_dir) / "node.toml"
-    cfg.write_text(to_toml(node))
-    ctx = zmq.Context.instance()
-    be = ctx.socket(zmq.ROUTER)
-    be.bind(node.dispatcher.backend)
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "--log-level", "WARNING", "worker",
-                             "--config", str(cfg), "--name", "noop0"])
-    try:
-        ident = None
-        while ident is None:  # registration handshake
-            frames = be.recv_multipart()
-            if type(P.worker_message_decoder.decode(frames[1])) is P.Register:
-                ident = frames[0]
-                be.send_multipart([ident, P.encode(P.Registered(worker="noop0"))])
-        sdk = Client(f"ipc://{run_dir}/unused")  # only for its encoder
+    with DirectWorker(_node(run_dir), "noop0") as dw:
+        dw.wait_registered()
+        sdk = Client(f"ipc://{run_dir}/unused")  # only for its encoder and decoder
         sdk.specs["noop"] = NOOP.spec()
         lat = []
-        for i in range(n):
+        for _ in range(n):
             t0 = time.perf_counter()
             rid, frames, _, _, _ = sdk._encode_infer("noop", {"x": X}, "normal", 10.0)
-            be.send_multipart([ident, P.encode(P.Batch(batch_id=i, model="noop", seqs=[i], n_frames=[len(frames) - 1])),
-                               *frames])
-            while True:
-                reply = be.recv_multipart()
-                msg = P.worker_message_decoder.decode(reply[1])
-                if type(msg) is P.BatchDone:
-                    break
-            out = P.encode(P.InferReply(v=1, id=rid, status=0, outputs=msg.results[0].outputs))
-            sdk._pending[rid] = None
-            sdk._pending.pop(rid)
-            P.reply_decoder.decode(out)
-            np.frombuffer(reply[2], dtype=np.float32)
+            done, out_frames = dw.run("noop", [frames])
+            reply = P.encode(P.InferReply(v=1, id=rid, status=0, outputs=done.results[0].outputs))
+            P.reply_decoder.decode(reply)  # what the SDK does with a reply
+            np.frombuffer(out_frames[0], dtype=np.float32)
             lat.append(time.perf_counter() - t0)
         sdk.close()
         return lat
-    finally:
-        proc.terminate()
-        proc.wait()
-        be.close(linger=0)
 
 
 def bench_a(n: int = 3000, runs: int = 3) -> dict:

@@ -28,10 +28,16 @@ def main(argv=None) -> int:
     p.add_argument("--name", required=True)
     p = sub.add_parser("up", help="start a node's dispatcher and workers; restart workers that die")
     p.add_argument("--config", required=True)
+    p = sub.add_parser("calibrate", help="measure T(B) on each worker of a node; write a cost-curve profile")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True, help="profile JSON to write (name it in [dispatcher] profile)")
+    p.add_argument("--sizes", default="", help="comma-separated batch sizes (default: powers of two)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--worker", action="append", help="only these workers (repeatable)")
     p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
-    p.add_argument("--policy", default="greedy")
+    p.add_argument("--policy", default="mcb")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
@@ -48,6 +54,12 @@ def main(argv=None) -> int:
         from .supervisor import run_up
 
         return run_up(args.config, _node(args), args.log_level.upper())
+    if args.cmd == "calibrate":
+        from .calibrate import calibrate
+
+        sizes = [int(x) for x in args.sizes.split(",") if x] or None
+        calibrate(_node(args), args.out, sizes=sizes, reps=args.reps, workers=args.worker)
+        return 0
     if args.cmd == "demo":
         from bench.demo import run_demo
 

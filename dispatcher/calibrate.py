@@ -1,0 +1,57 @@
+"""``batchyard calibrate``: measure T(B) on each worker of a node and write a profile file.
+
+Each configured worker is started on its own (same config, same pinning) against a private
+endpoint and fed batches of B zero-filled items; the worker's own compute time is recorded
+(median of ``reps`` after one warm-up call per size, since oneDNN builds kernels per shape).
+Run it before `batchyard up`, or on a drained node: it competes for the same cores.
+The dispatcher loads the file (``profile = "..."`` in [dispatcher]) and keeps refining the
+curves online from every completed batch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from .config import NodeConfig
+from .cost_model import CostCurve
+
+
+def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None, reps: int = 5,
+              workers: list[str] | None = None, log=print) -> dict:
+    from workers.harness import DirectWorker
+
+    points: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for w in node.workers:
+        if workers and w.name not in workers:
+            continue
+        with DirectWorker(node, w.name) as dw:
+            dw.wait_registered()
+            for model in w.models:
+                spec = dw.spec[model]
+                bs = [b for b in (sizes or _default_sizes(spec.max_batch)) if b <= spec.max_batch]
+                for b in bs:
+                    req = dw.zeros_request(model, b)
+                    dw.run(model, [req])  # warm-up at this shape
+                    t = statistics.median(dw.run(model, [req])[0].compute_us for _ in range(reps)) / 1e6
+                    points.setdefault(model, {}).setdefault(dw.path, []).append((b, t))
+                    log(f"{w.name} {model} [{dw.path}] B={b:<4d} {t * 1e3:8.3f} ms")
+    profile: dict = {"models": {}}
+    for model, by_path in points.items():
+        for path, pts in by_path.items():
+            pts.sort()
+            curve = CostCurve.from_points(pts)
+            profile["models"].setdefault(model, {})[path] = {"points": pts, **curve.describe()}
+            log(f"{model} [{path}]: T(B) = {curve.launch_s * 1e3:.3f} ms + {curve.per_item_s * 1e3:.4f} ms*B, "
+                f"R^2 {curve.r2:.3f}, using the {curve.mode} fit")
+    Path(out).write_text(json.dumps(profile, indent=1))
+    return profile
+
+
+def _default_sizes(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]

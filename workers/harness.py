@@ -1,0 +1,90 @@
+"""Drive one worker process directly, playing the dispatcher's part (no policy, no queue).
+
+Used by ``batchyard calibrate`` (sweep batch sizes, read the worker's own compute times) and
+by the benchmark that measures what the dispatcher adds (bench/dispatch_bench.py (a)).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from dispatcher import protocol as P
+from dispatcher.config import NodeConfig, to_toml
+
+
+class DirectWorker:
+    def __init__(self, node: NodeConfig, worker: str, log_level: str = "WARNING"):
+        self.dir = tempfile.mkdtemp(prefix="by-direct-", dir="/tmp")
+        backend = f"ipc://{self.dir}/be"
+        node = NodeConfig(dispatcher=type(node.dispatcher)(**{**node.dispatcher.__dict__, "backend": backend,
+                                                               "frontend": f"ipc://{self.dir}/fe"}),
+                          models=node.models, workers=node.workers)
+        cfg = Path(self.dir) / "node.toml"
+        cfg.write_text(to_toml(node))
+        self.node = node
+        self.name = worker
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(backend)
+        self.proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "--log-level", log_level, "worker",
+                                      "--config", str(cfg), "--name", worker])
+        self.identity = None
+        self.spec: dict[str, P.ModelSpec] = {}
+        self.path = ""
+        self._batch = 0
+
+    def wait_registered(self, timeout_s: float = 300.0) -> None:
+        while self.identity is None:
+            if not self.sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"worker {self.name} did not register within {timeout_s:.0f} s")
+            frames = self.sock.recv_multipart()
+            msg = P.worker_message_decoder.decode(frames[1])
+            if type(msg) is P.Register:
+                self.identity = frames[0]
+                self.spec = {s.name: s for s in msg.models}
+                self.path = msg.path
+                self.sock.send_multipart([self.identity, P.encode(P.Registered(worker=self.name))])
+
+    def run(self, model: str, requests: list[list]) -> tuple[P.BatchDone, list]:
+        """Send one batch made of ``requests`` (each [header, *payload frames]); return the reply."""
+        self._batch += 1
+        header = P.Batch(batch_id=self._batch, model=model, seqs=list(range(len(requests))),
+                         n_frames=[len(r) - 1 for r in requests])
+        self.sock.send_multipart([self.identity, P.encode(header), *[f for r in requests for f in r]], copy=False)
+        while True:
+            frames = self.sock.recv_multipart(copy=False)
+            msg = P.worker_message_decoder.decode(frames[1].buffer)
+            if type(msg) is P.BatchDone and msg.batch_id == self._batch:
+                return msg, frames[2:]
+
+    def zeros_request(self, model: str, items: int) -> list:
+        """One request of ``items`` items with zero-filled inline inputs."""
+        spec = self.spec[model]
+        refs, frames = [], []
+        for i, t in enumerate(spec.inputs):
+            refs.append(P.TensorRef(name=t.name, dtype=t.dtype, shape=[items, *t.shape], frame=i))
+            frames.append(np.zeros((items, *t.shape), dtype=t.dtype))
+        return [P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=0, model=model, inputs=refs)), *frames]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
