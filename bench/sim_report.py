@@ -101,9 +101,10 @@ def priority_flood(n: int) -> dict:
     mixed = merge(hi, lo, name="high 5% + low flood 120% of total capacity")
     res = simulate("mcb", mixed, DEVICES)
     hi_mask, lo_mask = res.priority == 0, res.priority == 2
+    warm = mixed.arrivals > mixed.arrivals[0] + 0.05  # see "cold start" in the report
     p99 = lambda m: float(np.percentile(res.latency[m & (res.status == 0)] * 1e3, 99))
-    return {"high_alone_p99_ms": alone["p99_ms"], "high_with_flood_p99_ms": p99(hi_mask),
-            "ratio": p99(hi_mask) / alone["p99_ms"],
+    return {"high_alone_p99_ms": alone["p99_ms"], "high_with_flood_p99_ms": p99(hi_mask & warm),
+            "ratio": p99(hi_mask & warm) / alone["p99_ms"], "high_with_flood_p99_ms_incl_cold_start": p99(hi_mask),
             "low_served": int((lo_mask & (res.status == 0)).sum()), "low_sent": int(lo_mask.sum()),
             "low_served_rps": float((lo_mask & (res.status == 0)).sum() / res.duration),
             "low_rejected": int((lo_mask & (res.status == 1)).sum()),
@@ -203,7 +204,9 @@ def markdown(rep: dict) -> str:
     f = rep["priority_flood"]
     L += ["", "## Priority under a saturating low-priority flood", "",
           f"High class alone p99 {f['high_alone_p99_ms']:.3f} ms; with the flood {f['high_with_flood_p99_ms']:.3f} ms "
-          f"(ratio {f['ratio']:.2f}). Low class: {f['low_served']:,} of {f['low_sent']:,} served "
+          f"(ratio {f['ratio']:.2f}) after a 50 ms warm-up; {f['high_with_flood_p99_ms_incl_cold_start']:.3f} ms "
+          "including it — before the first urgent arrivals are seen, low batches may occupy every path and, "
+          "batches not being preemptible, the first urgent requests wait for one to finish. Low class: {f['low_served']:,} of {f['low_sent']:,} served "
           f"({f['low_served_rps']:,.0f}/s), {f['low_rejected']:,} rejected on arrival as infeasible, "
           f"{f['low_expired']:,} expired in the queue (50 ms timeout).", "",
           "## Shaped traces", "", "| trace | policy | p50 | p99 | p99.9 | goodput/s | rejected | expired |",

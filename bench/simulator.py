@@ -3,9 +3,10 @@
 Devices are *simulated* (service time from a cost curve, optional jitter); everything this
 module reports is simulated. The policy sees the same ``SchedulerState`` as in the live
 dispatcher: queues, workers with ``busy_until``, cost curves it refines from every completed
-batch, and the lambda(t) estimator. Differences from the live dispatcher, on purpose:
-requests whose deadline passes in the queue are dropped when their batch is formed (the live
-dispatcher drops them at the deadline by timer), and there is no network or codec time.
+batch, and the lambda(t) estimator. Differences from the live dispatcher, on purpose: a
+request whose deadline passes in the queue is dropped at the next event, from the head of
+its class (the live dispatcher drops it at the deadline, by timer), and any left are dropped
+when their batch is formed; there is no network or codec time.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
             else:
                 q.push(Request(i, MODEL, 1, int(prio[i]), t, deadline))
             i += 1
+        for r in q.drop_expired_heads(now):
+            status[r.seq] = 2
         d = decide(st, now)
         for reason, c in d.reasons.items():
             decisions[reason] = decisions.get(reason, 0) + c

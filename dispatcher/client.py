@@ -245,6 +245,12 @@ class InferFuture:
     def done(self) -> bool:
         return self._done
 
+    def cancel(self) -> None:
+        """Ask the dispatcher to drop this request if it is still queued. The future then
+        raises Cancelled; a request already running completes normally."""
+        if not self._done:
+            self._client._send_cancel(self.id)
+
     def result(self, timeout: Optional[float] = None):
         if not self._done:
             self._client._wait_for(self, timeout)
@@ -275,6 +281,10 @@ class Client(_ClientCore):
         self._pending[rid] = _Pending(kind, regions, outputs, deadline, fut._resolve)
         self.sock.send_multipart(frames, copy=False)
         return fut
+
+    def _send_cancel(self, rid: int) -> None:
+        with self._lock:
+            self.sock.send(P.encode(P.CancelRequest(v=P.PROTOCOL_VERSION, id=rid)))
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferFuture:
         with self._lock:
@@ -389,7 +399,15 @@ class AsyncClient(_ClientCore):
         if self._needs_spec(model):
             await self.model_info(model)
         rid, frames, regions, outputs, timeout = self._encode_infer(model, inputs, priority, timeout)
-        return await self._send("infer", rid, frames, regions, outputs, timeout + REPLY_GRACE_S)
+        fut = self._send("infer", rid, frames, regions, outputs, timeout + REPLY_GRACE_S)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The caller gave up: withdraw it if still queued (the late reply frees its regions).
+            if not self.closed:
+                self._expire_local(rid)
+                self.sock.send(P.encode(P.CancelRequest(v=P.PROTOCOL_VERSION, id=rid)))
+            raise
 
     def submit(self, model: str, inputs: dict, **kw) -> asyncio.Task:
         return self.loop.create_task(self.infer(model, inputs, **kw))

@@ -23,7 +23,7 @@ from .state import ModelQueue, Request, SchedulerState, WorkerState
 
 AGING_S = 0.05  # a queued request moves up one priority class per AGING_S * class waited
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
-RESERVE_UTILISATION = 0.1
+RESERVE_BLOCKING = 0.01
 FIXED_MAX_WAIT_S = 0.1
 
 
@@ -60,6 +60,16 @@ def _gpu_or_all(state: SchedulerState, model: str) -> list[WorkerState]:
     ws = state.serving.get(model, [])
     gpus = [w for w in ws if w.path == "gpu"]
     return gpus or list(ws)
+
+
+def servers_for(offered_load: float, blocking: float) -> int:
+    """Fewest servers for which Erlang B(offered_load) <= blocking (at least 1)."""
+    b, n = 1.0, 0
+    while True:
+        n += 1
+        b = offered_load * b / (n + offered_load * b)
+        if b <= blocking or n >= 64:
+            return n
 
 
 def feasible(state: SchedulerState, model: str, items: int, deadline: float, now: float) -> bool:
@@ -253,12 +263,11 @@ class MarginalCost:
             lam_u = state.urgent_rate(model, now) if not urgent and len(all_ws) > 1 else 0.0
             if lam_u > URGENT_RATE:
                 # Batches are not preemptible: low-only batches leave the workers best placed
-                # for lone urgent requests alone, enough of them that urgent traffic keeps each
-                # under RESERVE_UTILISATION busy (so an urgent arrival nearly always finds one free).
+                # for lone urgent requests alone — as many as it takes for an urgent arrival to
+                # find all of them busy with probability <= RESERVE_BLOCKING (Erlang B).
                 ranked = sorted(all_ws, key=lambda w: state.cost(model, w.path).predict(1))
-                t1 = state.cost(model, ranked[0].path).predict(1)
-                n_keep = min(len(all_ws) - 1, max(1, math.ceil(lam_u * t1 / RESERVE_UTILISATION)))
-                ws = ranked[n_keep:]
+                offered = lam_u * state.cost(model, ranked[0].path).predict(1)
+                ws = ranked[min(len(all_ws) - 1, servers_for(offered, RESERVE_BLOCKING)):]
             # Urgent items go out on their own: padding their batch with low items would make
             # them wait for the low items' compute.
             b = urgent if 0 < urgent < q.items else q.items
@@ -299,7 +308,7 @@ class MarginalCost:
     @staticmethod
     def _dispatch_split(state: SchedulerState, model: str, q: ModelQueue, b: int, main: WorkerState,
                         ws: list[WorkerState], now: float, d: Decision) -> int:
-        others = [w for w in ws if w.free and w is not main and w.path != main.path]
+        others = [w for w in ws if w.free and w is not main]
         if others and b > 1:
             o = others[0]
             c_main, c_o = state.cost(model, main.path), state.cost(model, o.path)

@@ -121,7 +121,16 @@ class StatusRequest(msgspec.Struct, tag="status", tag_field="type", omit_default
     wait_us: NonNeg = 0
 
 
-ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest]
+class CancelRequest(msgspec.Struct, tag="cancel", tag_field="type"):
+    """Withdraw a still-queued infer request of this client (``id`` is that request's id). No
+    reply of its own: the request is answered CANCELLED if it was still queued, otherwise it
+    completes normally."""
+
+    v: int
+    id: U64
+
+
+ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest]
 
 
 # ---------------------------------------------------------------- dispatcher -> client

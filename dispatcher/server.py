@@ -92,6 +92,7 @@ class Dispatcher:
         for (model, path), curve in (profile or {}).items():
             self.state.costs[(model, path)] = curve
         self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
+        self.by_client_id: dict[tuple[bytes, int], int] = {}  # (client, request id) -> seq, for cancel
         self.batches: dict[int, InflightBatch] = {}
         self.deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); lazily pruned
         self.status_waiters: list[tuple[float, bytes, P.StatusRequest]] = []
@@ -284,6 +285,7 @@ class Dispatcher:
             if req is None or req.state == DONE:
                 continue
             req.state = DONE
+            self.by_client_id.pop((req.client, req.req_id), None)
             timing = P.Timing(queue_us=int((req.dispatched_at - req.arrival) * 1e6),
                               compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6),
@@ -319,6 +321,12 @@ class Dispatcher:
                 continue
             if type(msg) is P.InferRequest:
                 self._on_infer(msg, identity, raw, frames, now)
+            elif type(msg) is P.CancelRequest:
+                seq = self.by_client_id.get((identity, msg.id))
+                req = self.requests.get(seq) if seq is not None else None
+                if req is not None and req.state == QUEUED:
+                    self._unqueue(req)
+                    self._reply_error(req, Status.CANCELLED, "cancelled by the client while queued")
             elif type(msg) is P.ModelInfoRequest:
                 spec = self.specs.get(msg.model)
                 if spec is None:
@@ -365,6 +373,7 @@ class Dispatcher:
         req = Request(seq, msg.model, items, msg.priority, now, now + timeout, identity, msg.id,
                       [raw, *payload])
         self.requests[seq] = req
+        self.by_client_id[(identity, msg.id)] = seq
         heapq.heappush(self.deadlines, (req.deadline, seq))
         q.push(req)
 
@@ -469,6 +478,7 @@ class Dispatcher:
             return
         req.state = DONE
         self.requests.pop(req.seq, None)
+        self.by_client_id.pop((req.client, req.req_id), None)
         self._reply(req.client, P.error_reply(req.req_id, status, message))
 
     def _reply(self, identity: bytes, header: bytes) -> None:

@@ -14,7 +14,7 @@ import zmq
 
 from dispatcher import protocol as P
 from dispatcher.client import AsyncClient, Client
-from dispatcher.errors import DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, UnknownModel
+from dispatcher.errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, UnknownModel
 from workers.executors import sim_outputs
 
 from conftest import BIG_MODEL, SUM_MODEL, sim_worker
@@ -210,3 +210,34 @@ def test_dispatcher_shutdown_answers_queued_requests(start_node):
         with pytest.raises(Unavailable, match="shutting down"):
             queued.result()
         assert running.result()["y"].tolist() == [[4.0, 4.0]]  # drained, not dropped
+
+
+def test_queued_request_can_be_cancelled(start_node):
+    node = start_node([sim_worker("slow", launch_us=300_000.0)])
+    with node.client() as c:
+        running = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
+        c.status()  # `running` is on the worker now
+        queued = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
+        queued.cancel()
+        with pytest.raises(Cancelled, match="cancelled by the client while queued"):
+            queued.result()
+        assert running.result()["y"].tolist() == [[4.0, 4.0]]  # running work is not affected
+
+
+def test_async_cancel_withdraws_the_queued_request(start_node):
+    node = start_node([sim_worker("slow", launch_us=300_000.0)])
+
+    async def go():
+        async with AsyncClient(node.address) as c:
+            first = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
+            await c.status()
+            second = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
+            await c.status()  # queued behind `first`
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            st = await c.status()
+            assert st.queued == 0  # the dispatcher dropped it
+            assert (await first)["y"].tolist() == [[4.0, 4.0]]
+
+    asyncio.run(go())
