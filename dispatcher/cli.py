@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     p.add_argument("--name", required=True)
     p = sub.add_parser("up", help="start a node's dispatcher and workers; restart workers that die")
     p.add_argument("--config", required=True)
+    p = sub.add_parser("status", help="a running dispatcher's workers, learned cost curves, lambda and decisions")
+    p.add_argument("--address", required=True, help="the dispatcher's frontend, e.g. tcp://127.0.0.1:7755")
     p = sub.add_parser("calibrate", help="measure T(B) on each worker of a node; write a cost-curve profile")
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True, help="profile JSON to write (name it in [dispatcher] profile)")
@@ -54,6 +56,16 @@ def main(argv=None) -> int:
         from .supervisor import run_up
 
         return run_up(args.config, _node(args), args.log_level.upper())
+    if args.cmd == "status":
+        import json
+
+        import msgspec
+
+        from .client import Client
+
+        with Client(args.address) as c:
+            print(json.dumps(msgspec.to_builtins(c.status(timeout=5.0)), indent=1))
+        return 0
     if args.cmd == "calibrate":
         from .calibrate import calibrate
 

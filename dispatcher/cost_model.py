@@ -105,7 +105,7 @@ class CostCurve:
     def describe(self) -> dict:
         return {"launch_us": round(self.launch_s * 1e6, 2), "per_item_us": round(self.per_item_s * 1e6, 3),
                 "mode": self.mode, "r2": self.r2, "samples": self.samples, "outliers": self.outliers,
-                "knots_us": {b: round(self._knots[b][0] * 1e6, 1) for b in self._sizes}}
+                "knots_us": {str(b): round(self._knots[b][0] * 1e6, 1) for b in self._sizes}}
 
 
 def least_squares(points: list[tuple[int, float]]) -> tuple[float, float, float]:

@@ -169,6 +169,10 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
     queued: int
     workers: list[WorkerInfo]
     models: list[str]
+    policy: str = ""
+    curves: dict[str, dict[str, Any]] = {}  # "model/path" -> launch_us, per_item_us, mode, samples, ...
+    arrival_rate: dict[str, float] = {}  # model -> lambda(t) now, requests/s
+    decisions: dict[str, int] = {}  # reason -> count since start
 
 
 ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply]

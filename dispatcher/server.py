@@ -390,9 +390,13 @@ class Dispatcher:
         workers = [P.WorkerInfo(name=w.name, pid=w.pid, path=w.path, models=list(w.models),
                                 inflight=w.inflight, simulated=w.simulated)
                    for w in self.state.workers.values()]
+        now = _now()
         return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK,
                              registrations=self.registrations, dispatcher_pid=os.getpid(), queued=self._queued_total(),
-                             workers=workers, models=sorted(self.specs))
+                             workers=workers, models=sorted(self.specs), policy=self.policy.name,
+                             curves={f"{m}/{p}": c.describe() for (m, p), c in self.state.costs.items()},
+                             arrival_rate={m: round(self.state.arrival(m).rate(now), 2) for m in self.specs},
+                             decisions=dict(self.decisions))
 
     # ------------------------------------------------------------------ 3. deadlines
     def _expire(self, now: float) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import msgspec
@@ -241,3 +243,18 @@ def test_async_cancel_withdraws_the_queued_request(start_node):
             assert (await first)["y"].tolist() == [[4.0, 4.0]]
 
     asyncio.run(go())
+
+
+def test_status_shows_learned_curves_and_arrival_rate(start_node):
+    node = start_node([sim_worker("g", launch_us=2000.0, per_item_us=500.0)])
+    with node.client() as c:
+        for n in (1, 4, 8, 1, 4, 8, 2, 6, 3):
+            c.infer("sum", {"x": np.ones((n, 4), np.float32)})
+        st = c.status()
+    curve = st.curves["sum/gpu"]
+    assert st.policy == "mcb" and curve["samples"] >= 9
+    assert curve["per_item_us"] == pytest.approx(500, rel=0.25)  # learned online from the batches
+    assert st.arrival_rate["sum"] > 0 and sum(st.decisions.values()) >= 9
+    out = subprocess.run([sys.executable, "-m", "dispatcher.cli", "status", "--address", node.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and '"sum/gpu"' in out.stdout
