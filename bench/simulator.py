@@ -71,6 +71,8 @@ class SimResult:
             "mean_ms": float(lat.mean()) if lat.size else float("nan"),
             "throughput_rps": float(ok.sum() / self.duration) if self.duration else 0.0,
             "goodput_rps": float((ok & self.met_deadline).sum() / self.duration) if self.duration else 0.0,
+            "p99_by_class_ms": [float(np.percentile(self.latency[ok & (self.priority == c)] * 1e3, 99))
+                                if (ok & (self.priority == c)).any() else None for c in range(3)],
             "mean_batch": float(bs.mean()) if bs.size else 0.0,
             "gpu_share": float((self.path_of[ok] == 1).mean()) if ok.any() else 0.0,
             "batch_hist": {int(k): int(v) for k, v in zip(*np.unique(bs, return_counts=True))} if bs.size else {},

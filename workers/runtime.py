@@ -8,6 +8,7 @@ GIL); it also relays the dispatcher's "reregister" (e.g. after a dispatcher rest
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -65,6 +66,10 @@ class WorkerRuntime:
         self.numa_node = numa_node
         self.cache = SegmentCache()
         self._stop = False
+        # Completions of asynchronous executors (k batches in flight): appended on their
+        # threads, drained by the loop, which a byte on this pipe wakes.
+        self._completed: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
 
     def request_stop(self, *_args) -> None:
         self._stop = True
@@ -96,6 +101,9 @@ class WorkerRuntime:
         sock.setsockopt(zmq.LINGER, 500)
         sock.connect(self.backend)
         hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         registered = False
         next_register = 0.0
         rc = 0
@@ -108,12 +116,19 @@ class WorkerRuntime:
                 if not registered and now >= next_register:
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
-                if not sock.poll(200):
+                events = dict(poller.poll(200))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                while self._completed:  # batches an asynchronous executor finished
+                    sock.send_multipart(self._finish(*self._completed.popleft()), copy=False)
+                if sock not in events:
                     continue
                 frames = sock.recv_multipart(copy=False)
                 msg = P.to_worker_decoder.decode(frames[0].buffer)
                 if type(msg) is P.Batch:
-                    sock.send_multipart(self.run_batch(msg, frames[1:]), copy=False)
+                    out = self.run_batch(msg, frames[1:])
+                    if out is not None:
+                        sock.send_multipart(out, copy=False)
                 elif type(msg) is P.Registered:
                     if not registered:
                         log.info("worker %s registered with the dispatcher", self.name)
@@ -134,31 +149,68 @@ class WorkerRuntime:
                 hb.join(timeout=2)
             sock.close(linger=500)
             self.cache.close()
+            close = getattr(self.executor, "close", None)
+            if close is not None:
+                close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             ctx.term()
         return rc
 
-    def run_batch(self, msg: P.Batch, frames: list) -> list:
+    def run_batch(self, msg: P.Batch, frames: list) -> list | None:
+        """Run one batch. Returns the reply frames, or None when an asynchronous executor
+        took it (its reply is sent from the loop when the executor calls back)."""
         spec = self.specs.get(msg.model)
         items = read_batch(msg, frames, self.cache)
-        outputs, batch_error = None, None
-        compute_us = 0
         n_items = sum(it.items for it in items if it.error is None)
         if spec is None:
-            batch_error = (Status.UNKNOWN_MODEL, f"worker {self.name} does not serve {msg.model!r}")
-        elif n_items:
+            err = (Status.UNKNOWN_MODEL, f"worker {self.name} does not serve {msg.model!r}")
+            return self._finish(msg, items, spec, None, 0, err)
+        if not n_items:
+            return self._finish(msg, items, spec, None, 0, None)
+        try:
+            inputs = assemble(items, spec)
+        except Exception as e:
+            return self._finish(msg, items, spec, None, 0, (Status.INTERNAL, f"assembling inputs: {e}"))
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            def done(raw, compute_us, msg=msg, items=items, spec=spec):
+                # Runs on the executor's thread: hand over to the loop, never touch the socket here.
+                self._completed.append((msg, items, spec, raw, compute_us, None))
+                os.write(self._wake_w, b"x")
+
+            submit(msg.model, inputs, done)
+            return None
+        t0 = time.perf_counter()
+        try:
+            raw = self.executor.run(msg.model, inputs)
+        except Exception as e:
+            raw = e
+        return self._finish(msg, items, spec, raw, int((time.perf_counter() - t0) * 1e6), None)
+
+    def _finish(self, msg: P.Batch, items, spec, raw, compute_us: int, batch_error) -> list:
+        outputs = None
+        if isinstance(raw, BaseException):
+            if isinstance(raw, ExecutorUnavailable):
+                batch_error = (Status.UNAVAILABLE, str(raw))
+            else:  # a model failure fails this batch, never the worker
+                log.error("batch %d of %s failed: %s: %s", msg.batch_id, msg.model, type(raw).__name__, raw)
+                batch_error = (Status.INTERNAL, f"model {msg.model!r} raised {type(raw).__name__}: {raw}")
+            compute_us = 0
+        elif raw is not None:
             try:
-                inputs = assemble(items, spec)
-                t0 = time.perf_counter()
-                raw = self.executor.run(msg.model, inputs)
-                compute_us = int((time.perf_counter() - t0) * 1e6)
-                outputs = check_outputs(raw, spec, n_items)
-            except Exception as e:  # a model failure fails this batch, never the worker
-                log.exception("batch %d of %s failed", msg.batch_id, msg.model)
-                batch_error = (Status.INTERNAL, f"model {msg.model!r} raised {type(e).__name__}: {e}")
+                outputs = check_outputs(raw, spec, sum(it.items for it in items if it.error is None))
+            except ValueError as e:
+                batch_error, compute_us = (Status.INTERNAL, f"model {msg.model!r}: {e}"), 0
         results, out_frames = write_results(items, outputs, batch_error, self.cache, spec)
         header = P.encode(P.BatchDone(batch_id=msg.batch_id, worker=self.name,
                                       compute_us=compute_us, results=results))
         return [header, *out_frames]
+
+
+class ExecutorUnavailable(Exception):
+    """The executor's backend (e.g. a Triton server) cannot be reached: the batch's requests
+    get UNAVAILABLE, not INTERNAL, and the worker stays up."""
 
 
 def _powers_of_two(max_batch: int) -> tuple[int, ...]:
