@@ -3,7 +3,7 @@
 ``python -m bench.live_policies [--rate R] [--duration S]``
 
 Live node: the real dispatcher, a real AMX worker running MiniLM-L6 (bf16 weights, 1 thread)
-and a *simulated* GPU worker (launch 20 ms + 1 ms*B, max batch 32: slow enough that the CPU
+and a *simulated* GPU worker (launch 40 ms + 0.5 ms*B, max batch 32: slow enough that the CPU
 is the better path for lone requests on this 2-core machine, so the policies differ). The
 AMX curve is calibrated first (`batchyard calibrate`), then the same curves drive the
 simulator at the same Poisson rate. Live numbers include ZeroMQ, codec and process wake-ups.
@@ -28,7 +28,7 @@ from .loadgen import poisson_load
 from .simulator import Device, simulate
 from .traces import poisson
 
-GPU_SIM = SimConfig(launch_us=20_000.0, per_item_us=1_000.0, jitter=0.02)
+GPU_SIM = SimConfig(launch_us=40_000.0, per_item_us=500.0, jitter=0.02)
 POLICIES = ("mcb", "three-segment", "gpu-only", "window:5000,32", "fixed:8")
 
 

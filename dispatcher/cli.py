@@ -28,6 +28,11 @@ def main(argv=None) -> int:
     p.add_argument("--name", required=True)
     p = sub.add_parser("up", help="start a node's dispatcher and workers; restart workers that die")
     p.add_argument("--config", required=True)
+    p = sub.add_parser("triton-local", help="run nvidia-pytriton's tritonserver on a model repository until SIGTERM")
+    p.add_argument("--model-repository", default="deploy/triton/cpu")
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=8002)
     p = sub.add_parser("status", help="a running dispatcher's workers, learned cost curves, lambda and decisions")
     p.add_argument("--address", required=True, help="the dispatcher's frontend, e.g. tcp://127.0.0.1:7755")
     p = sub.add_parser("calibrate", help="measure T(B) on each worker of a node; write a cost-curve profile")
@@ -56,6 +61,21 @@ def main(argv=None) -> int:
         from .supervisor import run_up
 
         return run_up(args.config, _node(args), args.log_level.upper())
+    if args.cmd == "triton-local":
+        import signal
+
+        from workers.triton_local import TritonLocal
+
+        tl = TritonLocal(args.model_repository, args.grpc_port, args.http_port, args.metrics_port)
+        try:
+            tl.start(ready_timeout_s=120)
+            print(f"tritonserver ready: gRPC {tl.grpc_url}, metrics http://127.0.0.1:{tl.metrics_port}/metrics",
+                  flush=True)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        finally:
+            tl.close()
+        return 0
     if args.cmd == "status":
         import json
 

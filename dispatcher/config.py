@@ -33,7 +33,8 @@ class TensorConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    # "module:function" building the model for the executor; see workers/models.py.
+    # "module:function" building the model for an amx worker; see workers/models.py. Workers
+    # that do not build the model themselves (sim, triton) do not need it.
     factory: str
     inputs: tuple[TensorConfig, ...]
     outputs: tuple[TensorConfig, ...]
@@ -55,9 +56,20 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class TritonConfig:
+    """GPU worker backed by a Triton server (workers/triton_executor.py)."""
+
+    url: str = "127.0.0.1:8001"  # gRPC
+    models: dict[str, str] = field(default_factory=dict)  # Batchyard model -> Triton model name
+    inflight: int = 2  # batches in flight to Triton at once
+    shm: bool = True  # tensors through Triton's system shared memory (False: in gRPC bodies)
+    max_grpc_message_bytes: int = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     name: str
-    kind: Literal["amx", "sim"]
+    kind: Literal["amx", "sim", "triton"]
     models: tuple[str, ...]
     cpus: tuple[int, ...] = ()  # CPU affinity; empty = leave as inherited
     numa_node: Optional[int] = None  # bind memory here when libnuma is present
@@ -65,6 +77,7 @@ class WorkerConfig:
     max_inflight: int = 1
     warmup_sizes: tuple[int, ...] = ()  # empty: powers of two up to the model's max_batch
     sim: SimConfig = field(default_factory=SimConfig)
+    triton: TritonConfig = field(default_factory=TritonConfig)
 
 
 @dataclass(frozen=True)
@@ -121,8 +134,6 @@ class NodeConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate model names {names}")
         for m in self.models:
-            if ":" not in m.factory:
-                raise ConfigError(f"model {m.name!r}: factory {m.factory!r} must be 'module:function'")
             try:
                 validate_spec(m.spec())
             except (ValueError, msgspec.ValidationError) as e:
@@ -134,6 +145,10 @@ class NodeConfig:
             unknown = set(w.models) - set(names)
             if unknown or not w.models:
                 raise ConfigError(f"worker {w.name!r}: models {sorted(unknown) or '[]'} not defined in [[models]]")
+            for m in w.models if w.kind == "amx" else ():
+                if ":" not in self.model(m).factory:
+                    raise ConfigError(f"model {m!r}: an amx worker ({w.name!r}) runs it, so its factory "
+                                      f"{self.model(m).factory!r} must be 'module:function'")
             if w.threads < 1 or w.max_inflight < 1:
                 raise ConfigError(f"worker {w.name!r}: threads and max_inflight must be >= 1")
         return self
@@ -166,6 +181,8 @@ def to_toml(cfg: NodeConfig) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{val(k)} = {val(x)}" for k, x in v.items()) + " }"
         return repr(v)
 
     def table(header: str, obj) -> None:

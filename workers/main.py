@@ -18,7 +18,7 @@ log = logging.getLogger("batchyard.worker")
 
 def run_worker(node: NodeConfig, name: str) -> int:
     wcfg = node.worker(name)
-    title = {"amx": "amx-worker", "sim": "sim-worker"}[wcfg.kind]
+    title = {"amx": "amx-worker", "sim": "sim-worker", "triton": "gpu-worker"}[wcfg.kind]
     set_title(f"batchyard::{title}[{name}]")
     from .pinning import bind_numa_node, pin_cpus
 
@@ -32,6 +32,13 @@ def run_worker(node: NodeConfig, name: str) -> int:
         from .executors import TorchCpuExecutor
 
         executor = TorchCpuExecutor(threads=wcfg.threads)
+    elif wcfg.kind == "triton":
+        from .triton_executor import TritonExecutor
+
+        t = wcfg.triton
+        limit = t.max_grpc_message_bytes
+        args = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)] if limit else None
+        executor = TritonExecutor(t.url, dict(t.models), inflight=t.inflight, use_shm=t.shm, channel_args=args)
     else:
         from .executors import SimulatedExecutor
 
@@ -46,9 +53,9 @@ def run_worker(node: NodeConfig, name: str) -> int:
 
     rt = WorkerRuntime(name, node.dispatcher.backend, executor, specs,
                        heartbeat_interval_s=node.dispatcher.heartbeat_interval_s,
-                       max_inflight=wcfg.max_inflight,
+                       max_inflight=wcfg.triton.inflight if wcfg.kind == "triton" else wcfg.max_inflight,
                        numa_node=-1 if wcfg.numa_node is None else wcfg.numa_node)
     warm = {m: wcfg.warmup_sizes for m in wcfg.models if wcfg.warmup_sizes}
-    if wcfg.kind == "amx":
+    if wcfg.kind in ("amx", "triton"):  # warm every path before taking traffic (seed pitfall 2)
         rt.warmup(warm)
     return rt.serve()

@@ -31,6 +31,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_stub_site() -> str:
+    """A folder holding numpy<2 for the python-backend stub.
+
+    The wheel's stub embeds Python in isolated mode (it ignores PYTHONPATH; sys.path[0] is its
+    working directory) and was built against numpy 1.x: with numpy 2 its outputs came back
+    empty, silently. So the server runs with this folder as its working directory.
+    """
+    site = Path(sys.prefix) / "triton-stub-site"
+    if not (site / "numpy").is_dir():
+        raise RuntimeError(f"the Triton python-backend stub needs numpy<2 in {site}: run "
+                           f"`{sys.executable} -m pip install --target {site} 'numpy<2'` (make test does)")
+    return str(site)
+
+
 def pytriton_root() -> Path:
     import pytriton
 
@@ -39,13 +53,15 @@ def pytriton_root() -> Path:
 
 class TritonLocal:
     def __init__(self, model_repository: str | Path, grpc_port: int = 0, http_port: int = 0,
-                 metrics_port: int = 0, log_verbose: int = 0, stub_site: str | None = None):
+                 metrics_port: int = 0, log_verbose: int = 0, stub_site: str | None = None,
+                 models: list[str] | None = None):
         self.repo = Path(model_repository).resolve()
         self.grpc_port = grpc_port or _free_port()
         self.http_port = http_port or _free_port()
         self.metrics_port = metrics_port or _free_port()
         self.log_verbose = log_verbose
         self.stub_site = stub_site
+        self.models = models  # load only these (explicit model control); None: the whole repository
         self.proc: subprocess.Popen | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="by-triton-"))
         self._shm_before: set[str] = set()
@@ -75,10 +91,14 @@ class TritonLocal:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
         site = sysconfig.get_paths()["purelib"]
-        env["PYTHONPATH"] = ":".join([site, str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]).rstrip(":")
+        # The stub ignores PYTHONPATH (isolated interpreter); models that need our packages
+        # append these to sys.path themselves (deploy/triton/cpu/model_amx/1/model.py).
+        env["BATCHYARD_SITE_PATHS"] = os.pathsep.join([site, str(Path(__file__).resolve().parents[1])])
         return env
 
     def start(self, ready_timeout_s: float = 60.0) -> "TritonLocal":
+        if self.stub_site is None:
+            self.stub_site = default_stub_site()
         self._shm_before = set(os.listdir("/dev/shm"))
         cmd = [str(pytriton_root() / "bin" / "tritonserver"),
                f"--model-repository={self.repo}", f"--backend-directory={self._backend_dir()}",
@@ -87,6 +107,8 @@ class TritonLocal:
                f"--log-verbose={self.log_verbose}", "--exit-on-error=true", "--strict-readiness=true",
                # CPU-only host: no pinned or CUDA pools (the python backend then returned empty outputs).
                "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+        if self.models is not None:
+            cmd += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in self.models]
         log = open(self.workdir / "tritonserver.log", "wb")
         self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=self.stub_site)
