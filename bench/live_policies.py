@@ -80,7 +80,8 @@ def main(argv=None) -> None:
         for pol in POLICIES:
             live = live_run(pol, args.rate, args.duration, keep)
             cpu = profile["models"]["minilm"]["cpu"]
-            devs = [Device("amx0", "cpu", cpu["launch_us"] * 1e-6, cpu["per_item_us"] * 1e-6, 32),
+            devs = [Device("amx0", "cpu", cpu["launch_us"] * 1e-6, cpu["per_item_us"] * 1e-6, 32,
+                           points=tuple(tuple(p) for p in cpu["points"])),
                     Device("gpu-sim0", "gpu", GPU_SIM.launch_us * 1e-6, GPU_SIM.per_item_us * 1e-6, 32, GPU_SIM.jitter)]
             if pol in ("gpu-only",) or pol.startswith(("window", "fixed")):
                 devs = devs[1:]

@@ -34,8 +34,11 @@ class Device:
     per_item_s: float
     max_batch: int = 64
     jitter: float = 0.0  # relative std-dev of service time
+    points: tuple = ()  # measured (B, seconds): when given, service time follows them (piecewise)
 
     def curve(self) -> CostCurve:
+        if self.points:
+            return CostCurve.from_points(list(self.points))
         return CostCurve(launch_s=self.launch_s, per_item_s=self.per_item_s)
 
 
@@ -108,6 +111,7 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
     i = 0
     decide = policy.decide
     dev_of = {w.name: (k, dev) for k, (w, dev) in enumerate(workers)}
+    true_curve = [dev.curve() for _, dev in workers]  # the device's real T(B); the policy learns its own
     while i < n or events or (q.requests and wake < math.inf):
         t_arr = arr[i] if i < n else math.inf
         t_ev = events[0][0] if events else math.inf
@@ -151,7 +155,7 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
                 st.on_complete(disp.worker, MODEL, 0, None, now)
                 continue
             b = len(reqs)
-            service = dev.launch_s + dev.per_item_s * b
+            service = true_curve[k].predict(b)
             if dev.jitter:
                 service *= max(0.05, 1.0 + dev.jitter * rng.standard_normal())
             start = now  # the worker was free when the policy picked it (capacity 1)

@@ -67,9 +67,19 @@ class TritonConfig:
 
 
 @dataclass(frozen=True)
+class CudaConfig:
+    """GPU worker without Triton (workers/cuda_executors.py): kind "cuda" runs the model
+    factory with PyTorch on the GPU; kind "tensorrt" runs an engine built from ONNX."""
+
+    device: int = 0
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    onnx: dict[str, str] = field(default_factory=dict)  # tensorrt: model -> ONNX file
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     name: str
-    kind: Literal["amx", "sim", "triton"]
+    kind: Literal["amx", "sim", "triton", "cuda", "tensorrt"]
     models: tuple[str, ...]
     cpus: tuple[int, ...] = ()  # CPU affinity; empty = leave as inherited
     numa_node: Optional[int] = None  # bind memory here when libnuma is present
@@ -78,6 +88,7 @@ class WorkerConfig:
     warmup_sizes: tuple[int, ...] = ()  # empty: powers of two up to the model's max_batch
     sim: SimConfig = field(default_factory=SimConfig)
     triton: TritonConfig = field(default_factory=TritonConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class NodeConfig:
             unknown = set(w.models) - set(names)
             if unknown or not w.models:
                 raise ConfigError(f"worker {w.name!r}: models {sorted(unknown) or '[]'} not defined in [[models]]")
-            for m in w.models if w.kind == "amx" else ():
+            for m in w.models if w.kind in ("amx", "cuda") else ():
                 if ":" not in self.model(m).factory:
                     raise ConfigError(f"model {m!r}: an amx worker ({w.name!r}) runs it, so its factory "
                                       f"{self.model(m).factory!r} must be 'module:function'")

@@ -244,3 +244,16 @@ def test_sim_outputs_are_a_function_of_inputs():
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     y = sim_outputs({"x": x}, SPEC)["y"]
     assert y.tolist() == [[6.0, 6.0], [22.0, 22.0]]
+
+
+def test_gpu_executors_fail_clearly_without_a_gpu():
+    import torch
+
+    from workers.cuda_executors import GpuUnavailable, TensorRTExecutor, TorchCudaExecutor
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    with pytest.raises(GpuUnavailable, match="is_available"):
+        TorchCudaExecutor()
+    with pytest.raises(GpuUnavailable):
+        TensorRTExecutor({"m": "/nonexistent.onnx"})

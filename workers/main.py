@@ -18,7 +18,7 @@ log = logging.getLogger("batchyard.worker")
 
 def run_worker(node: NodeConfig, name: str) -> int:
     wcfg = node.worker(name)
-    title = {"amx": "amx-worker", "sim": "sim-worker", "triton": "gpu-worker"}[wcfg.kind]
+    title = "gpu-worker" if wcfg.kind in ("triton", "cuda", "tensorrt") else f"{wcfg.kind}-worker"
     set_title(f"batchyard::{title}[{name}]")
     from .pinning import bind_numa_node, pin_cpus
 
@@ -39,6 +39,14 @@ def run_worker(node: NodeConfig, name: str) -> int:
         limit = t.max_grpc_message_bytes
         args = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)] if limit else None
         executor = TritonExecutor(t.url, dict(t.models), inflight=t.inflight, use_shm=t.shm, channel_args=args)
+    elif wcfg.kind == "cuda":
+        from .cuda_executors import TorchCudaExecutor
+
+        executor = TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision)
+    elif wcfg.kind == "tensorrt":
+        from .cuda_executors import TensorRTExecutor
+
+        executor = TensorRTExecutor(dict(wcfg.cuda.onnx), wcfg.cuda.device, fp16=wcfg.cuda.precision != "fp32")
     else:
         from .executors import SimulatedExecutor
 
@@ -56,6 +64,6 @@ def run_worker(node: NodeConfig, name: str) -> int:
                        max_inflight=wcfg.triton.inflight if wcfg.kind == "triton" else wcfg.max_inflight,
                        numa_node=-1 if wcfg.numa_node is None else wcfg.numa_node)
     warm = {m: wcfg.warmup_sizes for m in wcfg.models if wcfg.warmup_sizes}
-    if wcfg.kind in ("amx", "triton"):  # warm every path before taking traffic (seed pitfall 2)
+    if wcfg.kind != "sim":  # warm every real path before taking traffic (seed pitfall 2: launch jitter)
         rt.warmup(warm)
     return rt.serve()

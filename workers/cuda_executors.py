@@ -1,0 +1,140 @@
+"""GPU executors for hosts without Triton: PyTorch on CUDA, and TensorRT from an ONNX file.
+
+Both are import-guarded: nothing here imports CUDA code at module import, and building one
+on a host without a usable GPU raises ``GpuUnavailable`` with the reason, so CPU-only
+installs and tests never touch them. (The development machine of this project has no GPU:
+these paths are written against the PyTorch 2.x and TensorRT 10 APIs but were not run here.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dispatcher.protocol import ModelSpec
+
+from .executors import load_factory
+
+
+class GpuUnavailable(RuntimeError):
+    pass
+
+
+def _torch_cuda(device: int):
+    try:
+        import torch
+    except ImportError as e:
+        raise GpuUnavailable(f"PyTorch is not installed: {e}") from None
+    if not torch.cuda.is_available():
+        raise GpuUnavailable("torch.cuda.is_available() is False (CPU-only PyTorch build or no GPU)")
+    if device >= torch.cuda.device_count():
+        raise GpuUnavailable(f"cuda:{device} does not exist ({torch.cuda.device_count()} GPUs)")
+    return torch
+
+
+class TorchCudaExecutor:
+    """The model factory's module on ``cuda:<device>`` with half-precision weights (converted
+    once). Inputs go host -> device from pinned buffers; one CUDA stream; synchronous."""
+
+    path = "gpu"
+    simulated = False
+
+    def __init__(self, device: int = 0, precision: str = "bf16"):
+        torch = _torch_cuda(device)
+        self.torch = torch
+        self.device = torch.device(f"cuda:{device}")
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+        self.models: dict[str, object] = {}
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def load(self, spec: ModelSpec, factory: str) -> None:
+        self.models[spec.name] = load_factory(factory)(spec).eval().to(self.device, self.dtype)
+
+    def run(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        with torch.inference_mode():
+            tensors = {}
+            for name, arr in inputs.items():
+                t = torch.from_numpy(np.ascontiguousarray(arr)).pin_memory().to(self.device, non_blocking=True)
+                tensors[name] = t.to(self.dtype) if t.is_floating_point() else t
+            out = self.models[model](**tensors)
+            host = {k: (v.float() if v.is_floating_point() else v).to("cpu", non_blocking=True) for k, v in out.items()}
+            torch.cuda.current_stream(self.device).synchronize()
+        return {k: v.numpy() for k, v in host.items()}
+
+
+class TensorRTExecutor:
+    """A TensorRT engine built from ONNX (fp16, one optimisation profile over the batch
+    dimension 1..max_batch), cached next to the ONNX file; device buffers are torch tensors."""
+
+    path = "gpu"
+    simulated = False
+
+    def __init__(self, onnx: dict[str, str], device: int = 0, fp16: bool = True):
+        self.torch = _torch_cuda(device)
+        try:
+            import tensorrt as trt
+        except ImportError as e:
+            raise GpuUnavailable(f"TensorRT is not installed: {e}") from None
+        self.trt = trt
+        self.onnx = onnx  # model name -> path of its ONNX file
+        self.fp16 = fp16
+        self.device = self.torch.device(f"cuda:{device}")
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.engines: dict[str, tuple] = {}
+        self.specs: dict[str, ModelSpec] = {}
+
+    def _build(self, spec: ModelSpec) -> bytes:
+        trt = self.trt
+        src = Path(self.onnx[spec.name])
+        cache = src.with_suffix(f".b{spec.max_batch}{'.fp16' if self.fp16 else ''}.plan")
+        if cache.exists() and cache.stat().st_mtime >= src.stat().st_mtime:
+            return cache.read_bytes()
+        builder = trt.Builder(self.logger)
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, self.logger)
+        if not parser.parse(src.read_bytes()):
+            raise ValueError(f"TensorRT could not parse {src}: {parser.get_error(0)}")
+        config = builder.create_builder_config()
+        if self.fp16:
+            config.set_flag(trt.BuilderFlag.FP16)
+        profile = builder.create_optimization_profile()
+        for t in spec.inputs:
+            profile.set_shape(t.name, (1, *t.shape), (max(1, spec.max_batch // 2), *t.shape), (spec.max_batch, *t.shape))
+        config.add_optimization_profile(profile)
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise RuntimeError(f"TensorRT failed to build an engine for {spec.name}")
+        cache.write_bytes(bytes(plan))
+        return bytes(plan)
+
+    def load(self, spec: ModelSpec, factory: str = "") -> None:
+        runtime = self.trt.Runtime(self.logger)
+        engine = runtime.deserialize_cuda_engine(self._build(spec))
+        self.engines[spec.name] = (engine, engine.create_execution_context(), self.torch.cuda.Stream(self.device))
+        self.specs[spec.name] = spec
+
+    def run(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        engine, ctx, stream = self.engines[model]
+        spec = self.specs[model]
+        n = next(iter(inputs.values())).shape[0]
+        keep = []
+        with torch.cuda.stream(stream):
+            for t in spec.inputs:
+                d = torch.from_numpy(np.ascontiguousarray(inputs[t.name])).to(self.device, non_blocking=True)
+                keep.append(d)
+                ctx.set_input_shape(t.name, tuple(d.shape))
+                ctx.set_tensor_address(t.name, d.data_ptr())
+            outs = {}
+            for t in spec.outputs:
+                o = torch.empty((n, *t.shape), dtype=getattr(torch, t.dtype), device=self.device)
+                outs[t.name] = o
+                ctx.set_tensor_address(t.name, o.data_ptr())
+            if not ctx.execute_async_v3(stream.cuda_stream):
+                raise RuntimeError(f"TensorRT execution of {model} failed")
+            host = {k: v.to("cpu", non_blocking=True) for k, v in outs.items()}
+        stream.synchronize()
+        del keep  # inputs must outlive the asynchronous execution
+        return {k: v.numpy() for k, v in host.items()}
