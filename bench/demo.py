@@ -8,6 +8,7 @@ MiniLM). Prints a latency table per path; rows from the simulated device say so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig, to_toml)
+from dispatcher.client import Client
 from dispatcher.supervisor import Supervisor
 
 from .loadgen import poisson_load
@@ -52,19 +54,31 @@ def demo_config(run_dir: str, policy: str = "mcb") -> NodeConfig:
         )).validate()
 
 
-def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb") -> int:
+def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", triton: bool = False) -> int:
     from workers.models import tokenize
 
     ids, mask = tokenize(SENTENCES)
-    with tempfile.TemporaryDirectory(prefix="batchyard-demo-") as run_dir:
+    with contextlib.ExitStack() as stack:
+        run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="batchyard-demo-"))
         node = demo_config(run_dir, policy)
+        if triton:  # the GPU worker drives a real tritonserver (on the CPU here) instead of a simulation
+            from dispatcher.config import TritonConfig
+            from workers.triton_local import TritonLocal
+
+            print("starting tritonserver (nvidia-pytriton, python backend, MiniLM) ...", flush=True)
+            tl = stack.enter_context(TritonLocal(Path(__file__).resolve().parents[1] / "deploy" / "triton" / "cpu",
+                                                 models=["model_amx"]))
+            gpu = WorkerConfig(name="gpu0", kind="triton", models=("minilm",), warmup_sizes=(1, 2, 4, 8),
+                               triton=TritonConfig(url=tl.grpc_url, models={"minilm": "model_amx"}))
+            node = NodeConfig(node.dispatcher, node.models, (node.workers[0], gpu)).validate()
         cfg_path = Path(run_dir) / "node.toml"
         cfg_path.write_text(to_toml(node))
         sup = Supervisor(cfg_path, node, log_level="WARNING")
         t0 = time.monotonic()
         sup.start()
         try:
-            print("starting dispatcher, AMX worker (MiniLM-L6 bf16) and simulated GPU worker ...", flush=True)
+            print(f"starting dispatcher, AMX worker (MiniLM-L6 bf16) and "
+                  f"{'Triton-backed' if triton else 'simulated'} GPU worker ...", flush=True)
             sup.wait_ready(timeout=300)
             print(f"ready in {time.monotonic() - t0:.1f} s; {duration:.0f} s of Poisson load at {rate:.0f} req/s",
                   flush=True)
@@ -74,11 +88,18 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb") ->
                 return {"input_ids": ids[k:k + 1], "attention_mask": mask[k:k + 1]}
 
             records = asyncio.run(poisson_load(node.dispatcher.frontend, "minilm", make_inputs, rate, duration))
+            with Client(node.dispatcher.frontend) as c:
+                st = c.status()
         finally:
             sup.stop()
     print()
     print(f"Batchyard demo — policy {policy}, MiniLM-L6 (seq 128), Poisson {rate:.0f} req/s, {duration:.0f} s")
     print(latency_table(records, duration))
+    print("cost curves the dispatcher learned (T(B) = launch + per_item * B):")
+    for key, v in sorted(st.curves.items()):
+        print(f"  {key:<12} {v['launch_us'] / 1e3:7.2f} ms + {v['per_item_us'] / 1e3:6.2f} ms*B  "
+              f"({v['samples']} batches, {v['outliers']} outliers)")
+    print(f"decisions: {st.decisions}")
     ok = sum(r.status == "OK" for r in records)
     return 0 if ok else 1
 

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
     p.add_argument("--policy", default="mcb")
+    p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     if args.cmd == "demo":
         from bench.demo import run_demo
 
-        return run_demo(duration=args.duration, rate=args.rate, policy=args.policy)
+        return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
     return 2
 
 
