@@ -41,6 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="", help="comma-separated batch sizes (default: powers of two)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--worker", action="append", help="only these workers (repeatable)")
+    p = sub.add_parser("bench", help="perf_analyzer-style load against a dispatcher or a Triton server")
+    from bench.bench_cli import add_arguments
+
+    add_arguments(p)
     p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
@@ -93,6 +97,10 @@ def main(argv=None) -> int:
         sizes = [int(x) for x in args.sizes.split(",") if x] or None
         calibrate(_node(args), args.out, sizes=sizes, reps=args.reps, workers=args.worker)
         return 0
+    if args.cmd == "bench":
+        from bench.bench_cli import main as bench_main
+
+        return bench_main(args)
     if args.cmd == "demo":
         from bench.demo import run_demo
 

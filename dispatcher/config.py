@@ -104,6 +104,8 @@ class DispatcherConfig:
     worker_dead_after_s: float = 1.5
     janitor_interval_s: float = 5.0  # sweep orphaned shared memory of dead clients
     drain_timeout_s: float = 5.0  # on SIGTERM, how long in-flight batches may finish
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: off), served from the dispatcher's loop
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import zmq
 from . import protocol as P
 from .config import DispatcherConfig, NodeConfig
 from .cost_model import CostCurve
+from .metrics import Metrics
 from .policy import Dispatch, feasible, make_policy
 from .protocol import Status
 from .shm import reap_orphans
@@ -98,6 +99,7 @@ class Dispatcher:
         self.status_waiters: list[tuple[float, bytes, P.StatusRequest]] = []
         self.registrations = 0
         self.decisions: dict[str, int] = {}  # decision reason -> count (waited, dispatched-cpu, ...)
+        self.metrics = Metrics()
         self._seq = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._wake_at = math.inf
@@ -276,6 +278,8 @@ class Dispatcher:
             self.state.on_complete(w, batch.model, n_items, msg.compute_us / 1e6 if msg.compute_us else None, now)
         path = w.path if w is not None else "?"
         simulated = w.simulated if w is not None else False
+        metrics = self.metrics
+        metrics.batch_done(batch.model, path)
         pos = 2
         fe = self.frontend
         for res in msg.results:
@@ -290,6 +294,11 @@ class Dispatcher:
                               compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6),
                               batch_size=n_items, path=path, worker=msg.worker, simulated=simulated)
+            if res.status == Status.OK:
+                metrics.request_ok(req.model, path, req.priority, req.items, timing.queue_us, timing.compute_us,
+                                   timing.total_us)
+            else:
+                metrics.request_failed(req.model, _reason(res.status))
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=res.status,
                                            message=res.message, outputs=res.outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
@@ -343,31 +352,35 @@ class Dispatcher:
     def _unknown_model(self, model: str) -> str:
         return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs)}"
 
+    def _reject(self, identity: bytes, msg: P.InferRequest, status: Status, message: str) -> None:
+        self.metrics.request_failed(msg.model, _reason(status))
+        self._reply(identity, P.error_reply(msg.id, status, message))
+
     def _on_infer(self, msg: P.InferRequest, identity: bytes, raw: bytes, frames: list, now: float) -> None:
         if self._draining:
-            self._reply(identity, P.error_reply(msg.id, Status.UNAVAILABLE, "dispatcher is shutting down"))
+            self._reject(identity, msg, Status.UNAVAILABLE, "dispatcher is shutting down")
             return
         spec = self.specs.get(msg.model)
         if spec is None:
-            self._reply(identity, P.error_reply(msg.id, Status.UNKNOWN_MODEL, self._unknown_model(msg.model)))
+            self._reject(identity, msg, Status.UNKNOWN_MODEL, self._unknown_model(msg.model))
             return
         payload = frames[2:]
         try:
             items = validate_infer(msg, spec, [len(f) for f in payload], self.cfg.max_inline_bytes)
         except RequestInvalid as e:
-            self._reply(identity, P.error_reply(msg.id, Status.INVALID_ARGUMENT, str(e)))
+            self._reject(identity, msg, Status.INVALID_ARGUMENT, str(e))
             return
         q = self.state.queue(msg.model)
         if q.requests >= self.cfg.max_queue:
-            self._reply(identity, P.error_reply(msg.id, Status.OVERLOADED,
-                                                f"queue for {msg.model!r} is full ({self.cfg.max_queue} requests)"))
+            self._reject(identity, msg, Status.OVERLOADED,
+                         f"queue for {msg.model!r} is full ({self.cfg.max_queue} requests)")
             return
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.cfg.default_timeout_s
         self.state.note_arrival(msg.model, msg.priority, items, now)
         if not feasible(self.state, msg.model, items, now + timeout, now):
-            self._reply(identity, P.error_reply(msg.id, Status.DEADLINE_EXCEEDED,
-                                                f"no path can finish {items} item(s) of {msg.model!r} within "
-                                                f"{timeout * 1e3:.1f} ms (rejected on arrival)"))
+            self._reject(identity, msg, Status.DEADLINE_EXCEEDED,
+                         f"no path can finish {items} item(s) of {msg.model!r} within "
+                         f"{timeout * 1e3:.1f} ms (rejected on arrival)")
             return
         seq = next(self._seq)
         req = Request(seq, msg.model, items, msg.priority, now, now + timeout, identity, msg.id,
@@ -483,6 +496,7 @@ class Dispatcher:
         req.state = DONE
         self.requests.pop(req.seq, None)
         self.by_client_id.pop((req.client, req.req_id), None)
+        self.metrics.request_failed(req.model, _reason(status))
         self._reply(req.client, P.error_reply(req.req_id, status, message))
 
     def _reply(self, identity: bytes, header: bytes) -> None:
@@ -493,6 +507,22 @@ class Dispatcher:
 
     def _queued_total(self) -> int:
         return self.state.queued_requests()
+
+    def render_metrics(self) -> str:
+        now = _now()
+        pending = {m: 0 for m in self.specs}
+        for r in self.requests.values():
+            pending[r.model] = pending.get(r.model, 0) + 1
+        return self.metrics.render(pending, self.decisions,
+                                   {f"{m}/{p}": c.describe() for (m, p), c in self.state.costs.items()},
+                                   {m: round(self.state.arrival(m).rate(now), 3) for m in self.specs})
+
+
+def _reason(status: int) -> str:
+    try:
+        return Status(status).name.lower()
+    except ValueError:
+        return f"status_{status}"
 
 
 def run_dispatcher(node: NodeConfig) -> None:
@@ -517,8 +547,18 @@ def run_dispatcher(node: NodeConfig) -> None:
         loop.add_signal_handler(sig, d.begin_shutdown)
     log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s",
              os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name)
+    metrics_server = None
+    if node.dispatcher.metrics_port:
+        from .metrics import serve_metrics
+
+        metrics_server = loop.run_until_complete(
+            serve_metrics(loop, node.dispatcher.metrics_host, node.dispatcher.metrics_port, d.render_metrics))
+        log.info("metrics at http://%s:%d/metrics", node.dispatcher.metrics_host, node.dispatcher.metrics_port)
     try:
         loop.run_until_complete(d.stopped)
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
+            loop.run_until_complete(metrics_server.wait_closed())
         d.close()
         loop.close()

@@ -1,0 +1,60 @@
+"""The bench harness: its percentiles, its schedule, and its failure when nobody answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench.harness import LoadSpec, analyse, run_load, schedule, summarise
+
+from conftest import ROOT, sim_worker
+
+
+def test_percentiles_agree_with_direct_computation(start_node):
+    node = start_node([sim_worker(launch_us=500.0)])
+    spec = LoadSpec(rate=300.0, warmup_s=0.5, window_s=1.5, windows=2, processes=2, stable_windows=1, stability=10.0)
+    rows = run_load(node.address, "sum", spec)
+    rep = analyse(rows, spec, "batchyard", "sum")
+    assert rep.summary["served"] > 300 and not rep.summary["errors"]
+    lo, hi = spec.warmup_s + rep.used_windows[0] * spec.window_s, spec.warmup_s + (rep.used_windows[-1] + 1) * spec.window_s
+    m = (rows[:, 0] >= lo) & (rows[:, 0] < hi)
+    lat_ms = rows[m, 1] / 1e3
+    for p, key in ((50, "p50_ms"), (90, "p90_ms"), (99, "p99_ms")):
+        # HDR keeps 3 significant digits; nearest-rank vs interpolation differ by one sample at most
+        direct = np.percentile(lat_ms, p, method="higher")
+        assert rep.summary[key] == pytest.approx(direct, rel=0.02, abs=0.02), (p, rep.summary[key], direct)
+    assert rep.summary["path_gpu"]["served"] == rep.summary["served"]
+    assert rep.schedule_kept
+
+
+def test_schedule_modes_have_the_rates_they_say(tmp_path):
+    spec = LoadSpec(rate=500.0, distribution="constant", warmup_s=0, window_s=2, windows=1)
+    t, prio, _ = schedule(spec)
+    assert len(t) == 1000 and np.allclose(np.diff(t), 0.002) and set(prio) == {1}
+    iv = tmp_path / "iv.txt"
+    iv.write_text("0.01\n0.03\n")
+    t, _, _ = schedule(LoadSpec(intervals_file=str(iv), warmup_s=0, window_s=2, windows=1))
+    assert np.allclose(np.diff(t)[:4], [0.03, 0.01, 0.03, 0.01])
+    t, prio, timeout = schedule(LoadSpec(rate=2000, priority_mix=(1, 1, 2), deadlines_ms=(5, 0, 50), warmup_s=0,
+                                         window_s=5, windows=1))
+    assert (prio == 2).mean() == pytest.approx(0.5, abs=0.03)
+    assert set(np.round(timeout[prio == 0], 3)) == {0.005}
+
+
+def test_summary_counts_errors_per_class():
+    rows = np.array([[0.1, 1000, 0, 1, 0, 10, 20], [0.2, 2000, 4, 0, 2, 0, 0], [0.3, 3000, 0, 2, 2, 5, 9]], float)
+    s = summarise(rows, 1.0)
+    assert s["served"] == 2 and s["deadline_exceeded"] == 1 and s["class_low"] == {"served": 1, "errors": 1,
+                                                                                      "p99_ms": 3.0}
+
+
+def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
+    r = subprocess.run([sys.executable, "-m", "dispatcher.cli", "--log-level", "WARNING", "bench", "--address",
+                        f"ipc://{run_dir}/nobody", "--model", "sum", "--request-rate", "10", "--processes", "1",
+                        "--warmup", "0", "--window", "1", "--windows", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=90)
+    assert r.returncode != 0
+    assert "cannot reach a dispatcher serving 'sum'" in r.stderr + r.stdout

@@ -1,0 +1,73 @@
+"""Prometheus metrics with Triton's names, from the dispatcher's own loop."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.request
+
+import numpy as np
+import pytest
+
+from dispatcher.errors import InvalidArgument, UnknownModel
+
+from conftest import sim_worker
+from test_request_path import X1, header, raw_roundtrip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def total(m: dict, name: str, **labels) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in m.items() if re.match(rf"{name}(\{{|$)", k) and all(w in k for w in want))
+
+
+def test_metrics_count_a_known_load(start_node):
+    port = free_port()
+    node = start_node([sim_worker()], metrics_port=port)
+    with node.client() as c:
+        futs = [c.submit("sum", {"x": np.ones((n, 4), np.float32)}, priority="high" if n == 1 else "normal")
+                for n in (1, 2, 3, 1, 2, 3, 1, 2, 3, 4)]
+        for f in futs:
+            f.result()
+        for _ in range(2):
+            with pytest.raises(InvalidArgument):
+                c.infer("sum", {"x": np.ones((1, 4), np.float64)})
+        with pytest.raises(UnknownModel):  # the SDK asks model_info first: not an inference failure
+            c.infer("ghost", {"x": np.ones((1, 4), np.float32)})
+        # an infer for an unknown model, sent raw, is one
+        assert raw_roundtrip(node.address, [header(model="ghost"), X1]).status == 5
+        c.status()  # every reply above has been sent
+    m = scrape(port)
+    assert total(m, "nv_inference_request_success") == 10
+    assert total(m, "nv_inference_request_success", priority="high") == 3
+    assert total(m, "nv_inference_request_success", path="gpu") == 10
+    assert total(m, "nv_inference_count") == 22  # items
+    assert total(m, "nv_inference_request_failure", reason="invalid_argument") == 2
+    assert total(m, "nv_inference_request_failure", reason="unknown_model") == 1
+    assert 1 <= total(m, "nv_inference_exec_count") <= 10
+    assert total(m, "nv_inference_queue_duration_us") > 0
+    assert total(m, "nv_inference_compute_infer_duration_us") > 0
+    assert total(m, "nv_inference_request_duration_us") >= total(m, "nv_inference_queue_duration_us")
+    assert total(m, "nv_inference_pending_request_count") == 0
+    assert m['batchyard_request_latency_seconds_count{model="sum"}'] == 10
+    assert m['batchyard_request_latency_seconds_bucket{model="sum",le="+Inf"}'] == 10
+    assert total(m, "batchyard_decisions_total") >= 1
+    assert total(m, "batchyard_cost_per_item_us", model="sum", path="gpu") > 0
+    assert total(m, "batchyard_arrival_rate", model="sum") > 0
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
