@@ -27,7 +27,8 @@ from dispatcher import protocol as P
 from dispatcher.client import AsyncClient, Client
 from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig, to_toml)
-from dispatcher.shm import SegmentCache, ShmPool
+from dispatcher.client_pool import ShmPool
+from dispatcher.shm import SegmentCache
 from dispatcher.supervisor import Supervisor
 
 NOOP = ModelConfig(name="noop", factory="workers.models:mlp", max_batch=256,

@@ -30,7 +30,8 @@ import zmq
 from . import protocol as P
 from .errors import DeadlineExceeded, InvalidArgument, error_for
 from .protocol import Status
-from .shm import Region, ShmPool, reap_orphans
+from .client_pool import Region, ShmPool
+from .shm import reap_orphans
 from .validation import item_nbytes
 
 DEFAULT_TIMEOUT_S = 30.0

@@ -2,14 +2,16 @@
 
 Ownership story (docs/protocol.md, "Shared memory"):
 - A *client* owns every segment it uses, for inputs and for outputs. Segments are created
-  once, pre-faulted (MAP_POPULATE) and reused through a pool allocator, because creating a
-  segment per message was slower than sending the bytes over ZeroMQ at every size measured.
+  once, pre-faulted (MAP_POPULATE) and reused through a pool allocator (client_pool.py),
+  because creating a segment per message was slower than sending the bytes over ZeroMQ at
+  every size measured.
 - Segment names are ``batchyard_<owner pid>_<random>``: the owner is in the name.
 - The client unlinks its segments on ``close()`` and at interpreter exit. When a client
   dies without that, ``reap_orphans()`` unlinks segments whose owner pid is gone; the
   dispatcher runs it on a slow timer and every new client runs it once at start.
-- Workers only map segments by name (cached, LRU-bounded), read inputs without copying and
-  write outputs in place. They create nothing, so a worker crash leaves nothing behind.
+- Workers map client segments by name (cached, LRU-bounded), read inputs without copying and
+  write outputs in place. A Triton-backed GPU worker also owns the segments it registers with
+  Triton; they carry its pid, so the reaper below removes them if it dies.
 - The dispatcher never maps a segment and never touches tensor bytes.
 
 We use os.open on /dev/shm + mmap rather than multiprocessing.shared_memory because on
@@ -19,15 +21,11 @@ which unlinks it when the *attaching* process exits.
 
 from __future__ import annotations
 
-import atexit
-import bisect
 import collections
 import mmap
 import os
 import re
 import secrets
-import threading
-from dataclasses import dataclass
 
 SHM_DIR = "/dev/shm"
 PREFIX = "batchyard_"
@@ -96,80 +94,6 @@ class Segment:
                 os.unlink(_path(self.name))
             except FileNotFoundError:
                 pass
-
-
-@dataclass(frozen=True)
-class Region:
-    segment: str
-    offset: int
-    nbytes: int
-
-
-class ShmPool:
-    """Client-owned pool: a few large segments carved by a first-fit allocator.
-
-    Thread-safe (a lock around alloc/free) because results returned to user code may be
-    garbage-collected on any thread.
-    """
-
-    def __init__(self, segment_bytes: int = 64 << 20):
-        self.segment_bytes = segment_bytes
-        self._segments: dict[str, Segment] = {}
-        self._free: dict[str, list[tuple[int, int]]] = {}  # sorted (offset, size) per segment
-        self._lock = threading.Lock()
-        self._closed = False
-        atexit.register(self.close)
-
-    def alloc(self, nbytes: int) -> Region:
-        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        with self._lock:
-            if self._closed:
-                raise ShmError("shared-memory pool is closed")
-            for name, free in self._free.items():
-                for i, (off, sz) in enumerate(free):
-                    if sz >= size:
-                        if sz == size:
-                            del free[i]
-                        else:
-                            free[i] = (off + size, sz - size)
-                        return Region(name, off, nbytes)
-            seg = Segment.create(max(self.segment_bytes, size))
-            self._segments[seg.name] = seg
-            self._free[seg.name] = [(size, seg.size - size)] if seg.size > size else []
-            return Region(seg.name, 0, nbytes)
-
-    def free(self, region: Region) -> None:
-        size = max(ALIGN, (region.nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        with self._lock:
-            free = self._free.get(region.segment)
-            if free is None:
-                return
-            i = bisect.bisect_left(free, (region.offset, 0))
-            free.insert(i, (region.offset, size))
-            # Coalesce with the right, then the left neighbour.
-            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-                free[i] = (free[i][0], free[i][1] + free[i + 1][1])
-                del free[i + 1]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
-                del free[i]
-
-    def view(self, region: Region) -> memoryview:
-        return memoryview(self._segments[region.segment].mm)[region.offset:region.offset + region.nbytes]
-
-    def segment_names(self) -> list[str]:
-        return list(self._segments)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for seg in self._segments.values():
-                seg.close()
-            self._segments.clear()
-            self._free.clear()
-        atexit.unregister(self.close)
 
 
 class SegmentCache:

@@ -16,7 +16,8 @@ import pytest
 from dispatcher import protocol as P
 from dispatcher.config import ConfigError, parse_config, to_toml, load_config
 from dispatcher.policy import Greedy, TimeWindow, make_policy
-from dispatcher.shm import SHM_DIR, SegmentCache, ShmError, ShmPool, live_segments, reap_orphans
+from dispatcher.client_pool import ShmPool
+from dispatcher.shm import SHM_DIR, SegmentCache, ShmError, live_segments, reap_orphans
 from dispatcher.state import Request, SchedulerState, WorkerState
 from dispatcher.timer import OneShotTimer
 from dispatcher.validation import RequestInvalid, validate_infer

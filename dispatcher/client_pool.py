@@ -1,0 +1,83 @@
+"""Client-owned shared-memory pool: a few large segments carved by a first-fit allocator.
+
+See dispatcher/shm.py for the ownership story. Thread-safe (a lock around alloc/free) because
+arrays returned to user code may be garbage-collected on any thread of the client process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import threading
+from dataclasses import dataclass
+
+from .shm import ALIGN, Segment, ShmError
+
+
+@dataclass(frozen=True)
+class Region:
+    segment: str
+    offset: int
+    nbytes: int
+
+
+class ShmPool:
+
+    def __init__(self, segment_bytes: int = 64 << 20):
+        self.segment_bytes = segment_bytes
+        self._segments: dict[str, Segment] = {}
+        self._free: dict[str, list[tuple[int, int]]] = {}  # sorted (offset, size) per segment
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    def alloc(self, nbytes: int) -> Region:
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        with self._lock:
+            if self._closed:
+                raise ShmError("shared-memory pool is closed")
+            for name, free in self._free.items():
+                for i, (off, sz) in enumerate(free):
+                    if sz >= size:
+                        if sz == size:
+                            del free[i]
+                        else:
+                            free[i] = (off + size, sz - size)
+                        return Region(name, off, nbytes)
+            seg = Segment.create(max(self.segment_bytes, size))
+            self._segments[seg.name] = seg
+            self._free[seg.name] = [(size, seg.size - size)] if seg.size > size else []
+            return Region(seg.name, 0, nbytes)
+
+    def free(self, region: Region) -> None:
+        size = max(ALIGN, (region.nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        with self._lock:
+            free = self._free.get(region.segment)
+            if free is None:
+                return
+            i = bisect.bisect_left(free, (region.offset, 0))
+            free.insert(i, (region.offset, size))
+            # Coalesce with the right, then the left neighbour.
+            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+                free[i] = (free[i][0], free[i][1] + free[i + 1][1])
+                del free[i + 1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+                del free[i]
+
+    def view(self, region: Region) -> memoryview:
+        return memoryview(self._segments[region.segment].mm)[region.offset:region.offset + region.nbytes]
+
+    def segment_names(self) -> list[str]:
+        return list(self._segments)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+            self._free.clear()
+        atexit.unregister(self.close)
