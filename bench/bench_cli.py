@@ -6,7 +6,34 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from .harness import LoadSpec, analyse, run_load, table, write_outputs
+import contextlib
+
+from .harness import LoadSpec, analyse, run_load, scrape, server_split, table, write_outputs
+
+
+def _targets(args, address):
+    """(policy label, address) pairs: the given address, or one fresh node per --compare policy."""
+    if not args.compare:
+        yield "", address
+        return
+    from dispatcher.config import DispatcherConfig, NodeConfig, load_config, to_toml
+    from dispatcher.supervisor import Supervisor
+
+    if not args.config:
+        raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
+    base = load_config(args.config)
+    for policy in args.compare.split(","):
+        with tempfile.TemporaryDirectory(prefix="by-cmp-") as d:
+            disp = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy})
+            node = NodeConfig(disp, base.models, base.workers).validate()
+            cfg = Path(d) / "node.toml"
+            cfg.write_text(to_toml(node))
+            sup = Supervisor(cfg, node, log_level="WARNING")
+            sup.start()
+            with contextlib.ExitStack() as stack:
+                stack.callback(sup.stop)
+                sup.wait_ready(300)
+                yield policy, node.dispatcher.frontend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--windows", type=int, default=3)
     g.add_argument("--stability", type=float, default=0.15)
     g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
+    p.add_argument("--compare", default="", help="comma-separated policies: start the node of --config once per "
+                   "policy and replay the same seeded load")
+    p.add_argument("--config", default="", help="node config for --compare")
     p.add_argument("--out", default="", help="folder for bench.json, bench.md and plots")
     p.add_argument("--measure-ceiling", action="store_true",
                    help="measure this load generator's own ceiling against a no-op worker, then exit")
@@ -69,12 +100,18 @@ def main(args) -> int:
         raise SystemExit("bench: choose a load: --concurrency, --request-rate, --sweep-rates, "
                          "--request-intervals or --profile")
     reports = []
-    for rate in rates:
-        spec = spec_from(args, rate)
-        label = f"{args.target}:{args.model} @{rate:g}/s" if rate else f"{args.target}:{args.model}"
-        rows = run_load(address, args.model, spec, target=args.target, inputs=args.inputs)
-        reports.append(analyse(rows, spec, args.target, label))
-        print(table(reports[-1:]), flush=True)
+    for policy, address in _targets(args, address):
+        for rate in rates:
+            spec = spec_from(args, rate)
+            name = f"{args.target}[{policy}]" if policy else args.target
+            label = f"{name}:{args.model} @{rate:g}/s" if rate else f"{name}:{args.model}"
+            before = scrape(args.metrics_url) if args.metrics_url else None
+            rows = run_load(address, args.model, spec, target=args.target, inputs=args.inputs, progress=True)
+            rep = analyse(rows, spec, args.target, label)
+            if before is not None:
+                rep.summary["server_split"] = server_split(before, scrape(args.metrics_url))
+            reports.append(rep)
+            print(table(reports[-1:]), flush=True)
     print()
     print(table(reports))
     if args.out:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import queue
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,7 +195,31 @@ def _proc(target, address, model, inputs_kind, spec_dict, part, t0, q) -> None:
         q.put(("error", str(e) or type(e).__name__))
 
 
-def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard", inputs: str = "zeros") -> np.ndarray:
+class _NoBar:
+    def update_to(self, _t: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total_s: float, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    bar = tqdm(total=round(total_s, 1), unit="s", desc="load", leave=False, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s")
+
+    def update_to(t: float) -> None:
+        bar.n = min(bar.total, round(t, 1))
+        bar.refresh()
+
+    bar.update_to = update_to
+    return bar
+
+
+def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard", inputs: str = "zeros",
+             progress: bool = False) -> np.ndarray:
     """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -204,10 +229,19 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
     for p in ps:
         p.start()
     parts, errors = [], []
+    bar = _progress(spec.duration + (t0 - time.monotonic()), progress)
+    deadline = t0 + spec.duration + 120
     try:
-        for _ in ps:
-            kind, payload = q.get(timeout=spec.duration + 120)
+        while len(parts) + len(errors) < len(ps):
+            try:
+                kind, payload = q.get(timeout=1.0)  # the 1 s tick only moves the progress bar
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise SystemExit("bench: load generator processes did not finish in time") from None
+                bar.update_to(time.monotonic() - (t0 - 1.5))
+                continue
             (parts if kind == "ok" else errors).append(payload)
+        bar.close()
     finally:
         for p in ps:
             p.join(timeout=10)
@@ -239,6 +273,7 @@ class Report:
     used_windows: list = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     schedule_kept: bool = True
+    latencies_ms: list = field(default_factory=list, repr=False)  # the measured windows, for CDFs
 
 
 def analyse(rows: np.ndarray, spec: LoadSpec, target: str, label: str) -> Report:
@@ -269,6 +304,7 @@ def analyse(rows: np.ndarray, spec: LoadSpec, target: str, label: str) -> Report
     m = (sent >= lo) & (sent < hi)
     span = hi - lo
     rep.summary = summarise(rows[m], span)
+    rep.latencies_ms = (rows[m & (status == STATUS_OK), 1] / 1e3).round(3).tolist()
     if not spec.concurrency:
         t = schedule(spec)[0]
         planned = ((t >= lo) & (t < hi)).sum()
@@ -306,6 +342,35 @@ def summarise(rows: np.ndarray, span: float) -> dict:
     return out
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text exposition as {'name{labels}': value}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def server_split(before: dict, after: dict) -> dict:
+    """Mean queue and compute time per served request, per path, from Triton-named counters."""
+    def by_path(name):
+        acc: dict[str, float] = {}
+        for k, v in after.items():
+            if k.startswith(name + "{"):
+                path = k.split('path="')[1].split('"')[0]
+                acc[path] = acc.get(path, 0.0) + v - before.get(k, 0.0)
+        return acc
+
+    n, qd, cd = (by_path(x) for x in ("nv_inference_request_success", "nv_inference_queue_duration_us",
+                                       "nv_inference_compute_infer_duration_us"))
+    return {p: {"served": int(n[p]), "mean_queue_ms": qd.get(p, 0) / n[p] / 1e3, "mean_compute_ms": cd.get(p, 0) / n[p] / 1e3}
+            for p in n if n[p] > 0}
+
+
 def table(reports: list[Report]) -> str:
     head = f"{'target':<26}{'offered/s':>10}{'tput/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}{'errors':>8}  stable"
     lines = [head, "-" * len(head)]
@@ -320,10 +385,11 @@ def table(reports: list[Report]) -> str:
 
 def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps([asdict(r) for r in reports], indent=1, default=float))
+    (out / "bench.json").write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "latencies_ms"}
+                                                for r in reports], indent=1, default=float))
     md = [f"# {title}", "", notes, "", "```", table(reports), "```", "",
           "Latencies in ms (client-observed, HDR histograms); throughput = served requests/s in the measured windows.",
-          "", "![p99 vs offered load](p99_vs_load.png)", ""]
+          "", "![p99 vs offered load](p99_vs_load.png)", "", "![latency CDF](latency_cdf.png)", ""]
     (out / "bench.md").write_text("\n".join(md))
     try:
         import matplotlib
@@ -344,4 +410,18 @@ def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "p99_vs_load.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in reports:
+        lat = np.sort(np.asarray(r.latencies_ms))
+        if lat.size:
+            ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=r.label, lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency, ms")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title("latency CDF", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
     plt.close(fig)

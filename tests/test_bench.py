@@ -58,3 +58,26 @@ def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
                        capture_output=True, text=True, cwd=ROOT, timeout=90)
     assert r.returncode != 0
     assert "cannot reach a dispatcher serving 'sum'" in r.stderr + r.stdout
+
+
+def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
+    from dispatcher.config import DispatcherConfig, NodeConfig, to_toml
+
+    from conftest import SUM_MODEL
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (SUM_MODEL,),
+                      (sim_worker("g", ("sum",)),)).validate()
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(to_toml(node))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "dispatcher.cli", "--log-level", "WARNING", "bench", "--compare",
+                        "mcb,window:500,8", "--config", str(cfg), "--model", "sum", "--request-rate", "100",
+                        "--processes", "1", "--warmup", "0.2", "--window", "1", "--windows", "1", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "batchyard[mcb]" in r.stdout and "batchyard[window:500,8]" in r.stdout
+    import json
+
+    reps = json.loads((out / "bench.json").read_text())
+    assert [x["summary"]["requests"] for x in reps][0] == [x["summary"]["requests"] for x in reps][1]  # same trace
+    assert (out / "bench.md").exists() and (out / "latency_cdf.png").exists()

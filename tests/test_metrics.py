@@ -9,6 +9,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from bench.harness import scrape
 from dispatcher.errors import InvalidArgument, UnknownModel
 
 from conftest import sim_worker
@@ -21,14 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+def scrape_port(port: int) -> dict[str, float]:
+    return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
 def total(m: dict, name: str, **labels) -> float:
@@ -52,7 +47,7 @@ def test_metrics_count_a_known_load(start_node):
         # an infer for an unknown model, sent raw, is one
         assert raw_roundtrip(node.address, [header(model="ghost"), X1]).status == 5
         c.status()  # every reply above has been sent
-    m = scrape(port)
+    m = scrape_port(port)
     assert total(m, "nv_inference_request_success") == 10
     assert total(m, "nv_inference_request_success", priority="high") == 3
     assert total(m, "nv_inference_request_success", path="gpu") == 10
