@@ -22,7 +22,7 @@ def _targets(args, address):
     if not args.config:
         raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
     base = load_config(args.config)
-    for policy in args.compare.split(","):
+    for policy in args.compare:
         with tempfile.TemporaryDirectory(prefix="by-cmp-") as d:
             disp = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy})
             node = NodeConfig(disp, base.models, base.workers).validate()
@@ -59,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stability", type=float, default=0.15)
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
-    p.add_argument("--compare", default="", help="comma-separated policies: start the node of --config once per "
-                   "policy and replay the same seeded load")
+    p.add_argument("--compare", action="append", default=[], metavar="POLICY",
+                   help="repeatable: start the node of --config once per policy and replay the same seeded load")
     p.add_argument("--config", default="", help="node config for --compare")
     p.add_argument("--out", default="", help="folder for bench.json, bench.md and plots")
     p.add_argument("--measure-ceiling", action="store_true",
@@ -93,8 +93,8 @@ def main(args) -> int:
               f"256 in flight, no-op worker behind a dispatcher on this machine)")
         return 0
     address = args.triton_url if args.target == "triton" else args.address
-    if not address:
-        raise SystemExit("bench: give --address (or --target triton --triton-url)")
+    if not address and not args.compare:
+        raise SystemExit("bench: give --address, --compare with --config, or --target triton --triton-url")
     rates = [float(x) for x in args.sweep_rates.split(",") if x] or [args.request_rate]
     if not args.concurrency and not any(rates) and not args.request_intervals and not args.profile:
         raise SystemExit("bench: choose a load: --concurrency, --request-rate, --sweep-rates, "

@@ -71,7 +71,7 @@ def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
     cfg.write_text(to_toml(node))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "dispatcher.cli", "--log-level", "WARNING", "bench", "--compare",
-                        "mcb,window:500,8", "--config", str(cfg), "--model", "sum", "--request-rate", "100",
+                        "mcb", "--compare", "window:500,8", "--config", str(cfg), "--model", "sum", "--request-rate", "100",
                         "--processes", "1", "--warmup", "0.2", "--window", "1", "--windows", "1", "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
