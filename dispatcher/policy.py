@@ -77,7 +77,10 @@ def feasible(state: SchedulerState, model: str, items: int, deadline: float, now
     ws = state.serving.get(model)
     if not ws:
         return True  # no worker yet (starting, restarting): let the request wait for one
-    return min(state.finish_time(w, model, items, now) for w in ws) <= deadline
+    for w in ws:  # on the hot path (every arrival): stop at the first worker that can make it
+        if state.finish_time(w, model, items, now) <= deadline:
+            return True
+    return False
 
 
 class Greedy:

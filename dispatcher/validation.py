@@ -25,54 +25,72 @@ def item_nbytes(spec: TensorSpec) -> int:
     return _ITEMSIZE[spec.dtype] * math.prod(spec.shape)
 
 
+_SPEC_TABLES: dict[int, tuple] = {}
+
+
+def _where(i: int, ref) -> str:
+    # Only built for error messages: formatting it for every input of every request cost
+    # more than the checks themselves (cProfile of the dispatcher under load).
+    return f"inputs[{i}] ({ref.name!r})"
+
+
+def _tables(spec: ModelSpec) -> tuple[dict, dict]:
+    """Per-spec lookup tables, built once (validation runs for every request)."""
+    hit = _SPEC_TABLES.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _SPEC_TABLES[id(spec)] = (spec, {t.name: (t, item_nbytes(t)) for t in spec.inputs},
+                                        {t.name: (t, item_nbytes(t)) for t in spec.outputs})
+    return hit[1], hit[2]
+
+
 def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
                    max_inline_bytes: int) -> int:
     """Return the request's item count (its batch dimension) or raise RequestInvalid."""
-    by_name = {t.name: t for t in spec.inputs}
+    by_name, out_specs = _tables(spec)
     seen: set[str] = set()
     items = -1
     inline_total = 0
     used_frames: set[int] = set()
     for i, ref in enumerate(req.inputs):
-        where = f"inputs[{i}] ({ref.name!r})"
-        tspec = by_name.get(ref.name)
-        if tspec is None:
-            raise RequestInvalid(f"{where}: model {spec.name!r} has no input {ref.name!r}; "
+        entry = by_name.get(ref.name)
+        if entry is None:
+            raise RequestInvalid(f"{_where(i, ref)}: model {spec.name!r} has no input {ref.name!r}; "
                                  f"expected {sorted(by_name)}")
         if ref.name in seen:
-            raise RequestInvalid(f"{where}: input given twice")
+            raise RequestInvalid(f"{_where(i, ref)}: input given twice")
         seen.add(ref.name)
+        tspec, per_item = entry
         if ref.dtype != tspec.dtype:
-            raise RequestInvalid(f"{where}: dtype {ref.dtype!r}, model expects {tspec.dtype!r}")
+            raise RequestInvalid(f"{_where(i, ref)}: dtype {ref.dtype!r}, model expects {tspec.dtype!r}")
         if len(ref.shape) != len(tspec.shape) + 1 or tuple(ref.shape[1:]) != tspec.shape:
             expected = ", ".join(["n", *map(str, tspec.shape)])
-            raise RequestInvalid(f"{where}: shape {list(ref.shape)}, model expects [{expected}]")
+            raise RequestInvalid(f"{_where(i, ref)}: shape {list(ref.shape)}, model expects [{expected}]")
         n = ref.shape[0]
         if n < 1 or n > spec.max_batch:
-            raise RequestInvalid(f"{where}: batch dimension {n} outside 1..{spec.max_batch}")
+            raise RequestInvalid(f"{_where(i, ref)}: batch dimension {n} outside 1..{spec.max_batch}")
         if items == -1:
             items = n
         elif n != items:
-            raise RequestInvalid(f"{where}: batch dimension {n} differs from other inputs' {items}")
-        nbytes = n * item_nbytes(tspec)
+            raise RequestInvalid(f"{_where(i, ref)}: batch dimension {n} differs from other inputs' {items}")
+        nbytes = n * per_item
         if (ref.frame >= 0) == (ref.shm is not None):
-            raise RequestInvalid(f"{where}: give exactly one of 'frame' or 'shm'")
+            raise RequestInvalid(f"{_where(i, ref)}: give exactly one of 'frame' or 'shm'")
         if ref.shm is not None:
             if ref.shm.nbytes != nbytes:
-                raise RequestInvalid(f"{where}: shm nbytes {ref.shm.nbytes}, shape and dtype "
+                raise RequestInvalid(f"{_where(i, ref)}: shm nbytes {ref.shm.nbytes}, shape and dtype "
                                      f"need {nbytes}")
             if ref.shm.offset % _ITEMSIZE[ref.dtype]:
-                raise RequestInvalid(f"{where}: shm offset {ref.shm.offset} not aligned to "
+                raise RequestInvalid(f"{_where(i, ref)}: shm offset {ref.shm.offset} not aligned to "
                                      f"{ref.dtype} ({_ITEMSIZE[ref.dtype]} bytes)")
         else:
             if ref.frame >= len(frame_sizes):
-                raise RequestInvalid(f"{where}: frame {ref.frame} but the message has "
+                raise RequestInvalid(f"{_where(i, ref)}: frame {ref.frame} but the message has "
                                      f"{len(frame_sizes)} payload frames")
             if ref.frame in used_frames:
-                raise RequestInvalid(f"{where}: frame {ref.frame} used by two inputs")
+                raise RequestInvalid(f"{_where(i, ref)}: frame {ref.frame} used by two inputs")
             used_frames.add(ref.frame)
             if frame_sizes[ref.frame] != nbytes:
-                raise RequestInvalid(f"{where}: frame has {frame_sizes[ref.frame]} bytes, shape "
+                raise RequestInvalid(f"{_where(i, ref)}: frame has {frame_sizes[ref.frame]} bytes, shape "
                                      f"and dtype need {nbytes}")
             inline_total += nbytes
     missing = set(by_name) - seen
@@ -84,13 +102,13 @@ def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
     if inline_total > max_inline_bytes:
         raise RequestInvalid(f"inline payload {inline_total} bytes exceeds max_inline_bytes "
                              f"{max_inline_bytes}; send large tensors through shared memory")
-    out_specs = {t.name: t for t in spec.outputs}
     for name, ref in req.outputs.items():
-        ospec = out_specs.get(name)
-        if ospec is None:
+        entry = out_specs.get(name)
+        if entry is None:
             raise RequestInvalid(f"outputs[{name!r}]: model {spec.name!r} has no such output; "
                                  f"expected {sorted(out_specs)}")
-        need = items * item_nbytes(ospec)
+        ospec, per_item = entry
+        need = items * per_item
         if ref.nbytes < need:
             raise RequestInvalid(f"outputs[{name!r}]: shm region of {ref.nbytes} bytes, output "
                                  f"needs {need}")
