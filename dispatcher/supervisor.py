@@ -28,7 +28,11 @@ STOP_TIMEOUT_S = 10.0
 
 
 def _die_with_parent() -> None:
+    """Runs in the child between fork and exec."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # A worker restarted from run_forever would inherit the supervisor's blocked signals (the
+    # mask survives exec) and ignore SIGTERM: unblock them for the child.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
 
 
 class Supervisor:
@@ -74,13 +78,8 @@ class Supervisor:
         pending_restart: dict[str, float] = {}
         try:
             while True:
-                timeout = None
-                if pending_restart:
-                    timeout = max(0.0, min(pending_restart.values()) - time.monotonic())
-                info = signal.sigtimedwait(sigs, timeout) if timeout is not None else signal.sigwaitinfo(sigs)
-                if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
-                    log.info("signal %d: stopping", info.si_signo)
-                    return 0
+                # Look at the children *before* waiting: a child that died before the mask
+                # above was set sent a SIGCHLD that is gone, but it is still a zombie to poll().
                 if self.dispatcher.poll() is not None:
                     log.error("dispatcher exited with %s; stopping the node", self.dispatcher.returncode)
                     return 1
@@ -99,6 +98,14 @@ class Supervisor:
                     if at <= now:
                         del pending_restart[name]
                         self.start_worker(name)
+                if pending_restart:
+                    timeout = max(0.0, min(pending_restart.values()) - time.monotonic())
+                    info = signal.sigtimedwait(sigs, timeout)
+                else:
+                    info = signal.sigwaitinfo(sigs)
+                if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
+                    log.info("signal %d: stopping", info.si_signo)
+                    return 0
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
 

@@ -129,3 +129,17 @@ def shutil_which(name):
     import shutil
 
     return shutil.which(name)
+
+
+def test_a_restarted_worker_still_stops_on_sigterm(start_node):
+    node = start_node([sim_worker("w0", ("sum",))])
+    with node.client() as c:
+        st = c.status()
+        os.kill(_pid_of(st, "w0"), signal.SIGKILL)
+        back = c.status(min_registrations=st.registrations + 1, wait=60)
+        new_pid = _pid_of(back, "w0")
+    t0 = time.monotonic()
+    node.stop()
+    assert time.monotonic() - t0 < 8.0  # not the 10 s terminate-then-kill fallback
+    with pytest.raises(ProcessLookupError):
+        os.kill(new_pid, 0)
