@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
-
-import contextlib
 
 from .harness import LoadSpec, analyse, run_load, scrape, server_split, table, write_outputs
 
@@ -16,24 +13,16 @@ def _targets(args, address):
     if not args.compare:
         yield "", address
         return
-    from dispatcher.config import DispatcherConfig, NodeConfig, load_config, to_toml
-    from dispatcher.supervisor import Supervisor
+    from dispatcher.config import DispatcherConfig, NodeConfig, load_config
+    from dispatcher.supervisor import running_node
 
     if not args.config:
         raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
     base = load_config(args.config)
     for policy in args.compare:
-        with tempfile.TemporaryDirectory(prefix="by-cmp-") as d:
-            disp = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy})
-            node = NodeConfig(disp, base.models, base.workers).validate()
-            cfg = Path(d) / "node.toml"
-            cfg.write_text(to_toml(node))
-            sup = Supervisor(cfg, node, log_level="WARNING")
-            sup.start()
-            with contextlib.ExitStack() as stack:
-                stack.callback(sup.stop)
-                sup.wait_ready(300)
-                yield policy, node.dispatcher.frontend
+        disp = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy})
+        with running_node(NodeConfig(disp, base.models, base.workers).validate()):
+            yield policy, disp.frontend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

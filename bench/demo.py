@@ -16,9 +16,9 @@ from pathlib import Path
 
 
 from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
-                               WorkerConfig, to_toml)
+                               WorkerConfig)
 from dispatcher.client import Client
-from dispatcher.supervisor import Supervisor
+from dispatcher.supervisor import running_node
 
 from .loadgen import poisson_load
 from .report import latency_table
@@ -71,27 +71,19 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", tr
             gpu = WorkerConfig(name="gpu0", kind="triton", models=("minilm",), warmup_sizes=(1, 2, 4, 8),
                                triton=TritonConfig(url=tl.grpc_url, models={"minilm": "model_amx"}))
             node = NodeConfig(node.dispatcher, node.models, (node.workers[0], gpu)).validate()
-        cfg_path = Path(run_dir) / "node.toml"
-        cfg_path.write_text(to_toml(node))
-        sup = Supervisor(cfg_path, node, log_level="WARNING")
+        print(f"starting dispatcher, AMX worker (MiniLM-L6 bf16) and "
+              f"{'Triton-backed' if triton else 'simulated'} GPU worker ...", flush=True)
         t0 = time.monotonic()
-        sup.start()
-        try:
-            print(f"starting dispatcher, AMX worker (MiniLM-L6 bf16) and "
-                  f"{'Triton-backed' if triton else 'simulated'} GPU worker ...", flush=True)
-            sup.wait_ready(timeout=300)
-            print(f"ready in {time.monotonic() - t0:.1f} s; {duration:.0f} s of Poisson load at {rate:.0f} req/s",
-                  flush=True)
+        stack.enter_context(running_node(node))
+        print(f"ready in {time.monotonic() - t0:.1f} s; {duration:.0f} s of Poisson load at {rate:.0f} req/s", flush=True)
 
-            def make_inputs(i: int) -> dict:
-                k = i % len(SENTENCES)
-                return {"input_ids": ids[k:k + 1], "attention_mask": mask[k:k + 1]}
+        def make_inputs(i: int) -> dict:
+            k = i % len(SENTENCES)
+            return {"input_ids": ids[k:k + 1], "attention_mask": mask[k:k + 1]}
 
-            records = asyncio.run(poisson_load(node.dispatcher.frontend, "minilm", make_inputs, rate, duration))
-            with Client(node.dispatcher.frontend) as c:
-                st = c.status()
-        finally:
-            sup.stop()
+        records = asyncio.run(poisson_load(node.dispatcher.frontend, "minilm", make_inputs, rate, duration))
+        with Client(node.dispatcher.frontend) as c:
+            st = c.status()
     print()
     print(f"Batchyard demo — policy {policy}, MiniLM-L6 (seq 128), Poisson {rate:.0f} req/s, {duration:.0f} s")
     print(latency_table(records, duration))

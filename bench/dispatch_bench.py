@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import zmq
@@ -26,10 +23,10 @@ import zmq
 from dispatcher import protocol as P
 from dispatcher.client import AsyncClient, Client
 from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
-                               WorkerConfig, to_toml)
+                               WorkerConfig)
 from dispatcher.client_pool import ShmPool
 from dispatcher.shm import SegmentCache
-from dispatcher.supervisor import Supervisor
+from dispatcher.supervisor import running_node
 
 NOOP = ModelConfig(name="noop", factory="workers.models:mlp", max_batch=256,
                    inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (1,)),))
@@ -46,20 +43,18 @@ def _node(run_dir: str, n_workers: int = 1) -> NodeConfig:
 
 
 class _NodeRun:
+    """A no-op node (simulated worker, zero service time) for the duration of a with-block."""
+
     def __init__(self, n_workers: int = 1):
-        self.dir = tempfile.mkdtemp(prefix="by-bench-", dir="/tmp")
-        self.node = _node(self.dir, n_workers)
-        cfg = Path(self.dir) / "node.toml"
-        cfg.write_text(to_toml(self.node))
-        self.sup = Supervisor(cfg, self.node, log_level="WARNING")
+        self.node = _node(tempfile.mkdtemp(prefix="by-bench-", dir="/tmp"), n_workers)
+        self._ctx = running_node(self.node, ready_timeout_s=60)
 
     def __enter__(self):
-        self.sup.start()
-        self.sup.wait_ready(60)
+        self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.sup.stop()
+        return self._ctx.__exit__(*exc)
 
 
 def pct(xs, q):

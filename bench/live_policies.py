@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from dispatcher.calibrate import calibrate
-from dispatcher.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig, to_toml
-from dispatcher.supervisor import Supervisor
+from dispatcher.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig
+from dispatcher.supervisor import running_node
 
 from .demo import SENTENCES, demo_config
 from .loadgen import poisson_load
@@ -46,16 +46,9 @@ def live_run(policy: str, rate: float, duration: float, profile: str) -> dict:
     ids, mask = tokenize(SENTENCES)
     with tempfile.TemporaryDirectory(prefix="by-live-") as run_dir:
         node = node_for(run_dir, policy, profile)
-        cfg = Path(run_dir) / "node.toml"
-        cfg.write_text(to_toml(node))
-        sup = Supervisor(cfg, node, log_level="WARNING")
-        sup.start()
-        try:
-            sup.wait_ready(300)
+        with running_node(node):
             make = lambda i: {"input_ids": ids[i % 8:i % 8 + 1], "attention_mask": mask[i % 8:i % 8 + 1]}
             recs = asyncio.run(poisson_load(node.dispatcher.frontend, "minilm", make, rate, duration, seed=5))
-        finally:
-            sup.stop()
     ok = [r for r in recs if r.status == "OK"]
     lat = np.array([r.latency_s for r in ok]) * 1e3
     return {"policy": policy, "sent": len(recs), "served": len(ok),

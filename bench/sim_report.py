@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .simulator import Device, clairvoyant_mean_latency, seeds_devices, simulate
+from .simulator import clairvoyant_mean_latency, seeds_devices, simulate
 from .traces import bursts, diurnal, merge, poisson, steps, with_classes
 
 GPU = seeds_devices(0)[0]

@@ -66,7 +66,6 @@ class SimResult:
         lat = self.latency[ok] * 1e3
         q = (lambda p: float(np.percentile(lat, p))) if lat.size else (lambda p: float("nan"))
         bs = np.asarray(self.batch_sizes)
-        paths = np.asarray(self.batch_paths)
         return {
             "policy": self.policy, "trace": self.trace, "requests": int(len(self.status)),
             "served": int(ok.sum()), "rejected": int((self.status == 1).sum()), "expired": int((self.status == 2).sum()),
@@ -97,7 +96,6 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
         st.costs.setdefault((MODEL, dev.path), dev.curve())  # as if calibrated
         st.costs[(MODEL, dev.path)].samples = 100
     q = st.queue(MODEL)
-    rate = st.arrival(MODEL)
     n = len(trace)
     arr, prio, tout = trace.arrivals, trace.priority, trace.timeout
     latency = np.full(n, np.nan)

@@ -18,10 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from dispatcher.config import DispatcherConfig, NodeConfig, WorkerConfig, to_toml
-from dispatcher.supervisor import Supervisor
+from dispatcher.config import DispatcherConfig, NodeConfig, WorkerConfig
+from dispatcher.supervisor import running_node
 from workers.triton_local import TritonLocal
 
 from .demo import demo_config
@@ -45,20 +43,13 @@ def batchyard_sweep(rates, args) -> list:
         workers = tuple(WorkerConfig(**{**amx.__dict__, "name": f"amx{c}", "cpus": (c,)}) for c in cpus)
         node = NodeConfig(DispatcherConfig(**{**base.dispatcher.__dict__, "policy": "mcb"}), base.models,
                           workers).validate()
-        cfg = Path(d) / "node.toml"
-        cfg.write_text(to_toml(node))
-        sup = Supervisor(cfg, node, log_level="WARNING")
-        sup.start()
-        try:
-            sup.wait_ready(300)
+        with running_node(node):
             for r in rates:
                 s = spec(r, args)
                 rep = analyse(run_load(node.dispatcher.frontend, "minilm", s, inputs="minilm"), s, "batchyard",
                               f"batchyard mcb ({len(cpus)} AMX workers) @{r:g}")
                 reports.append(rep)
                 print(table([rep]), flush=True)
-        finally:
-            sup.stop()
     return reports
 
 

@@ -108,31 +108,6 @@ class GpuOnly(Greedy):
     gpu_only = True
 
 
-class FixedBatch:
-    """Wait for N items, then dispatch N to the GPU path (safety valve: FIXED_MAX_WAIT_S)."""
-
-    def __init__(self, n: int, max_wait_s: float = FIXED_MAX_WAIT_S):
-        self.n = n
-        self.max_wait_s = max_wait_s
-        self.name = f"fixed:{n}"
-
-    def decide(self, state: SchedulerState, now: float) -> Decision:
-        d = Decision()
-        for model, q in state.queues.items():
-            if not q.requests:
-                continue
-            q.promote_aged(now, AGING_S)
-            targets = _gpu_or_all(state, model)
-            for w in targets:
-                while w.free and q.requests and (q.items >= self.n or now >= q.oldest_arrival() + self.max_wait_s):
-                    if not _send(state, d, w, q, self.n, now):
-                        break
-            # Only a free worker makes the clock matter; otherwise a completion wakes us.
-            if q.requests and any(w.free for w in targets):
-                d.wake_at = min(d.wake_at, q.oldest_arrival() + self.max_wait_s)
-        return d
-
-
 class TimeWindow:
     """Triton's dynamic-batcher rule on the GPU path: dispatch when ``max_batch`` items are
     queued or the oldest request has waited ``max_delay``; otherwise wake when that runs out."""
@@ -157,6 +132,15 @@ class TimeWindow:
             if q.requests and any(w.free for w in targets):
                 d.wake_at = min(d.wake_at, max(now, q.oldest_arrival() + self.max_delay_s))
         return d
+
+
+class FixedBatch(TimeWindow):
+    """Wait for N items, then dispatch N to the GPU path. The same rule as a time window
+    whose delay is only a safety valve (FIXED_MAX_WAIT_S), so nothing waits forever."""
+
+    def __init__(self, n: int, max_wait_s: float = FIXED_MAX_WAIT_S):
+        super().__init__(max_wait_s, n)
+        self.name = f"fixed:{n}"
 
 
 def crossover_sizes(state: SchedulerState, model: str, max_batch: int) -> tuple[int, int]:

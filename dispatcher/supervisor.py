@@ -9,17 +9,18 @@ SIGTERM, SIGINT), never a polling loop.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
-from .config import NodeConfig
+from .config import NodeConfig, to_toml
 
 log = logging.getLogger("batchyard.up")
 _PR_SET_PDEATHSIG = 1
@@ -120,6 +121,22 @@ class Supervisor:
             if self.dispatcher.poll() is None:
                 self.dispatcher.terminate()
             _wait_all([self.dispatcher], STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def running_node(node: NodeConfig, log_level: str = "WARNING", ready_timeout_s: float = 300.0):
+    """Write ``node`` to a private config, start its processes, wait until every worker has
+    registered, yield the Supervisor, and always stop everything (demo, benches, tests)."""
+    with tempfile.TemporaryDirectory(prefix="by-node-") as d:
+        cfg = Path(d) / "node.toml"
+        cfg.write_text(to_toml(node))
+        sup = Supervisor(cfg, node, log_level=log_level)
+        sup.start()
+        try:
+            sup.wait_ready(ready_timeout_s)
+            yield sup
+        finally:
+            sup.stop()
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:

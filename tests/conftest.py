@@ -74,7 +74,7 @@ def run_dir():
 @pytest.fixture
 def start_node(run_dir):
     """start_node(workers=[...], models=[...], **dispatcher_overrides) -> Node, ready."""
-    started: list[Supervisor] = []
+    started: list[Node] = []
 
     def start(workers, models=(SUM_MODEL, BIG_MODEL), **dkw):
         dkw.setdefault("heartbeat_interval_s", 0.1)

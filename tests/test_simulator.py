@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.simulator import Device, clairvoyant_mean_latency, seeds_devices, simulate
+from bench.simulator import clairvoyant_mean_latency, seeds_devices, simulate
 from bench.traces import bursts, merge, poisson, replay, steps, with_classes
 
 GPU = seeds_devices(0)[0]
