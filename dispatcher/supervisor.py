@@ -154,12 +154,21 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO") -> int:
     from .proctitle import set_title
 
     set_title("batchyard::up")
+
+    def stop_now(signo, _frame):
+        raise SystemExit(0)  # unwinds out of start-up (e.g. wait_ready) into sup.stop() below
+
+    # SIGTERM may come at any moment, also before run_forever takes the signals over.
+    signal.signal(signal.SIGTERM, stop_now)
+    signal.signal(signal.SIGINT, stop_now)
     sup = Supervisor(config_path, node, log_level)
-    sup.start()
     try:
+        sup.start()
         st = sup.wait_ready()
         log.info("node ready: %d workers, models %s", len(st.workers), st.models)
         print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
         return sup.run_forever()
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
         sup.stop()

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from dispatcher.client import Client
-from dispatcher.config import DispatcherConfig, NodeConfig, to_toml
+from dispatcher.config import DispatcherConfig, NodeConfig, WorkerConfig, to_toml
 from dispatcher.errors import DeadlineExceeded, Unavailable
 from dispatcher.shm import SHM_DIR, live_segments
 
-from conftest import SUM_MODEL, sim_worker
+from conftest import MLP_MODEL, SUM_MODEL, sim_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,3 +143,27 @@ def test_a_restarted_worker_still_stops_on_sigterm(start_node):
     assert time.monotonic() - t0 < 8.0  # not the 10 s terminate-then-kill fallback
     with pytest.raises(ProcessLookupError):
         os.kill(new_pid, 0)
+
+
+def test_up_stopped_during_start_up_still_cleans_up(run_dir):
+    # A worker that takes a while to come up: SIGTERM reaches `up` while it waits for readiness.
+    slow = WorkerConfig(name="w0", kind="amx", models=("mlp",), threads=1, warmup_sizes=(1, 2, 4, 8, 16))
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      models=(MLP_MODEL,), workers=(slow,)).validate()
+    cfg = Path(run_dir) / "node.toml"
+    cfg.write_text(to_toml(node))
+    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(cfg)], cwd=ROOT,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        for line in up.stderr:  # the worker process exists once `up` logs its start
+            if "started worker w0" in line:
+                pid = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
+                break
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+        with pytest.raises(ProcessLookupError):  # stopped by `up` itself, not left to die later
+            os.kill(pid, 0)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
