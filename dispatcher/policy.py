@@ -83,24 +83,36 @@ def feasible(state: SchedulerState, model: str, items: int, deadline: float, now
     return False
 
 
-class Greedy:
+class PerModelPolicy:
+    """The shared frame of every policy: each model with queued work is aged, then decided on
+    by ``decide_model``, which appends to the decision."""
+
+    name = "?"
+
+    def decide(self, state: SchedulerState, now: float) -> Decision:
+        d = Decision()
+        for model, q in state.queues.items():
+            if q.requests:
+                q.promote_aged(now, AGING_S)
+                self.decide_model(state, model, q, now, d)
+        return d
+
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        raise NotImplementedError
+
+
+class Greedy(PerModelPolicy):
     """A free worker takes everything queued for its model, up to its max batch."""
 
     name = "greedy"
     gpu_only = False
 
-    def decide(self, state: SchedulerState, now: float) -> Decision:
-        d = Decision()
-        for model, q in state.queues.items():
-            if not q.requests:
-                continue
-            q.promote_aged(now, AGING_S)
-            workers = _gpu_or_all(state, model) if self.gpu_only else state.serving.get(model, ())
-            for w in workers:
-                while q.requests and w.free:
-                    if not _send(state, d, w, q, w.models[model], now):
-                        break
-        return d
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        workers = _gpu_or_all(state, model) if self.gpu_only else state.serving.get(model, ())
+        for w in workers:
+            while q.requests and w.free:
+                if not _send(state, d, w, q, w.models[model], now):
+                    break
 
 
 class GpuOnly(Greedy):
@@ -108,7 +120,7 @@ class GpuOnly(Greedy):
     gpu_only = True
 
 
-class TimeWindow:
+class TimeWindow(PerModelPolicy):
     """Triton's dynamic-batcher rule on the GPU path: dispatch when ``max_batch`` items are
     queued or the oldest request has waited ``max_delay``; otherwise wake when that runs out."""
 
@@ -117,21 +129,16 @@ class TimeWindow:
         self.max_batch = max_batch
         self.name = f"window:{int(round(max_delay_s * 1e6))},{max_batch}"
 
-    def decide(self, state: SchedulerState, now: float) -> Decision:
-        d = Decision()
-        for model, q in state.queues.items():
-            if not q.requests:
-                continue
-            q.promote_aged(now, AGING_S)
-            targets = _gpu_or_all(state, model)
-            for w in targets:
-                while w.free and q.requests and (q.items >= self.max_batch
-                                                 or now >= q.oldest_arrival() + self.max_delay_s):
-                    if not _send(state, d, w, q, self.max_batch, now):
-                        break
-            if q.requests and any(w.free for w in targets):
-                d.wake_at = min(d.wake_at, max(now, q.oldest_arrival() + self.max_delay_s))
-        return d
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        targets = _gpu_or_all(state, model)
+        for w in targets:
+            while w.free and q.requests and (q.items >= self.max_batch
+                                             or now >= q.oldest_arrival() + self.max_delay_s):
+                if not _send(state, d, w, q, self.max_batch, now):
+                    break
+        # Only a free worker makes the clock matter; otherwise a completion wakes us.
+        if q.requests and any(w.free for w in targets):
+            d.wake_at = min(d.wake_at, max(now, q.oldest_arrival() + self.max_delay_s))
 
 
 class FixedBatch(TimeWindow):
@@ -175,49 +182,43 @@ def _marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: in
     return True, rate.time_when_rate_is(b / saving, now)
 
 
-class ThreeSegment:
+class ThreeSegment(PerModelPolicy):
     """The seeds' rule: B < B1 -> CPU now; B1 <= B < B2 -> wait while the marginal gain beats
     the marginal wait cost, then GPU; B >= B2 -> GPU now. Static segments, no look at when a
     busy path frees up, no splitting, no deadlines."""
 
     name = "three-segment"
 
-    def decide(self, state: SchedulerState, now: float) -> Decision:
-        d = Decision()
-        for model, q in state.queues.items():
-            if not q.requests:
-                continue
-            q.promote_aged(now, AGING_S)
-            ws = state.serving.get(model, [])
-            cpus = [w for w in ws if w.path == "cpu"]
-            gpus = [w for w in ws if w.path == "gpu"] or cpus
-            max_b = max((w.models[model] for w in gpus), default=1)
-            b1, b2 = crossover_sizes(state, model, max_b)
-            while q.requests:
-                b = q.items
-                if b < b1 and cpus:
-                    free = [w for w in cpus if w.free]
-                    if not free:
-                        break
-                    if not _send(state, d, free[0], q, b, now, "dispatched-cpu"):
-                        break
-                    continue
-                free = [w for w in gpus if w.free]
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        ws = state.serving.get(model, [])
+        cpus = [w for w in ws if w.path == "cpu"]
+        gpus = [w for w in ws if w.path == "gpu"] or cpus
+        max_b = max((w.models[model] for w in gpus), default=1)
+        b1, b2 = crossover_sizes(state, model, max_b)
+        while q.requests:
+            b = q.items
+            if b < b1 and cpus:
+                free = [w for w in cpus if w.free]
                 if not free:
                     break
-                if b < b2:
-                    alone = state.cost(model, "cpu" if cpus else "gpu").predict(1)
-                    pays, t_flip = _marginal_wait_pays(state, model, free[0], b, now, alone)
-                    if pays:
-                        d.count("waited")
-                        d.wake_at = min(d.wake_at, t_flip)
-                        break
-                if not _send(state, d, free[0], q, b, now, "dispatched-gpu"):
+                if not _send(state, d, free[0], q, b, now, "dispatched-cpu"):
                     break
-        return d
+                continue
+            free = [w for w in gpus if w.free]
+            if not free:
+                break
+            if b < b2:
+                alone = state.cost(model, "cpu" if cpus else "gpu").predict(1)
+                pays, t_flip = _marginal_wait_pays(state, model, free[0], b, now, alone)
+                if pays:
+                    d.count("waited")
+                    d.wake_at = min(d.wake_at, t_flip)
+                    break
+            if not _send(state, d, free[0], q, b, now, "dispatched-gpu"):
+                break
 
 
-class MarginalCost:
+class MarginalCost(PerModelPolicy):
     """Marginal Cost Batching (MCB). For each model with work queued:
 
     1. Choose where a batch of everything queued would finish first, counting when each
@@ -232,15 +233,7 @@ class MarginalCost:
 
     name = "mcb"
 
-    def decide(self, state: SchedulerState, now: float) -> Decision:
-        d = Decision()
-        for model, q in state.queues.items():
-            if q.requests:
-                q.promote_aged(now, AGING_S)
-                self._decide_model(state, model, q, now, d)
-        return d
-
-    def _decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
         all_ws = state.serving.get(model)
         if not all_ws:
             return
