@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import tempfile
 import time
@@ -58,6 +59,7 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", tr
     from workers.models import tokenize
 
     ids, mask = tokenize(SENTENCES)
+    logging.getLogger("batchyard.up").setLevel(logging.WARNING)  # the table is the output
     with contextlib.ExitStack() as stack:
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="batchyard-demo-"))
         node = demo_config(run_dir, policy)
