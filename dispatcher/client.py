@@ -45,13 +45,12 @@ PRIORITIES = {"high": P.PRIORITY_HIGH, "normal": P.PRIORITY_NORMAL, "low": P.PRI
 
 
 class _Pending:
-    __slots__ = ("kind", "regions", "outputs", "deadline", "resolve")
+    __slots__ = ("kind", "regions", "outputs", "resolve")
 
-    def __init__(self, kind, regions, outputs, deadline, resolve):
+    def __init__(self, kind, regions, outputs, resolve):
         self.kind = kind  # "infer" | "model_info" | "status"
         self.regions = regions  # input regions to free when the reply arrives
         self.outputs = outputs  # name -> Region the worker writes into
-        self.deadline = deadline
         self.resolve = resolve  # callable(result or exception)
 
 
@@ -279,7 +278,7 @@ class Client(_ClientCore):
 
     def _send(self, kind, rid, frames, regions, outputs, deadline) -> InferFuture:
         fut = InferFuture(self, rid, deadline)
-        self._pending[rid] = _Pending(kind, regions, outputs, deadline, fut._resolve)
+        self._pending[rid] = _Pending(kind, regions, outputs, fut._resolve)
         self.sock.send_multipart(frames, copy=False)
         return fut
 
@@ -381,7 +380,7 @@ class AsyncClient(_ClientCore):
             else:
                 fut.set_result(value)
 
-        self._pending[rid] = _Pending(kind, regions, outputs, time.monotonic() + timeout, resolve)
+        self._pending[rid] = _Pending(kind, regions, outputs, resolve)
         self._timers[rid] = self.loop.call_later(timeout, self._on_local_timeout, rid)
         self.sock.send_multipart(frames, copy=False)
         # Sending can consume the FD's edge: drain now in case replies are already waiting.

@@ -102,7 +102,6 @@ class Dispatcher:
         self.metrics = Metrics()
         self._seq = itertools.count(1)
         self._batch_ids = itertools.count(1)
-        self._wake_at = math.inf
         self._next_housekeeping = 0.0
         self._next_janitor = 0.0
         self._draining = False
@@ -135,7 +134,7 @@ class Dispatcher:
         """Stop taking work, give in-flight batches up to drain_timeout_s, then close."""
         if self._draining:
             return
-        log.info("draining: %d queued, %d batches in flight", self._queued_total(), len(self.batches))
+        log.info("draining: %d queued, %d batches in flight", self.state.queued_requests(), len(self.batches))
         self._draining = True
         self._drain_deadline = _now() + self.cfg.drain_timeout_s
         for req in list(self.requests.values()):
@@ -179,7 +178,6 @@ class Dispatcher:
                 self._send_to_worker(d, now)
             wake = decision.wake_at
         else:
-            wake = math.inf
             if not self.batches or now >= self._drain_deadline:
                 for req in list(self.requests.values()):
                     self._reply_error(req, Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
@@ -405,7 +403,7 @@ class Dispatcher:
                    for w in self.state.workers.values()]
         now = _now()
         return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK,
-                             registrations=self.registrations, dispatcher_pid=os.getpid(), queued=self._queued_total(),
+                             registrations=self.registrations, dispatcher_pid=os.getpid(), queued=self.state.queued_requests(),
                              workers=workers, models=sorted(self.specs), policy=self.policy.name,
                              curves={f"{m}/{p}": c.describe() for (m, p), c in self.state.costs.items()},
                              arrival_rate={m: round(self.state.arrival(m).rate(now), 2) for m in self.specs},
@@ -504,9 +502,6 @@ class Dispatcher:
             send_parts(self.frontend, [identity, header])
         except zmq.ZMQError as e:
             log.debug("reply to vanished client dropped: %s", e)
-
-    def _queued_total(self) -> int:
-        return self.state.queued_requests()
 
     def render_metrics(self) -> str:
         now = _now()

@@ -155,7 +155,7 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO") -> int:
 
     set_title("batchyard::up")
 
-    def stop_now(signo, _frame):
+    def stop_now(_signo, _frame):
         raise SystemExit(0)  # unwinds out of start-up (e.g. wait_ready) into sup.stop() below
 
     # SIGTERM may come at any moment, also before run_forever takes the signals over.
