@@ -42,8 +42,8 @@ def inputs_for(spec: ModelSpec, b: int) -> dict:
     return out
 
 
-def curve(tl: TritonLocal, model: str, shm: bool, reps: int) -> dict:
-    ex = TritonExecutor(tl.grpc_url, inflight=1, use_shm=shm, timeout_s=120)
+def curve(tl: TritonLocal, model: str, shm: str, reps: int) -> dict:
+    ex = TritonExecutor(tl.grpc_url, inflight=1, shm=shm, timeout_s=120)
     try:
         ex.load(SPECS[model])
         rows = {}
@@ -69,10 +69,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     root = Path(__file__).resolve().parents[1] / "deploy" / "triton" / "cpu"
     with TritonLocal(root, models=[args.model]) as tl:
-        via_shm = curve(tl, args.model, True, args.reps)
-        via_body = curve(tl, args.model, False, args.reps)
+        via_shm = curve(tl, args.model, "auto", args.reps)  # CUDA shm on a GPU host, system shm here
+        via_body = curve(tl, args.model, "none", args.reps)
     print(f"Triton path T(B), {args.model}, ms (median / p90 of {args.reps}); tritonserver 2.51 python backend, CPU")
-    print(f"{'B':>4} {'system shm':>18} {'gRPC bodies':>18}")
+    print(f"{'B':>4} {'shared memory':>18} {'gRPC bodies':>18}")
     for b in SIZES:
         print(f"{b:>4} {via_shm[b][0]:>9.2f} / {via_shm[b][1]:<7.2f} {via_body[b][0]:>9.2f} / {via_body[b][1]:<7.2f}")
     if args.out:

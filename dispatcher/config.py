@@ -61,8 +61,13 @@ class TritonConfig:
 
     url: str = "127.0.0.1:8001"  # gRPC
     models: dict[str, str] = field(default_factory=dict)  # Batchyard model -> Triton model name
+    # Batchyard model -> {spec tensor: Triton tensor} where names differ (e.g. TorchScript's INPUT__0)
+    tensor_names: dict[str, dict[str, str]] = field(default_factory=dict)
     inflight: int = 2  # batches in flight to Triton at once
-    shm: bool = True  # tensors through Triton's system shared memory (False: in gRPC bodies)
+    # Where tensors travel: "auto" = CUDA shared memory when this worker sees GPU `device`, else
+    # system shared memory; "cuda"; "system"; "none" = in gRPC message bodies (for comparison).
+    shm: Literal["auto", "cuda", "system", "none"] = "auto"
+    device: int = 0  # GPU of the CUDA shared-memory regions
     max_grpc_message_bytes: int = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
 
 
@@ -162,6 +167,12 @@ class NodeConfig:
                 if ":" not in self.model(m).factory:
                     raise ConfigError(f"model {m!r}: an amx worker ({w.name!r}) runs it, so its factory "
                                       f"{self.model(m).factory!r} must be 'module:function'")
+            for m, renames in w.triton.tensor_names.items() if w.kind == "triton" else ():
+                spec = self.model(m).spec() if m in w.models else None
+                known = {t.name for t in spec.inputs + spec.outputs} if spec else set()
+                if spec is None or set(renames) - known:
+                    raise ConfigError(f"worker {w.name!r}: triton.tensor_names[{m!r}] must name tensors of a model "
+                                      f"it serves; unknown {sorted(set(renames) - known) if spec else m!r}")
             if w.threads < 1 or w.max_inflight < 1:
                 raise ConfigError(f"worker {w.name!r}: threads and max_inflight must be >= 1")
         return self

@@ -26,6 +26,10 @@ log = logging.getLogger("batchyard.up")
 _PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_MAX_S = 10.0
 STOP_TIMEOUT_S = 10.0
+# sysexits.h EX_CONFIG: a worker that cannot run on this host as configured (no GPU for a CUDA
+# worker, a Triton model that does not match its spec). Restarting cannot help, so neither
+# `up` nor the systemd unit (RestartPreventExitStatus=78) restarts it.
+EX_CONFIG = 78
 
 
 def _die_with_parent() -> None:
@@ -44,6 +48,7 @@ class Supervisor:
         self.dispatcher: Optional[subprocess.Popen] = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
+        self.given_up: set[str] = set()
         self._last_start: dict[str, float] = {}
 
     def _spawn(self, *args: str) -> subprocess.Popen:
@@ -62,15 +67,31 @@ class Supervisor:
         log.info("started worker %s (pid %d)", name, self.workers[name].pid)
 
     def wait_ready(self, timeout: float = 300.0) -> "object":
-        """Block until every configured worker has registered with the dispatcher."""
+        """Block until every configured worker has registered with the dispatcher; fail at once
+        (not after ``timeout``) when the dispatcher or a worker exits during start-up."""
         from .client import Client
 
+        n = len(self.node.workers)
+        deadline = time.monotonic() + timeout
         with Client(self.node.dispatcher.frontend) as c:
-            st = c.status(min_registrations=len(self.node.workers), wait=timeout)
-        if st.registrations < len(self.node.workers):
-            raise TimeoutError(f"only {st.registrations} of {len(self.node.workers)} workers registered "
-                               f"within {timeout:.0f} s")
-        return st
+            while True:
+                # A long poll answered the moment the n-th worker registers; its 1 s cap is only
+                # so that a child that died while starting is noticed within a second.
+                st = c.status(min_registrations=n, wait=max(0.0, min(1.0, deadline - time.monotonic())))
+                if st.registrations >= n:
+                    return st
+                self._check_started()
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"only {st.registrations} of {n} workers registered within {timeout:.0f} s")
+
+    def _check_started(self) -> None:
+        if self.dispatcher is not None and self.dispatcher.poll() is not None:
+            raise RuntimeError(f"the dispatcher exited with {self.dispatcher.returncode} during start-up")
+        for name, proc in self.workers.items():
+            if proc.poll() is not None:
+                why = ("cannot run on this host as configured" if proc.returncode == EX_CONFIG
+                       else f"exited with {proc.returncode}")
+                raise RuntimeError(f"worker {name} {why} during start-up (see its log above)")
 
     def run_forever(self) -> int:
         """Supervise until SIGTERM/SIGINT. Returns the exit code for the `up` command."""
@@ -86,7 +107,11 @@ class Supervisor:
                     return 1
                 now = time.monotonic()
                 for name, proc in list(self.workers.items()):
-                    if proc.poll() is not None and name not in pending_restart:
+                    if proc.poll() is not None and proc.returncode == EX_CONFIG and name not in self.given_up:
+                        log.error("worker %s cannot run on this host as configured (exit %d, see its log); "
+                                  "not restarting it", name, EX_CONFIG)
+                        self.given_up.add(name)
+                    if proc.poll() is not None and name not in pending_restart and name not in self.given_up:
                         # Back off only when a worker keeps dying right after start.
                         quick = now - self._last_start.get(name, 0.0) < 5.0
                         n = self.restarts.get(name, 0)
@@ -164,7 +189,11 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO") -> int:
     sup = Supervisor(config_path, node, log_level)
     try:
         sup.start()
-        st = sup.wait_ready()
+        try:
+            st = sup.wait_ready()
+        except (RuntimeError, TimeoutError) as e:
+            log.error("node did not start: %s", e)
+            return 1
         log.info("node ready: %d workers, models %s", len(st.workers), st.models)
         print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
         return sup.run_forever()

@@ -3,7 +3,14 @@ CPU-only here: Triton stands in for the GPU's speed)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
+import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,9 +18,11 @@ import pytest
 pytest.importorskip("pytriton")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from dispatcher.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
+from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, TensorConfig, TritonConfig,  # noqa: E402
+                               WorkerConfig, to_toml)
 from dispatcher.errors import Unavailable  # noqa: E402
 from workers.triton_local import TritonLocal  # noqa: E402
+from workers.triton_regions import cuda_device_count  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 
@@ -57,6 +66,19 @@ def test_same_outputs_as_calling_triton_directly(start_node, triton):
     assert max(r.timing.batch_size for r in res) > 1
 
 
+RENAMED = ModelConfig(name="tri", factory="", max_batch=64, inputs=(TensorConfig("features", "float32", (1024,)),),
+                      outputs=(TensorConfig("embedding", "float32", (1024,)),))
+
+
+def test_spec_tensor_names_map_onto_tritons(start_node, triton):
+    names = {"tri": {"features": "x", "embedding": "y"}}
+    node = start_node([gpu_worker(triton, warmup=(1,), tensor_names=names)], models=(RENAMED,))
+    x = np.random.default_rng(3).standard_normal((2, 1024)).astype(np.float32)
+    with node.client() as c:
+        r = c.infer("tri", {"features": x})
+    np.testing.assert_allclose(r["embedding"], direct(triton, x), rtol=1e-4, atol=1e-5)
+
+
 def test_large_batches_travel_by_shared_memory_not_grpc_bodies(start_node, triton):
     # The worker's gRPC channel refuses any message over 16 KiB; a 32-item batch is 128 KiB of
     # input and 128 KiB of output, so it can only go through if no tensor byte is in a body.
@@ -70,7 +92,7 @@ def test_large_batches_travel_by_shared_memory_not_grpc_bodies(start_node, trito
 
 def test_without_shm_the_same_limit_refuses_the_batch(start_node, triton):
     # (warm up at B=1 only: 4 KiB fits in a body, B=8 would not)
-    node = start_node([gpu_worker(triton, warmup=(1,), max_grpc_message_bytes=16 << 10, shm=False)], models=(TRI,))
+    node = start_node([gpu_worker(triton, warmup=(1,), max_grpc_message_bytes=16 << 10, shm="none")], models=(TRI,))
     with node.client() as c:
         with pytest.raises(Unavailable, match="larger than max|RESOURCE_EXHAUSTED|Received message larger"):
             c.infer("tri", {"x": np.zeros((32, 1024), np.float32)})
@@ -108,3 +130,66 @@ def test_triton_killed_mid_load_gives_explicit_errors_then_recovers(start_node):
                 tl2.close()
     finally:
         tl.close()
+
+
+def _regions(tl) -> set[str]:
+    cl = grpcclient.InferenceServerClient(tl.grpc_url)
+    try:
+        return set(cl.get_system_shared_memory_status().regions)
+    finally:
+        cl.close()
+
+
+def test_a_restarted_worker_clears_what_its_killed_predecessor_registered(start_node, triton):
+    before = _regions(triton)
+    node = start_node([gpu_worker(triton, warmup=(1,))], models=(TRI,))
+    prefix = f"batchyard-{zlib.crc32(node.cfg.dispatcher.backend.encode()):08x}-gpu0-"
+    mine = {f"{prefix}{k}-{d}" for k in range(2) for d in ("in", "out")}  # inflight = 2 slots
+    x = np.random.default_rng(2).standard_normal((3, 1024)).astype(np.float32)
+    with node.client() as c:
+        st = c.status()
+        assert _regions(triton) - before == mine
+        os.kill(next(w.pid for w in st.workers if w.name == "gpu0"), signal.SIGKILL)
+        # Its regions stay registered in Triton; the restarted worker (same names) must clear
+        # them first or its own registration is refused and it never comes back.
+        c.status(min_registrations=st.registrations + 1, wait=60)
+        np.testing.assert_allclose(c.infer("tri", {"x": x})["y"], direct(triton, x), rtol=1e-4, atol=1e-5)
+        assert _regions(triton) - before == mine
+    node.stop()
+    assert _regions(triton) - before == set()
+
+
+def _up_until_it_exits(run_dir, worker) -> tuple[int, str]:
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      models=(worker[1],), workers=(worker[0],)).validate()
+    cfg = Path(run_dir) / "node.toml"
+    cfg.write_text(to_toml(node))
+    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(cfg)],
+                          cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = up.communicate(timeout=120)  # start-up waits up to 300 s for workers: this is "at once"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    return up.returncode, err
+
+
+MISNAMED = ModelConfig(name="tri", factory="", max_batch=64, inputs=TRI.inputs,
+                       outputs=(TensorConfig("z", "float32", (1024,)),))
+
+
+@pytest.mark.parametrize("case", ["cuda shm without a GPU", "model without the spec's tensor"])
+def test_a_worker_that_cannot_run_here_stops_up_at_once_with_the_reason(run_dir, triton, case):
+    if case == "cuda shm without a GPU":
+        if cuda_device_count() > 0:
+            pytest.skip("this host has a GPU")
+        worker, expect = (gpu_worker(triton, shm="cuda"), TRI), r"cuda-python|no GPU 0 is visible"
+    else:
+        worker, expect = (gpu_worker(triton), MISNAMED), r"lacks output 'z' of spec 'tri'"
+    before = _regions(triton)
+    rc, err = _up_until_it_exits(run_dir, worker)
+    assert rc == 1
+    assert "worker gpu0 cannot run on this host as configured during start-up" in err
+    assert re.search(expect, err), err[-2000:]
+    assert _regions(triton) == before  # nothing left registered by the refused worker

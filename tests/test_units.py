@@ -16,6 +16,7 @@ import pytest
 from dispatcher import protocol as P
 from dispatcher.config import ConfigError, parse_config, to_toml, load_config
 from dispatcher.policy import Greedy, TimeWindow, make_policy
+from dispatcher.protocol import ModelSpec, TensorSpec
 from dispatcher.client_pool import ShmPool
 from dispatcher.shm import SHM_DIR, SegmentCache, ShmError, live_segments, reap_orphans
 from dispatcher.state import Request, SchedulerState, WorkerState
@@ -107,6 +108,9 @@ def good_config(**dispatcher):
     (lambda c: c["workers"][0].update(kind="tpu"), "kind"),
     (lambda c: c["models"][0]["inputs"][0].update(dtype="bfloat17"), "dtype 'bfloat17'"),
     (lambda c: c["dispatcher"].update(heartbeat_interval_s=5.0), "heartbeat_interval_s"),
+    (lambda c: c["workers"][0].update(kind="triton", triton={"shm": True}), "workers[0].triton.shm"),
+    (lambda c: c["workers"][0].update(kind="triton", triton={"tensor_names": {"sum": {"z": "INPUT__0"}}}),
+     "triton.tensor_names['sum'] must name tensors of a model it serves; unknown ['z']"),
 ])
 def test_config_errors_are_precise(patch, needle):
     c = good_config()
@@ -258,3 +262,65 @@ def test_gpu_executors_fail_clearly_without_a_gpu():
         TorchCudaExecutor()
     with pytest.raises(GpuUnavailable):
         TensorRTExecutor({"m": "/nonexistent.onnx"})
+
+
+def test_triton_regions_pick_system_shm_without_a_gpu_and_refuse_cuda_clearly():
+    from workers.triton_regions import HostRegion, RegionError, cuda_device_count, resolve_kind
+
+    if cuda_device_count() > 0:
+        pytest.skip("this host has a GPU")
+    assert resolve_kind("auto", 0) == "system"
+    assert resolve_kind("system", 0) == "system"
+    with pytest.raises(RegionError, match="cuda-python|no GPU 0"):
+        resolve_kind("cuda", 0)
+    r = HostRegion("t", 4096)
+    try:  # two tensors at offsets in one region, read back by dtype and shape
+        r.write(0, np.arange(6, dtype=np.int64))
+        r.write(48, np.full((2, 3), 1.5, np.float32))
+        assert r.read(0, "int64", (2, 3)).tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert r.read(48, "float32", (2, 3)).tolist() == [[1.5] * 3] * 2
+    finally:
+        r.close()
+
+
+def _triton_cfg(max_batch=64, dims=(1024,), dtype="TYPE_FP32", dynamic=False):
+    mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    cfg = mc.ModelConfig(name="dense", max_batch_size=max_batch)
+    for kind, name in ((cfg.input, "x"), (cfg.output, "y")):
+        t = kind.add()
+        t.name, t.data_type = name, mc.DataType.Value(dtype)
+        t.dims.extend(dims)
+    if dynamic:
+        cfg.dynamic_batching.max_queue_delay_microseconds = 100
+    return cfg
+
+
+@pytest.mark.parametrize("cfg_kw, problem", [
+    ({}, None),
+    ({"max_batch": 0, "dims": (-1, 1024)}, None),  # a non-batching model with a variable first dim
+    ({"dims": (-1,)}, None),  # variable dims fit any size
+    ({"max_batch": 8}, "max_batch_size 8 < Batchyard's max_batch 64"),
+    ({"dtype": "TYPE_FP16"}, "input 'x' is TYPE_FP16, spec 'm' says float32 (TYPE_FP32)"),
+    ({"dims": (512,)}, "input 'x' has dims [512], spec 'm' has per-item shape [1024]"),
+    ({"max_batch": 0}, "max_batch_size 0 and input 'x' dims [1024]: the first dimension must be -1"),
+])
+def test_triton_model_config_is_checked_against_the_spec(cfg_kw, problem):
+    from workers.triton_model_check import check_model_config
+
+    spec = ModelSpec("m", (TensorSpec("x", "float32", (1024,)),), (TensorSpec("y", "float32", (1024,)),), 64)
+    check = check_model_config(_triton_cfg(**cfg_kw), spec)
+    assert check.warnings == []
+    if problem is None:
+        assert check.problems == []
+    else:
+        assert any(problem in p for p in check.problems), check.problems
+
+
+def test_triton_model_config_check_renames_and_warns_on_dynamic_batching():
+    from workers.triton_model_check import check_model_config
+
+    spec = ModelSpec("m", (TensorSpec("feat", "float32", (1024,)),), (TensorSpec("y", "float32", (1024,)),), 64)
+    cfg = _triton_cfg(dynamic=True)
+    assert "lacks input 'feat' of spec 'm' (it has ['x'])" in check_model_config(cfg, spec).problems[0]
+    check = check_model_config(cfg, spec, {"feat": "x"})
+    assert check.problems == [] and "dynamic_batching on" in check.warnings[0]

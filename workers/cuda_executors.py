@@ -15,9 +15,10 @@ import numpy as np
 from dispatcher.protocol import ModelSpec
 
 from .executors import load_factory
+from .runtime import CannotStart
 
 
-class GpuUnavailable(RuntimeError):
+class GpuUnavailable(CannotStart):
     pass
 
 

@@ -12,6 +12,7 @@ import zlib
 
 from dispatcher.config import NodeConfig
 from dispatcher.proctitle import set_title
+from dispatcher.supervisor import EX_CONFIG
 
 log = logging.getLogger("batchyard.worker")
 
@@ -25,40 +26,22 @@ def run_worker(node: NodeConfig, name: str) -> int:
     cpus = pin_cpus(wcfg.cpus)
     numa_note = bind_numa_node(wcfg.numa_node)
     log.info("worker %s pid %d: cpus %s; %s", name, os.getpid(), cpus, numa_note)
-    if wcfg.kind == "amx":
-        # Single-threaded by default: one pinned single-thread worker per core measured ~25 %
-        # more throughput than one multi-threaded worker, and is robust to noisy neighbours.
-        os.environ.setdefault("OMP_NUM_THREADS", str(wcfg.threads))
-        from .executors import TorchCpuExecutor
+    from .runtime import CannotStart, WorkerRuntime
 
-        executor = TorchCpuExecutor(threads=wcfg.threads)
-    elif wcfg.kind == "triton":
-        from .triton_executor import TritonExecutor
-
-        t = wcfg.triton
-        limit = t.max_grpc_message_bytes
-        args = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)] if limit else None
-        executor = TritonExecutor(t.url, dict(t.models), inflight=t.inflight, use_shm=t.shm, channel_args=args)
-    elif wcfg.kind == "cuda":
-        from .cuda_executors import TorchCudaExecutor
-
-        executor = TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision)
-    elif wcfg.kind == "tensorrt":
-        from .cuda_executors import TensorRTExecutor
-
-        executor = TensorRTExecutor(dict(wcfg.cuda.onnx), wcfg.cuda.device, fp16=wcfg.cuda.precision != "fp32")
-    else:
-        from .executors import SimulatedExecutor
-
-        executor = SimulatedExecutor(wcfg.sim, seed=zlib.crc32(name.encode()))
-    specs = {}
-    for model in wcfg.models:
-        mcfg = node.model(model)
-        spec = mcfg.spec()
-        executor.load(spec, mcfg.factory)
-        specs[model] = spec
-    from .runtime import WorkerRuntime
-
+    executor = None
+    try:
+        executor = _make_executor(node, wcfg)
+        specs = {}
+        for model in wcfg.models:
+            mcfg = node.model(model)
+            spec = mcfg.spec()
+            executor.load(spec, mcfg.factory)
+            specs[model] = spec
+    except CannotStart as e:
+        log.error("worker %s cannot start: %s", name, e)
+        if executor is not None and hasattr(executor, "close"):
+            executor.close()  # what it registered for models loaded before the failing one
+        return EX_CONFIG
     rt = WorkerRuntime(name, node.dispatcher.backend, executor, specs,
                        heartbeat_interval_s=node.dispatcher.heartbeat_interval_s,
                        max_inflight=wcfg.triton.inflight if wcfg.kind == "triton" else wcfg.max_inflight,
@@ -67,3 +50,35 @@ def run_worker(node: NodeConfig, name: str) -> int:
     if wcfg.kind != "sim":  # warm every real path before taking traffic (seed pitfall 2: launch jitter)
         rt.warmup(warm)
     return rt.serve()
+
+
+def _make_executor(node: NodeConfig, wcfg):
+    if wcfg.kind == "amx":
+        # Single-threaded by default: one pinned single-thread worker per core measured ~25 %
+        # more throughput than one multi-threaded worker, and is robust to noisy neighbours.
+        os.environ.setdefault("OMP_NUM_THREADS", str(wcfg.threads))
+        from .executors import TorchCpuExecutor
+
+        return TorchCpuExecutor(threads=wcfg.threads)
+    if wcfg.kind == "triton":
+        from .triton_executor import TritonExecutor
+
+        t = wcfg.triton
+        limit = t.max_grpc_message_bytes
+        args = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)] if limit else None
+        # Stable across restarts of this worker, distinct between nodes sharing one Triton.
+        prefix = f"batchyard-{zlib.crc32(node.dispatcher.backend.encode()):08x}-{wcfg.name}-"
+        return TritonExecutor(t.url, dict(t.models), inflight=t.inflight, shm=t.shm, device=t.device,
+                              region_prefix=prefix, tensor_names={m: dict(r) for m, r in t.tensor_names.items()},
+                              channel_args=args)
+    if wcfg.kind == "cuda":
+        from .cuda_executors import TorchCudaExecutor
+
+        return TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision)
+    if wcfg.kind == "tensorrt":
+        from .cuda_executors import TensorRTExecutor
+
+        return TensorRTExecutor(dict(wcfg.cuda.onnx), wcfg.cuda.device, fp16=wcfg.cuda.precision != "fp32")
+    from .executors import SimulatedExecutor
+
+    return SimulatedExecutor(wcfg.sim, seed=zlib.crc32(wcfg.name.encode()))

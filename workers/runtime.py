@@ -208,6 +208,12 @@ class WorkerRuntime:
         return [header, *out_frames]
 
 
+class CannotStart(RuntimeError):
+    """This worker cannot run on this host or against this backend as configured (no GPU, a
+    Triton model that does not match the spec, ...). Restarting would not help: the worker
+    exits with EX_CONFIG and neither `batchyard up` nor systemd restarts it."""
+
+
 class ExecutorUnavailable(Exception):
     """The executor's backend (e.g. a Triton server) cannot be reached: the batch's requests
     get UNAVAILABLE, not INTERNAL, and the worker stays up."""

@@ -1,9 +1,12 @@
-"""GPU-worker executor that drives a Triton Inference Server over gRPC with system shared memory.
+"""GPU-worker executor that drives a Triton Inference Server over gRPC with shared memory.
 
 - Inputs and outputs never ride in gRPC message bodies: each in-flight slot owns one input and
-  one output POSIX shared-memory segment, registered with Triton once (``/batchyard_<pid>_...``)
-  and reused; ``close()`` unregisters and unlinks them. (On a GPU host, Triton's CUDA shared
-  memory extension is the next step; this machine has no GPU to test it on.)
+  one output region, registered with Triton once and reused; ``close()`` unregisters and frees
+  them. Regions are CUDA shared memory when the worker sees the GPU, system (POSIX) shared
+  memory otherwise (``workers/triton_regions.py``).
+- Region names are ``<prefix><slot>-in|out`` with a prefix stable across restarts of the same
+  worker, so a restarted worker first unregisters what a killed predecessor left registered,
+  and never touches regions of other Triton users.
 - Up to ``inflight`` batches at once (``async_infer``) to hide the gRPC round trip; the worker
   runtime gets completions through its wake-up pipe.
 - Triton's own dynamic batching must be OFF for models we dispatch to (it would re-batch our
@@ -16,32 +19,38 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 import numpy as np
 
 from dispatcher.protocol import ModelSpec
-from dispatcher.shm import Segment
 from dispatcher.validation import item_nbytes
 
-from .runtime import ExecutorUnavailable
+from .runtime import CannotStart, ExecutorUnavailable
+from .triton_model_check import TRITON_DTYPE, check_model_config
+from .triton_regions import make_region, resolve_kind
 
 log = logging.getLogger("batchyard.worker")
 
-_TRITON_DTYPE = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "uint16": "UINT16", "int16": "INT16",
-                 "uint32": "UINT32", "int32": "INT32", "uint64": "UINT64", "int64": "INT64",
-                 "float16": "FP16", "float32": "FP32", "float64": "FP64"}
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.2, 5.0
 
 
 class _Slot:
     """One in-flight batch's input and output regions (registered with Triton)."""
 
-    def __init__(self, tag: str, in_bytes: int, out_bytes: int):
-        self.inp = Segment.create(max(in_bytes, 64))
-        self.out = Segment.create(max(out_bytes, 64))
-        self.in_region, self.out_region = f"{tag}-in", f"{tag}-out"
+    def __init__(self, kind: str, tag: str, in_bytes: int, out_bytes: int, device: int):
+        self.inp = make_region(kind, f"{tag}-in", in_bytes, device)
+        try:
+            self.out = make_region(kind, f"{tag}-out", out_bytes, device)
+        except BaseException:
+            self.inp.close()
+            raise
+
+    @property
+    def regions(self):
+        return (self.inp, self.out)
 
 
 class TritonExecutor:
@@ -49,15 +58,23 @@ class TritonExecutor:
     simulated = False
 
     def __init__(self, url: str, model_names: dict[str, str] | None = None, inflight: int = 2,
-                 timeout_s: float = 30.0, use_shm: bool = True, channel_args=None):
+                 timeout_s: float = 30.0, shm: str = "auto", device: int = 0, region_prefix: str = "",
+                 tensor_names: dict[str, dict[str, str]] | None = None, channel_args=None):
+        """``shm``: "auto" (CUDA if this worker sees GPU ``device``, else system), "cuda",
+        "system", or "none" (tensors in gRPC bodies, for comparison). Raises RegionError when
+        "cuda" cannot work on this host."""
         import tritonclient.grpc as grpcclient
 
         self.grpc = grpcclient
         self.url = url
         self.model_names = model_names or {}
+        self.tensor_names = tensor_names or {}  # model -> {spec tensor: Triton tensor} where they differ
         self.inflight = inflight
         self.timeout_s = timeout_s
-        self.use_shm = use_shm
+        self.shm_kind = "none" if shm == "none" else resolve_kind(shm, device)
+        self.use_shm = self.shm_kind != "none"
+        self.device = device
+        self.region_prefix = region_prefix or f"batchyard-{os.getpid()}-"
         self.channel_args = channel_args
         self.specs: dict[str, ModelSpec] = {}
         self.client = None
@@ -71,20 +88,17 @@ class TritonExecutor:
     # ------------------------------------------------------------------ setup
     def load(self, spec: ModelSpec, factory: str = "") -> None:
         self.specs[spec.name] = spec
-        self._connect()
+        if self.client is None:
+            self._connect()
+            if self.use_shm:
+                self._unregister_stale()
         name = self.model_names.get(spec.name, spec.name)
         cfg = self.client.get_model_config(name, client_timeout=self.timeout_s).config
-        if cfg.HasField("dynamic_batching"):
-            log.warning("Triton model %r has dynamic_batching on: it will re-batch Batchyard's batches and add "
-                        "its own queue delay. Remove the dynamic_batching block from its config.pbtxt.", name)
-        if cfg.max_batch_size and cfg.max_batch_size < spec.max_batch:
-            raise ValueError(f"Triton model {name!r} has max_batch_size {cfg.max_batch_size} < Batchyard's "
-                             f"max_batch {spec.max_batch} for {spec.name!r}")
-        t_in = {i.name for i in cfg.input}
-        t_out = {o.name for o in cfg.output}
-        missing = ({t.name for t in spec.inputs} - t_in) | ({t.name for t in spec.outputs} - t_out)
-        if missing:
-            raise ValueError(f"Triton model {name!r} lacks tensors {sorted(missing)} of spec {spec.name!r}")
+        check = check_model_config(cfg, spec, self.tensor_names.get(spec.name))
+        for w in check.warnings:
+            log.warning("%s", w)
+        if check.problems:
+            raise CannotStart("; ".join(check.problems))
         if self.use_shm:
             in_b = max(sum(item_nbytes(t) for t in s.inputs) * s.max_batch for s in self.specs.values())
             out_b = max(sum(item_nbytes(t) for t in s.outputs) * s.max_batch for s in self.specs.values())
@@ -94,15 +108,34 @@ class TritonExecutor:
         if self._slots and self._slots[0].inp.size >= in_bytes and self._slots[0].out.size >= out_bytes:
             return
         self._drop_slots()
-        self._slots = [_Slot(f"by-{id(self) & 0xFFFFFF:x}-{k}", in_bytes, out_bytes) for k in range(self.inflight)]
+        for k in range(self.inflight):
+            self._slots.append(_Slot(self.shm_kind, f"{self.region_prefix}{k}", in_bytes, out_bytes, self.device))
         self._free = list(self._slots)
         self._register_slots()
+        log.info("%d %s shared-memory slots registered with Triton (%d + %d bytes each)",
+                 len(self._slots), self.shm_kind, self._slots[0].inp.size, self._slots[0].out.size)
 
     def _register_slots(self) -> None:
         for s in self._slots:
-            self.client.register_system_shared_memory(s.in_region, "/" + s.inp.name, s.inp.size)
-            self.client.register_system_shared_memory(s.out_region, "/" + s.out.name, s.out.size)
+            for r in s.regions:
+                r.register(self.client, self.timeout_s)
         self._registered = True
+
+    def _registered_names(self) -> list[str]:
+        c, t = self.client, self.timeout_s
+        status = (c.get_cuda_shared_memory_status(client_timeout=t) if self.shm_kind == "cuda"
+                  else c.get_system_shared_memory_status(client_timeout=t))
+        return [name for name in status.regions if name.startswith(self.region_prefix)]
+
+    def _unregister_stale(self) -> None:
+        """Regions under our prefix that we did not register now: a killed predecessor's."""
+        mine = {r.name for s in self._slots for r in s.regions} if self._registered else set()
+        unreg = (self.client.unregister_cuda_shared_memory if self.shm_kind == "cuda"
+                 else self.client.unregister_system_shared_memory)
+        for name in self._registered_names():
+            if name not in mine:
+                unreg(name, client_timeout=self.timeout_s)
+                log.info("unregistered stale Triton region %r", name)
 
     def _connect(self) -> None:
         if self.client is None:
@@ -116,7 +149,7 @@ class TritonExecutor:
                                       f"{self._down_until - now:.1f} s")
         if not self._registered and self._slots:
             try:
-                self.client.unregister_system_shared_memory(client_timeout=self.timeout_s)
+                self._unregister_stale()  # a restarted Triton has none; a reachable one may
                 self._register_slots()
                 log.info("reconnected to Triton at %s; shared-memory regions registered again", self.url)
             except Exception as e:
@@ -132,16 +165,17 @@ class TritonExecutor:
     # ------------------------------------------------------------------ running
     def _prepare(self, model: str, inputs: dict[str, np.ndarray], slot: _Slot | None):
         spec = self.specs[model]
+        rename = self.tensor_names.get(model, {})
         n = next(iter(inputs.values())).shape[0]
         g = self.grpc
         t_inputs, t_outputs, out_layout = [], [], []
         off = 0
         for t in spec.inputs:
             arr = np.ascontiguousarray(inputs[t.name])
-            inp = g.InferInput(t.name, list(arr.shape), _TRITON_DTYPE[t.dtype])
+            inp = g.InferInput(rename.get(t.name, t.name), list(arr.shape), TRITON_DTYPE[t.dtype])
             if slot is not None:
-                np.frombuffer(slot.inp.mm, dtype=np.uint8, count=arr.nbytes, offset=off)[:] = arr.reshape(-1).view(np.uint8)
-                inp.set_shared_memory(slot.in_region, arr.nbytes, off)
+                slot.inp.write(off, arr)
+                inp.set_shared_memory(slot.inp.name, arr.nbytes, off)
                 off += arr.nbytes
             else:
                 inp.set_data_from_numpy(arr)
@@ -149,23 +183,23 @@ class TritonExecutor:
         off = 0
         for t in spec.outputs:
             nbytes = n * item_nbytes(t)
-            out = g.InferRequestedOutput(t.name)
+            tname = rename.get(t.name, t.name)
+            out = g.InferRequestedOutput(tname)
             if slot is not None:
-                out.set_shared_memory(slot.out_region, nbytes, off)
+                out.set_shared_memory(slot.out.name, nbytes, off)
             t_outputs.append(out)
-            out_layout.append((t, off, nbytes))
+            out_layout.append((t, tname, off))
             off += nbytes
         return self.model_names.get(model, model), t_inputs, t_outputs, out_layout, n
 
     def _read(self, result, out_layout, n: int, slot: _Slot | None) -> dict[str, np.ndarray]:
         out = {}
-        for t, off, nbytes in out_layout:
+        for t, tname, off in out_layout:
             if slot is not None:
                 # With outputs in shared memory, the region holds the data (not result.as_numpy).
-                out[t.name] = np.frombuffer(slot.out.mm, dtype=t.dtype, count=nbytes // np.dtype(t.dtype).itemsize,
-                                            offset=off).reshape((n, *t.shape)).copy()
+                out[t.name] = slot.out.read(off, t.dtype, (n, *t.shape))
             else:
-                out[t.name] = result.as_numpy(t.name)
+                out[t.name] = result.as_numpy(tname)
         return out
 
     def run(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -237,14 +271,14 @@ class TritonExecutor:
     def _drop_slots(self) -> None:
         if self.client is not None and self._registered:
             for s in self._slots:
-                for region in (s.in_region, s.out_region):
+                for r in s.regions:
                     try:
-                        self.client.unregister_system_shared_memory(region, client_timeout=5.0)
+                        r.unregister(self.client, 5.0)
                     except Exception:
                         pass  # Triton gone: nothing registered any more
         for s in self._slots:
-            s.inp.close()
-            s.out.close()
+            for r in s.regions:
+                r.close()
         self._slots, self._free, self._registered = [], [], False
 
     def close(self) -> None:

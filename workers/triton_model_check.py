@@ -1,0 +1,66 @@
+"""Does a Triton model's config fit a Batchyard model spec? Checked once, when the GPU worker
+loads, so a mismatch stops the worker at start with the exact field instead of failing every
+batch later. Pure: takes the config protobuf Triton returned (``get_model_config``).
+
+Refusals (the worker cannot serve the model): a missing tensor, a different dtype, a fixed
+dimension that differs from the spec, a ``max_batch_size`` below Batchyard's ``max_batch``, or a
+non-batching model (``max_batch_size: 0``) whose first dimension is fixed.
+Warnings (it works, but worse): ``dynamic_batching`` on, which re-batches our batches and adds
+Triton's own queue delay (seed 000, pitfall 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dispatcher.protocol import ModelSpec
+
+TRITON_DTYPE = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "uint16": "UINT16", "int16": "INT16",
+                "uint32": "UINT32", "int32": "INT32", "uint64": "UINT64", "int64": "INT64",
+                "float16": "FP16", "float32": "FP32", "float64": "FP64"}
+
+
+@dataclass
+class ConfigCheck:
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_model_config(cfg, spec: ModelSpec, tensor_names: dict[str, str] | None = None) -> ConfigCheck:
+    """``tensor_names`` maps spec tensor names to Triton's where they differ (e.g. INPUT__0)."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    names = tensor_names or {}
+    out = ConfigCheck()
+    where = f"Triton model {cfg.name!r}"
+    if cfg.HasField("dynamic_batching"):
+        out.warnings.append(f"{where} has dynamic_batching on: it will re-batch Batchyard's batches and add "
+                            f"its own queue delay. Remove the dynamic_batching block from its config.pbtxt.")
+    batching = cfg.max_batch_size > 0
+    if batching and cfg.max_batch_size < spec.max_batch:
+        out.problems.append(f"{where} has max_batch_size {cfg.max_batch_size} < Batchyard's max_batch "
+                            f"{spec.max_batch} for {spec.name!r}")
+    for kind, ours, theirs in (("input", spec.inputs, cfg.input), ("output", spec.outputs, cfg.output)):
+        by_name = {t.name: t for t in theirs}
+        for t in ours:
+            tname = names.get(t.name, t.name)
+            tt = by_name.get(tname)
+            if tt is None:
+                out.problems.append(f"{where} lacks {kind} {tname!r} of spec {spec.name!r} "
+                                    f"(it has {sorted(by_name)})")
+                continue
+            want = "TYPE_" + TRITON_DTYPE.get(t.dtype, t.dtype.upper())
+            got = mc.DataType.Name(tt.data_type)
+            if got != want:
+                out.problems.append(f"{where} {kind} {tname!r} is {got}, spec {spec.name!r} says {t.dtype} ({want})")
+            dims = list(tt.dims)
+            if not batching:  # the batch dimension is part of dims and must be variable
+                if not dims or dims[0] != -1:
+                    out.problems.append(f"{where} has max_batch_size 0 and {kind} {tname!r} dims {dims}: "
+                                        f"the first dimension must be -1 to take Batchyard's batches")
+                    continue
+                dims = dims[1:]
+            if len(dims) != len(t.shape) or any(d != -1 and d != s for d, s in zip(dims, t.shape)):
+                out.problems.append(f"{where} {kind} {tname!r} has dims {dims}, spec {spec.name!r} has "
+                                    f"per-item shape {list(t.shape)}")
+    return out
