@@ -107,19 +107,21 @@ class Supervisor:
                     return 1
                 now = time.monotonic()
                 for name, proc in list(self.workers.items()):
-                    if proc.poll() is not None and proc.returncode == EX_CONFIG and name not in self.given_up:
+                    if proc.poll() is None or name in pending_restart or name in self.given_up:
+                        continue
+                    if proc.returncode == EX_CONFIG:
                         log.error("worker %s cannot run on this host as configured (exit %d, see its log); "
                                   "not restarting it", name, EX_CONFIG)
                         self.given_up.add(name)
-                    if proc.poll() is not None and name not in pending_restart and name not in self.given_up:
-                        # Back off only when a worker keeps dying right after start.
-                        quick = now - self._last_start.get(name, 0.0) < 5.0
-                        n = self.restarts.get(name, 0)
-                        delay = min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** n) if quick else 0.0
-                        self.restarts[name] = n + 1 if quick else 0
-                        log.warning("worker %s (pid %d) exited with %s; restart in %.1f s",
-                                    name, proc.pid, proc.returncode, delay)
-                        pending_restart[name] = now + delay
+                        continue
+                    # Back off only when a worker keeps dying right after start.
+                    quick = now - self._last_start.get(name, 0.0) < 5.0
+                    n = self.restarts.get(name, 0)
+                    delay = min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** n) if quick else 0.0
+                    self.restarts[name] = n + 1 if quick else 0
+                    log.warning("worker %s (pid %d) exited with %s; restart in %.1f s",
+                                name, proc.pid, proc.returncode, delay)
+                    pending_restart[name] = now + delay
                 for name, at in list(pending_restart.items()):
                     if at <= now:
                         del pending_restart[name]

@@ -72,7 +72,6 @@ class TritonExecutor:
         self.inflight = inflight
         self.timeout_s = timeout_s
         self.shm_kind = "none" if shm == "none" else resolve_kind(shm, device)
-        self.use_shm = self.shm_kind != "none"
         self.device = device
         self.region_prefix = region_prefix or f"batchyard-{os.getpid()}-"
         self.channel_args = channel_args
@@ -85,13 +84,17 @@ class TritonExecutor:
         self._backoff = BACKOFF_MIN_S
         self._registered = False
 
+    @property
+    def use_shm(self) -> bool:
+        return self.shm_kind != "none"
+
     # ------------------------------------------------------------------ setup
     def load(self, spec: ModelSpec, factory: str = "") -> None:
         self.specs[spec.name] = spec
         if self.client is None:
-            self._connect()
+            self.client = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
             if self.use_shm:
-                self._unregister_stale()
+                self._unregister_ours()  # what a killed predecessor of this worker left
         name = self.model_names.get(spec.name, spec.name)
         cfg = self.client.get_model_config(name, client_timeout=self.timeout_s).config
         check = check_model_config(cfg, spec, self.tensor_names.get(spec.name))
@@ -127,19 +130,13 @@ class TritonExecutor:
                   else c.get_system_shared_memory_status(client_timeout=t))
         return [name for name in status.regions if name.startswith(self.region_prefix)]
 
-    def _unregister_stale(self) -> None:
-        """Regions under our prefix that we did not register now: a killed predecessor's."""
-        mine = {r.name for s in self._slots for r in s.regions} if self._registered else set()
+    def _unregister_ours(self) -> None:
+        """Every region registered under our prefix (only ever called while we hold none)."""
         unreg = (self.client.unregister_cuda_shared_memory if self.shm_kind == "cuda"
                  else self.client.unregister_system_shared_memory)
         for name in self._registered_names():
-            if name not in mine:
-                unreg(name, client_timeout=self.timeout_s)
-                log.info("unregistered stale Triton region %r", name)
-
-    def _connect(self) -> None:
-        if self.client is None:
-            self.client = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
+            unreg(name, client_timeout=self.timeout_s)
+            log.info("unregistered Triton region %r left from before", name)
 
     def _ensure_up(self) -> None:
         """Fail fast during back-off; after it, reconnect and re-register the regions."""
@@ -149,7 +146,7 @@ class TritonExecutor:
                                       f"{self._down_until - now:.1f} s")
         if not self._registered and self._slots:
             try:
-                self._unregister_stale()  # a restarted Triton has none; a reachable one may
+                self._unregister_ours()  # a restarted Triton has none; a reachable one may
                 self._register_slots()
                 log.info("reconnected to Triton at %s; shared-memory regions registered again", self.url)
             except Exception as e:

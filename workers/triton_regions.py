@@ -100,9 +100,6 @@ class CudaRegion:
     def __init__(self, name: str, size: int, device: int):
         self.cudart = cudart = _cudart()
         self.name, self.size, self.device = name, max(size, 64), device
-        n = cuda_device_count()
-        if device >= n:
-            raise RegionError(f"CUDA shared memory on device {device}: this host has {n} GPU(s) visible")
         _check(cudart, "cudaSetDevice", cudart.cudaSetDevice(device))
         self.ptr = int(_check(cudart, "cudaMalloc", cudart.cudaMalloc(self.size)))
         handle = _check(cudart, "cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(self.ptr))
@@ -117,16 +114,18 @@ class CudaRegion:
     def unregister(self, client, timeout_s: float) -> None:
         client.unregister_cuda_shared_memory(self.name, client_timeout=timeout_s)
 
+    # cudaMemcpyDefault: the direction comes from the pointers (unified addressing), so the copy
+    # is right whatever device is current on the calling thread; reads run on gRPC threads.
     def write(self, offset: int, arr: np.ndarray) -> None:
         c = self.cudart
-        _check(c, "cudaMemcpy H2D", c.cudaMemcpy(self.ptr + offset, arr.ctypes.data, arr.nbytes,
-                                                 c.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        _check(c, "cudaMemcpy to the GPU", c.cudaMemcpy(self.ptr + offset, arr.ctypes.data, arr.nbytes,
+                                                        c.cudaMemcpyKind.cudaMemcpyDefault))
 
     def read(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         c = self.cudart
         out = np.empty(shape, dtype=dtype)
-        _check(c, "cudaMemcpy D2H", c.cudaMemcpy(out.ctypes.data, self.ptr + offset, out.nbytes,
-                                                 c.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        _check(c, "cudaMemcpy from the GPU", c.cudaMemcpy(out.ctypes.data, self.ptr + offset, out.nbytes,
+                                                          c.cudaMemcpyKind.cudaMemcpyDefault))
         return out
 
     def close(self) -> None:
