@@ -105,7 +105,16 @@ def test_triton_killed_mid_load_gives_explicit_errors_then_recovers(start_node):
         x = np.ones((1, 1024), np.float32)
         with node.client() as c:
             c.infer("tri", {"x": x})
-            tl.kill()
+            load = [c.submit("tri", {"x": np.full((8, 1024), i, np.float32)}, timeout=10) for i in range(40)]
+            tl.kill()  # mid-load: some batches are at Triton, some queued in the dispatcher
+            outcomes = []
+            for f in load:  # each one answered, with its result or an explicit UNAVAILABLE
+                try:
+                    f.result()
+                    outcomes.append("ok")
+                except Unavailable:
+                    outcomes.append("unavailable")
+            assert len(outcomes) == 40
             t0 = time.monotonic()
             with pytest.raises(Unavailable, match="Triton at"):
                 c.infer("tri", {"x": x}, timeout=10)
