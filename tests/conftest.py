@@ -63,6 +63,18 @@ class Node:
         return Client(self.address, **kw)
 
 
+def spawn_up(run_dir, workers, models, dispatcher=None, **popen_kw) -> tuple[NodeConfig, subprocess.Popen]:
+    """A node config on ipc endpoints in ``run_dir`` (``dispatcher``: DispatcherConfig overrides),
+    written there, and a `batchyard up` running it; the caller owns the process."""
+    node = NodeConfig(
+        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **(dispatcher or {})),
+        models=tuple(models), workers=tuple(workers)).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(node))
+    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(path)], cwd=ROOT, **popen_kw)
+    return node, up
+
+
 @pytest.fixture
 def run_dir():
     # ipc paths must stay under ~100 characters, so not pytest's long tmp_path.
@@ -79,13 +91,7 @@ def start_node(run_dir):
     def start(workers, models=(SUM_MODEL, BIG_MODEL), **dkw):
         dkw.setdefault("heartbeat_interval_s", 0.1)
         dkw.setdefault("worker_dead_after_s", 0.6)
-        node = NodeConfig(
-            dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **dkw),
-            models=tuple(models), workers=tuple(workers)).validate()
-        path = Path(run_dir) / "node.toml"
-        path.write_text(to_toml(node))
-        up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(path)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL)
+        node, up = spawn_up(run_dir, workers, models, dkw, stdout=subprocess.DEVNULL)
         n = Node(node, up, run_dir)
         started.append(n)
         with Client(n.address) as c:  # long poll: answered when every worker has registered

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from dispatcher.client import Client
-from dispatcher.config import DispatcherConfig, NodeConfig, WorkerConfig, to_toml
+from dispatcher.config import WorkerConfig
 from dispatcher.errors import DeadlineExceeded, Unavailable
 from dispatcher.shm import SHM_DIR, live_segments
 
-from conftest import MLP_MODEL, SUM_MODEL, sim_worker
+from conftest import MLP_MODEL, SUM_MODEL, sim_worker, spawn_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +84,7 @@ def test_client_close_unlinks_its_segments(run_dir):
 
 
 def test_up_stops_cleanly_on_sigterm(run_dir):
-    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      models=(SUM_MODEL,), workers=(sim_worker("w0", ("sum",)),)).validate()
-    cfg = Path(run_dir) / "node.toml"
-    cfg.write_text(to_toml(node))
-    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(cfg)], cwd=ROOT,
-                          stdout=subprocess.PIPE, text=True)
+    node, up = spawn_up(run_dir, [sim_worker("w0", ("sum",))], [SUM_MODEL], stdout=subprocess.PIPE, text=True)
     try:
         assert "ready" in up.stdout.readline()  # printed once every worker has registered
         with Client(node.dispatcher.frontend) as c:
@@ -148,12 +143,7 @@ def test_a_restarted_worker_still_stops_on_sigterm(start_node):
 def test_up_stopped_during_start_up_still_cleans_up(run_dir):
     # A worker that takes a while to come up: SIGTERM reaches `up` while it waits for readiness.
     slow = WorkerConfig(name="w0", kind="amx", models=("mlp",), threads=1, warmup_sizes=(1, 2, 4, 8, 16))
-    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      models=(MLP_MODEL,), workers=(slow,)).validate()
-    cfg = Path(run_dir) / "node.toml"
-    cfg.write_text(to_toml(node))
-    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(cfg)], cwd=ROOT,
-                          stderr=subprocess.PIPE, text=True)
+    _, up = spawn_up(run_dir, [slow], [MLP_MODEL], stderr=subprocess.PIPE, text=True)
     try:
         for line in up.stderr:  # the worker process exists once `up` logs its start
             if "started worker w0" in line:

@@ -7,10 +7,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,13 +16,12 @@ import pytest
 pytest.importorskip("pytriton")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, TensorConfig, TritonConfig,  # noqa: E402
-                               WorkerConfig, to_toml)
+from dispatcher.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
 from dispatcher.errors import Unavailable  # noqa: E402
 from workers.triton_local import TritonLocal  # noqa: E402
 from workers.triton_regions import cuda_device_count  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, spawn_up  # noqa: E402
 
 REPO = ROOT / "deploy" / "triton" / "cpu"
 TRI = ModelConfig(name="tri", factory="", max_batch=64,
@@ -169,12 +166,7 @@ def test_a_restarted_worker_clears_what_its_killed_predecessor_registered(start_
 
 
 def _up_until_it_exits(run_dir, worker) -> tuple[int, str]:
-    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      models=(worker[1],), workers=(worker[0],)).validate()
-    cfg = Path(run_dir) / "node.toml"
-    cfg.write_text(to_toml(node))
-    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(cfg)],
-                          cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+    _, up = spawn_up(run_dir, [worker[0]], [worker[1]], stderr=subprocess.PIPE, text=True)
     try:
         _, err = up.communicate(timeout=120)  # start-up waits up to 300 s for workers: this is "at once"
     finally:
