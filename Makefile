@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) -m bench.dispatch_bench
+	$(PY) -m batchyard.bench.dispatch_bench
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,8 +1,8 @@
-"""Argument handling of ``batchyard bench`` (the harness is bench/harness.py)."""
+"""``batchyard bench``: runs the harness (bench/harness.py) as the command line asked; the
+arguments are declared in bench/commands.py."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from .harness import LoadSpec, analyse, run_load, scrape, server_split, table, write_outputs
@@ -13,8 +13,8 @@ def _targets(args, address):
     if not args.compare:
         yield "", address
         return
-    from dispatcher.config import DispatcherConfig, NodeConfig, load_config
-    from dispatcher.supervisor import running_node
+    from batchyard.config import DispatcherConfig, NodeConfig, load_config
+    from batchyard.supervisor import running_node
 
     if not args.config:
         raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
@@ -23,37 +23,6 @@ def _targets(args, address):
         disp = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy})
         with running_node(NodeConfig(disp, base.models, base.workers).validate()):
             yield policy, disp.frontend
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", help="dispatcher frontend, e.g. tcp://127.0.0.1:7755")
-    p.add_argument("--model", default="minilm")
-    p.add_argument("--inputs", default="zeros", choices=["zeros", "minilm"],
-                   help="request contents: zeros of the model's spec, or tokenized MiniLM sentences")
-    p.add_argument("--target", default="batchyard", choices=["batchyard", "triton"])
-    p.add_argument("--triton-url", default="127.0.0.1:8001")
-    g = p.add_argument_group("load (as perf_analyzer)")
-    g.add_argument("--concurrency", type=int, default=0, help="closed loop with N requests in flight")
-    g.add_argument("--request-rate", type=float, default=0.0)
-    g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
-    g.add_argument("--request-intervals", default="", help="file of inter-request intervals (s)")
-    g.add_argument("--profile", default="", help="step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH")
-    g.add_argument("--sweep-rates", default="", help="comma-separated rates: one run each (p99 vs load)")
-    g.add_argument("--priority-mix", default="0,1,0", help="fractions high,normal,low")
-    g.add_argument("--deadlines-ms", default="0,0,0", help="per class; 0 = dispatcher default")
-    g.add_argument("--processes", type=int, default=2)
-    g.add_argument("--warmup", type=float, default=2.0)
-    g.add_argument("--window", type=float, default=5.0)
-    g.add_argument("--windows", type=int, default=3)
-    g.add_argument("--stability", type=float, default=0.15)
-    g.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
-    p.add_argument("--compare", action="append", default=[], metavar="POLICY",
-                   help="repeatable: start the node of --config once per policy and replay the same seeded load")
-    p.add_argument("--config", default="", help="node config for --compare")
-    p.add_argument("--out", default="", help="folder for bench.json, bench.md and plots")
-    p.add_argument("--measure-ceiling", action="store_true",
-                   help="measure this load generator's own ceiling against a no-op worker, then exit")
 
 
 def spec_from(args, rate: float = 0.0) -> LoadSpec:

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 
-from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
+from batchyard.deploy import asset
+from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig)
-from dispatcher.client import Client
-from dispatcher.supervisor import running_node
+from batchyard.client import Client
+from batchyard.supervisor import running_node
 
 from .loadgen import poisson_load
 from .report import latency_table
@@ -39,7 +40,7 @@ SENTENCES = [
 def demo_config(run_dir: str, policy: str = "mcb") -> NodeConfig:
     cpus = sorted(os.sched_getaffinity(0))
     minilm = ModelConfig(
-        name="minilm", factory="workers.models:minilm", max_batch=32,
+        name="minilm", factory="batchyard.workers.models:minilm", max_batch=32,
         inputs=(TensorConfig("input_ids", "int64", (128,)), TensorConfig("attention_mask", "int64", (128,))),
         outputs=(TensorConfig("embedding", "float32", (384,)),))
     return NodeConfig(
@@ -56,7 +57,7 @@ def demo_config(run_dir: str, policy: str = "mcb") -> NodeConfig:
 
 
 def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", triton: bool = False) -> int:
-    from workers.models import tokenize
+    from batchyard.workers.models import tokenize
 
     ids, mask = tokenize(SENTENCES)
     logging.getLogger("batchyard.up").setLevel(logging.WARNING)  # the table is the output
@@ -64,11 +65,11 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", tr
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="batchyard-demo-"))
         node = demo_config(run_dir, policy)
         if triton:  # the GPU worker drives a real tritonserver (on the CPU here) instead of a simulation
-            from dispatcher.config import TritonConfig
-            from workers.triton_local import TritonLocal
+            from batchyard.config import TritonConfig
+            from batchyard.workers.triton_local import TritonLocal
 
             print("starting tritonserver (nvidia-pytriton, python backend, MiniLM) ...", flush=True)
-            tl = stack.enter_context(TritonLocal(Path(__file__).resolve().parents[1] / "deploy" / "triton" / "cpu",
+            tl = stack.enter_context(TritonLocal(asset("triton", "cpu"),
                                                  models=["model_amx"]))
             gpu = WorkerConfig(name="gpu0", kind="triton", models=("minilm",), warmup_sizes=(1, 2, 4, 8),
                                triton=TritonConfig(url=tl.grpc_url, models={"minilm": "model_amx"}))

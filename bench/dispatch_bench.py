@@ -1,4 +1,4 @@
-"""Dispatcher micro-benchmarks (issue 2): run ``python -m bench.dispatch_bench [a|b|c|d|all]``.
+"""Dispatcher micro-benchmarks (issue 2): run ``python -m batchyard.bench.dispatch_bench [a|b|c|d|all]``.
 
 (a) added latency: SDK -> dispatcher -> worker vs SDK -> worker directly (no-op model, low load)
 (b) max routed requests/s: dispatcher vs a bare Python uvloop forwarder, same clients, same run
@@ -20,15 +20,15 @@ import time
 import numpy as np
 import zmq
 
-from dispatcher import protocol as P
-from dispatcher.client import AsyncClient, Client
-from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
+from batchyard import protocol as P
+from batchyard.client import AsyncClient, Client
+from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig)
-from dispatcher.client_pool import ShmPool
-from dispatcher.shm import SegmentCache
-from dispatcher.supervisor import running_node
+from batchyard.client_pool import ShmPool
+from batchyard.shm import SegmentCache
+from batchyard.supervisor import running_node
 
-NOOP = ModelConfig(name="noop", factory="workers.models:mlp", max_batch=256,
+NOOP = ModelConfig(name="noop", factory="batchyard.workers.models:mlp", max_batch=256,
                    inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (1,)),))
 X = np.ones((1, 4), np.float32)
 
@@ -64,7 +64,7 @@ def pct(xs, q):
 # ---------------------------------------------------------------- (a) added latency
 def _direct_worker_latency(n: int) -> list[float]:
     """Play the dispatcher's part for one worker: the SDK's own encoding, one-request batches."""
-    from workers.harness import DirectWorker
+    from batchyard.workers.harness import DirectWorker
 
     run_dir = tempfile.mkdtemp(prefix="by-bench-", dir="/tmp")
     with DirectWorker(_node(run_dir), "noop0") as dw:

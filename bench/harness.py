@@ -87,7 +87,7 @@ COLUMNS = ("sent", "latency_us", "status", "path", "priority", "queue_us", "comp
 
 def _make_inputs(kind: str, spec_inputs):
     if kind == "minilm":
-        from workers.models import tokenize
+        from batchyard.workers.models import tokenize
 
         from .demo import SENTENCES
 
@@ -98,8 +98,8 @@ def _make_inputs(kind: str, spec_inputs):
 
 
 async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int, t0: float):
-    from dispatcher.client import AsyncClient
-    from dispatcher.errors import BatchyardError
+    from batchyard.client import AsyncClient
+    from batchyard.errors import BatchyardError
 
     rows = []
     async with AsyncClient(address) as c:
@@ -125,7 +125,7 @@ async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int,
 
 async def _run_triton(url, model, inputs_kind, spec: LoadSpec, part: int, t0: float):
     import tritonclient.grpc.aio as aio
-    from dispatcher.protocol import TensorSpec
+    from batchyard.protocol import TensorSpec
 
     client = aio.InferenceServerClient(url)
     try:

@@ -1,6 +1,6 @@
 """One live run per policy, side by side with the simulator on the same curves and load.
 
-``python -m bench.live_policies [--rate R] [--duration S]``
+``python -m batchyard.bench.live_policies [--rate R] [--duration S]``
 
 Live node: the real dispatcher, a real AMX worker running MiniLM-L6 (bf16 weights, 1 thread)
 and a *simulated* GPU worker (launch 40 ms + 0.5 ms*B, max batch 32: slow enough that the CPU
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dispatcher.calibrate import calibrate
-from dispatcher.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig
-from dispatcher.supervisor import running_node
+from batchyard.workers.calibrate import calibrate
+from batchyard.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig
+from batchyard.supervisor import running_node
 
 from .demo import SENTENCES, demo_config
 from .loadgen import poisson_load
@@ -41,7 +41,7 @@ def node_for(run_dir: str, policy: str, profile: str = "") -> NodeConfig:
 
 
 def live_run(policy: str, rate: float, duration: float, profile: str) -> dict:
-    from workers.models import tokenize
+    from batchyard.workers.models import tokenize
 
     ids, mask = tokenize(SENTENCES)
     with tempfile.TemporaryDirectory(prefix="by-live-") as run_dir:

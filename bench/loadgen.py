@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from dispatcher.client import AsyncClient
-from dispatcher.errors import BatchyardError
+from batchyard.client import AsyncClient
+from batchyard.errors import BatchyardError
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The simulator report (issue 3): ``python -m bench.sim_report [--out bench/results] [--quick]``.
+"""The simulator report (issue 3): ``python -m batchyard.bench.sim_report [--out bench/results] [--quick]``.
 
 Everything here is SIMULATED: devices follow the seeds' cost curves (GPU 0.15 ms + 0.02 ms*B,
 max batch 64; two AMX workers at 0.08 ms*B each), the policies are the real objects of
@@ -128,7 +128,7 @@ def shaped_traces(n: int) -> list[dict]:
 
 def step_tracking() -> dict:
     """How fast lambda(t) follows a step from 30 % to 90 % of GPU capacity."""
-    from dispatcher.cost_model import ArrivalRate
+    from batchyard.cost_model import ArrivalRate
 
     tr = steps([(0.0, 0.3 * GPU_CAPACITY), (2.0, 0.9 * GPU_CAPACITY)], 4.0, seed=21)
     est = ArrivalRate()
@@ -176,7 +176,7 @@ def markdown(rep: dict) -> str:
     L = ["# Simulator report — SIMULATED devices", "",
          f"Devices: GPU {GPU.launch_s * 1e3:.2f} ms + {GPU.per_item_s * 1e3:.2f} ms·B (max batch {GPU.max_batch}); "
          f"2 AMX workers at {DEVICES[1].per_item_s * 1e3:.2f} ms·B. GPU-only capacity {GPU_CAPACITY:,.0f} req/s. "
-         "Policies are the real objects of `dispatcher/policy.py`. Reproduce: `python -m bench.sim_report`.", "",
+         "Policies are the real objects of `dispatcher/policy.py`. Reproduce: `python -m batchyard.bench.sim_report`.", "",
          "## Seed 002's table, in shape (Poisson at 80 % of GPU-only capacity)", "",
          f"Throughput = highest Poisson rate with p99 ≤ {SLO_MS} ms, relative to GPU-only.", "",
          "| policy | p50 ms | p99 ms | throughput under SLO |", "|---|---|---|---|"]

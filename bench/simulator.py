@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dispatcher.cost_model import CostCurve
-from dispatcher.policy import feasible, make_policy
-from dispatcher.state import Request, SchedulerState, WorkerState
+from batchyard.cost_model import CostCurve
+from batchyard.policy import feasible, make_policy
+from batchyard.state import Request, SchedulerState, WorkerState
 
 from .traces import Trace
 

@@ -1,6 +1,6 @@
 """T(B) of the Triton path, tensors through system shared memory vs in gRPC message bodies.
 
-``python -m bench.triton_curve [--model model_amx] [--reps 5]``
+``python -m batchyard.bench.triton_curve [--model model_amx] [--reps 5]``
 
 Uses the GPU worker's own executor (workers/triton_executor.py) against a local tritonserver
 (nvidia-pytriton, python backend, CPU-only here). Reports median / p90 per batch size, and,
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dispatcher.protocol import ModelSpec, TensorSpec
-from workers.triton_executor import TritonExecutor
-from workers.triton_local import TritonLocal
+from batchyard.deploy import asset
+from batchyard.protocol import ModelSpec, TensorSpec
+from batchyard.workers.triton_executor import TritonExecutor
+from batchyard.workers.triton_local import TritonLocal
 
 SPECS = {
     "model_amx": ModelSpec("model_amx", (TensorSpec("input_ids", "int64", (128,)), TensorSpec("attention_mask", "int64", (128,))),
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    root = Path(__file__).resolve().parents[1] / "deploy" / "triton" / "cpu"
+    root = asset("triton", "cpu")
     with TritonLocal(root, models=[args.model]) as tl:
         via_shm, via_body = curves(tl, args.model, args.reps)
     print(f"Triton path T(B), {args.model}, ms: median / p90 of {args.reps}, and mean time outside Triton's "

@@ -1,6 +1,6 @@
 """Batchyard vs Triton's own dynamic batcher, same model, same CPU cores, same load generator.
 
-``python -m bench.vs_triton [--rates 10,30,...] [--delays-us 0,2000,10000] [--out bench/results/vs_triton]``
+``python -m batchyard.bench.vs_triton [--rates 10,30,...] [--delays-us 0,2000,10000] [--out bench/results/vs_triton]``
 
 - Batchyard: dispatcher (policy mcb) + one single-threaded AMX worker per core, MiniLM-L6 bf16.
 - Triton: tritonserver (nvidia-pytriton) serving the same MiniLM (python backend, bf16, one
@@ -18,14 +18,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dispatcher.config import DispatcherConfig, NodeConfig, WorkerConfig
-from dispatcher.supervisor import running_node
-from workers.triton_local import TritonLocal
+from batchyard.deploy import asset
+from batchyard.config import DispatcherConfig, NodeConfig, WorkerConfig
+from batchyard.supervisor import running_node
+from batchyard.workers.triton_local import TritonLocal
 
 from .demo import demo_config
 from .harness import LoadSpec, analyse, run_load, table, write_outputs
 
-ROOT = Path(__file__).resolve().parents[1]
 SLO_MS = 100.0
 
 
@@ -54,7 +54,7 @@ def batchyard_sweep(rates, args) -> list:
 
 
 def triton_repo(delay_us: int, instances: int, into: Path) -> Path:
-    src = ROOT / "deploy" / "triton" / "cpu" / "model_amx"
+    src = asset("triton", "cpu", "model_amx")
     dst = into / "model_amx"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = (dst / "config.pbtxt").read_text()
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
         f"that load.", "", *lines, "",
         f"Max throughput with p99 <= {SLO_MS:.0f} ms and no errors: Batchyard {by_max:.1f}/s, Triton (best delay) "
         f"{tri_max:.1f}/s, ratio {by_max / tri_max if tri_max else float('nan'):.2f}x.",
-        "Reproduce: `python -m bench.vs_triton`."])
+        "Reproduce: `python -m batchyard.bench.vs_triton`."])
     all_reports = by + [r for reps in tri.values() for r in reps]
     write_outputs(all_reports, Path(args.out), "Batchyard vs Triton dynamic batcher — MiniLM-L6 on the same CPU cores",
                   notes)

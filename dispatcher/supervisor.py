@@ -1,7 +1,7 @@
 """``batchyard up``: start a node's dispatcher and workers, wait until ready, restart workers
 that die, and stop everything cleanly on SIGTERM/SIGINT.
 
-Children are plain processes (``python -m dispatcher.cli ...``) so that systemd units can run
+Children are plain processes (``python -m batchyard.cli ...``) so that systemd units can run
 exactly the same commands one by one. Each child gets PR_SET_PDEATHSIG so that nothing
 outlives a supervisor that was killed hard. Waiting is on signals (sigtimedwait on SIGCHLD,
 SIGTERM, SIGINT), never a polling loop.
@@ -20,16 +20,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .exit_codes import EX_CONFIG
 from .config import NodeConfig, to_toml
 
 log = logging.getLogger("batchyard.up")
 _PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_MAX_S = 10.0
 STOP_TIMEOUT_S = 10.0
-# sysexits.h EX_CONFIG: a worker that cannot run on this host as configured (no GPU for a CUDA
-# worker, a Triton model that does not match its spec). Restarting cannot help, so neither
-# `up` nor the systemd unit (RestartPreventExitStatus=78) restarts it.
-EX_CONFIG = 78
 
 
 def _die_with_parent() -> None:
@@ -52,7 +49,7 @@ class Supervisor:
         self._last_start: dict[str, float] = {}
 
     def _spawn(self, *args: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "dispatcher.cli", "--log-level", self.log_level, *args,
+        cmd = [sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
                "--config", self.config_path]
         return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 

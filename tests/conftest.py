@@ -17,20 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.client import Client
-from dispatcher.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
+from batchyard.client import Client
+from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig, to_toml)
-from dispatcher.shm import live_segments, reap_orphans
+from batchyard.shm import live_segments, reap_orphans
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SUM_MODEL = ModelConfig(name="sum", factory="workers.models:mlp", max_batch=16,
+SUM_MODEL = ModelConfig(name="sum", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (4,)),),
                         outputs=(TensorConfig("y", "float32", (2,)),))
-BIG_MODEL = ModelConfig(name="big", factory="workers.models:mlp", max_batch=4,
+BIG_MODEL = ModelConfig(name="big", factory="batchyard.workers.models:mlp", max_batch=4,
                         inputs=(TensorConfig("x", "float32", (256, 1024)),),
                         outputs=(TensorConfig("y", "float32", (256, 1024)),))
-MLP_MODEL = ModelConfig(name="mlp", factory="workers.models:mlp", max_batch=16,
+MLP_MODEL = ModelConfig(name="mlp", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (256,)),),
                         outputs=(TensorConfig("y", "float32", (256,)),))
 
@@ -71,7 +71,7 @@ def spawn_up(run_dir, workers, models, dispatcher=None, **popen_kw) -> tuple[Nod
         models=tuple(models), workers=tuple(workers)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(node))
-    up = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "up", "--config", str(path)], cwd=ROOT, **popen_kw)
+    up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT, **popen_kw)
     return node, up
 
 

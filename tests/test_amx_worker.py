@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dispatcher.config import ModelConfig, TensorConfig, WorkerConfig
-from workers.models import MLP, minilm, tokenize
+from batchyard.config import ModelConfig, TensorConfig, WorkerConfig
+from batchyard.workers.models import MLP, minilm, tokenize
 
 from conftest import MLP_MODEL
 
-MINILM = ModelConfig(name="minilm", factory="workers.models:minilm", max_batch=4,
+MINILM = ModelConfig(name="minilm", factory="batchyard.workers.models:minilm", max_batch=4,
                      inputs=(TensorConfig("input_ids", "int64", (128,)), TensorConfig("attention_mask", "int64", (128,))),
                      outputs=(TensorConfig("embedding", "float32", (384,)),))
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench.harness import LoadSpec, analyse, run_load, schedule, summarise
+from batchyard.bench.harness import LoadSpec, analyse, run_load, schedule, summarise
 
 from conftest import ROOT, sim_worker
 
@@ -52,7 +52,7 @@ def test_summary_counts_errors_per_class():
 
 
 def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
-    r = subprocess.run([sys.executable, "-m", "dispatcher.cli", "--log-level", "WARNING", "bench", "--address",
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "--log-level", "WARNING", "bench", "--address",
                         f"ipc://{run_dir}/nobody", "--model", "sum", "--request-rate", "10", "--processes", "1",
                         "--warmup", "0", "--window", "1", "--windows", "1"],
                        capture_output=True, text=True, cwd=ROOT, timeout=90)
@@ -61,7 +61,7 @@ def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
 
 
 def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
-    from dispatcher.config import DispatcherConfig, NodeConfig, to_toml
+    from batchyard.config import DispatcherConfig, NodeConfig, to_toml
 
     from conftest import SUM_MODEL
 
@@ -70,7 +70,7 @@ def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
     cfg = tmp_path / "node.toml"
     cfg.write_text(to_toml(node))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "dispatcher.cli", "--log-level", "WARNING", "bench", "--compare",
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "--log-level", "WARNING", "bench", "--compare",
                         "mcb", "--compare", "window:500,8", "--config", str(cfg), "--model", "sum", "--request-rate", "100",
                         "--processes", "1", "--warmup", "0.2", "--window", "1", "--windows", "1", "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=180)

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dispatcher.client import Client
-from dispatcher.config import WorkerConfig
-from dispatcher.errors import DeadlineExceeded, Unavailable
-from dispatcher.shm import SHM_DIR, live_segments
+from batchyard.client import Client
+from batchyard.config import WorkerConfig
+from batchyard.errors import DeadlineExceeded, Unavailable
+from batchyard.shm import SHM_DIR, live_segments
 
 from conftest import MLP_MODEL, SUM_MODEL, sim_worker, spawn_up
 
@@ -55,7 +55,7 @@ def test_worker_sigkill_mid_batch_loses_nothing_and_up_restarts_it(start_node, n
 
 CRASHING_CLIENT = """
 import os, sys, numpy as np
-from dispatcher.client import Client
+from batchyard.client import Client
 c = Client(sys.argv[1])
 a = c.alloc_array((1024,), np.float32)
 print(c.pool.segment_names()[0], flush=True)

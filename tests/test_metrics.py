@@ -9,8 +9,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from bench.harness import scrape
-from dispatcher.errors import InvalidArgument, UnknownModel
+from batchyard.bench.harness import scrape
+from batchyard.errors import InvalidArgument, UnknownModel
 
 from conftest import sim_worker
 from test_request_path import X1, header, raw_roundtrip

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from dispatcher.cost_model import ArrivalRate, CostCurve
-from dispatcher.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible
-from dispatcher.state import Request, SchedulerState, WorkerState
+from batchyard.cost_model import ArrivalRate, CostCurve
+from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible
+from batchyard.state import Request, SchedulerState, WorkerState
 
 MS = 1e-3
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import zmq
 
-from dispatcher import protocol as P
-from dispatcher.client import AsyncClient, Client
-from dispatcher.errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, UnknownModel
-from workers.executors import sim_outputs
+from batchyard import protocol as P
+from batchyard.client import AsyncClient, Client
+from batchyard.errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, UnknownModel
+from batchyard.workers.executors import sim_outputs
 
 from conftest import BIG_MODEL, SUM_MODEL, sim_worker
 
@@ -255,6 +255,6 @@ def test_status_shows_learned_curves_and_arrival_rate(start_node):
     assert st.policy == "mcb" and curve["samples"] >= 9
     assert curve["per_item_us"] == pytest.approx(500, rel=0.25)  # learned online from the batches
     assert st.arrival_rate["sum"] > 0 and sum(st.decisions.values()) >= 9
-    out = subprocess.run([sys.executable, "-m", "dispatcher.cli", "status", "--address", node.address],
+    out = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--address", node.address],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '"sum/gpu"' in out.stdout

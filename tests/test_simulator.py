@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from bench.simulator import clairvoyant_mean_latency, seeds_devices, simulate
-from bench.traces import bursts, merge, poisson, replay, steps, with_classes
+from batchyard.bench.simulator import clairvoyant_mean_latency, seeds_devices, simulate
+from batchyard.bench.traces import bursts, merge, poisson, replay, steps, with_classes
 
 GPU = seeds_devices(0)[0]
 
@@ -96,8 +96,8 @@ def test_traces_have_the_rates_they_say(tmp_path):
 
 
 def test_calibrate_fits_the_simulated_curve(tmp_path, run_dir):
-    from dispatcher.calibrate import calibrate
-    from dispatcher.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig
+    from batchyard.workers.calibrate import calibrate
+    from batchyard.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig
 
     from conftest import SUM_MODEL
 

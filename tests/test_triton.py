@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("pytriton")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from dispatcher.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
-from dispatcher.errors import Unavailable  # noqa: E402
-from workers.triton_local import TritonLocal  # noqa: E402
-from workers.triton_regions import cuda_device_count  # noqa: E402
+from batchyard.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
+from batchyard.errors import Unavailable  # noqa: E402
+from batchyard.workers.triton_local import TritonLocal  # noqa: E402
+from batchyard.workers.triton_regions import cuda_device_count  # noqa: E402
 
 from conftest import ROOT, spawn_up  # noqa: E402
 

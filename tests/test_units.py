@@ -13,15 +13,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from dispatcher import protocol as P
-from dispatcher.config import ConfigError, parse_config, to_toml, load_config
-from dispatcher.policy import Greedy, TimeWindow, make_policy
-from dispatcher.protocol import ModelSpec, TensorSpec
-from dispatcher.client_pool import ShmPool
-from dispatcher.shm import SHM_DIR, SegmentCache, ShmError, live_segments, reap_orphans
-from dispatcher.state import Request, SchedulerState, WorkerState
-from dispatcher.timer import OneShotTimer
-from dispatcher.validation import RequestInvalid, validate_infer
+from batchyard import protocol as P
+from batchyard.config import ConfigError, parse_config, to_toml, load_config
+from batchyard.policy import Greedy, TimeWindow, make_policy
+from batchyard.protocol import ModelSpec, TensorSpec
+from batchyard.client_pool import ShmPool
+from batchyard.shm import SHM_DIR, SegmentCache, ShmError, live_segments, reap_orphans
+from batchyard.state import Request, SchedulerState, WorkerState
+from batchyard.timer import OneShotTimer
+from batchyard.validation import RequestInvalid, validate_infer
 
 from conftest import SUM_MODEL, sim_worker
 
@@ -94,7 +94,7 @@ def test_validation_enforces_inline_limit_and_counts_items():
 def good_config(**dispatcher):
     d = {"frontend": "ipc:///tmp/x/fe", "backend": "ipc:///tmp/x/be", **dispatcher}
     return {"dispatcher": d,
-            "models": [{"name": "sum", "factory": "workers.models:mlp", "max_batch": 16,
+            "models": [{"name": "sum", "factory": "batchyard.workers.models:mlp", "max_batch": 16,
                         "inputs": [{"name": "x", "dtype": "float32", "shape": [4]}],
                         "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}]}],
             "workers": [{"name": "w0", "kind": "sim", "models": ["sum"]}]}
@@ -244,7 +244,7 @@ def test_reply_decoding_of_error_reply():
 
 
 def test_sim_outputs_are_a_function_of_inputs():
-    from workers.executors import sim_outputs
+    from batchyard.workers.executors import sim_outputs
 
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     y = sim_outputs({"x": x}, SPEC)["y"]
@@ -254,7 +254,7 @@ def test_sim_outputs_are_a_function_of_inputs():
 def test_gpu_executors_fail_clearly_without_a_gpu():
     import torch
 
-    from workers.cuda_executors import GpuUnavailable, TensorRTExecutor, TorchCudaExecutor
+    from batchyard.workers.cuda_executors import GpuUnavailable, TensorRTExecutor, TorchCudaExecutor
 
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
@@ -265,7 +265,7 @@ def test_gpu_executors_fail_clearly_without_a_gpu():
 
 
 def test_triton_regions_pick_system_shm_without_a_gpu_and_refuse_cuda_clearly():
-    from workers.triton_regions import HostRegion, RegionError, cuda_device_count, resolve_kind
+    from batchyard.workers.triton_regions import HostRegion, RegionError, cuda_device_count, resolve_kind
 
     if cuda_device_count() > 0:
         pytest.skip("this host has a GPU")
@@ -305,7 +305,7 @@ def _triton_cfg(max_batch=64, dims=(1024,), dtype="TYPE_FP32", dynamic=False):
     ({"max_batch": 0}, "max_batch_size 0 and input 'x' dims [1024]: the first dimension must be -1"),
 ])
 def test_triton_model_config_is_checked_against_the_spec(cfg_kw, problem):
-    from workers.triton_model_check import check_model_config
+    from batchyard.workers.triton_model_check import check_model_config
 
     spec = ModelSpec("m", (TensorSpec("x", "float32", (1024,)),), (TensorSpec("y", "float32", (1024,)),), 64)
     check = check_model_config(_triton_cfg(**cfg_kw), spec)
@@ -317,7 +317,7 @@ def test_triton_model_config_is_checked_against_the_spec(cfg_kw, problem):
 
 
 def test_triton_model_config_check_renames_and_warns_on_dynamic_batching():
-    from workers.triton_model_check import check_model_config
+    from batchyard.workers.triton_model_check import check_model_config
 
     spec = ModelSpec("m", (TensorSpec("feat", "float32", (1024,)),), (TensorSpec("y", "float32", (1024,)),), 64)
     cfg = _triton_cfg(dynamic=True)

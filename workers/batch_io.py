@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dispatcher import protocol as P
-from dispatcher.protocol import Status
-from dispatcher.shm import SegmentCache, ShmError
+from batchyard import protocol as P
+from batchyard.protocol import Status
+from batchyard.shm import SegmentCache, ShmError
 
 
 class BatchItem:

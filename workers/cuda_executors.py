@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dispatcher.protocol import ModelSpec
+from batchyard.protocol import ModelSpec
 
 from .executors import load_factory
 from .runtime import CannotStart

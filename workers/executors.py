@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from dispatcher.config import SimConfig
-from dispatcher.protocol import ModelSpec
+from batchyard.config import SimConfig
+from batchyard.protocol import ModelSpec
 
 
 def load_factory(path: str) -> Callable:

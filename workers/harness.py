@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from dispatcher import protocol as P
-from dispatcher.config import NodeConfig, to_toml
+from batchyard import protocol as P
+from batchyard.config import NodeConfig, to_toml
 
 
 class DirectWorker:
@@ -33,7 +33,7 @@ class DirectWorker:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(backend)
-        self.proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "--log-level", log_level, "worker",
+        self.proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "--log-level", log_level, "worker",
                                       "--config", str(cfg), "--name", worker])
         self.identity = None
         self.spec: dict[str, P.ModelSpec] = {}

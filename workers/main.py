@@ -10,9 +10,9 @@ import logging
 import os
 import zlib
 
-from dispatcher.config import NodeConfig
-from dispatcher.proctitle import set_title
-from dispatcher.supervisor import EX_CONFIG
+from batchyard.config import NodeConfig
+from batchyard.proctitle import set_title
+from batchyard.exit_codes import EX_CONFIG
 
 log = logging.getLogger("batchyard.worker")
 

@@ -1,4 +1,4 @@
-"""Model factories shipped with Batchyard (``factory = "workers.models:<name>"`` in config).
+"""Model factories shipped with Batchyard (``factory = "batchyard.workers.models:<name>"`` in config).
 
 A factory takes the model's spec and returns a ``torch.nn.Module`` whose ``forward`` takes
 the inputs as keyword arguments (by input name) and returns a dict of outputs. The executor

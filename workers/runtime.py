@@ -17,9 +17,9 @@ import time
 
 import zmq
 
-from dispatcher import protocol as P
-from dispatcher.protocol import Status
-from dispatcher.shm import SegmentCache
+from batchyard import protocol as P
+from batchyard.protocol import Status
+from batchyard.shm import SegmentCache
 
 from .batch_io import assemble, check_outputs, read_batch, write_results
 

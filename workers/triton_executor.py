@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from dispatcher.protocol import ModelSpec
-from dispatcher.validation import item_nbytes
+from batchyard.protocol import ModelSpec
+from batchyard.validation import item_nbytes
 
 from .runtime import CannotStart, ExecutorUnavailable
 from .triton_model_check import TRITON_DTYPE, check_model_config

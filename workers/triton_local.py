@@ -92,8 +92,8 @@ class TritonLocal:
         env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
         site = sysconfig.get_paths()["purelib"]
         # The stub ignores PYTHONPATH (isolated interpreter); models that need our packages
-        # append these to sys.path themselves (deploy/triton/cpu/model_amx/1/model.py).
-        env["BATCHYARD_SITE_PATHS"] = os.pathsep.join([site, str(Path(__file__).resolve().parents[1])])
+        # add this site themselves (deploy/triton/cpu/model_amx/1/model.py).
+        env["BATCHYARD_SITE_PATHS"] = site
         return env
 
     def start(self, ready_timeout_s: float = 60.0) -> "TritonLocal":

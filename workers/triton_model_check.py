@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dispatcher.protocol import ModelSpec
+from batchyard.protocol import ModelSpec
 
 TRITON_DTYPE = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "uint16": "UINT16", "int16": "INT16",
                 "uint32": "UINT32", "int32": "INT32", "uint64": "UINT64", "int64": "INT64",

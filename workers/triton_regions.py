@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from dispatcher.shm import Segment
+from batchyard.shm import Segment
 
 from .runtime import CannotStart
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from workers.models import MINILM_SEQ, minilm
+from batchyard.workers.models import MINILM_SEQ, minilm
 
 out = Path(__file__).parent / "model_gpu" / "1" / "model.onnx"
 out.parent.mkdir(parents=True, exist_ok=True)

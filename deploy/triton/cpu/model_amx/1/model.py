@@ -4,17 +4,19 @@ The stub runs an isolated interpreter: it does not read PYTHONPATH, so the folde
 torch/transformers and Batchyard are taken from BATCHYARD_SITE_PATHS (set by TritonLocal)."""
 
 import os
-import sys
+import site
 
+# addsitedir, not sys.path.append: it runs the folder's .pth files, which is how an editable
+# install of Batchyard makes `batchyard` importable.
 for p in os.environ.get("BATCHYARD_SITE_PATHS", "").split(os.pathsep):
-    if p and p not in sys.path:
-        sys.path.append(p)
+    if p:
+        site.addsitedir(p)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from workers.models import minilm  # noqa: E402
+from batchyard.workers.models import minilm  # noqa: E402
 
 
 class TritonPythonModel:

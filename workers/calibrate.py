@@ -14,13 +14,13 @@ import json
 import statistics
 from pathlib import Path
 
-from .config import NodeConfig
-from .cost_model import CostCurve
+from batchyard.config import NodeConfig
+from batchyard.cost_model import CostCurve
 
 
 def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None, reps: int = 5,
               workers: list[str] | None = None, log=print) -> dict:
-    from workers.harness import DirectWorker
+    from .harness import DirectWorker
 
     points: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for w in node.workers:

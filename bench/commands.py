@@ -1,0 +1,61 @@
+"""``batchyard bench`` and ``batchyard demo``: registered through the ``batchyard.commands``
+entry point. Arguments only; the harness is imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run_bench(args) -> int:
+    from .bench_cli import main
+
+    return main(args)
+
+
+def _run_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="dispatcher frontend, e.g. tcp://127.0.0.1:7755")
+    p.add_argument("--model", default="minilm")
+    p.add_argument("--inputs", default="zeros", choices=["zeros", "minilm"],
+                   help="request contents: zeros of the model's spec, or tokenized MiniLM sentences")
+    p.add_argument("--target", default="batchyard", choices=["batchyard", "triton"])
+    p.add_argument("--triton-url", default="127.0.0.1:8001")
+    g = p.add_argument_group("load (as perf_analyzer)")
+    g.add_argument("--concurrency", type=int, default=0, help="closed loop with N requests in flight")
+    g.add_argument("--request-rate", type=float, default=0.0)
+    g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
+    g.add_argument("--request-intervals", default="", help="file of inter-request intervals (s)")
+    g.add_argument("--profile", default="", help="step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH")
+    g.add_argument("--sweep-rates", default="", help="comma-separated rates: one run each (p99 vs load)")
+    g.add_argument("--priority-mix", default="0,1,0", help="fractions high,normal,low")
+    g.add_argument("--deadlines-ms", default="0,0,0", help="per class; 0 = dispatcher default")
+    g.add_argument("--processes", type=int, default=2)
+    g.add_argument("--warmup", type=float, default=2.0)
+    g.add_argument("--window", type=float, default=5.0)
+    g.add_argument("--windows", type=int, default=3)
+    g.add_argument("--stability", type=float, default=0.15)
+    g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
+    p.add_argument("--compare", action="append", default=[], metavar="POLICY",
+                   help="repeatable: start the node of --config once per policy and replay the same seeded load")
+    p.add_argument("--config", default="", help="node config for --compare")
+    p.add_argument("--out", default="", help="folder for bench.json, bench.md and plots")
+    p.add_argument("--measure-ceiling", action="store_true",
+                   help="measure this load generator's own ceiling against a no-op worker, then exit")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="perf_analyzer-style load against a dispatcher or a Triton server")
+    _bench_arguments(p)
+    p.set_defaults(run=_run_bench)
+    p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
+    p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
+    p.add_argument("--policy", default="mcb")
+    p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")
+    p.set_defaults(run=_run_demo)

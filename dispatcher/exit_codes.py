@@ -1,0 +1,6 @@
+"""Process exit codes shared by the supervisor, the workers and the systemd units."""
+
+# sysexits.h EX_CONFIG: a process that cannot run on this host as configured (no GPU for a CUDA
+# worker, a Triton model that does not match the spec). Restarting it cannot help, so neither
+# `batchyard up` nor systemd (RestartPreventExitStatus=78) does.
+EX_CONFIG = 78

@@ -1,0 +1,64 @@
+"""``batchyard worker``, ``calibrate`` and ``triton-local``: registered through the
+``batchyard.commands`` entry point. Arguments only; the work is imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run_worker(args) -> int:
+    from batchyard.cli import load_node
+
+    from .main import run_worker
+
+    return run_worker(load_node(args.config), args.name)
+
+
+def _run_calibrate(args) -> int:
+    from batchyard.cli import load_node
+
+    from .calibrate import calibrate
+
+    sizes = [int(x) for x in args.sizes.split(",") if x] or None
+    calibrate(load_node(args.config), args.out, sizes=sizes, reps=args.reps, workers=args.worker)
+    return 0
+
+
+def _run_triton_local(args) -> int:
+    import signal
+
+    from .triton_local import TritonLocal
+
+    tl = TritonLocal(args.model_repository, args.grpc_port, args.http_port, args.metrics_port)
+    try:
+        tl.start(ready_timeout_s=120)
+        print(f"tritonserver ready: gRPC {tl.grpc_url}, metrics http://127.0.0.1:{tl.metrics_port}/metrics",
+              flush=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    finally:
+        tl.close()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from batchyard.deploy import asset
+
+    p = sub.add_parser("worker", help="run one worker process of a node")
+    p.add_argument("--config", required=True)
+    p.add_argument("--name", required=True)
+    p.set_defaults(run=_run_worker)
+    p = sub.add_parser("calibrate", help="measure T(B) on each worker of a node; write a cost-curve profile")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True, help="profile JSON to write (name it in [dispatcher] profile)")
+    p.add_argument("--sizes", default="", help="comma-separated batch sizes (default: powers of two)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--worker", action="append", help="only these workers (repeatable)")
+    p.set_defaults(run=_run_calibrate)
+    p = sub.add_parser("triton-local", help="run nvidia-pytriton's tritonserver on a model repository until SIGTERM")
+    p.add_argument("--model-repository", default=str(asset("triton", "cpu")),
+                   help="default: the CPU repository shipped with Batchyard")
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.set_defaults(run=_run_triton_local)
