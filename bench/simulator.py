@@ -1,12 +1,10 @@
-"""Discrete-event simulator: the real policy objects on a virtual clock.
+"""Discrete-event simulator: the dispatcher's own request lifecycle on a virtual clock.
 
-Devices are *simulated* (service time from a cost curve, optional jitter); everything this
-module reports is simulated. The policy sees the same ``SchedulerState`` as in the live
-dispatcher: queues, workers with ``busy_until``, cost curves it refines from every completed
-batch, and the lambda(t) estimator. Differences from the live dispatcher, on purpose: a
-request whose deadline passes in the queue is dropped at the next event, from the head of
-its class (the live dispatcher drops it at the deadline, by timer), and any left are dropped
-when their batch is formed; there is no network or codec time.
+It drives the same ``RequestCore`` (dispatcher/core.py) and the same policy objects as the live
+dispatcher: admission, deadlines, expiry (queued or in flight), dispatch, completion and cost
+learning are the code that runs, not a re-implementation. What is simulated is the rest:
+devices (service time from a cost curve, optional jitter), and no network or codec time.
+Everything this module reports is *simulated*.
 """
 
 from __future__ import annotations
@@ -17,9 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchyard.core import Rejected, RequestCore
 from batchyard.cost_model import CostCurve
-from batchyard.policy import feasible, make_policy
-from batchyard.state import Request, SchedulerState, WorkerState
+from batchyard.policy import make_policy
+from batchyard.protocol import Status
+from batchyard.state import QUEUED, WorkerState
 
 from .traces import Trace
 
@@ -87,88 +87,70 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
     if isinstance(policy, str):
         policy = make_policy(policy)
     rng = np.random.default_rng(seed)
-    st = SchedulerState()
-    workers = []
-    for dev in devices:
-        w = WorkerState(dev.name, dev.path, {MODEL: dev.max_batch})
-        st.add_worker(w)
-        workers.append((w, dev))
-        st.costs.setdefault((MODEL, dev.path), dev.curve())  # as if calibrated
-        st.costs[(MODEL, dev.path)].samples = 100
-    q = st.queue(MODEL)
     n = len(trace)
     arr, prio, tout = trace.arrivals, trace.priority, trace.timeout
     latency = np.full(n, np.nan)
     status = np.zeros(n, np.int8)
     met = np.zeros(n, bool)
     path_of = np.full(n, -1, np.int8)
-    batch_sizes, batch_paths, decisions = [], [], {}
-    events: list = []  # (time, tiebreak, worker index, requests, service_s)
+    batch_sizes: list = []
+    batch_paths: list = []
+
+    def on_fail(req, code, message):
+        status[req.req_id] = 2  # expired (deadline passed, queued or in flight)
+
+    core = RequestCore(policy, on_fail, max_queue=2**62)
+    st = core.state
+    dev_of = {}
+    for k, dev in enumerate(devices):
+        w = WorkerState(dev.name, dev.path, {MODEL: dev.max_batch})
+        core.add_worker(w, 0.0)
+        dev_of[w.name] = (k, dev)
+        st.costs.setdefault((MODEL, dev.path), dev.curve())  # as if calibrated
+        st.costs[(MODEL, dev.path)].samples = 100
+    true_curve = [dev.curve() for dev in devices]  # the device's real T(B); the policy learns its own
+    free_at = [0.0] * len(devices)
+    events: list = []  # (done time, tiebreak, batch id, service seconds)
     tie = 0
     wake = math.inf
     i = 0
-    decide = policy.decide
-    dev_of = {w.name: (k, dev) for k, (w, dev) in enumerate(workers)}
-    true_curve = [dev.curve() for _, dev in workers]  # the device's real T(B); the policy learns its own
-    while i < n or events or (q.requests and wake < math.inf):
-        t_arr = arr[i] if i < n else math.inf
-        t_ev = events[0][0] if events else math.inf
-        now = min(t_arr, t_ev, wake)
+    while i < n or events or wake < math.inf:
+        now = min(arr[i] if i < n else math.inf, events[0][0] if events else math.inf, wake)
         if now == math.inf:
-            break  # leftovers nobody will ever dispatch (policy gave no wake-up): count as expired
-        if now >= wake:
-            wake = math.inf
-        # completions first: they free workers before we decide
-        while events and events[0][0] <= now:
-            t_done, _, k, reqs, service = heapq.heappop(events)
-            w, dev = workers[k]
-            items = sum(r.items for r in reqs)
-            st.on_complete(w, MODEL, items, service if learn else None, t_done)
-            for r in reqs:
-                latency[r.seq] = t_done - r.arrival
-                met[r.seq] = t_done <= r.deadline
-                path_of[r.seq] = 1 if dev.path == "gpu" else 0
+            break
+        while events and events[0][0] <= now:  # completions first: they free workers
+            t_done, _, batch_id, service = heapq.heappop(events)
+            batch = core.complete(batch_id, service if learn else None, t_done)
+            for r in batch.requests:
+                if core.finish(r):
+                    latency[r.req_id] = t_done - r.arrival
+                    met[r.req_id] = t_done <= r.deadline
+                    path_of[r.req_id] = 1 if batch.worker.path == "gpu" else 0
         while i < n and arr[i] <= now:
-            t = arr[i]
-            st.note_arrival(MODEL, int(prio[i]), 1, t)
-            deadline = t + tout[i]
-            if deadline < math.inf and not feasible(st, MODEL, 1, deadline, t):
-                status[i] = 1
-            else:
-                q.push(Request(i, MODEL, 1, int(prio[i]), t, deadline))
+            got = core.admit(MODEL, 1, int(prio[i]), float(tout[i]), float(arr[i]), req_id=i)
+            if type(got) is Rejected:
+                status[i] = 1 if got.status in (Status.DEADLINE_EXCEEDED, Status.OVERLOADED) else 2
             i += 1
-        for r in q.drop_expired_heads(now):
-            status[r.seq] = 2
-        d = decide(st, now)
-        for reason, c in d.reasons.items():
-            decisions[reason] = decisions.get(reason, 0) + c
-        for disp in d.dispatches:
-            k, dev = dev_of[disp.worker.name]
-            reqs = [r for r in disp.requests if r.deadline > now]
-            for r in disp.requests:
-                if r.deadline <= now:
-                    status[r.seq] = 2
-            if not reqs:
-                # everything in it had expired: release the slot the policy reserved
-                st.on_complete(disp.worker, MODEL, 0, None, now)
-                continue
-            b = len(reqs)
-            service = true_curve[k].predict(b)
+        for batch in core.decide(now):
+            k, dev = dev_of[batch.worker.name]
+            service = true_curve[k].predict(batch.items)
             if dev.jitter:
                 service *= max(0.05, 1.0 + dev.jitter * rng.standard_normal())
-            start = now  # the worker was free when the policy picked it (capacity 1)
+            free_at[k] = max(now, free_at[k]) + service
             tie += 1
-            heapq.heappush(events, (start + service, tie, k, reqs, service))
-            batch_sizes.append(b)
+            heapq.heappush(events, (free_at[k], tie, batch.batch_id, service))
+            batch_sizes.append(batch.items)
             batch_paths.append(dev.path)
-        # A wake-up at or before now would re-run the same decision: only later ones count.
-        if now < d.wake_at < wake and q.requests:
-            wake = d.wake_at
-    for dq in q.by_priority:  # never dispatched
-        for r in dq:
-            status[r.seq] = 2
+        # As the live dispatcher's timer: a wake-up at or before now would only repeat the
+        # decision just made; arrivals and completions wake the loop by themselves.
+        wake = core.next_wake()
+        if wake <= now:
+            wake = math.inf
+    for r in core.requests.values():  # never dispatched: nobody would ever serve them
+        if r.state == QUEUED:
+            status[r.req_id] = 2
     return SimResult(policy.name, trace.name, latency, status, met, prio.copy(), path_of, batch_sizes,
-                     batch_paths, decisions, duration=trace.duration)
+                     batch_paths, dict(core.decisions), duration=trace.duration)
 
 
 def clairvoyant_mean_latency(arrivals: np.ndarray, launch_s: float, per_item_s: float, max_batch: int = 64) -> float:

@@ -29,8 +29,7 @@ def load_node(path: str):
 def _run_dispatcher(args) -> int:
     from .server import run_dispatcher
 
-    run_dispatcher(load_node(args.config))
-    return 0
+    return run_dispatcher(load_node(args.config))
 
 
 def _run_up(args) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any, Optional, Union
 
+import msgpack
 import msgspec
 
 PROTOCOL_VERSION = 1
@@ -254,19 +255,21 @@ worker_message_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 to_worker_decoder = msgspec.msgpack.Decoder(DispatcherToWorker)
 infer_request_decoder = msgspec.msgpack.Decoder(InferRequest)
 
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+# msgspec raises UnicodeDecodeError (not a DecodeError) for a str that is not valid UTF-8.
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 
 
 def salvage_id(raw: bytes) -> Optional[int]:
     """Best effort: the request id of a header that failed typed decoding, so the error
     reply can still be matched by the client. None when the header is not even a map."""
     try:
-        obj: Any = msgspec.msgpack.decode(raw)
+        # raw=True: a header whose strings are not valid UTF-8 still yields its id
+        obj: Any = msgpack.unpackb(raw, raw=True, strict_map_key=False)
     except Exception:
         return None
     if isinstance(obj, dict):
-        rid = obj.get("id")
-        if isinstance(rid, int) and 0 <= rid < 2**63:
+        rid = obj.get(b"id")
+        if type(rid) is int and 0 <= rid < 2**63:  # not a bool: True is an int to isinstance
             return rid
     return None
 

@@ -1,0 +1,275 @@
+"""The request lifecycle, as one pure state machine: ``RequestCore``.
+
+Admission, queues, deadlines, cancel, expiry, dispatch, completion, worker loss and retry,
+liveness and status waiters — everything that happens to a request between its arrival and
+its one reply, with no sockets and no clock: every method takes ``now``. The live dispatcher
+(server.py, socket plumbing) and the simulator (bench/simulator.py, a virtual clock) drive the
+same object, so what the simulator measures is what runs (the split of vLLM's EngineCore, the
+state machine, from EngineCoreProc, its process and sockets).
+
+Every request ends exactly once: either ``finish`` (its batch completed; the driver forwards
+the worker's reply) or ``on_fail(request, status, message)``, the driver's callback that sends
+the error reply. Nothing else removes a request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+from .policy import feasible
+from .protocol import Status
+from .state import DONE, INFLIGHT, QUEUED, Request, SchedulerState, WorkerState
+
+
+class Rejected(NamedTuple):
+    """Admission said no: reply with this status and message, nothing was queued."""
+
+    status: Status
+    message: str
+
+
+class Batch:
+    """One batch sent to a worker, until its completion or the worker's loss."""
+
+    __slots__ = ("batch_id", "worker", "model", "requests", "items", "sent_at")
+
+    def __init__(self, batch_id: int, worker: WorkerState, model: str, requests: list, sent_at: float):
+        self.batch_id = batch_id
+        self.worker = worker
+        self.model = model
+        self.requests = requests
+        self.items = sum(r.items for r in requests)
+        self.sent_at = sent_at
+
+
+FailCallback = Callable[[Request, Status, str], None]
+
+
+class RequestCore:
+    def __init__(self, policy, on_fail: FailCallback, *, max_queue: int = 10_000,
+                 default_timeout_s: float = 30.0, worker_dead_after_s: float = math.inf,
+                 max_retries: int = 1):
+        self.policy = policy
+        self.on_fail = on_fail
+        self.max_queue = max_queue
+        self.default_timeout_s = default_timeout_s
+        self.worker_dead_after_s = worker_dead_after_s
+        self.max_retries = max_retries
+        self.state = SchedulerState()
+        self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
+        self.by_client_id: dict[tuple[Any, int], int] = {}  # (client, request id) -> seq, for cancel
+        self.batches: dict[int, Batch] = {}
+        self.deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); lazily pruned
+        self.status_waiters: list[tuple[float, int, Any]] = []  # (expires, min registrations, token)
+        self.registrations = 0  # worker registrations since start (cumulative: a long poll's cursor)
+        self.decisions: dict[str, int] = {}  # decision reason -> count
+        self.draining = False
+        self.wake_at = math.inf  # the policy's last requested wake-up
+        self._seq = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ arrival
+    def admit(self, model: str, items: int, priority: int, timeout_s: float, now: float,
+              client: Any = None, req_id: int = 0, frames: Optional[list] = None):
+        """Queue a request, or say why not. Returns the ``Request`` or a ``Rejected``.
+        ``timeout_s`` 0 means the node's default."""
+        if self.draining:
+            return Rejected(Status.UNAVAILABLE, "dispatcher is shutting down")
+        q = self.state.queue(model)
+        if q.requests >= self.max_queue:
+            return Rejected(Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)")
+        timeout = timeout_s or self.default_timeout_s
+        self.state.note_arrival(model, priority, items, now)
+        if not feasible(self.state, model, items, now + timeout, now):
+            return Rejected(Status.DEADLINE_EXCEEDED,
+                            f"no path can finish {items} item(s) of {model!r} within "
+                            f"{timeout * 1e3:.1f} ms (rejected on arrival)")
+        seq = next(self._seq)
+        req = Request(seq, model, items, priority, now, now + timeout, client, req_id, frames)
+        self.requests[seq] = req
+        if client is not None:
+            self.by_client_id[(client, req_id)] = seq
+        heapq.heappush(self.deadlines, (req.deadline, seq))
+        q.push(req)
+        return req
+
+    def cancel(self, client: Any, req_id: int) -> bool:
+        """Cancel a queued request (one already in a batch runs to completion)."""
+        seq = self.by_client_id.get((client, req_id))
+        req = self.requests.get(seq) if seq is not None else None
+        if req is None or req.state != QUEUED:
+            return False
+        self.state.queue(req.model).remove(req)
+        self.fail(req, Status.CANCELLED, "cancelled by the client while queued")
+        return True
+
+    # ------------------------------------------------------------------ time passes
+    def expire(self, now: float) -> None:
+        """Fail every request whose deadline has passed, queued or in flight."""
+        heap = self.deadlines
+        while heap and heap[0][0] <= now:
+            _, seq = heapq.heappop(heap)
+            req = self.requests.get(seq)
+            if req is None or req.deadline > now:
+                continue  # finished already
+            if req.state == QUEUED:
+                self.state.queue(req.model).remove(req)
+                where = "in queue"
+            else:
+                where = "while its batch was running"
+            self.fail(req, Status.DEADLINE_EXCEEDED,
+                      f"deadline passed {where} after {(now - req.arrival) * 1e3:.1f} ms")
+
+    def decide(self, now: float) -> list[Batch]:
+        """Expire, then run the policy: the batches to send now. Sets ``wake_at``."""
+        self.expire(now)
+        if self.draining:
+            self.wake_at = math.inf
+            return []
+        decision = self.policy.decide(self.state, now)
+        counts = self.decisions
+        for reason, n in decision.reasons.items():
+            counts[reason] = counts.get(reason, 0) + n
+        out = []
+        for d in decision.dispatches:
+            batch = Batch(next(self._batch_ids), d.worker, d.model, d.requests, now)
+            for r in d.requests:
+                r.state = INFLIGHT
+                r.dispatched_at = now
+                r.batch_id = batch.batch_id
+            self.batches[batch.batch_id] = batch
+            out.append(batch)
+        self.wake_at = decision.wake_at
+        return out
+
+    def next_wake(self) -> float:
+        """The earliest instant something happens without new input: the policy's wake-up,
+        a deadline, a status long poll's expiry."""
+        wake = self.wake_at
+        if self.deadlines and self.deadlines[0][0] < wake:
+            wake = self.deadlines[0][0]
+        if self.status_waiters:
+            wake = min(wake, min(w[0] for w in self.status_waiters))
+        return wake
+
+    # ------------------------------------------------------------------ completion
+    def complete(self, batch_id: int, compute_s: Optional[float], now: float) -> Optional[Batch]:
+        """A batch finished; the worker's slot is free and the cost curve learns from it.
+        ``compute_s`` None: nothing ran (nothing to learn). Returns None for a batch that is
+        no longer tracked (its worker was declared lost and its requests failed over)."""
+        batch = self.batches.pop(batch_id, None)
+        if batch is None:
+            return None
+        w = batch.worker
+        if self.state.workers.get(w.name) is w:
+            w.last_seen = now
+            self.state.on_complete(w, batch.model, batch.items, compute_s, now)
+        return batch
+
+    def finish(self, req: Request) -> bool:
+        """``req``'s result is being delivered. False if it already ended (expired,
+        cancelled, or failed over): then its result must be dropped."""
+        if req.state == DONE or self.requests.pop(req.seq, None) is None:
+            return False
+        req.state = DONE
+        if req.client is not None:
+            self.by_client_id.pop((req.client, req.req_id), None)
+        return True
+
+    def fail(self, req: Request, status: Status, message: str) -> None:
+        """End ``req`` with an error, once (later calls are ignored)."""
+        if req.state == DONE:
+            return
+        req.state = DONE
+        self.requests.pop(req.seq, None)
+        if req.client is not None:
+            self.by_client_id.pop((req.client, req.req_id), None)
+        self.on_fail(req, status, message)
+
+    # ------------------------------------------------------------------ workers
+    def add_worker(self, w: WorkerState, now: float) -> None:
+        if w.name in self.state.workers:
+            # Same name registering again: the old process is gone (restart) or reconnected.
+            self.worker_lost(w.name, "worker re-registered", now)
+        w.last_seen = now
+        self.state.add_worker(w)
+        self.registrations += 1
+
+    def heartbeat(self, name: str, now: float) -> bool:
+        """False when the worker is unknown (declared dead): it must register again."""
+        w = self.state.workers.get(name)
+        if w is None:
+            return False
+        w.last_seen = now
+        return True
+
+    def check_liveness(self, now: float) -> list[tuple[WorkerState, str]]:
+        """Declare workers silent for longer than ``worker_dead_after_s`` lost."""
+        lost = []
+        dead_before = now - self.worker_dead_after_s
+        for w in list(self.state.workers.values()):
+            if w.last_seen < dead_before:
+                reason = f"no heartbeat for {now - w.last_seen:.1f} s"
+                self.worker_lost(w.name, reason, now)
+                lost.append((w, reason))
+        return lost
+
+    def worker_lost(self, name: str, reason: str, now: float) -> Optional[WorkerState]:
+        """Fail over every batch the worker had: each request goes back to the head of its
+        queue once if its deadline allows, otherwise it fails UNAVAILABLE. Nothing is left
+        waiting on a worker that is gone."""
+        w = self.state.remove_worker(name)
+        if w is None:
+            return None
+        for b in [b for b in self.batches.values() if b.worker is w]:
+            del self.batches[b.batch_id]
+            for req in b.requests:
+                if req.state != INFLIGHT:
+                    continue
+                if req.retries < self.max_retries and req.deadline > now and not self.draining:
+                    req.retries += 1
+                    req.state = QUEUED
+                    self.state.queue(req.model).push_front(req)
+                else:
+                    self.fail(req, Status.UNAVAILABLE, f"worker {name} failed while running the batch ({reason})")
+        return w
+
+    # ------------------------------------------------------------------ status long polls
+    def add_status_waiter(self, token: Any, min_registrations: int, expires: float) -> None:
+        self.status_waiters.append((expires, min_registrations, token))
+
+    def due_status_waiters(self, now: float) -> list:
+        """Tokens of the long polls to answer now: enough registrations, or expired."""
+        due, keep = [], []
+        for entry in self.status_waiters:
+            if self.registrations >= entry[1] or now >= entry[0]:
+                due.append(entry[2])
+            else:
+                keep.append(entry)
+        self.status_waiters = keep
+        return due
+
+    # ------------------------------------------------------------------ shutdown
+    def begin_drain(self) -> None:
+        """Take no more work; queued requests fail now, batches in flight may finish."""
+        self.draining = True
+        for req in list(self.requests.values()):
+            if req.state == QUEUED:
+                self.state.queue(req.model).remove(req)
+                self.fail(req, Status.UNAVAILABLE, "dispatcher is shutting down")
+
+    def fail_all(self, status: Status, message: str) -> None:
+        for req in list(self.requests.values()):
+            if req.state == QUEUED:
+                self.state.queue(req.model).remove(req)
+            self.fail(req, status, message)
+        self.batches.clear()
+
+    def pending_by_model(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.requests.values():
+            out[r.model] = out.get(r.model, 0) + 1
+        return out
