@@ -18,13 +18,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
+
 from batchyard.deploy import asset
-from batchyard.config import DispatcherConfig, NodeConfig, WorkerConfig
+from batchyard.config import NodeConfig
 from batchyard.supervisor import running_node
 from batchyard.workers.triton_local import TritonLocal
 
 from .demo import demo_config
-from .harness import LoadSpec, analyse, run_load, table, write_outputs
+from .harness import LoadSpec, analyse, run_load
+from .report import table, write_outputs
 
 SLO_MS = 100.0
 
@@ -40,8 +43,8 @@ def batchyard_sweep(rates, args) -> list:
     with tempfile.TemporaryDirectory(prefix="by-vs-") as d:
         base = demo_config(d, "mcb")
         amx = base.workers[0]
-        workers = tuple(WorkerConfig(**{**amx.__dict__, "name": f"amx{c}", "cpus": (c,)}) for c in cpus)
-        node = NodeConfig(DispatcherConfig(**{**base.dispatcher.__dict__, "policy": "mcb"}), base.models,
+        workers = tuple(msgspec.structs.replace(amx, name=f"amx{c}", cpus=(c,)) for c in cpus)
+        node = NodeConfig(msgspec.structs.replace(base.dispatcher, policy="mcb"), base.models,
                           workers).validate()
         with running_node(node):
             for r in rates:

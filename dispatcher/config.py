@@ -1,21 +1,28 @@
 """Configuration: one typed place for a node (dispatcher + its workers + the models they serve).
 
-Loaded from TOML, converted with type checks (msgspec.convert reports the field path), then
-validated for cross-field rules. Every process of a node reads the same file, so a worker
-started by `batchyard up`, by systemd or by hand sees the same model specs as the dispatcher.
+Every process of a node reads the same TOML file, so a worker started by `batchyard up`, by
+systemd or by hand sees the same model specs as the dispatcher. The file is decoded into frozen
+msgspec Structs that refuse unknown keys (`forbid_unknown_fields`) and carry their ranges as
+`msgspec.Meta` constraints; `NodeConfig.validate()` then checks the rules that span fields.
+Every error names the file, the table and the key, and suggests the closest known name:
+
+    node.toml: [dispatcher] unknown key 'max_queu' (did you mean 'max_queue'?)
+    node.toml: [[workers]] #2 (name 'amx1'): cpus[0]: expected int >= 0, got -1
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
+import re
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import msgspec
+import msgspec.inspect as mi
+import tomli_w
 
-from .protocol import ModelSpec, TensorSpec
+from .protocol import DTYPES, ModelSpec, Name, TensorSpec
 from .validation import validate_spec
 
 
@@ -23,98 +30,112 @@ class ConfigError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class TensorConfig:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+# Frozen (configs are shared between processes and threads as values), unknown keys refused,
+# defaults left out when written back so a written config says only what differs.
+class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    pass
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    # "module:function" building the model for an amx worker; see workers/models.py. Workers
-    # that do not build the model themselves (sim, triton) do not need it.
-    factory: str
+Address = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
+# Empty (a model no worker of this node builds itself) or "package.module:function".
+Factory = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$")]
+# Worker names end up in process titles and Triton region names.
+WorkerName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
+
+
+class TensorConfig(_Table):
+    name: Name
+    dtype: Dtype
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0, le=2**31)], ...]
+
+
+class ModelConfig(_Table):
+    name: Name
     inputs: tuple[TensorConfig, ...]
     outputs: tuple[TensorConfig, ...]
-    max_batch: int = 64
+    # "module:function" building the model for an amx or cuda worker (workers/models.py).
+    # Workers that do not build the model themselves (sim, triton, tensorrt) do not need it.
+    factory: Factory = ""
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 64
 
     def spec(self) -> ModelSpec:
         conv = lambda ts: tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in ts)
         return ModelSpec(self.name, conv(self.inputs), conv(self.outputs), self.max_batch)
 
 
-@dataclass(frozen=True)
-class SimConfig:
+class SimConfig(_Table):
     """Simulated device: service time launch_us + per_item_us * B, times (1 +- jitter)."""
 
-    launch_us: float = 150.0
-    per_item_us: float = 20.0
-    jitter: float = 0.0
+    launch_us: NonNegFloat = 150.0
+    per_item_us: NonNegFloat = 20.0
+    jitter: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     device: Literal["gpu", "cpu"] = "gpu"  # which path it stands in for (replies say simulated)
 
 
-@dataclass(frozen=True)
-class TritonConfig:
+class TritonConfig(_Table):
     """GPU worker backed by a Triton server (workers/triton_executor.py)."""
 
-    url: str = "127.0.0.1:8001"  # gRPC
-    models: dict[str, str] = field(default_factory=dict)  # Batchyard model -> Triton model name
+    url: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1:8001"  # gRPC
+    models: dict[str, str] = {}  # Batchyard model -> Triton model name (default: the same)
     # Batchyard model -> {spec tensor: Triton tensor} where names differ (e.g. TorchScript's INPUT__0)
-    tensor_names: dict[str, dict[str, str]] = field(default_factory=dict)
-    inflight: int = 2  # batches in flight to Triton at once
+    tensor_names: dict[str, dict[str, str]] = {}
+    inflight: Positive = 2  # batches in flight to Triton at once
     # Where tensors travel: "auto" = CUDA shared memory when this worker sees GPU `device`, else
     # system shared memory; "cuda"; "system"; "none" = in gRPC message bodies (for comparison).
     shm: Literal["auto", "cuda", "system", "none"] = "auto"
-    device: int = 0  # GPU of the CUDA shared-memory regions
-    max_grpc_message_bytes: int = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
+    device: NonNeg = 0  # GPU of the CUDA shared-memory regions
+    max_grpc_message_bytes: NonNeg = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
 
 
-@dataclass(frozen=True)
-class CudaConfig:
+class CudaConfig(_Table):
     """GPU worker without Triton (workers/cuda_executors.py): kind "cuda" runs the model
     factory with PyTorch on the GPU; kind "tensorrt" runs an engine built from ONNX."""
 
-    device: int = 0
+    device: NonNeg = 0
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    onnx: dict[str, str] = field(default_factory=dict)  # tensorrt: model -> ONNX file
+    onnx: dict[str, str] = {}  # tensorrt: model -> ONNX file
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    name: str
+class WorkerConfig(_Table):
+    name: WorkerName
     kind: Literal["amx", "sim", "triton", "cuda", "tensorrt"]
     models: tuple[str, ...]
-    cpus: tuple[int, ...] = ()  # CPU affinity; empty = leave as inherited
-    numa_node: Optional[int] = None  # bind memory here when libnuma is present
-    threads: int = 1  # intra-op threads of the executor
-    max_inflight: int = 1
-    warmup_sizes: tuple[int, ...] = ()  # empty: powers of two up to the model's max_batch
-    sim: SimConfig = field(default_factory=SimConfig)
-    triton: TritonConfig = field(default_factory=TritonConfig)
-    cuda: CudaConfig = field(default_factory=CudaConfig)
+    cpus: tuple[NonNeg, ...] = ()  # CPU affinity; empty = leave as inherited
+    numa_node: Optional[NonNeg] = None  # bind memory here when libnuma is present
+    threads: Positive = 1  # intra-op threads of the executor
+    max_inflight: Positive = 1
+    warmup_sizes: tuple[Positive, ...] = ()  # empty: powers of two up to the model's max_batch
+    sim: SimConfig = SimConfig()
+    triton: TritonConfig = TritonConfig()
+    cuda: CudaConfig = CudaConfig()
 
 
-@dataclass(frozen=True)
-class DispatcherConfig:
-    frontend: str  # where clients connect, e.g. "tcp://127.0.0.1:7755" or "ipc:///run/..."
-    backend: str  # where workers connect
+class DispatcherConfig(_Table):
+    frontend: Address  # where clients connect, e.g. "tcp://127.0.0.1:7755" or "ipc:///run/..."
+    backend: Address  # where workers connect
     policy: str = "mcb"  # see dispatcher/policy.py: mcb, three-segment, gpu-only, greedy, fixed:N, window:US,N
     profile: str = ""  # cost-curve profile written by `batchyard calibrate` (JSON); empty: learn online
-    max_queue: int = 10_000  # queued requests per model before OVERLOADED
-    max_inline_bytes: int = 4 << 20  # larger payloads must come through shared memory
-    default_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 0.2
-    worker_dead_after_s: float = 1.5
-    janitor_interval_s: float = 5.0  # sweep orphaned shared memory of dead clients
-    drain_timeout_s: float = 5.0  # on SIGTERM, how long in-flight batches may finish
-    metrics_port: int = 0  # Prometheus /metrics on this port (0: off), served from the dispatcher's loop
+    max_queue: Positive = 10_000  # queued requests per model before OVERLOADED
+    max_inline_bytes: NonNeg = 4 << 20  # larger payloads must come through shared memory
+    default_timeout_s: PositiveFloat = 30.0
+    heartbeat_interval_s: PositiveFloat = 0.2
+    worker_dead_after_s: PositiveFloat = 1.5
+    janitor_interval_s: PositiveFloat = 5.0  # sweep orphaned shared memory of dead clients
+    drain_timeout_s: NonNegFloat = 5.0  # on SIGTERM, how long in-flight batches may finish
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # Prometheus /metrics (0: off)
     metrics_host: str = "127.0.0.1"
 
 
-@dataclass(frozen=True)
-class NodeConfig:
+# Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.
+_BUILDS_MODEL = ("amx", "cuda")
+
+
+class NodeConfig(_Table):
     dispatcher: DispatcherConfig
     models: tuple[ModelConfig, ...]
     workers: tuple[WorkerConfig, ...] = ()
@@ -129,110 +150,216 @@ class NodeConfig:
         for w in self.workers:
             if w.name == name:
                 return w
-        raise ConfigError(f"no worker named {name!r} in config; have {[w.name for w in self.workers]}")
+        raise ConfigError(f"no worker named {name!r} in config; have {[w.name for w in self.workers]}"
+                          f"{_did_you_mean(name, [w.name for w in self.workers])}")
 
     def validate(self) -> "NodeConfig":
+        """Check the rules that span fields; raise ConfigError naming the table and key."""
+        # Struct constructors do not check types or ranges; a config built in code gets the
+        # same checks as a loaded one by passing through the decoder once.
+        data = msgspec.to_builtins(self)
+        try:
+            msgspec.convert(data, NodeConfig)
+        except msgspec.ValidationError as e:
+            raise ConfigError(_explain(e, data)) from None
         d = self.dispatcher
-        for key in ("frontend", "backend"):
-            addr = getattr(d, key)
-            if not addr.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(f"dispatcher.{key} = {addr!r}: must start with tcp://, ipc:// or inproc://")
         if d.frontend == d.backend:
-            raise ConfigError("dispatcher.frontend and dispatcher.backend must differ")
-        if d.max_queue < 1 or d.max_inline_bytes < 0 or d.default_timeout_s <= 0:
-            raise ConfigError("dispatcher: max_queue >= 1, max_inline_bytes >= 0, default_timeout_s > 0")
-        if not 0 < d.heartbeat_interval_s < d.worker_dead_after_s:
-            raise ConfigError("dispatcher: need 0 < heartbeat_interval_s < worker_dead_after_s")
-        from .policy import make_policy  # late: policy imports state which is pure
+            raise ConfigError(f"[dispatcher] frontend and backend must differ (both {d.frontend!r})")
+        if d.heartbeat_interval_s >= d.worker_dead_after_s:
+            raise ConfigError(f"[dispatcher] heartbeat_interval_s ({d.heartbeat_interval_s}) must be below "
+                              f"worker_dead_after_s ({d.worker_dead_after_s})")
+        from .policy import make_policy  # late: only validation needs the policy module
+
         try:
             make_policy(d.policy)
         except ValueError as e:
-            raise ConfigError(f"dispatcher.policy: {e}") from None
-        names = [m.name for m in self.models]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"duplicate model names {names}")
-        for m in self.models:
+            raise ConfigError(f"[dispatcher] policy: {e}") from None
+        if not self.models:
+            raise ConfigError("no [[models]]: a node serves at least one model")
+        _check_unique("models", [m.name for m in self.models])
+        for i, m in enumerate(self.models):
             try:
                 validate_spec(m.spec())
             except (ValueError, msgspec.ValidationError) as e:
-                raise ConfigError(str(e)) from None
-        wnames = [w.name for w in self.workers]
-        if len(set(wnames)) != len(wnames):
-            raise ConfigError(f"duplicate worker names {wnames}")
-        for w in self.workers:
-            unknown = set(w.models) - set(names)
-            if unknown or not w.models:
-                raise ConfigError(f"worker {w.name!r}: models {sorted(unknown) or '[]'} not defined in [[models]]")
-            for m in w.models if w.kind in ("amx", "cuda") else ():
-                if ":" not in self.model(m).factory:
-                    raise ConfigError(f"model {m!r}: an amx worker ({w.name!r}) runs it, so its factory "
-                                      f"{self.model(m).factory!r} must be 'module:function'")
-            for m, renames in w.triton.tensor_names.items() if w.kind == "triton" else ():
-                spec = self.model(m).spec() if m in w.models else None
-                known = {t.name for t in spec.inputs + spec.outputs} if spec else set()
-                if spec is None or set(renames) - known:
-                    raise ConfigError(f"worker {w.name!r}: triton.tensor_names[{m!r}] must name tensors of a model "
-                                      f"it serves; unknown {sorted(set(renames) - known) if spec else m!r}")
-            if w.threads < 1 or w.max_inflight < 1:
-                raise ConfigError(f"worker {w.name!r}: threads and max_inflight must be >= 1")
+                raise ConfigError(f"{_item('models', i, m.name)}: {e}") from None
+        _check_unique("workers", [w.name for w in self.workers])
+        for i, w in enumerate(self.workers):
+            self._check_worker(_item("workers", i, w.name), w)
         return self
 
+    def _check_worker(self, where: str, w: WorkerConfig) -> None:
+        names = [m.name for m in self.models]
+        if not w.models:
+            raise ConfigError(f"{where}: models is empty; name at least one of {names}")
+        for m in w.models:
+            if m not in names:
+                raise ConfigError(f"{where}: models: {m!r} is not a [[models]] name{_did_you_mean(m, names)}")
+        served = list(w.models)
+        if w.kind in _BUILDS_MODEL:
+            for m in w.models:
+                if not self.model(m).factory:
+                    raise ConfigError(f"{where}: kind {w.kind!r} builds model {m!r} itself, so that model "
+                                      f"needs factory = \"module:function\" in [[models]]")
+        if w.kind == "triton":
+            _check_keys(where, "triton.models", w.triton.models, served)
+            _check_keys(where, "triton.tensor_names", w.triton.tensor_names, served)
+            for m, renames in w.triton.tensor_names.items():
+                spec = self.model(m)
+                tensors = [t.name for t in spec.inputs + spec.outputs]
+                _check_keys(where, f"triton.tensor_names.{m}", renames, tensors, what="tensors of the model")
+        if w.kind == "tensorrt":
+            _check_keys(where, "cuda.onnx", w.cuda.onnx, served)
+            for m in w.models:
+                if m not in w.cuda.onnx:
+                    raise ConfigError(f"{where}: cuda.onnx has no ONNX file for model {m!r}; a tensorrt "
+                                      f"worker builds its engine from one")
 
-def parse_config(data: dict) -> NodeConfig:
+
+def _item(table: str, i: int, name: str | None) -> str:
+    """`[[workers]] #2 (name 'amx1')`: position as a person counts it, plus the name if any."""
+    return f"[[{table}]] #{i + 1}" + (f" (name {name!r})" if isinstance(name, str) else "")
+
+
+def _did_you_mean(word: str, candidates, shown=repr) -> str:
+    by_lower = {str(c).lower(): str(c) for c in candidates}  # case slips count as close too
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
+    return f" (did you mean {shown(by_lower[close[0]])}?)" if close else ""
+
+
+def _check_unique(table: str, names: list[str]) -> None:
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise ConfigError(f"{_item(table, i, n)}: name {n!r} is already used by "
+                              f"{_item(table, names.index(n), n)}")
+
+
+def _check_keys(where: str, key: str, mapping: dict, allowed: list[str], what: str = "models it serves") -> None:
+    for k in mapping:
+        if k not in allowed:
+            raise ConfigError(f"{where}: {key}: {k!r} is not one of the {what} {allowed}"
+                              f"{_did_you_mean(k, allowed)}")
+
+
+# ------------------------------------------------------------------ decoding errors, explained
+_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
+
+
+def _explain(err: msgspec.ValidationError, data: dict) -> str:
+    """Turn msgspec's "Object contains unknown field `x` - at `$.workers[1]`" into
+    "[[workers]] #2 (name 'amx1') unknown key 'x' (did you mean ...?)"."""
+    m = _ERROR.match(str(err))
+    msg, steps = m["msg"], [a or b for a, b in _STEP.findall(m["path"] or "")]
+    # Split the path into the table a person would look for and the key inside it.
+    if steps[:1] in (["models"], ["workers"]) and len(steps) > 1 and steps[1].isdigit():
+        item = _value_at(data, steps[:2])
+        where, inner = _item(steps[0], int(steps[1]), item.get("name") if isinstance(item, dict) else None), steps[2:]
+    elif steps[:1] == ["dispatcher"]:
+        where, inner = "[dispatcher]", steps[1:]
+    else:
+        where, inner = "", steps
+    if unknown := re.fullmatch(r"Object contains unknown field `(.+)`", msg):
+        field = unknown[1]
+        typ = _type_at(steps)
+        known = [f.name for f in typ.fields] if isinstance(typ, mi.StructType) else []
+        if not steps:  # top level: these are tables
+            header = _header(field, data.get(field))
+            kind = "table" if header.startswith("[") else "key"
+            if field in {f.name for f in mi.type_info(WorkerConfig).fields if isinstance(f.type, mi.StructType)}:
+                return f"unknown table [{field}]: a worker's is written [workers.{field}] after its [[workers]]"
+            return f"unknown {kind} {header}" + _did_you_mean(field, known, shown=_header)
+        prefix = _dotted(inner) + "." if inner else ""
+        hint = _did_you_mean(field, known, shown=lambda k: repr(prefix + k))
+        return f"{where} unknown key {prefix + field!r}{hint}"
+    if missing := re.fullmatch(r"Object missing required field `(.+)`", msg):
+        if not steps:
+            return f"missing table {_header(missing[1])}"
+        return f"{where} missing required key {_dotted(inner + [missing[1]])!r}"
+    value, typ = _value_at(data, steps), _type_at(steps)
+    if len(steps) == 1 and steps[0] in ("models", "workers") and isinstance(value, dict):
+        return f"[{steps[0]}] must be an array of tables: write [[{steps[0]}]] for each"
+    text = msg.replace("`", "").replace("Invalid enum value", "Invalid value")
+    text = text[0].lower() + text[1:]
+    if ", got" not in text and value is not None and repr(value) not in text:
+        text += f", got {value!r}"
+    if isinstance(typ, mi.LiteralType) and isinstance(value, str):
+        text += _did_you_mean(value, typ.values) or f" (one of {list(typ.values)})"
+    # "[dispatcher] max_queue: ..." but "[[workers]] #2 (name 'amx1'): cpus[0]: ..."
+    sep = ": " if where.startswith("[[") else " "
+    return f"{where + sep if where else ''}{_dotted(inner)}: {text}"
+
+
+def _dotted(steps: list[str]) -> str:
+    """["triton", "models"] -> "triton.models"; ["inputs", "1", "dtype"] -> "inputs[1].dtype"."""
+    return "".join(f"[{s}]" if s.isdigit() or s == "..." else f".{s}" for s in steps).lstrip(".")
+
+
+def _header(name: str, value=None) -> str:
+    """How a top-level entry is written: [dispatcher], [[workers]], or a bare key."""
+    if value is None:
+        value = [{}] if name in ("models", "workers") else {}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return f"[[{name}]]"
+    return f"[{name}]" if isinstance(value, dict) else repr(name)
+
+
+def _value_at(data, steps: list[str]):
+    for s in steps:
+        if isinstance(data, dict) and s in data:
+            data = data[s]
+        elif isinstance(data, list) and s.isdigit() and int(s) < len(data):
+            data = data[int(s)]
+        else:
+            return None
+    return data
+
+
+def _type_at(steps: list[str]):
+    typ = mi.type_info(NodeConfig)
+    for s in steps:
+        typ = _step_type(typ, s)
+    return typ
+
+
+def _step_type(typ, step: str):
+    """The msgspec type one step (a field name or an index) below `typ`, optional wrappers removed."""
+    while isinstance(typ, mi.UnionType):
+        typ = next((t for t in typ.types if not isinstance(t, mi.NoneType)), typ)
+        if isinstance(typ, mi.UnionType):
+            break
+    if isinstance(typ, mi.StructType):
+        return next((f.type for f in typ.fields if f.name == step), None)
+    if isinstance(typ, (mi.VarTupleType, mi.ListType)):
+        return typ.item_type
+    if isinstance(typ, mi.DictType):
+        return typ.value_type
+    return None
+
+
+# ------------------------------------------------------------------ reading and writing TOML
+def parse_config(data: dict, source: str = "config") -> NodeConfig:
+    """Decode and validate a config from its TOML tables; errors start with `source`."""
     try:
         cfg = msgspec.convert(data, NodeConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"config: {e}") from None
-    return cfg.validate()
+        raise ConfigError(f"{source}: {_explain(e, data)}") from None
+    try:
+        return cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def load_config(path: str | Path) -> NodeConfig:
     try:
         data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"cannot read config {path}: {e}") from None
-    return parse_config(data)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse_config(data, source=str(path))
 
 
 def to_toml(cfg: NodeConfig) -> str:
-    """Write a config back as TOML (used by the demo and tests to hand a config to children)."""
-    out: list[str] = []
-
-    def val(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{val(k)} = {val(x)}" for k, x in v.items()) + " }"
-        return repr(v)
-
-    def table(header: str, obj) -> None:
-        out.append(f"\n{header}")
-        nested = []
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if v is None:
-                continue
-            if dataclasses.is_dataclass(v):
-                nested.append((f.name, v))
-            elif isinstance(v, tuple) and v and dataclasses.is_dataclass(v[0]):
-                nested.append((f.name, v))
-            else:
-                out.append(f"{f.name} = {val(v)}")
-        for name, v in nested:
-            base = header.strip("[]")
-            if isinstance(v, tuple):
-                for item in v:
-                    table(f"[[{base}.{name}]]", item)
-            else:
-                table(f"[{base}.{name}]", v)
-
-    table("[dispatcher]", cfg.dispatcher)
-    for m in cfg.models:
-        table("[[models]]", m)
-    for w in cfg.workers:
-        table("[[workers]]", w)
-    return "\n".join(out).lstrip() + "\n"
+    """The config as TOML (the demo and tests hand configs to child processes this way);
+    fields at their defaults are left out, and `load_config` of the text gives `cfg` back."""
+    return tomli_w.dumps(msgspec.to_builtins(cfg))

@@ -125,11 +125,24 @@ def header(**fields):
 X1 = np.ones((1, 4), np.float32).tobytes()
 
 
+def non_utf8_header(**fields) -> bytes:
+    """A header whose strings are MessagePack str but not valid UTF-8 (old-style raw)."""
+    import msgpack
+
+    base = {"type": "infer", "v": 1, "id": 11, "model": "sum",
+            "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4], "frame": 0}]}
+    base.update(fields)
+    return msgpack.packb(base, use_bin_type=False)
+
+
 @pytest.mark.parametrize("frames,status,needle", [
     ([b"\x00garbage\xff"], P.Status.INVALID_ARGUMENT, "malformed header"),
     ([b"\xc1\xc1"], P.Status.INVALID_ARGUMENT, "malformed header"),
     ([msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 9})], P.Status.INVALID_ARGUMENT, "missing required field"),
     ([header(v=99), X1], P.Status.INVALID_ARGUMENT, "protocol version 99 not supported"),
+    ([non_utf8_header(model=b"s\xffm"), X1], P.Status.INVALID_ARGUMENT, "malformed header"),
+    ([non_utf8_header(inputs=[{"name": b"\xc3", "dtype": "float32", "shape": [1, 4], "frame": 0}]), X1],
+     P.Status.INVALID_ARGUMENT, "malformed header"),
     ([header(model="ghost"), X1], P.Status.UNKNOWN_MODEL, "unknown model 'ghost'"),
     ([header(inputs=[{"name": "x", "dtype": "int32", "shape": [1, 4], "frame": 0}]), X1],
      P.Status.INVALID_ARGUMENT, "dtype 'int32'"),
@@ -153,6 +166,35 @@ def test_bad_input_gets_explicit_status_and_others_keep_being_served(start_node,
         after = good.infer("sum", {"x": np.full((1, 4), 2, np.float32)})
         np.testing.assert_array_equal(after["y"], [[8.0, 8.0]])
         assert before.result()["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_a_flood_of_undecodable_headers_does_not_delay_the_others(start_node):
+    """Each bad header is answered at once, in the same pass over the socket as the good
+    requests behind it: none of them waits for a later wake-up."""
+    node = start_node([sim_worker()])
+    ctx = zmq.Context.instance()
+    with ctx.socket(zmq.DEALER) as s, node.client() as good:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(node.address)
+        bad = [non_utf8_header(id=i, model=b"\xff") for i in range(200)]
+        for h in bad:
+            s.send_multipart([h, X1])
+        fut = good.submit("sum", {"x": np.ones((1, 4), np.float32)})
+        ids = set()
+        for _ in bad:
+            assert s.poll(10_000), "an undecodable header got no reply"
+            reply = P.reply_decoder.decode(s.recv_multipart()[0])
+            assert reply.status == P.Status.INVALID_ARGUMENT
+            ids.add(reply.id)
+        assert ids == set(range(200))  # each matched to its request
+        assert fut.result(timeout=10)["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_a_bool_request_id_is_not_echoed_as_a_bool(start_node):
+    node = start_node([sim_worker()])
+    reply = raw_roundtrip(node.address, [header(id=True), X1])
+    assert reply.status == P.Status.INVALID_ARGUMENT
+    assert reply.id is None
 
 
 def test_shm_reference_out_of_bounds_is_rejected_by_the_worker(start_node):

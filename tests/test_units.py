@@ -1,4 +1,4 @@
-"""Pure pieces, no processes: codec, validation, config, policies, shm pool, timer."""
+"""Pure pieces, no processes: codec, validation, policies, shm pool, timer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from batchyard import protocol as P
-from batchyard.config import ConfigError, parse_config, to_toml, load_config
 from batchyard.policy import Greedy, TimeWindow, make_policy
 from batchyard.protocol import ModelSpec, TensorSpec
 from batchyard.client_pool import ShmPool
@@ -23,7 +22,7 @@ from batchyard.state import Request, SchedulerState, WorkerState
 from batchyard.timer import OneShotTimer
 from batchyard.validation import RequestInvalid, validate_infer
 
-from conftest import SUM_MODEL, sim_worker
+from conftest import SUM_MODEL
 
 SPEC = SUM_MODEL.spec()
 
@@ -88,44 +87,6 @@ def test_validation_enforces_inline_limit_and_counts_items():
     assert validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=32) == 2
     with pytest.raises(RequestInvalid, match="exceeds max_inline_bytes 16; send large tensors through shared memory"):
         validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=16)
-
-
-# ---------------------------------------------------------------- config
-def good_config(**dispatcher):
-    d = {"frontend": "ipc:///tmp/x/fe", "backend": "ipc:///tmp/x/be", **dispatcher}
-    return {"dispatcher": d,
-            "models": [{"name": "sum", "factory": "batchyard.workers.models:mlp", "max_batch": 16,
-                        "inputs": [{"name": "x", "dtype": "float32", "shape": [4]}],
-                        "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}]}],
-            "workers": [{"name": "w0", "kind": "sim", "models": ["sum"]}]}
-
-
-@pytest.mark.parametrize("patch,needle", [
-    (lambda c: c["dispatcher"].update(frontend="http://x"), "must start with tcp://"),
-    (lambda c: c["dispatcher"].update(policy="best"), "unknown policy 'best'"),
-    (lambda c: c["dispatcher"].update(max_queue="many"), "max_queue"),
-    (lambda c: c["workers"][0].update(models=["nope"]), "models ['nope'] not defined"),
-    (lambda c: c["workers"][0].update(kind="tpu"), "kind"),
-    (lambda c: c["models"][0]["inputs"][0].update(dtype="bfloat17"), "dtype 'bfloat17'"),
-    (lambda c: c["dispatcher"].update(heartbeat_interval_s=5.0), "heartbeat_interval_s"),
-    (lambda c: c["workers"][0].update(kind="triton", triton={"shm": True}), "workers[0].triton.shm"),
-    (lambda c: c["workers"][0].update(kind="triton", triton={"tensor_names": {"sum": {"z": "INPUT__0"}}}),
-     "triton.tensor_names['sum'] must name tensors of a model it serves; unknown ['z']"),
-])
-def test_config_errors_are_precise(patch, needle):
-    c = good_config()
-    patch(c)
-    with pytest.raises(ConfigError) as e:
-        parse_config(c)
-    assert needle in str(e.value)
-
-
-def test_config_toml_round_trip(tmp_path):
-    cfg = parse_config(good_config())
-    cfg = type(cfg)(cfg.dispatcher, cfg.models, (sim_worker("w0", ("sum",)),)).validate()
-    p = tmp_path / "n.toml"
-    p.write_text(to_toml(cfg))
-    assert load_config(p) == cfg
 
 
 # ---------------------------------------------------------------- policies (virtual clock)

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -22,9 +23,8 @@ class DirectWorker:
     def __init__(self, node: NodeConfig, worker: str, log_level: str = "WARNING"):
         self.dir = tempfile.mkdtemp(prefix="by-direct-", dir="/tmp")
         backend = f"ipc://{self.dir}/be"
-        node = NodeConfig(dispatcher=type(node.dispatcher)(**{**node.dispatcher.__dict__, "backend": backend,
-                                                               "frontend": f"ipc://{self.dir}/fe"}),
-                          models=node.models, workers=node.workers)
+        node = msgspec.structs.replace(node, dispatcher=msgspec.structs.replace(
+            node.dispatcher, backend=backend, frontend=f"ipc://{self.dir}/fe"))
         cfg = Path(self.dir) / "node.toml"
         cfg.write_text(to_toml(node))
         self.node = node

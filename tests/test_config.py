@@ -1,0 +1,206 @@
+"""The node config: typos and bad values are refused with the file, the table and the key named,
+the shipped examples load, and a written config reads back equal."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from batchyard.config import (ConfigError, DispatcherConfig, ModelConfig, NodeConfig, TensorConfig, TritonConfig,
+                              WorkerConfig, load_config, parse_config, to_toml)
+from batchyard.deploy import asset
+
+NODE = """\
+[dispatcher]
+frontend = "ipc:///tmp/by-test/fe"
+backend = "ipc:///tmp/by-test/be"
+max_queue = 100
+
+[[models]]
+name = "sum"
+factory = "batchyard.workers.models:mlp"
+max_batch = 16
+inputs = [{ name = "x", dtype = "float32", shape = [4] }]
+outputs = [{ name = "y", dtype = "float32", shape = [2] }]
+
+[[workers]]
+name = "amx0"
+kind = "amx"
+models = ["sum"]
+cpus = [0]
+
+[[workers]]
+name = "amx1"
+kind = "amx"
+models = ["sum"]
+cpus = [1]
+
+[[workers]]
+name = "gpu0"
+kind = "triton"
+models = ["sum"]
+triton = { url = "127.0.0.1:8001", models = { sum = "dense" } }
+
+[[workers]]
+name = "sim0"
+kind = "sim"
+models = ["sum"]
+
+[workers.sim]
+launch_us = 100.0
+"""
+
+
+def load_error(tmp_path, text: str) -> str:
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    return str(e.value).removeprefix(str(tmp_path) + "/")
+
+
+def edited(old: str, new: str, count: int = 1) -> str:
+    assert old in NODE
+    return NODE.replace(old, new, count)
+
+
+def test_the_base_config_loads(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(NODE)
+    cfg = load_config(path)
+    assert [w.name for w in cfg.workers] == ["amx0", "amx1", "gpu0", "sim0"]
+    assert cfg.workers[3].sim.launch_us == 100.0
+
+
+@pytest.mark.parametrize("text,message", [
+    (edited("max_queue = 100", "max_queu = 100"),
+     "node.toml: [dispatcher] unknown key 'max_queu' (did you mean 'max_queue'?)"),
+    (edited("max_batch = 16", "max_bach = 16"),
+     "node.toml: [[models]] #1 (name 'sum') unknown key 'max_bach' (did you mean 'max_batch'?)"),
+    (edited('dtype = "float32", shape = [4]', 'dtyp = "float32", shape = [4]'),
+     "node.toml: [[models]] #1 (name 'sum') unknown key 'inputs[0].dtyp' (did you mean 'inputs[0].dtype'?)"),
+    (edited("cpus = [1]", "cpu = [1]"),
+     "node.toml: [[workers]] #2 (name 'amx1') unknown key 'cpu' (did you mean 'cpus'?)"),
+    (edited('url = "127.0.0.1:8001"', 'ur = "127.0.0.1:8001"'),
+     "node.toml: [[workers]] #3 (name 'gpu0') unknown key 'triton.ur' (did you mean 'triton.url'?)"),
+    (edited("launch_us = 100.0", "lanch_us = 100.0"),
+     "node.toml: [[workers]] #4 (name 'sim0') unknown key 'sim.lanch_us' (did you mean 'sim.launch_us'?)"),
+])
+def test_a_typo_in_any_table_names_file_table_key_and_the_likely_key(tmp_path, text, message):
+    assert load_error(tmp_path, text) == message
+
+
+@pytest.mark.parametrize("text,message", [
+    (edited('[[workers]]\nname = "amx1"', '[[workrs]]\nname = "amx1"'),
+     "node.toml: unknown table [[workrs]] (did you mean [[workers]]?)"),
+    (edited("[dispatcher]", "[dispatch]"), "node.toml: unknown table [dispatch] (did you mean [dispatcher]?)"),
+    ("polcy = 'mcb'\n" + NODE, "node.toml: unknown key 'polcy'"),
+    (NODE + '[triton]\nurl = "h:1"\n', "node.toml: unknown table [triton]: a worker's is written [workers.triton] after its [[workers]]"),
+])
+def test_an_unknown_top_level_table_is_refused_with_a_suggestion(tmp_path, text, message):
+    assert load_error(tmp_path, text) == message
+
+
+@pytest.mark.parametrize("text,message", [
+    (edited("cpus = [1]", 'cpus = ["one"]'),
+     "node.toml: [[workers]] #2 (name 'amx1'): cpus[0]: expected int, got str"),
+    (edited("max_queue = 100", 'max_queue = "many"'), "node.toml: [dispatcher] max_queue: expected int, got str"),
+    (edited('kind = "amx"', 'kind = "amxx"'),
+     "node.toml: [[workers]] #1 (name 'amx0'): kind: invalid value 'amxx' (did you mean 'amx'?)"),
+    (edited('dtype = "float32"', 'dtype = "float23"'),
+     "node.toml: [[models]] #1 (name 'sum'): inputs[0].dtype: invalid value 'float23' (did you mean 'float32'?)"),
+    (edited("[[models]]", "[models]"), "node.toml: [models] must be an array of tables: write [[models]] for each"),
+    (edited('frontend = "ipc:///tmp/by-test/fe"\n', ""), "node.toml: [dispatcher] missing required key 'frontend'"),
+])
+def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
+    assert load_error(tmp_path, text) == message
+
+
+@pytest.mark.parametrize("text,message", [
+    (edited("max_queue = 100", "max_queue = -5"), "node.toml: [dispatcher] max_queue: expected int >= 1, got -5"),
+    (edited("cpus = [1]", "cpus = [-1]"), "node.toml: [[workers]] #2 (name 'amx1'): cpus[0]: expected int >= 0, got -1"),
+    (edited("launch_us = 100.0", "launch_us = -1.0"),
+     "node.toml: [[workers]] #4 (name 'sim0'): sim.launch_us: expected float >= 0.0, got -1.0"),
+    (edited("max_batch = 16", "max_batch = 0"),
+     "node.toml: [[models]] #1 (name 'sum'): max_batch: expected int >= 1, got 0"),
+    (edited('frontend = "ipc:', 'frontend = "http:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
+])
+def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, message):
+    assert load_error(tmp_path, text).startswith(message)
+
+
+@pytest.mark.parametrize("text,message", [
+    (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "ipc:///tmp/by-test/fe"'),
+     "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe')"),
+    (edited("max_queue = 100", 'policy = "gredy"'), "node.toml: [dispatcher] policy: unknown policy 'gredy'"),
+    (edited("max_queue = 100", "heartbeat_interval_s = 5.0"),
+     "node.toml: [dispatcher] heartbeat_interval_s (5.0) must be below worker_dead_after_s (1.5)"),
+    (edited('name = "amx1"', 'name = "amx0"'),
+     "node.toml: [[workers]] #2 (name 'amx0'): name 'amx0' is already used by [[workers]] #1 (name 'amx0')"),
+    (edited('models = ["sum"]\ncpus = [1]', 'models = ["summ"]\ncpus = [1]'),
+     "node.toml: [[workers]] #2 (name 'amx1'): models: 'summ' is not a [[models]] name (did you mean 'sum'?)"),
+    (edited("models = { sum = ", "models = { sun = "),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.models: 'sun' is not one of the models it serves ['sum'] "
+     "(did you mean 'sum'?)"),
+    (edited("models = { sum = \"dense\" }", "models = { sum = \"dense\" }, tensor_names = { sum = { X = \"IN0\" } }"),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.tensor_names.sum: 'X' is not one of the tensors of the "
+     "model ['x', 'y'] (did you mean 'x'?)"),
+    (edited('factory = "batchyard.workers.models:mlp"\n', ""),
+     "node.toml: [[workers]] #1 (name 'amx0'): kind 'amx' builds model 'sum' itself, so that model needs factory"),
+    (edited('"float32", shape = [2]', '"float32", shape = [2] }, { name = "y", dtype = "int8", shape = [1]'),
+     "node.toml: [[models]] #1 (name 'sum'): model 'sum': duplicate output names ['y', 'y']"),
+])
+def test_rules_across_fields_name_the_table(tmp_path, text, message):
+    assert load_error(tmp_path, text).startswith(message)
+
+
+def test_a_triton_only_model_needs_no_factory():
+    tri = ModelConfig(name="tri", inputs=(TensorConfig("x", "float32", (8,)),),
+                      outputs=(TensorConfig("y", "float32", (8,)),))
+    node = NodeConfig(DispatcherConfig(frontend="ipc:///tmp/a", backend="ipc:///tmp/b"), (tri,),
+                      (WorkerConfig(name="gpu0", kind="triton", models=("tri",)),
+                       WorkerConfig(name="sim0", kind="sim", models=("tri",)))).validate()
+    assert node.model("tri").factory == ""
+
+
+def test_a_config_built_in_code_gets_the_same_range_checks():
+    node = NodeConfig(DispatcherConfig(frontend="ipc:///tmp/a", backend="ipc:///tmp/b", max_queue=0),
+                      (ModelConfig(name="m", inputs=(TensorConfig("x", "float32", (1,)),),
+                                   outputs=(TensorConfig("y", "float32", (1,)),)),))
+    with pytest.raises(ConfigError, match=r"^\[dispatcher\] max_queue: expected int >= 1, got 0$"):
+        node.validate()
+
+
+def test_unreadable_toml_names_the_file_and_line(tmp_path):
+    assert load_error(tmp_path, NODE.replace("max_queue = 100", "max_queue = ")) == \
+        "node.toml: not valid TOML: Invalid value (at line 4, column 13)"
+
+
+def test_written_config_loads_back_equal(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(NODE)
+    cfg = load_config(path)
+    cfg = msgspec.structs.replace(cfg, workers=cfg.workers + (
+        WorkerConfig(name="gpu1", kind="triton", models=("sum",), numa_node=1, warmup_sizes=(1, 8),
+                     triton=TritonConfig(url="h:1", models={"sum": "dense"}, tensor_names={"sum": {"x": "IN0"}},
+                                         shm="system")),))
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+    assert "numa_node = 1" in path.read_text() and "max_inflight" not in path.read_text()  # defaults left out
+
+
+def test_parse_config_names_its_source():
+    with pytest.raises(ConfigError, match=r"^demo: unknown table \[\[modles\]\] \(did you mean \[\[models\]\]\?\)$"):
+        parse_config({"modles": [{}]}, source="demo")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in asset("configs").glob("*.toml")))
+def test_every_shipped_example_config_loads(name):
+    cfg = load_config(asset("configs", name))
+    assert cfg.models and cfg.workers
+
+
+def test_the_triton_example_is_shipped():
+    cfg = load_config(asset("configs", "node0-triton.toml"))
+    assert {w.kind for w in cfg.workers} == {"amx", "triton"}
+    assert cfg.worker("gpu0").triton.models == {"minilm": "model_amx"}  # runs on a CPU host

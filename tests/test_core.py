@@ -1,0 +1,142 @@
+"""RequestCore, the request lifecycle shared by the live dispatcher and the simulator: every
+admitted request ends exactly once, whatever happens in between."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings, strategies as st
+
+from batchyard.core import Rejected, RequestCore
+from batchyard.policy import make_policy
+from batchyard.protocol import Status
+from batchyard.state import WorkerState
+
+
+class Ends:
+    """Records how each request ended (the driver's side of the core)."""
+
+    def __init__(self):
+        self.failed: dict[int, Status] = {}
+        self.finished: set[int] = set()
+        self.twice: list[int] = []
+
+    def on_fail(self, req, status, message):
+        assert message
+        if req.req_id in self.failed or req.req_id in self.finished:
+            self.twice.append(req.req_id)
+        self.failed[req.req_id] = status
+
+    def finish(self, core, req):
+        if core.finish(req):
+            if req.req_id in self.failed or req.req_id in self.finished:
+                self.twice.append(req.req_id)
+            self.finished.add(req.req_id)
+
+
+def make_core(ends, **kw):
+    core = RequestCore(make_policy("greedy"), ends.on_fail, **kw)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    return core
+
+
+def test_a_request_whose_deadline_passes_in_flight_is_answered_once_and_its_late_result_dropped():
+    ends = Ends()
+    core = make_core(ends)
+    req = core.admit("m", 1, 1, 0.010, 0.0, client=b"c", req_id=1)
+    (batch,) = core.decide(0.0)
+    core.decide(0.011)  # expiry runs first
+    assert ends.failed == {1: Status.DEADLINE_EXCEEDED}
+    assert core.complete(batch.batch_id, 0.012, 0.012) is batch
+    assert core.finish(req) is False  # the worker's late result must not be forwarded
+    assert not core.requests and not core.by_client_id
+    assert core.state.workers["gpu0"].free  # the slot came back all the same
+
+
+def test_worker_loss_retries_once_then_fails_unavailable():
+    ends = Ends()
+    core = make_core(ends)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    req = core.admit("m", 1, 1, 1.0, 0.0, req_id=1)
+    (b1,) = core.decide(0.0)
+    core.worker_lost(b1.worker.name, "gone", 0.001)
+    assert req.retries == 1 and not ends.failed  # back in the queue
+    (b2,) = core.decide(0.001)
+    assert b2.worker is not b1.worker
+    core.worker_lost(b2.worker.name, "gone too", 0.002)
+    assert ends.failed == {1: Status.UNAVAILABLE}
+    assert core.complete(b1.batch_id, 0.1, 0.003) is None  # a dead worker's late completion
+
+
+def test_cancel_only_withdraws_queued_requests():
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)  # no worker: requests stay queued
+    core.admit("m", 1, 1, 1.0, 0.0, client=b"a", req_id=5)
+    assert core.cancel(b"b", 5) is False  # another client's id
+    assert core.cancel(b"a", 5) is True
+    assert ends.failed == {5: Status.CANCELLED}
+    assert core.state.queue("m").requests == 0
+
+
+def test_admission_bounds_the_queue_and_refuses_impossible_deadlines():
+    ends = Ends()
+    core = make_core(ends, max_queue=2)
+    core.state.cost("m", "gpu").launch_s = 0.05
+    got = core.admit("m", 1, 1, 0.010, 0.0, req_id=1)
+    assert type(got) is Rejected and got.status == Status.DEADLINE_EXCEEDED
+    core.state.cost("m", "gpu").launch_s = 0.0
+    core.state.workers["gpu0"].capacity = 0  # busy: requests queue
+    assert type(core.admit("m", 1, 1, 1.0, 0.0, req_id=2)) is not Rejected
+    assert type(core.admit("m", 1, 1, 1.0, 0.0, req_id=3)) is not Rejected
+    got = core.admit("m", 1, 1, 1.0, 0.0, req_id=4)
+    assert type(got) is Rejected and got.status == Status.OVERLOADED
+
+
+def test_status_long_poll_is_due_on_registration_or_expiry():
+    core = RequestCore(make_policy("greedy"), lambda *a: None)
+    core.add_status_waiter("a", 1, 5.0)
+    core.add_status_waiter("b", 9, 2.0)
+    assert core.next_wake() == 2.0
+    assert core.due_status_waiters(1.0) == []
+    core.add_worker(WorkerState("w", "cpu", {"m": 1}), 1.5)
+    assert core.due_status_waiters(1.5) == ["a"]
+    assert core.due_status_waiters(2.0) == ["b"]
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["admit", "decide", "complete", "lose", "cancel", "register", "drain"]),
+                         st.integers(0, 7), st.floats(0.0, 0.02)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_every_admitted_request_ends_exactly_once(ops):
+    ends = Ends()
+    core = RequestCore(make_policy("mcb"), ends.on_fail, max_queue=20)
+    admitted, now, names = [], 0.0, ["gpu0", "cpu0"]
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 4}), 0.0)
+    for op, k, dt in ops:
+        now += dt
+        if op == "admit":
+            got = core.admit("m", 1 + k % 3, k % 3, 0.005 + 0.01 * k, now, client=b"c", req_id=len(admitted))
+            if type(got) is not Rejected:
+                admitted.append(got.req_id)
+        elif op == "decide":
+            core.decide(now)
+        elif op == "complete" and core.batches:
+            batch = core.complete(sorted(core.batches)[k % len(core.batches)], 0.001, now)
+            for r in batch.requests:
+                ends.finish(core, r)
+        elif op == "lose":
+            core.worker_lost(names[k % 2], "test", now)
+        elif op == "cancel" and admitted:
+            core.cancel(b"c", admitted[k % len(admitted)])
+        elif op == "register":
+            core.add_worker(WorkerState(names[k % 2], "gpu" if k % 2 == 0 else "cpu", {"m": 4}), now)
+        elif op == "drain":
+            core.begin_drain()
+        assert all(r.state != 2 for r in core.requests.values())  # nothing DONE is still tracked
+    core.fail_all(Status.UNAVAILABLE, "end of test")
+    assert not ends.twice
+    assert set(admitted) == set(ends.failed) | ends.finished
+    assert not core.requests and not core.by_client_id and not core.batches
+    assert math.isinf(core.next_wake()) or core.deadlines
