@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .harness import LoadSpec, analyse, run_load, scrape, server_split, table, write_outputs
+from .harness import LoadSpec, analyse, run_load, scrape, server_split
+from .report import table, write_outputs
 
 
 def _targets(args, address):
@@ -13,14 +14,16 @@ def _targets(args, address):
     if not args.compare:
         yield "", address
         return
-    from batchyard.config import DispatcherConfig, NodeConfig, load_config
+    import msgspec
+
+    from batchyard.config import NodeConfig, load_config
     from batchyard.supervisor import running_node
 
     if not args.config:
         raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
     base = load_config(args.config)
     for policy in args.compare:
-        disp = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy})
+        disp = msgspec.structs.replace(base.dispatcher, policy=policy)
         with running_node(NodeConfig(disp, base.models, base.workers).validate()):
             yield policy, disp.frontend
 
@@ -29,7 +32,7 @@ def spec_from(args, rate: float = 0.0) -> LoadSpec:
     floats = lambda s: tuple(float(x) for x in s.split(","))
     return LoadSpec(concurrency=args.concurrency, rate=rate or args.request_rate, distribution=args.distribution,
                     intervals_file=args.request_intervals, profile=args.profile,
-                    priority_mix=floats(args.priority_mix), deadlines_ms=floats(args.deadlines_ms),
+                    priority_mix=floats(args.priority_mix), deadlines_ms=floats(args.deadlines_ms), slo_ms=args.slo_ms,
                     warmup_s=args.warmup, window_s=args.window, windows=args.windows, stability=args.stability,
                     processes=args.processes, seed=args.seed)
 

@@ -34,6 +34,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-rates", default="", help="comma-separated rates: one run each (p99 vs load)")
     g.add_argument("--priority-mix", default="0,1,0", help="fractions high,normal,low")
     g.add_argument("--deadlines-ms", default="0,0,0", help="per class; 0 = dispatcher default")
+    g.add_argument("--slo-ms", type=float, default=0.0, help="goodput counts only replies within this latency")
     g.add_argument("--processes", type=int, default=2)
     g.add_argument("--warmup", type=float, default=2.0)
     g.add_argument("--window", type=float, default=5.0)

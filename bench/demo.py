@@ -7,14 +7,11 @@ MiniLM). Prints a latency table per path; rows from the simulated device say so.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import tempfile
 import time
-from pathlib import Path
-
 
 from batchyard.deploy import asset
 from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
@@ -22,7 +19,7 @@ from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConf
 from batchyard.client import Client
 from batchyard.supervisor import running_node
 
-from .loadgen import poisson_load
+from .harness import LoadSpec, analyse, run_load
 from .report import latency_table
 
 SENTENCES = [
@@ -57,9 +54,6 @@ def demo_config(run_dir: str, policy: str = "mcb") -> NodeConfig:
 
 
 def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", triton: bool = False) -> int:
-    from batchyard.workers.models import tokenize
-
-    ids, mask = tokenize(SENTENCES)
     logging.getLogger("batchyard.up").setLevel(logging.WARNING)  # the table is the output
     with contextlib.ExitStack() as stack:
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="batchyard-demo-"))
@@ -80,21 +74,19 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", tr
         stack.enter_context(running_node(node))
         print(f"ready in {time.monotonic() - t0:.1f} s; {duration:.0f} s of Poisson load at {rate:.0f} req/s", flush=True)
 
-        def make_inputs(i: int) -> dict:
-            k = i % len(SENTENCES)
-            return {"input_ids": ids[k:k + 1], "attention_mask": mask[k:k + 1]}
-
-        records = asyncio.run(poisson_load(node.dispatcher.frontend, "minilm", make_inputs, rate, duration))
+        # One generator process is plenty at demo rates; one window, no warm-up: the whole run is measured.
+        spec = LoadSpec(rate=rate, warmup_s=0.0, window_s=duration, windows=1, stable_windows=1, processes=1)
+        rows = run_load(node.dispatcher.frontend, "minilm", spec, inputs="minilm")
+        summary = analyse(rows, spec, "batchyard", "demo").summary
         with Client(node.dispatcher.frontend) as c:
             st = c.status()
     print()
     print(f"Batchyard demo — policy {policy}, MiniLM-L6 (seq 128), Poisson {rate:.0f} req/s, {duration:.0f} s")
-    print(latency_table(records, duration))
+    print(latency_table(summary, sent=len(rows)))
     print("cost curves the dispatcher learned (T(B) = launch + per_item * B):")
     for key, v in sorted(st.curves.items()):
         print(f"  {key:<12} {v['launch_us'] / 1e3:7.2f} ms + {v['per_item_us'] / 1e3:6.2f} ms*B  "
               f"({v['samples']} batches, {v['outliers']} outliers)")
     print(f"decisions: {st.decisions}")
-    ok = sum(r.status == "OK" for r in records)
-    return 0 if ok else 1
+    return 0 if summary["served"] else 1
 

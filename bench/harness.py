@@ -7,16 +7,18 @@ bursts:LOW,HIGH`` and priority/deadline mixes. Load comes from ``--processes`` g
 processes (each its own client and event loop), so the generator is not the bottleneck; each
 run checks that it kept to its schedule and says so when it did not.
 
-Measurement: a warm-up, then fixed windows; the report uses the first ``stable_windows``
-consecutive windows whose throughput and p99 stay within ``--stability`` of their mean (the
-perf_analyzer criterion), or all windows, marked unstable. Latencies go into HDR histograms
-(the ``hdrhistogram`` package). Output: terminal table, JSON, Markdown, PNG.
+Measurement: a warm-up, then fixed windows. As in perf_analyzer, a request belongs to the window
+in which its reply *arrived*: throughput is completions per second inside the window (past
+saturation that is the service rate, not the offered rate), and the latencies are those of the
+requests completed there; goodput counts only the completions within their deadline and the SLO.
+The report uses the first ``stable_windows`` consecutive windows whose throughput and p99 stay
+within ``--stability`` of their mean (the perf_analyzer criterion), or all windows, marked
+unstable. Percentiles and outputs (terminal table, JSON, Markdown, PNG): bench/report.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
 import queue
 import time
@@ -25,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .report import percentiles_ms
 from .traces import bursts, diurnal, poisson, steps
 
 STATUS_OK = 0
-HDR_MAX_US = 600_000_000
+START_TIMEOUT_S = 120.0  # for the generator processes to connect and make their inputs
 
 
 @dataclass
@@ -40,6 +43,7 @@ class LoadSpec:
     profile: str = ""  # step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH
     priority_mix: tuple = (0.0, 1.0, 0.0)
     deadlines_ms: tuple = (0.0, 0.0, 0.0)  # per class; 0 = the dispatcher's default
+    slo_ms: float = 0.0  # goodput counts completions within this latency (0: deadlines only)
     warmup_s: float = 2.0
     window_s: float = 5.0
     windows: int = 3
@@ -82,7 +86,11 @@ def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- generator processes
 PATHS = ("", "cpu", "gpu")
-COLUMNS = ("sent", "latency_us", "status", "path", "priority", "queue_us", "compute_us")
+# One float64 row per request. sent: seconds from the common start; path: index in PATHS;
+# simulated: 1 when a simulated device served it; timeout_us: the request's deadline (0: none).
+COLUMNS = ("sent", "latency_us", "status", "path", "priority", "queue_us", "compute_us", "batch_size",
+           "simulated", "timeout_us")
+SENT, LATENCY_US, STATUS, PATH, PRIORITY, QUEUE_US, COMPUTE_US, BATCH_SIZE, SIMULATED, TIMEOUT_US = range(len(COLUMNS))
 
 
 def _make_inputs(kind: str, spec_inputs):
@@ -97,7 +105,7 @@ def _make_inputs(kind: str, spec_inputs):
     return lambda i: zeros
 
 
-async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int, t0: float):
+async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int, ready):
     from batchyard.client import AsyncClient
     from batchyard.errors import BatchyardError
 
@@ -115,15 +123,16 @@ async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int,
                 r = await c.infer(model, make(i), priority=int(prio), timeout=timeout or None)
                 tm = r.timing
                 rows.append((sent - t0, (time.monotonic() - sent) * 1e6, 0, PATHS.index(tm.path) if tm.path in PATHS else 0,
-                             prio, tm.queue_us, tm.compute_us))
+                             prio, tm.queue_us, tm.compute_us, tm.batch_size, tm.simulated, timeout * 1e6))
             except BatchyardError as e:
-                rows.append((sent - t0, (time.monotonic() - sent) * 1e6, int(e.status), 0, prio, 0, 0))
+                rows.append((sent - t0, (time.monotonic() - sent) * 1e6, int(e.status), 0, prio, 0, 0, 0, 0, timeout * 1e6))
 
+        t0 = ready()
         await _drive(spec, part, t0, one)
     return rows
 
 
-async def _run_triton(url, model, inputs_kind, spec: LoadSpec, part: int, t0: float):
+async def _run_triton(url, model, inputs_kind, spec: LoadSpec, part: int, ready):
     import tritonclient.grpc.aio as aio
     from batchyard.protocol import TensorSpec
 
@@ -150,10 +159,11 @@ async def _run_triton(url, model, inputs_kind, spec: LoadSpec, part: int, t0: fl
             try:
                 await client.infer(model, req, outputs=[aio.InferRequestedOutput(out_name)],
                                    client_timeout=timeout or 30.0)
-                rows.append((sent - t0, (time.monotonic() - sent) * 1e6, 0, 0, prio, 0, 0))
+                rows.append((sent - t0, (time.monotonic() - sent) * 1e6, 0, 0, prio, 0, 0, 0, 0, timeout * 1e6))
             except Exception:
-                rows.append((sent - t0, (time.monotonic() - sent) * 1e6, 14, 0, prio, 0, 0))
+                rows.append((sent - t0, (time.monotonic() - sent) * 1e6, 14, 0, prio, 0, 0, 0, 0, timeout * 1e6))
 
+        t0 = ready()
         await _drive(spec, part, t0, one)
         return rows
     finally:
@@ -182,13 +192,21 @@ async def _drive(spec: LoadSpec, part: int, t0: float, one) -> None:
     await asyncio.gather(*tasks)
 
 
-def _proc(target, address, model, inputs_kind, spec_dict, part, t0, q) -> None:
+def _proc(target, address, model, inputs_kind, spec_dict, part, q, go, start) -> None:
     import uvloop
 
     spec = LoadSpec(**spec_dict)
     fn = _run_triton if target == "triton" else _run_batchyard
+
+    def ready() -> float:
+        """Report this process connected and its inputs made; block until the common start time."""
+        q.put(("ready", b""))
+        if not go.wait(timeout=START_TIMEOUT_S):  # blocking is fine: nothing runs on this loop yet
+            raise SystemExit("bench: the coordinator never gave the start")
+        return start.value
+
     try:
-        rows = uvloop.run(fn(address, model, inputs_kind, spec, part, t0))
+        rows = uvloop.run(fn(address, model, inputs_kind, spec, part, ready))
         q.put(("ok", np.asarray(rows, dtype=np.float64).reshape(-1, len(COLUMNS)).tobytes()))
     except BaseException as e:  # report, never hang the coordinator
         q.put(("error", str(e) or type(e).__name__))
@@ -221,47 +239,47 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
              progress: bool = False) -> np.ndarray:
     """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS)."""
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    t0 = time.monotonic() + 1.5 + 0.2 * spec.processes  # a common start once every process is up
-    ps = [ctx.Process(target=_proc, args=(target, address, model, inputs, asdict(spec), k, t0, q), daemon=True)
+    q, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    ps = [ctx.Process(target=_proc, args=(target, address, model, inputs, asdict(spec), k, q, go, start), daemon=True)
           for k in range(spec.processes)]
     for p in ps:
         p.start()
-    parts, errors = [], []
-    bar = _progress(spec.duration + (t0 - time.monotonic()), progress)
-    deadline = t0 + spec.duration + 120
+    parts, errors, n_ready = [], [], 0
+    bar = _NoBar()
+    # The schedule starts once every process has connected and made its inputs (importing a
+    # tokenizer can take seconds): a start fixed in advance would begin the run behind schedule.
+    deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        while len(parts) + len(errors) < len(ps):
+        while len(parts) + len(errors) < len(ps) and not (errors and n_ready < len(ps)):
             try:
                 kind, payload = q.get(timeout=1.0)  # the 1 s tick only moves the progress bar
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise SystemExit("bench: load generator processes did not finish in time") from None
-                bar.update_to(time.monotonic() - (t0 - 1.5))
+                bar.update_to(time.monotonic() - start.value)
+                continue
+            if kind == "ready":
+                n_ready += 1
+                if n_ready == len(ps):
+                    start.value = time.monotonic() + 0.05  # time.monotonic is one clock for all processes
+                    go.set()
+                    deadline = start.value + spec.duration + 120
+                    bar = _progress(spec.duration, progress)
                 continue
             (parts if kind == "ok" else errors).append(payload)
         bar.close()
     finally:
         for p in ps:
-            p.join(timeout=10)
+            p.join(timeout=10 if go.is_set() else 0)  # before the start, the rest wait for a go that will not come
             if p.is_alive():
                 p.kill()
     if errors:
         raise SystemExit(errors[0] if errors[0].startswith("bench:") else f"bench: load generator failed: {errors[0]}")
     rows = np.concatenate([np.frombuffer(b, dtype=np.float64).reshape(-1, len(COLUMNS)) for b in parts])
-    return rows[np.argsort(rows[:, 0], kind="stable")]
+    return rows[np.argsort(rows[:, SENT], kind="stable")]
 
 
 # ---------------------------------------------------------------- analysis
-def hdr(values_us) -> "object":
-    from hdrh.histogram import HdrHistogram
-
-    h = HdrHistogram(1, HDR_MAX_US, 3)
-    for v in values_us:
-        h.record_value(max(1, min(int(v), HDR_MAX_US)))
-    return h
-
-
 @dataclass
 class Report:
     target: str
@@ -275,16 +293,20 @@ class Report:
     latencies_ms: list = field(default_factory=list, repr=False)  # the measured windows, for CDFs
 
 
+def done_times(rows: np.ndarray) -> np.ndarray:
+    """When each reply arrived, seconds from the common start."""
+    return rows[:, SENT] + rows[:, LATENCY_US] / 1e6
+
+
 def analyse(rows: np.ndarray, spec: LoadSpec, target: str, label: str) -> Report:
-    sent, lat, status = rows[:, 0], rows[:, 1], rows[:, 2].astype(int)
+    sent, done, status = rows[:, SENT], done_times(rows), rows[:, STATUS].astype(int)
     off = float(len(schedule(spec)[0]) / spec.duration) if not spec.concurrency else 0.0
     rep = Report(target, label, off)
     for w in range(spec.windows):
         lo = spec.warmup_s + w * spec.window_s
-        m = (sent >= lo) & (sent < lo + spec.window_s)
-        ok = m & (status == STATUS_OK)
+        ok = (done >= lo) & (done < lo + spec.window_s) & (status == STATUS_OK)
         rep.windows.append({"throughput_rps": float(ok.sum() / spec.window_s),
-                            "p99_ms": float(np.percentile(lat[ok], 99) / 1e3) if ok.any() else float("nan")})
+                            "p99_ms": percentiles_ms(rows[ok, LATENCY_US], (99,))[99]})
     k = spec.stable_windows
     chosen = list(range(spec.windows))
     for start in range(0, spec.windows - k + 1):
@@ -300,127 +322,82 @@ def analyse(rows: np.ndarray, spec: LoadSpec, target: str, label: str) -> Report
     rep.used_windows = chosen
     lo = spec.warmup_s + chosen[0] * spec.window_s
     hi = spec.warmup_s + (chosen[-1] + 1) * spec.window_s
-    m = (sent >= lo) & (sent < hi)
+    completed = (done >= lo) & (done < hi)
     span = hi - lo
-    rep.summary = summarise(rows[m], span)
-    rep.latencies_ms = (rows[m & (status == STATUS_OK), 1] / 1e3).round(3).tolist()
+    rep.summary = summarise(rows[completed], span, spec.slo_ms)
+    rep.latencies_ms = (rows[completed & (status == STATUS_OK), LATENCY_US] / 1e3).round(3).tolist()
     if not spec.concurrency:
         t = schedule(spec)[0]
         planned = ((t >= lo) & (t < hi)).sum()
+        sent_in = (sent >= lo) & (sent < hi)
         # Rows are stamped when sent: if the generator fell behind, sends slide out of the window.
-        rep.schedule_kept = bool(m.sum() >= 0.97 * planned)
-        rep.summary["sent_rps"] = float(m.sum() / span)
+        rep.schedule_kept = bool(sent_in.sum() >= 0.97 * planned)
+        rep.summary["sent_rps"] = float(sent_in.sum() / span)
         rep.summary["planned_rps"] = float(planned / span)
     return rep
 
 
-def summarise(rows: np.ndarray, span: float) -> dict:
-    lat, status = rows[:, 1], rows[:, 2].astype(int)
+def summarise(rows: np.ndarray, span: float, slo_ms: float = 0.0) -> dict:
+    """Latency and rates of the requests *completed* in a span of ``span`` seconds."""
+    lat, status = rows[:, LATENCY_US], rows[:, STATUS].astype(int)
     ok = status == STATUS_OK
-    h = hdr(lat[ok]) if ok.any() else None
-    q = (lambda p: h.get_value_at_percentile(p) / 1e3) if h is not None else (lambda p: float("nan"))
+    timeout_us = rows[:, TIMEOUT_US]
+    # Client-observed: a reply that arrived after the request's deadline or the SLO is not good.
+    good = ok & ((timeout_us == 0) | (lat <= timeout_us)) & ((slo_ms <= 0) | (lat <= slo_ms * 1e3))
+    pct = percentiles_ms(lat[ok], (50, 90, 95, 99, 99.9))
+    per_s = (lambda n: float(n / span)) if span else (lambda n: 0.0)
     out = {"requests": int(len(rows)), "served": int(ok.sum()),
-           "p50_ms": q(50), "p90_ms": q(90), "p95_ms": q(95), "p99_ms": q(99), "p999_ms": q(99.9),
-           "throughput_rps": float(ok.sum() / span) if span else 0.0,
-           # The dispatcher answers DEADLINE_EXCEEDED at a request's deadline, so every OK reply was
-           # within its deadline: goodput = served requests/s (requests without a deadline count too).
-           "goodput_rps": float(ok.sum() / span) if span else 0.0,
+           "p50_ms": pct[50], "p90_ms": pct[90], "p95_ms": pct[95], "p99_ms": pct[99], "p999_ms": pct[99.9],
+           "throughput_rps": per_s(ok.sum()), "goodput_rps": per_s(good.sum()), "slo_ms": slo_ms,
            "deadline_exceeded": int((status == 4).sum()), "overloaded": int((status == 8).sum()),
            "errors": {str(s): int((status == s).sum()) for s in np.unique(status[~ok])}}
     for c, name in enumerate(("high", "normal", "low")):
-        mc = rows[:, 4] == c
+        mc = rows[:, PRIORITY] == c
         if mc.any():
+            p99 = percentiles_ms(lat[ok & mc], (99,))[99]
             out[f"class_{name}"] = {"served": int((ok & mc).sum()), "errors": int((~ok & mc).sum()),
-                                    "p99_ms": float(np.percentile(lat[ok & mc], 99) / 1e3) if (ok & mc).any() else None}
+                                    "p99_ms": p99 if (ok & mc).any() else None}
     for p in (1, 2):
-        mp_ = ok & (rows[:, 3] == p)
+        mp_ = ok & (rows[:, PATH] == p)
         if mp_.any():
-            out[f"path_{PATHS[p]}"] = {"served": int(mp_.sum()), "p99_ms": float(np.percentile(lat[mp_], 99) / 1e3),
-                                       "mean_queue_ms": float(rows[mp_, 5].mean() / 1e3),
-                                       "mean_compute_ms": float(rows[mp_, 6].mean() / 1e3)}
+            q = percentiles_ms(lat[mp_], (50, 90, 99))
+            out[f"path_{PATHS[p]}"] = {"served": int(mp_.sum()), "p50_ms": q[50], "p90_ms": q[90], "p99_ms": q[99],
+                                       "throughput_rps": per_s(mp_.sum()),
+                                       "mean_batch": float(rows[mp_, BATCH_SIZE].mean()),
+                                       "simulated": bool(rows[mp_, SIMULATED].any()),
+                                       "mean_queue_ms": float(rows[mp_, QUEUE_US].mean() / 1e3),
+                                       "mean_compute_ms": float(rows[mp_, COMPUTE_US].mean() / 1e3)}
     return out
 
 
-def scrape(url: str) -> dict[str, float]:
-    """A Prometheus text exposition as {'name{labels}': value}."""
+# ---------------------------------------------------------------- the dispatcher's /metrics
+def scrape(url: str) -> list:
+    """The samples (name, labels, value) of a Prometheus text exposition, read by prometheus_client."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
-def server_split(before: dict, after: dict) -> dict:
+def sample_total(samples: list, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    return float(sum(s.value for s in samples
+                     if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())))
+
+
+def server_split(before: list, after: list) -> dict:
     """Mean queue and compute time per served request, per path, from Triton-named counters."""
     def by_path(name):
         acc: dict[str, float] = {}
-        for k, v in after.items():
-            if k.startswith(name + "{"):
-                path = k.split('path="')[1].split('"')[0]
-                acc[path] = acc.get(path, 0.0) + v - before.get(k, 0.0)
+        for samples, sign in ((after, 1), (before, -1)):
+            for s in samples:
+                if s.name == name:
+                    acc[s.labels["path"]] = acc.get(s.labels["path"], 0.0) + sign * s.value
         return acc
 
     n, qd, cd = (by_path(x) for x in ("nv_inference_request_success", "nv_inference_queue_duration_us",
                                        "nv_inference_compute_infer_duration_us"))
     return {p: {"served": int(n[p]), "mean_queue_ms": qd.get(p, 0) / n[p] / 1e3, "mean_compute_ms": cd.get(p, 0) / n[p] / 1e3}
             for p in n if n[p] > 0}
-
-
-def table(reports: list[Report]) -> str:
-    head = f"{'target':<26}{'offered/s':>10}{'tput/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}{'errors':>8}  stable"
-    lines = [head, "-" * len(head)]
-    for r in reports:
-        s = r.summary
-        errs = sum(s["errors"].values())
-        lines.append(f"{r.label:<26}{r.offered_rps:>10.1f}{s['throughput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
-                     f"{s['p90_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['p999_ms']:>8.2f}{errs:>8}  "
-                     f"{'yes' if r.stable else 'NO'}{'' if r.schedule_kept else ' (generator behind schedule)'}")
-    return "\n".join(lines)
-
-
-def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "") -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "latencies_ms"}
-                                                for r in reports], indent=1, default=float))
-    md = [f"# {title}", "", notes, "", "```", table(reports), "```", "",
-          "Latencies in ms (client-observed, HDR histograms); throughput = served requests/s in the measured windows.",
-          "", "![p99 vs offered load](p99_vs_load.png)", "", "![latency CDF](latency_cdf.png)", ""]
-    (out / "bench.md").write_text("\n".join(md))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label in dict.fromkeys(r.label.split(" @")[0] for r in reports):
-        rs = [r for r in reports if r.label.split(" @")[0] == label]
-        ax.plot([r.offered_rps for r in rs], [r.summary["p99_ms"] for r in rs], marker="o", label=label)
-    ax.set_xlabel("offered load, requests/s")
-    ax.set_ylabel("p99 latency, ms")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "p99_vs_load.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in reports:
-        lat = np.sort(np.asarray(r.latencies_ms))
-        if lat.size:
-            ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=r.label, lw=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("latency, ms")
-    ax.set_ylabel("fraction of requests")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    ax.set_title("latency CDF", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "latency_cdf.png", dpi=110)
-    plt.close(fig)

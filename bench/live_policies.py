@@ -12,19 +12,17 @@ simulator at the same Poisson rate. Live numbers include ZeroMQ, codec and proce
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
+import msgspec
 from batchyard.workers.calibrate import calibrate
-from batchyard.config import DispatcherConfig, NodeConfig, SimConfig, WorkerConfig
+from batchyard.config import NodeConfig, SimConfig, WorkerConfig
 from batchyard.supervisor import running_node
 
-from .demo import SENTENCES, demo_config
-from .loadgen import poisson_load
+from .demo import demo_config
+from .harness import LoadSpec, analyse, run_load
 from .simulator import Device, simulate
 from .traces import poisson
 
@@ -36,25 +34,24 @@ def node_for(run_dir: str, policy: str, profile: str = "") -> NodeConfig:
     base = demo_config(run_dir, policy)
     amx = base.workers[0]
     gpu = WorkerConfig(name="gpu-sim0", kind="sim", models=("minilm",), sim=GPU_SIM)
-    d = DispatcherConfig(**{**base.dispatcher.__dict__, "policy": policy, "profile": profile})
+    d = msgspec.structs.replace(base.dispatcher, policy=policy, profile=profile)
     return NodeConfig(dispatcher=d, models=base.models, workers=(amx, gpu)).validate()
 
 
 def live_run(policy: str, rate: float, duration: float, profile: str) -> dict:
-    from batchyard.workers.models import tokenize
-
-    ids, mask = tokenize(SENTENCES)
+    # The harness draws its arrivals from traces.poisson with seed 5, as the simulator run in main() does.
+    spec = LoadSpec(rate=rate, warmup_s=0.0, window_s=duration, windows=1, stable_windows=1, processes=1, seed=5)
     with tempfile.TemporaryDirectory(prefix="by-live-") as run_dir:
         node = node_for(run_dir, policy, profile)
         with running_node(node):
-            make = lambda i: {"input_ids": ids[i % 8:i % 8 + 1], "attention_mask": mask[i % 8:i % 8 + 1]}
-            recs = asyncio.run(poisson_load(node.dispatcher.frontend, "minilm", make, rate, duration, seed=5))
-    ok = [r for r in recs if r.status == "OK"]
-    lat = np.array([r.latency_s for r in ok]) * 1e3
-    return {"policy": policy, "sent": len(recs), "served": len(ok),
-            "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-            "throughput_rps": len(ok) / duration, "mean_batch": float(np.mean([r.batch_size for r in ok])),
-            "cpu_share": float(np.mean([r.path == "cpu" for r in ok]))}
+            rows = run_load(node.dispatcher.frontend, "minilm", spec, inputs="minilm")
+    s = analyse(rows, spec, "batchyard", policy).summary
+    paths = [s[k] for k in ("path_cpu", "path_gpu") if k in s]
+    served = max(s["served"], 1)
+    return {"policy": policy, "sent": len(rows), "served": s["served"], "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"],
+            "throughput_rps": s["throughput_rps"],
+            "mean_batch": sum(p["mean_batch"] * p["served"] for p in paths) / served,
+            "cpu_share": s.get("path_cpu", {"served": 0})["served"] / served}
 
 
 def main(argv=None) -> None:
@@ -84,7 +81,7 @@ def main(argv=None) -> None:
                   f"cpu {live['cpu_share']:.2f} B {live['mean_batch']:.1f} | sim p50 {sim['p50_ms']:7.1f} "
                   f"p99 {sim['p99_ms']:7.1f} ms cpu {1 - sim['gpu_share']:.2f} B {sim['mean_batch']:.1f}", flush=True)
     Path(args.out).write_text(json.dumps({"rate": args.rate, "duration": args.duration, "cpu_curve": profile,
-                                          "gpu_sim": GPU_SIM.__dict__, "rows": rows}, indent=1, default=float))
+                                          "gpu_sim": msgspec.structs.asdict(GPU_SIM), "rows": rows}, indent=1, default=float))
 
 
 if __name__ == "__main__":

@@ -1,31 +1,108 @@
-"""Latency tables from load records."""
+"""How the bench presents results: its one percentile method, the terminal tables (``batchyard
+bench`` and ``batchyard demo``), and bench.json / bench.md / PNG plots of harness reports.
+
+Percentiles are ``np.percentile`` with its default linear interpolation, on the raw latency
+arrays: exact, with no histogram resolution to reason about. Every summary in bench/ uses it.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from pathlib import Path
+
 import numpy as np
 
-
-def percentiles(latencies_s, qs=(50, 90, 99)) -> dict[int, float]:
-    arr = np.asarray(latencies_s, dtype=np.float64) * 1e3
-    return {q: float(np.percentile(arr, q)) if arr.size else float("nan") for q in qs}
+from batchyard.protocol import Status
 
 
-def latency_table(records, duration_s: float) -> str:
-    """p50/p90/p99 (ms) and throughput, overall and per path; errors counted by status."""
-    rows = [("all", [r for r in records if r.status == "OK"])]
-    for path in sorted({r.path for r in records if r.status == "OK"}):
-        rows.append((path.rstrip("*") + (" (simulated)" if path.endswith("*") else ""),
-                     [r for r in records if r.status == "OK" and r.path == path]))
-    lines = [f"{'path':<18}{'count':>7}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'req/s':>9}{'mean B':>8}",
-             "-" * 69]
-    for name, rs in rows:
-        p = percentiles([r.latency_s for r in rs])
-        mean_b = np.mean([r.batch_size for r in rs]) if rs else float("nan")
-        lines.append(f"{name:<18}{len(rs):>7}{p[50]:>9.2f}{p[90]:>9.2f}{p[99]:>9.2f}"
-                     f"{len(rs) / duration_s:>9.1f}{mean_b:>8.1f}")
-    errors: dict[str, int] = {}
-    for r in records:
-        if r.status != "OK":
-            errors[r.status] = errors.get(r.status, 0) + 1
-    lines.append(f"errors: {errors or 'none'}  (sent {len(records)})")
+def percentiles_ms(latency_us, qs=(50, 90, 99)) -> dict[float, float]:
+    """{q: the q-th percentile in ms} of latencies in µs; NaN for each q when there are none."""
+    arr = np.asarray(latency_us, dtype=np.float64)
+    if not arr.size:
+        return {q: float("nan") for q in qs}
+    return {q: float(v) / 1e3 for q, v in zip(qs, np.percentile(arr, qs))}
+
+
+def latency_table(summary: dict, sent: int) -> str:
+    """p50/p90/p99 (ms), completions/s and mean batch, overall and per path, from a harness summary
+    (``harness.summarise``); errors counted by status name."""
+    lines = [f"{'path':<18}{'count':>7}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'req/s':>9}{'mean B':>8}", "-" * 69]
+    paths = [(k[5:], v) for k, v in summary.items() if k.startswith("path_")]
+    served = sum(v["served"] for _, v in paths)
+    mean_b = sum(v["mean_batch"] * v["served"] for _, v in paths) / served if served else float("nan")
+    rows = [("all", summary["served"], summary["p50_ms"], summary["p90_ms"], summary["p99_ms"],
+             summary["throughput_rps"], mean_b)]
+    rows += [(name + (" (simulated)" if v["simulated"] else ""), v["served"], v["p50_ms"], v["p90_ms"], v["p99_ms"],
+              v["throughput_rps"], v["mean_batch"]) for name, v in paths]
+    for name, n, p50, p90, p99, rps, b in rows:
+        lines.append(f"{name:<18}{n:>7}{p50:>9.2f}{p90:>9.2f}{p99:>9.2f}{rps:>9.1f}{b:>8.1f}")
+    errors = {_status_name(int(s)): n for s, n in summary["errors"].items()}
+    lines.append(f"errors: {errors or 'none'}  (sent {sent})")
     return "\n".join(lines)
+
+
+def _status_name(status: int) -> str:
+    try:
+        return Status(status).name
+    except ValueError:
+        return f"status {status}"
+
+
+def table(reports: list[Report]) -> str:
+    head = (f"{'target':<26}{'offered/s':>10}{'tput/s':>9}{'good/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}"
+            f"{'errors':>8}  stable")
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        s = r.summary
+        errs = sum(s["errors"].values())
+        lines.append(f"{r.label:<26}{r.offered_rps:>10.1f}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
+                     f"{s['p90_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['p999_ms']:>8.2f}{errs:>8}  "
+                     f"{'yes' if r.stable else 'NO'}{'' if r.schedule_kept else ' (generator behind schedule)'}")
+    return "\n".join(lines)
+
+
+def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "latencies_ms"}
+                                                for r in reports], indent=1, default=float))
+    md = [f"# {title}", "", notes, "", "```", table(reports), "```", "",
+          "Latencies in ms, client-observed, of the requests completed in the measured windows (np.percentile, "
+          "linear); throughput = completions/s in those windows (as perf_analyzer); goodput = the completions "
+          "within their deadline and the SLO.",
+          "", "![p99 vs offered load](p99_vs_load.png)", "", "![latency CDF](latency_cdf.png)", ""]
+    (out / "bench.md").write_text("\n".join(md))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label in dict.fromkeys(r.label.split(" @")[0] for r in reports):
+        rs = [r for r in reports if r.label.split(" @")[0] == label]
+        ax.plot([r.offered_rps for r in rs], [r.summary["p99_ms"] for r in rs], marker="o", label=label)
+    ax.set_xlabel("offered load, requests/s")
+    ax.set_ylabel("p99 latency, ms")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "p99_vs_load.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in reports:
+        lat = np.sort(np.asarray(r.latencies_ms))
+        if lat.size:
+            ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=r.label, lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency, ms")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title("latency CDF", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)

@@ -1,28 +1,50 @@
 """Prometheus metrics with Triton's names, served from the dispatcher's own event loop.
 
-Hot-path cost is a few list-element increments per reply (no locks: one thread); the text
-exposition is rendered only when scraped. The HTTP server is a minimal asyncio protocol on the
-same loop (GET /metrics), so the decision process gets no extra thread.
+Hot-path cost is a few list-element increments per reply (no locks: one thread). Nothing is
+rendered until a scrape: then a ``prometheus_client`` collector turns those plain counters, and
+the scrape-time state the dispatcher passes to ``render`` (pending requests, decisions, learned
+curves, lambda), into metric families, and ``generate_latest`` writes the text exposition
+(label values escaped as the format requires). The HTTP server is a minimal asyncio protocol on
+the same loop (GET /metrics), so the decision process gets no extra thread.
 
 Names follow Triton where the meaning is the same (dashboards keep working):
 nv_inference_request_success, nv_inference_request_failure{reason}, nv_inference_count,
 nv_inference_exec_count, nv_inference_queue_duration_us, nv_inference_compute_infer_duration_us,
-nv_inference_request_duration_us (cumulative counters, as in Triton), and
+nv_inference_request_duration_us (cumulative, as in Triton), and
 nv_inference_pending_request_count (gauge); labels model, path, priority.
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
 batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_arrival_rate{model}.
+
+prometheus_client is imported by ``serve_metrics`` (at start-up) or the first ``render``, never at
+import: it costs ~0.1 s, which a dispatcher without metrics should not pay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 from .protocol import PRIORITY_NAMES
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _OK, _ITEMS, _QUEUE, _COMPUTE, _TOTAL = range(5)
+# Families from the per-(model, path, priority) rows of Metrics.ok: (name, row index, help).
+_TRITON_OK_FAMILIES = (
+    ("nv_inference_request_success", _OK, "Successful inference requests"),
+    ("nv_inference_count", _ITEMS, "Inferences performed (batch items)"),
+    ("nv_inference_queue_duration_us", _QUEUE, "Cumulative queue time, us"),
+    ("nv_inference_compute_infer_duration_us", _COMPUTE, "Cumulative compute time of the batches requests ran in, us"),
+    ("nv_inference_request_duration_us", _TOTAL, "Cumulative end-to-end time in the dispatcher, us"),
+)
+
+
+class ScrapeState(NamedTuple):
+    """What the dispatcher knows only at scrape time (computed by it, not counted here)."""
+    pending: dict  # model -> requests queued or in flight
+    decisions: dict  # reason -> policy decisions
+    curves: dict  # "model/path" -> {"launch_us", "per_item_us", ...}
+    rates: dict  # model -> estimated arrival rate, requests/s
 
 
 class Metrics:
@@ -31,6 +53,8 @@ class Metrics:
         self.failures: dict[tuple[str, str], int] = {}  # (model, reason) -> n
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
         self.latency: dict[str, list] = {}  # model -> bucket counts (+Inf last), then [sum]
+        self._collector = DispatcherCollector(self)
+        self._registry = None  # a private CollectorRegistry, made at the first render
 
     # ---------------------------------------------------------------- hot path
     def request_ok(self, model: str, path: str, prio: int, items: int, queue_us: int, compute_us: int,
@@ -60,50 +84,83 @@ class Metrics:
 
     # ---------------------------------------------------------------- exposition
     def render(self, pending: dict[str, int], decisions: dict[str, int], curves: dict, rates: dict[str, float]) -> str:
-        out: list[str] = []
+        """The Prometheus text exposition (format 0.0.4) of the counters and the given scrape-time state."""
+        from prometheus_client.exposition import generate_latest
 
-        def family(name: str, kind: str, help_: str, rows) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in rows:
-                lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                out.append(f"{name}{{{lab}}} {value}")
+        if self._registry is None:
+            from prometheus_client.registry import CollectorRegistry
 
-        def ok_rows(idx):
-            return [({"model": m, "path": p, "priority": PRIORITY_NAMES[pr]}, row[idx])
-                    for (m, p, pr), row in sorted(self.ok.items())]
+            self._registry = CollectorRegistry()
+            self._registry.register(self._collector)
+        # One thread: the state set here is the state the collector reads during generate_latest.
+        self._collector.scrape = ScrapeState(pending, decisions, curves, rates)
+        return generate_latest(self._registry).decode()
 
-        family("nv_inference_request_success", "counter", "Successful inference requests", ok_rows(_OK))
-        family("nv_inference_request_failure", "counter", "Failed inference requests by reason",
-               [({"model": m, "reason": r}, n) for (m, r), n in sorted(self.failures.items())])
-        family("nv_inference_count", "counter", "Inferences performed (batch items)", ok_rows(_ITEMS))
-        family("nv_inference_exec_count", "counter", "Batches executed",
-               [({"model": m, "path": p}, n) for (m, p), n in sorted(self.exec_count.items())])
-        family("nv_inference_queue_duration_us", "counter", "Cumulative queue time, us", ok_rows(_QUEUE))
-        family("nv_inference_compute_infer_duration_us", "counter", "Cumulative compute time of the batches "
-               "requests ran in, us", ok_rows(_COMPUTE))
-        family("nv_inference_request_duration_us", "counter", "Cumulative end-to-end time in the dispatcher, us",
-               ok_rows(_TOTAL))
-        family("nv_inference_pending_request_count", "gauge", "Requests queued or in flight",
-               [({"model": m}, n) for m, n in sorted(pending.items())])
-        out.append("# HELP batchyard_request_latency_seconds Arrival-to-reply latency in the dispatcher")
-        out.append("# TYPE batchyard_request_latency_seconds histogram")
-        for m, h in sorted(self.latency.items()):
-            cum = 0
-            for le, n in zip((*LATENCY_BUCKETS_S, "+Inf"), h[:-1]):
+
+class DispatcherCollector:
+    """A ``prometheus_client.registry.Collector`` over Metrics' plain counters and the scrape state.
+
+    Triton's cumulative counters are exposed as *untyped* families: prometheus_client writes a
+    counter's samples as ``<name>_total``, which would rename ``nv_inference_request_success`` and
+    break dashboards written for Triton. Untyped keeps the exact names; Prometheus applies rate()
+    to them all the same. Batchyard's own counter is a real counter (``batchyard_decisions_total``).
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.scrape = ScrapeState({}, {}, {}, {})
+
+    def collect(self) -> Iterator:
+        from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                                    HistogramMetricFamily, UnknownMetricFamily)
+        from prometheus_client.utils import floatToGoString
+
+        def gauge(name: str, help_: str, labels: tuple, rows) -> GaugeMetricFamily:
+            fam = GaugeMetricFamily(name, help_, labels=labels)
+            for key, value in rows:
+                fam.add_metric(key, value)
+            return fam
+
+        m, s = self.metrics, self.scrape
+        ok_rows = sorted(m.ok.items())
+        for name, idx, help_ in _TRITON_OK_FAMILIES:
+            fam = UnknownMetricFamily(name, help_, labels=("model", "path", "priority"))
+            for (model, path, prio), row in ok_rows:
+                fam.add_metric((model, path, PRIORITY_NAMES[prio]), row[idx])
+            yield fam
+        fam = UnknownMetricFamily("nv_inference_request_failure", "Failed inference requests by reason",
+                                  labels=("model", "reason"))
+        for (model, reason), n in sorted(m.failures.items()):
+            fam.add_metric((model, reason), n)
+        yield fam
+        fam = UnknownMetricFamily("nv_inference_exec_count", "Batches executed", labels=("model", "path"))
+        for (model, path), n in sorted(m.exec_count.items()):
+            fam.add_metric((model, path), n)
+        yield fam
+        yield gauge("nv_inference_pending_request_count", "Requests queued or in flight",
+                     ("model",), (((k,), n) for k, n in sorted(s.pending.items())))
+
+        fam = HistogramMetricFamily("batchyard_request_latency_seconds", "Arrival-to-reply latency in the dispatcher",
+                                    labels=("model",))
+        les = [floatToGoString(le) for le in LATENCY_BUCKETS_S] + ["+Inf"]
+        for model, h in sorted(m.latency.items()):
+            cum, buckets = 0, []
+            for le, n in zip(les, h[:-1]):
                 cum += n
-                out.append(f'batchyard_request_latency_seconds_bucket{{model="{m}",le="{le}"}} {cum}')
-            out.append(f'batchyard_request_latency_seconds_sum{{model="{m}"}} {h[-1] / 1e6}')
-            out.append(f'batchyard_request_latency_seconds_count{{model="{m}"}} {cum}')
-        family("batchyard_decisions_total", "counter", "Policy decisions by reason",
-               [({"reason": r}, n) for r, n in sorted(decisions.items())])
-        family("batchyard_cost_launch_us", "gauge", "Learned launch cost of T(B) = launch + per_item*B",
-               [({"model": k.split("/")[0], "path": k.split("/")[1]}, v["launch_us"]) for k, v in sorted(curves.items())])
-        family("batchyard_cost_per_item_us", "gauge", "Learned per-item cost of T(B)",
-               [({"model": k.split("/")[0], "path": k.split("/")[1]}, v["per_item_us"]) for k, v in sorted(curves.items())])
-        family("batchyard_arrival_rate", "gauge", "Estimated arrival rate lambda(t), requests/s",
-               [({"model": m}, r) for m, r in sorted(rates.items())])
-        return "\n".join(out) + "\n"
+                buckets.append((le, cum))
+            fam.add_metric((model,), buckets, sum_value=h[-1] / 1e6)
+        yield fam
+        fam = CounterMetricFamily("batchyard_decisions", "Policy decisions by reason", labels=("reason",))
+        for reason, n in sorted(s.decisions.items()):
+            fam.add_metric((reason,), n)
+        yield fam
+        curves = sorted((tuple(k.split("/", 1)), v) for k, v in s.curves.items())
+        yield gauge("batchyard_cost_launch_us", "Learned launch cost of T(B) = launch + per_item*B",
+                     ("model", "path"), ((k, v["launch_us"]) for k, v in curves))
+        yield gauge("batchyard_cost_per_item_us", "Learned per-item cost of T(B)",
+                     ("model", "path"), ((k, v["per_item_us"]) for k, v in curves))
+        yield gauge("batchyard_arrival_rate", "Estimated arrival rate lambda(t), requests/s",
+                     ("model",), (((k,), r) for k, r in sorted(s.rates.items())))
 
 
 class _MetricsHTTP(asyncio.Protocol):
@@ -122,8 +179,9 @@ class _MetricsHTTP(asyncio.Protocol):
             return
         line = self.buf.split(b"\r\n", 1)[0].split()
         if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-            body, status = self.render().encode(), b"200 OK"
-            ctype = b"text/plain; version=0.0.4; charset=utf-8"
+            from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+            body, status, ctype = self.render().encode(), b"200 OK", CONTENT_TYPE_PLAIN_0_0_4.encode()
         else:
             body, status, ctype = b"not found; try /metrics\n", b"404 Not Found", b"text/plain"
         self.transport.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
@@ -132,4 +190,7 @@ class _MetricsHTTP(asyncio.Protocol):
 
 
 async def serve_metrics(loop: asyncio.AbstractEventLoop, host: str, port: int, render: Callable[[], str]):
+    # Import now, at start-up: done at the first scrape it would stall the decision loop ~0.1 s.
+    import prometheus_client.exposition  # noqa: F401
+
     return await loop.create_server(lambda: _MetricsHTTP(render), host, port)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import urllib.request
 
 import numpy as np
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchyard.bench.harness import sample_total as total
 from batchyard.bench.harness import scrape
 from batchyard.errors import InvalidArgument, UnknownModel
+from batchyard.metrics import Metrics
 
 from conftest import sim_worker
 from test_request_path import X1, header, raw_roundtrip
@@ -22,13 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape_port(port: int) -> dict[str, float]:
+def scrape_port(port: int) -> list:
     return scrape(f"http://127.0.0.1:{port}/metrics")
-
-
-def total(m: dict, name: str, **labels) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in m.items() if re.match(rf"{name}(\{{|$)", k) and all(w in k for w in want))
 
 
 def test_metrics_count_a_known_load(start_node):
@@ -59,10 +57,33 @@ def test_metrics_count_a_known_load(start_node):
     assert total(m, "nv_inference_compute_infer_duration_us") > 0
     assert total(m, "nv_inference_request_duration_us") >= total(m, "nv_inference_queue_duration_us")
     assert total(m, "nv_inference_pending_request_count") == 0
-    assert m['batchyard_request_latency_seconds_count{model="sum"}'] == 10
-    assert m['batchyard_request_latency_seconds_bucket{model="sum",le="+Inf"}'] == 10
+    assert total(m, "batchyard_request_latency_seconds_count", model="sum") == 10
+    assert total(m, "batchyard_request_latency_seconds_bucket", model="sum", le="+Inf") == 10
     assert total(m, "batchyard_decisions_total") >= 1
     assert total(m, "batchyard_cost_per_item_us", model="sum", path="gpu") > 0
     assert total(m, "batchyard_arrival_rate", model="sum") > 0
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+
+
+def test_label_values_are_escaped_and_the_exposition_parses():
+    """A model name with a quote, a backslash and a newline comes back from a Prometheus parser
+    exactly, and Triton's metric names are kept as they are (no ``_total`` added)."""
+    odd = 'bert "large"\\v2\nfinal'
+    m = Metrics()
+    for _ in range(3):
+        m.request_ok(odd, "cpu", 0, items=4, queue_us=100, compute_us=2000, total_us=2500)
+    m.request_failed(odd, "overloaded")
+    m.batch_done(odd, "cpu")
+    text = m.render({odd: 2}, {"cpu_now": 3}, {f"{odd}/cpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {odd: 12.5})
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert total(samples, "nv_inference_request_success", model=odd, path="cpu", priority="high") == 3
+    assert total(samples, "nv_inference_count", model=odd) == 12
+    assert total(samples, "nv_inference_request_failure", model=odd, reason="overloaded") == 1
+    assert total(samples, "nv_inference_exec_count", model=odd, path="cpu") == 1
+    assert total(samples, "nv_inference_pending_request_count", model=odd) == 2
+    assert total(samples, "batchyard_request_latency_seconds_bucket", model=odd, le="0.005") == 3
+    assert total(samples, "batchyard_request_latency_seconds_sum", model=odd) == pytest.approx(0.0075)
+    assert total(samples, "batchyard_decisions_total", reason="cpu_now") == 3
+    assert total(samples, "batchyard_cost_per_item_us", model=odd, path="cpu") == 50.0
+    assert total(samples, "batchyard_arrival_rate", model=odd) == 12.5
