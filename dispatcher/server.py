@@ -38,6 +38,7 @@ from . import protocol as P
 from .config import DispatcherConfig, NodeConfig
 from .core import Batch, Rejected, RequestCore
 from .cost_model import CostCurve
+from .lateness import Lateness
 from .metrics import Metrics
 from .policy import make_policy
 from .protocol import Status
@@ -89,6 +90,9 @@ class Dispatcher:
         for (model, path), curve in (profile or {}).items():
             self.state.costs[(model, path)] = curve
         self.metrics = Metrics()
+        self.lateness = Lateness()
+        self._timer_due = 0.0  # the armed instant that woke this step (0: not the timer)
+        self._first_arrival = 0.0  # when the first client message of this step was read
         self.exit_code = 0
         self._next_housekeeping = 0.0
         self._next_janitor = 0.0
@@ -146,6 +150,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ the step
     def _on_timer(self) -> None:
+        self._timer_due = self.timer.armed_at
         self.timer.clear()
         self._step()
 
@@ -171,6 +176,12 @@ class Dispatcher:
         self._recv_from_workers(now)
         self._recv_from_clients(now)
         now = _now()
+        if self._timer_due:
+            self.lateness.record("timer", now - self._timer_due)
+            self._timer_due = 0.0
+        if self._first_arrival:
+            self.lateness.record("arrival", now - self._first_arrival)
+            self._first_arrival = 0.0
         core = self.core
         for batch in core.decide(now):
             self._send_to_worker(batch, now)
@@ -298,6 +309,8 @@ class Dispatcher:
                 frames = recv_parts(sock)
             except zmq.Again:
                 return
+            if not self._first_arrival:
+                self._first_arrival = _now()
             try:
                 self._on_client_message(frames, now)
             except Exception:
@@ -379,7 +392,7 @@ class Dispatcher:
                              workers=workers, models=sorted(self.specs), policy=self.policy.name,
                              curves=self._curves(),
                              arrival_rate={m: round(self.state.arrival(m).rate(now), 2) for m in self.specs},
-                             decisions=dict(core.decisions))
+                             decisions=dict(core.decisions), decision_lateness=self.lateness.quantiles_us())
 
     def _curves(self) -> dict:
         # NaN is not JSON and MessagePack readers choke on it: an unknown value is None.

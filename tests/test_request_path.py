@@ -297,6 +297,8 @@ def test_status_shows_learned_curves_and_arrival_rate(start_node):
     assert st.policy == "mcb" and curve["samples"] >= 9
     assert curve["per_item_us"] == pytest.approx(500, rel=0.25)  # learned online from the batches
     assert st.arrival_rate["sum"] > 0 and sum(st.decisions.values()) >= 9
+    late = st.decision_lateness["arrival"]  # one sample per step that read a request
+    assert late["n"] >= 9 and 0 <= late["p50_us"] <= late["p99_us"] <= late["max_us"]
     out = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--address", node.address],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '"sum/gpu"' in out.stdout
