@@ -127,6 +127,11 @@ class DispatcherConfig(_Table):
     worker_dead_after_s: PositiveFloat = 1.5
     janitor_interval_s: PositiveFloat = 5.0  # sweep orphaned shared memory of dead clients
     drain_timeout_s: NonNegFloat = 5.0  # on SIGTERM, how long in-flight batches may finish
+    # Circuit breaker: a worker whose batch comes back all UNAVAILABLE (its backend is down)
+    # leaves rotation for a back-off that doubles on each further failure, up to the maximum;
+    # its requests are retried on another worker serving the model.
+    breaker_backoff_s: PositiveFloat = 0.5
+    breaker_backoff_max_s: PositiveFloat = 30.0
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # Prometheus /metrics (0: off)
     metrics_host: str = "127.0.0.1"
 

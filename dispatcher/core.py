@@ -51,13 +51,17 @@ FailCallback = Callable[[Request, Status, str], None]
 class RequestCore:
     def __init__(self, policy, on_fail: FailCallback, *, max_queue: int = 10_000,
                  default_timeout_s: float = 30.0, worker_dead_after_s: float = math.inf,
-                 max_retries: int = 1):
+                 max_retries: int = 1, breaker_backoff_s: float = 0.5, breaker_backoff_max_s: float = 30.0):
         self.policy = policy
         self.on_fail = on_fail
         self.max_queue = max_queue
         self.default_timeout_s = default_timeout_s
         self.worker_dead_after_s = worker_dead_after_s
         self.max_retries = max_retries
+        self.breaker_backoff_s = breaker_backoff_s
+        self.breaker_backoff_max_s = breaker_backoff_max_s
+        self.suspended: dict[str, tuple[float, WorkerState]] = {}  # name -> (back in rotation at, worker)
+        self.backoff: dict[str, float] = {}  # name -> its next back-off (doubles while it keeps failing)
         self.state = SchedulerState()
         self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
         self.by_client_id: dict[tuple[Any, int], int] = {}  # (client, request id) -> seq, for cancel
@@ -126,6 +130,8 @@ class RequestCore:
     def decide(self, now: float) -> list[Batch]:
         """Expire, then run the policy: the batches to send now. Sets ``wake_at``."""
         self.expire(now)
+        if self.suspended:
+            self._resume_due(now)
         if self.draining:
             self.wake_at = math.inf
             return []
@@ -153,6 +159,8 @@ class RequestCore:
             wake = self.deadlines[0][0]
         if self.status_waiters:
             wake = min(wake, min(w[0] for w in self.status_waiters))
+        if self.suspended:
+            wake = min(wake, min(until for until, _ in self.suspended.values()))
         return wake
 
     # ------------------------------------------------------------------ completion
@@ -189,11 +197,47 @@ class RequestCore:
             self.by_client_id.pop((req.client, req.req_id), None)
         self.on_fail(req, status, message)
 
+    # ------------------------------------------------------------------ failing paths
+    def retry_elsewhere(self, req: Request, worker: WorkerState, now: float) -> bool:
+        """``worker`` answered UNAVAILABLE for ``req`` (its backend is down): queue it again
+        at the head of its class, once, if its deadline allows and another worker serves the
+        model. False: the caller forwards the worker's answer."""
+        if (req.state != INFLIGHT or req.retries >= self.max_retries or req.deadline <= now or self.draining
+                or not any(w is not worker for w in self.state.serving.get(req.model, ()))):
+            return False
+        req.retries += 1
+        req.state = QUEUED
+        self.state.queue(req.model).push_front(req)
+        return True
+
+    def batch_health(self, worker: WorkerState, unavailable: bool, now: float) -> Optional[float]:
+        """Circuit breaker. A batch that came back all UNAVAILABLE takes ``worker`` out of
+        rotation for its back-off (returned, in seconds); a good batch resets the back-off."""
+        name = worker.name
+        if not unavailable:
+            self.backoff.pop(name, None)
+            return None
+        if self.state.workers.get(name) is not worker or name in self.suspended:
+            return None
+        backoff = self.backoff.get(name, self.breaker_backoff_s)
+        self.backoff[name] = min(backoff * 2, self.breaker_backoff_max_s)
+        self.suspended[name] = (now + backoff, worker)
+        self.state.suspend(worker)
+        return backoff
+
+    def _resume_due(self, now: float) -> None:
+        for name, (until, w) in list(self.suspended.items()):
+            if until <= now:
+                del self.suspended[name]
+                self.state.resume(w)  # half-open: its next batch decides
+
     # ------------------------------------------------------------------ workers
     def add_worker(self, w: WorkerState, now: float) -> None:
         if w.name in self.state.workers:
             # Same name registering again: the old process is gone (restart) or reconnected.
             self.worker_lost(w.name, "worker re-registered", now)
+        self.suspended.pop(w.name, None)
+        self.backoff.pop(w.name, None)
         w.last_seen = now
         self.state.add_worker(w)
         self.registrations += 1
@@ -224,6 +268,7 @@ class RequestCore:
         w = self.state.remove_worker(name)
         if w is None:
             return None
+        self.suspended.pop(name, None)
         for b in [b for b in self.batches.values() if b.worker is w]:
             del self.batches[b.batch_id]
             for req in b.requests:

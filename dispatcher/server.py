@@ -43,7 +43,7 @@ from .metrics import Metrics
 from .policy import make_policy
 from .protocol import Status
 from .shm import reap_orphans
-from .state import Request, WorkerState
+from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
 from .validation import RequestInvalid, validate_infer, validate_spec
 
@@ -83,7 +83,9 @@ class Dispatcher:
         self.cfg = cfg
         self.core = RequestCore(make_policy(cfg.policy), self._on_fail, max_queue=cfg.max_queue,
                                 default_timeout_s=cfg.default_timeout_s,
-                                worker_dead_after_s=cfg.worker_dead_after_s)
+                                worker_dead_after_s=cfg.worker_dead_after_s,
+                                breaker_backoff_s=cfg.breaker_backoff_s,
+                                breaker_backoff_max_s=cfg.breaker_backoff_max_s)
         self.state = self.core.state
         self.ctx = ctx or zmq.Context.instance()
         self.specs: dict[str, P.ModelSpec] = {m.name: m for m in models}
@@ -280,11 +282,21 @@ class Dispatcher:
         finish = self.core.finish
         pos = 2
         fe = self.frontend
+        unavailable = bool(msg.results) and all(r.status == Status.UNAVAILABLE for r in msg.results)
+        if unavailable:
+            backoff = self.core.batch_health(w, True, now)
+            if backoff is not None:
+                log.warning("worker %s out of rotation for %.1f s: its batch failed UNAVAILABLE (%s)",
+                            w.name, backoff, msg.results[0].message)
         for res in msg.results:
             out_frames = frames[pos:pos + res.n_frames]
             pos += res.n_frames
             req = by_seq.get(res.seq)
-            if req is None or not finish(req):
+            if req is None:
+                continue
+            if res.status == Status.UNAVAILABLE and self.core.retry_elsewhere(req, w, now):
+                continue
+            if not finish(req):
                 continue
             timing = P.Timing(queue_us=int((req.dispatched_at - req.arrival) * 1e6), compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
@@ -297,9 +309,12 @@ class Dispatcher:
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=res.status,
                                            message=res.message, outputs=res.outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
+        if not unavailable:
+            self.core.batch_health(w, False, now)
         # A result the worker did not send (a broken worker) must not strand its request.
         for req in batch.requests:
-            self.core.fail(req, Status.INTERNAL, f"worker {msg.worker} returned no result for this request")
+            if req.state != QUEUED:  # not the ones just queued again for another worker
+                self.core.fail(req, Status.INTERNAL, f"worker {msg.worker} returned no result for this request")
 
     # ------------------------------------------------------------------ 2. clients
     def _recv_from_clients(self, now: float) -> None:

@@ -216,5 +216,19 @@ class SchedulerState:
                     lst.remove(w)
         return w
 
+    def suspend(self, w: WorkerState) -> None:
+        """Out of rotation (the policy and admission no longer see it), still registered."""
+        for m in w.models:
+            lst = self.serving.get(m, [])
+            if w in lst:
+                lst.remove(w)
+
+    def resume(self, w: WorkerState) -> None:
+        if self.workers.get(w.name) is w:
+            for m in w.models:
+                lst = self.serving.setdefault(m, [])
+                if w not in lst:
+                    lst.append(w)
+
     def queued_requests(self) -> int:
         return sum(q.requests for q in self.queues.values())

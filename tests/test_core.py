@@ -140,3 +140,48 @@ def test_every_admitted_request_ends_exactly_once(ops):
     assert set(admitted) == set(ends.failed) | ends.finished
     assert not core.requests and not core.by_client_id and not core.batches
     assert math.isinf(core.next_wake()) or core.deadlines
+
+
+def test_circuit_breaker_backs_off_doubling_and_resets_on_success():
+    ends = Ends()
+    core = make_core(ends, breaker_backoff_s=0.5, breaker_backoff_max_s=1.5)
+    gpu = core.state.workers["gpu0"]
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    assert core.batch_health(gpu, True, 0.0) == 0.5
+    assert gpu not in core.state.serving["m"] and core.next_wake() == 0.5
+    req = core.admit("m", 1, 1, 5.0, 0.1, req_id=1)
+    (batch,) = core.decide(0.1)
+    assert batch.worker.name == "cpu0"  # the suspended GPU is not offered work
+    core.decide(0.5)
+    assert gpu in core.state.serving["m"]  # back, half-open
+    assert core.batch_health(gpu, True, 0.6) == 1.0  # failed again: doubled
+    core.decide(1.6)
+    assert core.batch_health(gpu, True, 1.7) == 1.5  # capped
+    core.decide(3.2)
+    core.batch_health(gpu, False, 3.3)  # a good batch
+    assert core.batch_health(gpu, True, 3.4) == 0.5  # back to the first back-off
+    assert req.state == 1  # untouched by all this
+
+
+def test_unavailable_requests_are_retried_on_another_worker_once():
+    ends = Ends()
+    core = make_core(ends)
+    gpu = core.state.workers["gpu0"]
+    cpu = WorkerState("cpu0", "cpu", {"m": 8})
+    core.add_worker(cpu, 0.0)
+    core.state.cost("m", "cpu").launch_s = 1.0  # the GPU is the clear first choice
+    req = core.admit("m", 1, 1, 5.0, 0.0, req_id=1)
+    (batch,) = core.decide(0.0)
+    assert batch.worker is gpu
+    core.complete(batch.batch_id, None, 0.01)
+    core.batch_health(gpu, True, 0.01)
+    assert core.retry_elsewhere(req, gpu, 0.01) is True
+    (again,) = core.decide(0.01)
+    assert again.worker is cpu and again.requests == [req]
+    core.complete(again.batch_id, None, 0.02)
+    assert core.retry_elsewhere(req, cpu, 0.02) is False  # one retry only
+    core.add_worker(WorkerState("solo", "cpu", {"other": 1}), 0.0)
+    lone = core.admit("other", 1, 1, 5.0, 0.03, req_id=2)
+    (b,) = core.decide(0.03)
+    core.complete(b.batch_id, None, 0.04)
+    assert core.retry_elsewhere(lone, b.worker, 0.04) is False  # nobody else serves "other"
