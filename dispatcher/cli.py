@@ -27,7 +27,7 @@ def load_node(path: str):
 
 
 def _run_dispatcher(args) -> int:
-    from .server import run_dispatcher
+    from .dispatcher_main import run_dispatcher
 
     return run_dispatcher(load_node(args.config))
 

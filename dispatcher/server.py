@@ -14,7 +14,8 @@ and on any wake-up runs ``_step``:
 Sockets are drained with NOBLOCK until empty (ZeroMQ's FD is edge-triggered); messages that
 arrive together are decided on together, which is what lets one batch message to a worker
 carry many requests. Measured on this machine: add_reader + NOBLOCK drains cost ~15 us CPU
-per forwarded request, awaiting each message on zmq.asyncio ~90 us.
+per forwarded request, awaiting each message on zmq.asyncio ~90 us. The process around it
+(signals, uvloop, metrics endpoint, exit code) is dispatcher_main.py.
 
 Each message is handled in isolation: one whose handling raises gets its own reply (INTERNAL)
 and the loop goes on. An exception outside a single message's handling means the core's state
@@ -28,14 +29,13 @@ import asyncio
 import logging
 import math
 import os
-import signal
 import time
 from typing import Optional
 
 import zmq
 
 from . import protocol as P
-from .config import DispatcherConfig, NodeConfig
+from .config import DispatcherConfig
 from .core import Batch, Rejected, RequestCore
 from .cost_model import CostCurve
 from .lateness import Lateness
@@ -46,35 +46,13 @@ from .shm import reap_orphans
 from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
 from .validation import RequestInvalid, validate_infer, validate_spec
+from .zmq_frames import EVENTS, POLLIN, recv_parts, send_parts
 
 log = logging.getLogger("batchyard.dispatcher")
 
 MAX_DRAIN = 4096  # messages per socket per step, so one flood cannot starve the other socket
 EXIT_BROKEN_INVARIANT = 70  # sysexits.h EX_SOFTWARE: restartable, unlike EX_CONFIG
 _now = time.monotonic
-# Plain ints: pyzmq's send_multipart/recv_multipart combine enum flags per frame, and that
-# enum arithmetic was ~15 % of the dispatcher's CPU under load (cProfile, bench (b)).
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
-_POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
-
-
-def recv_parts(sock: zmq.Socket) -> list:
-    """One multipart message as zmq.Frame objects, non-blocking (raises zmq.Again)."""
-    frame = sock.recv(_NOBLOCK, copy=False)
-    parts = [frame]
-    while frame.more:
-        frame = sock.recv(_NOBLOCK, copy=False)
-        parts.append(frame)
-    return parts
-
-
-def send_parts(sock: zmq.Socket, parts: list) -> None:
-    send = sock.send
-    last = len(parts) - 1
-    for i, p in enumerate(parts):
-        send(p, _SNDMORE if i < last else 0, copy=False)
 
 
 class Dispatcher:
@@ -202,7 +180,7 @@ class Dispatcher:
         self._arm(min(wake, self._next_housekeeping))
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
-        if (self.frontend.getsockopt(_EVENTS) | self.backend.getsockopt(_EVENTS)) & _POLLIN:
+        if (self.frontend.getsockopt(EVENTS) | self.backend.getsockopt(EVENTS)) & POLLIN:
             self.loop.call_soon(self._step)
 
     def _arm(self, when: float) -> None:
@@ -478,44 +456,3 @@ def _reason(status: int) -> str:
         return Status(status).name.lower()
     except ValueError:
         return f"status_{status}"
-
-
-def run_dispatcher(node: NodeConfig) -> int:
-    """Entry point of the dispatcher process. Returns its exit code after SIGTERM/SIGINT and a
-    bounded drain (0), or after a broken invariant (EXIT_BROKEN_INVARIANT)."""
-    import uvloop
-
-    from .proctitle import set_title
-
-    set_title("batchyard::dispatcher")
-    loop = uvloop.new_event_loop()
-    asyncio.set_event_loop(loop)
-    profile = None
-    if node.dispatcher.profile:
-        from .cost_model import load_profile
-
-        profile = load_profile(node.dispatcher.profile)
-        log.info("cost curves from %s: %s", node.dispatcher.profile,
-                 {f"{m}/{p}": c.describe() for (m, p), c in profile.items()})
-    d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
-    d.start(loop)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, d.begin_shutdown)
-    log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s",
-             os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name)
-    metrics_server = None
-    if node.dispatcher.metrics_port:
-        from .metrics import serve_metrics
-
-        metrics_server = loop.run_until_complete(
-            serve_metrics(loop, node.dispatcher.metrics_host, node.dispatcher.metrics_port, d.render_metrics))
-        log.info("metrics at http://%s:%d/metrics", node.dispatcher.metrics_host, node.dispatcher.metrics_port)
-    try:
-        loop.run_until_complete(d.stopped)
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
-            loop.run_until_complete(metrics_server.wait_closed())
-        d.close()
-        loop.close()
-    return d.exit_code

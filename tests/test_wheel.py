@@ -98,6 +98,6 @@ def test_imports_run_one_way_bench_then_workers_then_core():
 def test_the_command_line_imports_no_subcommand_module_before_parsing():
     code = ("import sys; from batchyard.cli import build_parser; build_parser(); "
             "print(sorted(m for m in sys.modules if m.startswith(('torch', 'batchyard.bench.harness', "
-            "'batchyard.workers.main', 'batchyard.server'))))")
+            "'batchyard.workers.main', 'batchyard.server', 'batchyard.dispatcher_main'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,0 +1,55 @@
+"""Entry point of the dispatcher process (``batchyard dispatcher``): process title, uvloop,
+signals, the optional metrics endpoint, and the exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from .config import NodeConfig
+from .server import Dispatcher
+
+log = logging.getLogger("batchyard.dispatcher")
+
+
+def run_dispatcher(node: NodeConfig) -> int:
+    """Entry point of the dispatcher process. Returns its exit code after SIGTERM/SIGINT and a
+    bounded drain (0), or after a broken invariant (EXIT_BROKEN_INVARIANT)."""
+    import uvloop
+
+    from .proctitle import set_title
+
+    set_title("batchyard::dispatcher")
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    profile = None
+    if node.dispatcher.profile:
+        from .cost_model import load_profile
+
+        profile = load_profile(node.dispatcher.profile)
+        log.info("cost curves from %s: %s", node.dispatcher.profile,
+                 {f"{m}/{p}": c.describe() for (m, p), c in profile.items()})
+    d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
+    d.start(loop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, d.begin_shutdown)
+    log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s",
+             os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name)
+    metrics_server = None
+    if node.dispatcher.metrics_port:
+        from .metrics import serve_metrics
+
+        metrics_server = loop.run_until_complete(
+            serve_metrics(loop, node.dispatcher.metrics_host, node.dispatcher.metrics_port, d.render_metrics))
+        log.info("metrics at http://%s:%d/metrics", node.dispatcher.metrics_host, node.dispatcher.metrics_port)
+    try:
+        loop.run_until_complete(d.stopped)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+            loop.run_until_complete(metrics_server.wait_closed())
+        d.close()
+        loop.close()
+    return d.exit_code
