@@ -50,6 +50,15 @@ def _run_status(args) -> int:
     return 0
 
 
+def _run_keygen(args) -> int:
+    from .transport import write_keypair
+
+    public, secret = write_keypair(args.out, args.name)
+    print(f"public key (share it; put clients' in [dispatcher] curve_authorized_keys): {public}")
+    print(f"secret key (keep it; mode 0600): {secret}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="batchyard", description="Batchyard inference dispatcher")
     ap.add_argument("--log-level", default="INFO")
@@ -63,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="a running dispatcher's workers, learned cost curves, lambda and decisions")
     p.add_argument("--address", required=True, help="the dispatcher's frontend, e.g. tcp://127.0.0.1:7755")
     p.set_defaults(run=_run_status)
+    p = sub.add_parser("keygen", help="a CURVE key pair for tcp endpoints: NAME.key (public), NAME.key_secret")
+    p.add_argument("--out", required=True, help="folder to write the two files into")
+    p.add_argument("--name", required=True, help="e.g. the node or the client's name")
+    p.set_defaults(run=_run_keygen)
     for ep in sorted(entry_points(group="batchyard.commands"), key=lambda e: e.name):
         ep.load()(sub)
     return ap

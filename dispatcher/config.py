@@ -124,7 +124,10 @@ class DispatcherConfig(_Table):
     max_inline_bytes: NonNeg = 4 << 20  # larger payloads must come through shared memory
     default_timeout_s: PositiveFloat = 30.0
     heartbeat_interval_s: PositiveFloat = 0.2
-    worker_dead_after_s: PositiveFloat = 1.5
+    # Generous: on a starved host (load average ~10) healthy workers went 1.6 s without being
+    # heard. A worker that dies is noticed sooner anyway: `up` or systemd restarts it at once
+    # (SIGCHLD) and its re-registration fails its batches over; this bounds only a hung one.
+    worker_dead_after_s: PositiveFloat = 10.0
     janitor_interval_s: PositiveFloat = 5.0  # sweep orphaned shared memory of dead clients
     drain_timeout_s: NonNegFloat = 5.0  # on SIGTERM, how long in-flight batches may finish
     # Circuit breaker: a worker whose batch comes back all UNAVAILABLE (its backend is down)
@@ -134,6 +137,21 @@ class DispatcherConfig(_Table):
     breaker_backoff_max_s: PositiveFloat = 30.0
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # Prometheus /metrics (0: off)
     metrics_host: str = "127.0.0.1"
+    # Transport security (docs/protocol.md, "Trust model"). tcp endpoints are encrypted and
+    # authenticated with CURVE when a secret key file (`batchyard keygen`) is named; clients
+    # must then hold a public key found in curve_authorized_keys (a folder of `*.key` files,
+    # or "*" for any key: encryption without client authentication).
+    curve_secret_key: str = ""
+    curve_authorized_keys: str = ""
+    # Shared-memory references over tcp name files on *this* host: refused unless the network
+    # is trusted to the same degree as the host.
+    allow_shm_over_tcp: bool = False
+    # ipc socket files: mode and group (empty: the process's own), so only that group connects.
+    ipc_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0660"
+    ipc_group: str = ""
+    # ZMQ_MAXMSGSIZE on the frontend: a peer sending a larger frame is disconnected by ZeroMQ
+    # before the dispatcher reads it. 0: max_inline_bytes + 1 MiB.
+    max_message_bytes: NonNeg = 0
 
 
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.
@@ -170,6 +188,12 @@ class NodeConfig(_Table):
         d = self.dispatcher
         if d.frontend == d.backend:
             raise ConfigError(f"[dispatcher] frontend and backend must differ (both {d.frontend!r})")
+        if d.curve_secret_key and not d.curve_authorized_keys:
+            raise ConfigError("[dispatcher] curve_secret_key is set but curve_authorized_keys is not: name a "
+                              "folder of client public keys, or \"*\" to accept any client key")
+        if d.max_message_bytes and d.max_message_bytes <= d.max_inline_bytes:
+            raise ConfigError(f"[dispatcher] max_message_bytes ({d.max_message_bytes}) must exceed "
+                              f"max_inline_bytes ({d.max_inline_bytes})")
         if d.heartbeat_interval_s >= d.worker_dead_after_s:
             raise ConfigError(f"[dispatcher] heartbeat_interval_s ({d.heartbeat_interval_s}) must be below "
                               f"worker_dead_after_s ({d.worker_dead_after_s})")

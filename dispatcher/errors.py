@@ -34,6 +34,10 @@ class UnknownModel(BatchyardError):
     status = Status.UNKNOWN_MODEL
 
 
+class PermissionDenied(BatchyardError):
+    status = Status.PERMISSION_DENIED
+
+
 class Overloaded(BatchyardError):
     status = Status.OVERLOADED
 
@@ -47,7 +51,8 @@ class Unavailable(BatchyardError):
 
 
 _BY_STATUS = {cls.status: cls for cls in
-              (Cancelled, InvalidArgument, DeadlineExceeded, UnknownModel, Overloaded, InternalError, Unavailable)}
+              (Cancelled, InvalidArgument, DeadlineExceeded, UnknownModel, PermissionDenied, Overloaded,
+               InternalError, Unavailable)}
 
 
 def error_for(status: int, message: str) -> BatchyardError:

@@ -38,6 +38,7 @@ class Status(enum.IntEnum):
     INVALID_ARGUMENT = 3
     DEADLINE_EXCEEDED = 4
     UNKNOWN_MODEL = 5  # gRPC NOT_FOUND
+    PERMISSION_DENIED = 7  # a shared-memory reference the client may not use
     OVERLOADED = 8  # gRPC RESOURCE_EXHAUSTED
     INTERNAL = 13
     UNAVAILABLE = 14

@@ -35,6 +35,7 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
+from . import transport
 from .config import DispatcherConfig
 from .core import Batch, Rejected, RequestCore
 from .cost_model import CostCurve
@@ -88,8 +89,12 @@ class Dispatcher:
             s.setsockopt(zmq.RCVHWM, 100_000)
         # A send to a worker that is gone raises instead of vanishing: it is then declared dead.
         self.backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.frontend.bind(cfg.frontend)
-        self.backend.bind(cfg.backend)
+        # The ZAP handler first: a CURVE handshake that raced a missing handler would pass.
+        # (It runs on the event loop that run_dispatcher set; nothing runs before loop start.)
+        self.authenticator = transport.start_authenticator(self.ctx, cfg)
+        transport.bind(self.frontend, cfg.frontend, cfg, frontend=True)
+        transport.bind(self.backend, cfg.backend, cfg, frontend=False)
+        self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
         self.timer = OneShotTimer()
 
     @property
@@ -122,6 +127,8 @@ class Dispatcher:
         if loop is not None and not loop.is_closed():
             for fd in (self.frontend.getsockopt(zmq.FD), self.backend.getsockopt(zmq.FD), self.timer.fd):
                 loop.remove_reader(fd)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.frontend.close(linger=500)
         self.backend.close(linger=500)
         self.timer.close()
@@ -358,6 +365,12 @@ class Dispatcher:
         spec = self.specs.get(msg.model)
         if spec is None:
             self._reject(identity, msg, Status.UNKNOWN_MODEL, self._unknown_model(msg.model))
+            return
+        if not self.shm_allowed and (msg.outputs or any(ref.shm is not None for ref in msg.inputs)):
+            self._reject(identity, msg, Status.PERMISSION_DENIED,
+                         "shared-memory references are refused on a tcp endpoint (they name files on the "
+                         "dispatcher's host); send tensors inline, or set [dispatcher] allow_shm_over_tcp "
+                         "on a trusted network")
             return
         payload = frames[2:]
         try:

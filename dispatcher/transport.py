@@ -1,0 +1,82 @@
+"""Binding the dispatcher's sockets with the node's transport security.
+
+- tcp endpoints: CURVE (ZeroMQ's own encryption and authentication) when ``[dispatcher]
+  curve_secret_key`` names a key file made by ``batchyard keygen``; client public keys are
+  checked by a ZAP handler on the dispatcher's own event loop (no extra thread) against the
+  ``*.key`` files in ``curve_authorized_keys`` ("*": any key, encryption only).
+- ipc endpoints: the socket file gets ``ipc_mode`` and ``ipc_group``, so the file system decides
+  who may connect.
+- the frontend refuses frames over ``max_message_bytes`` (ZMQ_MAXMSGSIZE): ZeroMQ drops such a
+  peer before a byte of it reaches the dispatcher.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import zmq
+
+from .config import DispatcherConfig
+
+log = logging.getLogger("batchyard.dispatcher")
+
+
+def read_keypair(path: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys from a ``batchyard keygen`` secret key file."""
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(path)
+    if not secret:
+        raise ValueError(f"{path}: has no secret key (give the .key_secret file)")
+    return public, secret
+
+
+def write_keypair(folder: str, name: str) -> tuple[str, str]:
+    """``batchyard keygen``: NAME.key (public, to share) and NAME.key_secret (mode 0600)."""
+    import zmq.auth
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(folder, name)
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) -> None:
+    if address.startswith("tcp://") and cfg.curve_secret_key:
+        public, secret = read_keypair(cfg.curve_secret_key)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+    if frontend:
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes or cfg.max_inline_bytes + (1 << 20))
+    sock.bind(address)
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not path.startswith("@"):  # an abstract socket has no file
+            os.chmod(path, int(cfg.ipc_mode, 8))
+            if cfg.ipc_group:
+                os.chown(path, -1, grp.getgrnam(cfg.ipc_group).gr_gid)
+
+
+def start_authenticator(ctx: zmq.Context, cfg: DispatcherConfig) -> Optional[object]:
+    """A ZAP handler for CURVE clients, on the running asyncio loop; None when CURVE is off."""
+    if not cfg.curve_secret_key:
+        return None
+    from zmq.auth.asyncio import AsyncioAuthenticator
+    from zmq.auth.base import CURVE_ALLOW_ANY
+
+    auth = AsyncioAuthenticator(ctx, log=log)
+    auth.start()
+    if cfg.curve_authorized_keys == "*":
+        auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
+    else:
+        auth.configure_curve(domain="*", location=cfg.curve_authorized_keys)
+    return auth
+
+
+def is_tcp(address: str) -> bool:
+    return address.startswith("tcp://")
