@@ -63,18 +63,24 @@ def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) 
 
 
 def start_authenticator(ctx: zmq.Context, cfg: DispatcherConfig) -> Optional[object]:
-    """A ZAP handler for CURVE clients, on the running asyncio loop; None when CURVE is off."""
+    """A ZAP handler for CURVE clients, on the running asyncio loop; None when CURVE is off.
+    The node's own key is always accepted: its supervisor and workers connect with it."""
     if not cfg.curve_secret_key:
         return None
+    import zmq.auth
     from zmq.auth.asyncio import AsyncioAuthenticator
-    from zmq.auth.base import CURVE_ALLOW_ANY
+
+    own_public, _ = read_keypair(cfg.curve_secret_key)
+    allowed = None if cfg.curve_authorized_keys == "*" else {
+        *zmq.auth.load_certificates(cfg.curve_authorized_keys), own_public}
+
+    class Keys:
+        def callback(self, domain: str, key: bytes) -> bool:
+            return allowed is None or key in allowed  # key: z85, as load_certificates gives them
 
     auth = AsyncioAuthenticator(ctx, log=log)
     auth.start()
-    if cfg.curve_authorized_keys == "*":
-        auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
-    else:
-        auth.configure_curve(domain="*", location=cfg.curve_authorized_keys)
+    auth.configure_curve_callback(domain="*", credentials_provider=Keys())
     return auth
 
 

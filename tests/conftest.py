@@ -67,7 +67,8 @@ def spawn_up(run_dir, workers, models, dispatcher=None, **popen_kw) -> tuple[Nod
     """A node config on ipc endpoints in ``run_dir`` (``dispatcher``: DispatcherConfig overrides),
     written there, and a `batchyard up` running it; the caller owns the process."""
     node = NodeConfig(
-        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **(dispatcher or {})),
+        dispatcher=DispatcherConfig(**{"frontend": f"ipc://{run_dir}/fe", "backend": f"ipc://{run_dir}/be",
+                                       **(dispatcher or {})}),
         models=tuple(models), workers=tuple(workers)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(node))

@@ -1,0 +1,118 @@
+"""Transport security of a live node: CURVE on tcp, shm references refused over tcp, ipc socket
+file permissions, oversized frames dropped by ZeroMQ while everyone else is served."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from batchyard import protocol as P
+from batchyard.transport import read_keypair, write_keypair
+
+from conftest import SUM_MODEL, Node, sim_worker, spawn_up
+
+X1 = np.ones((1, 4), np.float32).tobytes()
+
+
+def infer_header(rid=1, **fields) -> bytes:
+    h = {"type": "infer", "v": 1, "id": rid, "model": "sum",
+         "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4], "frame": 0}]}
+    h.update(fields)
+    return msgspec.msgpack.encode(h)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tcp_node(run_dir):
+    nodes = []
+
+    def start(**dispatcher):
+        cfg, up = spawn_up(run_dir, [sim_worker(models=("sum",))], [SUM_MODEL], dispatcher, stdout=subprocess.DEVNULL)
+        node = Node(cfg, up, run_dir)
+        nodes.append(node)
+        return node
+
+    yield start
+    for n in nodes:
+        n.stop()
+
+
+def dealer(address: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if keys:
+        s.curve_publickey, s.curve_secretkey = keys
+        s.curve_serverkey = server_key
+    s.connect(address)
+    return s
+
+
+def roundtrip(s: zmq.Socket, frames, timeout_ms=60_000):
+    s.send_multipart(frames)
+    if not s.poll(timeout_ms):
+        return None
+    return P.reply_decoder.decode(s.recv_multipart()[0])
+
+
+def ready(s: zmq.Socket) -> P.StatusReply:
+    """Wait (long poll) until the node's worker registered."""
+    return roundtrip(s, [msgspec.msgpack.encode({"type": "status", "v": 1, "id": 0, "min_registrations": 1,
+                                                 "wait_us": 120_000_000})], timeout_ms=180_000)
+
+
+def test_shm_references_are_refused_on_a_tcp_endpoint_inline_works(tcp_node, run_dir):
+    node = tcp_node(frontend=f"tcp://127.0.0.1:{free_port()}")
+    with dealer(node.address) as s:
+        assert ready(s).registrations >= 1
+        shm = {"segment": "batchyard_1_victim", "offset": 0, "nbytes": 16}
+        for frames in ([infer_header(2, inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4], "shm": shm}])],
+                       [infer_header(3, outputs={"y": shm}), X1]):
+            reply = roundtrip(s, frames)
+            assert reply.status == P.Status.PERMISSION_DENIED and "tcp" in reply.message
+        ok = roundtrip(s, [infer_header(4), X1])
+        assert ok.status == P.Status.OK
+
+
+def test_curve_lets_only_authorized_clients_in(tcp_node, run_dir):
+    keys = Path(run_dir) / "keys"
+    _, server_secret = write_keypair(str(keys / "server"), "node")
+    write_keypair(str(keys / "authorized"), "alice")
+    _, alice_secret = write_keypair(str(keys / "alice"), "alice")  # a copy kept by the client
+    (keys / "alice" / "alice.key").replace(keys / "authorized" / "alice.key")
+    _, mallory_secret = write_keypair(str(keys / "mallory"), "mallory")
+    server_public, _ = read_keypair(server_secret)
+    node = tcp_node(frontend=f"tcp://127.0.0.1:{free_port()}", curve_secret_key=server_secret,
+                    curve_authorized_keys=str(keys / "authorized"))
+    with dealer(node.address, read_keypair(alice_secret), server_public) as alice:
+        assert ready(alice).registrations >= 1
+        assert roundtrip(alice, [infer_header(5), X1]).status == P.Status.OK
+    for keys_ in (None, read_keypair(mallory_secret)):  # no CURVE at all; a key not authorized
+        with dealer(node.address, keys_, server_public if keys_ else None) as s:
+            assert roundtrip(s, [infer_header(6), X1], timeout_ms=1500) is None  # the handshake never completes
+
+
+def test_ipc_socket_files_are_not_world_accessible(start_node):
+    node = start_node([sim_worker()])
+    path = node.address[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+
+
+def test_an_oversized_frame_drops_only_its_sender(start_node):
+    node = start_node([sim_worker()], max_inline_bytes=4096, max_message_bytes=8192)
+    with dealer(node.address) as big, node.client() as good:
+        big.send_multipart([infer_header(7), b"\0" * 100_000])  # ZeroMQ disconnects this peer
+        assert good.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+        assert not big.poll(500)  # and it got nothing back
