@@ -22,6 +22,8 @@ class Region:
 
 
 class ShmPool:
+    """Segments carved into regions. The first ALIGN bytes of every segment are its header,
+    never handed out: the dispatcher's ownership challenge is written there (shm_grants.py)."""
 
     def __init__(self, segment_bytes: int = 64 << 20):
         self.segment_bytes = segment_bytes
@@ -44,10 +46,11 @@ class ShmPool:
                         else:
                             free[i] = (off + size, sz - size)
                         return Region(name, off, nbytes)
-            seg = Segment.create(max(self.segment_bytes, size))
+            seg = Segment.create(max(self.segment_bytes, size + ALIGN))
             self._segments[seg.name] = seg
-            self._free[seg.name] = [(size, seg.size - size)] if seg.size > size else []
-            return Region(seg.name, 0, nbytes)
+            end = ALIGN + size
+            self._free[seg.name] = [(end, seg.size - end)] if seg.size > end else []
+            return Region(seg.name, ALIGN, nbytes)
 
     def free(self, region: Region) -> None:
         size = max(ALIGN, (region.nbytes + ALIGN - 1) // ALIGN * ALIGN)
@@ -67,6 +70,11 @@ class ShmPool:
 
     def view(self, region: Region) -> memoryview:
         return memoryview(self._segments[region.segment].mm)[region.offset:region.offset + region.nbytes]
+
+    def write_header(self, segment: str, data: bytes) -> None:
+        """Write ``data`` (at most ALIGN bytes) at offset 0 of one of this pool's segments."""
+        assert len(data) <= ALIGN
+        self._segments[segment].mm[:len(data)] = data
 
     def segment_names(self) -> list[str]:
         return list(self._segments)

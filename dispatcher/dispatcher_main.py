@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 
+from . import sd_notify
 from .config import NodeConfig
 from .server import Dispatcher
 
@@ -33,6 +34,7 @@ def run_dispatcher(node: NodeConfig) -> int:
                  {f"{m}/{p}": c.describe() for (m, p), c in profile.items()})
     d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
     d.start(loop)
+    ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, d.begin_shutdown)
     log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s",
@@ -47,6 +49,7 @@ def run_dispatcher(node: NodeConfig) -> int:
     try:
         loop.run_until_complete(d.stopped)
     finally:
+        ready.close()
         if metrics_server is not None:
             metrics_server.close()
             loop.run_until_complete(metrics_server.wait_closed())

@@ -132,7 +132,26 @@ class CancelRequest(msgspec.Struct, tag="cancel", tag_field="type"):
     id: U64
 
 
-ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest]
+class ShmRegisterRequest(msgspec.Struct, tag="shm_register", tag_field="type", omit_defaults=True):
+    """Ask for the right to reference ``segment`` on this connection. Two steps: without
+    ``proved`` the reply carries a ``challenge``; the client writes it at offset 0 of the
+    segment and sends the request again with ``proved``: the dispatcher reads it back, so only a
+    process that can write the segment gets the grant (docs/protocol.md, "Trust model")."""
+
+    v: int
+    id: U64
+    segment: SegmentName
+    proved: bool = False
+
+
+class ShmUnregisterRequest(msgspec.Struct, tag="shm_unregister", tag_field="type"):
+    v: int
+    id: U64
+    segment: SegmentName
+
+
+ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest, ShmRegisterRequest,
+                      ShmUnregisterRequest]
 
 
 # ---------------------------------------------------------------- dispatcher -> client
@@ -179,7 +198,15 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
     decision_lateness: dict[str, dict[str, float]] = {}
 
 
-ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply]
+class ShmReply(msgspec.Struct, tag="shm", tag_field="type", omit_defaults=True):
+    v: int
+    id: int
+    status: int
+    message: str = ""
+    challenge: bytes = b""
+
+
+ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply]
 
 
 # ---------------------------------------------------------------- worker <-> dispatcher

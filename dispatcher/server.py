@@ -44,6 +44,7 @@ from .metrics import Metrics
 from .policy import make_policy
 from .protocol import Status
 from .shm import reap_orphans
+from .shm_grants import ShmGrants
 from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
 from .validation import RequestInvalid, validate_infer, validate_spec
@@ -95,6 +96,7 @@ class Dispatcher:
         transport.bind(self.frontend, cfg.frontend, cfg, frontend=True)
         transport.bind(self.backend, cfg.backend, cfg, frontend=False)
         self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
+        self.grants = ShmGrants()
         self.timer = OneShotTimer()
 
     @property
@@ -341,6 +343,8 @@ class Dispatcher:
             self._on_infer(msg, identity, raw, frames, now)
         elif type(msg) is P.CancelRequest:
             self.core.cancel(identity, msg.id)
+        elif type(msg) is P.ShmRegisterRequest or type(msg) is P.ShmUnregisterRequest:
+            self._on_shm_register(msg, identity)
         elif type(msg) is P.ModelInfoRequest:
             spec = self.specs.get(msg.model)
             if spec is None:
@@ -354,6 +358,37 @@ class Dispatcher:
             # client that everything it sent before has been queued and decided on.
             self.core.add_status_waiter((identity, msg.id), msg.min_registrations, now + msg.wait_us / 1e6)
 
+    def _on_shm_register(self, msg, identity: bytes) -> None:
+        status, why, challenge = Status.OK, "", b""
+        if not self.shm_allowed:
+            status, why = Status.PERMISSION_DENIED, "shared memory is refused on a tcp endpoint"
+        elif type(msg) is P.ShmUnregisterRequest:
+            self.grants.revoke(identity, msg.segment)
+        elif msg.proved:
+            why = self.grants.prove(identity, msg.segment)
+        else:
+            challenge, why = self.grants.challenge(identity, msg.segment)
+            challenge = challenge or b""
+        if why:
+            status = Status.PERMISSION_DENIED
+        self._reply(identity, P.encode(P.ShmReply(v=P.PROTOCOL_VERSION, id=msg.id, status=status, message=why,
+                                                  challenge=challenge)))
+
+    def _shm_denied(self, msg: P.InferRequest, identity: bytes) -> str:
+        """Why ``msg`` may not use the shared memory it names ("" when it may)."""
+        if not self.shm_allowed:
+            return ("shared-memory references are refused on a tcp endpoint (they name files on the "
+                    "dispatcher's host); send tensors inline, or set [dispatcher] allow_shm_over_tcp "
+                    "on a trusted network")
+        allows = self.grants.allows
+        for ref in msg.inputs:
+            if ref.shm is not None and not allows(identity, ref.shm.segment):
+                return f"input {ref.name!r}: segment {ref.shm.segment!r} is not registered on this connection"
+        for name, ref in msg.outputs.items():
+            if not allows(identity, ref.segment):
+                return f"output {name!r}: segment {ref.segment!r} is not registered on this connection"
+        return ""
+
     def _unknown_model(self, model: str) -> str:
         return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs)}"
 
@@ -366,12 +401,11 @@ class Dispatcher:
         if spec is None:
             self._reject(identity, msg, Status.UNKNOWN_MODEL, self._unknown_model(msg.model))
             return
-        if not self.shm_allowed and (msg.outputs or any(ref.shm is not None for ref in msg.inputs)):
-            self._reject(identity, msg, Status.PERMISSION_DENIED,
-                         "shared-memory references are refused on a tcp endpoint (they name files on the "
-                         "dispatcher's host); send tensors inline, or set [dispatcher] allow_shm_over_tcp "
-                         "on a trusted network")
-            return
+        if msg.outputs or any(ref.shm is not None for ref in msg.inputs):
+            denied = self._shm_denied(msg, identity)
+            if denied:
+                self._reject(identity, msg, Status.PERMISSION_DENIED, denied)
+                return
         payload = frames[2:]
         try:
             items = validate_infer(msg, spec, [len(f) for f in payload], self.cfg.max_inline_bytes)
@@ -437,6 +471,7 @@ class Dispatcher:
             self._next_janitor = now + self.cfg.janitor_interval_s
             for name in reap_orphans():
                 log.info("unlinked orphaned shared memory %s (owner process is gone)", name)
+            self.grants.sweep()
 
     def _worker_lost(self, name: str, reason: str, now: float) -> None:
         w = self.core.worker_lost(name, reason, now)

@@ -5,10 +5,14 @@ Ownership story (docs/protocol.md, "Shared memory"):
   once, pre-faulted (MAP_POPULATE) and reused through a pool allocator (client_pool.py),
   because creating a segment per message was slower than sending the bytes over ZeroMQ at
   every size measured.
-- Segment names are ``batchyard_<owner pid>_<random>``: the owner is in the name.
-- The client unlinks its segments on ``close()`` and at interpreter exit. When a client
-  dies without that, ``reap_orphans()`` unlinks segments whose owner pid is gone; the
-  dispatcher runs it on a slow timer and every new client runs it once at start.
+- Segment names are ``batchyard_<owner pid>_<random>`` (the pid is for people reading
+  /dev/shm; nothing trusts it).
+- The owner holds a shared ``flock`` on each of its segments for as long as it lives. The client
+  unlinks its segments on ``close()`` and at interpreter exit. When a client dies without that,
+  the kernel drops its locks, and ``reap_orphans()`` unlinks a segment only if it can take an
+  exclusive lock on it: a live owner in another PID namespace (a sidecar container sharing
+  /dev/shm) still holds its lock, whatever pids this process can see. The dispatcher runs it on
+  a slow timer and every new client runs it once at start.
 - Workers map client segments by name (cached, LRU-bounded), read inputs without copying and
   write outputs in place. A Triton-backed GPU worker also owns the segments it registers with
   Triton; they carry its pid, so the reaper below removes them if it dies.
@@ -22,15 +26,19 @@ which unlinks it when the *attaching* process exits.
 from __future__ import annotations
 
 import collections
+import fcntl
 import mmap
 import os
 import re
 import secrets
+import time
 
 SHM_DIR = "/dev/shm"
 PREFIX = "batchyard_"
 _NAME_RE = re.compile(r"^batchyard_(\d+)_[0-9a-f]+$")
 ALIGN = 64  # cache-line aligned regions; also satisfies every dtype's alignment
+# A segment younger than this is never reaped: its creator may not have taken its lock yet.
+REAP_GRACE_S = 10.0
 
 
 class ShmError(Exception):
@@ -44,26 +52,27 @@ def _path(name: str) -> str:
 class Segment:
     """One mapped POSIX shared-memory segment."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, lock_fd: int = -1):
         self.name = name
         self.mm = mm
         self.size = len(mm)
         self.owner = owner
+        self.lock_fd = lock_fd  # the owner's open fd, holding its shared flock
 
     @classmethod
     def create(cls, size: int) -> "Segment":
         name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "alive": held until close() or this process ends
             os.ftruncate(fd, size)
             # Pre-fault now so the first tensor written does not pay for page faults.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
             os.unlink(_path(name))
-            raise
-        finally:
             os.close(fd)
-        return cls(name, mm, owner=True)
+            raise
+        return cls(name, mm, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
@@ -94,6 +103,9 @@ class Segment:
                 os.unlink(_path(self.name))
             except FileNotFoundError:
                 pass
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
 
 class SegmentCache:
@@ -138,28 +150,37 @@ class SegmentCache:
         self._lru.clear()
 
 
-def _pid_alive(pid: int) -> bool:
+def _orphaned(path: str, now: float, grace_s: float) -> bool:
+    """True when nobody holds the segment's owner lock (and it is past its grace period)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return False
-    except PermissionError:
+    try:
+        if now - os.fstat(fd).st_ctime < grace_s:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner is alive, in whatever PID namespace
         return True
-    return True
+    finally:
+        os.close(fd)  # releases our lock at once
 
 
-def reap_orphans(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink Batchyard segments whose owner process no longer exists. Returns their names."""
+def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S) -> list[str]:
+    """Unlink Batchyard segments no live owner holds a lock on. Returns their names."""
     reaped = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return reaped
+    now = time.time()
     for name in names:
-        m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        path = os.path.join(shm_dir, name)
+        if _NAME_RE.match(name) and _orphaned(path, now, grace_s):
             try:
-                os.unlink(os.path.join(shm_dir, name))
+                os.unlink(path)
                 reaped.append(name)
             except OSError:
                 pass

@@ -107,10 +107,11 @@ def start_node(run_dir):
 
 @pytest.fixture(autouse=True)
 def no_leaked_shm():
-    before = set(live_segments())
+    # This process's segments only: other test runs on the machine create and free their own.
+    before = set(live_segments(os.getpid()))
     yield
-    reap_orphans()
-    leaked = set(live_segments()) - before
+    reap_orphans(grace_s=0)  # the test's child processes are gone: their unlocked segments go
+    leaked = set(live_segments(os.getpid())) - before
     for name in leaked:  # clean up so one failure does not cascade, then fail
         os.unlink(os.path.join("/dev/shm", name))
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"

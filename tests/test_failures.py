@@ -120,6 +120,23 @@ def test_systemd_units_verify(tmp_path):
         assert r.returncode == 0 and not problems, (inst.name, r.stdout, r.stderr)
 
 
+def test_systemd_units_are_hardened(tmp_path):
+    """Every unit's `systemd-analyze security` exposure is "OK" (at most 3.0 of 10)."""
+    if not shutil_which("systemd-analyze"):
+        pytest.skip("systemd-analyze not installed")
+    units = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+    assert units
+    for u in units:
+        r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(u)],
+                           capture_output=True, text=True)
+        if "--offline" in r.stderr and "unrecognized" in r.stderr:
+            pytest.skip("this systemd-analyze has no --offline (systemd < 252)")
+        lines = [ln for ln in r.stdout.splitlines() if "Overall exposure level" in ln]
+        assert lines, (u.name, r.stdout[-2000:], r.stderr)
+        score = float(lines[0].split(":", 1)[1].split()[0])
+        assert score <= 3.0, (u.name, lines[0], [ln for ln in r.stdout.splitlines() if "\u2717" in ln])
+
+
 def shutil_which(name):
     import shutil
 

@@ -150,7 +150,7 @@ def non_utf8_header(**fields) -> bytes:
      P.Status.INVALID_ARGUMENT, "frame has 16 bytes, shape and dtype need 32"),
     ([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
                       "shm": {"segment": "batchyard_1_missing", "offset": 0, "nbytes": 16}}])],
-     P.Status.INVALID_ARGUMENT, "segment 'batchyard_1_missing' does not exist"),
+     P.Status.PERMISSION_DENIED, "segment 'batchyard_1_missing' is not registered on this connection"),
     ([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
                       "shm": {"segment": "../../etc/passwd", "offset": 0, "nbytes": 16}}])],
      P.Status.INVALID_ARGUMENT, "segment"),
@@ -197,19 +197,62 @@ def test_a_bool_request_id_is_not_echoed_as_a_bool(start_node):
     assert reply.id is None
 
 
+def shm_register(sock, segment: str, write_header) -> P.ShmReply:
+    """The two-step registration of docs/protocol.md on a raw socket; ``write_header`` writes
+    the challenge into the segment (or does not, to play a client that cannot)."""
+    sock.send_multipart([msgspec.msgpack.encode({"type": "shm_register", "v": 1, "id": 500, "segment": segment})])
+    assert sock.poll(5000)
+    first = P.reply_decoder.decode(sock.recv_multipart()[0])
+    if first.status != P.Status.OK:
+        return first
+    write_header(segment, first.challenge)
+    sock.send_multipart([msgspec.msgpack.encode({"type": "shm_register", "v": 1, "id": 501, "segment": segment,
+                                                 "proved": True})])
+    assert sock.poll(5000)
+    return P.reply_decoder.decode(sock.recv_multipart()[0])
+
+
 def test_shm_reference_out_of_bounds_is_rejected_by_the_worker(start_node):
     node = start_node([sim_worker()])
-    with node.client() as c:
+    with node.client() as c, zmq.Context.instance().socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(node.address)
         region = c.pool.alloc(64)
         seg = region.segment
+        assert shm_register(s, seg, c.pool.write_header).status == P.Status.OK  # this process can write it
         size = c.pool.segment_bytes
-        frames = [header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
-                                  "shm": {"segment": seg, "offset": size - 8, "nbytes": 16}}])]
-        reply = raw_roundtrip(node.address, frames)
+        s.send_multipart([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                                          "shm": {"segment": seg, "offset": size - 8, "nbytes": 16}}])])
+        assert s.poll(5000)
+        reply = P.reply_decoder.decode(s.recv_multipart()[0])
         assert reply.status == P.Status.INVALID_ARGUMENT
         assert "outside segment" in reply.message
         c.pool.free(region)
         assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_a_client_cannot_use_another_clients_shared_memory(start_node):
+    """Another connection naming a client's segment, for input or output, is refused; so is
+    one that asks for a grant but cannot write the segment to prove it."""
+    node = start_node([sim_worker()])
+    with node.client() as victim:
+        x = victim.alloc_array((1, 4), np.float32)
+        x[...] = 7
+        assert victim.infer("sum", {"x": x})["y"].tolist() == [[28.0, 28.0]]  # registered and used
+        (seg,) = victim.pool.segment_names()
+        before = bytes(victim.pool.view(victim._codec._array_regions[x.__array_interface__["data"][0]]))
+        ref = {"segment": seg, "offset": 64, "nbytes": 16}
+        for frames in ([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4], "shm": ref}])],
+                       [header(outputs={"y": {"segment": seg, "offset": 64, "nbytes": 8}}), X1]):
+            reply = raw_roundtrip(node.address, frames)
+            assert reply.status == P.Status.PERMISSION_DENIED, reply
+            assert "not registered on this connection" in reply.message
+        with zmq.Context.instance().socket(zmq.DEALER) as thief:
+            thief.setsockopt(zmq.LINGER, 0)
+            thief.connect(node.address)
+            denied = shm_register(thief, seg, lambda segment, challenge: None)  # cannot write it
+            assert denied.status == P.Status.PERMISSION_DENIED and "challenge" in denied.message
+        assert bytes(victim.pool.view(victim._codec._array_regions[x.__array_interface__["data"][0]])) == before
 
 
 def test_oversized_inline_payload_is_refused_with_a_hint(start_node):

@@ -17,7 +17,7 @@ from batchyard import protocol as P
 from batchyard.policy import Greedy, TimeWindow, make_policy
 from batchyard.protocol import ModelSpec, TensorSpec
 from batchyard.client_pool import ShmPool
-from batchyard.shm import SHM_DIR, SegmentCache, ShmError, live_segments, reap_orphans
+from batchyard.shm import ALIGN, SHM_DIR, SegmentCache, ShmError, live_segments, reap_orphans
 from batchyard.state import Request, SchedulerState, WorkerState
 from batchyard.timer import OneShotTimer
 from batchyard.validation import RequestInvalid, validate_infer
@@ -143,7 +143,7 @@ def test_pool_reuses_and_coalesces_regions():
         pool.free(a)
         pool.free(b)
         d = pool.alloc(6000)  # fits only if a and b coalesced
-        assert d.offset == 0 and d.segment == a.segment
+        assert d.offset == ALIGN and d.segment == a.segment  # the first ALIGN bytes are the header
         big = pool.alloc(2 << 20)  # larger than a segment: a new one
         assert len(pool.segment_names()) == 2
         pool.free(big), pool.free(c), pool.free(d)
@@ -168,19 +168,31 @@ def test_segment_cache_reports_missing_and_out_of_bounds():
         pool.close()
 
 
-def test_reap_orphans_removes_only_dead_owners():
+def test_reap_orphans_removes_only_segments_no_live_owner_holds():
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(child.stdout)
-    dead = f"batchyard_{dead_pid}_abc123"
+    dead = f"batchyard_{dead_pid}_abc123"  # its creator is gone and holds no lock
     open(os.path.join(SHM_DIR, dead), "wb").close()
+    # A live owner whose pid this process cannot see (another PID namespace): here a pid that
+    # does not exist, but the segment's lock is held by a live process.
+    elsewhere = f"batchyard_{dead_pid}_def456"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], "
+                               "os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); "
+                               "sys.stdin.read()", os.path.join(SHM_DIR, elsewhere)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pool = ShmPool(segment_bytes=4096)
     try:
+        assert holder.stdout.readline().strip() == "held"
         pool.alloc(10)
-        reaped = reap_orphans()
-        assert dead in reaped
-        assert set(pool.segment_names()) <= set(live_segments(os.getpid()))
+        assert reap_orphans(grace_s=60) == []  # too young: a creator may not hold its lock yet
+        reaped = reap_orphans(grace_s=0)
+        assert dead in reaped and elsewhere not in reaped
+        assert set(pool.segment_names()) <= set(live_segments(os.getpid()))  # ours are locked
     finally:
         pool.close()
+        holder.stdin.close()
+        holder.wait()
+        os.unlink(os.path.join(SHM_DIR, elsewhere))
 
 
 # ---------------------------------------------------------------- timer

@@ -1,0 +1,137 @@
+"""``AsyncClient``: the asyncio SDK. Its DEALER socket lives on the event loop (a reader on the
+socket's FD) rather than on an I/O thread, as only the loop's thread touches it; encoding,
+decoding and the shared-memory pool are the ones ``Client`` uses (dispatcher/client_codec.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+import zmq
+
+from . import protocol as P
+from .client_codec import (DEFAULT_SHM_THRESHOLD, REPLY_GRACE_S, ClientCodec, CodecAccess, InferResult, Pending,
+                           closed_error, no_reply_error, open_dealer)
+
+
+class AsyncClient(CodecAccess):
+    """asyncio client: ``await client.infer(...)``; any number in flight from one task or many."""
+
+    def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+                 pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None):
+        self._codec = ClientCodec(address, shm_threshold=shm_threshold, pool_bytes=pool_bytes)
+        self.loop = asyncio.get_running_loop()
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.sock = open_dealer(self.ctx, address)
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._grant_lock = asyncio.Lock()
+        self.closed = False
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Fail every request in flight with Cancelled("client closed") and release the socket
+        and the shared-memory pool."""
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        for h in self._timers.values():
+            h.cancel()
+        self._timers.clear()
+        self._codec.fail_all(closed_error)
+        self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+        self._codec.close_pool()
+
+    def _drain(self) -> None:
+        while not self.closed:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._codec.on_reply(frames)
+
+    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
+        if self.closed:
+            for region in (*regions, *outputs.values()):
+                self._codec.free(region)
+            raise closed_error()
+        fut = self.loop.create_future()
+
+        def resolve(value, fut=fut, rid=rid):
+            h = self._timers.pop(rid, None)
+            if h is not None:
+                h.cancel()
+            if fut.done():  # cancelled by the caller meanwhile
+                return
+            if isinstance(value, BaseException):
+                fut.set_exception(value)
+            else:
+                fut.set_result(value)
+
+        self._codec.pending[rid] = Pending(kind, regions, outputs, resolve)
+        self._timers[rid] = self.loop.call_later(timeout, self._on_local_timeout, rid)
+        self.sock.send_multipart(frames, copy=False)
+        # Sending can consume the FD's edge: drain now in case replies are already waiting.
+        self.loop.call_soon(self._drain)
+        return fut
+
+    def _on_local_timeout(self, rid: int) -> None:
+        self._timers.pop(rid, None)
+        pend = self._codec.expire_local(rid)
+        if pend is not None:
+            pend.resolve(no_reply_error(self.address))
+
+    async def infer(self, model: str, inputs: dict, *, priority="normal",
+                    timeout: Optional[float] = None) -> InferResult:
+        if self._codec.needs_spec(model):
+            await self.model_info(model)
+        rid, frames, regions, outputs, timeout = self._codec.encode_infer(model, inputs, priority, timeout)
+        need = self._codec.ungranted(frames)
+        if need:
+            try:
+                await self._register_segments(need)
+            except BaseException:
+                for region in (*regions, *outputs.values()):
+                    self._codec.free(region)
+                raise
+        fut = self._send("infer", rid, frames, regions, outputs, timeout + REPLY_GRACE_S)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The caller gave up: withdraw it if still queued (the late reply frees its regions).
+            if not self.closed:
+                self._codec.expire_local(rid)
+                self.sock.send(self._codec.encode_cancel(rid))
+            raise
+
+    async def _register_segments(self, segments: set[str], timeout: float = 10.0) -> None:
+        """See Client._register_segments."""
+        async with self._grant_lock:
+            for seg in sorted(segments - self._codec.granted):
+                rid, frames = self._codec.encode_shm_register(seg, proved=False)
+                challenge = await self._send("shm", rid, frames, [], {}, timeout)
+                self._codec.answer_challenge(seg, challenge)
+                rid, frames = self._codec.encode_shm_register(seg, proved=True)
+                await self._send("shm", rid, frames, [], {}, timeout)
+                self._codec.granted.add(seg)
+
+    def submit(self, model: str, inputs: dict, **kw) -> asyncio.Task:
+        return self.loop.create_task(self.infer(model, inputs, **kw))
+
+    async def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:
+        rid, frames = self._codec.encode_model_info(model)
+        return await self._send("model_info", rid, frames, [], {}, timeout)
+
+    async def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0) -> P.StatusReply:
+        rid, frames = self._codec.encode_status(min_registrations, wait)
+        return await self._send("status", rid, frames, [], {}, wait + timeout)

@@ -1,0 +1,301 @@
+"""What ``Client`` and ``AsyncClient`` share: encoding requests, decoding replies, the table
+of requests in flight and the client-owned shared-memory pool. No sockets and no waiting:
+each client drives its own socket (the sync one from an I/O thread, the async one from the
+event loop) and calls in here.
+
+Threads: ``encode_*`` and ``alloc_array`` may run on any thread (ids come from an atomic
+counter, the pool has its own lock). The in-flight table (``pending``/``late``) belongs to
+the one thread that drives the socket: ``on_reply``, ``expire_local`` and ``fail_all`` are
+called from there only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Callable, Optional
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .client_pool import Region, ShmPool
+from .errors import Cancelled, DeadlineExceeded, InvalidArgument, error_for
+from .protocol import Status
+from .shm import reap_orphans
+from .validation import item_nbytes
+
+DEFAULT_TIMEOUT_S = 30.0
+REPLY_GRACE_S = 1.0
+# Tensors from this size on go through shared memory. Measured (bench/handoff.py, this
+# machine): inline ZeroMQ and a pool copy cost about the same up to ~16 KiB; from 64 KiB on
+# the pool wins and the gap grows with size (see docs/protocol.md).
+DEFAULT_SHM_THRESHOLD = 64 << 10
+
+PRIORITIES = {"high": P.PRIORITY_HIGH, "normal": P.PRIORITY_NORMAL, "low": P.PRIORITY_LOW}
+
+
+def closed_error() -> Cancelled:
+    """What a request gets when its client closes with it in flight, or is used after close
+    (docs/protocol.md: CANCELLED, SDK-local)."""
+    return Cancelled("client closed")
+
+
+def no_reply_error(address: str) -> DeadlineExceeded:
+    return DeadlineExceeded(f"no reply from the dispatcher at {address} before the deadline (is it running?)")
+
+
+class InferResult(dict):
+    """The outputs by name (a dict), plus ``timing`` from the dispatcher (queue/compute/total
+    microseconds, batch size, path and worker)."""
+
+    def __init__(self, outputs: dict, timing: Optional[P.Timing]):
+        super().__init__(outputs)
+        self.timing = timing
+
+
+class Pending:
+    """One request in flight: what to free when its reply comes, and whom to tell."""
+
+    __slots__ = ("kind", "regions", "outputs", "resolve")
+
+    def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None]):
+        self.kind = kind  # "infer" | "model_info" | "status"
+        self.regions = regions  # input regions to free when the reply arrives
+        self.outputs = outputs  # name -> Region the worker writes into
+        self.resolve = resolve  # callable(result or exception)
+
+
+class ClientCodec:
+
+    def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, pool_bytes: int = 64 << 20):
+        reap_orphans()  # a crashed client's segments go as soon as anyone starts
+        self.address = address
+        self.shm_threshold = shm_threshold
+        self._pool_bytes = pool_bytes
+        self._pool: Optional[ShmPool] = None
+        self._pool_lock = threading.Lock()  # two threads' first big tensors must not make two pools
+        self._pool_closed = False
+        self._ids = itertools.count(1)  # next() on it is atomic: safe from any thread
+        self.pending: dict[int, Pending] = {}
+        self.late: dict[int, list[Region]] = {}  # timed out locally; free regions on late reply
+        self._array_regions: dict[int, Region] = {}  # data address -> region, for alloc_array
+        self.specs: dict[str, P.ModelSpec] = {}
+        self.granted: set[str] = set()  # segments this connection may reference (shm_grants.py)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    # ---------------------------------------------------------------- shared memory
+    @property
+    def pool(self) -> ShmPool:
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool_closed:  # a closed client must not make a new pool nobody frees
+                    raise closed_error()
+                if self._pool is None:
+                    self._pool = ShmPool(self._pool_bytes)
+        return self._pool
+
+    def alloc_array(self, shape, dtype) -> np.ndarray:
+        """A numpy array living in this client's shared memory. Fill it in place and pass it
+        to infer(): it is sent by reference, with no copy."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        region = self.pool.alloc(nbytes)
+        arr = np.frombuffer(self.pool.view(region), dtype=dtype).reshape(shape)
+        addr = arr.__array_interface__["data"][0]
+        self._array_regions[addr] = region
+        weakref.finalize(arr, self._release_array, addr, region)
+        return arr
+
+    def _release_array(self, addr: int, region: Region) -> None:
+        self._array_regions.pop(addr, None)
+        self.free(region)
+
+    def free(self, region: Region) -> None:
+        if self._pool is not None:
+            self._pool.free(region)
+
+    def close_pool(self) -> None:
+        with self._pool_lock:
+            self._pool_closed = True
+        if self._pool is not None:
+            self._pool.close()
+
+    # ---------------------------------------------------------------- encode
+    def needs_spec(self, model: str) -> bool:
+        """The spec (fetched once per model) says which outputs are big enough for shm."""
+        return model not in self.specs
+
+    def encode_infer(self, model: str, inputs: dict, priority, timeout: Optional[float]):
+        """-> (id, frames, input regions, output regions by name, timeout in s). Before sending
+        it, the caller registers ``ungranted(header)`` on its connection."""
+        if isinstance(priority, str):
+            if priority not in PRIORITIES:
+                raise InvalidArgument(f"priority {priority!r} not one of {list(PRIORITIES)}")
+            priority = PRIORITIES[priority]
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
+        rid = self.next_id()
+        refs, frames, regions = [], [], []
+        n_items = 0
+        for name, value in inputs.items():
+            arr = np.asarray(value)
+            n_items = arr.shape[0] if arr.ndim else 0
+            dtype = arr.dtype.name
+            region = self._array_regions.get(arr.__array_interface__["data"][0]) if arr.nbytes else None
+            if region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous:
+                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
+                                        shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
+            elif arr.nbytes >= self.shm_threshold:
+                region = self.pool.alloc(arr.nbytes)
+                regions.append(region)
+                np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
+                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
+                                        shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
+            else:
+                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape), frame=len(frames)))
+                frames.append(np.ascontiguousarray(arr))
+        outputs, out_refs = {}, {}
+        spec = self.specs.get(model)
+        if spec is not None and n_items:
+            for t in spec.outputs:
+                nbytes = n_items * item_nbytes(t)
+                if nbytes >= self.shm_threshold:
+                    region = self.pool.alloc(nbytes)
+                    outputs[t.name] = region
+                    out_refs[t.name] = P.ShmRef(region.segment, region.offset, region.nbytes)
+        header = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, inputs=refs,
+                                         priority=priority, timeout_us=int(timeout * 1e6),
+                                         outputs=out_refs))
+        return rid, [header, *frames], regions, outputs, timeout
+
+    def ungranted(self, frames: list) -> set[str]:
+        """Segments an encoded request references that this connection has no grant for yet."""
+        if not self._array_regions and self._pool is None:
+            return set()
+        msg = P.infer_request_decoder.decode(frames[0])
+        used = {r.shm.segment for r in msg.inputs if r.shm is not None} | {r.segment for r in msg.outputs.values()}
+        return used - self.granted
+
+    def encode_shm_register(self, segment: str, proved: bool) -> tuple[int, list]:
+        rid = self.next_id()
+        return rid, [P.encode(P.ShmRegisterRequest(v=P.PROTOCOL_VERSION, id=rid, segment=segment, proved=proved))]
+
+    def answer_challenge(self, segment: str, challenge: bytes) -> None:
+        self.pool.write_header(segment, challenge)
+
+    def encode_model_info(self, model: str) -> tuple[int, list]:
+        rid = self.next_id()
+        return rid, [P.encode(P.ModelInfoRequest(v=P.PROTOCOL_VERSION, id=rid, model=model))]
+
+    def encode_status(self, min_registrations: int, wait: float) -> tuple[int, list]:
+        rid = self.next_id()
+        return rid, [P.encode(P.StatusRequest(v=P.PROTOCOL_VERSION, id=rid, min_registrations=min_registrations,
+                                              wait_us=int(wait * 1e6)))]
+
+    @staticmethod
+    def encode_cancel(rid: int) -> bytes:
+        return P.encode(P.CancelRequest(v=P.PROTOCOL_VERSION, id=rid))
+
+    # ---------------------------------------------------------------- decode (socket thread)
+    def on_reply(self, frames: list) -> None:
+        try:
+            msg = P.reply_decoder.decode(frames[0])
+        except P.DecodeError:
+            return  # not ours to crash over; the request will time out with a clear message
+        pend = self.pending.pop(msg.id, None) if msg.id is not None else None
+        if pend is None:
+            for region in self.late.pop(msg.id, None) or ():
+                self.free(region)
+            return
+        for region in pend.regions:
+            self.free(region)
+        if msg.status != Status.OK:
+            for region in pend.outputs.values():
+                self.free(region)
+            pend.resolve(error_for(msg.status, msg.message))
+            return
+        if pend.kind == "shm":
+            pend.resolve(msg.challenge)
+        elif pend.kind == "model_info":
+            self.specs[msg.spec.name] = msg.spec
+            pend.resolve(msg.spec)
+        elif pend.kind == "status":
+            pend.resolve(msg)
+        else:
+            pend.resolve(self._outputs(msg, frames[1:], pend.outputs))
+
+    def _outputs(self, msg: P.InferReply, frames: list, regions: dict) -> InferResult:
+        out = {}
+        for ref in msg.outputs:
+            if ref.shm is not None:
+                region = regions.pop(ref.name)
+                arr = np.frombuffer(self.pool.view(region), dtype=ref.dtype, count=int(np.prod(ref.shape)))
+                arr = arr.reshape(ref.shape)
+                weakref.finalize(arr, self.free, region)
+            else:
+                arr = np.frombuffer(frames[ref.frame], dtype=ref.dtype).reshape(ref.shape)
+            out[ref.name] = arr
+        for region in regions.values():  # reserved but not used
+            self.free(region)
+        return InferResult(out, msg.timing)
+
+    def expire_local(self, rid: int) -> Optional[Pending]:
+        """Forget a request locally; its regions stay reserved until the late reply (if any)
+        comes, so a worker still running it never writes into memory handed out again."""
+        pend = self.pending.pop(rid, None)
+        if pend is not None and (pend.regions or pend.outputs):
+            self.late[rid] = [*pend.regions, *pend.outputs.values()]
+        return pend
+
+    def fail_all(self, error_factory: Callable[[], BaseException]) -> None:
+        """Resolve every request in flight with an error (the client is closing)."""
+        pending, self.pending = self.pending, {}
+        for pend in pending.values():
+            for region in (*pend.regions, *pend.outputs.values()):
+                self.free(region)
+            pend.resolve(error_factory())
+
+
+def open_dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """The client's DEALER socket, connected; the same settings for both clients."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.connect(address)
+    return sock
+
+
+class CodecAccess:
+    """What both clients expose of their codec: the pool, the specs, ``alloc_array``."""
+
+    _codec: ClientCodec
+
+    @property
+    def address(self) -> str:
+        return self._codec.address
+
+    @property
+    def shm_threshold(self) -> int:
+        return self._codec.shm_threshold
+
+    @property
+    def specs(self) -> dict:
+        return self._codec.specs
+
+    @property
+    def pool(self) -> ShmPool:
+        return self._codec.pool
+
+    def alloc_array(self, shape, dtype) -> np.ndarray:
+        """A numpy array living in this client's shared memory. Fill it in place and pass it
+        to infer(): it is sent by reference, with no copy."""
+        return self._codec.alloc_array(shape, dtype)
+
+    def _encode_infer(self, model: str, inputs: dict, priority, timeout):
+        return self._codec.encode_infer(model, inputs, priority, timeout)  # bench/dispatch_bench.py

@@ -1,0 +1,206 @@
+"""The one thread that owns a ``Client``'s ZeroMQ socket.
+
+pyzmq sockets are not thread-safe, so no submitting thread touches the socket: each hands its
+encoded request to this thread through a deque and wakes it through an eventfd that the thread
+polls together with the DEALER socket in one ``zmq.Poller``. The thread sends, receives every
+reply, resolves the waiting futures and fires local deadlines (the poll's timeout is the next
+deadline, nothing else). A thread waiting for one reply therefore never holds up another
+thread's request.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import math
+import os
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from .client_codec import ClientCodec, Pending, closed_error, no_reply_error
+from .errors import Unavailable
+
+log = logging.getLogger("batchyard.client")
+
+_SEND, _CANCEL, _STOP = 0, 1, 2
+
+
+class _Wakeup:
+    """An eventfd: any thread may set it; the I/O thread polls and clears it."""
+
+    def __init__(self):
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class SocketThread:
+    """Owns ``sock`` (and ``ctx`` when ``own_ctx``) from start to close; see the module doc."""
+
+    def __init__(self, codec: ClientCodec, ctx: zmq.Context, sock: zmq.Socket, own_ctx: bool):
+        self._codec = codec
+        self._ctx = ctx
+        self._sock = sock
+        self._own_ctx = own_ctx
+        self._inbox: collections.deque = collections.deque()
+        self._outbox: collections.deque = collections.deque()  # frames the socket refused for now (HWM)
+        self._deadlines: list[tuple[float, int]] = []  # heap of (monotonic deadline, request id)
+        # Held only around "still open?" + append + wake, so nothing is queued behind the stop
+        # marker and nobody writes to the eventfd after the thread closed it.
+        self._lock = threading.Lock()
+        self._closing = False
+        self._wakeup = _Wakeup()
+        # True from a set() until the I/O thread takes the inbox: the requests submitted in
+        # between ride on that one wake-up instead of a system call each.
+        self._wake_armed = False
+        # A daemon: a Client nobody closed must not keep the interpreter from exiting.
+        self._thread = threading.Thread(target=self._run, name=f"batchyard-client {codec.address}", daemon=True)
+        self._thread.start()  # also the memory barrier that hands the socket to the new thread
+
+    # ---------------------------------------------------------------- any thread
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def send(self, pend: Pending, rid: int, frames: list, deadline: float) -> None:
+        """Queue a request; raises Cancelled("client closed") if the client is closed."""
+        if not self._post((_SEND, rid, pend, frames, deadline)):
+            for region in (*pend.regions, *pend.outputs.values()):
+                self._codec.free(region)
+            raise closed_error()
+
+    def cancel(self, rid: int) -> None:
+        self._post((_CANCEL, rid, None, None, None))
+
+    def _post(self, item: tuple) -> bool:
+        with self._lock:
+            if self._closing:
+                return False
+            self._inbox.append(item)
+            if not self._wake_armed:
+                self._wake_armed = True
+                self._wakeup.set()
+            return True
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread (every request in flight gets Cancelled("client closed")) and wait
+        up to ``timeout`` s for it; from the thread itself (a done-callback), do not wait."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._inbox.append((_STOP, None, None, None, None))
+                self._wakeup.set()  # unconditionally: the stop must not wait for anything
+        if threading.current_thread() is self._thread:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("client I/O thread for %s did not stop within %.1f s "
+                        "(a done-callback blocking it?)", self._codec.address, timeout)
+
+    # ---------------------------------------------------------------- the I/O thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        failure: Callable[[], BaseException] = closed_error
+        try:
+            while True:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._wakeup.fd in events:
+                    self._wakeup.clear()
+                    self._wake_armed = False  # before taking the inbox: a later post wakes us again
+                if not self._take_inbox():
+                    return
+                self._flush()
+                if events.get(self._sock, 0) & zmq.POLLIN:
+                    self._drain()
+                self._expire()
+                poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
+        except BaseException as e:  # a bug here must not leave callers waiting forever
+            log.exception("client I/O thread for %s failed", self._codec.address)
+            why = f"client I/O thread failed: {e!r}"
+            failure = lambda: Unavailable(why)  # noqa: E731
+        finally:
+            self._shut_down(failure)
+
+    def _take_inbox(self) -> bool:
+        """Register and queue what the submitting threads handed over; False at the stop marker."""
+        codec = self._codec
+        while self._inbox:
+            op, rid, pend, frames, deadline = self._inbox.popleft()
+            if op == _SEND:
+                codec.pending[rid] = pend  # before it is sent: the reply must find it
+                heapq.heappush(self._deadlines, (deadline, rid))
+                self._outbox.append(frames)
+            elif op == _CANCEL:
+                if rid in codec.pending:
+                    self._outbox.append([codec.encode_cancel(rid)])
+            else:
+                return False
+        return True
+
+    def _flush(self) -> None:
+        while self._outbox:
+            try:
+                self._sock.send_multipart(self._outbox[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # over the high-water mark: POLLOUT tells us when to go on
+            self._outbox.popleft()
+
+    def _drain(self) -> None:
+        # Receive everything first, then settle: the threads woken by settling then do not
+        # compete with the rest of the drain for the GIL, and they send their next requests
+        # close together, which is what lets the dispatcher batch them.
+        replies = []
+        while True:
+            try:
+                replies.append(self._sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        for frames in replies:
+            self._codec.on_reply(frames)
+
+    def _poll_timeout_ms(self):
+        heap, pending = self._deadlines, self._codec.pending
+        while heap and heap[0][1] not in pending:  # answered already: no need to wake for it
+            heapq.heappop(heap)
+        if not heap:
+            return None
+        return max(0, math.ceil((heap[0][0] - time.monotonic()) * 1000))
+
+    def _expire(self) -> None:
+        heap, now = self._deadlines, time.monotonic()
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            pend = self._codec.expire_local(rid)
+            if pend is not None:
+                pend.resolve(no_reply_error(self._codec.address))
+
+    def _shut_down(self, failure: Callable[[], BaseException]) -> None:
+        with self._lock:
+            self._closing = True
+            queued = [item for item in self._inbox if item[0] == _SEND]
+            self._inbox.clear()
+            self._wakeup.close()
+        codec = self._codec
+        for _, rid, pend, _, _ in queued:  # handed over but never sent
+            codec.pending[rid] = pend
+        codec.fail_all(failure)
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+        codec.close_pool()
