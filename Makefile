@@ -10,7 +10,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 resolves to the CPU build on these machines; never the CUDA one.
-	$(PY) -m pip install -q -e '.[cpu,test,triton,bench]'
+	$(PY) -m pip install -q -e '.[cpu,test,triton,frontend,bench]'
 	# The Triton python-backend stub (nvidia-pytriton) was built against numpy 1.x; it gets its own.
 	$(PY) -m pip install -q --target $(VENV)/triton-stub-site 'numpy<2'
 	touch $(STAMP)

@@ -32,6 +32,12 @@ def _run_dispatcher(args) -> int:
     return run_dispatcher(load_node(args.config))
 
 
+def _run_frontend(args) -> int:
+    from .frontend_main import run_frontend
+
+    return run_frontend(load_node(args.config))
+
+
 def _run_up(args) -> int:
     from .supervisor import run_up
 
@@ -66,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dispatcher", help="run the dispatcher process of a node")
     p.add_argument("--config", required=True)
     p.set_defaults(run=_run_dispatcher)
+    p = sub.add_parser("frontend", help="run a KServe v2 (Triton protocol) front-door process of a node")
+    p.add_argument("--config", required=True)
+    p.set_defaults(run=_run_frontend)
     p = sub.add_parser("up", help="start a node's dispatcher and workers; restart workers that die")
     p.add_argument("--config", required=True)
     p.set_defaults(run=_run_up)

@@ -80,18 +80,20 @@ class Client(CodecAccess):
     """Blocking client; share one among any number of threads."""
 
     def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD,
-                 pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None):
+                 pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None,
+                 curve_server_key: Optional[bytes] = None, curve_keys: Optional[tuple[bytes, bytes]] = None):
         self._codec = ClientCodec(address, shm_threshold=shm_threshold, pool_bytes=pool_bytes)
         self._grant_lock = threading.Lock()
         own_ctx = ctx is None
         ctx = ctx or zmq.Context()
         try:
-            sock = open_dealer(ctx, address)  # here, so a bad address raises to the caller
+            # here, so a bad address raises to the caller
+            sock, monitor = open_dealer(ctx, address, curve_server_key, curve_keys)
         except BaseException:
             if own_ctx:
                 ctx.term()
             raise
-        self._io = SocketThread(self._codec, ctx, sock, own_ctx)
+        self._io = SocketThread(self._codec, ctx, sock, monitor, own_ctx)
         # A Client dropped without close() still stops its thread and frees its memory; the
         # finalizer holds the I/O thread, never the Client, so it does not keep it alive.
         self._finalizer = weakref.finalize(self, self._io.close, CLOSE_JOIN_TIMEOUT_S)

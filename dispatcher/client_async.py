@@ -12,23 +12,25 @@ import zmq
 
 from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, REPLY_GRACE_S, ClientCodec, CodecAccess, InferResult, Pending,
-                           closed_error, no_reply_error, open_dealer)
+                           closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
 
 
 class AsyncClient(CodecAccess):
     """asyncio client: ``await client.infer(...)``; any number in flight from one task or many."""
 
     def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD,
-                 pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None):
+                 pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None,
+                 curve_server_key: Optional[bytes] = None, curve_keys: Optional[tuple[bytes, bytes]] = None):
         self._codec = ClientCodec(address, shm_threshold=shm_threshold, pool_bytes=pool_bytes)
         self.loop = asyncio.get_running_loop()
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
-        self.sock = open_dealer(self.ctx, address)
+        self.sock, self._monitor = open_dealer(self.ctx, address, curve_server_key, curve_keys)
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._grant_lock = asyncio.Lock()
         self.closed = False
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
 
     async def __aenter__(self):
         return self
@@ -43,14 +45,22 @@ class AsyncClient(CodecAccess):
             return
         self.closed = True
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        self.loop.remove_reader(self._monitor.getsockopt(zmq.FD))
         for h in self._timers.values():
             h.cancel()
         self._timers.clear()
         self._codec.fail_all(closed_error)
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)
         if self._own_ctx:
             self.ctx.term()
         self._codec.close_pool()
+
+    def _on_monitor(self) -> None:
+        why = connection_lost(self._monitor) if not self.closed else ""
+        if why:
+            self._codec.fail_all(lambda: lost_error(self.address, why))
 
     def _drain(self) -> None:
         while not self.closed:

@@ -261,14 +261,59 @@ class ClientCodec:
             pend.resolve(error_factory())
 
 
-def open_dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
-    """The client's DEALER socket, connected; the same settings for both clients."""
+# ZeroMQ heartbeats on the DEALER: a dispatcher that stops answering PINGs (host gone, network
+# cut) is disconnected after HEARTBEAT_TIMEOUT_MS; a dispatcher process that dies closes the
+# connection at once. Either way the socket monitor reports it and the requests in flight fail
+# UNAVAILABLE then, not at their full timeout. ZeroMQ reconnects by itself afterwards.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+_LOST = {zmq.EVENT_DISCONNECTED: "lost the connection to the dispatcher",
+         zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the dispatcher refused this client's CURVE key",
+         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake with the dispatcher failed (CURVE keys or protocol?)",
+         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake with the dispatcher failed (CURVE keys?)"}
+
+
+def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes] = None,
+                curve_keys: Optional[tuple[bytes, bytes]] = None) -> tuple[zmq.Socket, zmq.Socket]:
+    """The client's DEALER socket, connected, and a PAIR socket that receives its
+    disconnection events; the same settings for both clients. ``curve_server_key`` (z85) and
+    ``curve_keys`` (public, secret; from ``batchyard keygen``) for a CURVE-secured tcp endpoint."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    if curve_server_key:
+        if curve_keys is None:
+            curve_keys = zmq.curve_keypair()  # encryption with a throw-away identity
+        sock.curve_publickey, sock.curve_secretkey = curve_keys
+        sock.curve_serverkey = curve_server_key
+    events = 0
+    for e in _LOST:
+        events |= e
+    monitor = sock.get_monitor_socket(events)
     sock.connect(address)
-    return sock
+    return sock, monitor
+
+
+def connection_lost(monitor: zmq.Socket) -> str:
+    """Drain the monitor: why the connection to the dispatcher is gone, or ""."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    why = ""
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return why
+        why = _LOST.get(event["event"], why)
+
+
+def lost_error(address: str, why: str) -> BaseException:
+    from .errors import Unavailable
+
+    return Unavailable(f"{why} ({address}) with the request in flight")
 
 
 class CodecAccess:

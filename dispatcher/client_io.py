@@ -21,7 +21,7 @@ from typing import Callable
 
 import zmq
 
-from .client_codec import ClientCodec, Pending, closed_error, no_reply_error
+from .client_codec import ClientCodec, Pending, closed_error, connection_lost, lost_error, no_reply_error
 from .errors import Unavailable
 
 log = logging.getLogger("batchyard.client")
@@ -51,10 +51,11 @@ class _Wakeup:
 class SocketThread:
     """Owns ``sock`` (and ``ctx`` when ``own_ctx``) from start to close; see the module doc."""
 
-    def __init__(self, codec: ClientCodec, ctx: zmq.Context, sock: zmq.Socket, own_ctx: bool):
+    def __init__(self, codec: ClientCodec, ctx: zmq.Context, sock: zmq.Socket, monitor: zmq.Socket, own_ctx: bool):
         self._codec = codec
         self._ctx = ctx
         self._sock = sock
+        self._monitor = monitor
         self._own_ctx = own_ctx
         self._inbox: collections.deque = collections.deque()
         self._outbox: collections.deque = collections.deque()  # frames the socket refused for now (HWM)
@@ -116,6 +117,7 @@ class SocketThread:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         failure: Callable[[], BaseException] = closed_error
         try:
             while True:
@@ -128,6 +130,10 @@ class SocketThread:
                 self._flush()
                 if events.get(self._sock, 0) & zmq.POLLIN:
                     self._drain()
+                if self._monitor in events:
+                    why = connection_lost(self._monitor)
+                    if why:
+                        self._codec.fail_all(lambda: lost_error(self._codec.address, why))
                 self._expire()
                 poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
         except BaseException as e:  # a bug here must not leave callers waiting forever
@@ -200,6 +206,8 @@ class SocketThread:
         for _, rid, pend, _, _ in queued:  # handed over but never sent
             codec.pending[rid] = pend
         codec.fail_all(failure)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()

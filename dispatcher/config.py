@@ -90,6 +90,7 @@ class TritonConfig(_Table):
     shm: Literal["auto", "cuda", "system", "none"] = "auto"
     device: NonNeg = 0  # GPU of the CUDA shared-memory regions
     max_grpc_message_bytes: NonNeg = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
+    start_timeout_s: PositiveFloat = 60.0  # at start, how long to retry an unreachable Triton before exiting 69
 
 
 class CudaConfig(_Table):
@@ -154,6 +155,18 @@ class DispatcherConfig(_Table):
     max_message_bytes: NonNeg = 0
 
 
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class FrontendConfig(_Table):
+    """The KServe v2 / Triton-protocol front door (dispatcher/frontend_main.py); 0 = that side off."""
+
+    host: str = "127.0.0.1"
+    grpc_port: Port = 8001
+    http_port: Port = 8000
+    processes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # all on the same ports (SO_REUSEPORT)
+
+
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.
 _BUILDS_MODEL = ("amx", "cuda")
 
@@ -162,6 +175,7 @@ class NodeConfig(_Table):
     dispatcher: DispatcherConfig
     models: tuple[ModelConfig, ...]
     workers: tuple[WorkerConfig, ...] = ()
+    frontend: Optional[FrontendConfig] = None
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -214,6 +228,10 @@ class NodeConfig(_Table):
         _check_unique("workers", [w.name for w in self.workers])
         for i, w in enumerate(self.workers):
             self._check_worker(_item("workers", i, w.name), w)
+        f = self.frontend
+        if f is not None and (f.grpc_port == f.http_port or not (f.grpc_port or f.http_port)):
+            raise ConfigError(f"[frontend] grpc_port ({f.grpc_port}) and http_port ({f.http_port}) must differ, "
+                              f"and at least one be set")
         return self
 
     def _check_worker(self, where: str, w: WorkerConfig) -> None:
@@ -283,8 +301,8 @@ def _explain(err: msgspec.ValidationError, data: dict) -> str:
     if steps[:1] in (["models"], ["workers"]) and len(steps) > 1 and steps[1].isdigit():
         item = _value_at(data, steps[:2])
         where, inner = _item(steps[0], int(steps[1]), item.get("name") if isinstance(item, dict) else None), steps[2:]
-    elif steps[:1] == ["dispatcher"]:
-        where, inner = "[dispatcher]", steps[1:]
+    elif steps[:1] in (["dispatcher"], ["frontend"]):
+        where, inner = f"[{steps[0]}]", steps[1:]
     else:
         where, inner = "", steps
     if unknown := re.fullmatch(r"Object contains unknown field `(.+)`", msg):

@@ -4,3 +4,7 @@
 # worker, a Triton model that does not match the spec). Restarting it cannot help, so neither
 # `batchyard up` nor systemd (RestartPreventExitStatus=78) does.
 EX_CONFIG = 78
+
+# sysexits.h EX_UNAVAILABLE: a service this process needs (a Triton server) stayed unreachable
+# through its start timeout. Unlike EX_CONFIG it may come back, so a restart can help.
+EX_UNAVAILABLE = 69

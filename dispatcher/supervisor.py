@@ -4,7 +4,12 @@ that die, and stop everything cleanly on SIGTERM/SIGINT.
 Children are plain processes (``python -m batchyard.cli ...``) so that systemd units can run
 exactly the same commands one by one. Each child gets PR_SET_PDEATHSIG so that nothing
 outlives a supervisor that was killed hard. Waiting is on signals (sigtimedwait on SIGCHLD,
-SIGTERM, SIGINT), never a polling loop.
+SIGTERM, SIGINT), never a polling loop: `up` learns that a child died from the kernel
+(SIGCHLD, then waitpid), never from a missing heartbeat, so a starved machine cannot make it
+restart a healthy worker.
+
+Under systemd (``Type=notify``) `up` sends READY=1 once every worker has registered and
+WATCHDOG=1 from its wait loop; its children do not inherit the notification socket.
 """
 
 from __future__ import annotations
@@ -22,11 +27,28 @@ from typing import Optional
 
 from .exit_codes import EX_CONFIG
 from .config import NodeConfig, to_toml
+from .sd_notify import child_env, notify, watchdog_interval_s
 
 log = logging.getLogger("batchyard.up")
+FRONTEND_NAME = "frontend#"  # '#' is not allowed in worker names
 _PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_MAX_S = 10.0
 STOP_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 300.0  # deploy/systemd/batchyard-node@.service's TimeoutStartSec must exceed it
+# One readiness long poll: answered the moment the n-th worker registers; the cap bounds how
+# late a child that died during start-up is noticed.
+READY_POLL_S = 1.0
+# After a failed readiness poll (a dispatcher still starting, or too starved to answer in
+# time), wait this long (doubling up to READY_POLL_S) before the next; a child's death ends the
+# wait at once.
+READY_RETRY_S = 0.05
+# How long past its long-poll window one readiness poll may wait for the reply.
+READY_REPLY_S = 5.0
+
+
+class NodeNotReady(RuntimeError):
+    """The node did not become ready: a child exited during start-up, or the readiness polls
+    kept failing until the start timeout."""
 
 
 def _die_with_parent() -> None:
@@ -51,50 +73,78 @@ class Supervisor:
     def _spawn(self, *args: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
                "--config", self.config_path]
-        return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env())
 
     def start(self) -> None:
         self.dispatcher = self._spawn("dispatcher")
         for w in self.node.workers:
             self.start_worker(w.name)
+        # Front-door processes are supervised like workers, under names no worker can have.
+        for i in range(self.node.frontend.processes if self.node.frontend else 0):
+            self.start_worker(f"{FRONTEND_NAME}{i}")
 
     def start_worker(self, name: str) -> None:
-        self.workers[name] = self._spawn("worker", "--name", name)
+        args = ("frontend",) if name.startswith(FRONTEND_NAME) else ("worker", "--name", name)
+        self.workers[name] = self._spawn(*args)
         self._last_start[name] = time.monotonic()
         log.info("started worker %s (pid %d)", name, self.workers[name].pid)
 
-    def wait_ready(self, timeout: float = 300.0) -> "object":
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S, client=None) -> "object":
         """Block until every configured worker has registered with the dispatcher; fail at once
-        (not after ``timeout``) when the dispatcher or a worker exits during start-up."""
+        (not after ``timeout``) when the dispatcher or a worker exits during start-up.
+
+        A poll that fails (DeadlineExceeded from a dispatcher too starved to answer in time,
+        Unavailable from one still starting, anything else) is retried until ``timeout``;
+        only then NodeNotReady, naming the last failure. ``client``: for tests."""
         from .client import Client
 
         n = len(self.node.workers)
         deadline = time.monotonic() + timeout
-        with Client(self.node.dispatcher.frontend) as c:
-            while True:
-                # A long poll answered the moment the n-th worker registers; its 1 s cap is only
-                # so that a child that died while starting is noticed within a second.
-                st = c.status(min_registrations=n, wait=max(0.0, min(1.0, deadline - time.monotonic())))
-                if st.registrations >= n:
-                    return st
-                self._check_started()
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"only {st.registrations} of {n} workers registered within {timeout:.0f} s")
+        # SIGCHLD blocked from here (the client's I/O thread inherits the mask): a child's death
+        # stays pending for sigtimedwait below instead of being discarded on another thread.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            with contextlib.ExitStack() as stack:
+                c = client if client is not None else stack.enter_context(Client(self.node.dispatcher.frontend))
+                retry_s, last = READY_RETRY_S, "no reply from the dispatcher"
+                while True:
+                    self._check_started()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise NodeNotReady(f"not ready within {timeout:.0f} s: {last}")
+                    poll_s = min(READY_POLL_S, left)
+                    try:
+                        st = c.status(min_registrations=n, wait=poll_s,
+                                      timeout=min(READY_REPLY_S, max(0.5, left - poll_s)))
+                    except Exception as e:  # noqa: BLE001 -- every failure of a poll is retried
+                        last = f"last readiness poll failed: {type(e).__name__}: {e}"
+                        # A back-off, not a hot loop; a child's death (SIGCHLD) ends it at once.
+                        signal.sigtimedwait({signal.SIGCHLD}, min(retry_s, max(0.0, deadline - time.monotonic())))
+                        retry_s = min(READY_POLL_S, 2 * retry_s)
+                        continue
+                    if st.registrations >= n:
+                        return st
+                    last = f"only {st.registrations} of {n} workers registered"
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     def _check_started(self) -> None:
         if self.dispatcher is not None and self.dispatcher.poll() is not None:
-            raise RuntimeError(f"the dispatcher exited with {self.dispatcher.returncode} during start-up")
+            raise NodeNotReady(f"the dispatcher exited with {self.dispatcher.returncode} during start-up")
         for name, proc in self.workers.items():
             if proc.poll() is not None:
                 why = ("cannot run on this host as configured" if proc.returncode == EX_CONFIG
                        else f"exited with {proc.returncode}")
-                raise RuntimeError(f"worker {name} {why} during start-up (see its log above)")
+                raise NodeNotReady(f"worker {name} {why} during start-up (see its log above)")
 
     def run_forever(self) -> int:
         """Supervise until SIGTERM/SIGINT. Returns the exit code for the `up` command."""
         sigs = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
         signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
         pending_restart: dict[str, float] = {}
+        # systemd's watchdog (WatchdogSec=): pinged from this loop, so a wedged `up` is restarted.
+        watchdog_s = watchdog_interval_s()
+        next_ping = time.monotonic()
         try:
             while True:
                 # Look at the children *before* waiting: a child that died before the mask
@@ -123,9 +173,14 @@ class Supervisor:
                     if at <= now:
                         del pending_restart[name]
                         self.start_worker(name)
-                if pending_restart:
-                    timeout = max(0.0, min(pending_restart.values()) - time.monotonic())
-                    info = signal.sigtimedwait(sigs, timeout)
+                wake_at = list(pending_restart.values())
+                if watchdog_s is not None:
+                    if now >= next_ping:
+                        notify("WATCHDOG=1")
+                        next_ping = now + watchdog_s
+                    wake_at.append(next_ping)
+                if wake_at:
+                    info = signal.sigtimedwait(sigs, max(0.0, min(wake_at) - time.monotonic()))
                 else:
                     info = signal.sigwaitinfo(sigs)
                 if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
@@ -174,7 +229,8 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
             p.wait()
 
 
-def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO") -> int:
+def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
+           ready_timeout_s: float = READY_TIMEOUT_S) -> int:
     from .proctitle import set_title
 
     set_title("batchyard::up")
@@ -189,14 +245,17 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO") -> int:
     try:
         sup.start()
         try:
-            st = sup.wait_ready()
-        except (RuntimeError, TimeoutError) as e:
-            log.error("node did not start: %s", e)
+            st = sup.wait_ready(ready_timeout_s)
+        except Exception as e:  # noqa: BLE001 -- one clear line and exit 1, never a traceback
+            why = str(e) if isinstance(e, NodeNotReady) else f"{type(e).__name__}: {e}"
+            log.error("node did not start: %s", why)
             return 1
         log.info("node ready: %d workers, models %s", len(st.workers), st.models)
         print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
+        notify(f"READY=1\nSTATUS=ready: {len(st.workers)} workers, clients at {node.dispatcher.frontend}")
         return sup.run_forever()
     finally:
+        notify("STOPPING=1")
         for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup short
             signal.signal(sig, signal.SIG_IGN)
         sup.stop()

@@ -1,0 +1,166 @@
+"""What the KServe front door costs (issue 12), on a no-op model (a sim worker with a tiny cost):
+
+  latency     one request at a time (low load): p50/p99 of the SDK against the same requests
+              through the front door with tritonclient gRPC and HTTP; the difference is what
+              the front door adds.
+  throughput  max completed requests/s through gRPC with 1, 2 and 4 front-door processes on
+              one port (SO_REUSEPORT), driven by closed-loop tritonclient.grpc.aio load
+              processes holding many requests in flight on several connections each.
+
+    .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
+    .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import socket
+import tempfile
+import time
+
+import numpy as np
+
+from batchyard.config import (DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
+                              WorkerConfig)
+from batchyard.supervisor import running_node
+
+NOOP = ModelConfig(name="noop", max_batch=64, inputs=(TensorConfig("x", "float32", (16,)),),
+                   outputs=(TensorConfig("y", "float32", (16,)),))
+X = np.ones((1, 16), np.float32)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def noop_node(run_dir: str, processes: int) -> NodeConfig:
+    return NodeConfig(
+        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+        models=(NOOP,),
+        workers=(WorkerConfig(name="sim0", kind="sim", models=("noop",), max_inflight=4,
+                              sim=SimConfig(launch_us=20.0, per_item_us=1.0)),),
+        frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(), processes=processes)).validate()
+
+
+def _wait_front_door(grpc_url: str) -> None:
+    import grpc
+
+    with grpc.insecure_channel(grpc_url) as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)
+
+
+def _pcts(samples_s: list[float]) -> tuple[float, float]:
+    a = np.asarray(samples_s) * 1e6
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def latency(n: int) -> None:
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    from batchyard.client import Client
+
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+        node = noop_node(d, 1)
+        with running_node(node):
+            g_url, h_url = f"127.0.0.1:{node.frontend.grpc_port}", f"127.0.0.1:{node.frontend.http_port}"
+            _wait_front_door(g_url)
+            g, h = tg.InferenceServerClient(g_url), th.InferenceServerClient(h_url)
+            gi = tg.InferInput("x", [1, 16], "FP32")
+            gi.set_data_from_numpy(X)
+            hi = th.InferInput("x", [1, 16], "FP32")
+            hi.set_data_from_numpy(X)
+            with Client(node.dispatcher.frontend) as c:
+                paths = {"sdk": lambda: c.infer("noop", {"x": X}),
+                         "grpc": lambda: g.infer("noop", [gi]),
+                         "http": lambda: h.infer("noop", [hi])}
+                times: dict[str, list[float]] = {k: [] for k in paths}
+                for _ in range(50):  # warm-up: connections, spec caches, learned cost curves
+                    for f in paths.values():
+                        f()
+                for _ in range(n):  # interleaved, so a noisy moment hits every path alike
+                    for k, f in paths.items():
+                        t = time.perf_counter()
+                        f()
+                        times[k].append(time.perf_counter() - t)
+    sdk50, sdk99 = _pcts(times["sdk"])
+    print(f"latency, one request at a time, n={n} per path (us):")
+    for k in paths:
+        p50, p99 = _pcts(times[k])
+        print(f"  {k:5s} p50 {p50:8.0f}  p99 {p99:8.0f}   added over sdk: p50 {p50 - sdk50:+7.0f}  p99 {p99 - sdk99:+7.0f}")
+
+
+def _load_proc(url: str, seconds: float, inflight: int, channels: int, ready, go, q) -> None:
+    import tritonclient.grpc.aio as ta
+
+    async def run() -> int:
+        clients = [ta.InferenceServerClient(url) for _ in range(channels)]
+        inp = ta.InferInput("x", [1, 16], "FP32")
+        inp.set_data_from_numpy(X)
+        for c in clients:
+            await c.infer("noop", [inp])
+        done = 0
+        ready.put(1)
+        go.wait()
+        end = time.perf_counter() + seconds
+
+        async def lane(c):
+            nonlocal done
+            while time.perf_counter() < end:
+                await c.infer("noop", [inp])
+                done += 1
+
+        await asyncio.gather(*[lane(clients[i % channels]) for i in range(inflight)])
+        for c in clients:
+            await c.close()
+        return done
+
+    q.put(asyncio.run(run()))
+
+
+def throughput(processes: list[int], seconds: float, loaders: int, inflight: int) -> None:
+    ctx = mp.get_context("spawn")
+    print(f"max req/s through gRPC, no-op model, {loaders} load processes x {inflight} in flight, {seconds:.0f} s:")
+    for k in processes:
+        with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+            node = noop_node(d, k)
+            with running_node(node):
+                url = f"127.0.0.1:{node.frontend.grpc_port}"
+                _wait_front_door(url)
+                ready, go, q = ctx.Queue(), ctx.Event(), ctx.Queue()
+                procs = [ctx.Process(target=_load_proc, args=(url, seconds, inflight, 4, ready, go, q))
+                         for _ in range(loaders)]
+                for p in procs:
+                    p.start()
+                for _ in procs:  # each has imported tritonclient, connected and sent one request
+                    ready.get(timeout=120)
+                go.set()
+                total = sum(q.get(timeout=seconds + 120) for _ in procs)
+                for p in procs:
+                    p.join()
+        print(f"  {k} front-door process(es): {total / seconds:8.0f} req/s")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("latency")
+    p.add_argument("--n", type=int, default=2000)
+    p = sub.add_parser("throughput")
+    p.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--loaders", type=int, default=2)
+    p.add_argument("--inflight", type=int, default=64)
+    a = ap.parse_args(argv)
+    if a.cmd == "latency":
+        latency(a.n)
+    else:
+        throughput(a.processes, a.seconds, a.loaders, a.inflight)
+
+
+if __name__ == "__main__":
+    main()

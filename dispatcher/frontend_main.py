@@ -1,0 +1,78 @@
+"""Entry point of a front-door process (``batchyard frontend``, title ``batchyard::frontend``):
+one asyncio loop running grpc.aio's KServe server, the aiohttp KServe REST app, and the
+Batchyard ``AsyncClient`` both translate onto. The dispatcher stays one thread and never sees
+gRPC or HTTP. Several of these processes bind the same ports (SO_REUSEPORT) so the front door
+is never the bottleneck; `batchyard up` starts ``[frontend] processes`` of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from .config import NodeConfig
+from .exit_codes import EX_CONFIG
+
+log = logging.getLogger("batchyard.frontend")
+STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls in flight may finish
+
+
+async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set, then close everything this started."""
+    from .client_async import AsyncClient
+    from .kserve_common import KServeCore
+    from .sd_notify import announce_ready
+
+    fe = node.frontend
+    client = AsyncClient(node.dispatcher.frontend)
+    core = KServeCore(client)
+    grpc_server = http_runner = watchdog = None
+    try:
+        # HTTP first: a client that sees the gRPC port ready finds HTTP ready too (tests wait so).
+        if fe.http_port:
+            from .kserve_http import start_http
+
+            http_runner = await start_http(core, fe.host, fe.http_port)
+        if fe.grpc_port:
+            from .kserve_grpc import start_grpc
+
+            grpc_server = await start_grpc(core, fe.host, fe.grpc_port)
+        watchdog = announce_ready(asyncio.get_running_loop())
+        log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s", os.getpid(), fe.host,
+                 fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend)
+        await stop.wait()
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+        if grpc_server is not None:
+            await grpc_server.stop(STOP_GRACE_S)
+        if http_runner is not None:
+            await http_runner.cleanup()
+        client.close()
+        core.close()
+
+
+def run_frontend(node: NodeConfig) -> int:
+    from .proctitle import set_title
+
+    set_title("batchyard::frontend")
+    if node.frontend is None:
+        log.error("the config has no [frontend] table: nothing to serve")
+        return EX_CONFIG
+    import uvloop
+
+    loop = uvloop.new_event_loop()  # grpc.aio and aiohttp both run on it (as the dispatcher does)
+    asyncio.set_event_loop(loop)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        loop.run_until_complete(serve(node, stop))
+    except OSError as e:  # a port taken by something that is not a front door of this node
+        log.error("front door cannot start: %s", e)
+        return 1
+    finally:
+        loop.close()
+    return 0

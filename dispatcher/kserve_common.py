@@ -1,0 +1,349 @@
+"""What the KServe v2 front door's gRPC and HTTP sides share: datatype names, Triton's error
+codes, request parameters, model metadata, the system shared-memory regions clients register,
+per-model statistics, and ``KServeCore``, which runs an inference through the front door's
+Batchyard ``AsyncClient``.
+
+Error codes and messages follow what Triton returns for the same case, so code written against
+Triton (which often matches on the code, sometimes on the text) behaves the same here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import grpc
+import numpy as np
+
+from . import protocol as P
+from .errors import BatchyardError
+
+# KServe datatype <-> numpy dtype name. Model configs write the same names with a TYPE_ prefix.
+KSERVE_TO_NP = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+                "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+                "FP16": "float16", "FP32": "float32", "FP64": "float64"}
+NP_TO_KSERVE = {v: k for k, v in KSERVE_TO_NP.items()}
+PLATFORM = "batchyard"
+SERVER_NAME = "batchyard"
+EXTENSIONS = ["system_shared_memory", "statistics"]
+# Region keys Batchyard itself creates (client pools, worker slots): other clients' tensors live
+# there, so a KServe client may not name them (the SDK's rule: reference only your own memory).
+_OWN_SEGMENTS = re.compile(r"^batchyard_")
+_SHM_KEY = re.compile(r"^/?([A-Za-z0-9_][A-Za-z0-9_.-]{0,199})$")
+
+
+class KServeError(Exception):
+    """An error as Triton reports it: a gRPC status code, an HTTP status and a message."""
+
+    HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+            grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.CANCELLED: 400,
+            grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNIMPLEMENTED: 501,
+            grpc.StatusCode.INTERNAL: 500}
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @property
+    def http_status(self) -> int:
+        return self.HTTP.get(self.code, 500)
+
+
+def invalid(message: str) -> KServeError:
+    return KServeError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def unknown_model(model: str) -> KServeError:
+    # Triton: INVALID_ARG (HTTP 400) "Request for unknown model: 'x' is not found".
+    return invalid(f"Request for unknown model: '{model}' is not found")
+
+
+def from_batchyard(err: BatchyardError, model: str) -> KServeError:
+    """Batchyard's status -> the code Triton gives the same case. Triton reports a request whose
+    timeout expired in its queue, and a full queue, as UNAVAILABLE (HTTP 503)."""
+    st = err.status
+    if st == P.Status.UNKNOWN_MODEL:
+        return unknown_model(model)
+    if st == P.Status.DEADLINE_EXCEEDED:
+        return KServeError(grpc.StatusCode.UNAVAILABLE, f"Request timeout expired: {err.message}")
+    if st == P.Status.OVERLOADED:
+        return KServeError(grpc.StatusCode.UNAVAILABLE, f"Exceeds maximum queue size: {err.message}")
+    code = {P.Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+            P.Status.PERMISSION_DENIED: grpc.StatusCode.INVALID_ARGUMENT,
+            P.Status.CANCELLED: grpc.StatusCode.CANCELLED,
+            P.Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}.get(st, grpc.StatusCode.INTERNAL)
+    return KServeError(code, err.message)
+
+
+def np_dtype(datatype: str, what: str) -> str:
+    dt = KSERVE_TO_NP.get(datatype)
+    if dt is None:
+        hint = " (strings are not supported by Batchyard)" if datatype == "BYTES" else ""
+        raise invalid(f"{what}: datatype '{datatype}' is not supported{hint}; "
+                      f"one of {sorted(KSERVE_TO_NP)}")
+    return dt
+
+
+def priority_class(value: int) -> str:
+    """Triton's priority: 1 is the highest, 0 the model's default; Batchyard has three classes."""
+    if value < 0:
+        raise invalid(f"priority must be >= 0, got {value}")
+    return {0: "normal", 1: "high", 2: "normal"}.get(value, "low")
+
+
+def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) -> Optional[float]:
+    """Triton's ``timeout`` parameter (microseconds, 0 = none) and a gRPC deadline, whichever is
+    sooner, as Batchyard's timeout in seconds (None: the dispatcher's default)."""
+    t = timeout_us / 1e6 if timeout_us else None
+    if grpc_left_s is not None and grpc_left_s > 0:
+        t = grpc_left_s if t is None else min(t, grpc_left_s)
+    return t
+
+
+def tensor_from_bytes(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
+    dt = np.dtype(np_dtype(datatype, f"input '{name}'"))
+    want = int(np.prod(shape)) * dt.itemsize
+    if len(data) != want:
+        raise invalid(f"unexpected total byte size {len(data)} for input '{name}', expecting {want}")
+    return np.frombuffer(data, dtype=dt).reshape(shape)
+
+
+def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
+    dt = np_dtype(datatype, f"input '{name}'")
+    try:
+        arr = np.asarray(data, dtype=dt)
+    except (TypeError, ValueError) as e:
+        raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
+    if arr.size != int(np.prod(shape)):
+        raise invalid(f"unexpected number of elements {arr.size} for input '{name}', expecting "
+                      f"{int(np.prod(shape))} for shape {list(shape)}")
+    return arr.reshape(shape)
+
+
+def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:
+    """The model's inputs, dtypes and shapes, with Triton's wording; the dispatcher checks the
+    same again (it trusts no client)."""
+    want = {t.name: t for t in spec.inputs}
+    for name, arr in inputs.items():
+        t = want.get(name)
+        if t is None:
+            raise invalid(f"unexpected inference input '{name}' for model '{spec.name}'")
+        if arr.dtype.name != t.dtype:
+            raise invalid(f"inference input '{name}' data-type is '{NP_TO_KSERVE[arr.dtype.name]}', but model "
+                          f"'{spec.name}' expects '{NP_TO_KSERVE.get(t.dtype, t.dtype)}'")
+        if arr.ndim != len(t.shape) + 1 or tuple(arr.shape[1:]) != tuple(t.shape) or not 1 <= arr.shape[0] <= spec.max_batch:
+            raise invalid(f"unexpected shape for input '{name}' for model '{spec.name}'. Expected "
+                          f"{[-1, *t.shape]} (batch 1..{spec.max_batch}), got {list(arr.shape)}")
+    missing = sorted(set(want) - set(inputs))
+    if missing:
+        raise invalid(f"expected {len(want)} inputs but got {len(inputs)} inputs for model '{spec.name}'; "
+                      f"missing required input(s) {missing}")
+
+
+def model_metadata(spec: P.ModelSpec) -> dict:
+    """KServe's model metadata: the batch dimension is -1 (variable), as Triton shows it."""
+    conv = lambda ts: [{"name": t.name, "datatype": NP_TO_KSERVE[t.dtype], "shape": [-1, *t.shape]} for t in ts]
+    return {"name": spec.name, "versions": ["1"], "platform": PLATFORM,
+            "inputs": conv(spec.inputs), "outputs": conv(spec.outputs)}
+
+
+def model_config(spec: P.ModelSpec) -> dict:
+    """Triton's model configuration, the fields tritonclient and perf_analyzer read (dims
+    without the batch dimension, as with max_batch_size > 0)."""
+    conv = lambda ts: [{"name": t.name, "data_type": "TYPE_" + NP_TO_KSERVE[t.dtype], "dims": list(t.shape)}
+                       for t in ts]
+    return {"name": spec.name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": spec.max_batch,
+            "input": conv(spec.inputs), "output": conv(spec.outputs)}
+
+
+# ------------------------------------------------------------------ system shared memory
+@dataclass
+class Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    mm: mmap.mmap = field(repr=False)
+
+
+class ShmRegions:
+    """System shared-memory regions registered through this front door, mapped by key, offset
+    and byte size (Triton's extension). Requests name regions, never segments: an infer can read
+    or write only memory its client registered here, and tensors reach the dispatcher as copies
+    (inline or through the front door's own pool)."""
+
+    def __init__(self):
+        self.regions: dict[str, Region] = {}
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if name in self.regions:
+            raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        m = _SHM_KEY.match(key)
+        if m is None or _OWN_SEGMENTS.match(m[1]):
+            raise invalid(f"failed to register shared memory region '{name}': key '{key}' is not a POSIX "
+                          f"shared-memory name this front door may open")
+        if any(r.key == key for r in self.regions.values()):
+            raise invalid(f"registering an active shared memory key, \"{key}\", under a different name is not "
+                          f"currently supported")
+        try:
+            fd = os.open(os.path.join("/dev/shm", m[1]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'") from None
+        try:
+            size = os.fstat(fd).st_size
+            if offset < 0 or byte_size < 0 or offset + byte_size > size or size == 0:
+                raise invalid(f"failed to register shared memory region '{name}': invalid args")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.regions[name] = Region(name, key, offset, byte_size, mm)
+
+    def unregister(self, name: str = "") -> None:
+        """One region, or all when ``name`` is empty; an unknown name is not an error (Triton)."""
+        for n in ([name] if name else list(self.regions)):
+            r = self.regions.pop(n, None)
+            if r is not None:
+                r.mm.close()
+
+    def status(self, name: str = "") -> list[Region]:
+        if not name:
+            return list(self.regions.values())
+        if name not in self.regions:
+            raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find system shared memory region: '{name}'")
+        return [self.regions[name]]
+
+    def _range(self, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
+        r = self.regions.get(name)
+        if r is None:
+            raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find shared memory region: '{name}'")
+        if offset < 0 or nbytes < 0 or offset + nbytes > r.byte_size:
+            raise invalid(f"Invalid offset + byte size for shared memory region: '{name}' "
+                          f"(offset {offset} + {nbytes} bytes > its {r.byte_size} bytes)")
+        return r, r.offset + offset
+
+    def check(self, name: str, offset: int, byte_size: int) -> None:
+        """Fail now, before the inference runs, if an output region is not usable."""
+        self._range(name, offset, byte_size)
+
+    def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str) -> np.ndarray:
+        """A copy of the tensor in the region: the client may reuse its memory as soon as the
+        reply comes, and the region may be unregistered while the request is queued."""
+        r, start = self._range(name, offset, byte_size)
+        arr = tensor_from_bytes(tensor, datatype, shape, memoryview(r.mm)[start:start + byte_size])
+        return arr.copy()
+
+    def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
+        if arr.nbytes > byte_size:
+            raise invalid(f"shared memory size specified with the request for output '{tensor}' "
+                          f"({byte_size} bytes) should be at least {arr.nbytes} bytes to hold the results")
+        r, start = self._range(name, offset, arr.nbytes)
+        r.mm[start:start + arr.nbytes] = np.ascontiguousarray(arr).tobytes()
+
+    def close(self) -> None:
+        self.unregister()
+
+
+# ------------------------------------------------------------------ statistics
+@dataclass
+class ModelStats:
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    items: int = 0
+    last_ms: int = 0
+
+    def as_dict(self, name: str) -> dict:
+        """Triton's ModelStatistics in its JSON form. Each request counts as one execution:
+        the front door does not see which requests the dispatcher batched together."""
+        dur = lambda n, ns: {"count": n, "ns": ns}
+        return {"name": name, "version": "1", "last_inference": self.last_ms, "inference_count": self.items,
+                "execution_count": self.success,
+                "inference_stats": {"success": dur(self.success, self.success_ns), "fail": dur(self.fail, self.fail_ns),
+                                    "queue": dur(self.success, self.queue_ns),
+                                    "compute_input": dur(self.success, 0), "compute_infer": dur(self.success, self.compute_ns),
+                                    "compute_output": dur(self.success, 0)},
+                "batch_stats": []}
+
+
+# ------------------------------------------------------------------ the core
+READY_CACHE_S = 0.1  # readiness comes from the dispatcher's status, asked at most this often
+
+
+class KServeCore:
+    """The protocol-independent half of the front door: specs, readiness, inference, stats."""
+
+    def __init__(self, client):
+        self.client = client  # batchyard.AsyncClient
+        self.shm = ShmRegions()
+        self.stats: dict[str, ModelStats] = {}
+        self._ready_at = -1.0
+        self._ready: Optional[frozenset] = None  # models with a registered worker; None: no dispatcher
+        self._refresh: Optional[asyncio.Future] = None
+
+    async def spec(self, model: str) -> P.ModelSpec:
+        spec = self.client.specs.get(model)
+        if spec is not None:
+            return spec
+        try:
+            return await self.client.model_info(model, timeout=5.0)
+        except BatchyardError as e:
+            raise from_batchyard(e, model) from None
+
+    async def ready_models(self) -> Optional[frozenset]:
+        """Models served by at least one registered worker (None when the dispatcher does not
+        answer). Concurrent callers share one status request."""
+        if time.monotonic() - self._ready_at < READY_CACHE_S:
+            return self._ready
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._fetch_ready())
+        return await asyncio.shield(self._refresh)  # one caller's cancellation spares the others
+
+    async def _fetch_ready(self) -> Optional[frozenset]:
+        try:
+            st = await self.client.status(timeout=1.0)
+            ready = frozenset(m for w in st.workers for m in w.models)
+        except BatchyardError:
+            ready = None
+        self._ready, self._ready_at = ready, time.monotonic()
+        return ready
+
+    async def model_ready(self, model: str) -> bool:
+        return model in ((await self.ready_models()) or ())
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], priority: int = 0,
+                    timeout: Optional[float] = None) -> tuple[P.ModelSpec, dict]:
+        """-> (spec, outputs by name) or KServeError with Triton's code."""
+        spec = await self.spec(model)
+        check_inputs(spec, inputs)
+        st = self.stats.setdefault(model, ModelStats())
+        t0 = time.perf_counter_ns()
+        try:
+            out = await self.client.infer(model, inputs, priority=priority_class(priority), timeout=timeout)
+        except BatchyardError as e:
+            st.fail += 1
+            st.fail_ns += time.perf_counter_ns() - t0
+            raise from_batchyard(e, model) from None
+        st.success += 1
+        st.success_ns += time.perf_counter_ns() - t0
+        st.items += next(iter(inputs.values())).shape[0]
+        st.last_ms = int(time.time() * 1000)
+        if out.timing is not None:
+            st.queue_ns += out.timing.queue_us * 1000
+            st.compute_ns += out.timing.compute_us * 1000
+        return spec, out
+
+    def model_stats(self, model: str) -> list[dict]:
+        names = [model] if model else sorted(self.stats)
+        return [self.stats.get(n, ModelStats()).as_dict(n) for n in names]
+
+    def close(self) -> None:
+        self.shm.close()

@@ -1,0 +1,181 @@
+"""The front door's gRPC side: Triton's ``inference.GRPCInferenceService`` (KServe v2) on
+grpc.aio, translated onto Batchyard through ``KServeCore``. The generated stubs are the ones
+tritonclient ships, so the messages are exactly those its clients and perf_analyzer send.
+
+Methods not listed here (CUDA shared memory, repository control, trace and log settings) keep
+the generated base class's answer, UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from . import __version__
+from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, invalid, model_config,
+                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
+
+# Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+             "FP64": "fp64_contents"}
+
+
+def param(params, key: str, default=None):
+    """The value of an InferParameter map entry, whichever of its typed fields is set."""
+    if key not in params:
+        return default
+    p = params[key]
+    which = p.WhichOneof("parameter_choice")
+    return getattr(p, which) if which else default
+
+
+def _shm_param(params) -> Optional[tuple[str, int, int]]:
+    region = param(params, "shared_memory_region")
+    if not region:
+        return None
+    return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
+
+
+class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+
+    def __init__(self, core: KServeCore):
+        self.core = core
+
+    # ---------------------------------------------------------------- health and metadata
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=bool(await self.core.ready_models()))
+
+    async def ModelReady(self, request, context):
+        return service_pb2.ModelReadyResponse(ready=await self.core.model_ready(request.name))
+
+    async def ServerMetadata(self, request, context):
+        return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request, context):
+        md = await self._call(context, self.core.spec(request.name))
+        return json_format.ParseDict(model_metadata(md), service_pb2.ModelMetadataResponse())
+
+    async def ModelConfig(self, request, context):
+        spec = await self._call(context, self.core.spec(request.name))
+        cfg = json_format.ParseDict(model_config(spec), model_config_pb2.ModelConfig())
+        return service_pb2.ModelConfigResponse(config=cfg)
+
+    async def ModelStatistics(self, request, context):
+        if request.name:
+            await self._call(context, self.core.spec(request.name))
+        out = service_pb2.ModelStatisticsResponse()
+        for d in self.core.model_stats(request.name):
+            json_format.ParseDict(d, out.model_stats.add())
+        return out
+
+    # ---------------------------------------------------------------- system shared memory
+    async def SystemSharedMemoryRegister(self, request, context):
+        await self._sync(context, self.core.shm.register, request.name, request.key, request.offset,
+                         request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self.core.shm.unregister(request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        regions = await self._sync(context, self.core.shm.status, request.name)
+        out = service_pb2.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            out.regions[r.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
+        return out
+
+    # ---------------------------------------------------------------- inference
+    async def ModelInfer(self, request, context):
+        return await self._call(context, self._infer(request, context))
+
+    async def _infer(self, request, context) -> service_pb2.ModelInferResponse:
+        spec = await self.core.spec(request.model_name)  # an unknown model is the error to report first
+        shm = self.core.shm
+        inputs: dict[str, np.ndarray] = {}
+        raw = iter(request.raw_input_contents)  # in the order of the inputs not in shared memory
+        for t in request.inputs:
+            shape = list(t.shape)
+            region = _shm_param(t.parameters)
+            if region is not None:
+                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name)
+            elif request.raw_input_contents:
+                data = next(raw, None)
+                if data is None:
+                    raise invalid(f"expected raw input content for input '{t.name}' "
+                                  f"({len(request.raw_input_contents)} given for {len(request.inputs)} inputs)")
+                inputs[t.name] = tensor_from_bytes(t.name, t.datatype, shape, data)
+            else:
+                field = _CONTENTS.get(t.datatype, "")
+                values = getattr(t.contents, field) if field else []
+                inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
+        wanted = self._requested_outputs(request, spec)
+        left = context.time_remaining()
+        _, out = await self.core.infer(request.model_name, inputs, priority=int(param(request.parameters, "priority", 0)),
+                                       timeout=timeout_s(param(request.parameters, "timeout", 0), left))
+        resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        for name, region in wanted:
+            arr = out[name]
+            o = resp.outputs.add(name=name, datatype=NP_TO_KSERVE[arr.dtype.name], shape=arr.shape)
+            if region is not None:
+                shm.write(*region, arr, name)
+                o.parameters["shared_memory_region"].string_param = region[0]
+                o.parameters["shared_memory_offset"].int64_param = region[1]
+                o.parameters["shared_memory_byte_size"].int64_param = arr.nbytes
+                resp.raw_output_contents.append(b"")  # keeps later outputs at their index
+            else:
+                resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
+        return resp
+
+    def _requested_outputs(self, request, spec) -> list[tuple[str, Optional[tuple]]]:
+        """(name, shm region or None) per output to return; all of the model's when none named."""
+        if not request.outputs:
+            return [(t.name, None) for t in spec.outputs]
+        names = {t.name for t in spec.outputs}
+        wanted = []
+        for o in request.outputs:
+            if o.name not in names:
+                raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
+            region = _shm_param(o.parameters)
+            if region is not None:
+                self.core.shm.check(*region)
+            wanted.append((o.name, region))
+        return wanted
+
+    # ---------------------------------------------------------------- errors
+    @staticmethod
+    async def _call(context, coro):
+        try:
+            return await coro
+        except KServeError as e:
+            await context.abort(e.code, e.message)
+
+    @staticmethod
+    async def _sync(context, fn, *args):
+        try:
+            return fn(*args)
+        except KServeError as e:
+            await context.abort(e.code, e.message)
+
+
+async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = 64 << 20) -> grpc.aio.Server:
+    """A started grpc.aio server on host:port, sharing the port with this node's other front-door
+    processes (SO_REUSEPORT: the kernel spreads connections over them)."""
+    opts = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=opts)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    await server.start()
+    return server

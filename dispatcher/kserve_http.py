@@ -1,0 +1,224 @@
+"""The front door's HTTP/REST side: KServe v2 with Triton's binary tensor data extension and
+system shared-memory endpoints, on aiohttp, translated onto Batchyard through ``KServeCore``.
+
+Binary tensor data: a request whose JSON header is followed by raw tensor bytes says how long the
+header is in ``Inference-Header-Content-Length``; each input carried that way has
+``parameters.binary_data_size``. Outputs come back binary when the output's ``binary_data``
+parameter (or the request's ``binary_data_output``) says so, else as a JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Optional
+
+import numpy as np
+from aiohttp import web
+
+from . import __version__
+from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, invalid, model_config,
+                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+def _error(e: KServeError) -> web.Response:
+    return web.json_response({"error": e.message}, status=e.http_status)
+
+
+def _shm(params: dict) -> Optional[tuple[str, int, int]]:
+    region = params.get("shared_memory_region")
+    if not region:
+        return None
+    return str(region), int(params.get("shared_memory_offset", 0)), int(params.get("shared_memory_byte_size", 0))
+
+
+async def _body(request: web.Request) -> bytes:
+    body = await request.read()
+    encoding = request.headers.get("Content-Encoding", "").lower()
+    if encoding in ("gzip", "deflate"):  # tritonclient's request_compression_algorithm
+        body = zlib.decompress(body, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    return body
+
+
+def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
+    """The JSON header and the binary tensor data after it."""
+    n = request.headers.get(HEADER_LENGTH)
+    try:
+        n = len(body) if n is None else int(n)
+        if not 0 <= n <= len(body):
+            raise ValueError(f"{HEADER_LENGTH} {n} is beyond the body's {len(body)} bytes")
+        header = json.loads(bytes(body[:n]))
+    except ValueError as e:
+        raise invalid(f"failed to parse the request JSON buffer: {e}") from None
+    if not isinstance(header, dict):
+        raise invalid("the request body must be a JSON object")
+    return header, memoryview(body)[n:]
+
+
+class KServeHttp:
+
+    def __init__(self, core: KServeCore):
+        self.core = core
+
+    def routes(self) -> list:
+        m = "/v2/models/{model}"
+        v = "/v2/models/{model}/versions/{version}"
+        r = "/v2/systemsharedmemory"
+        return [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
+                web.get("/v2", self.server_metadata),
+                web.get(m, self.metadata), web.get(v, self.metadata),
+                web.get(m + "/ready", self.model_ready), web.get(v + "/ready", self.model_ready),
+                web.get(m + "/config", self.config), web.get(v + "/config", self.config),
+                web.get(m + "/stats", self.stats), web.get(v + "/stats", self.stats),
+                web.get("/v2/models/stats", self.stats),
+                web.post(m + "/infer", self.infer), web.post(v + "/infer", self.infer),
+                web.get(r + "/status", self.shm_status), web.get(r + "/region/{name}/status", self.shm_status),
+                web.post(r + "/region/{name}/register", self.shm_register),
+                web.post(r + "/region/{name}/unregister", self.shm_unregister),
+                web.post(r + "/unregister", self.shm_unregister)]
+
+    # ---------------------------------------------------------------- health and metadata
+    async def live(self, request):
+        return web.Response()
+
+    async def ready(self, request):
+        return web.Response(status=200 if await self.core.ready_models() else 400)
+
+    async def model_ready(self, request):
+        return web.Response(status=200 if await self.core.model_ready(request.match_info["model"]) else 400)
+
+    async def server_metadata(self, request):
+        return web.json_response({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
+
+    async def metadata(self, request):
+        try:
+            return web.json_response(model_metadata(await self.core.spec(request.match_info["model"])))
+        except KServeError as e:
+            return _error(e)
+
+    async def config(self, request):
+        try:
+            return web.json_response(model_config(await self.core.spec(request.match_info["model"])))
+        except KServeError as e:
+            return _error(e)
+
+    async def stats(self, request):
+        model = request.match_info.get("model", "")
+        try:
+            if model:
+                await self.core.spec(model)
+        except KServeError as e:
+            return _error(e)
+        return web.json_response({"model_stats": self.core.model_stats(model)})
+
+    # ---------------------------------------------------------------- system shared memory
+    async def shm_register(self, request):
+        try:
+            body, _ = _split(request, await _body(request))
+            self.core.shm.register(request.match_info["name"], str(body.get("key", "")),
+                                   int(body.get("offset", 0)), int(body.get("byte_size", 0)))
+        except KServeError as e:
+            return _error(e)
+        return web.Response()
+
+    async def shm_unregister(self, request):
+        self.core.shm.unregister(request.match_info.get("name", ""))
+        return web.Response()
+
+    async def shm_status(self, request):
+        try:
+            regions = self.core.shm.status(request.match_info.get("name", ""))
+        except KServeError as e:
+            return _error(e)
+        return web.json_response([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                                  for r in regions])
+
+    # ---------------------------------------------------------------- inference
+    async def infer(self, request):
+        try:
+            return await self._infer(request)
+        except KServeError as e:
+            return _error(e)
+        except (ValueError, TypeError, AttributeError) as e:  # a field of the wrong JSON type
+            return _error(invalid(f"malformed inference request: {type(e).__name__}: {e}"))
+
+    async def _infer(self, request) -> web.Response:
+        model = request.match_info["model"]
+        spec = await self.core.spec(model)  # an unknown model is the error to report first
+        header, binary = _split(request, await _body(request))
+        params = header.get("parameters") or {}
+        inputs, pos = {}, 0
+        for t in header.get("inputs") or []:
+            name, datatype, shape = t.get("name", ""), t.get("datatype", ""), list(t.get("shape") or [])
+            tp = t.get("parameters") or {}
+            region = _shm(tp)
+            if region is not None:
+                inputs[name] = self.core.shm.read(*region, datatype, shape, name)
+            elif "binary_data_size" in tp:
+                n = int(tp["binary_data_size"])
+                if pos + n > len(binary):
+                    raise invalid(f"unexpected end of binary data for input '{name}': {n} bytes at offset {pos}, "
+                                  f"{len(binary)} bytes of binary data in the body")
+                inputs[name] = tensor_from_bytes(name, datatype, shape, binary[pos:pos + n])
+                pos += n
+            elif "data" in t:
+                inputs[name] = tensor_from_list(name, datatype, shape, t["data"])
+            else:
+                raise invalid(f"input '{name}' has no data, binary_data_size or shared memory region")
+        wanted = self._requested_outputs(header, spec, bool(params.get("binary_data_output", False)))
+        _, out = await self.core.infer(model, inputs, priority=int(params.get("priority", 0)),
+                                       timeout=timeout_s(int(params.get("timeout", 0))))
+        outputs, chunks = [], []
+        for name, binary_out, region in wanted:
+            arr = out[name]
+            o = {"name": name, "datatype": NP_TO_KSERVE[arr.dtype.name], "shape": list(arr.shape)}
+            if region is not None:
+                self.core.shm.write(*region, arr, name)
+                o["parameters"] = {"shared_memory_region": region[0], "shared_memory_offset": region[1],
+                                   "shared_memory_byte_size": arr.nbytes}
+            elif binary_out:
+                chunks.append(np.ascontiguousarray(arr).tobytes())
+                o["parameters"] = {"binary_data_size": len(chunks[-1])}
+            else:
+                o["data"] = arr.reshape(-1).tolist()
+            outputs.append(o)
+        reply = {"model_name": model, "model_version": "1", "outputs": outputs}
+        if "id" in header:
+            reply["id"] = header["id"]
+        text = json.dumps(reply).encode()
+        if not chunks:
+            return web.Response(body=text, content_type="application/json")
+        return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(len(text))})
+
+    def _requested_outputs(self, header: dict, spec, binary_default: bool) -> list:
+        """(name, binary?, shm region or None) per output to return; all when none is named."""
+        requested = header.get("outputs")
+        if not requested:
+            return [(t.name, binary_default, None) for t in spec.outputs]
+        names = {t.name for t in spec.outputs}
+        wanted = []
+        for o in requested:
+            name, op = o.get("name", ""), o.get("parameters") or {}
+            if name not in names:
+                raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
+            if "classification" in op:
+                raise invalid(f"output '{name}': classification is not supported")
+            region = _shm(op)
+            if region is not None:
+                self.core.shm.check(*region)
+            wanted.append((name, bool(op.get("binary_data", binary_default)), region))
+        return wanted
+
+
+async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = 64 << 20) -> web.AppRunner:
+    """A started aiohttp site on host:port, sharing the port with this node's other front-door
+    processes (SO_REUSEPORT)."""
+    app = web.Application(client_max_size=max_body_bytes)
+    app.add_routes(KServeHttp(core).routes())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_port=True).start()
+    return runner

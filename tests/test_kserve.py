@@ -1,0 +1,285 @@
+"""The KServe v2 front door, driven the way a Triton user drives Triton: tritonclient's gRPC and
+HTTP clients and their asyncio variants, against a node run by `batchyard up` with a [frontend]."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import shutil
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.grpc.aio as tgrpc_aio
+import tritonclient.http as thttp
+import tritonclient.http.aio as thttp_aio
+from tritonclient.utils import InferenceServerException
+
+from batchyard.client import Client
+from batchyard.config import DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, TensorConfig, to_toml
+
+from conftest import ROOT, SUM_MODEL, Node, sim_worker
+
+SLOW_MODEL = ModelConfig(name="slow", max_batch=16, inputs=(TensorConfig("x", "float32", (4,)),),
+                         outputs=(TensorConfig("y", "float32", (2,)),))
+SOLO_MODEL = ModelConfig(name="solo", max_batch=16, inputs=(TensorConfig("x", "float32", (4,)),),
+                         outputs=(TensorConfig("y", "float32", (2,)),))
+X = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FrontDoor:
+    def __init__(self, node: Node, grpc_port: int, http_port: int):
+        self.node = node
+        self.grpc_url = f"127.0.0.1:{grpc_port}"
+        self.http_url = f"127.0.0.1:{http_port}"
+
+    def sdk(self, model: str, x: np.ndarray) -> np.ndarray:
+        with Client(self.node.address) as c:
+            return c.infer(model, {"x": x})["y"]
+
+
+@pytest.fixture(scope="module")
+def front_door():
+    """One node for the module: `sum` (fast), `slow` (300 ms a batch) and `solo` (its own worker,
+    which the readiness test stops), plus one front-door process on free ports."""
+    run_dir = tempfile.mkdtemp(prefix="by-", dir="/tmp")
+    grpc_port, http_port = _free_port(), _free_port()
+    cfg = NodeConfig(
+        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
+                                    heartbeat_interval_s=0.1, worker_dead_after_s=0.6),
+        models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL),
+        workers=(sim_worker("sim0", models=("sum",)), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
+                 sim_worker("solo0", models=("solo",))),
+        frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port)).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(cfg))
+    up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL)
+    node = Node(cfg, up, run_dir)
+    try:
+        with Client(node.address) as c:  # long poll: answered when every worker has registered
+            assert c.status(min_registrations=3, wait=180).registrations >= 3
+        # The front door binds HTTP before gRPC: a ready gRPC channel means both are serving.
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+        yield FrontDoor(node, grpc_port, http_port)
+    finally:
+        node.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _grpc_input(x, dtype="FP32", name="x"):
+    i = tgrpc.InferInput(name, list(x.shape), dtype)
+    i.set_data_from_numpy(x)
+    return i
+
+
+def _http_input(x, dtype="FP32", binary=True):
+    i = thttp.InferInput("x", list(x.shape), dtype)
+    i.set_data_from_numpy(x, binary_data=binary)
+    return i
+
+
+def _eventually(check, timeout=15.0):
+    """Wait for a readiness change the front door cannot announce (KServe has no readiness
+    events): bounded re-checks, each a real request."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- the calls a Triton user makes
+def test_grpc_metadata_config_and_infer_equal_the_sdk(front_door):
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("sum")
+    md = c.get_model_metadata("sum", as_json=True)
+    assert md["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
+    cfg = c.get_model_config("sum", as_json=True)["config"]
+    assert cfg["max_batch_size"] == 16 and cfg["input"][0]["data_type"] == "TYPE_FP32"
+    out = c.infer("sum", [_grpc_input(X)], priority=1, timeout=5_000_000).as_numpy("y")
+    np.testing.assert_array_equal(out, front_door.sdk("sum", X))
+    stats = c.get_inference_statistics("sum", as_json=True)["model_stats"][0]
+    assert int(stats["inference_stats"]["success"]["count"]) >= 1
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_http_infer_equals_the_sdk_json_and_binary(front_door, binary):
+    c = thttp.InferenceServerClient(front_door.http_url)
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("sum")
+    assert c.get_model_config("sum")["output"][0]["dims"] == [2]
+    res = c.infer("sum", [_http_input(X, binary=binary)], outputs=[thttp.InferRequestedOutput("y", binary_data=binary)])
+    np.testing.assert_array_equal(res.as_numpy("y"), front_door.sdk("sum", X))
+
+
+def test_aio_clients_equal_the_sdk(front_door):
+    want = front_door.sdk("sum", X)
+
+    async def run():
+        g = tgrpc_aio.InferenceServerClient(front_door.grpc_url)
+        h = thttp_aio.InferenceServerClient(front_door.http_url)
+        try:
+            assert await g.is_model_ready("sum") and await h.is_model_ready("sum")
+            hi = thttp_aio.InferInput("x", [3, 4], "FP32")
+            hi.set_data_from_numpy(X)
+            res = await asyncio.gather(*[g.infer("sum", [_grpc_input(X)]) for _ in range(8)],
+                                       *[h.infer("sum", [hi]) for _ in range(8)])
+            return [r.as_numpy("y") for r in res]
+        finally:
+            await g.close()
+            await h.close()
+
+    for out in asyncio.run(run()):
+        np.testing.assert_array_equal(out, want)
+
+
+# ---------------------------------------------------------------- system shared memory
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_shm_register_infer_unregister(front_door, proto):
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    c = mod.InferenceServerClient(url)
+    # The client's own POSIX regions, as tritonclient.utils.shared_memory makes them (that module
+    # needs pkg_resources, gone from setuptools >= 81, so the standard library makes them here).
+    tag = f"by_kserve_{os.getpid()}_{proto}"
+    shm_in = shared_memory.SharedMemory(f"{tag}_in", create=True, size=X.nbytes)
+    shm_out = shared_memory.SharedMemory(f"{tag}_out", create=True, size=24)
+    try:
+        np.ndarray(X.shape, X.dtype, buffer=shm_in.buf)[...] = X
+        c.register_system_shared_memory("in", f"/{tag}_in", X.nbytes)
+        c.register_system_shared_memory("out", f"/{tag}_out", 24)
+        i = mod.InferInput("x", [3, 4], "FP32")
+        i.set_shared_memory("in", X.nbytes)
+        o = mod.InferRequestedOutput("y")
+        o.set_shared_memory("out", 24)
+        c.infer("sum", [i], outputs=[o])
+        np.testing.assert_array_equal(np.ndarray((3, 2), np.float32, buffer=shm_out.buf), front_door.sdk("sum", X))
+        status = c.get_system_shared_memory_status(**({"as_json": True} if proto == "grpc" else {}))
+        names = set(status["regions"]) if proto == "grpc" else {r["name"] for r in status}
+        assert names == {"in", "out"}
+        c.unregister_system_shared_memory()
+        with pytest.raises(InferenceServerException, match="Unable to find shared memory region: 'in'"):
+            c.infer("sum", [i], outputs=[o])
+    finally:
+        c.unregister_system_shared_memory()
+        for region in (shm_in, shm_out):
+            region.close()
+            region.unlink()
+
+
+def test_shm_of_batchyard_itself_cannot_be_registered(front_door):
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    with pytest.raises(InferenceServerException) as e:
+        c.register_system_shared_memory("steal", "/batchyard_1_abc", 64)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+# ---------------------------------------------------------------- errors, as Triton reports them
+BAD_CASES = {
+    "unknown model": ("nope", X, "FP32", "unknown model: 'nope'"),
+    "wrong shape": ("sum", np.zeros((2, 5), np.float32), "FP32", "unexpected shape for input 'x'"),
+    "wrong dtype": ("sum", X.astype(np.float64), "FP64", "data-type is 'FP64', but model 'sum' expects 'FP32'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_requests_get_tritons_codes(front_door, case):
+    model, x, dtype, text = BAD_CASES[case]
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    with pytest.raises(InferenceServerException, match=text) as e:
+        g.infer(model, [_grpc_input(x, dtype)])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    h = thttp.InferenceServerClient(front_door.http_url)
+    with pytest.raises(InferenceServerException, match=text) as e:
+        h.infer(model, [_http_input(x, dtype)])
+    assert e.value.status() == "400"
+
+
+def test_bad_shm_region_is_not_found(front_door):
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    i = tgrpc.InferInput("x", [3, 4], "FP32")
+    i.set_shared_memory("never_registered", X.nbytes)
+    with pytest.raises(InferenceServerException, match="Unable to find shared memory region") as e:
+        g.infer("sum", [i])
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+    h = thttp.InferenceServerClient(front_door.http_url)
+    i = thttp.InferInput("x", [3, 4], "FP32")
+    i.set_shared_memory("never_registered", X.nbytes)
+    with pytest.raises(InferenceServerException, match="Unable to find shared memory region") as e:
+        h.infer("sum", [i])
+    assert e.value.status() == "404"
+
+
+def test_timeout_parameter_becomes_the_deadline(front_door):
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    with pytest.raises(InferenceServerException, match="Request timeout expired") as e:
+        g.infer("slow", [_grpc_input(X)], timeout=1000)  # 1 ms on a 300 ms model
+    assert e.value.status() == "StatusCode.UNAVAILABLE"
+
+
+# ---------------------------------------------------------------- disconnects and readiness
+def test_client_that_disconnects_mid_request_loses_nothing_for_others(front_door):
+    want = front_door.sdk("slow", X)
+
+    async def run():
+        quitter = tgrpc_aio.InferenceServerClient(front_door.grpc_url)
+        patient = tgrpc_aio.InferenceServerClient(front_door.grpc_url)
+        h = thttp_aio.InferenceServerClient(front_door.http_url)
+        try:
+            others = [asyncio.ensure_future(patient.infer("slow", [_grpc_input(X)])) for _ in range(6)]
+            gave_up = [quitter.infer("slow", [_grpc_input(X)], client_timeout=0.05) for _ in range(6)]
+            hi = thttp_aio.InferInput("x", [3, 4], "FP32")
+            hi.set_data_from_numpy(X)
+            http_quits = [asyncio.ensure_future(h.infer("slow", [hi])) for _ in range(3)]
+            await asyncio.sleep(0.05)  # let the HTTP requests reach the front door, then hang up
+            for t in http_quits:
+                t.cancel()
+            await h.close()
+            quit_results = await asyncio.gather(*gave_up, return_exceptions=True)
+            assert all(isinstance(r, InferenceServerException) for r in quit_results)
+            return [r.as_numpy("y") for r in await asyncio.gather(*others)]
+        finally:
+            await quitter.close()
+            await patient.close()
+
+    outs = asyncio.run(run())
+    assert len(outs) == 6
+    for out in outs:
+        np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(
+        tgrpc.InferenceServerClient(front_door.grpc_url).infer("sum", [_grpc_input(X)]).as_numpy("y"),
+        front_door.sdk("sum", X))
+
+
+def test_readiness_follows_the_models_last_worker(front_door):
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    h = thttp.InferenceServerClient(front_door.http_url)
+    with Client(front_door.node.address) as c:
+        st = c.status()
+    pid = next(w.pid for w in st.workers if w.name == "solo0")
+    assert g.is_model_ready("solo") and h.is_model_ready("solo")
+    os.kill(pid, signal.SIGSTOP)  # silent: the dispatcher declares it dead after worker_dead_after_s
+    try:
+        _eventually(lambda: not g.is_model_ready("solo"))
+        assert not h.is_model_ready("solo")
+        assert g.is_model_ready("sum"), "other models stay ready"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with Client(front_door.node.address) as c:  # it registers again once it heartbeats
+        assert c.status(min_registrations=st.registrations + 1, wait=30).registrations > st.registrations
+    _eventually(lambda: g.is_model_ready("solo"))
+    assert h.is_model_ready("solo")

@@ -1,0 +1,59 @@
+"""A client whose dispatcher dies learns it within seconds (UNAVAILABLE, not its full timeout),
+and the same client works again once a dispatcher is back on the address."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchyard.client import Client
+from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+from batchyard.errors import Unavailable
+
+from conftest import ROOT, SUM_MODEL, sim_worker
+
+
+@pytest.fixture
+def processes():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def start(procs, config: Path, *args) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "--log-level", "WARNING", *args, "--config",
+                          str(config)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    procs.append(p)
+    return p
+
+
+def test_a_dead_dispatcher_fails_requests_in_flight_fast_and_the_client_reconnects(run_dir, processes):
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
+                                       heartbeat_interval_s=0.1, worker_dead_after_s=2.0),
+                      (SUM_MODEL,), (sim_worker("slow", models=("sum",), launch_us=3_000_000.0),)).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    dispatcher = start(processes, config, "dispatcher")
+    start(processes, config, "worker", "--name", "slow")
+    with Client(node.dispatcher.frontend) as c:
+        assert c.status(min_registrations=1, wait=120).registrations == 1
+        fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=60)
+        c.status()  # the request has reached the dispatcher (status replies follow it)
+        t0 = time.monotonic()
+        os.kill(dispatcher.pid, signal.SIGKILL)
+        with pytest.raises(Unavailable, match="lost the connection"):
+            fut.result(timeout=30)
+        assert time.monotonic() - t0 < 5.0  # not the request's 60 s
+        start(processes, config, "dispatcher")  # a new dispatcher on the same address
+        assert c.status(min_registrations=1, wait=60, timeout=30).registrations >= 1  # worker re-registered
+        assert c.infer("sum", {"x": np.full((1, 4), 2, np.float32)}, timeout=30)["y"].tolist() == [[8.0, 8.0]]

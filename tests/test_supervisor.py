@@ -1,0 +1,274 @@
+"""`batchyard up` on a busy machine, and systemd's notification protocol (sd_notify).
+
+A starved host must not look like dead workers: `up` learns of a death from the kernel, its
+readiness wait survives a dispatcher that answers late, a worker keeps heartbeating while its
+model runs, and readiness/watchdog messages reach systemd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+
+from batchyard import sd_notify, supervisor
+from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+from batchyard.errors import DeadlineExceeded
+from batchyard.supervisor import NodeNotReady, Supervisor
+
+from conftest import ROOT, SUM_MODEL, sim_worker, spawn_up
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+# ---------------------------------------------------------------- readiness wait
+
+class LateDispatcher:
+    """A client whose first ``failures`` status polls time out, as a starved dispatcher's do."""
+
+    def __init__(self, failures: int, registrations: int):
+        self.failures = failures
+        self.registrations = registrations
+        self.polls = 0
+
+    def status(self, min_registrations=0, wait=0.0, timeout=10.0):
+        self.polls += 1
+        if self.polls <= self.failures:
+            raise DeadlineExceeded(f"status poll {self.polls}: no reply in time")
+        return SimpleNamespace(registrations=self.registrations, workers=[], models=[])
+
+
+def _supervisor(n_workers: int) -> Supervisor:
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend="ipc:///tmp/by-unused-fe", backend="ipc:///tmp/by-unused-be"),
+                      models=(SUM_MODEL,), workers=tuple(sim_worker(f"w{i}", ("sum",)) for i in range(n_workers)))
+    return Supervisor("unused.toml", node.validate())
+
+
+def test_readiness_wait_retries_polls_that_time_out():
+    client = LateDispatcher(failures=3, registrations=2)
+    st = _supervisor(2).wait_ready(timeout=60, client=client)
+    assert st.registrations == 2 and client.polls == 4
+
+
+def test_readiness_wait_gives_up_at_its_timeout_naming_the_last_failure():
+    with pytest.raises(NodeNotReady, match=r"not ready within 0 s: .*DeadlineExceeded"):
+        _supervisor(1).wait_ready(timeout=0.3, client=LateDispatcher(failures=10**9, registrations=1))
+
+
+def test_up_that_cannot_get_ready_logs_one_line_and_exits_1(monkeypatch, caplog):
+    # The whole `up` path, with its children and readiness client replaced: no traceback
+    # escapes, one error line says why, and the exit code is non-zero.
+    monkeypatch.setattr(Supervisor, "start", lambda self: None)
+    monkeypatch.setattr(Supervisor, "stop", lambda self: None)
+    monkeypatch.setattr("batchyard.client.Client", lambda address: _Closing(LateDispatcher(10**9, 0)))
+    monkeypatch.setattr("batchyard.proctitle.set_title", lambda title: None)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with caplog.at_level(logging.ERROR, logger="batchyard.up"):
+            rc = supervisor.run_up("unused.toml", _supervisor(1).node, ready_timeout_s=0.3)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert rc == 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert errors[0].getMessage().startswith("node did not start: not ready within 0 s")
+
+
+class _Closing:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        return self.inner
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------- deaths and heartbeats
+
+def test_up_restarts_a_killed_worker_long_before_a_heartbeat_could_tell(start_node):
+    # Heartbeats would need 60 s to call this worker dead: `up` sees the death itself
+    # (SIGCHLD), restarts it, and the new process's registration fails the batch over.
+    node = start_node([sim_worker("w0", ("sum",), launch_us=300_000.0)],
+                      heartbeat_interval_s=0.5, worker_dead_after_s=60.0)
+    with node.client() as c:
+        st = c.status()
+        fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=50.0)
+        c.status()  # the request is queued or running now
+        t0 = time.monotonic()
+        os.kill(st.workers[0].pid, signal.SIGKILL)
+        assert fut.result()["y"].tolist() == [[4.0, 4.0]]
+        back = c.status(min_registrations=st.registrations + 1, wait=50)
+    assert back.workers[0].pid != st.workers[0].pid
+    assert time.monotonic() - t0 < 30.0  # restart + Python start-up, far below the 60 s
+
+
+def test_heartbeats_go_on_while_the_model_computes():
+    # torch releases the GIL inside an op, so the heartbeat thread is not starved by a batch.
+    torch = pytest.importorskip("torch")
+    from batchyard.workers.runtime import Heartbeat
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    hb = Heartbeat(ctx, f"tcp://127.0.0.1:{port}", "w0", interval_s=0.02)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hb.start()
+        assert router.poll(10_000), "no first heartbeat"
+        while router.poll(0):
+            router.recv_multipart()
+        a = torch.randn(2000, 2000) / 50
+        t0 = time.perf_counter()
+        b = a
+        while time.perf_counter() - t0 < 1.0:  # the "batch": torch ops for at least a second
+            b = torch.tanh(b @ a)
+        busy_s = time.perf_counter() - t0
+        beats = 0
+        while router.poll(0):
+            router.recv_multipart()
+            beats += 1
+        # Starved of the GIL it would send about one beat per op (each ~0.3-1 s here);
+        # with the GIL free during ops, about one per 20 ms.
+        assert beats >= busy_s / 0.02 / 4, (beats, busy_s)
+    finally:
+        torch.set_num_threads(threads)
+        hb.stop.set()
+        hb.join(5)
+        router.close(0)
+        ctx.term()
+
+
+def test_heartbeats_resume_after_the_dispatcher_was_away(run_dir):
+    from batchyard.workers.runtime import HEARTBEAT_QUEUE, Heartbeat
+
+    ctx = zmq.Context()
+    endpoint = f"ipc://{run_dir}/be"
+    hb = Heartbeat(ctx, endpoint, "w0", interval_s=0.01)
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        hb.start()
+        # Nobody is listening: the beats' queue fills (HEARTBEAT_QUEUE), later sends meet a
+        # full queue. The dispatcher's absence lasts ~30 beats.
+        hb.stop.wait(0.3)
+        assert hb.is_alive()
+        router.bind(endpoint)
+        for _ in range(HEARTBEAT_QUEUE + 5):  # more than were queued: the thread still beats
+            assert router.poll(5000), "heartbeats stopped after the dispatcher was away"
+            router.recv_multipart()
+    finally:
+        hb.stop.set()
+        hb.join(5)
+        router.close(0)
+        ctx.term()
+
+
+# ---------------------------------------------------------------- sd_notify
+
+@pytest.fixture
+def notify_socket(run_dir):
+    """A unix datagram socket standing in for systemd's; yields (path, recv) where recv()
+    returns (sender pid, message) or raises socket.timeout."""
+    path = os.path.join(run_dir, "notify")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the sender's pid, as systemd sees it
+
+    def recv(timeout: float):
+        s.settimeout(timeout)
+        data, anc, _flags, _addr = s.recvmsg(4096, socket.CMSG_SPACE(_UCRED.size))
+        pid = next((_UCRED.unpack(d[:_UCRED.size])[0] for lvl, typ, d in anc
+                    if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS), None)
+        return pid, data.decode()
+
+    yield path, recv
+    s.close()
+
+
+def test_notify_reaches_an_abstract_socket():
+    name = f"batchyard-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind("\0" + name)
+        assert sd_notify.notify("READY=1", {"NOTIFY_SOCKET": "@" + name})
+        assert s.recv(64) == b"READY=1"
+
+
+def test_notify_outside_systemd_does_nothing():
+    assert not sd_notify.notify("READY=1", {})
+    assert sd_notify.watchdog_interval_s({}) is None
+
+
+def test_watchdog_interval_is_half_the_timeout_and_only_for_its_pid():
+    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "2000000"}) == 1.0
+    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}) == 1.0
+    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}) is None
+
+
+def test_the_event_loop_pings_the_watchdog_until_closed(notify_socket):
+    path, recv = notify_socket
+    env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"}
+    loop = asyncio.new_event_loop()
+    try:
+        watchdog = sd_notify.announce_ready(loop, env)
+        assert recv(5)[1] == "READY=1"
+        pings = loop.run_until_complete(loop.run_in_executor(None, lambda: [recv(5)[1] for _ in range(3)]))
+        assert pings == ["WATCHDOG=1"] * 3
+        watchdog.close()
+    finally:
+        loop.close()
+
+
+def _spawn_env(path: str, watchdog_usec: int) -> dict:
+    env = sd_notify.child_env()
+    env.update(NOTIFY_SOCKET=path, WATCHDOG_USEC=str(watchdog_usec))
+    return env
+
+
+def test_up_tells_systemd_it_is_ready_and_alive(run_dir, notify_socket):
+    path, recv = notify_socket
+    _, up = spawn_up(run_dir, [sim_worker("w0", ("sum",))], [SUM_MODEL], env=_spawn_env(path, 200_000),
+                     stdout=subprocess.DEVNULL)
+    try:
+        pid, msg = recv(180)
+        assert (pid, msg.splitlines()[0]) == (up.pid, "READY=1"), msg  # not a worker's READY=1
+        assert recv(10) == (up.pid, "WATCHDOG=1")
+        up.send_signal(signal.SIGTERM)
+        after = recv(10)
+        while after == (up.pid, "WATCHDOG=1"):  # pings sent before the signal arrived
+            after = recv(10)
+        assert after == (up.pid, "STOPPING=1")
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_dispatcher_tells_systemd_it_is_ready_and_alive(run_dir, notify_socket):
+    path, recv = notify_socket
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      models=(SUM_MODEL,)).validate()
+    with open(f"{run_dir}/node.toml", "w") as f:
+        f.write(to_toml(node))
+    disp = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "dispatcher", "--config", f"{run_dir}/node.toml"],
+                            cwd=ROOT, env=_spawn_env(path, 200_000), stdout=subprocess.DEVNULL)
+    try:
+        assert recv(20) == (disp.pid, "READY=1")
+        assert recv(10) == (disp.pid, "WATCHDOG=1")
+    finally:
+        disp.terminate()
+        disp.wait(30)
