@@ -1,111 +1,119 @@
-"""Dispatcher micro-benchmarks (issue 2): run ``python -m batchyard.bench.dispatch_bench [a|b|c|d|all]``.
+"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|c|d|e|all]``.
 
-(a) added latency: SDK -> dispatcher -> worker vs SDK -> worker directly (no-op model, low load)
-(b) max routed requests/s: dispatcher vs a bare Python uvloop forwarder, same clients, same run
+(a) added latency, one request in flight, no-op worker: client -> dispatcher -> worker minus
+    client -> worker directly; the same for pyzmq's C ``zmq.proxy`` and a bare Python uvloop
+    forwarder in the middle (anchors), each minus the direct path to its own worker
+(b) routed requests/s, closed loop, 2 client processes x 128 in flight: dispatcher, C proxy, forwarder
 (c) idle dispatcher CPU %
 (d) shared-memory handoff (producer start -> consumer holds an ndarray view) vs inline ZeroMQ
+(e) decision lateness under open-loop load at 50 % and 90 % of (b)'s routed capacity
 
-The no-op model is the simulated worker with zero service time. Numbers are printed as
-median / p99 over repeated runs; this machine is shared and noisy, so run it more than once.
+The paths are built in bench/noop_paths.py. Each mode runs ``--runs`` times, alternating the
+paths inside a run; medians are reported, and written to ``--json``. This machine is shared
+and noisy: compare numbers from one invocation, and run it more than once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import zmq
 
 from batchyard import protocol as P
 from batchyard.client import AsyncClient, Client
-from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
-                               WorkerConfig)
 from batchyard.client_pool import ShmPool
 from batchyard.shm import SegmentCache
-from batchyard.supervisor import running_node
 
-NOOP = ModelConfig(name="noop", factory="batchyard.workers.models:mlp", max_batch=256,
-                   inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (1,)),))
-X = np.ones((1, 4), np.float32)
+from .noop_paths import X, Anchor, NodeRun, encode_request, noop_node, read_reply, round_trips
 
-
-def _node(run_dir: str, n_workers: int = 1) -> NodeConfig:
-    return NodeConfig(
-        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-        models=(NOOP,),
-        workers=tuple(WorkerConfig(name=f"noop{i}", kind="sim", models=("noop",),
-                                   sim=SimConfig(launch_us=0.0, per_item_us=0.0)) for i in range(n_workers)),
-    ).validate()
-
-
-class _NodeRun:
-    """A no-op node (simulated worker, zero service time) for the duration of a with-block."""
-
-    def __init__(self, n_workers: int = 1):
-        self.node = _node(tempfile.mkdtemp(prefix="by-bench-", dir="/tmp"), n_workers)
-        self._ctx = running_node(self.node, ready_timeout_s=60)
-
-    def __enter__(self):
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+PROXY = "C zmq.proxy"
+GOALS = {"added_p50": 1.5, "routed_rps": 0.5}  # issue 9: dispatcher / C proxy
 
 
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q))
 
 
+def _med(xs) -> float:
+    return float(np.median(xs))
+
+
 # ---------------------------------------------------------------- (a) added latency
-def _direct_worker_latency(n: int) -> list[float]:
-    """Play the dispatcher's part for one worker: the SDK's own encoding, one-request batches."""
+def _direct_worker_latency(n: int, warmup: int = 200) -> list[float]:
+    """Play the dispatcher's part for the simulated worker: the client's encoding, one-request
+    batches, the reply the dispatcher would build, decoded as the client would."""
     from batchyard.workers.harness import DirectWorker
 
-    run_dir = tempfile.mkdtemp(prefix="by-bench-", dir="/tmp")
-    with DirectWorker(_node(run_dir), "noop0") as dw:
+    with tempfile.TemporaryDirectory(prefix="by-bench-", dir="/tmp") as run_dir, \
+            DirectWorker(noop_node(run_dir), "noop0") as dw:
         dw.wait_registered()
-        sdk = Client(f"ipc://{run_dir}/unused")  # only for its encoder and decoder
-        sdk.specs["noop"] = NOOP.spec()
         lat = []
-        for _ in range(n):
+        for i in range(warmup + n):
             t0 = time.perf_counter()
-            rid, frames, _, _, _ = sdk._encode_infer("noop", {"x": X}, "normal", 10.0)
-            done, out_frames = dw.run("noop", [frames])
-            reply = P.encode(P.InferReply(v=1, id=rid, status=0, outputs=done.results[0].outputs))
-            P.reply_decoder.decode(reply)  # what the SDK does with a reply
-            np.frombuffer(out_frames[0], dtype=np.float32)
-            lat.append(time.perf_counter() - t0)
-        sdk.close()
+            done, out_frames = dw.run("noop", [encode_request(i + 1)])
+            reply = P.encode(P.InferReply(v=1, id=i + 1, status=0, outputs=done.results[0].outputs))
+            read_reply([reply, *out_frames])
+            if i >= warmup:
+                lat.append(time.perf_counter() - t0)
         return lat
 
 
-def bench_a(n: int = 3000, runs: int = 3) -> dict:
-    rows = {"via dispatcher": [], "worker directly": []}
-    for _ in range(runs):
-        with _NodeRun() as r, Client(r.node.dispatcher.frontend) as c:
+def _sdk_latency(address: str, n: int) -> list[float]:
+    """The same path with the SDK's blocking Client (its I/O thread included): what a user sees."""
+    with Client(address) as c:
+        for _ in range(200):
             c.infer("noop", {"x": X})
-            lat = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                c.infer("noop", {"x": X})
-                lat.append(time.perf_counter() - t0)
-            rows["via dispatcher"].append(lat)
-        rows["worker directly"].append(_direct_worker_latency(n))
-    out = {}
-    print(f"(a) round-trip latency, no-op model, 1 request in flight, {runs} runs x {n}")
-    for k, runs_ in rows.items():
-        p50 = [pct(l, 50) * 1e6 for l in runs_]
-        p99 = [pct(l, 99) * 1e6 for l in runs_]
-        out[k] = {"p50_us": p50, "p99_us": p99}
-        print(f"    {k:<18} p50 {np.median(p50):7.1f} us (runs {', '.join(f'{x:.0f}' for x in p50)})"
-              f"   p99 {np.median(p99):7.1f} us (runs {', '.join(f'{x:.0f}' for x in p99)})")
-    added = np.median(out["via dispatcher"]["p50_us"]) - np.median(out["worker directly"]["p50_us"])
-    print(f"    added by the dispatcher at p50: {added:.1f} us")
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.infer("noop", {"x": X})
+            lat.append(time.perf_counter() - t0)
+        return lat
+
+
+A_PATHS = {  # path -> the direct path it is compared with
+    "via dispatcher": "sim worker directly",
+    PROXY: "echo worker directly",
+    "bare forwarder": "echo worker directly",
+}
+
+
+def bench_a(n: int = 3000, runs: int = 3) -> dict:
+    lat: dict[str, list] = {k: [] for k in ("via dispatcher", "via dispatcher, SDK Client", "sim worker directly",
+                                            PROXY, "bare forwarder", "echo worker directly")}
+    for _ in range(runs):
+        with NodeRun() as r:
+            lat["via dispatcher"].append(round_trips(r.address, n))
+            lat["via dispatcher, SDK Client"].append(_sdk_latency(r.address, n))
+        lat["sim worker directly"].append(_direct_worker_latency(n))
+        for kind in Anchor.KINDS:
+            with Anchor(kind) as a:
+                lat[kind].append(round_trips(a.address, n))
+    out = {"n": n, "runs": runs, "paths": {}, "added": {}}
+    print(f"(a) round-trip latency, no-op worker, 1 request in flight, raw DEALER with the SDK's encoding "
+          f"(unless named), {runs} runs x {n}")
+    for k, runs_ in lat.items():
+        p50 = [pct(x, 50) * 1e6 for x in runs_]
+        p99 = [pct(x, 99) * 1e6 for x in runs_]
+        out["paths"][k] = {"p50_us": _med(p50), "p99_us": _med(p99), "runs_p50_us": p50, "runs_p99_us": p99}
+        print(f"    {k:<27} p50 {_med(p50):7.1f} us (runs {', '.join(f'{x:.0f}' for x in p50)})"
+              f"   p99 {_med(p99):7.1f} us (runs {', '.join(f'{x:.0f}' for x in p99)})")
+    print("    added by the middle box (path minus the direct path to its own worker):")
+    for path, direct in A_PATHS.items():
+        p, d = out["paths"][path], out["paths"][direct]
+        added = {"p50_us": p["p50_us"] - d["p50_us"], "p99_us": p["p99_us"] - d["p99_us"], "minus": direct}
+        out["added"][path] = added
+        print(f"    {path:<27} p50 {added['p50_us']:7.1f} us   p99 {added['p99_us']:7.1f} us   (minus {direct})")
     return out
 
 
@@ -143,95 +151,39 @@ def _closed_loop(address: str, procs: int, inflight: int, duration: float) -> fl
     return total / duration
 
 
-def _forwarder_main(front: str, back: str, n_workers: int, ready) -> None:
-    """A bare Python uvloop forwarder: add_reader + NOBLOCK drains, round-robin to workers,
-    no decoding at all. The ceiling a Python broker of this design can reach."""
-    import uvloop
-
-    ctx = zmq.Context()
-    fe, be = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-    for s in (fe, be):
-        s.setsockopt(zmq.SNDHWM, 100_000)
-        s.setsockopt(zmq.RCVHWM, 100_000)
-    fe.bind(front)
-    be.bind(back)
-    workers = []
-    while len(workers) < n_workers:
-        workers.append(be.recv_multipart()[0])
-    ready.set()
-    loop = uvloop.new_event_loop()
-    rr = [0]
-
-    def pump():
-        while True:
-            moved = False
-            try:
-                f = fe.recv_multipart(zmq.NOBLOCK, copy=False)
-                rr[0] = (rr[0] + 1) % len(workers)
-                be.send_multipart([workers[rr[0]], *f], copy=False)
-                moved = True
-            except zmq.Again:
-                pass
-            try:
-                f = be.recv_multipart(zmq.NOBLOCK, copy=False)
-                fe.send_multipart(f[1:], copy=False)
-                moved = True
-            except zmq.Again:
-                pass
-            if not moved:
-                return
-
-    loop.add_reader(fe.getsockopt(zmq.FD), pump)
-    loop.add_reader(be.getsockopt(zmq.FD), pump)
-    loop.run_forever()
-
-
-def _echo_worker(back: str) -> None:
-    """Forwarder's worker: answers each request like a no-op model would."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(back)
-    s.send(b"hello")
-    y = np.zeros((1, 1), np.float32).tobytes()
-    out = [P.TensorRef(name="y", dtype="float32", shape=[1, 1], frame=0)]
-    spec = NOOP.spec()
-    while True:
-        f = s.recv_multipart()
-        ident, hdr = f[0], P.client_message_decoder.decode(f[1])
-        if type(hdr) is P.ModelInfoRequest:
-            s.send_multipart([ident, P.encode(P.ModelInfoReply(v=1, id=hdr.id, status=0, spec=spec))])
-            continue
-        s.send_multipart([ident, P.encode(P.InferReply(v=1, id=hdr.id, status=0, outputs=out)), y])
-
-
 def bench_b(duration: float = 5.0, runs: int = 3, procs: int = 2, inflight: int = 128) -> dict:
-    res = {"dispatcher": [], "bare forwarder": []}
+    res = {"dispatcher": [], PROXY: [], "bare forwarder": []}
     for _ in range(runs):
-        with _NodeRun() as r:
-            res["dispatcher"].append(_closed_loop(r.node.dispatcher.frontend, procs, inflight, duration))
-        d = tempfile.mkdtemp(prefix="by-bench-", dir="/tmp")
-        ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        fwd = ctx.Process(target=_forwarder_main, args=(f"ipc://{d}/fe", f"ipc://{d}/be", 1, ready), daemon=True)
-        fwd.start()
-        wk = ctx.Process(target=_echo_worker, args=(f"ipc://{d}/be",), daemon=True)
-        wk.start()
-        ready.wait(30)
-        res["bare forwarder"].append(_closed_loop(f"ipc://{d}/fe", procs, inflight, duration))
-        fwd.terminate(), wk.terminate()
-        fwd.join(), wk.join()
-    print(f"(b) closed loop, {procs} client processes x {inflight} in flight, {duration:.0f} s, {runs} runs")
+        with NodeRun() as r:
+            res["dispatcher"].append(_closed_loop(r.address, procs, inflight, duration))
+        for kind in (PROXY, "bare forwarder"):
+            with Anchor(kind) as a:
+                res[kind].append(_closed_loop(a.address, procs, inflight, duration))
+    print(f"(b) closed loop, {procs} client processes (AsyncClient) x {inflight} in flight, {duration:.0f} s, "
+          f"{runs} runs")
     for k, v in res.items():
-        print(f"    {k:<16} median {np.median(v):8.0f} req/s (runs {', '.join(f'{x:.0f}' for x in v)})")
-    print(f"    ratio dispatcher / forwarder: {np.median(res['dispatcher']) / np.median(res['bare forwarder']):.2f}x")
-    return res
+        print(f"    {k:<16} median {_med(v):8.0f} req/s (runs {', '.join(f'{x:.0f}' for x in v)})")
+    for k in (PROXY, "bare forwarder"):
+        print(f"    ratio dispatcher / {k}: {_med(res['dispatcher']) / _med(res[k]):.2f}x")
+    return {"procs": procs, "inflight": inflight, "duration_s": duration, "runs": runs,
+            "req_per_s": {k: _med(v) for k, v in res.items()}, "runs_req_per_s": res}
+
+
+def dispatcher_capacity(runs: int, duration: float = 5.0) -> float:
+    """(b)'s dispatcher number alone: the routed capacity the lateness bench loads a fraction of."""
+    caps = []
+    for _ in range(runs):
+        with NodeRun() as r:
+            caps.append(_closed_loop(r.address, 2, 128, duration))
+    print(f"    dispatcher routed capacity: median {_med(caps):.0f} req/s (runs {', '.join(f'{x:.0f}' for x in caps)})")
+    return _med(caps)
 
 
 # ---------------------------------------------------------------- (c) idle CPU
 def bench_c(seconds: float = 10.0) -> float:
     import psutil
 
-    with _NodeRun() as r, Client(r.node.dispatcher.frontend) as c:
+    with NodeRun() as r, Client(r.address) as c:
         pid = c.status().dispatcher_pid
         p = psutil.Process(pid)
         c.infer("noop", {"x": X})
@@ -308,20 +260,82 @@ def bench_d(reps: int = 200) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- summary and record
+def summary(a: dict | None, b: dict | None) -> dict:
+    """Issue 9's anchor table: the dispatcher against the C proxy, as ratios."""
+    rows = {}
+    if a:
+        for q in ("p50", "p99"):
+            d, c = a["added"]["via dispatcher"][f"{q}_us"], a["added"][PROXY][f"{q}_us"]
+            rows[f"added_{q}"] = {"dispatcher": d, "c_proxy": c, "ratio": d / c if c > 0 else float("nan"),
+                                  "unit": "us", "goal": GOALS.get(f"added_{q}"), "better": "lower"}
+    if b:
+        d, c = b["req_per_s"]["dispatcher"], b["req_per_s"][PROXY]
+        rows["routed_rps"] = {"dispatcher": d, "c_proxy": c, "ratio": d / c, "unit": "req/s",
+                              "goal": GOALS["routed_rps"], "better": "higher"}
+    if rows:
+        print("issue 9: dispatcher vs C zmq.proxy (medians)")
+        print(f"    {'':<18} {'dispatcher':>11} {'C proxy':>9} {'ratio':>6}  goal")
+        for k, r in rows.items():
+            goal = ""
+            if r["goal"] is not None:
+                lower = r["better"] == "lower"
+                met = (r["ratio"] <= r["goal"]) if lower else (r["ratio"] >= r["goal"])
+                goal = f"{'<=' if lower else '>='} {r['goal']} {'met' if met else 'missed'}"
+            label = f"{k} ({r['unit']})"
+            print(f"    {label:<18} {r['dispatcher']:>11.1f} {r['c_proxy']:>9.1f} {r['ratio']:>6.2f}  {goal}")
+    return rows
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    amx = any("amx" in line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "amx": amx, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "git_head": rev,
+            "python": sys.version.split()[0], "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+
+
+def record(path: str, results: dict) -> None:
+    """Merge this invocation's modes into the JSON file, so separate invocations accumulate."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(p.read_text()) if p.exists() else {}
+    old.update(results)
+    p.write_text(json.dumps(old, indent=1, default=float) + "\n")
+    print(f"wrote {p}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "all"])
+    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "all"])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--capacity", type=float, default=0.0, help="(e): routed capacity in req/s (0: measure it)")
+    ap.add_argument("--json", default="bench/results/dispatch_bench.json", help="merge results here ('' : don't)")
     args = ap.parse_args(argv)
-    which = set(args.which)
-    if which & {"a", "all"}:
-        bench_a(runs=args.runs)
-    if which & {"b", "all"}:
-        bench_b(runs=args.runs)
-    if which & {"c", "all"}:
-        bench_c()
-    if which & {"d", "all"}:
-        bench_d()
+    which = {"a", "b", "c", "d", "e"} if "all" in args.which else set(args.which)
+    meta = {"command": "python -m batchyard.bench.dispatch_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
+    load = ", ".join(f"{x:.1f}" for x in meta["loadavg_at_start"])
+    print(f"{meta['cpu']}, {meta['cores']} cores, load average {load} (other processes share these cores)")
+    out: dict = {}
+    if "a" in which:
+        out["a_latency"] = bench_a(runs=args.runs)
+    if "b" in which:
+        out["b_routed"] = bench_b(runs=args.runs)
+    if "a" in which or "b" in which:
+        out["vs_c_proxy"] = summary(out.get("a_latency"), out.get("b_routed"))
+    if "c" in which:
+        out["c_idle_cpu_pct"] = bench_c()
+    if "d" in which:
+        out["d_handoff"] = {str(k): v for k, v in bench_d().items()}
+    if "e" in which:
+        from .dispatch_lateness import bench_lateness
+
+        cap = args.capacity or (out["b_routed"]["req_per_s"]["dispatcher"] if "b_routed" in out
+                                else dispatcher_capacity(args.runs))
+        out["e_lateness"] = bench_lateness(cap, runs=args.runs)
+    if args.json:
+        record(args.json, {k: {"meta": meta, "result": v} for k, v in out.items()})
 
 
 if __name__ == "__main__":

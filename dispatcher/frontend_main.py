@@ -14,6 +14,7 @@ import signal
 
 from .config import NodeConfig
 from .exit_codes import EX_CONFIG
+from .transport import node_client_keys
 
 log = logging.getLogger("batchyard.frontend")
 STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls in flight may finish
@@ -26,7 +27,7 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .sd_notify import announce_ready
 
     fe = node.frontend
-    client = AsyncClient(node.dispatcher.frontend)
+    client = AsyncClient(node.dispatcher.frontend, **node_client_keys(node.dispatcher, node.dispatcher.frontend))
     core = KServeCore(client)
     grpc_server = http_runner = watchdog = None
     try:

@@ -28,6 +28,7 @@ from typing import Optional
 from .exit_codes import EX_CONFIG
 from .config import NodeConfig, to_toml
 from .sd_notify import child_env, notify, watchdog_interval_s
+from .transport import node_client_keys
 
 log = logging.getLogger("batchyard.up")
 FRONTEND_NAME = "frontend#"  # '#' is not allowed in worker names
@@ -105,7 +106,8 @@ class Supervisor:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
             with contextlib.ExitStack() as stack:
-                c = client if client is not None else stack.enter_context(Client(self.node.dispatcher.frontend))
+                c = client if client is not None else stack.enter_context(Client(
+                    self.node.dispatcher.frontend, **node_client_keys(self.node.dispatcher, self.node.dispatcher.frontend)))
                 retry_s, last = READY_RETRY_S, "no reply from the dispatcher"
                 while True:
                     self._check_started()

@@ -84,5 +84,22 @@ def start_authenticator(ctx: zmq.Context, cfg: DispatcherConfig) -> Optional[obj
     return auth
 
 
+def node_client_keys(cfg: DispatcherConfig, address: str) -> dict:
+    """Client/AsyncClient keyword arguments for the node's own processes (supervisor, front
+    door) connecting to ``address``: the node's key pair, which the ZAP handler always admits."""
+    if not (cfg.curve_secret_key and is_tcp(address)):
+        return {}
+    public, secret = read_keypair(cfg.curve_secret_key)
+    return {"curve_server_key": public, "curve_keys": (public, secret)}
+
+
+def secure_worker_socket(sock: zmq.Socket, cfg: DispatcherConfig, address: str) -> None:
+    """A worker's DEALER to a CURVE-secured tcp backend: the node's own key pair."""
+    keys = node_client_keys(cfg, address)
+    if keys:
+        sock.curve_publickey, sock.curve_secretkey = keys["curve_keys"]
+        sock.curve_serverkey = keys["curve_server_key"]
+
+
 def is_tcp(address: str) -> bool:
     return address.startswith("tcp://")
