@@ -11,8 +11,10 @@ Ownership story (docs/protocol.md, "Shared memory"):
   unlinks its segments on ``close()`` and at interpreter exit. When a client dies without that,
   the kernel drops its locks, and ``reap_orphans()`` unlinks a segment only if it can take an
   exclusive lock on it: a live owner in another PID namespace (a sidecar container sharing
-  /dev/shm) still holds its lock, whatever pids this process can see. The dispatcher runs it on
-  a slow timer and every new client runs it once at start.
+  /dev/shm) still holds its lock, whatever pids this process can see. A segment is created
+  under a temporary name, locked, and only then renamed to its final name, so no live segment
+  is ever visible unlocked. The dispatcher runs the reaper on a slow timer and every new client
+  runs it once at start.
 - Workers map client segments by name (cached, LRU-bounded), read inputs without copying and
   write outputs in place. A Triton-backed GPU worker also owns the segments it registers with
   Triton; they carry its pid, so the reaper below removes them if it dies.
@@ -36,9 +38,11 @@ import time
 SHM_DIR = "/dev/shm"
 PREFIX = "batchyard_"
 _NAME_RE = re.compile(r"^batchyard_(\d+)_[0-9a-f]+$")
+_NEW_SUFFIX = ".new"  # a segment being created: not yet locked, so not yet under its final name
 ALIGN = 64  # cache-line aligned regions; also satisfies every dtype's alignment
-# A segment younger than this is never reaped: its creator may not have taken its lock yet.
-REAP_GRACE_S = 10.0
+# A half-created segment (temporary name) younger than this is left alone: its creator may be
+# between open and flock. One older than this was left by a crash during creation.
+REAP_GRACE_S = 60.0
 
 
 class ShmError(Exception):
@@ -62,14 +66,16 @@ class Segment:
     @classmethod
     def create(cls, size: int) -> "Segment":
         name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        tmp = _path(name + _NEW_SUFFIX)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "alive": held until close() or this process ends
             os.ftruncate(fd, size)
             # Pre-fault now so the first tensor written does not pay for page faults.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            os.rename(tmp, _path(name))  # the lock is on the inode: it comes along
         except BaseException:
-            os.unlink(_path(name))
+            os.unlink(tmp)
             os.close(fd)
             raise
         return cls(name, mm, owner=True, lock_fd=fd)
@@ -157,7 +163,7 @@ def _orphaned(path: str, now: float, grace_s: float) -> bool:
     except OSError:
         return False
     try:
-        if now - os.fstat(fd).st_ctime < grace_s:
+        if grace_s and now - os.fstat(fd).st_ctime < grace_s:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -178,7 +184,11 @@ def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S) -> list[
     now = time.time()
     for name in names:
         path = os.path.join(shm_dir, name)
-        if _NAME_RE.match(name) and _orphaned(path, now, grace_s):
+        if name.endswith(_NEW_SUFFIX):
+            final, grace = name[:-len(_NEW_SUFFIX)], grace_s
+        else:
+            final, grace = name, 0.0  # locked before it got this name: unlocked means orphaned
+        if _NAME_RE.match(final) and _orphaned(path, now, grace):
             try:
                 os.unlink(path)
                 reaped.append(name)

@@ -116,3 +116,17 @@ def test_an_oversized_frame_drops_only_its_sender(start_node):
         big.send_multipart([infer_header(7), b"\0" * 100_000])  # ZeroMQ disconnects this peer
         assert good.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
         assert not big.poll(500)  # and it got nothing back
+
+
+def test_workers_and_clients_reach_a_curve_secured_tcp_backend_and_frontend(tcp_node, run_dir):
+    """Both endpoints on tcp with CURVE: the worker (node key) registers through the backend,
+    `up` (node key) sees it ready, and an authorized client is served."""
+    keys = Path(run_dir) / "keys"
+    _, server_secret = write_keypair(str(keys), "node")
+    _, bob_secret = write_keypair(str(keys), "bob")
+    server_public, _ = read_keypair(server_secret)
+    node = tcp_node(frontend=f"tcp://127.0.0.1:{free_port()}", backend=f"tcp://127.0.0.1:{free_port()}",
+                    curve_secret_key=server_secret, curve_authorized_keys=str(keys))
+    with dealer(node.address, read_keypair(bob_secret), server_public) as bob:
+        assert ready(bob).registrations >= 1
+        assert roundtrip(bob, [infer_header(8), X1]).status == P.Status.OK

@@ -7,6 +7,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 import zlib
 
@@ -18,10 +20,12 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from batchyard.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
 from batchyard.errors import Unavailable  # noqa: E402
-from batchyard.workers.triton_local import TritonLocal  # noqa: E402
+from batchyard.workers.runtime import ExecutorUnavailable  # noqa: E402
+from batchyard.workers.triton_executor import TritonExecutor  # noqa: E402
+from batchyard.workers.triton_local import TritonLocal, _free_port  # noqa: E402
 from batchyard.workers.triton_regions import cuda_device_count  # noqa: E402
 
-from conftest import ROOT, spawn_up  # noqa: E402
+from conftest import ROOT, sim_worker, spawn_up  # noqa: E402
 
 REPO = ROOT / "deploy" / "triton" / "cpu"
 TRI = ModelConfig(name="tri", factory="", max_batch=64,
@@ -180,12 +184,17 @@ MISNAMED = ModelConfig(name="tri", factory="", max_batch=64, inputs=TRI.inputs,
                        outputs=(TensorConfig("z", "float32", (1024,)),))
 
 
-@pytest.mark.parametrize("case", ["cuda shm without a GPU", "model without the spec's tensor"])
+@pytest.mark.parametrize("case", ["cuda shm without a GPU", "model without the spec's tensor",
+                                  "model Triton does not have"])
 def test_a_worker_that_cannot_run_here_stops_up_at_once_with_the_reason(run_dir, triton, case):
     if case == "cuda shm without a GPU":
         if cuda_device_count() > 0:
             pytest.skip("this host has a GPU")
         worker, expect = (gpu_worker(triton, shm="cuda"), TRI), r"cuda-python|no GPU 0 is visible"
+    elif case == "model Triton does not have":
+        worker = (WorkerConfig(name="gpu0", kind="triton", models=("tri",),
+                               triton=TritonConfig(url=triton.grpc_url, models={"tri": "nope"})), TRI)
+        expect = r"Triton at \S+ has no model 'nope' \(for 'tri'\); it has dense_amx \(READY\)"
     else:
         worker, expect = (gpu_worker(triton), MISNAMED), r"lacks output 'z' of spec 'tri'"
     before = _regions(triton)
@@ -193,4 +202,239 @@ def test_a_worker_that_cannot_run_here_stops_up_at_once_with_the_reason(run_dir,
     assert rc == 1
     assert "worker gpu0 cannot run on this host as configured during start-up" in err
     assert re.search(expect, err), err[-2000:]
+    assert "Traceback" not in err
     assert _regions(triton) == before  # nothing left registered by the refused worker
+
+
+def test_a_triton_that_stays_unreachable_at_start_is_retried_then_exits_69(run_dir):
+    # 69 (EX_UNAVAILABLE), not 78: Triton may come back, so systemd and `up` may restart the worker.
+    closed = f"127.0.0.1:{_closed_port()}"
+    worker = WorkerConfig(name="gpu0", kind="triton", models=("tri",),
+                          triton=TritonConfig(url=closed, models={"tri": "dense_amx"}, start_timeout_s=2.0))
+    rc, err = _up_until_it_exits(run_dir, (worker, TRI))
+    assert rc == 1
+    assert "worker gpu0 exited with 69 during start-up" in err, err[-2000:]
+    assert f"Triton at {closed} unreachable (attempt 2, UNAVAILABLE)" in err
+    assert f"Triton at {closed} still unreachable after" in err
+    assert "Traceback" not in err
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- shared-memory slots (finding 5a)
+class _ThreadedTriton:
+    """A Triton client stand-in whose async_infer answers on another thread, as gRPC does."""
+
+    def __init__(self, answer: bool = True):
+        self.answer = answer
+        self.pending: list = []
+        self.threads: list[threading.Thread] = []
+
+    def register_system_shared_memory(self, *a, **kw):
+        pass
+
+    unregister_system_shared_memory = register_system_shared_memory
+
+    def async_infer(self, name, inputs, callback, outputs=None, client_timeout=None):
+        if not self.answer:
+            self.pending.append(callback)
+            return
+        t = threading.Thread(target=callback, args=(object(), None))
+        self.threads.append(t)
+        t.start()
+
+    def close(self):
+        pass
+
+
+def _fake_executor(client, inflight: int) -> TritonExecutor:
+    ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=inflight, shm="system")
+    ex.client, ex.specs["tri"] = client, TRI.spec()
+    ex._make_slots(64 * 4096, 64 * 4096)
+    return ex
+
+
+def test_a_completion_returns_its_slot_before_it_reports_the_batch_done():
+    # As the worker runtime does: each completion lets the dispatcher send the next batch, which
+    # may reach submit() before the gRPC thread that reported it runs another line.
+    client, chain = _ThreadedTriton(), 50
+    ex = _fake_executor(client, inflight=1)
+    seen, finished = [], threading.Event()
+
+    def done(outcome, us):
+        seen.append((outcome, len(ex._free)))
+        if len(seen) < chain:
+            ex.submit("tri", {"x": np.ones((64, 1024), np.float32)}, done)  # the next batch, at once
+        else:
+            finished.set()
+
+    try:
+        ex.submit("tri", {"x": np.ones((64, 1024), np.float32)}, done)
+        assert finished.wait(30)
+        for t in list(client.threads):
+            t.join()
+        assert all(isinstance(o, dict) for o, _ in seen), [o for o, _ in seen if not isinstance(o, dict)][:1]
+        assert [free for _, free in seen] == [1] * chain  # the reporting batch's slot was back already
+    finally:
+        ex.close()
+
+
+def test_more_batches_than_slots_fail_that_batch_unavailable_not_the_worker():
+    client = _ThreadedTriton(answer=False)
+    ex = _fake_executor(client, inflight=1)
+    outcomes = []
+    try:
+        ex.submit("tri", {"x": np.ones((2, 1024), np.float32)}, lambda o, us: outcomes.append(o))
+        ex.submit("tri", {"x": np.ones((2, 1024), np.float32)}, lambda o, us: outcomes.append(o))  # no raise
+        assert len(outcomes) == 1 and isinstance(outcomes[0], ExecutorUnavailable)
+        assert "shared-memory slots of this worker are in use" in str(outcomes[0])
+        client.pending[0](object(), None)
+        assert isinstance(outcomes[1], dict) and len(ex._free) == 1
+    finally:
+        ex.close()
+
+
+def test_sustained_max_size_batches_never_restart_the_worker(start_node, triton):
+    node = start_node([gpu_worker(triton, warmup=(1, 64), inflight=2)], models=(TRI,))
+    x = np.random.default_rng(4).standard_normal((16, 1024)).astype(np.float32)
+    with node.client() as c:
+        st = c.status()
+        pid = next(w.pid for w in st.workers if w.name == "gpu0")
+        futs = [c.submit("tri", {"x": x}, timeout=120) for _ in range(600)]
+        res = [f.result() for f in futs]  # every one OK: an UNAVAILABLE or a lost worker raises here
+        after = c.status()
+    assert max(r.timing.batch_size for r in res) == 64
+    assert next(w.pid for w in after.workers if w.name == "gpu0") == pid
+    assert after.registrations == st.registrations
+    np.testing.assert_allclose(res[-1]["y"], direct(triton, x), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- outages (5b, 5e)
+def _restart(tl: TritonLocal) -> TritonLocal:
+    return TritonLocal(REPO, grpc_port=tl.grpc_port, http_port=tl.http_port, metrics_port=tl.metrics_port,
+                       models=["dense_amx"]).start(ready_timeout_s=120)
+
+
+def test_the_first_call_after_triton_is_back_succeeds():
+    # No back-off of the executor's own here: what is measured is gRPC's reconnect back-off,
+    # which kept the old channel refusing calls for 3-11 s after Triton was ready again.
+    tl = TritonLocal(REPO, models=["dense_amx"]).start(ready_timeout_s=120)
+    tl2 = None
+    ex = TritonExecutor(tl.grpc_url, {"tri": "dense_amx"}, shm="system", backoff_s=(0.0, 0.0))
+    try:
+        ex.load(TRI.spec())
+        x = np.ones((2, 1024), np.float32)
+        ex.run("tri", {"x": x})
+        tl.kill()
+        for _ in range(3):  # the outage as a worker sees it: each call fails at once
+            with pytest.raises(ExecutorUnavailable, match="Triton at"):
+                ex.run("tri", {"x": x})
+        tl2 = _restart(tl)
+        np.testing.assert_allclose(ex.run("tri", {"x": x})["y"], direct(tl2, x), rtol=1e-4, atol=1e-5)
+    finally:
+        ex.close()
+        if tl2 is not None:
+            tl2.close()
+        tl.close()
+
+
+def test_during_a_triton_outage_requests_go_to_the_cpu_worker_and_the_gpu_comes_back(start_node):
+    tl = TritonLocal(REPO, models=["dense_amx"]).start(ready_timeout_s=120)
+    tl2 = None
+    try:
+        cpu = sim_worker("cpu0", models=("tri",), launch_us=20000, per_item_us=500)  # slower than Triton
+        node = start_node([gpu_worker(tl), cpu], models=(TRI,), breaker_backoff_max_s=2.0)
+        with node.client() as c:
+            def wave():  # every request answered OK: an UNAVAILABLE raises here
+                futs = [c.submit("tri", {"x": np.full((8, 1024), i, np.float32)}, timeout=30) for i in range(40)]
+                return [f.result().timing.worker for f in futs]
+
+            assert "gpu0" in wave()
+            tl.kill()
+            during = [w for _ in range(5) for w in wave()]
+            assert set(during[-40:]) == {"cpu0"}
+            tl2 = _restart(tl)
+            deadline = time.monotonic() + 60  # breaker (<= 2 s) + the worker's back-off (<= 5 s)
+            while "gpu0" not in wave():
+                assert time.monotonic() < deadline, "the GPU worker never came back into rotation"
+    finally:
+        if tl2 is not None:
+            tl2.close()
+        tl.close()
+
+
+# ---------------------------------------------------------------- `batchyard triton-local` (5c)
+def _triton_local_cmd(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "dense_amx").symlink_to(REPO / "dense_amx")
+    ports = [str(_free_port()) for _ in range(3)]
+    return [sys.executable, "-m", "batchyard.cli", "triton-local", "--model-repository", str(repo),
+            "--grpc-port", ports[0], "--http-port", ports[1], "--metrics-port", ports[2]]
+
+
+def _wait_line(stream, pattern: str) -> re.Match:
+    for line in stream:  # a process that never writes it is caught by the suite's timeout
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} before the stream closed")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture
+def triton_local_proc(tmp_path):
+    procs = []
+
+    def spawn():
+        p = subprocess.Popen(_triton_local_cmd(tmp_path), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, bufsize=1)
+        procs.append(p)
+        return p
+
+    yield spawn
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(60)
+        p.stdout.close()
+        p.stderr.close()
+
+
+def test_triton_local_exits_with_its_crashed_server_and_leaves_nothing_of_it(triton_local_proc):
+    other = f"/dev/shm/triton_python_backend_shm_region_other-{os.getpid()}"  # another Triton's region
+    proc = triton_local_proc()
+    server = int(_wait_line(proc.stderr, r"tritonserver pid (\d+) starting").group(1))
+    _wait_line(proc.stdout, r"tritonserver ready")
+    ours = [n for n in os.listdir("/dev/shm") if n.startswith(f"by_triton_{proc.pid}_")]
+    assert ours  # the python backend's region, under this instance's prefix
+    open(other, "wb").close()
+    try:
+        os.kill(server, signal.SIGKILL)  # a crash of the server alone
+        assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+        assert not _group_alive(server)  # no python-backend stub left behind
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"by_triton_{proc.pid}_")]
+        assert os.path.exists(other)
+    finally:
+        os.unlink(other)
+
+
+def test_sigterm_during_start_up_stops_the_server(triton_local_proc):
+    proc = triton_local_proc()
+    server = int(_wait_line(proc.stderr, r"tritonserver pid (\d+) starting").group(1))
+    proc.send_signal(signal.SIGTERM)  # model loading takes seconds: the server is not ready yet
+    assert proc.wait(timeout=60) == 0
+    assert not _group_alive(server)

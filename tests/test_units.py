@@ -184,8 +184,11 @@ def test_reap_orphans_removes_only_segments_no_live_owner_holds():
     try:
         assert holder.stdout.readline().strip() == "held"
         pool.alloc(10)
-        assert reap_orphans(grace_s=60) == []  # too young: a creator may not hold its lock yet
-        reaped = reap_orphans(grace_s=0)
+        creating = os.path.join(SHM_DIR, f"batchyard_{dead_pid}_0bad.new")  # mid-creation: not locked yet
+        open(creating, "wb").close()
+        reaped = reap_orphans()
+        assert os.path.exists(creating)  # left alone during its grace period
+        os.unlink(creating)
         assert dead in reaped and elsewhere not in reaped
         assert set(pool.segment_names()) <= set(live_segments(os.getpid()))  # ours are locked
     finally:

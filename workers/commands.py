@@ -25,20 +25,9 @@ def _run_calibrate(args) -> int:
 
 
 def _run_triton_local(args) -> int:
-    import signal
-
     from .triton_local import TritonLocal
 
-    tl = TritonLocal(args.model_repository, args.grpc_port, args.http_port, args.metrics_port)
-    try:
-        tl.start(ready_timeout_s=120)
-        print(f"tritonserver ready: gRPC {tl.grpc_url}, metrics http://127.0.0.1:{tl.metrics_port}/metrics",
-              flush=True)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-        signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    finally:
-        tl.close()
-    return 0
+    return TritonLocal(args.model_repository, args.grpc_port, args.http_port, args.metrics_port).serve(120)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

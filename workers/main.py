@@ -12,7 +12,8 @@ import zlib
 
 from batchyard.config import NodeConfig
 from batchyard.proctitle import set_title
-from batchyard.exit_codes import EX_CONFIG
+from batchyard.transport import secure_worker_socket
+from batchyard.exit_codes import EX_CONFIG, EX_UNAVAILABLE
 
 log = logging.getLogger("batchyard.worker")
 
@@ -26,7 +27,7 @@ def run_worker(node: NodeConfig, name: str) -> int:
     cpus = pin_cpus(wcfg.cpus)
     numa_note = bind_numa_node(wcfg.numa_node)
     log.info("worker %s pid %d: cpus %s; %s", name, os.getpid(), cpus, numa_note)
-    from .runtime import CannotStart, WorkerRuntime
+    from .runtime import CannotStart, ExecutorUnavailable, WorkerRuntime
 
     executor = None
     try:
@@ -42,10 +43,16 @@ def run_worker(node: NodeConfig, name: str) -> int:
         if executor is not None and hasattr(executor, "close"):
             executor.close()  # what it registered for models loaded before the failing one
         return EX_CONFIG
+    except ExecutorUnavailable as e:  # e.g. Triton not up at start: may come back, so restart us
+        log.error("worker %s cannot start: %s", name, e)
+        if executor is not None and hasattr(executor, "close"):
+            executor.close()
+        return EX_UNAVAILABLE
     rt = WorkerRuntime(name, node.dispatcher.backend, executor, specs,
                        heartbeat_interval_s=node.dispatcher.heartbeat_interval_s,
                        max_inflight=wcfg.triton.inflight if wcfg.kind == "triton" else wcfg.max_inflight,
-                       numa_node=-1 if wcfg.numa_node is None else wcfg.numa_node)
+                       numa_node=-1 if wcfg.numa_node is None else wcfg.numa_node,
+                       secure=lambda sock: secure_worker_socket(sock, node.dispatcher, node.dispatcher.backend))
     warm = {m: wcfg.warmup_sizes for m in wcfg.models if wcfg.warmup_sizes}
     if wcfg.kind != "sim":  # warm every real path before taking traffic (seed pitfall 2: launch jitter)
         rt.warmup(warm)
@@ -70,7 +77,7 @@ def _make_executor(node: NodeConfig, wcfg):
         prefix = f"batchyard-{zlib.crc32(node.dispatcher.backend.encode()):08x}-{wcfg.name}-"
         return TritonExecutor(t.url, dict(t.models), inflight=t.inflight, shm=t.shm, device=t.device,
                               region_prefix=prefix, tensor_names={m: dict(r) for m, r in t.tensor_names.items()},
-                              channel_args=args)
+                              channel_args=args, start_timeout_s=t.start_timeout_s)
     if wcfg.kind == "cuda":
         from .cuda_executors import TorchCudaExecutor
 

@@ -4,6 +4,7 @@ A worker connects a DEALER (identity = its name) to the dispatcher's backend ROU
 registers after warm-up, then runs one batch message at a time. A heartbeat thread with its
 own socket keeps the worker visibly alive while a long batch runs (the model releases the
 GIL); it also relays the dispatcher's "reregister" (e.g. after a dispatcher restart).
+Under systemd (``Type=notify``) the worker sends READY=1 once it has registered.
 """
 
 from __future__ import annotations
@@ -14,25 +15,33 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 import zmq
 
 from batchyard import protocol as P
 from batchyard.protocol import Status
+from batchyard.sd_notify import notify
 from batchyard.shm import SegmentCache
 
 from .batch_io import assemble, check_outputs, read_batch, write_results
 
 log = logging.getLogger("batchyard.worker")
 REGISTER_RETRY_S = 2.0
+HEARTBEAT_QUEUE = 4  # beats held for a dispatcher that is not reading
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, ctx: zmq.Context, backend: str, name: str, interval_s: float):
+    def __init__(self, ctx: zmq.Context, backend: str, name: str, interval_s: float,
+                 secure: Callable[[zmq.Socket], None] = lambda sock: None):
         super().__init__(name=f"heartbeat-{name}", daemon=True)
         self.sock = ctx.socket(zmq.DEALER)
+        secure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, f"{name}#hb".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Beats queued for a dispatcher that is not reading are stale: when it reads again, one
+        # is enough. A small queue makes the send below meet a full queue soon (handled there).
+        self.sock.setsockopt(zmq.SNDHWM, HEARTBEAT_QUEUE)
         self.sock.connect(backend)
         self.msg = P.encode(P.Heartbeat(worker=name))
         self.interval_ms = int(interval_s * 1000)
@@ -42,7 +51,13 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop.is_set():
-                self.sock.send(self.msg, zmq.NOBLOCK)
+                try:
+                    self.sock.send(self.msg, zmq.NOBLOCK)
+                except zmq.Again:
+                    # The queue to a dispatcher that is not reading (stopped, restarting, starved)
+                    # is full: skip this beat. Ending the thread here would leave a healthy
+                    # worker silent for good once the dispatcher reads again.
+                    pass
                 # Waiting on the socket doubles as the heartbeat period.
                 if self.sock.poll(self.interval_ms):
                     msg = P.to_worker_decoder.decode(self.sock.recv())
@@ -56,8 +71,10 @@ class Heartbeat(threading.Thread):
 
 class WorkerRuntime:
     def __init__(self, name: str, backend: str, executor, specs: dict[str, P.ModelSpec],
-                 heartbeat_interval_s: float = 0.2, max_inflight: int = 1, numa_node: int = -1):
+                 heartbeat_interval_s: float = 0.2, max_inflight: int = 1, numa_node: int = -1,
+                 secure: Callable[[zmq.Socket], None] = lambda sock: None):
         self.name = name
+        self.secure = secure  # CURVE keys for a tcp backend (batchyard.transport.secure_worker_socket)
         self.backend = backend
         self.executor = executor
         self.specs = specs
@@ -99,8 +116,9 @@ class WorkerRuntime:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
         sock.setsockopt(zmq.LINGER, 500)
+        self.secure(sock)
         sock.connect(self.backend)
-        hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s)
+        hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s, self.secure)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -132,6 +150,7 @@ class WorkerRuntime:
                 elif type(msg) is P.Registered:
                     if not registered:
                         log.info("worker %s registered with the dispatcher", self.name)
+                        notify("READY=1")  # systemd's Type=notify: taking traffic now
                     registered = True
                     if not hb.is_alive() and not hb.stop.is_set():
                         hb.start()

@@ -11,9 +11,14 @@
   runtime gets completions through its wake-up pipe.
 - Triton's own dynamic batching must be OFF for models we dispatch to (it would re-batch our
   batches and add its queue delay): checked at start from the model config, with a warning.
+- Start: Triton unreachable is retried with back-off until ``start_timeout_s`` (it may be
+  starting too), then ExecutorUnavailable; a model Triton does not have is CannotStart (EX_CONFIG).
 - Outage: a failed call marks the connection down; calls during back-off fail at once with
-  ExecutorUnavailable (the requests get UNAVAILABLE), the next call after it reconnects and
-  re-registers the regions.
+  ExecutorUnavailable (the requests get UNAVAILABLE), the next call after it opens a fresh gRPC
+  channel and re-registers the regions. A fresh channel, because an old one keeps failing for
+  seconds after Triton is back: gRPC's own reconnect back-off (1 s growing by 1.6x) outlasts ours.
+- A completion hands its slot back *before* it reports the batch done: the report lets the
+  dispatcher send the next batch at once, and that batch needs the slot.
 """
 
 from __future__ import annotations
@@ -35,6 +40,23 @@ from .triton_regions import make_region, resolve_kind
 log = logging.getLogger("batchyard.worker")
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.2, 5.0
+START_RETRY_MIN_S, START_RETRY_MAX_S = 0.5, 5.0
+# Statuses that mean "Triton is not there (yet)", not "Triton said no".
+UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+# gRPC's reconnect back-off must not add to ours (see the module docstring); a channel of its own
+# (no shared subchannel) so that a fresh client really opens a fresh connection.
+RECONNECT_ARGS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1))
+
+
+def _channel_args(extra=None) -> list[tuple]:
+    """tritonclient uses its defaults only when given no args at all: keep its message limits."""
+    from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
+
+    args = dict([("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE), *RECONNECT_ARGS])
+    args.update(extra or ())
+    return list(args.items())
 
 
 class _Slot:
@@ -59,10 +81,12 @@ class TritonExecutor:
 
     def __init__(self, url: str, model_names: dict[str, str] | None = None, inflight: int = 2,
                  timeout_s: float = 30.0, shm: str = "auto", device: int = 0, region_prefix: str = "",
-                 tensor_names: dict[str, dict[str, str]] | None = None, channel_args=None):
+                 tensor_names: dict[str, dict[str, str]] | None = None, channel_args=None,
+                 start_timeout_s: float = 60.0, backoff_s: tuple[float, float] = (BACKOFF_MIN_S, BACKOFF_MAX_S)):
         """``shm``: "auto" (CUDA if this worker sees GPU ``device``, else system), "cuda",
         "system", or "none" (tensors in gRPC bodies, for comparison). Raises RegionError when
-        "cuda" cannot work on this host."""
+        "cuda" cannot work on this host. ``start_timeout_s``: how long ``load`` waits for an
+        unreachable Triton; ``backoff_s``: the outage back-off, first and longest."""
         import tritonclient.grpc as grpcclient
 
         self.grpc = grpcclient
@@ -71,17 +95,21 @@ class TritonExecutor:
         self.tensor_names = tensor_names or {}  # model -> {spec tensor: Triton tensor} where they differ
         self.inflight = inflight
         self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.backoff_min_s, self.backoff_max_s = backoff_s
         self.shm_kind = "none" if shm == "none" else resolve_kind(shm, device)
         self.device = device
         self.region_prefix = region_prefix or f"batchyard-{os.getpid()}-"
-        self.channel_args = channel_args
+        self.channel_args = _channel_args(channel_args)
         self.specs: dict[str, ModelSpec] = {}
         self.client = None
+        self._gen = 0  # which client: a failure seen on an older one says nothing about the current
+        self._stale = False  # the current client saw Triton fail: the next attempt opens a fresh one
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._lock = threading.Lock()
         self._down_until = 0.0
-        self._backoff = BACKOFF_MIN_S
+        self._backoff = self.backoff_min_s
         self._registered = False
 
     @property
@@ -89,14 +117,26 @@ class TritonExecutor:
         return self.shm_kind != "none"
 
     # ------------------------------------------------------------------ setup
+    def _connect(self) -> None:
+        old, self.client = self.client, None
+        if old is not None:
+            try:
+                old.close()  # its in-flight calls end CANCELLED; their generation is stale
+            except Exception:
+                pass
+        self.client = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
+        self._gen += 1
+        self._stale = False
+
     def load(self, spec: ModelSpec, factory: str = "") -> None:
         self.specs[spec.name] = spec
-        if self.client is None:
-            self.client = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
-            if self.use_shm:
-                self._unregister_ours()  # what a killed predecessor of this worker left
+        first = self.client is None
+        if first:
+            self._connect()
         name = self.model_names.get(spec.name, spec.name)
-        cfg = self.client.get_model_config(name, client_timeout=self.timeout_s).config
+        cfg = self._model_config(name, spec.name)
+        if first and self.use_shm:
+            self._unregister_ours()  # what a killed predecessor of this worker left
         check = check_model_config(cfg, spec, self.tensor_names.get(spec.name))
         for w in check.warnings:
             log.warning("%s", w)
@@ -106,6 +146,43 @@ class TritonExecutor:
             in_b = max(sum(item_nbytes(t) for t in s.inputs) * s.max_batch for s in self.specs.values())
             out_b = max(sum(item_nbytes(t) for t in s.outputs) * s.max_batch for s in self.specs.values())
             self._make_slots(in_b, out_b)
+
+    def _model_config(self, name: str, spec_name: str):
+        """The Triton model's config. An unreachable Triton may be starting too (or restarting):
+        retried with back-off for ``start_timeout_s``, then ExecutorUnavailable (the worker exits
+        and is restarted). A model Triton does not have is a configuration error: CannotStart."""
+        from tritonclient.utils import InferenceServerException
+
+        deadline = time.monotonic() + self.start_timeout_s
+        delay, attempt = START_RETRY_MIN_S, 1
+        while True:
+            try:
+                return self.client.get_model_config(name, client_timeout=self.timeout_s).config
+            except InferenceServerException as e:
+                if e.status() == "StatusCode.NOT_FOUND":
+                    raise CannotStart(f"Triton at {self.url} has no model {name!r} (for {spec_name!r}); "
+                                      f"it has {self._repository()}. Fix `triton.models` or load the model "
+                                      f"in Triton") from None
+                if e.status() not in UNREACHABLE:
+                    raise CannotStart(f"Triton at {self.url} refused the config of model {name!r}: "
+                                      f"{e.message()}") from None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutorUnavailable(f"Triton at {self.url} still unreachable after {attempt} attempts in "
+                                              f"{self.start_timeout_s:.0f} s: {e.message()}") from None
+                wait = min(delay, left)
+                log.warning("Triton at %s unreachable (attempt %d, %s); again in %.1f s",
+                            self.url, attempt, e.status().removeprefix("StatusCode."), wait)
+                time.sleep(wait)  # a back-off between connection attempts, not synchronisation
+                delay, attempt = min(delay * 2, START_RETRY_MAX_S), attempt + 1
+                self._connect()  # a fresh channel: no gRPC back-off of its own between ours
+
+    def _repository(self) -> str:
+        try:
+            models = self.client.get_model_repository_index(client_timeout=self.timeout_s).models
+        except Exception:
+            return "a repository it did not list"
+        return ", ".join(f"{m.name} ({m.state or 'not loaded'})" for m in models) or "no models"
 
     def _make_slots(self, in_bytes: int, out_bytes: int) -> None:
         if self._slots and self._slots[0].inp.size >= in_bytes and self._slots[0].out.size >= out_bytes:
@@ -139,25 +216,30 @@ class TritonExecutor:
             log.info("unregistered Triton region %r left from before", name)
 
     def _ensure_up(self) -> None:
-        """Fail fast during back-off; after it, reconnect and re-register the regions."""
+        """Fail fast during back-off; after it, reconnect on a fresh channel and re-register."""
         now = time.monotonic()
         if now < self._down_until:
             raise ExecutorUnavailable(f"Triton at {self.url} is unreachable; retrying in "
                                       f"{self._down_until - now:.1f} s")
-        if not self._registered and self._slots:
+        if self._stale:
             try:
-                self._unregister_ours()  # a restarted Triton has none; a reachable one may
-                self._register_slots()
-                log.info("reconnected to Triton at %s; shared-memory regions registered again", self.url)
+                self._connect()
+                if self._slots:
+                    self._unregister_ours()  # a restarted Triton has none; a reachable one may
+                    self._register_slots()
+                log.info("reconnected to Triton at %s", self.url)
             except Exception as e:
-                self._mark_down(e)
+                raise self._mark_down(e, self._gen) from None
 
-    def _mark_down(self, err: Exception) -> None:
-        self._registered = False
-        self._down_until = time.monotonic() + self._backoff
-        log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, err, self._backoff)
-        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
-        raise ExecutorUnavailable(f"Triton at {self.url} is unavailable: {err}") from None
+    def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
+        """Record a failure of client ``gen``; returns the error the batch gets."""
+        msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
+        if gen == self._gen and not self._stale:
+            self._stale, self._registered = True, False
+            self._down_until = time.monotonic() + self._backoff
+            log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, msg, self._backoff)
+            self._backoff = min(self.backoff_max_s, self._backoff * 2)
+        return ExecutorUnavailable(f"Triton at {self.url} is unavailable: {msg}")
 
     # ------------------------------------------------------------------ running
     def _prepare(self, model: str, inputs: dict[str, np.ndarray], slot: _Slot | None):
@@ -205,58 +287,64 @@ class TritonExecutor:
         slot = self._take_slot()
         try:
             name, ti, to, layout, n = self._prepare(model, inputs, slot)
+            gen = self._gen
             try:
                 res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
             except Exception as e:
-                self._mark_down(e)
-            self._backoff = BACKOFF_MIN_S
+                raise self._mark_down(e, gen) from None
+            self._backoff = self.backoff_min_s
             return self._read(res, layout, n, slot)
         finally:
             self._give_slot(slot)
 
     def submit(self, model: str, inputs: dict[str, np.ndarray], done) -> None:
-        """Asynchronous path: ``done(outputs_or_exception, compute_us)`` runs on a gRPC thread."""
+        """Asynchronous path: ``done(outputs_or_exception, compute_us)`` runs on a gRPC thread
+        (or on this one, for a batch that fails before it leaves). Never raises."""
         try:
             self._ensure_up()
+            slot = self._take_slot()
         except ExecutorUnavailable as e:
             done(e, 0)
             return
-        slot = self._take_slot()
-        name, ti, to, layout, n = self._prepare(model, inputs, slot)
+        try:
+            name, ti, to, layout, n = self._prepare(model, inputs, slot)
+        except Exception as e:
+            self._give_slot(slot)
+            done(e, 0)
+            return
+        gen = self._gen
         t0 = time.perf_counter()
 
         def callback(result, error):
             us = int((time.perf_counter() - t0) * 1e6)
             try:
                 if error is not None:
-                    try:
-                        self._mark_down(error)
-                    except ExecutorUnavailable as e:
-                        done(e, 0)
-                    return
-                self._backoff = BACKOFF_MIN_S
-                done(self._read(result, layout, n, slot), us)
+                    outcome, us = self._mark_down(error, gen), 0
+                else:
+                    self._backoff = self.backoff_min_s
+                    outcome = self._read(result, layout, n, slot)  # a copy: the slot is free after it
             except Exception as e:  # never let an exception die silently on a gRPC thread
-                done(e, 0)
+                outcome, us = e, 0
             finally:
+                # Back before done(): done() lets the runtime answer the dispatcher, whose next
+                # batch may reach submit() before this thread runs again, and needs this slot.
                 self._give_slot(slot)
+            done(outcome, us)
 
         try:
             self.client.async_infer(name, ti, callback, outputs=to, client_timeout=self.timeout_s)
         except Exception as e:
             self._give_slot(slot)
-            try:
-                self._mark_down(e)
-            except ExecutorUnavailable as ue:
-                done(ue, 0)
+            done(self._mark_down(e, gen), 0)
 
     def _take_slot(self) -> _Slot | None:
         if not self.use_shm:
             return None
         with self._lock:
             if not self._free:
-                # The dispatcher sends at most max_inflight batches; more means a bug upstream.
-                raise RuntimeError("more batches in flight than shared-memory slots")
+                # The dispatcher sends at most `inflight` batches; more (a dispatcher that lost
+                # count, e.g. after its restart) fails this batch, never the worker.
+                raise ExecutorUnavailable(f"all {len(self._slots)} shared-memory slots of this worker are in use")
             return self._free.pop()
 
     def _give_slot(self, slot: _Slot | None) -> None:

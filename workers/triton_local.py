@@ -7,13 +7,25 @@ The wheel ships ``tritonserver`` (2.51) and the python backend. Started standalo
   ``nvidia_pytriton.libs`` (without them the stub cannot start and model load hangs instead
   of failing, hence the readiness deadline);
 - our virtualenv's site-packages on the stub's ``PYTHONPATH`` (models import numpy/torch).
-Killed hard, the python backend leaves ``/dev/shm`` regions and temp folders behind;
-``stop()`` terminates gently, then removes what the server owned.
+Process ownership (``batchyard triton-local`` runs it as a service):
+- the server runs in its own process group (its python-backend stubs inherit it) and gets
+  SIGTERM when the process that started it dies, however it dies (PR_SET_PDEATHSIG);
+- ``stop()`` terminates the server gently, then SIGKILLs whatever is left of its group (a
+  crashed server's stubs) while the server is still an unreaped zombie, so the group id cannot
+  have been reused, and removes the ``/dev/shm`` regions of *this* server only: their names carry
+  a per-instance prefix (the python backend's ``shm-region-prefix-name``);
+- ``serve()`` runs until SIGTERM/SIGINT (also during start-up) or until the server exits by itself,
+  then returns its exit status. It makes its process a child subreaper, so that the stubs of a
+  server that crashed are reparented to it rather than to pid 1, and reaps them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import secrets
+import select
 import shutil
 import signal
 import socket
@@ -23,6 +35,33 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+log = logging.getLogger("batchyard.triton")
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+EXIT_TIMEOUT_S = 10  # tritonserver's own grace period on SIGTERM; stop() waits longer than this
+
+
+class ServerExited(RuntimeError):
+    def __init__(self, returncode: int, message: str):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+class _StopRequested(BaseException):
+    """SIGTERM/SIGINT in serve(): unwinds whatever it interrupts (start-up included) to the cleanup."""
+
+
+def exit_status(returncode: int) -> int:
+    """A child's Popen returncode as a shell would report it (-N: killed by signal N -> 128+N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _die_with_parent(parent: int) -> None:
+    """Runs in the server between fork and exec: SIGTERM when we die, and an unblocked mask."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    if os.getppid() != parent:  # we died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -64,7 +103,9 @@ class TritonLocal:
         self.models = models  # load only these (explicit model control); None: the whole repository
         self.proc: subprocess.Popen | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="by-triton-"))
-        self._shm_before: set[str] = set()
+        # The python backend names its /dev/shm regions <prefix><uuid>: ours alone start with this.
+        self.shm_prefix = f"by_triton_{os.getpid()}_{secrets.token_hex(4)}_"
+        self._reaper = False  # serve(): stubs orphaned by a crashed server become our children
 
     @property
     def grpc_url(self) -> str:
@@ -99,19 +140,23 @@ class TritonLocal:
     def start(self, ready_timeout_s: float = 60.0) -> "TritonLocal":
         if self.stub_site is None:
             self.stub_site = default_stub_site()
-        self._shm_before = set(os.listdir("/dev/shm"))
         cmd = [str(pytriton_root() / "bin" / "tritonserver"),
                f"--model-repository={self.repo}", f"--backend-directory={self._backend_dir()}",
                f"--grpc-port={self.grpc_port}", f"--http-port={self.http_port}",
                f"--metrics-port={self.metrics_port}", "--allow-metrics=true",
                f"--log-verbose={self.log_verbose}", "--exit-on-error=true", "--strict-readiness=true",
                # CPU-only host: no pinned or CUDA pools (the python backend then returned empty outputs).
-               "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+               "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+               f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
         if self.models is not None:
             cmd += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in self.models]
-        log = open(self.workdir / "tritonserver.log", "wb")
-        self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=self.stub_site)
+        parent = os.getpid()
+        with open(self.workdir / "tritonserver.log", "wb") as out:
+            self.proc = subprocess.Popen(cmd, env=self._env(), stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=self.stub_site,
+                                         preexec_fn=lambda: _die_with_parent(parent))
+        log.info("tritonserver pid %d starting (log %s)", self.proc.pid, self.workdir / "tritonserver.log")
         self.wait_ready(ready_timeout_s)
         return self
 
@@ -122,8 +167,10 @@ class TritonLocal:
         client = grpcclient.InferenceServerClient(self.grpc_url)
         try:
             while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if self._wait_exit(0):
+                    self._end()
+                    raise ServerExited(self.proc.returncode,
+                                       f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
                 try:
                     if client.is_server_ready(client_timeout=1.0):
                         return
@@ -142,26 +189,86 @@ class TritonLocal:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL (to test outages); stop() still cleans up afterwards."""
+        """SIGKILL the server and its stubs (to test outages); stop() still cleans up afterwards."""
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+    def _wait_exit(self, timeout_s: float | None) -> bool:
+        """Until the server has exited (True) or ``timeout_s`` passed. Leaves it unreaped."""
+        try:
+            fd = os.pidfd_open(self.proc.pid)
+        except ProcessLookupError:  # already reaped
+            return True
+        try:
+            return bool(select.select([fd], [], [], timeout_s)[0])
+        finally:
+            os.close(fd)
+
+    def _end(self) -> None:
+        """The server has exited: SIGKILL what is left of its group (stubs of a crashed server;
+        the unreaped server still holds the group id), then reap it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        while self._reaper:  # those stubs: gone for good once reaped, not zombies of pid 1's
             try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        # The python backend's own regions (named after the server, not ours) left by a kill.
-        for name in set(os.listdir("/dev/shm")) - self._shm_before:
-            if name.startswith(("triton_python_backend_shm_region", "pb_")) or "triton" in name:
+                os.waitpid(-self.proc.pid, 0)
+            except ChildProcessError:
+                break
+
+    def stop(self, timeout_s: float = 2.0 * EXIT_TIMEOUT_S) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            if not self._wait_exit(0):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                if not self._wait_exit(timeout_s):
+                    log.warning("tritonserver pid %d ignored SIGTERM for %.0f s: SIGKILL", self.proc.pid, timeout_s)
+            self._end()
+        # Regions the python backend leaves when the server or a stub is killed: ours alone.
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(self.shm_prefix):
                 try:
                     os.unlink(os.path.join("/dev/shm", name))
                 except OSError:
                     pass
+
+    def serve(self, ready_timeout_s: float = 120.0) -> int:
+        """``batchyard triton-local``: start, then run until SIGTERM/SIGINT (returns 0) or until
+        the server exits by itself (returns its exit status; 1 if that was 0: it was not asked
+        to). Either way the server, its stubs and its regions are gone on return."""
+        def stop_requested(signum, _frame):
+            raise _StopRequested(signum)
+
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a process-wide setting: this command only
+        self._reaper = True
+        handlers = {s: signal.signal(s, stop_requested) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            try:
+                self.start(ready_timeout_s)
+                print(f"tritonserver ready: gRPC {self.grpc_url}, metrics "
+                      f"http://127.0.0.1:{self.metrics_port}/metrics", flush=True)
+                self._wait_exit(None)
+                self._end()
+                rc = exit_status(self.proc.returncode)
+                log.error("tritonserver exited by itself with %d; last lines of its log:\n%s", rc, self.log_tail(20))
+                return rc or 1
+            except ServerExited as e:
+                log.error("%s", e)
+                return exit_status(e.returncode) or 1
+            except TimeoutError as e:
+                log.error("%s", e)
+                return 1
+            except _StopRequested as e:
+                log.info("%s: stopping tritonserver", signal.Signals(e.args[0]).name)
+                return 0
+        finally:
+            for s in handlers:  # a second signal must not cut the cleanup short
+                signal.signal(s, signal.SIG_IGN)
+            self.close()
+            for s, h in handlers.items():
+                signal.signal(s, h)
 
     def close(self) -> None:
         self.stop()
