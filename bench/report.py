@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchyard.protocol import Status
+
+if TYPE_CHECKING:  # harness imports this module: no cycle at run time
+    from .harness import Report
 
 
 def percentiles_ms(latency_us, qs=(50, 90, 99)) -> dict[float, float]:

@@ -28,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from typing import Optional
 
 import zmq
 
 from . import protocol as P
-from . import transport
+from . import status_report, transport
 from .config import DispatcherConfig
 from .core import Batch, Rejected, RequestCore
 from .cost_model import CostCurve
@@ -359,35 +358,7 @@ class Dispatcher:
             self.core.add_status_waiter((identity, msg.id), msg.min_registrations, now + msg.wait_us / 1e6)
 
     def _on_shm_register(self, msg, identity: bytes) -> None:
-        status, why, challenge = Status.OK, "", b""
-        if not self.shm_allowed:
-            status, why = Status.PERMISSION_DENIED, "shared memory is refused on a tcp endpoint"
-        elif type(msg) is P.ShmUnregisterRequest:
-            self.grants.revoke(identity, msg.segment)
-        elif msg.proved:
-            why = self.grants.prove(identity, msg.segment)
-        else:
-            challenge, why = self.grants.challenge(identity, msg.segment)
-            challenge = challenge or b""
-        if why:
-            status = Status.PERMISSION_DENIED
-        self._reply(identity, P.encode(P.ShmReply(v=P.PROTOCOL_VERSION, id=msg.id, status=status, message=why,
-                                                  challenge=challenge)))
-
-    def _shm_denied(self, msg: P.InferRequest, identity: bytes) -> str:
-        """Why ``msg`` may not use the shared memory it names ("" when it may)."""
-        if not self.shm_allowed:
-            return ("shared-memory references are refused on a tcp endpoint (they name files on the "
-                    "dispatcher's host); send tensors inline, or set [dispatcher] allow_shm_over_tcp "
-                    "on a trusted network")
-        allows = self.grants.allows
-        for ref in msg.inputs:
-            if ref.shm is not None and not allows(identity, ref.shm.segment):
-                return f"input {ref.name!r}: segment {ref.shm.segment!r} is not registered on this connection"
-        for name, ref in msg.outputs.items():
-            if not allows(identity, ref.segment):
-                return f"output {name!r}: segment {ref.segment!r} is not registered on this connection"
-        return ""
+        self._reply(identity, P.encode(self.grants.answer(msg, identity, self.shm_allowed)))
 
     def _unknown_model(self, model: str) -> str:
         return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs)}"
@@ -402,7 +373,7 @@ class Dispatcher:
             self._reject(identity, msg, Status.UNKNOWN_MODEL, self._unknown_model(msg.model))
             return
         if msg.outputs or any(ref.shm is not None for ref in msg.inputs):
-            denied = self._shm_denied(msg, identity)
+            denied = self.grants.denied(msg, identity, self.shm_allowed)
             if denied:
                 self._reject(identity, msg, Status.PERMISSION_DENIED, denied)
                 return
@@ -419,26 +390,7 @@ class Dispatcher:
 
     def _answer_status_waiters(self, now: float) -> None:
         for identity, rid in self.core.due_status_waiters(now):
-            self._reply(identity, P.encode(self._status(rid)))
-
-    def _status(self, rid: int) -> P.StatusReply:
-        workers = [P.WorkerInfo(name=w.name, pid=w.pid, path=w.path, models=list(w.models),
-                                inflight=w.inflight, simulated=w.simulated)
-                   for w in self.state.workers.values()]
-        now = _now()
-        core = self.core
-        return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK, registrations=core.registrations,
-                             dispatcher_pid=os.getpid(), queued=self.state.queued_requests(),
-                             workers=workers, models=sorted(self.specs), policy=self.policy.name,
-                             curves=self._curves(),
-                             arrival_rate={m: round(self.state.arrival(m).rate(now), 2) for m in self.specs},
-                             decisions=dict(core.decisions), decision_lateness=self.lateness.quantiles_us())
-
-    def _curves(self) -> dict:
-        # NaN is not JSON and MessagePack readers choke on it: an unknown value is None.
-        return {f"{m}/{p}": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                             for k, v in c.describe().items()}
-                for (m, p), c in self.state.costs.items()}
+            self._reply(identity, P.encode(status_report.status_reply(self, rid)))
 
     # ------------------------------------------------------------------ 4. workers out
     def _send_to_worker(self, batch: Batch, now: float) -> None:
@@ -491,12 +443,7 @@ class Dispatcher:
             log.debug("reply to vanished client dropped: %s", e)
 
     def render_metrics(self) -> str:
-        now = _now()
-        pending = {m: 0 for m in self.specs}
-        pending.update(self.core.pending_by_model())
-        return self.metrics.render(pending, self.core.decisions,
-                                   {f"{m}/{p}": c.describe() for (m, p), c in self.state.costs.items()},
-                                   {m: round(self.state.arrival(m).rate(now), 3) for m in self.specs})
+        return status_report.render_metrics(self)
 
 
 def _reason(status: int) -> str:

@@ -18,6 +18,12 @@ import os
 import secrets
 from typing import Optional
 
+from . import protocol as P
+from .protocol import Status
+
+TCP_REFUSAL = ("shared-memory references are refused on a tcp endpoint (they name files on the dispatcher's "
+               "host); send tensors inline, or set [dispatcher] allow_shm_over_tcp on a trusted network")
+
 SHM_DIR = "/dev/shm"
 CHALLENGE_BYTES = 16
 
@@ -66,6 +72,33 @@ class ShmGrants:
     def allows(self, identity: bytes, segment: str) -> bool:
         segs = self.granted.get(identity)
         return segs is not None and segment in segs
+
+    def answer(self, msg, identity: bytes, shm_allowed: bool) -> P.ShmReply:
+        """The reply to a ``shm_register`` (either step) or ``shm_unregister``."""
+        why, challenge = "", b""
+        if not shm_allowed:
+            why = TCP_REFUSAL
+        elif type(msg) is P.ShmUnregisterRequest:
+            self.revoke(identity, msg.segment)
+        elif msg.proved:
+            why = self.prove(identity, msg.segment)
+        else:
+            c, why = self.challenge(identity, msg.segment)
+            challenge = c or b""
+        return P.ShmReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.PERMISSION_DENIED if why else Status.OK,
+                          message=why, challenge=challenge)
+
+    def denied(self, msg: P.InferRequest, identity: bytes, shm_allowed: bool) -> str:
+        """Why ``msg`` may not use the shared memory it names ("" when it may)."""
+        if not shm_allowed:
+            return TCP_REFUSAL
+        for ref in msg.inputs:
+            if ref.shm is not None and not self.allows(identity, ref.shm.segment):
+                return f"input {ref.name!r}: segment {ref.shm.segment!r} is not registered on this connection"
+        for name, ref in msg.outputs.items():
+            if not self.allows(identity, ref.segment):
+                return f"output {name!r}: segment {ref.segment!r} is not registered on this connection"
+        return ""
 
     def sweep(self) -> None:
         """Forget grants for segments that no longer exist (their owner unlinked them)."""

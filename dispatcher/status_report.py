@@ -1,0 +1,41 @@
+"""What the dispatcher says about itself: the status reply (docs/protocol.md, `status` reply)
+and the Prometheus exposition's scrape-time state. Read-only views of a running Dispatcher."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from . import protocol as P
+from .protocol import Status
+
+
+def curves(d) -> dict:
+    """Learned cost curves by "model/path". NaN is not JSON and MessagePack readers choke on it:
+    an unknown value is None."""
+    return {f"{m}/{p}": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                         for k, v in c.describe().items()}
+            for (m, p), c in d.state.costs.items()}
+
+
+def status_reply(d, rid: int) -> P.StatusReply:
+    workers = [P.WorkerInfo(name=w.name, pid=w.pid, path=w.path, models=list(w.models),
+                            inflight=w.inflight, simulated=w.simulated)
+               for w in d.state.workers.values()]
+    now = time.monotonic()
+    core = d.core
+    return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK, registrations=core.registrations,
+                         dispatcher_pid=os.getpid(), queued=d.state.queued_requests(),
+                         workers=workers, models=sorted(d.specs), policy=core.policy.name, curves=curves(d),
+                         arrival_rate={m: round(d.state.arrival(m).rate(now), 2) for m in d.specs},
+                         decisions=dict(core.decisions), decision_lateness=d.lateness.quantiles_us())
+
+
+def render_metrics(d) -> str:
+    now = time.monotonic()
+    pending = {m: 0 for m in d.specs}
+    pending.update(d.core.pending_by_model())
+    return d.metrics.render(pending, d.core.decisions,
+                            {f"{m}/{p}": c.describe() for (m, p), c in d.state.costs.items()},
+                            {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs})
