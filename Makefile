@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean llm-env test-llm
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,25 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m batchyard.bench.dispatch_bench
+
+# vLLM's CPU build lives in its own virtualenv: it pins transformers < 5.20, the project venv has newer.
+LLM_VENV := .venv-llm
+LLM_STAMP := $(LLM_VENV)/.installed
+
+$(LLM_STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(LLM_VENV)
+	$(LLM_VENV)/bin/python -m pip install -q --upgrade pip
+	# torch pinned in the same command so pip takes the local CPU wheel, not a CUDA one.
+	$(LLM_VENV)/bin/python -m pip install -q -e '.[llm,test]' 'torch==2.13.0'
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' Llama loading;
+	# text models need none of them.
+	$(LLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(LLM_STAMP)
+
+llm-env: $(LLM_STAMP)
+
+test-llm: $(LLM_STAMP)
+	$(LLM_VENV)/bin/python -m pytest -m llm tests/test_llm_kv.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
