@@ -60,7 +60,7 @@ class AsyncClient(CodecAccess):
     def _on_monitor(self) -> None:
         why = connection_lost(self._monitor) if not self.closed else ""
         if why:
-            self._codec.fail_all(lambda: lost_error(self.address, why))
+            self._codec.connection_lost(lambda: lost_error(self.address, why))
 
     def _drain(self) -> None:
         while not self.closed:

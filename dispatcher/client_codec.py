@@ -208,9 +208,17 @@ class ClientCodec:
         except P.DecodeError:
             return  # not ours to crash over; the request will time out with a clear message
         pend = self.pending.pop(msg.id, None) if msg.id is not None else None
-        if pend is None:
+        if pend is None:  # a late reply, or the release of an answered request's batch
+            if type(msg) is P.InferReply and msg.in_flight:
+                return  # still running: its `release` frees the regions
             for region in self.late.pop(msg.id, None) or ():
                 self.free(region)
+            return
+        if type(msg) is P.InferReply and msg.in_flight:
+            # Answered while its batch still runs: the worker may yet read the inputs and write
+            # the outputs, so the regions stay reserved until the dispatcher's `release`.
+            self.late[msg.id] = [*pend.regions, *pend.outputs.values()]
+            pend.resolve(error_for(msg.status, msg.message))
             return
         for region in pend.regions:
             self.free(region)
@@ -258,6 +266,18 @@ class ClientCodec:
         for pend in pending.values():
             for region in (*pend.regions, *pend.outputs.values()):
                 self.free(region)
+            pend.resolve(error_factory())
+
+    def connection_lost(self, error_factory: Callable[[], BaseException]) -> None:
+        """The connection to the dispatcher is gone: every request in flight fails now, but its
+        regions stay reserved (``late``) — a worker of the old dispatcher may still be running
+        its batch, and a request still queued in ZeroMQ's pipe may yet be delivered after the
+        reconnect. A new connection has no shared-memory grants: they are asked for again."""
+        pending, self.pending = self.pending, {}
+        self.granted.clear()
+        for rid, pend in pending.items():
+            if pend.regions or pend.outputs:
+                self.late[rid] = [*pend.regions, *pend.outputs.values()]
             pend.resolve(error_factory())
 
 

@@ -133,7 +133,7 @@ class SocketThread:
                 if self._monitor in events:
                     why = connection_lost(self._monitor)
                     if why:
-                        self._codec.fail_all(lambda: lost_error(self._codec.address, why))
+                        self._codec.connection_lost(lambda: lost_error(self._codec.address, why))
                 self._expire()
                 poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
         except BaseException as e:  # a bug here must not leave callers waiting forever

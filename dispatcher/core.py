@@ -191,6 +191,7 @@ class RequestCore:
         """End ``req`` with an error, once (later calls are ignored)."""
         if req.state == DONE:
             return
+        req.answered_in_flight = req.state == INFLIGHT
         req.state = DONE
         self.requests.pop(req.seq, None)
         if req.client is not None:

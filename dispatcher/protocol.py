@@ -162,6 +162,17 @@ class InferReply(msgspec.Struct, tag="result", tag_field="type", omit_defaults=T
     message: str = ""
     outputs: list[TensorRef] = []
     timing: Optional[Timing] = None
+    # True on an error reply sent while the request's batch was still running (its deadline
+    # passed): the worker may still read its input regions and write its output regions until
+    # a `release` with this id arrives. The client must not reuse that memory before then.
+    in_flight: bool = False
+
+
+class Release(msgspec.Struct, tag="release", tag_field="type"):
+    """The batch of a request answered with ``in_flight`` has ended: its regions are free."""
+
+    v: int
+    id: int
 
 
 class ModelInfoReply(msgspec.Struct, tag="model_info", tag_field="type", omit_defaults=True):
@@ -206,7 +217,7 @@ class ShmReply(msgspec.Struct, tag="shm", tag_field="type", omit_defaults=True):
     challenge: bytes = b""
 
 
-ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply]
+ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release]
 
 
 # ---------------------------------------------------------------- worker <-> dispatcher
@@ -304,5 +315,5 @@ def salvage_id(raw: bytes) -> Optional[int]:
     return None
 
 
-def error_reply(rid: Optional[int], status: Status, message: str) -> bytes:
-    return encode(InferReply(v=PROTOCOL_VERSION, id=rid, status=int(status), message=message))
+def error_reply(rid: Optional[int], status: Status, message: str, in_flight: bool = False) -> bytes:
+    return encode(InferReply(v=PROTOCOL_VERSION, id=rid, status=int(status), message=message, in_flight=in_flight))

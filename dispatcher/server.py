@@ -301,6 +301,7 @@ class Dispatcher:
         for req in batch.requests:
             if req.state != QUEUED:  # not the ones just queued again for another worker
                 self.core.fail(req, Status.INTERNAL, f"worker {msg.worker} returned no result for this request")
+        self._release(batch.requests)
 
     # ------------------------------------------------------------------ 2. clients
     def _recv_from_clients(self, now: float) -> None:
@@ -425,7 +426,21 @@ class Dispatcher:
                 log.info("unlinked orphaned shared memory %s (owner process is gone)", name)
             self.grants.sweep()
 
+    def _release(self, requests) -> None:
+        """Their batch has ended: tell the clients answered while it ran that their shared
+        memory is no longer touched."""
+        for req in requests:
+            if req.answered_in_flight:
+                req.answered_in_flight = False
+                self._reply(req.client, P.encode(P.Release(v=P.PROTOCOL_VERSION, id=req.req_id)))
+
     def _worker_lost(self, name: str, reason: str, now: float) -> None:
+        # Gone for sure (stopped, restarted, connection closed): it touches no memory any more.
+        # (A worker only silent past worker_dead_after_s may be alive: no release then; the
+        # clients keep those regions reserved.)
+        for b in list(self.core.batches.values()):
+            if b.worker.name == name:
+                self._release(b.requests)
         w = self.core.worker_lost(name, reason, now)
         if w is not None:
             log.log(logging.INFO if reason == "worker stopped" else logging.WARNING,
@@ -434,7 +449,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ replies
     def _on_fail(self, req: Request, status: Status, message: str) -> None:
         self.metrics.request_failed(req.model, _reason(status))
-        self._reply(req.client, P.error_reply(req.req_id, status, message))
+        self._reply(req.client, P.error_reply(req.req_id, status, message, req.answered_in_flight))
 
     def _reply(self, identity: bytes, header: bytes) -> None:
         try:

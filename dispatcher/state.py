@@ -19,7 +19,7 @@ N_PRIORITIES = 3
 
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "arrival", "deadline", "state",
-                 "retries", "dispatched_at", "client", "req_id", "frames", "batch_id")
+                 "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight")
 
     def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
                  deadline: float, client: Any = None, req_id: int = 0,
@@ -37,6 +37,9 @@ class Request:
         self.req_id = req_id
         self.frames = frames  # [client header, *payload frames], forwarded to the worker untouched
         self.batch_id = -1
+        # Failed while its batch ran: the worker may still touch its client's shared memory
+        # until the batch ends, when the client gets a `release` (docs/protocol.md).
+        self.answered_in_flight = False
 
 
 class ModelQueue:

@@ -17,7 +17,7 @@ from batchyard.client import Client
 from batchyard.config import DispatcherConfig, NodeConfig, to_toml
 from batchyard.errors import Unavailable
 
-from conftest import ROOT, SUM_MODEL, sim_worker
+from conftest import BIG_MODEL, ROOT, SUM_MODEL, sim_worker
 
 
 @pytest.fixture
@@ -40,13 +40,15 @@ def start(procs, config: Path, *args) -> subprocess.Popen:
 def test_a_dead_dispatcher_fails_requests_in_flight_fast_and_the_client_reconnects(run_dir, processes):
     node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
                                        heartbeat_interval_s=0.1, worker_dead_after_s=2.0),
-                      (SUM_MODEL,), (sim_worker("slow", models=("sum",), launch_us=3_000_000.0),)).validate()
+                      (SUM_MODEL, BIG_MODEL), (sim_worker("slow", launch_us=3_000_000.0),)).validate()
     config = Path(run_dir) / "node.toml"
     config.write_text(to_toml(node))
     dispatcher = start(processes, config, "dispatcher")
     start(processes, config, "worker", "--name", "slow")
     with Client(node.dispatcher.frontend) as c:
         assert c.status(min_registrations=1, wait=120).registrations == 1
+        big = np.ones((1, 256, 1024), np.float32)  # through shared memory: needs the connection's grant
+        assert c.infer("big", {"x": big}, timeout=30)["y"].shape == (1, 256, 1024)
         fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=60)
         c.status()  # the request has reached the dispatcher (status replies follow it)
         t0 = time.monotonic()
@@ -57,3 +59,5 @@ def test_a_dead_dispatcher_fails_requests_in_flight_fast_and_the_client_reconnec
         start(processes, config, "dispatcher")  # a new dispatcher on the same address
         assert c.status(min_registrations=1, wait=60, timeout=30).registrations >= 1  # worker re-registered
         assert c.infer("sum", {"x": np.full((1, 4), 2, np.float32)}, timeout=30)["y"].tolist() == [[8.0, 8.0]]
+        # The new dispatcher knows no grants: the client registers its segments again by itself.
+        assert c.infer("big", {"x": big}, timeout=30)["y"].shape == (1, 256, 1024)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import msgspec
 import numpy as np
@@ -345,3 +346,23 @@ def test_status_shows_learned_curves_and_arrival_rate(start_node):
     out = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--address", node.address],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '"sum/gpu"' in out.stdout
+
+
+def test_memory_of_a_request_answered_while_its_batch_runs_is_not_reused_until_released(start_node):
+    """Its deadline passes while the worker runs it: the client gets DEADLINE_EXCEEDED at once,
+    but the worker still writes the output region afterwards; that region must not be handed
+    out again before the dispatcher's `release`."""
+    node = start_node([sim_worker("slow", launch_us=300_000.0)])
+    with node.client() as c:
+        x = np.full((1, 256, 1024), 111, np.float32)
+        with pytest.raises(DeadlineExceeded, match="while its batch was running"):
+            c.infer("big", {"x": x}, timeout=0.1)
+        fresh = [c.alloc_array((1, 256, 1024), np.float32) for _ in range(3)]
+        for a in fresh:
+            a[...] = -1
+        deadline = time.monotonic() + 10
+        while c.status().workers[0].inflight and time.monotonic() < deadline:  # until the batch has ended
+            c.status(wait=0.02, min_registrations=10**6)
+        assert all((a == -1).all() for a in fresh), "the worker wrote into memory handed out again"
+        # The release came before that status reply (same connection, in order): all is free now.
+        assert not c._codec.late, "no release for the answered request's regions"
