@@ -66,7 +66,7 @@ class _ReplyWatch:
     def __init__(self, codec):
         self.codec = codec
         self.seen: set[int] = set()
-        self.duplicates = self.late = 0
+        self.duplicates = self.late = self.releases = 0
         self.unmatched: list[tuple] = []  # (id, status, message, when)
         self._orig = codec.on_reply
         codec.on_reply = self.on_reply  # the I/O thread looks it up on the instance
@@ -76,8 +76,10 @@ class _ReplyWatch:
             msg = P.reply_decoder.decode(frames[0])
             rid = msg.id
         except P.DecodeError:
-            rid = None
-        if rid is not None:
+            msg, rid = None, None
+        if type(msg) is P.Release:
+            self.releases += 1  # the second message for an id answered in flight: expected
+        elif rid is not None:
             if rid in self.seen:
                 self.duplicates += 1
             elif rid not in self.codec.pending:

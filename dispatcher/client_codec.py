@@ -294,7 +294,7 @@ _LOST = {zmq.EVENT_DISCONNECTED: "lost the connection to the dispatcher",
 
 
 def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes] = None,
-                curve_keys: Optional[tuple[bytes, bytes]] = None) -> tuple[zmq.Socket, zmq.Socket]:
+                curve_keys: Optional[tuple[bytes, bytes]] = None, immediate: bool = False) -> tuple[zmq.Socket, zmq.Socket]:
     """The client's DEALER socket, connected, and a PAIR socket that receives its
     disconnection events; the same settings for both clients. ``curve_server_key`` (z85) and
     ``curve_keys`` (public, secret; from ``batchyard keygen``) for a CURVE-secured tcp endpoint."""
@@ -304,6 +304,10 @@ def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    # ZMQ_IMMEDIATE (the sync client, whose I/O thread keeps refused sends itself): nothing is
+    # queued into a connection that is not up, and what sat in a connection that broke is
+    # dropped with it, so a request failed as "lost the connection" is not delivered later.
+    sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     if curve_server_key:
         if curve_keys is None:
             curve_keys = zmq.curve_keypair()  # encryption with a throw-away identity

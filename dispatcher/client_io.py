@@ -58,7 +58,10 @@ class SocketThread:
         self._monitor = monitor
         self._own_ctx = own_ctx
         self._inbox: collections.deque = collections.deque()
-        self._outbox: collections.deque = collections.deque()  # frames the socket refused for now (HWM)
+        # (request id or None, frames) the socket refused for now: over the high-water mark, or
+        # no connection (the socket is ZMQ_IMMEDIATE). A request failed or expired meanwhile is
+        # not sent any more: "failed" must not turn into "ran after all".
+        self._outbox: collections.deque = collections.deque()
         self._deadlines: list[tuple[float, int]] = []  # heap of (monotonic deadline, request id)
         # Held only around "still open?" + append + wake, so nothing is queued behind the stop
         # marker and nobody writes to the eventfd after the thread closed it.
@@ -151,18 +154,23 @@ class SocketThread:
             if op == _SEND:
                 codec.pending[rid] = pend  # before it is sent: the reply must find it
                 heapq.heappush(self._deadlines, (deadline, rid))
-                self._outbox.append(frames)
+                self._outbox.append((rid, frames))
             elif op == _CANCEL:
                 if rid in codec.pending:
-                    self._outbox.append([codec.encode_cancel(rid)])
+                    self._outbox.append((None, [codec.encode_cancel(rid)]))
             else:
                 return False
         return True
 
     def _flush(self) -> None:
+        pending = self._codec.pending
         while self._outbox:
+            rid, frames = self._outbox[0]
+            if rid is not None and rid not in pending:
+                self._outbox.popleft()
+                continue
             try:
-                self._sock.send_multipart(self._outbox[0], flags=zmq.NOBLOCK, copy=False)
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return  # over the high-water mark: POLLOUT tells us when to go on
             self._outbox.popleft()
