@@ -7,7 +7,7 @@ import math
 import pytest
 
 from batchyard.cost_model import ArrivalRate, CostCurve
-from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible
+from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible, plan
 from batchyard.state import Request, SchedulerState, WorkerState
 
 MS = 1e-3
@@ -63,11 +63,44 @@ def test_large_queue_goes_to_gpu_at_once():
     assert ("gpu", 40) in paths(d) or paths(d)[-1][0] == "gpu"
 
 
-def test_busy_gpu_lets_the_batch_keep_growing():
+def test_busy_gpu_gets_the_tail_and_the_free_cpu_the_head():
+    # The old rule sent the whole batch to the busy GPU (0.65 ms for all 20) and left the CPU
+    # idle. Now the free CPU serves the head at once, one request after another (a CPU batch
+    # amortises nothing: it would only make its first request wait for its last), and the
+    # rest waits for the GPU, which frees at 0.1 ms.
     st = seeds_state(n_queued=20, lam_per_s=5_000, gpu_busy_until=1.0 + 0.1 * MS)
     d = MarginalCost().decide(st, 1.0)
-    # GPU after it frees: 0.1 + 0.15 + 0.4 = 0.65 ms < CPU now: 1.6 ms -> wait for the GPU.
-    assert d.dispatches == [] and d.reasons.get("waited") == 1
+    assert paths(d) == [("cpu", 1)] and d.dispatches[0].requests[0].seq == 0
+    assert st.queue("m").requests == 19 and d.wake_at == pytest.approx(1.0 + 0.08 * MS)
+
+
+def test_free_cpus_take_their_share_while_the_gpu_finishes():
+    # Issue 10's state: GPU busy until 0.250 ms, now 0.196 ms, 8 queued, both CPUs free. The
+    # old rule sent nothing and set no wake-up; now both CPUs start at once and the rest waits
+    # for the GPU (it frees first, at 0.250 ms: that is the wake-up).
+    now = 0.196 * MS
+    st = seeds_state(n_queued=8, lam_per_s=35_000, gpu_busy_until=0.250 * MS, now=now)
+    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
+    d = MarginalCost().decide(st, now)
+    assert paths(d) == [("cpu", 1), ("cpu", 1)]
+    assert st.queue("m").requests == 6 and d.wake_at == pytest.approx(0.250 * MS)
+
+
+def test_plan_spreads_a_queue_over_every_free_worker():
+    st = seeds_state(n_queued=64, lam_per_s=1000)
+    for i in (1, 2):
+        st.add_worker(WorkerState(f"cpu{i}", "cpu", {"m": 64}))
+    chunks, end = plan(st, "m", st.serving["m"], 64, 1.0)
+    first = {w.name: n for _, w, n in chunks}
+    # Every worker starts now; the GPU gets one big batch, each CPU one request now and the
+    # next ones back to back; everything planned is done by the plan's end.
+    assert first.keys() == {"cpu0", "cpu1", "cpu2", "gpu0"}
+    assert first["cpu0"] == first["cpu1"] == first["cpu2"] == 1 and first["gpu0"] > 20
+    cpu_share = 64 - first["gpu0"]
+    assert end == pytest.approx(1.0 + max(0.15 * MS + 0.02 * MS * first["gpu0"], 0.08 * MS * -(-cpu_share // 3)))
+    # Alone, the GPU gets one batch of everything up to its max batch.
+    chunks, _ = plan(st, "m", [st.workers["gpu0"]], 100, 1.0)
+    assert [(w.name, n) for _, w, n in chunks] == [("gpu0", 64)]
 
 
 def test_expiring_deadline_flushes_instead_of_waiting():
@@ -140,3 +173,14 @@ def test_arrival_rate_tracks_a_step_within_a_second():
         if t >= 1.5:
             break
     assert r.rate(t) == pytest.approx(5000 * (1 - math.exp(-0.5 / 0.25)) + 1000 * math.exp(-0.5 / 0.25), rel=0.05)
+
+
+def test_multi_item_request_is_never_stranded_with_workers_idle():
+    # The split point can fall inside a multi-item request (issue 10, item 3): a 3-item
+    # request and two idle workers must not end with nothing sent and no wake-up.
+    st = seeds_state(lam_per_s=1000)
+    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
+    st.queue("m").push(Request(7, "m", 3, 1, 1.0 - 1e-5, math.inf))
+    d = MarginalCost().decide(st, 1.0)
+    assert [len(x.requests) for x in d.dispatches] == [1]
+    assert st.queue("m").requests == 0

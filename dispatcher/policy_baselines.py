@@ -1,0 +1,153 @@
+"""Baseline policies: the rules a user could write, or set in Triton, in a few lines.
+
+Each one is a ``PerModelPolicy``; see batchyard.policy for the config names.
+"""
+
+from __future__ import annotations
+
+from .policy_core import Decision, PerModelPolicy, send
+from .state import ModelQueue, SchedulerState, WorkerState
+
+FIXED_MAX_WAIT_S = 0.1
+
+
+def gpu_or_all(state: SchedulerState, model: str) -> list[WorkerState]:
+    ws = state.serving.get(model, [])
+    gpus = [w for w in ws if w.path == "gpu"]
+    return gpus or list(ws)
+
+
+class Greedy(PerModelPolicy):
+    """A free worker takes everything queued for its model, up to its max batch."""
+
+    name = "greedy"
+    gpu_only = False
+
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        workers = gpu_or_all(state, model) if self.gpu_only else state.serving.get(model, ())
+        for w in workers:
+            while q.requests and w.free:
+                if not send(state, d, w, q, w.models[model], now):
+                    break
+
+
+class GpuOnly(Greedy):
+    name = "gpu-only"
+    gpu_only = True
+
+
+class Escape(PerModelPolicy):
+    """A free GPU takes everything queued (up to its max batch); each free CPU worker takes at
+    most K requests. The CPUs are an escape route for the few requests that arrive while the
+    GPU is busy, never a home for a big batch."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.name = f"escape:{k}"
+
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        ws = state.serving.get(model, ())
+        for w in [w for w in ws if w.path == "gpu"] + [w for w in ws if w.path != "gpu"]:
+            limit = None if w.path == "gpu" else self.k
+            while q.requests and w.free:
+                if not send(state, d, w, q, w.models[model], now, max_requests=limit):
+                    break
+
+
+class TimeWindow(PerModelPolicy):
+    """Triton's dynamic-batcher rule: dispatch when ``max_batch`` items are queued or the oldest
+    request has waited ``max_delay``, to whichever worker is free (as Triton feeds whichever of
+    its KIND_CPU / KIND_GPU instances is free); otherwise wake when the delay runs out."""
+
+    def __init__(self, max_delay_s: float, max_batch: int):
+        self.max_delay_s = max_delay_s
+        self.max_batch = max_batch
+        self.name = f"window:{int(round(max_delay_s * 1e6))},{max_batch}"
+
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        targets = state.serving.get(model, ())
+        for w in targets:
+            while w.free and q.requests and (q.items >= self.max_batch
+                                             or now >= q.oldest_arrival() + self.max_delay_s):
+                if not send(state, d, w, q, self.max_batch, now):
+                    break
+        # Only a free worker makes the clock matter; otherwise a completion wakes us.
+        if q.requests and any(w.free for w in targets):
+            d.wake_at = min(d.wake_at, max(now, q.oldest_arrival() + self.max_delay_s))
+
+
+class FixedBatch(TimeWindow):
+    """Wait for N items, then dispatch N to a free worker. The same rule as a time window whose
+    delay is only a safety valve (FIXED_MAX_WAIT_S), so nothing waits forever."""
+
+    def __init__(self, n: int, max_wait_s: float = FIXED_MAX_WAIT_S):
+        super().__init__(max_wait_s, n)
+        self.name = f"fixed:{n}"
+
+
+def crossover_sizes(state: SchedulerState, model: str, max_batch: int) -> tuple[int, int]:
+    """(B1, B2) from the learned curves. B1: the smallest batch the GPU finishes no later than
+    the CPU (the CPU/GPU crossover). B2: the smallest batch whose GPU time is at least three
+    times the launch cost (launch amortised to a third or less)."""
+    gpu, cpu = state.cost(model, "gpu"), state.cost(model, "cpu")
+    b1 = next((b for b in range(1, max_batch + 1) if gpu.predict(b) <= cpu.predict(b)), max_batch)
+    launch = max(gpu.predict(1) - max(gpu.per_item_s, 0.0), 0.0)
+    b2 = next((b for b in range(1, max_batch + 1) if gpu.predict(b) >= 3 * launch), max_batch)
+    return b1, max(b1, b2)
+
+
+def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int, now: float,
+                       alone_s: float) -> tuple[bool, float]:
+    """The marginal test for a batch of ``b`` items bound for ``w``.
+
+    One more request saves ``T(b) + T_alone(1) - T(b+1)`` of compute (it rides along instead of
+    running on its own); waiting for it costs every queued item the expected gap to the next
+    arrival, ``b / lambda``. Wait only while the saving is larger. Returns (pays, t_flip): with
+    no new arrival lambda(t) decays, and the rule flips at the instant lambda falls to
+    ``b / saving`` — that is when to look again.
+    """
+    curve = state.cost(model, w.path)
+    saving = curve.predict(b) + alone_s - curve.predict(b + 1)
+    if saving <= 0:
+        return False, now
+    rate = state.arrival(model)
+    lam = rate.rate(now)
+    if lam <= 0 or saving <= b / lam:
+        return False, now
+    return True, rate.time_when_rate_is(b / saving, now)
+
+
+class ThreeSegment(PerModelPolicy):
+    """The seeds' rule: B < B1 -> CPU now; B1 <= B < B2 -> wait while the marginal gain beats
+    the marginal wait cost, then GPU; B >= B2 -> GPU now. Static segments, no look at when a
+    busy path frees up, no splitting, no deadlines."""
+
+    name = "three-segment"
+
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        ws = state.serving.get(model, [])
+        cpus = [w for w in ws if w.path == "cpu"]
+        gpus = [w for w in ws if w.path == "gpu"] or cpus
+        max_b = max((w.models[model] for w in gpus), default=1)
+        b1, b2 = crossover_sizes(state, model, max_b)
+        while q.requests:
+            b = q.items
+            if b < b1 and cpus:
+                free = [w for w in cpus if w.free]
+                if not free:
+                    break
+                if not send(state, d, free[0], q, b, now, "dispatched-cpu"):
+                    break
+                continue
+            free = [w for w in gpus if w.free]
+            if not free:
+                break
+            if b < b2:
+                alone = state.cost(model, "cpu" if cpus else "gpu").predict(1)
+                pays, t_flip = marginal_wait_pays(state, model, free[0], b, now, alone)
+                if pays:
+                    d.count("waited")
+                    d.wake_at = min(d.wake_at, t_flip)
+                    break
+            if not send(state, d, free[0], q, b, now, "dispatched-gpu"):
+                break

@@ -1,0 +1,213 @@
+"""Marginal Cost Batching (MCB): the default policy. The rule, step by step, is in
+docs/policy.md ("MCB"); the numbered comments below are those steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from .deadline_index import DeadlineIndex
+from .policy_baselines import marginal_wait_pays
+from .policy_core import AGING_S, Decision, PerModelPolicy, send, servers_for
+from .state import ModelQueue, SchedulerState, WorkerState
+
+URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
+RESERVE_BLOCKING = 0.01
+AMORTISES = 0.01  # T(1) above the next item's added time by more than this: a launch to amortise
+FUTURE_ROUNDS = 4  # fixed-point steps for the arrivals expected while the plan runs
+
+
+def start_time(state: SchedulerState, w: WorkerState, now: float) -> float:
+    """When ``w`` could start a batch sent now (the same rule as ``SchedulerState.finish_time``)."""
+    return now if w.free and w.inflight == 0 else max(now, w.busy_until)
+
+
+class _Memo:
+    """T(B) of one curve, each size predicted once per plan (the plan asks for the same few)."""
+
+    __slots__ = ("curve", "known")
+
+    def __init__(self, curve):
+        self.curve = curve
+        self.known: dict[int, float] = {}
+
+    def predict(self, b: int) -> float:
+        t = self.known.get(b)
+        if t is None:
+            t = self.known[b] = self.curve.predict(b)
+        return t
+
+
+def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: float) -> tuple[list, float]:
+    """Plan ``n`` queued items over ``ws`` — free workers from now, busy ones from their
+    predicted free time, each as a sequence of batches — to minimise the summed completion
+    time of the items; return each worker's FIRST batch: [(finish, worker, items)], earliest
+    finish first, workers given nothing left out.
+
+    Greedy by marginal cost. Worker w's plan is batches back to back; its last batch holds k
+    items and starts at s, so it finishes at ``F = s + T_w(k)``. One more item can
+    - join that batch (if below max batch): the sum rises by ``(k+1)*(s + T_w(k+1)) - k*F``, or
+    - open a new batch after it, only where batches amortise nothing (``T_w(1) <=
+      T_w(k+1) - T_w(k)``, within AMORTISES): the sum rises by ``F + T_w(1)``.
+    Each item goes to the cheapest (worker, option). A worker with no launch cost (T linear
+    through 0) thus serves one request at a time, back to back — a batch would only make its
+    first request wait for its last — while a launch-heavy one gets one batch, grown while it
+    is the cheapest place for the next item (a second batch behind it would be joined by new
+    arrivals before it starts). At most ``sum of max batches`` items are planned.
+    Also returns the plan's end: when every worker is done with its planned (or current) work.
+    """
+    m = len(ws)
+    curve = [_Memo(state.cost(model, w.path)) for w in ws]
+    cap = [w.models[model] for w in ws]
+    s = [start_time(state, w, now) - now for w in ws]  # start of the last planned batch
+    k = [0] * m  # items in the last planned batch
+    fin = list(s)  # its finish (== start while empty)
+    first = [0] * m  # items in the first batch (frozen once a second one opens)
+    opened = [False] * m
+
+    def best(i: int) -> tuple[float, bool]:
+        if k[i] == 0:
+            return s[i] + curve[i].predict(1), False
+        grow = curve[i].predict(k[i] + 1) - curve[i].predict(k[i])
+        join = (k[i] + 1) * (s[i] + curve[i].predict(k[i] + 1)) - k[i] * fin[i]
+        if curve[i].predict(1) > grow * (1 + AMORTISES):
+            # A batch here amortises a launch: one batch in the plan (a second one would be
+            # joined by arrivals before it starts); a full one waits for the next decision.
+            return (join, False) if k[i] < cap[i] else (math.inf, False)
+        new = fin[i] + curve[i].predict(1)
+        return (join, False) if join <= new and k[i] < cap[i] else (new, True)
+
+    heap = [(best(i)[0], i) for i in range(m) if cap[i] > 0]
+    heapq.heapify(heap)
+    for _ in range(min(n, sum(cap))):
+        cost, i = heapq.heappop(heap)
+        if cost == math.inf:
+            break
+        _, opens = best(i)
+        if opens:
+            opened[i] = True
+            s[i], k[i] = fin[i], 0
+        k[i] += 1
+        fin[i] = s[i] + curve[i].predict(k[i])
+        if not opened[i]:
+            first[i] = k[i]
+        heapq.heappush(heap, (best(i)[0], i))
+    start0 = [start_time(state, w, now) for w in ws]
+    chunks = [(start0[i] + curve[i].predict(first[i]), ws[i], first[i]) for i in range(m) if first[i]]
+    chunks.sort(key=lambda c: c[0])
+    return chunks, now + max(fin, default=0.0)
+
+
+def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
+    """When to look again at items waiting for busy ``w``: when it frees, or, if it is overdue,
+    after the time its batch would take (never ``now``: that would spin the live timer)."""
+    return w.busy_until if w.busy_until > now else now + state.cost(model, w.path).predict(items)
+
+
+class MarginalCost(PerModelPolicy):
+    """Marginal Cost Batching: plan the queue over every worker at once, send the free
+    workers' shares now unless waiting for one more arrival pays, flush before a deadline."""
+
+    name = "mcb"
+
+    def __init__(self):
+        self._deadlines: dict[str, DeadlineIndex] = {}
+
+    def decide(self, state: SchedulerState, now: float) -> Decision:
+        d = Decision()
+        for model, q in state.queues.items():
+            if q.requests:
+                idx = self._deadlines.get(model)
+                if idx is None or idx.queue is not q:
+                    idx = self._deadlines[model] = DeadlineIndex(q)
+                idx.sync()  # before aging moves requests between classes
+                q.promote_aged(now, AGING_S)
+                self.decide_model(state, model, q, now, d)
+        return d
+
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+        all_ws = state.serving.get(model)
+        if not all_ws:
+            return
+        idx = self._deadlines[model]
+        waited = False
+        while q.requests:
+            # 1. Eligible workers (reservation for urgent traffic).
+            ws = self._eligible(state, model, q, all_ws, now, d)
+            if not any(w.free for w in ws):
+                # Nothing can be sent; the queue waits for a completion (the plan would only
+                # say which busy worker each item waits for).
+                d.wake_at = min(d.wake_at, min(_due(state, model, w, 1, now) for w in ws))
+                return
+            # 2. Urgent items go out on their own: padding their batch with low items would
+            #    make them wait for the low items' compute.
+            urgent = q.class_items[0] + q.class_items[1]
+            b = urgent if 0 < urgent < q.items else q.items
+            # 3. Plan the b items over free and busy workers, together with the requests
+            #    expected to arrive (rate lambda) before the planned work is done: they will
+            #    need the same workers, so the plan must not spend every worker's next slots
+            #    on the queue alone. H = plan end - now and the extra count lambda*H feed each
+            #    other; a few rounds reach the fixed point (or stop when it stops growing).
+            chunks, end = plan(state, model, ws, b, now)
+            own_finish = max(c[0] for c in chunks) if chunks else now
+            lam = state.arrival(model).rate(now)
+            extra = 0
+            room = sum(w.models[model] for w in ws)  # a plan never holds more than this
+            for _ in range(FUTURE_ROUNDS):
+                expected = int(lam * (end - now))
+                if expected <= extra or b + extra >= room:
+                    break
+                extra = expected
+                chunks, end = plan(state, model, ws, b + extra, now)
+            # 4. Deadlines: if the plan of the queue alone would finish after the tightest
+            #    deadline, flush: plan over the free workers only and send without waiting.
+            slack = idx.tightest(now) - own_finish
+            if slack <= 0:
+                d.count("flushed")
+                chunks, _ = plan(state, model, [w for w in ws if w.free], b, now)
+            alone = min(state.cost(model, w.path).predict(1) for w in ws)
+            sent = False
+            left = b  # this pass sends the b items only: the plan's shares include expected arrivals
+            for finish, w, items in chunks:  # earliest finish first: it gets the FIFO head
+                if not w.free:
+                    # 5. Items planned for a busy worker wait for it; its completion (or, if
+                    #    it is overdue, a look after its batch time) decides again.
+                    d.wake_at = min(d.wake_at, _due(state, model, w, items, now))
+                    continue
+                queued = min(items, left)
+                if queued <= 0:
+                    break
+                if slack > 0 and queued < w.models[model]:
+                    # 6. The marginal rule: wait while one more arrival saves more than the
+                    #    wait costs the queued items w would take.
+                    pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone)
+                    if pays:
+                        if not waited:
+                            d.count("waited")
+                            waited = True
+                        d.wake_at = min(d.wake_at, t_flip, now + slack)
+                        continue
+                # 7. Send now.
+                reqs = send(state, d, w, q, queued, now)
+                left -= sum(r.items for r in reqs)
+                idx.discard(reqs)
+                sent = sent or bool(reqs)
+            if not sent:
+                return  # 8. what is left waits: on a busy worker or on the marginal rule
+
+    @staticmethod
+    def _eligible(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState], now: float,
+                  d: Decision) -> list[WorkerState]:
+        urgent = q.class_items[0] + q.class_items[1]
+        lam_u = state.urgent_rate(model, now) if not urgent and len(all_ws) > 1 else 0.0
+        if lam_u <= URGENT_RATE:
+            return all_ws
+        # Batches are not preemptible: low-only batches leave the workers best placed for lone
+        # urgent requests alone — as many as it takes for an urgent arrival to find all of them
+        # busy with probability <= RESERVE_BLOCKING (Erlang B). The reservation lapses when
+        # the urgent rate decays below URGENT_RATE: look again then.
+        ranked = sorted(all_ws, key=lambda w: state.cost(model, w.path).predict(1))
+        offered = lam_u * state.cost(model, ranked[0].path).predict(1)
+        d.wake_at = min(d.wake_at, state.arrivals[model + "#urgent"].time_when_rate_is(URGENT_RATE, now))
+        return ranked[min(len(all_ws) - 1, servers_for(offered, RESERVE_BLOCKING)):]

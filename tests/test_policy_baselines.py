@@ -1,0 +1,78 @@
+"""The baselines a user could configure, and the deadline index, on crafted states."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchyard.cost_model import CostCurve
+from batchyard.deadline_index import DeadlineIndex
+from batchyard.policy import make_policy
+from batchyard.state import Request, SchedulerState, WorkerState
+
+
+def state(n_queued, gpu_free=True, n_cpu=2, items=1):
+    st = SchedulerState()
+    st.costs[("m", "gpu")] = CostCurve(launch_s=0.15e-3, per_item_s=0.02e-3)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.08e-3)
+    g = WorkerState("gpu0", "gpu", {"m": 64})
+    if not gpu_free:
+        g.inflight, g.busy_until = 1, 1.001
+    st.add_worker(g)
+    for i in range(n_cpu):
+        st.add_worker(WorkerState(f"cpu{i}", "cpu", {"m": 64}))
+    for i in range(n_queued):
+        st.queue("m").push(Request(i, "m", items, 1, 0.999, math.inf))
+    return st
+
+
+def sizes(d):
+    return [(x.worker.name, len(x.requests)) for x in d.dispatches]
+
+
+def test_escape_free_gpu_takes_everything():
+    assert sizes(make_policy("escape:2").decide(state(10), 1.0)) == [("gpu0", 10)]
+
+
+def test_escape_free_cpus_take_at_most_k_requests_while_the_gpu_is_busy():
+    st = state(10, gpu_free=False)
+    assert sizes(make_policy("escape:2").decide(st, 1.0)) == [("cpu0", 2), ("cpu1", 2)]
+    assert st.queue("m").requests == 6
+
+
+def test_escape_counts_requests_not_items():
+    st = state(3, gpu_free=False, items=3)
+    assert sizes(make_policy("escape:1").decide(st, 1.0)) == [("cpu0", 1), ("cpu1", 1)]
+
+
+@pytest.mark.parametrize("spec", ["window:5000,4", "fixed:4"])
+def test_window_and_fixed_feed_every_free_worker(spec):
+    st = state(10)
+    d = make_policy(spec).decide(st, 1.0)
+    assert sizes(d) == [("gpu0", 4), ("cpu0", 4)]  # 2 left: fewer than N, within the delay
+    assert st.queue("m").requests == 2
+
+
+def test_make_policy_knows_escape():
+    assert make_policy("escape:3").name == "escape:3"
+    with pytest.raises(ValueError, match="escape:<K>"):
+        make_policy("escape:0")
+
+
+def test_deadline_index_follows_pushes_retries_and_dispatches():
+    st = state(0)
+    q = st.queue("m")
+    idx = DeadlineIndex(q)
+    a, b, c = (Request(i, "m", 1, 1, 0.0, dl) for i, dl in enumerate((5.0, 3.0, math.inf)))
+    for r in (a, b, c):
+        q.push(r)
+    idx.sync()
+    assert idx.tightest(1.0) == 3.0
+    taken = q.take(2)  # a and b leave with a batch
+    idx.discard(taken)
+    assert idx.tightest(1.0) == math.inf
+    retry = Request(9, "m", 1, 1, 0.0, 2.0)
+    q.push_front(retry)  # a retry goes back to the head of its class
+    idx.sync()
+    assert idx.tightest(1.0) == 2.0 and idx.tightest(2.5) == math.inf  # passed deadlines drop out
