@@ -88,7 +88,7 @@ class Client(CodecAccess):
         ctx = ctx or zmq.Context()
         try:
             # here, so a bad address raises to the caller
-            sock, monitor = open_dealer(ctx, address, curve_server_key, curve_keys, immediate=True)
+            sock, monitor = open_dealer(ctx, address, curve_server_key, curve_keys)
         except BaseException:
             if own_ctx:
                 ctx.term()

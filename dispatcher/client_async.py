@@ -11,7 +11,7 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (DEFAULT_SHM_THRESHOLD, REPLY_GRACE_S, ClientCodec, CodecAccess, InferResult, Pending,
+from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess, InferResult, Pending,
                            closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
 
 
@@ -60,7 +60,13 @@ class AsyncClient(CodecAccess):
     def _on_monitor(self) -> None:
         why = connection_lost(self._monitor) if not self.closed else ""
         if why:
-            self._codec.connection_lost(lambda: lost_error(self.address, why))
+            rids = self._codec.lost_connection()
+            self.loop.call_later(LOST_GRACE_S, self._fail_lost, rids, why)
+
+    def _fail_lost(self, rids: set, why: str) -> None:
+        if not self.closed:
+            self._drain()
+            self._codec.fail_lost(rids, lambda: lost_error(self.address, why))
 
     def _drain(self) -> None:
         while not self.closed:

@@ -268,14 +268,21 @@ class ClientCodec:
                 self.free(region)
             pend.resolve(error_factory())
 
-    def connection_lost(self, error_factory: Callable[[], BaseException]) -> None:
-        """The connection to the dispatcher is gone: every request in flight fails now, but its
-        regions stay reserved (``late``) — a worker of the old dispatcher may still be running
-        its batch, and a request still queued in ZeroMQ's pipe may yet be delivered after the
-        reconnect. A new connection has no shared-memory grants: they are asked for again."""
-        pending, self.pending = self.pending, {}
+    def lost_connection(self) -> set[int]:
+        """The connection to the dispatcher is gone: a new one has no shared-memory grants (they
+        are asked for again). Returns the requests in flight on it, to ``fail_lost`` after
+        LOST_GRACE_S: replies the dispatcher sent just before it went (a drained batch's) may
+        still be on their way through ZeroMQ, which reports the disconnection first."""
         self.granted.clear()
-        for rid, pend in pending.items():
+        return set(self.pending)
+
+    def fail_lost(self, rids: set[int], error_factory: Callable[[], BaseException]) -> None:
+        """Fail those of ``rids`` still unanswered; their regions stay reserved (``late``): a
+        worker of the old dispatcher may still be running their batch."""
+        for rid in rids:
+            pend = self.pending.pop(rid, None)
+            if pend is None:
+                continue
             if pend.regions or pend.outputs:
                 self.late[rid] = [*pend.regions, *pend.outputs.values()]
             pend.resolve(error_factory())
@@ -286,6 +293,7 @@ class ClientCodec:
 # connection at once. Either way the socket monitor reports it and the requests in flight fail
 # UNAVAILABLE then, not at their full timeout. ZeroMQ reconnects by itself afterwards.
 HEARTBEAT_IVL_MS = 1000
+LOST_GRACE_S = 0.1
 HEARTBEAT_TIMEOUT_MS = 3000
 _LOST = {zmq.EVENT_DISCONNECTED: "lost the connection to the dispatcher",
          zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the dispatcher refused this client's CURVE key",
@@ -294,7 +302,7 @@ _LOST = {zmq.EVENT_DISCONNECTED: "lost the connection to the dispatcher",
 
 
 def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes] = None,
-                curve_keys: Optional[tuple[bytes, bytes]] = None, immediate: bool = False) -> tuple[zmq.Socket, zmq.Socket]:
+                curve_keys: Optional[tuple[bytes, bytes]] = None) -> tuple[zmq.Socket, zmq.Socket]:
     """The client's DEALER socket, connected, and a PAIR socket that receives its
     disconnection events; the same settings for both clients. ``curve_server_key`` (z85) and
     ``curve_keys`` (public, secret; from ``batchyard keygen``) for a CURVE-secured tcp endpoint."""
@@ -304,10 +312,11 @@ def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    # ZMQ_IMMEDIATE (the sync client, whose I/O thread keeps refused sends itself): nothing is
-    # queued into a connection that is not up, and what sat in a connection that broke is
-    # dropped with it, so a request failed as "lost the connection" is not delivered later.
-    sock.setsockopt(zmq.IMMEDIATE, int(immediate))
+    # Not ZMQ_IMMEDIATE: with it, a connection that breaks drops the replies it had received
+    # but the client had not read yet (the last batch of a drained dispatcher). Without it a
+    # request sent while the connection was down may still be delivered after the reconnect:
+    # hence "UNAVAILABLE: lost the connection" means "may or may not have run", and its
+    # shared memory stays reserved (docs/protocol.md).
     if curve_server_key:
         if curve_keys is None:
             curve_keys = zmq.curve_keypair()  # encryption with a throw-away identity

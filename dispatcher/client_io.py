@@ -21,7 +21,8 @@ from typing import Callable
 
 import zmq
 
-from .client_codec import ClientCodec, Pending, closed_error, connection_lost, lost_error, no_reply_error
+from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, closed_error, connection_lost, lost_error,
+                           no_reply_error)
 from .errors import Unavailable
 
 log = logging.getLogger("batchyard.client")
@@ -58,11 +59,11 @@ class SocketThread:
         self._monitor = monitor
         self._own_ctx = own_ctx
         self._inbox: collections.deque = collections.deque()
-        # (request id or None, frames) the socket refused for now: over the high-water mark, or
-        # no connection (the socket is ZMQ_IMMEDIATE). A request failed or expired meanwhile is
-        # not sent any more: "failed" must not turn into "ran after all".
+        # (request id or None, frames) the socket refused for now (over the high-water mark). A
+        # request failed or expired meanwhile is not sent any more.
         self._outbox: collections.deque = collections.deque()
         self._deadlines: list[tuple[float, int]] = []  # heap of (monotonic deadline, request id)
+        self._lost: list[tuple[float, str, set]] = []  # (fail at, why, request ids) per lost connection
         # Held only around "still open?" + append + wake, so nothing is queued behind the stop
         # marker and nobody writes to the eventfd after the thread closed it.
         self._lock = threading.Lock()
@@ -136,8 +137,9 @@ class SocketThread:
                 if self._monitor in events:
                     why = connection_lost(self._monitor)
                     if why:
-                        self._codec.connection_lost(lambda: lost_error(self._codec.address, why))
+                        self._lost.append((time.monotonic() + LOST_GRACE_S, why, self._codec.lost_connection()))
                 self._expire()
+                self._fail_lost()
                 poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
         except BaseException as e:  # a bug here must not leave callers waiting forever
             log.exception("client I/O thread for %s failed", self._codec.address)
@@ -188,13 +190,20 @@ class SocketThread:
         for frames in replies:
             self._codec.on_reply(frames)
 
+    def _fail_lost(self) -> None:
+        now = time.monotonic()
+        while self._lost and self._lost[0][0] <= now:
+            _, why, rids = self._lost.pop(0)
+            self._codec.fail_lost(rids, lambda: lost_error(self._codec.address, why))
+
     def _poll_timeout_ms(self):
         heap, pending = self._deadlines, self._codec.pending
         while heap and heap[0][1] not in pending:  # answered already: no need to wake for it
             heapq.heappop(heap)
-        if not heap:
+        when = min(heap[0][0] if heap else math.inf, self._lost[0][0] if self._lost else math.inf)
+        if when == math.inf:
             return None
-        return max(0, math.ceil((heap[0][0] - time.monotonic()) * 1000))
+        return max(0, math.ceil((when - time.monotonic()) * 1000))
 
     def _expire(self) -> None:
         heap, now = self._deadlines, time.monotonic()

@@ -55,4 +55,7 @@ def run_dispatcher(node: NodeConfig) -> int:
             loop.run_until_complete(metrics_server.wait_closed())
         d.close()
         loop.close()
+        # Flush what the last step sent (a drained batch's replies) before the process exits:
+        # term() waits for each socket's linger (500 ms at most); without it they are dropped.
+        d.ctx.term()
     return d.exit_code
