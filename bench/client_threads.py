@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,14 +117,18 @@ def main(argv=None) -> int:
                f"{n} threads, a Client each": (n, False)}
     rates: dict[str, list[float]] = {k: [] for k in configs}
     batches: dict[str, list[float]] = {k: [] for k in configs}
-    node = node_config(tempfile.mkdtemp(prefix="by-bench-", dir="/tmp"), args.launch_ms)
-    with running_node(node, ready_timeout_s=60):
-        address = node.dispatcher.frontend
-        for _ in range(args.runs):  # configurations interleaved, so drift on a shared host hits all alike
-            for name, (threads, shared) in configs.items():
-                rate, batch = closed_loop(client_cls, address, threads, shared, args.warmup, args.window)
-                rates[name].append(rate)
-                batches[name].append(batch)
+    run_dir = tempfile.mkdtemp(prefix="by-bench-", dir="/tmp")
+    node = node_config(run_dir, args.launch_ms)
+    try:
+        with running_node(node, ready_timeout_s=60):
+            address = node.dispatcher.frontend
+            for _ in range(args.runs):  # configurations interleaved, so drift on a shared host hits all alike
+                for name, (threads, shared) in configs.items():
+                    rate, batch = closed_loop(client_cls, address, threads, shared, args.warmup, args.window)
+                    rates[name].append(rate)
+                    batches[name].append(batch)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     source = args.client_file or "batchyard.client"
     print(f"Client from {source}; simulated worker {args.launch_ms:g} ms per batch; closed loop; "
           f"{args.runs} runs x {args.window:g} s")

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -257,6 +258,8 @@ def bench_d(reps: int = 200) -> dict:
     s.send_multipart([b""])
     proc.join(10)
     pool.close()
+    s.close()
+    shutil.rmtree(d, ignore_errors=True)
     return out
 
 

@@ -6,6 +6,7 @@ by the benchmark that measures what the dispatcher adds (bench/dispatch_bench.py
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,7 @@ class DirectWorker:
             self.proc.wait()
         self.sock.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):
         return self
