@@ -46,7 +46,7 @@ from .shm import reap_orphans
 from .shm_grants import ShmGrants
 from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
-from .validation import RequestInvalid, validate_infer, validate_spec
+from .validation import RequestInvalid, registration_problem, validate_infer
 from .zmq_frames import EVENTS, POLLIN, recv_parts, send_parts
 
 log = logging.getLogger("batchyard.dispatcher")
@@ -232,18 +232,11 @@ class Dispatcher:
             self._on_register(msg, identity, now)
 
     def _on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
-        for spec in msg.models:
-            try:
-                validate_spec(spec)
-            except ValueError as e:
-                self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=str(e))))
-                return
-            known = self.specs.get(spec.name)
-            if known is not None and (known.inputs, known.outputs) != (spec.inputs, spec.outputs):
-                text = f"model {spec.name!r}: worker's spec differs from the dispatcher's"
-                log.error("rejecting worker %s: %s", msg.worker, text)
-                self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=text)))
-                return
+        text = registration_problem(msg.models, self.specs)
+        if text:
+            log.error("rejecting worker %s: %s", msg.worker, text)
+            self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=text)))
+            return
         if msg.worker in self.state.workers:
             self._worker_lost(msg.worker, "worker re-registered", now)
         for spec in msg.models:
@@ -462,7 +455,4 @@ class Dispatcher:
 
 
 def _reason(status: int) -> str:
-    try:
-        return Status(status).name.lower()
-    except ValueError:
-        return f"status_{status}"
+    return Status(status).name.lower() if status in Status._value2member_map_ else f"status_{status}"

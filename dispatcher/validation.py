@@ -129,3 +129,17 @@ def validate_spec(spec: ModelSpec) -> None:
             if t.dtype not in DTYPES:
                 raise ValueError(f"model {spec.name!r} {group} {t.name!r}: dtype {t.dtype!r} "
                                  f"not one of {sorted(DTYPES)}")
+
+
+def registration_problem(models, known: dict) -> str:
+    """Why a worker's registration must be refused ("" when it may register): a model spec that
+    is invalid, or that differs from the one the dispatcher already serves under that name."""
+    for spec in models:
+        try:
+            validate_spec(spec)
+        except ValueError as e:
+            return str(e)
+        k = known.get(spec.name)
+        if k is not None and (k.inputs, k.outputs) != (spec.inputs, spec.outputs):
+            return f"model {spec.name!r}: worker's spec differs from the dispatcher's"
+    return ""
