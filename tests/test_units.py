@@ -300,3 +300,14 @@ def test_triton_model_config_check_renames_and_warns_on_dynamic_batching():
     assert "lacks input 'feat' of spec 'm' (it has ['x'])" in check_model_config(cfg, spec).problems[0]
     check = check_model_config(cfg, spec, {"feat": "x"})
     assert check.problems == [] and "dynamic_batching on" in check.warnings[0]
+
+
+def test_a_worker_whose_spec_differs_from_the_served_one_is_refused():
+    from batchyard.validation import registration_problem
+
+    served = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (2,)),))
+    other = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (8,)),), (P.TensorSpec("y", "float32", (2,)),))
+    assert registration_problem([served], {"sum": served}) == ""
+    assert "differs from the dispatcher's" in registration_problem([other], {"sum": served})
+    bad = P.ModelSpec("bad", (P.TensorSpec("x", "complex64", (4,)),), (P.TensorSpec("y", "float32", (2,)),))
+    assert "dtype" in registration_problem([bad], {})
