@@ -121,12 +121,11 @@ class Client(CodecAccess):
         if self._codec.needs_spec(model):
             self.model_info(model)
         try:
-            rid, frames, regions, outputs, timeout = self._codec.encode_infer(model, inputs, priority, timeout)
+            rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         except ShmError:
             if self.closed:  # closed by another thread meanwhile: say so, not "pool is closed"
                 raise closed_error() from None
             raise
-        need = self._codec.ungranted(frames)
         if need:
             try:
                 self._register_segments(need)

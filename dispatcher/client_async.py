@@ -111,8 +111,7 @@ class AsyncClient(CodecAccess):
                     timeout: Optional[float] = None) -> InferResult:
         if self._codec.needs_spec(model):
             await self.model_info(model)
-        rid, frames, regions, outputs, timeout = self._codec.encode_infer(model, inputs, priority, timeout)
-        need = self._codec.ungranted(frames)
+        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
                 await self._register_segments(need)

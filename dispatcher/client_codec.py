@@ -130,8 +130,8 @@ class ClientCodec:
         return model not in self.specs
 
     def encode_infer(self, model: str, inputs: dict, priority, timeout: Optional[float]):
-        """-> (id, frames, input regions, output regions by name, timeout in s). Before sending
-        it, the caller registers ``ungranted(header)`` on its connection."""
+        """-> (id, frames, input regions, output regions by name, timeout in s, segments this
+        connection has no grant for yet: the caller registers those before sending it)."""
         if isinstance(priority, str):
             if priority not in PRIORITIES:
                 raise InvalidArgument(f"priority {priority!r} not one of {list(PRIORITIES)}")
@@ -140,20 +140,21 @@ class ClientCodec:
         if timeout <= 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
         rid = self.next_id()
-        refs, frames, regions = [], [], []
+        refs, frames, regions, used = [], [], [], set()
         n_items = 0
         for name, value in inputs.items():
             arr = np.asarray(value)
             n_items = arr.shape[0] if arr.ndim else 0
             dtype = arr.dtype.name
             region = self._array_regions.get(arr.__array_interface__["data"][0]) if arr.nbytes else None
-            if region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous:
-                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
-                                        shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
-            elif arr.nbytes >= self.shm_threshold:
-                region = self.pool.alloc(arr.nbytes)
-                regions.append(region)
-                np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
+            if not (region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous):
+                region = None  # not an alloc_array array: copy it into the pool if it is big
+                if arr.nbytes >= self.shm_threshold:
+                    region = self.pool.alloc(arr.nbytes)
+                    regions.append(region)
+                    np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
+            if region is not None:
+                used.add(region.segment)
                 refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
                                         shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
             else:
@@ -167,19 +168,12 @@ class ClientCodec:
                 if nbytes >= self.shm_threshold:
                     region = self.pool.alloc(nbytes)
                     outputs[t.name] = region
+                    used.add(region.segment)
                     out_refs[t.name] = P.ShmRef(region.segment, region.offset, region.nbytes)
         header = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, inputs=refs,
                                          priority=priority, timeout_us=int(timeout * 1e6),
                                          outputs=out_refs))
-        return rid, [header, *frames], regions, outputs, timeout
-
-    def ungranted(self, frames: list) -> set[str]:
-        """Segments an encoded request references that this connection has no grant for yet."""
-        if not self._array_regions and self._pool is None:
-            return set()
-        msg = P.infer_request_decoder.decode(frames[0])
-        used = {r.shm.segment for r in msg.inputs if r.shm is not None} | {r.segment for r in msg.outputs.values()}
-        return used - self.granted
+        return rid, [header, *frames], regions, outputs, timeout, used - self.granted
 
     def encode_shm_register(self, segment: str, proved: bool) -> tuple[int, list]:
         rid = self.next_id()
@@ -374,6 +368,3 @@ class CodecAccess:
         """A numpy array living in this client's shared memory. Fill it in place and pass it
         to infer(): it is sent by reference, with no copy."""
         return self._codec.alloc_array(shape, dtype)
-
-    def _encode_infer(self, model: str, inputs: dict, priority, timeout):
-        return self._codec.encode_infer(model, inputs, priority, timeout)  # bench/dispatch_bench.py

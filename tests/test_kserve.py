@@ -245,11 +245,12 @@ def test_client_that_disconnects_mid_request_loses_nothing_for_others(front_door
             hi = thttp_aio.InferInput("x", [3, 4], "FP32")
             hi.set_data_from_numpy(X)
             http_quits = [asyncio.ensure_future(h.infer("slow", [hi])) for _ in range(3)]
-            await asyncio.sleep(0.05)  # let the HTTP requests reach the front door, then hang up
+            # The gRPC quitters give up at their 50 ms deadline; by then the HTTP requests sent
+            # before them are at the front door too: hang those up now.
+            quit_results = await asyncio.gather(*gave_up, return_exceptions=True)
             for t in http_quits:
                 t.cancel()
             await h.close()
-            quit_results = await asyncio.gather(*gave_up, return_exceptions=True)
             assert all(isinstance(r, InferenceServerException) for r in quit_results)
             return [r.as_numpy("y") for r in await asyncio.gather(*others)]
         finally:
