@@ -173,19 +173,16 @@ class Dispatcher:
         core = self.core
         for batch in core.decide(now):
             self._send_to_worker(batch, now)
-        wake = core.next_wake()
-        if core.draining:
-            if not core.batches or now >= self._drain_deadline:
-                core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
-                self.close()
-                return
-            wake = min(wake, self._drain_deadline)
+        if core.draining and (not core.batches or now >= self._drain_deadline):
+            core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
+            self.close()
+            return
         if now >= self._next_housekeeping:
             self._housekeeping(now)
         if core.status_waiters:
             self._answer_status_waiters(now)
-            wake = core.next_wake() if not core.draining else wake
-        self._arm(min(wake, self._next_housekeeping))
+        wake = min(core.next_wake(), self._next_housekeeping)
+        self._arm(min(wake, self._drain_deadline) if core.draining else wake)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
         if (self.frontend.getsockopt(EVENTS) | self.backend.getsockopt(EVENTS)) & POLLIN:
