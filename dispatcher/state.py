@@ -92,20 +92,6 @@ class ModelQueue:
                 moved += 1
         return moved
 
-    def drop_expired_heads(self, now: float) -> list[Request]:
-        """Remove requests whose deadline has passed from the head of each class. Within a
-        class with one timeout, FIFO order is deadline order, so this finds them all in O(1)
-        each (the simulator's expiry; the live dispatcher removes them by timer)."""
-        out = []
-        for prio, q in enumerate(self.by_priority):
-            while q and q[0].deadline <= now:
-                req = q.popleft()
-                self.requests -= 1
-                self.items -= req.items
-                self.class_items[prio] -= req.items
-                out.append(req)
-        return out
-
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
 
