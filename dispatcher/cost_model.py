@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 OUTLIER_FACTOR = 3.0
 MIN_SAMPLES_FOR_OUTLIERS = 8
 LINEAR_MAX_ERROR = 0.10  # a line that misses a measured point by more than 10 % is not used
+# A batch size whose time per item is within this of the best measured one counts as efficient;
+# beyond the largest such size the curve has shown batches get slower per item (cache spills:
+# MiniLM on an EPYC core, 928 ms at B=32 against 2 x 370 ms at B=16).
+EFFICIENT_TOLERANCE = 0.02
+EFFICIENT_MIN_COUNT = 3  # one slow batch (a GC pause) must not cap a worker for good
 
 
 @dataclass
@@ -35,13 +40,14 @@ class CostCurve:
     # knots: batch size -> (estimate, count); kept sorted by size in _sizes
     _knots: dict = field(default_factory=dict)
     _sizes: list = field(default_factory=list)
+    _caps: dict = field(default_factory=dict)  # max_b -> efficient_batch(max_b), until the next knot moves
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float]], **kw) -> "CostCurve":
         """Offline fit from (B, seconds) points (a calibration sweep); chooses the mode."""
         c = cls(**kw)
         for b, t in points:
-            c._set_knot(b, t)
+            c._set_knot(b, t, EFFICIENT_MIN_COUNT)  # a calibration point is a median of several runs
         c.launch_s, c.per_item_s, c.r2 = least_squares(points)
         c.samples = len(points)
         c.mode = "linear" if fit_error(points, c.launch_s, c.per_item_s) <= LINEAR_MAX_ERROR else "piecewise"
@@ -51,6 +57,29 @@ class CostCurve:
         if self.mode == "piecewise" and self._sizes:
             return self._interpolate(b)
         return max(0.0, self.launch_s + self.per_item_s * b)
+
+    def efficient_batch(self, max_b: int) -> int:
+        """The largest batch size, at most ``max_b``, that serves items about as fast as the best
+        one (time per item within ``EFFICIENT_TOLERANCE`` of the minimum): the cost-aware cap that
+        keeps a saturated worker at its throughput limit. It reads the per-size knots (measured
+        times, whatever the prediction mode), counting a size measured at least
+        ``EFFICIENT_MIN_COUNT`` times; without such evidence it is ``max_b``. T is piecewise
+        linear between measured sizes, so T(B)/B is monotone on each piece and the measured
+        sizes (plus ``max_b``) are the only candidates."""
+        cap = self._caps.get(max_b)
+        if cap is None:
+            cap = self._caps[max_b] = self._efficient_batch(max_b)
+        return cap
+
+    def _efficient_batch(self, max_b: int) -> int:
+        sizes = [b for b in self._sizes if b <= max_b and self._knots[b][1] >= EFFICIENT_MIN_COUNT]
+        if len(sizes) < 2:
+            return max_b
+        per_item = {b: self._knots[b][0] / b for b in sizes}
+        if max_b not in per_item:
+            per_item[max_b] = self._interpolate(max_b) / max_b
+        best = min(per_item.values())
+        return max(b for b, t in per_item.items() if t <= best * (1 + EFFICIENT_TOLERANCE))
 
     def observe(self, b: int, seconds: float) -> bool:
         """Learn from one completed batch. Returns False if it was rejected as an outlier."""
@@ -68,6 +97,7 @@ class CostCurve:
             step = max(abs(est) * 0.05, 1e-6)
             est += max(-step, min(step, seconds - est)) if n >= 4 else (seconds - est) / (n + 1)
             self._knots[b] = (est, n + 1)
+        self._caps.clear()
         return True
 
     # ------------------------------------------------------------------ internals
@@ -83,10 +113,11 @@ class CostCurve:
         self.per_item_s += k1 * err
         self._p = [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p11 - k1 * px1) / lam]
 
-    def _set_knot(self, b: int, t: float) -> None:
+    def _set_knot(self, b: int, t: float, count: int = 1) -> None:
         if b not in self._knots:
             bisect.insort(self._sizes, b)
-        self._knots[b] = (t, 1)
+        self._knots[b] = (t, count)
+        self._caps.clear()
 
     def _interpolate(self, b: int) -> float:
         sizes = self._sizes

@@ -59,7 +59,7 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
     """
     m = len(ws)
     curve = [_Memo(state.cost(model, w.path)) for w in ws]
-    cap = [w.models[model] for w in ws]
+    cap = [state.batch_cap(model, w) for w in ws]
     s = [start_time(state, w, now) - now for w in ws]  # start of the last planned batch
     k = [0] * m  # items in the last planned batch
     fin = list(s)  # its finish (== start while empty)
@@ -153,7 +153,7 @@ class MarginalCost(PerModelPolicy):
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
             extra = 0
-            room = sum(w.models[model] for w in ws)  # a plan never holds more than this
+            room = sum(state.batch_cap(model, w) for w in ws)  # a plan never holds more than this
             for _ in range(FUTURE_ROUNDS):
                 expected = int(lam * (end - now))
                 if expected <= extra or b + extra >= room:
@@ -178,7 +178,7 @@ class MarginalCost(PerModelPolicy):
                 queued = min(items, left)
                 if queued <= 0:
                     break
-                if slack > 0 and queued < w.models[model]:
+                if slack > 0 and queued < state.batch_cap(model, w):
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
                     pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone)

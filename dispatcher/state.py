@@ -147,6 +147,12 @@ class SchedulerState:
             c = self.costs[(model, path)] = CostCurve()
         return c
 
+    def batch_cap(self, model: str, w: WorkerState) -> int:
+        """The most items to send ``w`` at once: its configured max batch, lowered to where the
+        learned curve says bigger batches serve items more slowly (``CostCurve.efficient_batch``)."""
+        max_b = w.models[model]
+        return self.cost(model, w.path).efficient_batch(max_b)
+
     def arrival(self, model: str) -> ArrivalRate:
         a = self.arrivals.get(model)
         if a is None:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from batchyard.bench.simulator import clairvoyant_mean_latency, seeds_devices, simulate
+from batchyard.bench.simulator import Device, clairvoyant_mean_latency, seeds_devices, simulate
 from batchyard.bench.traces import bursts, merge, poisson, replay, steps, with_classes
 
 GPU = seeds_devices(0)[0]
@@ -110,3 +110,42 @@ def test_calibrate_fits_the_simulated_curve(tmp_path, run_dir):
     assert [b for b, _ in prof["points"]] == [1, 4, 16]
     assert prof["per_item_us"] == pytest.approx(500, rel=0.2)  # a noisy sleep() at one size tilts the line
     assert prof["launch_us"] == pytest.approx(2000, abs=800)  # sleep() overshoot adds a little
+
+
+# MiniLM on one EPYC core (issue 12): B=32 is slower per item than B=16 (928 ms vs 2 x 370 ms).
+EPYC_MINILM = ((1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928))
+
+
+def test_cost_aware_cap_keeps_a_saturated_worker_at_its_limit():
+    """Past saturation MCB sends the batch size that serves items fastest (16 here), not the
+    configured max of 32, so completions/s stay at the core's limit (43/s), not at 34/s."""
+    cpu = Device("amx0", "cpu", 0.0, 0.0, max_batch=32, points=EPYC_MINILM)
+    assert cpu.curve().efficient_batch(32) == 16
+    trace = poisson(60.0, 1200, seed=3)  # 20 s offered at 1.4x the limit
+
+    def completions_per_s(policy):
+        res = simulate(policy, trace, [cpu])
+        done = trace.arrivals + res.latency
+        return ((done >= 5.0) & (done < 20.0)).sum() / 15.0, np.asarray(res.batch_sizes)
+
+    limit = 16 / 0.370
+    mcb, sizes = completions_per_s("mcb")
+    assert sizes.max() == 16
+    assert mcb >= 0.95 * limit
+    greedy, _ = completions_per_s("greedy")
+    assert greedy < 0.85 * limit  # the fixed cap of 32 loses the rest
+
+
+def test_efficient_batch_needs_repeated_evidence():
+    from batchyard.cost_model import CostCurve
+
+    c = CostCurve(launch_s=0.01, per_item_s=0.02)
+    assert c.efficient_batch(32) == 32  # no measurements: the configured max
+    for b, t in EPYC_MINILM:
+        c.observe(b, t)  # one batch each: a slow 32 may be a GC pause
+    assert c.efficient_batch(32) == 32
+    for _ in range(2):
+        for b, t in EPYC_MINILM:
+            c.observe(b, t)
+    assert c.efficient_batch(32) == 16
+    assert c.efficient_batch(8) == 8  # never above the configured max
