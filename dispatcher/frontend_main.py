@@ -24,11 +24,13 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set, then close everything this started."""
     from .client_async import AsyncClient
     from .kserve_common import KServeCore
+    from .kserve_shm import ShmRegions, registry_dir
     from .sd_notify import announce_ready
 
     fe = node.frontend
     client = AsyncClient(node.dispatcher.frontend, **node_client_keys(node.dispatcher, node.dispatcher.frontend))
-    core = KServeCore(client)
+    # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
+    core = KServeCore(client, ShmRegions(registry_dir(fe.host, fe.grpc_port, fe.http_port)))
     grpc_server = http_runner = watchdog = None
     try:
         # HTTP first: a client that sees the gRPC port ready finds HTTP ready too (tests wait so).

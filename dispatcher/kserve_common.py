@@ -1,6 +1,6 @@
 """What the KServe v2 front door's gRPC and HTTP sides share: datatype names, Triton's error
-codes, request parameters, model metadata, the system shared-memory regions clients register,
-per-model statistics, and ``KServeCore``, which runs an inference through the front door's
+codes, request parameters, model metadata, per-model statistics (the system shared-memory
+registry is kserve_shm.py), and ``KServeCore``, which runs an inference through the front door's
 Batchyard ``AsyncClient``.
 
 Error codes and messages follow what Triton returns for the same case, so code written against
@@ -10,11 +10,8 @@ Triton (which often matches on the code, sometimes on the text) behaves the same
 from __future__ import annotations
 
 import asyncio
-import mmap
-import os
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import grpc
@@ -31,10 +28,6 @@ NP_TO_KSERVE = {v: k for k, v in KSERVE_TO_NP.items()}
 PLATFORM = "batchyard"
 SERVER_NAME = "batchyard"
 EXTENSIONS = ["system_shared_memory", "statistics"]
-# Region keys Batchyard itself creates (client pools, worker slots): other clients' tensors live
-# there, so a KServe client may not name them (the SDK's rule: reference only your own memory).
-_OWN_SEGMENTS = re.compile(r"^batchyard_")
-_SHM_KEY = re.compile(r"^/?([A-Za-z0-9_][A-Za-z0-9_.-]{0,199})$")
 
 
 class KServeError(Exception):
@@ -162,93 +155,6 @@ def model_config(spec: P.ModelSpec) -> dict:
             "input": conv(spec.inputs), "output": conv(spec.outputs)}
 
 
-# ------------------------------------------------------------------ system shared memory
-@dataclass
-class Region:
-    name: str
-    key: str
-    offset: int
-    byte_size: int
-    mm: mmap.mmap = field(repr=False)
-
-
-class ShmRegions:
-    """System shared-memory regions registered through this front door, mapped by key, offset
-    and byte size (Triton's extension). Requests name regions, never segments: an infer can read
-    or write only memory its client registered here, and tensors reach the dispatcher as copies
-    (inline or through the front door's own pool)."""
-
-    def __init__(self):
-        self.regions: dict[str, Region] = {}
-
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if name in self.regions:
-            raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        m = _SHM_KEY.match(key)
-        if m is None or _OWN_SEGMENTS.match(m[1]):
-            raise invalid(f"failed to register shared memory region '{name}': key '{key}' is not a POSIX "
-                          f"shared-memory name this front door may open")
-        if any(r.key == key for r in self.regions.values()):
-            raise invalid(f"registering an active shared memory key, \"{key}\", under a different name is not "
-                          f"currently supported")
-        try:
-            fd = os.open(os.path.join("/dev/shm", m[1]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'") from None
-        try:
-            size = os.fstat(fd).st_size
-            if offset < 0 or byte_size < 0 or offset + byte_size > size or size == 0:
-                raise invalid(f"failed to register shared memory region '{name}': invalid args")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.regions[name] = Region(name, key, offset, byte_size, mm)
-
-    def unregister(self, name: str = "") -> None:
-        """One region, or all when ``name`` is empty; an unknown name is not an error (Triton)."""
-        for n in ([name] if name else list(self.regions)):
-            r = self.regions.pop(n, None)
-            if r is not None:
-                r.mm.close()
-
-    def status(self, name: str = "") -> list[Region]:
-        if not name:
-            return list(self.regions.values())
-        if name not in self.regions:
-            raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find system shared memory region: '{name}'")
-        return [self.regions[name]]
-
-    def _range(self, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
-        r = self.regions.get(name)
-        if r is None:
-            raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find shared memory region: '{name}'")
-        if offset < 0 or nbytes < 0 or offset + nbytes > r.byte_size:
-            raise invalid(f"Invalid offset + byte size for shared memory region: '{name}' "
-                          f"(offset {offset} + {nbytes} bytes > its {r.byte_size} bytes)")
-        return r, r.offset + offset
-
-    def check(self, name: str, offset: int, byte_size: int) -> None:
-        """Fail now, before the inference runs, if an output region is not usable."""
-        self._range(name, offset, byte_size)
-
-    def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str) -> np.ndarray:
-        """A copy of the tensor in the region: the client may reuse its memory as soon as the
-        reply comes, and the region may be unregistered while the request is queued."""
-        r, start = self._range(name, offset, byte_size)
-        arr = tensor_from_bytes(tensor, datatype, shape, memoryview(r.mm)[start:start + byte_size])
-        return arr.copy()
-
-    def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
-        if arr.nbytes > byte_size:
-            raise invalid(f"shared memory size specified with the request for output '{tensor}' "
-                          f"({byte_size} bytes) should be at least {arr.nbytes} bytes to hold the results")
-        r, start = self._range(name, offset, arr.nbytes)
-        r.mm[start:start + arr.nbytes] = np.ascontiguousarray(arr).tobytes()
-
-    def close(self) -> None:
-        self.unregister()
-
-
 # ------------------------------------------------------------------ statistics
 @dataclass
 class ModelStats:
@@ -281,9 +187,11 @@ READY_CACHE_S = 0.1  # readiness comes from the dispatcher's status, asked at mo
 class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
-    def __init__(self, client):
+    def __init__(self, client, shm=None):
+        from .kserve_shm import ShmRegions  # it imports this module's errors
+
         self.client = client  # batchyard.AsyncClient
-        self.shm = ShmRegions()
+        self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
         self.stats: dict[str, ModelStats] = {}
         self._ready_at = -1.0
         self._ready: Optional[frozenset] = None  # models with a registered worker; None: no dispatcher

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.grpc.aio as tgrpc_aio
@@ -56,7 +57,7 @@ class FrontDoor:
 @pytest.fixture(scope="module")
 def front_door():
     """One node for the module: `sum` (fast), `slow` (300 ms a batch) and `solo` (its own worker,
-    which the readiness test stops), plus one front-door process on free ports."""
+    which the readiness test stops), plus two front-door processes sharing free ports."""
     run_dir = tempfile.mkdtemp(prefix="by-", dir="/tmp")
     grpc_port, http_port = _free_port(), _free_port()
     cfg = NodeConfig(
@@ -65,7 +66,7 @@ def front_door():
         models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL),
         workers=(sim_worker("sim0", models=("sum",)), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
                  sim_worker("solo0", models=("solo",))),
-        frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port)).validate()
+        frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port, processes=2)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
@@ -77,10 +78,23 @@ def front_door():
         # The front door binds HTTP before gRPC: a ready gRPC channel means both are serving.
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=60)
+        _eventually(lambda: len(_listeners(up.pid, grpc_port)) == 2, timeout=60)
         yield FrontDoor(node, grpc_port, http_port)
     finally:
         node.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _listeners(root_pid: int, port: int) -> set[int]:
+    """The processes under ``root_pid`` listening on ``port``."""
+    pids = set()
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")):
+                pids.add(p.pid)
+        except psutil.Error:
+            pass
+    return pids
 
 
 def _grpc_input(x, dtype="FP32", name="x"):
@@ -179,6 +193,31 @@ def test_shm_register_infer_unregister(front_door, proto):
         for region in (shm_in, shm_out):
             region.close()
             region.unlink()
+
+
+def test_a_region_registered_once_serves_every_connection(front_door):
+    """Two front-door processes share the port: fresh connections land on either, and each must
+    find the region registered through the first one (Triton's registry is server-wide)."""
+    tag = f"by_kserve_{os.getpid()}_spread"
+    shm_in = shared_memory.SharedMemory(f"{tag}_in", create=True, size=X.nbytes)
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    try:
+        np.ndarray(X.shape, X.dtype, buffer=shm_in.buf)[...] = X
+        c.register_system_shared_memory("spread", f"/{tag}_in", X.nbytes)
+        want = front_door.sdk("sum", X)
+        for _ in range(12):  # each its own TCP connection: all 12 on one process has odds 2**-11
+            # (gRPC shares one connection among channels to one target unless told not to)
+            other = tgrpc.InferenceServerClient(front_door.grpc_url,
+                                                channel_args=[("grpc.use_local_subchannel_pool", 1)])
+            i = tgrpc.InferInput("x", [3, 4], "FP32")
+            i.set_shared_memory("spread", X.nbytes)
+            np.testing.assert_array_equal(other.infer("sum", [i]).as_numpy("y"), want)
+            other.close()
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()
+        shm_in.close()
+        shm_in.unlink()
 
 
 def test_shm_of_batchyard_itself_cannot_be_registered(front_door):

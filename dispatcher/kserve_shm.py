@@ -1,0 +1,268 @@
+"""Triton's system shared-memory extension for the front door: the regions clients register,
+one registry for every front-door process of a node.
+
+Several front-door processes share the node's ports (SO_REUSEPORT), and the kernel spreads
+connections over them: a client that registers a region on one connection and infers on
+another (tritonclient.http with concurrency > 1, perf_analyzer's workers, a second client
+process) reaches another process. Triton's registry is server-wide, so this one is too: each
+registration is a small file in a directory private to the front door's user, created with
+``link`` (atomic, so two processes cannot register one name twice); each process maps a region
+on first use and checks, with one ``stat`` per request, that the entry it mapped is still the
+registered one. The directory is wiped when the first front-door process of the node starts
+(no live one holds the shared ``flock`` on its ``.alive`` file): a restarted server starts with
+no regions, as Triton does.
+
+Requests name regions, never segments: an infer can read or write only memory a client
+registered here, and tensors reach the dispatcher as copies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from typing import Optional
+
+import grpc
+import numpy as np
+
+from .kserve_common import KServeError, invalid, tensor_from_bytes
+
+# Region keys Batchyard itself creates (client pools, worker slots): other clients' tensors live
+# there, so a KServe client may not name them (the SDK's rule: reference only your own memory).
+_OWN_SEGMENTS = re.compile(r"^batchyard_")
+_SHM_KEY = re.compile(r"^/?([A-Za-z0-9_][A-Za-z0-9_.-]{0,199})$")
+SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    mm: Optional[mmap.mmap] = field(default=None, repr=False)
+    entry_ino: int = 0  # the registry entry this mapping was made from
+
+
+def registry_dir(host: str, grpc_port: int, http_port: int) -> str:
+    """The registry of the front doors serving these ports: one per node and user. It lives in
+    /dev/shm, which every front-door unit shares (each unit's /tmp is private)."""
+    tag = re.sub(r"[^A-Za-z0-9.]", "_", host)
+    return os.path.join(SHM_DIR, f"batchyard-kserve-{os.getuid()}-{tag}-{grpc_port}-{http_port}")
+
+
+def _open_private_dir(path: str) -> int:
+    """The registry directory as an fd, created 0700 if absent; refused if it is a link or not
+    this user's (another user could otherwise plant registrations)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        os.close(fd)
+        raise PermissionError(f"{path}: not a private directory of uid {os.getuid()}")
+    return fd
+
+
+def _entry(name: str) -> str:
+    return "r-" + name.encode().hex() + ".json"
+
+
+def _map_segment(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
+    m = _SHM_KEY.match(key)
+    if m is None or _OWN_SEGMENTS.match(m[1]):
+        raise invalid(f"failed to register shared memory region '{name}': key '{key}' is not a POSIX "
+                      f"shared-memory name this front door may open")
+    try:
+        fd = os.open(os.path.join(SHM_DIR, m[1]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'") from None
+    try:
+        size = os.fstat(fd).st_size
+        if offset < 0 or byte_size < 0 or offset + byte_size > size or size == 0:
+            raise invalid(f"failed to register shared memory region '{name}': invalid args")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class ShmRegions:
+    """The registry, seen from one front-door process. ``directory=None``: this process only."""
+
+    def __init__(self, directory: Optional[str] = None):
+        self.dir = directory
+        self.local: dict[str, Region] = {}  # regions this process has mapped
+        self._dir_fd = self._alive_fd = -1
+        if directory is not None:
+            self._dir_fd = _open_private_dir(directory)
+            self._join()
+
+    # ------------------------------------------------------------ the shared directory
+    def _join(self) -> None:
+        self._alive_fd = os.open(".alive", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
+        try:
+            fcntl.flock(self._alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # another front door of this node is serving: keep its registrations
+        else:
+            for n in self._entries():
+                self._unlink(n)
+        fcntl.flock(self._alive_fd, fcntl.LOCK_SH)
+
+    def _entries(self) -> list[str]:
+        return [n for n in os.listdir(self._dir_fd) if n.startswith("r-") and n.endswith(".json")]
+
+    def _unlink(self, entry: str) -> None:
+        try:
+            os.unlink(entry, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+
+    def _read(self, entry: str) -> Optional[Region]:
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            ino = os.fstat(f.fileno()).st_ino
+            d = json.loads(f.read())
+        return Region(d["name"], d["key"], int(d["offset"]), int(d["byte_size"]), None, ino)
+
+    def _publish(self, r: Region) -> None:
+        tmp = f".new-{os.getpid()}-{_entry(r.name)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps({"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}).encode())
+        try:
+            os.link(tmp, _entry(r.name), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except FileExistsError:
+            raise KServeError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"shared memory region '{r.name}' already in manager") from None
+        finally:
+            self._unlink(tmp)
+        r.entry_ino = os.stat(_entry(r.name), dir_fd=self._dir_fd).st_ino
+
+    def _registered(self) -> list[Region]:
+        if self.dir is None:
+            return list(self.local.values())
+        return [r for r in map(self._read, self._entries()) if r is not None]
+
+    def _drop_local(self, name: str) -> None:
+        r = self.local.pop(name, None)
+        if r is not None and r.mm is not None:
+            r.mm.close()
+
+    # ------------------------------------------------------------ the extension's calls
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        registered = self._registered()
+        if any(r.name == name for r in registered):
+            raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        if any(r.key == key for r in registered):
+            raise invalid(f"registering an active shared memory key, \"{key}\", under a different name is not "
+                          f"currently supported")
+        region = Region(name, key, offset, byte_size, _map_segment(name, key, offset, byte_size))
+        if self.dir is not None:
+            try:
+                self._publish(region)
+            except BaseException:
+                region.mm.close()
+                raise
+        self._drop_local(name)
+        self.local[name] = region
+
+    def unregister(self, name: str = "") -> None:
+        """One region, or all when ``name`` is empty; an unknown name is not an error (Triton)."""
+        names = [name] if name else [r.name for r in self._registered()] + list(self.local)
+        for n in names:
+            if self.dir is not None:
+                self._unlink(_entry(n))
+            self._drop_local(n)
+
+    def status(self, name: str = "") -> list[Region]:
+        regions = self._registered()
+        if not name:
+            return regions
+        found = [r for r in regions if r.name == name]
+        if not found:
+            raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find system shared memory region: '{name}'")
+        return found
+
+    def _lookup(self, name: str) -> Optional[Region]:
+        """The mapped region, if it is still the registered one; mapped now if registered by
+        another process of this node."""
+        r = self.local.get(name)
+        if self.dir is None:
+            return r
+        try:
+            ino = os.stat(_entry(name), dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            self._drop_local(name)
+            return None
+        if r is not None and r.entry_ino == ino:
+            return r
+        self._drop_local(name)
+        entry = self._read(_entry(name))
+        if entry is None:
+            return None
+        entry.mm = _map_segment(name, entry.key, entry.offset, entry.byte_size)
+        self.local[name] = entry
+        return entry
+
+    def _range(self, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
+        r = self._lookup(name)
+        if r is None:
+            raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find shared memory region: '{name}'")
+        if offset < 0 or nbytes < 0 or offset + nbytes > r.byte_size:
+            raise invalid(f"Invalid offset + byte size for shared memory region: '{name}' "
+                          f"(offset {offset} + {nbytes} bytes > its {r.byte_size} bytes)")
+        return r, r.offset + offset
+
+    def check(self, name: str, offset: int, byte_size: int) -> None:
+        """Fail now, before the inference runs, if an output region is not usable."""
+        self._range(name, offset, byte_size)
+
+    def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str) -> np.ndarray:
+        """A copy of the tensor in the region: the client may reuse its memory as soon as the
+        reply comes, and the region may be unregistered while the request is queued."""
+        r, start = self._range(name, offset, byte_size)
+        arr = tensor_from_bytes(tensor, datatype, shape, memoryview(r.mm)[start:start + byte_size])
+        return arr.copy()
+
+    def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
+        if arr.nbytes > byte_size:
+            raise invalid(f"shared memory size specified with the request for output '{tensor}' "
+                          f"({byte_size} bytes) should be at least {arr.nbytes} bytes to hold the results")
+        r, start = self._range(name, offset, arr.nbytes)
+        r.mm[start:start + arr.nbytes] = np.ascontiguousarray(arr).tobytes()
+
+    def close(self) -> None:
+        """Unmap this process's regions. The registrations stay while another front door of the
+        node serves; the last one out removes the registry (a front door starting during that
+        instant may find its directory gone from under it: its regions then live in a removed
+        directory until it restarts)."""
+        for n in list(self.local):
+            self._drop_local(n)
+        if self._alive_fd >= 0:
+            try:
+                fcntl.flock(self._alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass
+            else:
+                for n in self._entries():
+                    self._unlink(n)
+                self._unlink(".alive")
+                try:
+                    os.rmdir(self.dir)
+                except OSError:
+                    pass  # a registration being written: the next first front door wipes it
+        for fd in (self._alive_fd, self._dir_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._alive_fd = self._dir_fd = -1

@@ -1,0 +1,90 @@
+"""The front door's system shared-memory registry, shared by the front-door processes of a node
+(several of them serve one port with SO_REUSEPORT; Triton's registry is server-wide)."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+
+from batchyard.kserve_common import KServeError
+from batchyard.kserve_shm import ShmRegions
+
+
+@pytest.fixture
+def registry(tmp_path):
+    d = str(tmp_path / "registry")
+    opened = []
+
+    def front_door() -> ShmRegions:
+        opened.append(ShmRegions(d))
+        return opened[-1]
+
+    yield front_door
+    for r in opened:
+        r.close()
+    assert not os.path.exists(d), "the last front door out leaves no registry behind"
+
+
+@pytest.fixture
+def segment():
+    seg = shared_memory.SharedMemory(f"kshm_{os.getpid()}", create=True, size=64)
+    np.ndarray((16,), np.float32, buffer=seg.buf)[...] = np.arange(16, dtype=np.float32)
+    yield seg
+    seg.close()
+    seg.unlink()
+
+
+def test_a_region_registered_in_one_process_serves_in_another(registry, segment):
+    a, b = registry(), registry()
+    a.register("in", segment.name, 0, 64)
+    got = b.read("in", 0, 16, "FP32", [4], "x")
+    np.testing.assert_array_equal(got, [0, 1, 2, 3])
+    b.write("in", 16, 16, np.full(4, 7.0, np.float32), "y")
+    np.testing.assert_array_equal(a.read("in", 16, 16, "FP32", [4], "x"), [7, 7, 7, 7])
+    assert [r.name for r in b.status()] == ["in"]
+
+
+def test_one_name_once_across_processes(registry, segment):
+    a, b = registry(), registry()
+    a.register("in", segment.name, 0, 64)
+    with pytest.raises(KServeError) as e:
+        b.register("in", segment.name, 0, 32)
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_unregister_anywhere_ends_the_region_everywhere(registry, segment):
+    a, b = registry(), registry()
+    a.register("in", segment.name, 0, 64)
+    b.read("in", 0, 16, "FP32", [4], "x")  # b has it mapped now
+    a.unregister("in")
+    with pytest.raises(KServeError) as e:
+        b.read("in", 0, 16, "FP32", [4], "x")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    # Registered again with a smaller size: b must see the new entry, not its old mapping.
+    a.register("in", segment.name, 16, 16)
+    np.testing.assert_array_equal(b.read("in", 0, 16, "FP32", [4], "x"), [4, 5, 6, 7])
+    with pytest.raises(KServeError):
+        b.read("in", 16, 16, "FP32", [4], "x")
+
+
+def test_a_restarted_front_door_starts_with_no_regions(registry, segment, tmp_path):
+    a = registry()
+    a.register("in", segment.name, 0, 64)
+    survivor = registry()  # while one front door serves, a new one keeps the registrations
+    assert [r.name for r in survivor.status()] == ["in"]
+    a.close()
+    survivor.close()
+    fresh = registry()
+    assert fresh.status() == []
+
+
+def test_another_users_directory_is_refused(tmp_path):
+    d = tmp_path / "registry"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    with pytest.raises(PermissionError):
+        ShmRegions(str(d))
