@@ -20,6 +20,7 @@ import math
 from typing import Any, Callable, NamedTuple, Optional
 
 from .policy import feasible
+from .policy_core import LATE_MARGIN
 from .protocol import Status
 from .state import DONE, INFLIGHT, QUEUED, Request, SchedulerState, WorkerState
 
@@ -66,7 +67,8 @@ class RequestCore:
         self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
         self.by_client_id: dict[tuple[Any, int], int] = {}  # (client, request id) -> seq, for cancel
         self.batches: dict[int, Batch] = {}
-        self.deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); lazily pruned
+        # heap of (when to look, seq), lazily pruned: a queued request's hopeless instant, else its deadline
+        self.deadlines: list[tuple[float, int]] = []
         self.status_waiters: list[tuple[float, int, Any]] = []  # (expires, min registrations, token)
         self.registrations = 0  # worker registrations since start (cumulative: a long poll's cursor)
         self.decisions: dict[str, int] = {}  # decision reason -> count
@@ -96,7 +98,11 @@ class RequestCore:
         self.requests[seq] = req
         if client is not None:
             self.by_client_id[(client, req_id)] = seq
-        heapq.heappush(self.deadlines, (req.deadline, seq))
+        # Queued, it is hopeless before its deadline: once even the fastest path alone would end
+        # after it (the policies' margin for a fast run, LATE_MARGIN); then it is failed at once.
+        fastest = min((self.state.cost(model, w.path).predict(items) for w in self.state.serving.get(model, ())),
+                      default=0.0)
+        heapq.heappush(self.deadlines, (req.deadline - (1 - LATE_MARGIN) * fastest, seq))
         q.push(req)
         return req
 
@@ -117,8 +123,17 @@ class RequestCore:
         while heap and heap[0][0] <= now:
             _, seq = heapq.heappop(heap)
             req = self.requests.get(seq)
-            if req is None or req.deadline > now:
+            if req is None:
                 continue  # finished already
+            if req.deadline > now:
+                if req.state == QUEUED:
+                    self.state.queue(req.model).remove(req)
+                    self.fail(req, Status.DEADLINE_EXCEEDED,
+                              f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} ms "
+                              f"left after {(now - req.arrival) * 1e3:.1f} ms in queue")
+                else:  # in flight (or queued again later): its deadline is what counts
+                    heapq.heappush(heap, (req.deadline, seq))
+                continue
             if req.state == QUEUED:
                 self.state.queue(req.model).remove(req)
                 where = "in queue"
@@ -136,6 +151,8 @@ class RequestCore:
             self.wake_at = math.inf
             return []
         decision = self.policy.decide(self.state, now)
+        for req, why in decision.late:
+            self.fail(req, Status.DEADLINE_EXCEEDED, why)
         counts = self.decisions
         for reason, n in decision.reasons.items():
             counts[reason] = counts.get(reason, 0) + n

@@ -24,6 +24,9 @@ LINEAR_MAX_ERROR = 0.10  # a line that misses a measured point by more than 10 %
 # MiniLM on an EPYC core, 928 ms at B=32 against 2 x 370 ms at B=16).
 EFFICIENT_TOLERANCE = 0.02
 EFFICIENT_MIN_COUNT = 3  # one slow batch (a GC pause) must not cap a worker for good
+# Background work (low priority while urgent requests arrive) gives up this much throughput per
+# item for short batches: an urgent request that arrives behind one waits for it (not preemptible).
+COMPACT_TOLERANCE = 0.10
 
 
 @dataclass
@@ -40,7 +43,7 @@ class CostCurve:
     # knots: batch size -> (estimate, count); kept sorted by size in _sizes
     _knots: dict = field(default_factory=dict)
     _sizes: list = field(default_factory=list)
-    _caps: dict = field(default_factory=dict)  # max_b -> efficient_batch(max_b), until the next knot moves
+    _caps: dict = field(default_factory=dict)  # max_b -> efficient_batch, -max_b -> compact_batch, until the next sample
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float]], **kw) -> "CostCurve":
@@ -69,6 +72,17 @@ class CostCurve:
         cap = self._caps.get(max_b)
         if cap is None:
             cap = self._caps[max_b] = self._efficient_batch(max_b)
+        return cap
+
+    def compact_batch(self, max_b: int) -> int:
+        """The smallest batch size whose predicted time per item is within ``COMPACT_TOLERANCE``
+        of the best size up to ``max_b``: short batches that still give nearly all the throughput."""
+        key = -max_b
+        cap = self._caps.get(key)
+        if cap is None:
+            per_item = [self.predict(b) / b for b in range(1, max_b + 1)]
+            bound = min(per_item) * (1 + COMPACT_TOLERANCE)
+            cap = self._caps[key] = next(b for b, t in enumerate(per_item, 1) if t <= bound)
         return cap
 
     def _efficient_batch(self, max_b: int) -> int:
@@ -188,6 +202,11 @@ class ArrivalRate:
     def arrive(self, now: float, n: int = 1) -> None:
         self._rate = self.rate(now) + n / self.tau
         self._t = now
+
+    @property
+    def last(self) -> float:
+        """When the latest arrival came (0.0 before any)."""
+        return self._t
 
     def rate(self, now: float) -> float:
         dt = now - self._t

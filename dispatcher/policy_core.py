@@ -11,7 +11,12 @@ from typing import Optional
 
 from .state import ModelQueue, Request, SchedulerState, WorkerState
 
-AGING_S = 0.05  # a queued request moves up one priority class per AGING_S * class waited
+AGING_S = 0.05  # a queued request moves up one priority class per aging period * class waited
+# ... where the aging period is at least this many of the model's longest full batches: aging
+# bounds a low request's wait, but must not merge the classes whenever queueing lasts seconds
+# (a 3.5 s MiniLM batch on one core would make every low request high after 0.15 s).
+AGING_BATCHES = 8
+LATE_MARGIN = 0.1  # cost curves miss by about this much (see fit_deadlines)
 
 
 @dataclass
@@ -24,6 +29,8 @@ class Dispatch:
 @dataclass
 class Decision:
     dispatches: list[Dispatch] = field(default_factory=list)
+    # Taken off the queue but not sent: they would finish after their deadline (request, why).
+    late: list[tuple[Request, str]] = field(default_factory=list)
     wake_at: float = math.inf  # call decide again no later than this, even if nothing happens
     reasons: dict[str, int] = field(default_factory=dict)  # why: waited, dispatched-cpu, flushed, ...
 
@@ -64,13 +71,70 @@ def take_batch(q: ModelQueue, max_items: int, cap: int, max_requests: Optional[i
 
 def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_items: int, now: float,
          reason: str = "", max_requests: Optional[int] = None) -> list[Request]:
-    """Take a batch for ``w`` (see ``take_batch``), reserve the worker, record the dispatch."""
-    reqs = take_batch(q, max_items, w.models[q.model], max_requests)
+    """Take a batch for ``w`` (see ``take_batch``) that every request in it can finish in before
+    its deadline (``fit_deadlines``), reserve the worker, record the dispatch."""
+    while True:
+        reqs = take_batch(q, max_items, w.models[q.model], max_requests)
+        if reqs and any(r.deadline < math.inf for r in reqs):
+            reqs, back = fit_deadlines(state, d, w, q.model, reqs, now)
+            for r in reversed(back):
+                q.push_front(r)
+        if reqs or not q.requests:
+            break  # else every request taken was hopeless: take again (the queue is shorter)
     if reqs:
         state.on_dispatch(w, q.model, sum(r.items for r in reqs), now)
         d.dispatches.append(Dispatch(w, q.model, reqs))
         d.count(reason or f"dispatched-{w.path}")
     return reqs
+
+
+def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str, reqs: list[Request],
+                  now: float) -> tuple[list[Request], list[Request]]:
+    """The part of a taken batch worth running on ``w``, and the part to put back in the queue. "Ends by" below means: would end by that
+    time even ``LATE_MARGIN`` faster than predicted (cost curves miss by about that much, and MCB
+    flushes a batch just as its slack reaches zero: those must go).
+
+    - A request that cannot end by its deadline even alone is not run (``Decision.late``: the
+      caller fails it DEADLINE_EXCEEDED now). Compute spent on it is lost to everyone else;
+      under a flood of short-timeout work that is most of the compute.
+    - Of the others, the batch keeps the longest prefix (oldest first) that ends by every
+      deadline in it; the rest are returned, to go back to the head of the queue, where the
+      next batch can still serve them (a request with a tight deadline is served in a short
+      batch rather than failed for the sake of a long one).
+    """
+    curve = state.cost(model, w.path)
+    start = state.start_time(w, now)
+
+    def ends(items: int) -> float:
+        return start + (1 - LATE_MARGIN) * curve.predict(items)
+
+    kept = []
+    for r in reqs:
+        if r.deadline < ends(r.items):
+            d.late.append((r, f"would finish after its deadline: {w.path} worker {w.name} predicted to take "
+                              f"{curve.predict(r.items) * 1e3:.1f} ms for it alone, "
+                              f"{(r.deadline - now) * 1e3:.1f} ms were left"))
+            d.count("shed-late")
+        else:
+            kept.append(r)
+    if not kept:
+        return [], []
+    items, tightest, fits = 0, math.inf, 0
+    for i, r in enumerate(kept, 1):
+        items += r.items
+        tightest = min(tightest, r.deadline)
+        if tightest < ends(items):
+            break  # a longer prefix only ends later, against a deadline no later
+        fits = i
+    return kept[:fits], kept[fits:]
+
+
+def aging_period(state: SchedulerState, model: str) -> float:
+    """How long a request waits in its class before it moves up one (times its class):
+    ``AGING_S``, or ``AGING_BATCHES`` of the model's longest full batch if that is longer."""
+    longest = max((state.cost(model, w.path).predict(state.batch_cap(model, w))
+                   for w in state.serving.get(model, ())), default=0.0)
+    return max(AGING_S, AGING_BATCHES * longest)
 
 
 def servers_for(offered_load: float, blocking: float) -> int:
@@ -104,7 +168,7 @@ class PerModelPolicy:
         d = Decision()
         for model, q in state.queues.items():
             if q.requests:
-                q.promote_aged(now, AGING_S)
+                q.promote_aged(now, aging_period(state, model))
                 self.decide_model(state, model, q, now, d)
         return d
 

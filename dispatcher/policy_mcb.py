@@ -9,18 +9,13 @@ import math
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import marginal_wait_pays
-from .policy_core import AGING_S, Decision, PerModelPolicy, send, servers_for
+from .policy_core import Decision, PerModelPolicy, aging_period, send, servers_for
 from .state import ModelQueue, SchedulerState, WorkerState
 
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
 RESERVE_BLOCKING = 0.01
 AMORTISES = 0.01  # T(1) above the next item's added time by more than this: a launch to amortise
 FUTURE_ROUNDS = 4  # fixed-point steps for the arrivals expected while the plan runs
-
-
-def start_time(state: SchedulerState, w: WorkerState, now: float) -> float:
-    """When ``w`` could start a batch sent now (the same rule as ``SchedulerState.finish_time``)."""
-    return now if w.free and w.inflight == 0 else max(now, w.busy_until)
 
 
 class _Memo:
@@ -39,7 +34,8 @@ class _Memo:
         return t
 
 
-def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: float) -> tuple[list, float]:
+def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: float,
+         background: bool = False) -> tuple[list, float]:
     """Plan ``n`` queued items over ``ws`` — free workers from now, busy ones from their
     predicted free time, each as a sequence of batches — to minimise the summed completion
     time of the items; return each worker's FIRST batch: [(finish, worker, items)], earliest
@@ -59,8 +55,8 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
     """
     m = len(ws)
     curve = [_Memo(state.cost(model, w.path)) for w in ws]
-    cap = [state.batch_cap(model, w) for w in ws]
-    s = [start_time(state, w, now) - now for w in ws]  # start of the last planned batch
+    cap = [state.batch_cap(model, w, background) for w in ws]
+    s = [state.start_time(w, now) - now for w in ws]  # start of the last planned batch
     k = [0] * m  # items in the last planned batch
     fin = list(s)  # its finish (== start while empty)
     first = [0] * m  # items in the first batch (frozen once a second one opens)
@@ -93,7 +89,7 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
         if not opened[i]:
             first[i] = k[i]
         heapq.heappush(heap, (best(i)[0], i))
-    start0 = [start_time(state, w, now) for w in ws]
+    start0 = [state.start_time(w, now) for w in ws]
     chunks = [(start0[i] + curve[i].predict(first[i]), ws[i], first[i]) for i in range(m) if first[i]]
     chunks.sort(key=lambda c: c[0])
     return chunks, now + max(fin, default=0.0)
@@ -122,7 +118,6 @@ class MarginalCost(PerModelPolicy):
                 if idx is None or idx.queue is not q:
                     idx = self._deadlines[model] = DeadlineIndex(q)
                 idx.sync()  # before aging moves requests between classes
-                q.promote_aged(now, AGING_S)
                 self.decide_model(state, model, q, now, d)
         return d
 
@@ -131,6 +126,8 @@ class MarginalCost(PerModelPolicy):
         if not all_ws:
             return
         idx = self._deadlines[model]
+        aging = aging_period(state, model)
+        q.promote_aged(now, aging)
         waited = False
         while q.requests:
             # 1. Eligible workers (reservation for urgent traffic).
@@ -144,28 +141,32 @@ class MarginalCost(PerModelPolicy):
             #    make them wait for the low items' compute.
             urgent = q.class_items[0] + q.class_items[1]
             b = urgent if 0 < urgent < q.items else q.items
+            # 2b. Low-only work is background while urgent requests have arrived within the aging
+            #     period (the horizon over which classes are kept apart at all): its batches are
+            #     kept short (compact_batch), since an urgent arrival waits for the one running.
+            background = urgent == 0 and now - state.last_urgent(model) <= aging
             # 3. Plan the b items over free and busy workers, together with the requests
             #    expected to arrive (rate lambda) before the planned work is done: they will
             #    need the same workers, so the plan must not spend every worker's next slots
             #    on the queue alone. H = plan end - now and the extra count lambda*H feed each
             #    other; a few rounds reach the fixed point (or stop when it stops growing).
-            chunks, end = plan(state, model, ws, b, now)
+            chunks, end = plan(state, model, ws, b, now, background)
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
             extra = 0
-            room = sum(state.batch_cap(model, w) for w in ws)  # a plan never holds more than this
+            room = sum(state.batch_cap(model, w, background) for w in ws)  # a plan never holds more than this
             for _ in range(FUTURE_ROUNDS):
                 expected = int(lam * (end - now))
                 if expected <= extra or b + extra >= room:
                     break
                 extra = expected
-                chunks, end = plan(state, model, ws, b + extra, now)
+                chunks, end = plan(state, model, ws, b + extra, now, background)
             # 4. Deadlines: if the plan of the queue alone would finish after the tightest
             #    deadline, flush: plan over the free workers only and send without waiting.
             slack = idx.tightest(now) - own_finish
             if slack <= 0:
                 d.count("flushed")
-                chunks, _ = plan(state, model, [w for w in ws if w.free], b, now)
+                chunks, _ = plan(state, model, [w for w in ws if w.free], b, now, background)
             alone = min(state.cost(model, w.path).predict(1) for w in ws)
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
@@ -178,7 +179,7 @@ class MarginalCost(PerModelPolicy):
                 queued = min(items, left)
                 if queued <= 0:
                     break
-                if slack > 0 and queued < state.batch_cap(model, w):
+                if slack > 0 and queued < state.batch_cap(model, w, background):
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
                     pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone)
@@ -192,6 +193,7 @@ class MarginalCost(PerModelPolicy):
                 reqs = send(state, d, w, q, queued, now)
                 left -= sum(r.items for r in reqs)
                 idx.discard(reqs)
+                idx.discard([r for r, _ in d.late])
                 sent = sent or bool(reqs)
             if not sent:
                 return  # 8. what is left waits: on a busy worker or on the marginal rule

@@ -8,6 +8,7 @@ live dispatcher fills; the policy never reads them.
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -147,11 +148,15 @@ class SchedulerState:
             c = self.costs[(model, path)] = CostCurve()
         return c
 
-    def batch_cap(self, model: str, w: WorkerState) -> int:
+    def batch_cap(self, model: str, w: WorkerState, background: bool = False) -> int:
         """The most items to send ``w`` at once: its configured max batch, lowered to where the
-        learned curve says bigger batches serve items more slowly (``CostCurve.efficient_batch``)."""
+        learned curve says bigger batches serve items more slowly (``CostCurve.efficient_batch``);
+        for ``background`` work, to the shortest batch that keeps nearly all the throughput
+        (``CostCurve.compact_batch``)."""
         max_b = w.models[model]
-        return self.cost(model, w.path).efficient_batch(max_b)
+        curve = self.cost(model, w.path)
+        cap = curve.efficient_batch(max_b)
+        return min(cap, curve.compact_batch(cap)) if background else cap
 
     def arrival(self, model: str) -> ArrivalRate:
         a = self.arrivals.get(model)
@@ -173,10 +178,19 @@ class SchedulerState:
         a = self.arrivals.get(model + "#urgent")
         return a.rate(now) if a is not None else 0.0
 
+    def last_urgent(self, model: str) -> float:
+        """When the latest high or normal request for ``model`` arrived (-inf: never)."""
+        a = self.arrivals.get(model + "#urgent")
+        return a.last if a is not None else -math.inf
+
+    @staticmethod
+    def start_time(w: WorkerState, now: float) -> float:
+        """When ``w`` could start a batch sent now (after what it already has)."""
+        return now if w.free and w.inflight == 0 else max(now, w.busy_until)
+
     def finish_time(self, w: WorkerState, model: str, items: int, now: float) -> float:
         """Predicted completion of ``items`` sent to ``w`` now (after what it already has)."""
-        start = now if w.free and w.inflight == 0 else max(now, w.busy_until)
-        return start + self.cost(model, w.path).predict(items)
+        return self.start_time(w, now) + self.cost(model, w.path).predict(items)
 
     def on_dispatch(self, w: WorkerState, model: str, items: int, now: float) -> None:
         w.busy_until = max(now, w.busy_until) + self.cost(model, w.path).predict(items)

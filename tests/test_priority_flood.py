@@ -1,0 +1,97 @@
+"""Priorities on a slow model under a low-priority flood (issue 10's priority table): requests
+that cannot make their deadline are not run, aging does not merge the classes when batches last
+seconds, and low batches stay short while urgent requests arrive. The live table is
+bench/results/priority (bench/priority_vs_triton.py); the last test is its SIMULATED twin."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchyard.bench.simulator import Device, simulate
+from batchyard.bench.traces import poisson, with_classes
+from batchyard.core import RequestCore
+from batchyard.cost_model import CostCurve
+from batchyard.policy import AGING_S, make_policy
+from batchyard.policy_core import aging_period
+from batchyard.protocol import Status
+from batchyard.state import WorkerState
+
+# MiniLM-L6 bf16 on one core of this machine, as Batchyard learned it live (bench/results/priority).
+LAUNCH_S, PER_ITEM_S, MAX_BATCH = 0.0317, 0.1139, 32
+
+
+def minilm_core(policy="mcb"):
+    failed = {}
+    core = RequestCore(make_policy(policy), lambda req, status, msg: failed.__setitem__(req.req_id, (status, msg)))
+    core.state.costs[("m", "cpu")] = CostCurve(launch_s=LAUNCH_S, per_item_s=PER_ITEM_S, samples=100)
+    core.add_worker(WorkerState("amx0", "cpu", {"m": MAX_BATCH}), 0.0)
+    return core, failed
+
+
+def test_a_request_that_cannot_make_its_deadline_is_failed_not_run():
+    core, failed = minilm_core()
+    core.admit("m", 1, 2, 0.2, 0.0, req_id=1)  # one item alone takes 146 ms
+    core.admit("m", 1, 2, 0.0, 0.0, req_id=2)  # the node's default timeout (seconds)
+    (batch,) = core.decide(0.1)  # 100 ms later request 1 is hopeless
+    assert [r.req_id for r in batch.requests] == [2]
+    status, message = failed[1]
+    assert status == Status.DEADLINE_EXCEEDED and "cannot finish before its deadline on any path" in message
+
+
+def test_a_batch_shrinks_to_what_makes_its_deadlines():
+    """Three together take 373 ms, past request 1's deadline; alone it makes it: it goes alone
+    and the others wait at the head of the queue."""
+    core, failed = minilm_core()
+    for i, timeout in ((1, 0.2), (2, 0.0), (3, 0.0)):
+        core.admit("m", 1, 2, timeout, 0.0, req_id=i)
+    (batch,) = core.decide(0.0)
+    assert [r.req_id for r in batch.requests] == [1] and not failed
+    assert [r.req_id for r in core.state.queue("m").by_priority[2]] == [2, 3]
+
+
+def test_aging_does_not_merge_the_classes_of_a_slow_model():
+    core, _ = minilm_core()
+    period = aging_period(core.state, "m")
+    assert period == 8 * (LAUNCH_S + PER_ITEM_S * MAX_BATCH) > 100 * AGING_S
+    core.state.workers["amx0"].inflight, core.state.workers["amx0"].busy_until = 1, 10.0  # busy
+    low = core.admit("m", 1, 2, 60.0, 0.0, req_id=1)
+    core.decide(1.0)  # waited 20x AGING_S: still low
+    assert low.priority == 2
+    core.decide(period * 2 + 0.01)
+    assert low.priority == 1
+
+
+def test_low_batches_stay_short_while_urgent_requests_arrive():
+    for urgent_seen, want in ((False, MAX_BATCH), (True, 3)):
+        core, _ = minilm_core()
+        for i in range(40):
+            core.admit("m", 1, 2, 60.0, 0.0, req_id=i)
+        if urgent_seen:
+            core.state.note_arrival("m", 0, 1, 0.0)
+        (batch,) = core.decide(0.5)
+        # 3 items: the shortest batch within 10 % of the best time per item (124.5 vs 114.9 ms)
+        assert batch.items == want, urgent_seen
+
+
+def test_high_priority_under_a_flood_simulated():
+    """SIMULATED, the live bench's load: high 10 %, normal 20 %, low 150 % of the core's limit with
+    a 5 s timeout. Before: low completions 0/s (every low batch ran past its deadline) and high
+    p99 37x its p99 alone (aged low requests ahead of it); now both stay useful."""
+    cpu = Device("amx0", "cpu", LAUNCH_S, PER_ITEM_S, max_batch=MAX_BATCH)
+    limit = MAX_BATCH / (LAUNCH_S + PER_ITEM_S * MAX_BATCH)
+    rates = np.array([0.10, 0.20, 1.50]) * limit
+    seconds = 300
+    trace = with_classes(poisson(rates.sum(), int(rates.sum() * seconds), seed=4), probs=tuple(rates / rates.sum()),
+                         timeouts=(math.inf, math.inf, 5.0), seed=5)
+    alone = poisson(rates[0], int(rates[0] * seconds), seed=6)
+    alone.priority[:] = 0
+    p99_alone = np.percentile(simulate("mcb", alone, [cpu]).latency, 99)
+    res = simulate("mcb", trace, [cpu])
+    warm = trace.arrivals > 20.0
+    served = res.status == 0
+    high = warm & served & (trace.priority == 0)
+    assert np.percentile(res.latency[high], 99) < 4 * p99_alone
+    low_per_s = (warm & served & (trace.priority == 2)).sum() / (trace.arrivals[-1] - 20.0)
+    assert low_per_s > 0.4 * limit
