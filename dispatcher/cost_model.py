@@ -27,6 +27,9 @@ EFFICIENT_MIN_COUNT = 3  # one slow batch (a GC pause) must not cap a worker for
 # Background work (low priority while urgent requests arrive) gives up this much throughput per
 # item for short batches: an urgent request that arrives behind one waits for it (not preemptible).
 COMPACT_TOLERANCE = 0.10
+# The caps move slowly: look at them again every this many samples (and at every new size), not
+# at every batch (they scan every measured size: 12 % of a simulated MCB run, seeds 50 % load).
+CAP_REFRESH = 16
 
 
 @dataclass
@@ -111,7 +114,8 @@ class CostCurve:
             step = max(abs(est) * 0.05, 1e-6)
             est += max(-step, min(step, seconds - est)) if n >= 4 else (seconds - est) / (n + 1)
             self._knots[b] = (est, n + 1)
-        self._caps.clear()
+        if self.samples % CAP_REFRESH == 0:
+            self._caps.clear()
         return True
 
     # ------------------------------------------------------------------ internals
