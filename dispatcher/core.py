@@ -128,9 +128,12 @@ class RequestCore:
             if req.deadline > now:
                 if req.state == QUEUED:
                     self.state.queue(req.model).remove(req)
+                    fastest = min((self.state.cost(req.model, w.path).predict(req.items)
+                                   for w in self.state.serving.get(req.model, ())), default=0.0)
                     self.fail(req, Status.DEADLINE_EXCEEDED,
                               f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} ms "
-                              f"left after {(now - req.arrival) * 1e3:.1f} ms in queue")
+                              f"left after {(now - req.arrival) * 1e3:.1f} ms in queue, the fastest path takes "
+                              f"{fastest * 1e3:.1f} ms")
                 else:  # in flight (or queued again later): its deadline is what counts
                     heapq.heappush(heap, (req.deadline, seq))
                 continue

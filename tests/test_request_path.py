@@ -273,7 +273,8 @@ def test_expired_deadline_and_full_queue_get_their_status(start_node):
         q1 = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=0.05)
         q2 = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=10)
         over = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=10)
-        with pytest.raises(DeadlineExceeded, match="deadline passed in queue"):
+        # Failed in the queue: when its deadline passes, or as soon as no path can make it.
+        with pytest.raises(DeadlineExceeded, match="deadline passed in queue|cannot finish before its deadline"):
             q1.result()
         with pytest.raises(Overloaded, match="queue for 'sum' is full"):
             over.result()
