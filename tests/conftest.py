@@ -17,6 +17,12 @@ from pathlib import Path
 
 import pytest
 
+# This process imports grpc (tritonclient, the front door's tests) and then starts nodes with
+# subprocess.Popen: grpc's fork handlers restart its poller in the child, which can die of SIGABRT
+# before exec ("Epoll1Poller ... epoll_wait error: Bad file descriptor", grpc/grpc#43055; seen
+# once here as a worker "exited with -6 during start-up"). The tests never use grpc across a fork.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 from batchyard.client import Client
 from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
                                WorkerConfig, to_toml)
@@ -33,6 +39,15 @@ BIG_MODEL = ModelConfig(name="big", factory="batchyard.workers.models:mlp", max_
 MLP_MODEL = ModelConfig(name="mlp", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (256,)),),
                         outputs=(TensorConfig("y", "float32", (256,)),))
+
+
+def free_port() -> int:
+    """A TCP port free at the time of the call, for a front door under test."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sim_worker(name="sim0", models=("sum", "big"), **sim):
