@@ -40,8 +40,9 @@ $(LLM_STAMP): setup.cfg pyproject.toml
 
 llm-env: $(LLM_STAMP)
 
-test-llm: $(LLM_STAMP)
-	$(LLM_VENV)/bin/python -m pytest -m llm tests/test_llm_kv.py
+# The node runs from .venv (the project's), its vLLM workers from .venv-llm: both are needed.
+test-llm: $(STAMP) $(LLM_STAMP)
+	$(LLM_VENV)/bin/python -m pytest -q -m llm tests/test_llm_kv.py tests/test_llm_node.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

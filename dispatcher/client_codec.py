@@ -55,6 +55,15 @@ class InferResult(dict):
         self.timing = timing
 
 
+class Generation(list):
+    """The generated token ids (a list), plus ``timing`` (LLM mode: TTFT, route, instances, KV
+    tokens moved, and whether the "gpu" instance is a CPU stand-in)."""
+
+    def __init__(self, tokens: list, timing: Optional[P.LlmTiming]):
+        super().__init__(tokens)
+        self.timing = timing
+
+
 class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
@@ -182,6 +191,15 @@ class ClientCodec:
     def answer_challenge(self, segment: str, challenge: bytes) -> None:
         self.pool.write_header(segment, challenge)
 
+    def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
+                        route: str = "") -> tuple[int, list, float]:
+        rid = self.next_id()
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        prio = PRIORITIES[priority] if isinstance(priority, str) else int(priority)
+        msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=[int(t) for t in prompt],
+                                max_tokens=int(max_tokens), priority=prio, timeout_us=int(timeout * 1e6), route=route)
+        return rid, [P.encode(msg)], timeout
+
     def encode_model_info(self, model: str) -> tuple[int, list]:
         rid = self.next_id()
         return rid, [P.encode(P.ModelInfoRequest(v=P.PROTOCOL_VERSION, id=rid, model=model))]
@@ -228,6 +246,8 @@ class ClientCodec:
             pend.resolve(msg.spec)
         elif pend.kind == "status":
             pend.resolve(msg)
+        elif pend.kind == "generate":
+            pend.resolve(Generation(msg.tokens, msg.timing))
         else:
             pend.resolve(self._outputs(msg, frames[1:], pend.outputs))
 

@@ -102,9 +102,34 @@ class CudaConfig(_Table):
     onnx: dict[str, str] = {}  # tensorrt: model -> ONNX file
 
 
+class LlmModelConfig(_Table):
+    """An LLM served by vLLM workers (LLM mode, workers/llm_worker.py): a Hugging Face model folder."""
+
+    name: Name
+    path: str  # model folder (config, safetensors, tokenizer)
+    block_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 32  # vLLM's CPU attention: multiples of 32
+    max_model_len: Annotated[int, msgspec.Meta(ge=64)] = 2048
+    # where the prefill instance stores KV for the decode instance (vLLM's ExampleConnector);
+    # empty: a folder under the system temp dir, per node and model
+    kv_dir: str = ""
+
+
+class VllmConfig(_Table):
+    """A vLLM engine worker (kind "vllm")."""
+
+    role: Literal["prefill-cpu", "gpu"]
+    # A CPU engine standing in for the GPU instance on a host without one: every reply and
+    # report says so.
+    stand_in: bool = False
+    python: str = ""  # interpreter with vLLM installed (.venv-llm/bin/python); empty: this one
+    kv_cache_gib: PositiveFloat = 1.0
+    max_num_seqs: Positive = 8
+    calibrate_tokens: tuple[Positive, ...] = (32, 128, 512)  # prefill lengths measured at start
+
+
 class WorkerConfig(_Table):
     name: WorkerName
-    kind: Literal["amx", "sim", "triton", "cuda", "tensorrt"]
+    kind: Literal["amx", "sim", "triton", "cuda", "tensorrt", "vllm"]
     models: tuple[str, ...]
     cpus: tuple[NonNeg, ...] = ()  # CPU affinity; empty = leave as inherited
     numa_node: Optional[NonNeg] = None  # bind memory here when libnuma is present
@@ -114,6 +139,7 @@ class WorkerConfig(_Table):
     sim: SimConfig = SimConfig()
     triton: TritonConfig = TritonConfig()
     cuda: CudaConfig = CudaConfig()
+    vllm: Optional[VllmConfig] = None
 
 
 class DispatcherConfig(_Table):
@@ -153,6 +179,9 @@ class DispatcherConfig(_Table):
     # ZMQ_MAXMSGSIZE on the frontend: a peer sending a larger frame is disconnected by ZeroMQ
     # before the dispatcher reads it. 0: max_inline_bytes + 1 MiB.
     max_message_bytes: NonNeg = 0
+    # LLM mode: weight of the decode stall a GPU prefill causes the running streams, against
+    # TTFT, when choosing the route (dispatcher/llm_routing.py); 0 = TTFT only
+    llm_interference_weight: NonNegFloat = 0.0
 
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -173,9 +202,17 @@ _BUILDS_MODEL = ("amx", "cuda")
 
 class NodeConfig(_Table):
     dispatcher: DispatcherConfig
-    models: tuple[ModelConfig, ...]
+    models: tuple[ModelConfig, ...] = ()
     workers: tuple[WorkerConfig, ...] = ()
     frontend: Optional[FrontendConfig] = None
+    llm_models: tuple[LlmModelConfig, ...] = ()
+
+    def llm_model(self, name: str) -> LlmModelConfig:
+        for m in self.llm_models:
+            if m.name == name:
+                return m
+        names = [m.name for m in self.llm_models]
+        raise ConfigError(f"no [[llm_models]] named {name!r}; have {names}{_did_you_mean(name, names)}")
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -217,9 +254,13 @@ class NodeConfig(_Table):
             make_policy(d.policy)
         except ValueError as e:
             raise ConfigError(f"[dispatcher] policy: {e}") from None
-        if not self.models:
-            raise ConfigError("no [[models]]: a node serves at least one model")
+        if not self.models and not self.llm_models:
+            raise ConfigError("no [[models]] and no [[llm_models]]: a node serves at least one model")
         _check_unique("models", [m.name for m in self.models])
+        _check_unique("llm_models", [m.name for m in self.llm_models])
+        both = {m.name for m in self.models} & {m.name for m in self.llm_models}
+        if both:
+            raise ConfigError(f"[[llm_models]] {sorted(both)[0]!r} is also a [[models]] name; names must differ")
         for i, m in enumerate(self.models):
             try:
                 validate_spec(m.spec())
@@ -235,6 +276,11 @@ class NodeConfig(_Table):
         return self
 
     def _check_worker(self, where: str, w: WorkerConfig) -> None:
+        if w.kind == "vllm":
+            self._check_vllm_worker(where, w)
+            return
+        if w.vllm is not None:
+            raise ConfigError(f"{where}: vllm is set but kind is {w.kind!r}; it is for kind \"vllm\"")
         names = [m.name for m in self.models]
         if not w.models:
             raise ConfigError(f"{where}: models is empty; name at least one of {names}")
@@ -260,6 +306,17 @@ class NodeConfig(_Table):
                 if m not in w.cuda.onnx:
                     raise ConfigError(f"{where}: cuda.onnx has no ONNX file for model {m!r}; a tensorrt "
                                       f"worker builds its engine from one")
+
+
+    def _check_vllm_worker(self, where: str, w: WorkerConfig) -> None:
+        names = [m.name for m in self.llm_models]
+        if w.vllm is None:
+            raise ConfigError(f"{where}: kind \"vllm\" needs a vllm table (role = \"prefill-cpu\" or \"gpu\")")
+        if len(w.models) != 1:
+            raise ConfigError(f"{where}: models: a vllm worker serves exactly one of [[llm_models]] {names}")
+        if w.models[0] not in names:
+            raise ConfigError(f"{where}: models: {w.models[0]!r} is not an [[llm_models]] name"
+                              f"{_did_you_mean(w.models[0], names)}")
 
 
 def _item(table: str, i: int, name: str | None) -> str:

@@ -37,7 +37,12 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
         if fe.http_port:
             from .kserve_http import start_http
 
-            http_runner = await start_http(core, fe.host, fe.http_port)
+            extra = ()
+            if node.llm_models:  # the LLM mode's OpenAI-compatible completions, on the same port
+                from .openai_http import OpenAiCompletions
+
+                extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models}).routes()
+            http_runner = await start_http(core, fe.host, fe.http_port, extra_routes=extra)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 

@@ -213,11 +213,13 @@ class KServeHttp:
         return wanted
 
 
-async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = 64 << 20) -> web.AppRunner:
+async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = 64 << 20,
+                     extra_routes=()) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
-    processes (SO_REUSEPORT)."""
+    processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode."""
     app = web.Application(client_max_size=max_body_bytes)
     app.add_routes(KServeHttp(core).routes())
+    app.add_routes(list(extra_routes))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=True).start()

@@ -150,8 +150,27 @@ class ShmUnregisterRequest(msgspec.Struct, tag="shm_unregister", tag_field="type
     segment: SegmentName
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)$")]
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
+    """LLM mode: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids). Token
+    ids travel in the header: a prompt of 32k tokens is ~100 KB of MessagePack, no tensor path
+    needed. ``route`` forces a path ("prefill-cpu" or "gpu"); empty lets the dispatcher choose."""
+
+    v: int
+    id: U64
+    model: Name
+    prompt: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=1 << 17)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 16
+    priority: Priority = PRIORITY_NORMAL
+    timeout_us: NonNeg = 0
+    route: Route = ""
+
+
 ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest, ShmRegisterRequest,
-                      ShmUnregisterRequest]
+                      ShmUnregisterRequest, GenerateRequest]
 
 
 # ---------------------------------------------------------------- dispatcher -> client
@@ -217,11 +236,57 @@ class ShmReply(msgspec.Struct, tag="shm", tag_field="type", omit_defaults=True):
     challenge: bytes = b""
 
 
-ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release]
+class LlmTiming(msgspec.Struct, omit_defaults=True):
+    """Where and how fast an LLM request ran. ``ttft_us``: arrival at the dispatcher until the
+    first token existed on the instance that decodes; ``stand_in``: the "gpu" instance is a CPU
+    engine standing in for a GPU (its timings are not a GPU's)."""
+
+    ttft_us: int
+    total_us: int
+    route: str  # "prefill-cpu" | "gpu"
+    decode_worker: str
+    prefill_worker: str = ""
+    kv_tokens: int = 0  # prompt tokens the decode instance took from the moved KV cache
+    predicted_ttft_cpu_us: int = 0
+    predicted_ttft_gpu_us: int = 0
+    stand_in: bool = False
+
+
+class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defaults=True):
+    v: int
+    id: Optional[int]
+    status: int
+    message: str = ""
+    tokens: list[int] = []
+    timing: Optional[LlmTiming] = None
+
+
+ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply]
 
 
 # ---------------------------------------------------------------- worker <-> dispatcher
-class Register(msgspec.Struct, tag="register", tag_field="type"):
+class PrefillSample(msgspec.Struct, array_like=True):
+    """One measured engine step that prefilled ``prompts`` (their token counts) in ``seconds``."""
+
+    prompts: list[int]
+    seconds: float
+
+
+class LlmEngine(msgspec.Struct, omit_defaults=True):
+    """What an LLM worker (a vLLM engine) is: sent in its Register instead of tensor models."""
+
+    model: Name
+    role: Annotated[str, msgspec.Meta(pattern=r"^(prefill-cpu|gpu)$")]
+    stand_in: bool = False  # a CPU engine standing in for the GPU instance
+    block_size: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = 0
+    # measured at start (calibration): prefill steps and decode steps (streams, seconds)
+    prefill: list[PrefillSample] = []
+    decode: list[tuple[int, float]] = []
+
+
+class Register(msgspec.Struct, tag="register", tag_field="type", omit_defaults=True):
     v: int
     worker: Name
     pid: int
@@ -230,6 +295,7 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
     max_inflight: Annotated[int, msgspec.Meta(ge=1)] = 1
     numa_node: int = -1
     simulated: bool = False
+    llm: Optional[LlmEngine] = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
@@ -257,7 +323,25 @@ class Goodbye(msgspec.Struct, tag="goodbye", tag_field="type"):
     worker: Name
 
 
-WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye]
+class LlmResult(msgspec.Struct, omit_defaults=True):
+    seq: int
+    status: int
+    message: str = ""
+    tokens: list[int] = []
+    first_token_s: float = 0.0  # job receipt -> this request's first token, on the worker's clock
+    kv_tokens: int = 0  # prompt tokens loaded from the moved KV cache (decode jobs)
+
+
+class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
+    """A finished LLM job. ``compute_s``: receipt to last result, on the worker's clock."""
+
+    job_id: int
+    worker: str
+    compute_s: float
+    results: list[LlmResult]
+
+
+WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, LlmDone]
 
 
 class Batch(msgspec.Struct, tag="batch", tag_field="type"):
@@ -283,7 +367,26 @@ class RegisterRejected(msgspec.Struct, tag="register_rejected", tag_field="type"
     message: str
 
 
-DispatcherToWorker = Union[Batch, Registered, Reregister, RegisterRejected]
+class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True):
+    """Work for an LLM worker. ``kind`` "prefill": run the prompts as one step with max_tokens=1
+    and store their KV for the decode instance; "generate": generate ``max_tokens[i]`` tokens
+    greedily, taking the stored KV when ``kv_from`` names the prefill instance that stored it.
+    The worker answers one LlmDone per job; generate jobs of one request each run concurrently
+    in the engine (continuous batching)."""
+
+    job_id: int
+    kind: Annotated[str, msgspec.Meta(pattern=r"^(prefill|generate)$")]
+    seqs: list[int]
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    kv_from: str = ""
+    # Arrival order at the dispatcher, per request: the engine schedules waiting requests by it
+    # (vLLM's priority policy), so a request whose KV arrived after its CPU prefill still goes
+    # ahead of the prompts that reached the dispatcher after it.
+    order: list[int] = []
+
+
+DispatcherToWorker = Union[Batch, Registered, Reregister, RegisterRejected, LlmJob]
 
 
 # ---------------------------------------------------------------- codecs

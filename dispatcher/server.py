@@ -39,6 +39,7 @@ from .config import DispatcherConfig
 from .core import Batch, Rejected, RequestCore
 from .cost_model import CostCurve
 from .lateness import Lateness
+from .llm_server import LlmDesk
 from .metrics import Metrics
 from .policy import make_policy
 from .protocol import Status
@@ -97,6 +98,8 @@ class Dispatcher:
         self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
+        self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
+                           cfg.worker_dead_after_s)
 
     @property
     def policy(self):
@@ -118,6 +121,7 @@ class Dispatcher:
         log.info("draining: %d queued, %d batches in flight", self.state.queued_requests(), len(self.core.batches))
         self._drain_deadline = _now() + self.cfg.drain_timeout_s
         self.core.begin_drain()
+        self.llm.core.begin_drain()
         self._step()
 
     def close(self) -> None:
@@ -155,6 +159,7 @@ class Dispatcher:
     def fail_fast(self) -> None:
         try:
             self.core.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting")
+            self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting")
         finally:
             self.exit_code = EXIT_BROKEN_INVARIANT
             self.close()
@@ -173,15 +178,17 @@ class Dispatcher:
         core = self.core
         for batch in core.decide(now):
             self._send_to_worker(batch, now)
-        if core.draining and (not core.batches or now >= self._drain_deadline):
+        self.llm.decide(now)
+        if core.draining and ((not core.batches and not self.llm.busy()) or now >= self._drain_deadline):
             core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
+            self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
             self.close()
             return
         if now >= self._next_housekeeping:
             self._housekeeping(now)
         if core.status_waiters:
             self._answer_status_waiters(now)
-        wake = min(core.next_wake(), self._next_housekeeping)
+        wake = min(core.next_wake(), self.llm.core.next_wake(), self._next_housekeeping)
         self._arm(min(wake, self._drain_deadline) if core.draining else wake)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
@@ -221,10 +228,17 @@ class Dispatcher:
         if type(msg) is P.BatchDone:
             self._on_batch_done(msg, frames, now)
         elif type(msg) is P.Heartbeat:
-            if not self.core.heartbeat(msg.worker, now):
+            if not self.core.heartbeat(msg.worker, now) and not self.llm.heartbeat(msg.worker, now):
                 self._send_worker(identity, P.encode(P.Reregister(worker=msg.worker)))
+        elif type(msg) is P.LlmDone:
+            self.llm.on_done(msg, now)
         elif type(msg) is P.Goodbye:
-            self._worker_lost(msg.worker, "worker stopped", now)
+            if not self.llm.lost(msg.worker, "worker stopped", now):
+                self._worker_lost(msg.worker, "worker stopped", now)
+        elif msg.llm is not None:
+            self.llm.on_register(msg, identity, now)
+            self.core.registrations += 1  # the long poll's cursor counts every worker
+            self._answer_status_waiters(now)
         else:
             self._on_register(msg, identity, now)
 
@@ -331,6 +345,8 @@ class Dispatcher:
             return
         if type(msg) is P.InferRequest:
             self._on_infer(msg, identity, raw, frames, now)
+        elif type(msg) is P.GenerateRequest:
+            self.llm.on_generate(msg, identity, now, self._unknown_model)
         elif type(msg) is P.CancelRequest:
             self.core.cancel(identity, msg.id)
         elif type(msg) is P.ShmRegisterRequest or type(msg) is P.ShmUnregisterRequest:
@@ -352,7 +368,7 @@ class Dispatcher:
         self._reply(identity, P.encode(self.grants.answer(msg, identity, self.shm_allowed)))
 
     def _unknown_model(self, model: str) -> str:
-        return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs)}"
+        return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs) + sorted(self.llm.core.models())}"
 
     def _reject(self, identity: bytes, msg: P.InferRequest, status: Status, message: str) -> None:
         self.metrics.request_failed(msg.model, _reason(status))
@@ -410,6 +426,7 @@ class Dispatcher:
         self._next_housekeeping = now + self.cfg.heartbeat_interval_s
         for w, reason in self.core.check_liveness(now):
             log.warning("worker %s (pid %d) out of rotation: %s", w.name, w.pid, reason)
+        self.llm.housekeeping(now)
         if now >= self._next_janitor:
             self._next_janitor = now + self.cfg.janitor_interval_s
             for name in reap_orphans():

@@ -71,8 +71,8 @@ class Supervisor:
         self.given_up: set[str] = set()
         self._last_start: dict[str, float] = {}
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
+    def _spawn(self, *args: str, python: str = "") -> subprocess.Popen:
+        cmd = [python or sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
                "--config", self.config_path]
         return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env())
 
@@ -86,9 +86,15 @@ class Supervisor:
 
     def start_worker(self, name: str) -> None:
         args = ("frontend",) if name.startswith(FRONTEND_NAME) else ("worker", "--name", name)
-        self.workers[name] = self._spawn(*args)
+        self.workers[name] = self._spawn(*args, python=self._python(name))
         self._last_start[name] = time.monotonic()
         log.info("started worker %s (pid %d)", name, self.workers[name].pid)
+
+    def _python(self, name: str) -> str:
+        """A vLLM worker runs under the interpreter that has vLLM (its own virtualenv: vLLM's CPU
+        build pins libraries the rest of the node does not want)."""
+        w = next((w for w in self.node.workers if w.name == name), None)
+        return w.vllm.python if w is not None and w.kind == "vllm" and w.vllm.python else ""
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S, client=None) -> "object":
         """Block until every configured worker has registered with the dispatcher; fail at once

@@ -27,6 +27,10 @@ def run_worker(node: NodeConfig, name: str) -> int:
     cpus = pin_cpus(wcfg.cpus)
     numa_note = bind_numa_node(wcfg.numa_node)
     log.info("worker %s pid %d: cpus %s; %s", name, os.getpid(), cpus, numa_note)
+    if wcfg.kind == "vllm":  # an LLM engine serving LlmJobs, not a tensor executor
+        from .llm_worker import serve_llm
+
+        return serve_llm(node, wcfg)
     from .runtime import CannotStart, ExecutorUnavailable, WorkerRuntime
 
     executor = None

@@ -1,0 +1,358 @@
+"""The LLM mode's request lifecycle: routing, prefill batches, KV hand-off, completion. Pure.
+
+No sockets here (llm_server.py is the plumbing), so tests drive it with a fake clock. A request
+arrives with its prompt's token ids; the router (llm_routing.choose_route) predicts its TTFT on
+both paths from the learned curves (llm_fit.py) and from what each instance has in hand now:
+
+- "prefill-cpu": the request waits in the CPU prefill queue. Whenever a CPU instance is idle the
+  queue's head goes to it as one prefill job, sized by marginal cost on token counts
+  (llm_routing.take_prefill_batch); the engine stores each prompt's KV for the decode instance.
+  When the prefill job ends, each request goes to a GPU instance as a generate job that loads
+  that KV (``kv_from``).
+- "gpu": a generate job goes to a GPU instance at once; vLLM batches it with the running streams.
+
+Every request ends exactly once: a reply, or a failure through ``on_fail`` (deadline, worker
+lost, engine error). Completions refine the curves: CPU prefill from each prefill job, GPU
+prefill from generate jobs sent to an idle GPU instance, decode steps and the KV move from the
+rest. Priorities are not used in this mode (FIFO per path).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from . import protocol as P
+from .llm_fit import LearnedCurves, prefill_features
+from .llm_routing import GPU, PREFILL_CPU, LlmCurves, PathLoad, backlog_s, choose_route, take_prefill_batch
+from .protocol import Status
+
+TOKEN_BUDGET = 4096  # tokens per prefill job: bounds one step's stall (vLLM's own default is 2048-8192)
+
+
+@dataclass(eq=False)
+class LlmRequest:
+    client: bytes
+    req_id: int
+    model: str
+    prompt: list
+    max_tokens: int
+    arrival: float
+    deadline: float
+    forced: str = ""
+    seq: int = 0
+    route: str = ""
+    pred_cpu: float = 0.0
+    pred_gpu: float = 0.0
+    prefill_worker: str = ""
+    done: bool = False
+
+
+@dataclass(eq=False)
+class LlmWorker:
+    name: str
+    identity: bytes
+    engine: P.LlmEngine
+    last_seen: float
+    jobs: dict = field(default_factory=dict)  # job_id -> Job
+    busy_until: float = 0.0  # predicted end of the work sent (prefill: the job; gpu: its prefills)
+    pid: int = 0
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+
+@dataclass(eq=False)
+class Job:
+    job_id: int
+    worker: LlmWorker
+    kind: str
+    requests: list
+    sent_at: float
+    running_at_send: int = 0  # gpu: streams already in the engine when this one went in
+
+
+@dataclass
+class Send:
+    worker: LlmWorker
+    job: P.LlmJob
+
+
+@dataclass
+class Finished:
+    request: LlmRequest
+    tokens: list
+    timing: P.LlmTiming
+
+
+class LlmCore:
+    def __init__(self, on_fail: Callable[[LlmRequest, Status, str], None], default_timeout_s: float = 30.0,
+                 interference_weight: float = 0.0, worker_dead_after_s: float = 10.0):
+        self.on_fail = on_fail
+        self.default_timeout_s = default_timeout_s
+        self.interference_weight = interference_weight
+        self.worker_dead_after_s = worker_dead_after_s
+        self.workers: dict[str, LlmWorker] = {}
+        self.curves: dict[str, LearnedCurves] = {}
+        self.cpu_queue: dict[str, list] = {}  # model -> FIFO of requests waiting for a CPU prefill
+        self.jobs: dict[int, Job] = {}
+        self.requests: dict[int, LlmRequest] = {}  # open, by seq
+        self._deadlines: list = []  # heap of (deadline, seq)
+        self._ids = itertools.count(1)
+        self.decisions = {PREFILL_CPU: 0, GPU: 0}
+        self.draining = False
+        self._out: list = []  # jobs started since the last decide()
+
+    # ------------------------------------------------------------------ workers
+    def models(self) -> set:
+        return {w.engine.model for w in self.workers.values()}
+
+    def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0) -> list:
+        """Register (or re-register) an engine; returns what its re-registration failed."""
+        lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
+        self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid)
+        self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode)
+        self.cpu_queue.setdefault(engine.model, [])
+        return lost
+
+    def heartbeat(self, name: str, now: float) -> bool:
+        w = self.workers.get(name)
+        if w is None:
+            return False
+        w.last_seen = now
+        return True
+
+    def worker_lost(self, name: str, reason: str, now: float) -> list:
+        w = self.workers.pop(name, None)
+        if w is None:
+            return []
+        failed = []
+        for job in list(w.jobs.values()):
+            del self.jobs[job.job_id]
+            for r in job.requests:
+                if self._end(r):
+                    self.on_fail(r, Status.UNAVAILABLE, f"LLM worker {name} lost while running this request ({reason})")
+                    failed.append(r)
+        # A CPU queue with no CPU instance left goes to the GPU path rather than wait forever.
+        model = w.engine.model
+        if not self._instances(model, PREFILL_CPU):
+            queued, self.cpu_queue[model] = self.cpu_queue.get(model, []), []
+            for r in queued:
+                r.route = GPU
+                self._to_gpu(r, now, kv_from="")
+        return failed
+
+    def check_liveness(self, now: float) -> list:
+        silent = [w.name for w in self.workers.values() if now - w.last_seen > self.worker_dead_after_s]
+        return [(n, self.worker_lost(n, "silent past worker_dead_after_s", now)) for n in silent]
+
+    def _instances(self, model: str, role: str) -> list:
+        return [w for w in self.workers.values() if w.engine.model == model and w.role == role]
+
+    # ------------------------------------------------------------------ arrivals
+    def admit(self, msg: P.GenerateRequest, client: bytes, now: float):
+        """Returns the Rejected reason (status, message), or None when the request is in."""
+        model = msg.model
+        if self.draining:
+            return Status.UNAVAILABLE, "dispatcher is shutting down"
+        gpus = self._instances(model, GPU)
+        if not gpus:
+            if model in self.models():
+                return Status.UNAVAILABLE, f"no 'gpu' LLM instance of {model!r} is up; the decode runs there"
+            return None  # not an LLM model: the caller answers UNKNOWN_MODEL
+        limit = min(w.engine.max_model_len for w in gpus)
+        if limit and len(msg.prompt) + msg.max_tokens > limit:
+            return (Status.INVALID_ARGUMENT, f"prompt of {len(msg.prompt)} tokens + max_tokens {msg.max_tokens} "
+                                             f"exceeds max_model_len {limit} of model {model!r}")
+        if msg.route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
+            return Status.UNAVAILABLE, f"route 'prefill-cpu' asked, but no prefill-cpu instance of {model!r} is up"
+        timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
+        r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
+                       seq=next(self._ids))
+        self.requests[r.seq] = r
+        heapq.heappush(self._deadlines, (r.deadline, r.seq))
+        self._route(r, now)
+        return None
+
+    def load(self, model: str, now: float) -> PathLoad:
+        curves = self.curves[model]
+        cpu = self._instances(model, PREFILL_CPU)
+        cpu_rest = min((max(0.0, w.busy_until - now) for w in cpu), default=0.0)
+        cpu_backlog = backlog_s(cpu_rest, [len(r.prompt) for r in self.cpu_queue[model]], curves.prefill(PREFILL_CPU),
+                                0.0, TOKEN_BUDGET) if cpu else float("inf")
+        gpu = self._pick_gpu(model)
+        return PathLoad(cpu_backlog_s=cpu_backlog, gpu_backlog_s=max(0.0, gpu.busy_until - now),
+                        gpu_running=len(gpu.jobs))
+
+    def routing_curves(self, model: str) -> LlmCurves:
+        c = self.curves[model]
+        return LlmCurves(c.prefill(PREFILL_CPU), c.prefill(GPU), c.decode(), c.kv_link())
+
+    def _route(self, r: LlmRequest, now: float) -> None:
+        load = self.load(r.model, now)
+        choice = choose_route(len(r.prompt), load, self.routing_curves(r.model), self.interference_weight)
+        r.pred_cpu, r.pred_gpu = choice.ttft_cpu_s, choice.ttft_gpu_s
+        r.route = r.forced or choice.path
+        self.decisions[r.route] += 1
+        if r.route == PREFILL_CPU:
+            self.cpu_queue[r.model].append(r)
+        else:
+            self._to_gpu(r, now, kv_from="")
+
+    def _pick_gpu(self, model: str) -> LlmWorker:
+        return min(self._instances(model, GPU), key=lambda w: (w.busy_until, len(w.jobs)))
+
+    def _to_gpu(self, r: LlmRequest, now: float, kv_from: str) -> None:
+        gpus = self._instances(r.model, GPU)
+        if not gpus:
+            self._end(r)
+            self.on_fail(r, Status.UNAVAILABLE, f"no 'gpu' LLM instance of {r.model!r} is up")
+            return
+        w = self._pick_gpu(r.model)
+        curves = self.curves[r.model]
+        step = curves.decode().step(len(w.jobs) + 1)
+        first = (curves.kv_link().transfer_s(len(r.prompt)) if kv_from
+                 else curves.prefill(GPU).time(len(r.prompt)))
+        w.busy_until = max(now, w.busy_until) + first + step
+        job = Job(next(self._ids), w, "generate", [r], now, running_at_send=len(w.jobs))
+        self._start(job, P.LlmJob(job_id=job.job_id, kind="generate", seqs=[r.seq], prompts=[r.prompt],
+                                  max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq]))
+
+    def _start(self, job: Job, msg: P.LlmJob) -> None:
+        self.jobs[job.job_id] = job
+        job.worker.jobs[job.job_id] = job
+        self._out.append(Send(job.worker, msg))
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, now: float) -> list:
+        """Expire what is late, start prefill jobs on idle CPU instances; the jobs to send."""
+        out, self._out = self._out, []
+        self._expire(now)
+        for model, queue in self.cpu_queue.items():
+            for w in self._instances(model, PREFILL_CPU):
+                if not queue:
+                    break
+                if w.jobs:
+                    continue
+                curve = self.curves[model].prefill(PREFILL_CPU)
+                limit = w.engine.max_num_seqs or len(queue)
+                n = take_prefill_batch([len(r.prompt) for r in queue[:limit]], curve, TOKEN_BUDGET)
+                batch, queue[:n] = queue[:n], []
+                for r in batch:
+                    r.prefill_worker = w.name
+                w.busy_until = now + curve.batch_time([len(r.prompt) for r in batch])
+                job = Job(next(self._ids), w, "prefill", batch, now)
+                self._start(job, P.LlmJob(job_id=job.job_id, kind="prefill", seqs=[r.seq for r in batch],
+                                          prompts=[r.prompt for r in batch], max_tokens=[1] * len(batch),
+                                          order=[r.seq for r in batch]))
+        out.extend(self._out)
+        self._out = []
+        return out
+
+    def next_wake(self) -> float:
+        while self._deadlines and self._deadlines[0][1] not in self.requests:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else float("inf")
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq = heapq.heappop(self._deadlines)
+            r = self.requests.get(seq)
+            if r is not None and self._end(r):
+                queue = self.cpu_queue.get(r.model, [])
+                if r in queue:
+                    queue.remove(r)
+                self.on_fail(r, Status.DEADLINE_EXCEEDED, f"deadline passed after {now - r.arrival:.3f} s "
+                                                          f"(route {r.route})")
+
+    def _end(self, r: LlmRequest) -> bool:
+        if r.done:
+            return False
+        r.done = True
+        self.requests.pop(r.seq, None)
+        return True
+
+    # ------------------------------------------------------------------ completions
+    def complete(self, msg: P.LlmDone, now: float) -> list:
+        """A job ended: hand prefilled requests on to a GPU, return the requests that finished."""
+        job = self.jobs.pop(msg.job_id, None)
+        if job is None or job.worker.name != msg.worker:
+            return []  # from a worker declared lost, or a job already failed over
+        del job.worker.jobs[job.job_id]
+        by_seq = {r.seq: r for r in job.requests}
+        finished: list = []
+        curves = self.curves[job.requests[0].model]
+        if job.kind == "prefill":
+            job.worker.busy_until = now
+            ok = [res for res in msg.results if res.status == Status.OK]
+            if ok and len(ok) == len(job.requests):
+                curves.cpu_prefill.add(prefill_features([len(r.prompt) for r in job.requests]), msg.compute_s)
+        for res in msg.results:
+            r = by_seq.pop(res.seq, None)
+            if r is None or r.done:
+                continue
+            if res.status != Status.OK:
+                self._end(r)
+                self.on_fail(r, Status(res.status) if res.status in Status._value2member_map_ else Status.INTERNAL,
+                             res.message or "LLM engine failed this request")
+            elif job.kind == "prefill":
+                self._to_gpu(r, now, kv_from=job.worker.name)
+            else:
+                self._learn_generate(curves, job, r, res, msg.compute_s)
+                self._end(r)
+                finished.append(self._finished(r, job, res, now, msg.compute_s))
+        for r in by_seq.values():  # a result the worker did not send must not strand its request
+            if self._end(r):
+                self.on_fail(r, Status.INTERNAL, f"LLM worker {msg.worker} returned no result for this request")
+        return finished
+
+    def _learn_generate(self, curves: LearnedCurves, job: Job, r: LlmRequest, res: P.LlmResult,
+                        elapsed_s: float) -> None:
+        # generate jobs hold one request: the job's elapsed time is that request's
+        n_out = len(res.tokens)
+        if n_out > 1 and 0 < res.first_token_s < elapsed_s:
+            per_step = (elapsed_s - res.first_token_s) / (n_out - 1)
+            curves.gpu_decode.add((1.0, float(job.running_at_send + 1)), per_step)
+        if res.first_token_s <= 0:
+            return
+        if r.prefill_worker:
+            # KV loaded, then one step with the streams running then: the move is the rest. Every
+            # hand-off is a sample (the decode step is learned apart), not only those to an idle engine.
+            move = res.first_token_s - curves.decode().step(job.running_at_send + 1)
+            if move > 0:
+                curves.kv.add((1.0, float(res.kv_tokens or len(r.prompt))), move)
+        elif job.running_at_send == 0:
+            curves.gpu_prefill.add(prefill_features([len(r.prompt)]), res.first_token_s)
+
+    def _finished(self, r: LlmRequest, job: Job, res: P.LlmResult, now: float, compute_s: float) -> Finished:
+        stand_in = job.worker.engine.stand_in
+        # On the dispatcher's clock: the whole time, less what the worker spent after the first token.
+        total = now - r.arrival
+        ttft = min(total, max(0.0, total - max(0.0, compute_s - res.first_token_s)))
+        timing = P.LlmTiming(ttft_us=int(ttft * 1e6), total_us=int(total * 1e6), route=r.route, decode_worker=job.worker.name,
+                             prefill_worker=r.prefill_worker, kv_tokens=res.kv_tokens,
+                             predicted_ttft_cpu_us=_us(r.pred_cpu), predicted_ttft_gpu_us=_us(r.pred_gpu),
+                             stand_in=stand_in)
+        return Finished(r, list(res.tokens), timing)
+
+    # ------------------------------------------------------------------ drain
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def fail_all(self, status: Status, message: str) -> None:
+        for r in list(self.requests.values()):
+            if self._end(r):
+                self.on_fail(r, status, message)
+        for q in self.cpu_queue.values():
+            q.clear()
+
+    def describe(self) -> dict:
+        return {m: {"curves": c.describe(), "cpu_queue": len(self.cpu_queue.get(m, ()))}
+                for m, c in self.curves.items()} | {"_decisions": dict(self.decisions)}
+
+
+def _us(seconds: float) -> int:
+    return int(seconds * 1e6) if seconds < 1e9 else 0

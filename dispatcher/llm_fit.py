@@ -1,0 +1,116 @@
+"""Cost curves of the LLM mode, learned from measured engine steps. Pure, no I/O.
+
+Each curve is linear in a few features (prefill: a + b·Σtokens + c·Σtokens²; decode step:
+a + b·streams; KV move: a + b·tokens), so one small least-squares fit serves all of them.
+Calibration samples (measured by the worker before it registers) seed the fit and stay in it;
+online samples from every completion are kept in a bounded window, so the curve follows the
+machine (another tenant, thermal state) without forgetting the shape the calibration pinned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .llm_routing import DecodeCurve, KvLink, PrefillCurve
+
+ONLINE_WINDOW = 64  # recent samples kept per curve
+REFIT_EVERY = 4  # a refit costs ~50 us; prefill completions come a few per second
+
+
+class LinearFit:
+    """y ≈ features · coef, coef ≥ 0 (a negative launch cost or slope is noise, not physics)."""
+
+    def __init__(self, n_features: int, fallback: tuple[float, ...]):
+        self.n = n_features
+        self.coef = np.array(fallback, dtype=float)
+        self.seed: list[tuple[tuple[float, ...], float]] = []
+        self.recent: deque = deque(maxlen=ONLINE_WINDOW)
+        self._since_fit = 0
+        self.samples = 0
+
+    def add(self, x: tuple[float, ...], y: float, calibration: bool = False) -> None:
+        if not (y > 0 and np.isfinite(y)):
+            return
+        (self.seed if calibration else self.recent).append((tuple(x), float(y)))
+        self.samples += 1
+        self._since_fit += 1
+        if calibration or self._since_fit >= REFIT_EVERY:
+            self.refit()
+
+    def refit(self) -> None:
+        self._since_fit = 0
+        rows = self.seed + list(self.recent)
+        if len(rows) < 2:
+            if rows:  # one sample: keep the shape, scale to it
+                x, y = rows[0]
+                pred = float(np.dot(x, self.coef))
+                if pred > 0:
+                    self.coef = self.coef * (y / pred)
+            return
+        X = np.array([r[0] for r in rows], dtype=float)
+        y = np.array([r[1] for r in rows], dtype=float)
+        # Relative error matters (a 5 ms prefill and a 2 s one): weight rows by 1/y.
+        w = 1.0 / y
+        coef = _nonneg_lstsq(X * w[:, None], y * w)
+        if coef is not None:
+            self.coef = coef
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return float(np.dot(x, self.coef))
+
+
+def _nonneg_lstsq(X: np.ndarray, y: np.ndarray):
+    """Least squares with coef ≥ 0: drop the most negative feature and refit (few features,
+    so this small active-set loop ends in at most n passes)."""
+    active = list(range(X.shape[1]))
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef = np.zeros(X.shape[1])
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return None
+
+
+def prefill_features(prompts) -> tuple[float, float, float]:
+    return (1.0, float(sum(prompts)), float(sum(n * n for n in prompts)))
+
+
+class LearnedCurves:
+    """The four curves of one LLM model, as llm_routing's dataclasses on demand."""
+
+    def __init__(self):
+        # Fallbacks only until the first calibration arrives: the shape of VLLM_CPU.md's tiny model.
+        self.cpu_prefill = LinearFit(3, (4e-3, 1e-4, 0.0))
+        self.gpu_prefill = LinearFit(3, (4e-3, 1e-4, 0.0))
+        self.gpu_decode = LinearFit(2, (4e-3, 1e-4))
+        self.kv = LinearFit(2, (1e-3, 1e-6))
+
+    def seed_engine(self, role: str, prefill, decode) -> None:
+        target = self.cpu_prefill if role == "prefill-cpu" else self.gpu_prefill
+        for s in prefill:
+            target.add(prefill_features(s.prompts), s.seconds, calibration=True)
+        if role == "gpu":
+            for streams, seconds in decode:
+                self.gpu_decode.add((1.0, float(streams)), seconds, calibration=True)
+
+    def prefill(self, role: str) -> PrefillCurve:
+        c = (self.cpu_prefill if role == "prefill-cpu" else self.gpu_prefill).coef
+        return PrefillCurve(float(c[0]), float(c[1]), float(c[2]))
+
+    def decode(self) -> DecodeCurve:
+        c = self.gpu_decode.coef
+        return DecodeCurve(float(c[0]), float(c[1]))
+
+    def kv_link(self) -> KvLink:
+        a, b = (float(v) for v in self.kv.coef)
+        # KvLink speaks bytes and bandwidth; the learned curve is seconds per token.
+        return KvLink(bytes_per_token=1.0, bandwidth_Bps=1.0 / b if b > 0 else float("inf"), latency_s=a)
+
+    def describe(self) -> dict:
+        return {name: {"coef": [round(float(v), 9) for v in fit.coef], "samples": fit.samples}
+                for name, fit in (("cpu_prefill", self.cpu_prefill), ("gpu_prefill", self.gpu_prefill),
+                                  ("gpu_decode", self.gpu_decode), ("kv", self.kv))}

@@ -1,0 +1,88 @@
+"""The LLM mode's socket side inside the dispatcher process: messages in, jobs and replies out.
+
+The dispatcher (server.py) hands this object the LLM messages it reads — ``generate`` from
+clients, ``register`` with an ``llm`` engine, ``llm_done`` and heartbeats from vLLM workers —
+and calls ``decide`` once per step, on the same thread and event loop. All decisions are in
+llm_core.LlmCore; this module only encodes, sends and counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from . import protocol as P
+from .llm_core import LlmCore, LlmRequest
+from .protocol import Status
+
+log = logging.getLogger("batchyard.dispatcher")
+
+
+class LlmDesk:
+    def __init__(self, send_worker: Callable[[bytes, bytes], None], reply: Callable[[bytes, bytes], None],
+                 default_timeout_s: float, interference_weight: float, worker_dead_after_s: float):
+        self._send_worker = send_worker
+        self._reply = reply
+        self.core = LlmCore(self._on_fail, default_timeout_s=default_timeout_s,
+                            interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s)
+        self.served = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ in
+    def on_generate(self, msg: P.GenerateRequest, identity: bytes, now: float, unknown: Callable[[str], str]) -> None:
+        why = self.core.admit(msg, identity, now)
+        if why is None and msg.model not in self.core.models():
+            why = (Status.UNKNOWN_MODEL, unknown(msg.model))
+        if why is not None:
+            self.failed += 1
+            self._reply(identity, _error(msg.id, why[0], why[1]))
+
+    def on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
+        self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid)
+        e = msg.llm
+        log.info("LLM worker %s registered: pid %d, model %s, role %s%s, %d prefill and %d decode calibration "
+                 "samples", msg.worker, msg.pid, e.model, e.role, " (CPU stand-in)" if e.stand_in else "",
+                 len(e.prefill), len(e.decode))
+        self._send_worker(identity, P.encode(P.Registered(worker=msg.worker)))
+
+    def on_done(self, msg: P.LlmDone, now: float) -> None:
+        for f in self.core.complete(msg, now):
+            self.served += 1
+            r = f.request
+            self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
+                                                           tokens=f.tokens, timing=f.timing)))
+
+    def heartbeat(self, name: str, now: float) -> bool:
+        return self.core.heartbeat(name, now)
+
+    def lost(self, name: str, reason: str, now: float) -> bool:
+        if name not in self.core.workers:
+            return False
+        self.core.worker_lost(name, reason, now)
+        log.log(logging.INFO if reason == "worker stopped" else logging.WARNING,
+                "LLM worker %s out of rotation: %s", name, reason)
+        return True
+
+    # ------------------------------------------------------------------ out
+    def decide(self, now: float) -> None:
+        for send in self.core.decide(now):
+            self._send_worker(send.worker.identity, P.encode(send.job))
+
+    def housekeeping(self, now: float) -> None:
+        for name, _failed in self.core.check_liveness(now):
+            log.warning("LLM worker %s out of rotation: silent past worker_dead_after_s", name)
+
+    def worker_infos(self) -> list:
+        return [P.WorkerInfo(name=w.name, pid=w.pid, path=w.role, models=[w.engine.model], inflight=len(w.jobs),
+                             simulated=False) for w in self.core.workers.values()]
+
+    def busy(self) -> bool:
+        return bool(self.core.jobs)
+
+    def _on_fail(self, r: LlmRequest, status: Status, message: str) -> None:
+        self.failed += 1
+        self._reply(r.client, _error(r.req_id, status, message))
+
+
+def _error(rid, status: Status, message: str) -> bytes:
+    return P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=rid, status=int(status), message=message))

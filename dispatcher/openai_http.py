@@ -1,0 +1,155 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/models`` on the front door's HTTP port (LLM mode).
+
+Text prompts are tokenized here, in the front-door process, with the model folder's
+``tokenizer.json`` (the ``tokenizers`` library, no transformers), so the dispatcher only ever
+sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. Decoding is
+greedy: ``temperature`` must be 0 or left out; ``n`` 1. Not supported yet, and refused with a
+400 naming the field rather than ignored: ``stream``, ``logprobs``, ``echo``, ``best_of`` > 1.
+
+Replies carry OpenAI's fields plus ``batchyard``: the route (prefill-cpu or gpu), the
+instances, TTFT, KV tokens moved and ``stand_in`` (the "gpu" instance is a CPU engine).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from . import errors
+from .protocol import Status
+
+_HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
+         Status.OVERLOADED: 429, Status.UNAVAILABLE: 503, Status.CANCELLED: 499}
+_UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None}
+
+
+class OpenAiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.kind,
+                                            "param": self.param or None, "code": None}}, status=self.status)
+
+
+class OpenAiCompletions:
+    def __init__(self, client, models: dict[str, str]):
+        self.client = client  # batchyard AsyncClient
+        self.models = models  # LLM model name -> model folder (tokenizer.json inside)
+        self._tokenizers: dict = {}
+        self._ids = itertools.count(1)
+
+    def routes(self) -> list:
+        return [web.post("/v1/completions", self.completions), web.get("/v1/models", self.list_models)]
+
+    async def list_models(self, request) -> web.Response:
+        now = int(time.time())
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "created": now, "owned_by": "batchyard"} for m in sorted(self.models)]})
+
+    async def completions(self, request) -> web.Response:
+        try:
+            return await self._completions(request)
+        except OpenAiError as e:
+            return e.response()
+        except errors.BatchyardError as e:
+            return OpenAiError(_HTTP.get(e.status, 500), str(e), "server_error" if e.status >= 13 else
+                               "invalid_request_error").response()
+
+    async def _completions(self, request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise OpenAiError(400, f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAiError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model not in self.models:
+            raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
+                              "not_found_error", "model")
+        _check_supported(body)
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise OpenAiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
+        prompts = self._prompts(model, body.get("prompt"))
+        timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
+        choices, usage_in, usage_out, timings = [], 0, 0, []
+        for i, ids in enumerate(prompts):
+            out = await self.client.generate(model, ids, max_tokens, timeout=timeout, route=_route(body))
+            choices.append({"index": i, "text": self._decode(model, list(out)), "logprobs": None,
+                            "finish_reason": "length"})
+            usage_in, usage_out = usage_in + len(ids), usage_out + len(out)
+            t = out.timing
+            timings.append({"route": t.route, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker,
+                            "ttft_ms": t.ttft_us / 1e3, "total_ms": t.total_us / 1e3, "kv_tokens": t.kv_tokens,
+                            "stand_in": t.stand_in, "token_ids": list(out)})
+        return web.json_response({
+            "id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out},
+            "batchyard": timings})
+
+    def _prompts(self, model: str, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._encode(model, prompt)]
+        if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self._encode(model, p) for p in prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p)
+                                                       for p in prompt):
+            return prompt
+        raise OpenAiError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of "
+                               "lists of token ids", param="prompt")
+
+    def _tokenizer(self, model: str):
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            path = Path(self.models[model]) / "tokenizer.json"
+            if not path.exists():
+                raise OpenAiError(400, f"model {model!r} has no tokenizer.json in {path.parent}: send token ids",
+                                  param="prompt")
+            from tokenizers import Tokenizer
+
+            tok = self._tokenizers[model] = Tokenizer.from_file(str(path))
+        return tok
+
+    def _encode(self, model: str, text: str) -> list[int]:
+        ids = self._tokenizer(model).encode(text).ids
+        if not ids:
+            raise OpenAiError(400, "the prompt is empty after tokenization", param="prompt")
+        return ids
+
+    def _decode(self, model: str, ids: list[int]) -> str:
+        try:
+            return self._tokenizer(model).decode(ids)
+        except OpenAiError:
+            return ""  # token-id users without a tokenizer read batchyard[].token_ids
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+
+
+def _route(body: dict) -> str:
+    route = body.get("batchyard_route", "")  # Batchyard extension: force "prefill-cpu" or "gpu"
+    if route not in ("", "prefill-cpu", "gpu"):
+        raise OpenAiError(400, f"batchyard_route must be 'prefill-cpu' or 'gpu', got {route!r}", param="batchyard_route")
+    return route
+
+
+def _check_supported(body: dict) -> None:
+    temperature = body.get("temperature", 0)
+    if temperature not in (0, 0.0, None):
+        raise OpenAiError(400, f"only greedy decoding is served: temperature must be 0, got {temperature!r}",
+                          param="temperature")
+    for key in ("n", "best_of"):
+        if body.get(key, 1) not in (1, None):
+            raise OpenAiError(400, f"{key} must be 1, got {body[key]!r}", param=key)
+    for key, default in _UNSUPPORTED.items():
+        if body.get(key, default) not in (default, None, False):
+            raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)

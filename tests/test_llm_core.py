@@ -1,0 +1,180 @@
+"""LLM mode's request lifecycle (dispatcher/llm_core.py) on a fake clock: routing, prefill jobs,
+KV hand-off, completion, deadlines, lost workers, curves learned online. No vLLM, no sockets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchyard import protocol as P
+from batchyard.llm_core import TOKEN_BUDGET, LlmCore
+from batchyard.llm_routing import GPU, PREFILL_CPU, take_prefill_batch
+from batchyard.protocol import Status
+
+# calibrations shaped like the issue's rule: the CPU starts at once but is slow per token,
+# the GPU is fast per token (numbers chosen, not measured)
+CPU = P.LlmEngine(model="m", role="prefill-cpu", block_size=32, max_model_len=2048, max_num_seqs=8,
+                  prefill=[P.PrefillSample([32], 0.005), P.PrefillSample([512], 0.053),
+                           P.PrefillSample([32, 32, 32, 32], 0.0146)])
+GPU_ENGINE = P.LlmEngine(model="m", role="gpu", stand_in=True, block_size=32, max_model_len=2048, max_num_seqs=8,
+                         prefill=[P.PrefillSample([32], 0.0103), P.PrefillSample([512], 0.0151)],
+                         decode=[(1, 0.004), (4, 0.0043)])
+
+
+class Harness:
+    def __init__(self, cpu=True, gpu=True, **kw):
+        self.failed: list = []
+        self.core = LlmCore(lambda r, s, m: self.failed.append((r.req_id, s, m)), **kw)
+        self.now = 0.0
+        self.ids = iter(range(1, 10**6))
+        if cpu:
+            self.core.add_worker("cpu0", b"cpu0", CPU, self.now)
+        if gpu:
+            self.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, self.now)
+
+    def submit(self, tokens: int, max_tokens: int = 4, route: str = "", timeout_s: float = 30.0):
+        rid = next(self.ids)
+        msg = P.GenerateRequest(v=1, id=rid, model="m", prompt=[7] * tokens, max_tokens=max_tokens, route=route,
+                                timeout_us=int(timeout_s * 1e6))
+        return rid, self.core.admit(msg, b"client", self.now)
+
+    def jobs(self):
+        return self.core.decide(self.now)
+
+    def done(self, send, first_token_s=0.001, compute_s=0.01, status=Status.OK, kv_tokens=0):
+        job = send.job
+        results = [P.LlmResult(seq=s, status=int(status), tokens=[1] * (1 if job.kind == "prefill" else m),
+                               first_token_s=first_token_s, kv_tokens=kv_tokens)
+                   for s, m in zip(job.seqs, job.max_tokens)]
+        return self.core.complete(P.LlmDone(job_id=job.job_id, worker=send.worker.name, compute_s=compute_s,
+                                            results=results), self.now)
+
+
+def test_idle_gpu_takes_a_short_prompt_and_the_reply_says_so():
+    h = Harness()
+    rid, why = h.submit(64)
+    assert why is None
+    [send] = h.jobs()
+    assert send.worker.name == "gpu0" and send.job.kind == "generate" and send.job.kv_from == ""
+    [f] = h.done(send)
+    assert f.request.req_id == rid and f.timing.route == GPU and f.timing.stand_in
+    assert f.timing.decode_worker == "gpu0" and not f.timing.prefill_worker
+
+
+def test_busy_gpu_sends_short_prompts_to_the_cpu_then_their_kv_to_the_gpu():
+    h = Harness()
+    for _ in range(8):  # long prompts keep the GPU's prefill queue busy
+        h.submit(1500, route=GPU)
+    h.jobs()
+    _, why = h.submit(48)
+    assert why is None
+    [prefill] = h.jobs()
+    assert prefill.worker.name == "cpu0" and prefill.job.kind == "prefill" and prefill.job.max_tokens == [1]
+    assert h.done(prefill) == []  # not finished: handed on
+    [gen] = h.jobs()
+    assert gen.worker.name == "gpu0" and gen.job.kv_from == "cpu0" and gen.job.prompts == [[7] * 48]
+    # the gpu instance schedules it by its arrival at the dispatcher, ahead of later arrivals
+    assert gen.job.order == prefill.job.order == prefill.job.seqs and gen.job.order[0] > 8
+    [f] = h.done(gen, kv_tokens=32)
+    assert f.timing.route == PREFILL_CPU and f.timing.prefill_worker == "cpu0" and f.timing.kv_tokens == 32
+    assert f.timing.predicted_ttft_cpu_us < f.timing.predicted_ttft_gpu_us
+
+
+def test_queued_prefills_go_as_jobs_sized_by_marginal_cost_one_job_at_a_time():
+    h = Harness()
+    for _ in range(5):
+        h.submit(40, route=PREFILL_CPU)
+    curve = h.core.curves["m"].prefill(PREFILL_CPU)
+    expect = take_prefill_batch([40] * 5, curve, TOKEN_BUDGET)
+    assert 1 < expect < 5  # the calibration makes a fixed cost worth sharing, not by all five
+    [first] = h.jobs()
+    assert first.job.kind == "prefill" and len(first.job.seqs) == expect
+    assert h.jobs() == []  # the CPU instance is busy with the first job
+    h.done(first)
+    sends = h.jobs()
+    assert sorted(s.job.kind for s in sends) == ["generate"] * expect + ["prefill"]
+    assert all(s.job.kv_from == "cpu0" for s in sends if s.job.kind == "generate")
+
+
+def test_forced_route_without_a_cpu_instance_is_refused_and_a_long_prompt_is_invalid():
+    h = Harness(cpu=False)
+    _, why = h.submit(40, route=PREFILL_CPU)
+    assert why[0] == Status.UNAVAILABLE and "prefill-cpu" in why[1]
+    _, why = h.submit(2040, max_tokens=16)
+    assert why[0] == Status.INVALID_ARGUMENT and "max_model_len 2048" in why[1]
+    no_gpu = Harness(gpu=False)
+    _, why = no_gpu.submit(40)
+    assert why[0] == Status.UNAVAILABLE and "'gpu'" in why[1]
+
+
+def test_a_request_past_its_deadline_fails_once_and_its_late_result_is_dropped():
+    h = Harness()
+    rid, _ = h.submit(40, route=PREFILL_CPU, timeout_s=0.5)
+    [prefill] = h.jobs()
+    h.now = 0.6
+    assert h.jobs() == []
+    assert h.failed == [(rid, Status.DEADLINE_EXCEEDED, h.failed[0][2])]
+    assert h.done(prefill) == [] and h.jobs() == []  # nothing handed on for a failed request
+    assert len(h.failed) == 1 and h.core.next_wake() == float("inf")
+
+
+def test_losing_the_cpu_instance_fails_its_job_and_reroutes_its_queue_to_the_gpu():
+    h = Harness()
+    running, _ = h.submit(40, route=PREFILL_CPU)
+    h.jobs()
+    queued, _ = h.submit(40, route=PREFILL_CPU)
+    h.core.worker_lost("cpu0", "test", h.now)
+    assert [(f[0], f[1]) for f in h.failed] == [(running, Status.UNAVAILABLE)]
+    [gen] = h.jobs()
+    assert gen.worker.name == "gpu0" and gen.job.kv_from == "" and gen.job.seqs
+    [f] = h.done(gen)
+    assert f.request.req_id == queued
+
+
+def test_cpu_prefill_curve_follows_what_the_worker_measures():
+    h = Harness()
+    before = h.core.curves["m"].prefill(PREFILL_CPU).time(256)
+    for _ in range(12):  # the machine got twice as slow as calibrated
+        h.submit(256, route=PREFILL_CPU)
+        [send] = h.jobs()
+        h.done(send, compute_s=2 * before)
+        h.core.decide(h.now)  # hand-offs
+        for g in list(h.core.jobs.values()):
+            h.core.complete(P.LlmDone(job_id=g.job_id, worker="gpu0", compute_s=0.02,
+                                      results=[P.LlmResult(seq=g.requests[0].seq, status=0, tokens=[1, 1],
+                                                           first_token_s=0.01)]), h.now)
+    after = h.core.curves["m"].prefill(PREFILL_CPU).time(256)
+    assert after == pytest.approx(2 * before, rel=0.25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["submit", "decide", "done", "lose", "tick"]), st.integers(0, 10**6)),
+                max_size=60))
+def test_every_admitted_request_ends_exactly_once(ops):
+    h = Harness()
+    rng = random.Random(0)
+    admitted, finished = set(), []
+    for op, x in ops:
+        if op == "submit":
+            rid, why = h.submit(16 + x % 900, max_tokens=1 + x % 8, route=["", PREFILL_CPU, GPU][x % 3],
+                                timeout_s=0.05 + (x % 7) / 10)
+            if why is None:
+                admitted.add(rid)
+        elif op == "decide":
+            h.pending = getattr(h, "pending", []) + h.jobs()
+        elif op == "done" and getattr(h, "pending", None):
+            send = h.pending.pop(rng.randrange(len(h.pending)))
+            finished += [f.request.req_id for f in h.done(send)]
+        elif op == "lose":
+            name = ["cpu0", "gpu0"][x % 2]
+            h.core.worker_lost(name, "test", h.now)
+            h.core.add_worker(name, name.encode(), CPU if name == "cpu0" else GPU_ENGINE, h.now)
+        else:
+            h.now += (x % 100) / 200
+    h.now += 100
+    h.jobs()  # everything still open is past its deadline now
+    ended = finished + [f[0] for f in h.failed]
+    assert sorted(ended) == sorted(admitted), "each admitted request ends exactly once"

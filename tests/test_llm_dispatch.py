@@ -1,0 +1,230 @@
+"""LLM mode through a real dispatcher process and real sockets, with scripted engines in place of
+vLLM (tests/test_llm_node.py runs real vLLM engines under the `llm` marker). Checks what a client
+sees: routes, the KV hand-off between the two instances, timings, errors, status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+
+from batchyard import protocol as P
+from batchyard.client import AsyncClient, Client
+from batchyard.errors import InvalidArgument, Unavailable, UnknownModel
+
+from batchyard.config import DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, to_toml
+
+from conftest import ROOT, free_port
+
+BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
+
+
+def expected(prompt, n):
+    return [(sum(prompt) + i) % 4096 for i in range(n)]
+
+
+class ScriptedEngine(threading.Thread):
+    """Registers as an LLM worker and answers jobs at once with tokens that depend on the prompt."""
+
+    def __init__(self, backend: str, name: str, role: str, max_model_len: int = 512):
+        super().__init__(daemon=True, name=name)
+        self.backend, self.name_, self.role = backend, name, role
+        self.engine = P.LlmEngine(model="tiny", role=role, stand_in=role == "gpu", block_size=32,
+                                  max_model_len=max_model_len, max_num_seqs=8,
+                                  prefill=[P.PrefillSample([32], 0.004), P.PrefillSample([256], 0.03)],
+                                  decode=[(1, 0.004), (4, 0.005)] if role == "gpu" else [])
+        self.jobs: list = []
+        self.registered = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name_.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.backend)
+        sock.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name_, pid=1, models=[], llm=self.engine,
+                                      path="cpu" if self.role == "prefill-cpu" else "gpu")))
+        try:
+            while not self.stop.is_set():
+                if not sock.poll(100):
+                    continue
+                msg = P.to_worker_decoder.decode(sock.recv())
+                if type(msg) is P.Registered:
+                    self.registered.set()
+                elif type(msg) is P.LlmJob:
+                    self.jobs.append(msg)
+                    sock.send(P.encode(self._answer(msg)))
+        finally:
+            sock.close()
+
+    def _answer(self, job: P.LlmJob) -> P.LlmDone:
+        results = []
+        for seq, prompt, n in zip(job.seqs, job.prompts, job.max_tokens):
+            if BAD_TOKEN in prompt:
+                results.append(P.LlmResult(seq=seq, status=int(P.Status.INTERNAL), message="engine failed"))
+                continue
+            kv = (len(prompt) // 32) * 32 if job.kv_from else 0
+            results.append(P.LlmResult(seq=seq, status=0, tokens=expected(prompt, n), first_token_s=0.0005,
+                                       kv_tokens=kv))
+        return P.LlmDone(job_id=job.job_id, worker=self.name_, compute_s=0.001, results=results)
+
+
+def _tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the cache moves from one engine to the other"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _http(url: str, body=None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def llm_node(run_dir):
+    """A dispatcher and a front door (HTTP only) from `batchyard up`, the LLM model "tiny" with
+    a tokenizer, and two scripted engines registered as its prefill-cpu and gpu instances."""
+    _tokenizer(Path(run_dir))
+    port = free_port()
+    cfg = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                     llm_models=(LlmModelConfig(name="tiny", path=run_dir),),
+                     frontend=FrontendConfig(grpc_port=0, http_port=port)).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(cfg))
+    up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL)
+    engines = [ScriptedEngine(cfg.dispatcher.backend, "cpu0", "prefill-cpu"),
+               ScriptedEngine(cfg.dispatcher.backend, "gpu0", "gpu")]
+    try:
+        with Client(cfg.dispatcher.frontend) as c:
+            c.status(wait=30)  # the dispatcher is up
+            for e in engines:
+                e.start()
+            assert c.status(min_registrations=2, wait=30).registrations >= 2
+        yield cfg.dispatcher.frontend, {e.name_: e for e in engines}, f"http://127.0.0.1:{port}"
+    finally:
+        for e in engines:
+            e.stop.set()
+            e.join(timeout=5)
+        up.terminate()
+        up.wait(timeout=30)
+
+
+def test_routed_request_prefills_on_cpu_and_decodes_on_gpu_with_the_kv(llm_node):
+    address, engines, _ = llm_node
+    prompt = list(range(3, 103))
+    with Client(address) as c:
+        out = c.generate("tiny", prompt, max_tokens=8, route="prefill-cpu")
+    assert list(out) == expected(prompt, 8)
+    t = out.timing
+    assert (t.route, t.prefill_worker, t.decode_worker, t.kv_tokens, t.stand_in) == ("prefill-cpu", "cpu0", "gpu0",
+                                                                                      96, True)
+    [prefill] = engines["cpu0"].jobs
+    assert prefill.kind == "prefill" and prefill.max_tokens == [1] and prefill.prompts == [prompt]
+    [gen] = engines["gpu0"].jobs
+    assert gen.kind == "generate" and gen.kv_from == "cpu0" and gen.max_tokens == [8]
+    assert 0 < t.ttft_us <= t.total_us
+
+
+def test_dispatcher_chooses_a_route_and_async_clients_get_the_same_tokens(llm_node):
+    address, engines, _ = llm_node
+
+    async def run():
+        async with AsyncClient(address) as c:
+            return await asyncio.gather(*(c.generate("tiny", [5] * (20 + i), max_tokens=4) for i in range(6)))
+
+    outs = asyncio.run(run())
+    for i, out in enumerate(outs):
+        assert list(out) == expected([5] * (20 + i), 4)
+        assert out.timing.route in ("prefill-cpu", "gpu")
+        assert out.timing.predicted_ttft_cpu_us > 0 and out.timing.predicted_ttft_gpu_us > 0
+    with Client(address) as c:
+        st = c.status()
+    assert {w.name: w.path for w in st.workers} == {"cpu0": "prefill-cpu", "gpu0": "gpu"}
+    assert "tiny" in st.models and "tiny/llm" in st.curves
+    assert st.decisions["llm_gpu"] + st.decisions["llm_prefill-cpu"] == 6
+
+
+def test_bad_requests_get_clear_errors_and_the_next_one_is_served(llm_node):
+    address, _, _ = llm_node
+    with Client(address) as c:
+        with pytest.raises(UnknownModel, match="tiny"):
+            c.generate("tinny", [1, 2, 3])
+        with pytest.raises(InvalidArgument, match="max_model_len 512"):
+            c.generate("tiny", [1] * 500, max_tokens=16)
+        with pytest.raises(Exception, match="engine failed"):
+            c.generate("tiny", [1, BAD_TOKEN, 2], route="gpu")
+        assert list(c.generate("tiny", [1, 2, 3], max_tokens=2)) == expected([1, 2, 3], 2)
+
+
+def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_node):
+    address, engines, _ = llm_node
+    gpu = engines["gpu0"]
+    gpu.stop.set()
+    gpu.join(timeout=5)
+    with zmq.Context.instance().socket(zmq.DEALER) as s:  # the worker says goodbye, as a real one does
+        s.setsockopt(zmq.IDENTITY, b"gpu0-bye")
+        s.connect(address.replace("/fe", "/be"))
+        s.send(P.encode(P.Goodbye(worker="gpu0")))
+        with Client(address) as c:
+            c.status()  # the goodbye was read before this reply
+            with pytest.raises(Unavailable, match="'gpu'"):
+                c.generate("tiny", [1, 2, 3], timeout=5)
+
+
+def test_openai_completions_with_text_and_token_prompts(llm_node):
+    _, engines, url = llm_node
+    deadline = time.monotonic() + 60
+    while True:  # the front door binds its port a moment after the dispatcher is up
+        try:
+            status, models = _http(url + "/v1/models")
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline, "front door did not come up"
+            time.sleep(0.05)
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves", "max_tokens": 5,
+                                                  "batchyard_route": "prefill-cpu"})
+    assert status == 200, out
+    [choice] = out["choices"]
+    [meta] = out["batchyard"]
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    ids = tok.encode("the cache moves").ids
+    assert meta["token_ids"] == expected(ids, 5) and choice["text"] == tok.decode(expected(ids, 5))
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5, "total_tokens": len(ids) + 5}
+    assert meta["route"] == "prefill-cpu" and meta["stand_in"] is True and meta["prefill_worker"] == "cpu0"
+
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[9, 8, 7], [1, 2]], "max_tokens": 3})
+    assert status == 200 and [m["token_ids"] for m in out["batchyard"]] == [expected([9, 8, 7], 3), expected([1, 2], 3)]
+
+    for body, code, word in (({"model": "nope", "prompt": "x"}, 404, "nope"),
+                             ({"model": "tiny", "prompt": "x", "temperature": 0.7}, 400, "temperature"),
+                             ({"model": "tiny", "prompt": "x", "stream": True}, 400, "stream"),
+                             ({"model": "tiny", "prompt": [1] * 600}, 400, "max_model_len"),
+                             ({"model": "tiny", "prompt": []}, 400, "prompt")):
+        status, err = _http(url + "/v1/completions", body)
+        assert status == code and word in err["error"]["message"], (body, status, err)

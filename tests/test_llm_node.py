@@ -1,0 +1,124 @@
+"""LLM mode end to end on real vLLM engines (CPU build): `batchyard up` runs the dispatcher, a
+front door and two vLLM workers — "prefill-cpu" and "gpu" (a CPU engine standing in for the GPU,
+as every reply says). Needs .venv-llm: `make test-llm`.
+
+Greedy tokens of a request routed prefill-cpu -> KV moved -> decode on the gpu instance must equal
+the gpu instance serving the same prompt alone, over prompt lengths that cross the KV block
+size (32); the reply must say the decode took the moved KV (tests/test_llm_kv.py shows, with
+the KV overwritten by noise, that the decode really uses it).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from batchyard.client import Client
+from batchyard.config import (DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig,
+                              to_toml)
+
+from conftest import ROOT, free_port
+
+pytestmark = pytest.mark.llm
+
+BLOCK = 32
+PROMPT_LENGTHS = (40, 100, 300)  # 1 block + 8, 3 blocks + 4, 9 blocks + 12
+# The node's own processes run in the project venv when it exists (the deployment this mode is
+# for: vLLM only in its workers' interpreter); the vLLM workers run in this interpreter.
+NODE_PY = ROOT / ".venv" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def node():
+    pytest.importorskip("vllm")
+    from batchyard.bench.llm_tiny_model import build
+
+    run_dir = tempfile.mkdtemp(prefix="by-llm-", dir="/tmp")
+    model = build(Path(run_dir) / "tiny", "tiny", seed=0)
+    port = free_port()
+    worker = dict(kind="vllm", models=("tiny",), threads=1)
+    cfg = NodeConfig(
+        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+        llm_models=(LlmModelConfig(name="tiny", path=str(model), block_size=BLOCK, kv_dir=f"{run_dir}/kv"),),
+        workers=(WorkerConfig(name="llm-cpu", cpus=(0,), vllm=VllmConfig(role="prefill-cpu", python=sys.executable),
+                              **worker),
+                 WorkerConfig(name="llm-gpu", cpus=(1,), vllm=VllmConfig(role="gpu", stand_in=True,
+                                                                         python=sys.executable), **worker)),
+        frontend=FrontendConfig(grpc_port=0, http_port=port)).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(cfg))
+    python = str(NODE_PY) if NODE_PY.exists() else sys.executable
+    up = subprocess.Popen([python, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT)
+    try:
+        with Client(cfg.dispatcher.frontend) as c:
+            assert c.status(min_registrations=2, wait=420, timeout=30).registrations >= 2
+        yield cfg, f"http://127.0.0.1:{port}"
+    finally:
+        up.terminate()
+        up.wait(timeout=60)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
+
+
+def test_routed_requests_decode_with_the_moved_kv_exactly_as_the_gpu_instance_alone(node):
+    cfg, _ = node
+    with Client(cfg.dispatcher.frontend) as c:
+        for n in PROMPT_LENGTHS:
+            prompt = _prompt(n, seed=n)
+            alone = c.generate("tiny", prompt, max_tokens=16, route="gpu", timeout=120)
+            routed = c.generate("tiny", prompt, max_tokens=16, route="prefill-cpu", timeout=120)
+            assert len(alone) == 16
+            assert list(routed) == list(alone), f"{n}-token prompt: routed output differs from the gpu instance alone"
+            t = routed.timing
+            assert (t.route, t.prefill_worker, t.decode_worker, t.stand_in) == ("prefill-cpu", "llm-cpu", "llm-gpu",
+                                                                                True)
+            # only whole blocks move; the decode instance recomputes the partial last block
+            assert t.kv_tokens == (n // BLOCK) * BLOCK, f"{n}-token prompt: {t.kv_tokens} tokens from moved KV"
+            assert alone.timing.kv_tokens == 0 and alone.timing.route == "gpu"
+
+
+def test_the_dispatcher_routes_by_its_curves_and_learns_them(node):
+    cfg, _ = node
+    lengths = [24, 48, 600, 32, 900, 64]
+    with Client(cfg.dispatcher.frontend) as c:
+        futures = [c.submit_generate("tiny", _prompt(n, seed=1000 + n), max_tokens=8, timeout=120) for n in lengths]
+        outs = [f.result() for f in futures]
+        st = c.status()
+    assert all(len(o) == 8 for o in outs)
+    for o in outs:  # each reply carries both predictions and took the path with the earlier one
+        t = o.timing
+        assert t.predicted_ttft_cpu_us > 0 and t.predicted_ttft_gpu_us > 0
+        assert t.route == ("prefill-cpu" if t.predicted_ttft_cpu_us < t.predicted_ttft_gpu_us else "gpu")
+    curves = st.curves["tiny/llm"]
+    assert curves["cpu_prefill"]["samples"] >= 3 and curves["gpu_decode"]["samples"] >= 2  # calibrated at start
+    assert st.decisions["llm_gpu"] + st.decisions["llm_prefill-cpu"] >= len(lengths)
+
+
+def test_openai_completions_on_the_front_door(node):
+    _, url = node
+    deadline = time.monotonic() + 60
+    body = json.dumps({"model": "tiny", "prompt": "the cache moves from one engine", "max_tokens": 6}).encode()
+    while True:
+        try:
+            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out = json.loads(r.read())
+            break
+        except urllib.error.URLError:  # the front door binds its port a moment after the dispatcher
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 6
+    assert isinstance(out["choices"][0]["text"], str) and out["batchyard"][0]["stand_in"] is True

@@ -1,0 +1,342 @@
+"""The LLM worker (kind "vllm"): one vLLM engine, stepped in this process, serving LlmJobs.
+
+Role "prefill-cpu" runs prefill jobs (max_tokens=1) and stores each prompt's KV in the folder
+the node's instances share; role "gpu" runs generate jobs, loading that KV when the job names
+the instance that stored it (``kv_from``), and deletes it once used. Engine, KV connector and
+calibration live in llm_engine.py; this module is the process: registration, heartbeat, the loop.
+
+Loop: block on the socket while the engine is idle; while it has work, look at the socket
+without waiting between `engine.step()` calls, so that jobs join the running batch (continuous
+batching) and several generate jobs run at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from batchyard import protocol as P
+from batchyard.exit_codes import EX_CONFIG
+from batchyard.proctitle import set_title
+from batchyard.protocol import Status
+from batchyard.sd_notify import notify
+
+from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, kv_entry, kv_root, prepare_kv_dir,
+                         sampling_kwargs, set_env)
+
+log = logging.getLogger("batchyard.worker")
+REGISTER_RETRY_S = 2.0
+
+
+class _Stop(BaseException):
+    """SIGTERM/SIGINT while starting: nothing registered yet, just leave. A BaseException so
+    that no `except Exception` inside vLLM swallows it."""
+
+
+@dataclass(eq=False)
+class _Job:
+    msg: P.LlmJob
+    t0: float  # receipt, perf_counter
+    results: dict = field(default_factory=dict)  # seq -> LlmResult
+    open: int = 0  # requests still in the engine
+
+
+@dataclass(eq=False)
+class _Req:
+    job: _Job
+    seq: int
+    kv_entry: str = ""  # the moved KV this request loads: deleted once no request uses it
+    tokens: list = field(default_factory=list)
+    first_s: float = 0.0
+
+
+class _WakeEvent(threading.Event):
+    """The heartbeat thread's "reregister" flag, also waking the loop blocked on its poll."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd = fd
+
+    def set(self) -> None:
+        super().set()
+        try:
+            os.write(self.fd, b"r")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop wakes anyway
+
+
+class LlmServer:
+    def __init__(self, node, wcfg, engine, root: Path, engine_msg: P.LlmEngine, vocab: int):
+        self.node, self.name, self.engine, self.root, self.vocab = node, wcfg.name, engine, root, vocab
+        self.block, self.max_len = engine_msg.block_size, engine_msg.max_model_len
+        self.register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name, pid=os.getpid(),
+                                            path="cpu" if engine_msg.role == "prefill-cpu" else "gpu", models=[],
+                                            max_inflight=engine_msg.max_num_seqs, simulated=False, llm=engine_msg))
+        self.reqs: dict[str, _Req] = {}
+        self.kv_users: collections.Counter = collections.Counter()
+        self.ids = itertools.count()
+        self.stopping = False
+        self.registered = False
+
+    def request_stop(self, *_args) -> None:
+        self.stopping = True
+
+    def serve(self, started: float) -> int:
+        from batchyard.transport import secure_worker_socket
+
+        from .runtime import Heartbeat
+
+        d = self.node.dispatcher
+        secure = lambda sock: secure_worker_socket(sock, d, d.backend)  # noqa: E731
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 500)
+        secure(sock)
+        sock.connect(d.backend)
+        hb = Heartbeat(ctx, d.backend, self.name, d.heartbeat_interval_s, secure)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        hb.reregister = _WakeEvent(wake_w)
+        # A signal handler only sets a flag; the wake-up fd ends the poll blocked on the socket.
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.started, self.sock, self.hb, self.wake_r = started, sock, hb, wake_r
+        try:
+            return self._loop()
+        finally:
+            signal.set_wakeup_fd(-1)
+            if self.registered:
+                sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
+            hb.stop.set()
+            if hb.is_alive():
+                hb.join(timeout=2)
+            sock.close(linger=500)
+            ctx.term()
+            os.close(wake_r)
+            os.close(wake_w)
+            log.info("worker %s stopped serving", self.name)
+
+    def _loop(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
+        next_register = 0.0
+        while not self.stopping:
+            if self.hb.reregister.is_set():
+                self.hb.reregister.clear()
+                self.registered, next_register = False, 0.0
+            now = time.monotonic()
+            if not self.registered and now >= next_register:
+                self.sock.send(self.register)
+                next_register = now + REGISTER_RETRY_S
+            busy = self.engine.has_unfinished_requests()
+            timeout = 0 if busy else None if self.registered else max(0.0, next_register - now) * 1000
+            events = dict(poller.poll(timeout))
+            if self.wake_r in events:
+                while _drain(self.wake_r):
+                    pass
+            while self.sock in events:
+                try:
+                    raw = self.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                rc = self._on_message(raw)
+                if rc is not None:
+                    return rc
+            if self.engine.has_unfinished_requests() and not self._step():
+                return 1
+        return 0
+
+    def _on_message(self, raw: bytes) -> int | None:
+        try:
+            msg = P.to_worker_decoder.decode(raw)
+        except P.DecodeError as e:
+            log.error("worker %s: undecodable message from the dispatcher: %s", self.name, e)
+            return None
+        if type(msg) is P.LlmJob:
+            self._start_job(msg)
+        elif type(msg) is P.Registered:
+            if not self.registered:
+                log.info("worker %s registered %.1f s after start", self.name, time.monotonic() - self.started)
+                notify("READY=1")  # systemd's Type=notify: taking traffic now
+            self.registered = True
+            if not self.hb.is_alive() and not self.hb.stop.is_set():
+                self.hb.start()
+        elif type(msg) is P.Reregister:
+            self.registered = False
+        elif type(msg) is P.RegisterRejected:
+            log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
+            return EX_CONFIG
+        else:
+            log.error("worker %s: an LLM worker got a %s message; ignored", self.name, type(msg).__name__)
+        return None
+
+    # -------------------------------------------------------------- jobs
+    def _start_job(self, msg: P.LlmJob) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        job = _Job(msg, time.perf_counter())
+        kv = STORE if msg.kind == "prefill" else LOAD if msg.kv_from else ""
+        for i, (seq, why) in enumerate(zip(msg.seqs, check_job(msg, self.max_len, self.vocab))):
+            if why:
+                job.results[seq] = P.LlmResult(seq=seq, status=int(Status.INVALID_ARGUMENT), message=why)
+                continue
+            max_tokens = 1 if msg.kind == "prefill" else msg.max_tokens[i]
+            rid = f"{msg.job_id}-{seq}-{next(self.ids)}"  # job ids may repeat after a dispatcher restart
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(max_tokens, kv))
+            try:
+                order = msg.order[i] if len(msg.order) == len(msg.seqs) else 0
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(msg.prompts[i])), params,
+                                        priority=order)
+            except Exception as e:  # vLLM's validation errors are ValueErrors
+                status = Status.INVALID_ARGUMENT if isinstance(e, ValueError) else Status.INTERNAL
+                job.results[seq] = P.LlmResult(seq=seq, status=int(status), message=f"engine refused the request: {e}")
+                continue
+            req = self.reqs[rid] = _Req(job, seq)
+            if kv == LOAD:
+                req.kv_entry = kv_entry(self.root, msg.prompts[i], self.block)
+                self.kv_users[req.kv_entry] += 1
+            job.open += 1
+        if not job.open:
+            self._send_done(job)
+
+    def _step(self) -> bool:
+        """One engine step; False when the engine failed (its state is not to be trusted: every
+        job in flight fails, and the worker exits for `up` or systemd to restart it)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("worker %s: engine step failed", self.name)
+            for rid in list(self.reqs):
+                self._finish(rid, Status.INTERNAL, f"LLM engine failed: {type(e).__name__}: {e}")
+            return False
+        now = time.perf_counter()
+        for out in outputs:
+            req = self.reqs.get(out.request_id)
+            if req is None:
+                continue
+            comp = out.outputs[0] if out.outputs else None
+            if comp is not None and comp.token_ids:
+                if not req.tokens:
+                    req.first_s = now - req.job.t0
+                req.tokens.extend(comp.token_ids)
+            if out.finished:
+                reason = comp.finish_reason if comp is not None else None
+                if reason in ("length", "stop"):
+                    # Prefix caching is off, so every cached token came from the moved KV.
+                    self._finish(out.request_id, Status.OK, "", out.num_cached_tokens or 0)
+                else:
+                    self._finish(out.request_id, Status.INTERNAL, f"LLM engine ended the request: {reason}")
+        return True
+
+    def _finish(self, rid: str, status: Status, message: str, kv_tokens: int = 0) -> None:
+        req = self.reqs.pop(rid)
+        ok = status == Status.OK
+        req.job.results[req.seq] = P.LlmResult(seq=req.seq, status=int(status), message=message,
+                                               tokens=req.tokens if ok else [],
+                                               first_token_s=req.first_s if ok else 0.0, kv_tokens=kv_tokens)
+        if req.kv_entry:
+            self.kv_users[req.kv_entry] -= 1
+            if self.kv_users[req.kv_entry] <= 0:  # the moved KV served its request: free the disk
+                del self.kv_users[req.kv_entry]
+                shutil.rmtree(req.kv_entry, ignore_errors=True)
+        req.job.open -= 1
+        if not req.job.open:
+            self._send_done(req.job)
+
+    def _send_done(self, job: _Job) -> None:
+        results = [job.results[s] for s in dict.fromkeys(job.msg.seqs) if s in job.results]
+        self.sock.send(P.encode(P.LlmDone(job_id=job.msg.job_id, worker=self.name,
+                                          compute_s=time.perf_counter() - job.t0, results=results)))
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 4096))
+    except BlockingIOError:
+        return False
+
+
+def serve_llm(node, wcfg, fast_exit: bool = True) -> int:
+    """Run the worker until SIGTERM/SIGINT; returns its exit status. With ``fast_exit`` the
+    process ends itself once the engine is shut down: the interpreter's own teardown of torch
+    and vLLM took 1.8 s more here, and leaves nothing to clean (the sockets are closed, and the
+    engine's shutdown removed its rendezvous file in /tmp)."""
+    started = time.monotonic()
+    set_env(wcfg)
+
+    def stop_starting(*_args):
+        raise _Stop
+
+    signal.signal(signal.SIGTERM, stop_starting)
+    signal.signal(signal.SIGINT, stop_starting)
+    built: list = []  # the engine once it exists: shut down whichever way we leave
+    try:
+        rc = _start_and_serve(node, wcfg, started, built)
+    except _Stop:
+        rc = 0
+    if built:
+        try:
+            built[0].engine_core.shutdown()
+        except Exception:
+            log.exception("worker %s: engine shutdown failed", wcfg.name)
+        if fast_exit:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    return rc
+
+
+def _start_and_serve(node, wcfg, started: float, built: list) -> int:
+    try:
+        import vllm  # noqa: F401  (only whether it imports)
+    except ImportError as e:
+        log.error("worker %s: vLLM cannot be imported by %s (%s). Build the LLM environment with "
+                  "`make llm-env` and name its interpreter in [workers.vllm] python (e.g. .venv-llm/bin/python)",
+                  wcfg.name, sys.executable, e)
+        return EX_CONFIG
+    vcfg, model = wcfg.vllm, node.llm_model(wcfg.models[0])
+    root = kv_root(node.dispatcher.backend, model.name, model.kv_dir)
+    try:
+        prepare_kv_dir(root, default=not model.kv_dir)
+    except OSError as e:
+        log.error("worker %s: KV folder: %s", wcfg.name, e)
+        return EX_CONFIG
+    try:
+        engine = build_engine(model, vcfg, root)
+        built.append(engine)
+        set_title(f"batchyard::vllm-worker[{wcfg.name}]")  # in case vLLM named the process
+        vocab = engine.model_config.get_vocab_size()
+        t_cal = time.monotonic()
+        cal = Calibrator(engine, vocab, model.max_model_len, seed=zlib.crc32(wcfg.name.encode()))
+        prefill, decode = cal.run(vcfg.calibrate_tokens, STORE if vcfg.role == "prefill-cpu" else "")
+        for ids in cal.prompts:  # what the calibration stored must not linger in the shared folder
+            shutil.rmtree(kv_entry(root, ids, model.block_size), ignore_errors=True)
+    except Exception:  # a model folder vLLM cannot load, a KV cache that does not fit: restarting won't help
+        log.exception("worker %s: the vLLM engine for %r (%s) cannot start", wcfg.name, model.name, model.path)
+        return EX_CONFIG
+    log.info("worker %s: engine ready in %.1f s, calibrated in %.1f s: prefill %s, decode %s", wcfg.name,
+             t_cal - started, time.monotonic() - t_cal,
+             [(s.prompts, round(s.seconds * 1e3, 1)) for s in prefill], [(s, round(t * 1e3, 2)) for s, t in decode])
+    engine_msg = P.LlmEngine(model=model.name, role=vcfg.role, stand_in=vcfg.stand_in, block_size=model.block_size,
+                             max_model_len=model.max_model_len, max_num_seqs=vcfg.max_num_seqs,
+                             prefill=prefill, decode=decode)
+    return LlmServer(node, wcfg, engine, root, engine_msg, vocab).serve(started)
