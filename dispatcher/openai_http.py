@@ -77,6 +77,9 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         prompts = self._prompts(model, body.get("prompt"))
         timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not 0 < timeout <= 86400):
+            raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
         choices, usage_in, usage_out, timings = [], 0, 0, []
         for i, ids in enumerate(prompts):
             out = await self.client.generate(model, ids, max_tokens, timeout=timeout, route=_route(body))
