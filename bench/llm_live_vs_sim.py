@@ -22,12 +22,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
-from batchyard.config import DispatcherConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig, to_toml
+from batchyard.config import (DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig,
+                              to_toml)
 from batchyard.llm_core import TOKEN_BUDGET
-from batchyard.llm_routing import DecodeCurve, KvLink, LlmCurves, PrefillCurve
+from batchyard.llm_fit import curves_from_describe
+from batchyard.llm_routing import LlmCurves
 
 from .llm_sim import MEASURED_CPU_DECODE, Req, Scenario, simulate
 
@@ -46,14 +49,11 @@ def trace(rate: float, n: int, seed: int, max_prompt: int) -> list[tuple[float, 
     return [(float(t[i]), int(prompt[i]), int(out[i])) for i in range(n)]
 
 
-def _curves(desc: dict) -> LlmCurves:
-    c = {k: v["coef"] for k, v in desc.items()}
-    kv_a, kv_b = c["kv"]
-    return LlmCurves(PrefillCurve(*c["cpu_prefill"]), PrefillCurve(*c["gpu_prefill"]), DecodeCurve(*c["gpu_decode"]),
-                     KvLink(1.0, 1.0 / kv_b if kv_b > 0 else float("inf"), kv_a))
-
-
-def _start_node(run_dir: Path, model: Path, block: int):
+def start_llm_node(run_dir: Path, model: Path, block: int = 32, frontend: Optional[FrontendConfig] = None,
+                   log_level: str = "WARNING"):
+    """`batchyard up` on a node of two vLLM workers serving "tiny": prefill-cpu on CPU 0 and a gpu
+    stand-in on CPU 1, both in this interpreter (it has vLLM); the node's own processes run from
+    the project venv when there is one (vLLM only in its workers' interpreter). -> (config, process)."""
     worker = dict(kind="vllm", models=("tiny",), threads=1)
     cfg = NodeConfig(
         dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
@@ -61,11 +61,13 @@ def _start_node(run_dir: Path, model: Path, block: int):
         workers=(WorkerConfig(name="llm-cpu", cpus=(0,), vllm=VllmConfig(role="prefill-cpu", python=sys.executable),
                               **worker),
                  WorkerConfig(name="llm-gpu", cpus=(1,), vllm=VllmConfig(role="gpu", stand_in=True,
-                                                                         python=sys.executable), **worker))).validate()
-    (run_dir / "node.toml").write_text(to_toml(cfg))
+                                                                         python=sys.executable), **worker)),
+        frontend=frontend).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(cfg))
     node_py = ROOT / ".venv" / "bin" / "python"
-    up = subprocess.Popen([str(node_py if node_py.exists() else sys.executable), "-m", "batchyard.cli", "--log-level", "WARNING",
-                           "up", "--config", str(run_dir / "node.toml")], cwd=ROOT)
+    up = subprocess.Popen([str(node_py if node_py.exists() else sys.executable), "-m", "batchyard.cli", "--log-level",
+                           log_level, "up", "--config", str(path)], cwd=ROOT)
     return cfg, up
 
 
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
 
     run_dir = Path(tempfile.mkdtemp(prefix="by-llmbench-", dir="/tmp"))
     model = build(run_dir / "model", args.size, seed=0)
-    cfg, up = _start_node(run_dir, model, 32)
+    cfg, up = start_llm_node(run_dir, model)
     try:
         with Client(cfg.dispatcher.frontend) as c:
             c.status(min_registrations=2, wait=600, timeout=30)
@@ -140,8 +142,8 @@ def main(argv=None) -> int:
         up.wait(timeout=60)
     result = {"rate": args.rate, "n": args.n, "seed": args.seed, "size": args.size, "curves_calibrated": calibrated,
               "curves_learned": learned,
-              "vs_learned": compare(live, simulated(reqs, _curves(learned), args.rate)),
-              "vs_calibrated": compare(live, simulated(reqs, _curves(calibrated), args.rate)), "live": live,
+              "vs_learned": compare(live, simulated(reqs, curves_from_describe(learned), args.rate)),
+              "vs_calibrated": compare(live, simulated(reqs, curves_from_describe(calibrated), args.rate)), "live": live,
               "gpu_only": gpu_only}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     Path(args.out + ".md").write_text(_markdown(result, args))

@@ -154,7 +154,8 @@ class LlmCore:
 
     # ------------------------------------------------------------------ arrivals
     def admit(self, msg: P.GenerateRequest, client: bytes, now: float):
-        """Returns the Rejected reason (status, message), or None when the request is in."""
+        """Returns why it is refused, (status, message), or None when the request is in. An
+        unknown model comes back with an empty message: the caller knows every model's name."""
         model = msg.model
         if self.draining:
             return Status.UNAVAILABLE, "dispatcher is shutting down"
@@ -162,7 +163,7 @@ class LlmCore:
         if not gpus:
             if model in self.models():
                 return Status.UNAVAILABLE, f"no 'gpu' LLM instance of {model!r} is up; the decode runs there"
-            return None  # not an LLM model: the caller answers UNKNOWN_MODEL
+            return Status.UNKNOWN_MODEL, ""
         limit = min(w.engine.max_model_len for w in gpus)
         if limit and len(msg.prompt) + msg.max_tokens > limit:
             return (Status.INVALID_ARGUMENT, f"prompt of {len(msg.prompt)} tokens + max_tokens {msg.max_tokens} "
@@ -188,8 +189,7 @@ class LlmCore:
                         gpu_running=len(gpu.jobs))
 
     def routing_curves(self, model: str) -> LlmCurves:
-        c = self.curves[model]
-        return LlmCurves(c.prefill(PREFILL_CPU), c.prefill(GPU), c.decode(), c.kv_link())
+        return self.curves[model].routing()
 
     def _route(self, r: LlmRequest, now: float) -> None:
         load = self.load(r.model, now)

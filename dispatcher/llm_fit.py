@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from .llm_routing import DecodeCurve, KvLink, PrefillCurve
+from .llm_routing import DecodeCurve, KvLink, LlmCurves, PrefillCurve
 
 ONLINE_WINDOW = 64  # recent samples kept per curve
 REFIT_EVERY = 4  # a refit costs ~50 us; prefill completions come a few per second
@@ -75,6 +75,19 @@ def _nonneg_lstsq(X: np.ndarray, y: np.ndarray):
     return None
 
 
+def kv_link(latency_s: float, s_per_token: float) -> KvLink:
+    # KvLink speaks bytes and bandwidth; the learned curve is seconds per token.
+    return KvLink(bytes_per_token=1.0, bandwidth_Bps=1.0 / s_per_token if s_per_token > 0 else float("inf"),
+                  latency_s=latency_s)
+
+
+def curves_from_describe(desc: dict) -> LlmCurves:
+    """The routing curves back from ``LearnedCurves.describe()`` (e.g. a dispatcher's status)."""
+    c = {name: [float(v) for v in entry["coef"]] for name, entry in desc.items()}
+    return LlmCurves(PrefillCurve(*c["cpu_prefill"]), PrefillCurve(*c["gpu_prefill"]), DecodeCurve(*c["gpu_decode"]),
+                     kv_link(*c["kv"]))
+
+
 def prefill_features(prompts) -> tuple[float, float, float]:
     return (1.0, float(sum(prompts)), float(sum(n * n for n in prompts)))
 
@@ -98,17 +111,16 @@ class LearnedCurves:
                 self.gpu_decode.add((1.0, float(streams)), seconds, calibration=True)
 
     def prefill(self, role: str) -> PrefillCurve:
-        c = (self.cpu_prefill if role == "prefill-cpu" else self.gpu_prefill).coef
-        return PrefillCurve(float(c[0]), float(c[1]), float(c[2]))
+        return PrefillCurve(*map(float, (self.cpu_prefill if role == "prefill-cpu" else self.gpu_prefill).coef))
 
     def decode(self) -> DecodeCurve:
-        c = self.gpu_decode.coef
-        return DecodeCurve(float(c[0]), float(c[1]))
+        return DecodeCurve(*map(float, self.gpu_decode.coef))
 
     def kv_link(self) -> KvLink:
-        a, b = (float(v) for v in self.kv.coef)
-        # KvLink speaks bytes and bandwidth; the learned curve is seconds per token.
-        return KvLink(bytes_per_token=1.0, bandwidth_Bps=1.0 / b if b > 0 else float("inf"), latency_s=a)
+        return kv_link(*map(float, self.kv.coef))
+
+    def routing(self) -> LlmCurves:
+        return LlmCurves(self.prefill("prefill-cpu"), self.prefill("gpu"), self.decode(), self.kv_link())
 
     def describe(self) -> dict:
         return {name: {"coef": [round(float(v), 9) for v in fit.coef], "samples": fit.samples}

@@ -25,17 +25,12 @@ class LlmDesk:
         self._reply = reply
         self.core = LlmCore(self._on_fail, default_timeout_s=default_timeout_s,
                             interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s)
-        self.served = 0
-        self.failed = 0
 
     # ------------------------------------------------------------------ in
     def on_generate(self, msg: P.GenerateRequest, identity: bytes, now: float, unknown: Callable[[str], str]) -> None:
         why = self.core.admit(msg, identity, now)
-        if why is None and msg.model not in self.core.models():
-            why = (Status.UNKNOWN_MODEL, unknown(msg.model))
         if why is not None:
-            self.failed += 1
-            self._reply(identity, _error(msg.id, why[0], why[1]))
+            self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
         self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid)
@@ -47,7 +42,6 @@ class LlmDesk:
 
     def on_done(self, msg: P.LlmDone, now: float) -> None:
         for f in self.core.complete(msg, now):
-            self.served += 1
             r = f.request
             self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
                                                            tokens=f.tokens, timing=f.timing)))
@@ -80,7 +74,6 @@ class LlmDesk:
         return bool(self.core.jobs)
 
     def _on_fail(self, r: LlmRequest, status: Status, message: str) -> None:
-        self.failed += 1
         self._reply(r.client, _error(r.req_id, status, message))
 
 

@@ -9,11 +9,11 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 import zmq
 
@@ -103,13 +103,13 @@ def _http(url: str, body=None) -> tuple[int, dict]:
 
 @pytest.fixture
 def llm_node(run_dir):
-    """A dispatcher and a front door (HTTP only) from `batchyard up`, the LLM model "tiny" with
+    """A dispatcher and a front door from `batchyard up`, the LLM model "tiny" with
     a tokenizer, and two scripted engines registered as its prefill-cpu and gpu instances."""
     _tokenizer(Path(run_dir))
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     cfg = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
                      llm_models=(LlmModelConfig(name="tiny", path=run_dir),),
-                     frontend=FrontendConfig(grpc_port=0, http_port=port)).validate()
+                     frontend=FrontendConfig(grpc_port=grpc_port, http_port=port)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
@@ -122,6 +122,9 @@ def llm_node(run_dir):
             for e in engines:
                 e.start()
             assert c.status(min_registrations=2, wait=30).registrations >= 2
+        # The front door binds HTTP before gRPC: a ready gRPC channel means HTTP is serving too.
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
         yield cfg.dispatcher.frontend, {e.name_: e for e in engines}, f"http://127.0.0.1:{port}"
     finally:
         for e in engines:
@@ -195,14 +198,7 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
 
 def test_openai_completions_with_text_and_token_prompts(llm_node):
     _, engines, url = llm_node
-    deadline = time.monotonic() + 60
-    while True:  # the front door binds its port a moment after the dispatcher is up
-        try:
-            status, models = _http(url + "/v1/models")
-            break
-        except (urllib.error.URLError, ConnectionError):
-            assert time.monotonic() < deadline, "front door did not come up"
-            time.sleep(0.05)
+    status, models = _http(url + "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
 
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves", "max_tokens": 5,

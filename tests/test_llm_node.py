@@ -13,55 +13,43 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from batchyard.client import Client
-from batchyard.config import (DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig,
-                              to_toml)
+from batchyard.config import FrontendConfig
 
-from conftest import ROOT, free_port
+from conftest import free_port
 
 pytestmark = pytest.mark.llm
 
 BLOCK = 32
 PROMPT_LENGTHS = (40, 100, 300)  # 1 block + 8, 3 blocks + 4, 9 blocks + 12
-# The node's own processes run in the project venv when it exists (the deployment this mode is
-# for: vLLM only in its workers' interpreter); the vLLM workers run in this interpreter.
-NODE_PY = ROOT / ".venv" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def node():
     pytest.importorskip("vllm")
+    import grpc
+
+    from batchyard.bench.llm_live_vs_sim import start_llm_node
     from batchyard.bench.llm_tiny_model import build
 
     run_dir = tempfile.mkdtemp(prefix="by-llm-", dir="/tmp")
     model = build(Path(run_dir) / "tiny", "tiny", seed=0)
-    port = free_port()
-    worker = dict(kind="vllm", models=("tiny",), threads=1)
-    cfg = NodeConfig(
-        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-        llm_models=(LlmModelConfig(name="tiny", path=str(model), block_size=BLOCK, kv_dir=f"{run_dir}/kv"),),
-        workers=(WorkerConfig(name="llm-cpu", cpus=(0,), vllm=VllmConfig(role="prefill-cpu", python=sys.executable),
-                              **worker),
-                 WorkerConfig(name="llm-gpu", cpus=(1,), vllm=VllmConfig(role="gpu", stand_in=True,
-                                                                         python=sys.executable), **worker)),
-        frontend=FrontendConfig(grpc_port=0, http_port=port)).validate()
-    path = Path(run_dir) / "node.toml"
-    path.write_text(to_toml(cfg))
-    python = str(NODE_PY) if NODE_PY.exists() else sys.executable
-    up = subprocess.Popen([python, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT)
+    http_port, grpc_port = free_port(), free_port()
+    cfg, up = start_llm_node(Path(run_dir), model, BLOCK, FrontendConfig(grpc_port=grpc_port, http_port=http_port),
+                             log_level="INFO")
     try:
         with Client(cfg.dispatcher.frontend) as c:
             assert c.status(min_registrations=2, wait=420, timeout=30).registrations >= 2
-        yield cfg, f"http://127.0.0.1:{port}"
+        # The front door binds HTTP before gRPC: a ready gRPC channel means HTTP is serving too.
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+        yield cfg, f"http://127.0.0.1:{http_port}"
     finally:
         up.terminate()
         up.wait(timeout=60)
@@ -109,16 +97,9 @@ def test_the_dispatcher_routes_by_its_curves_and_learns_them(node):
 
 def test_openai_completions_on_the_front_door(node):
     _, url = node
-    deadline = time.monotonic() + 60
     body = json.dumps({"model": "tiny", "prompt": "the cache moves from one engine", "max_tokens": 6}).encode()
-    while True:
-        try:
-            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                out = json.loads(r.read())
-            break
-        except urllib.error.URLError:  # the front door binds its port a moment after the dispatcher
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
     assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 6
     assert isinstance(out["choices"][0]["text"], str) and out["batchyard"][0]["stand_in"] is True
