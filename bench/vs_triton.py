@@ -45,10 +45,19 @@ from batchyard.deploy import asset
 from batchyard.workers.triton_local import TritonLocal
 
 from .demo import demo_config
-from .harness import LoadSpec, analyse, run_load, sample_total, scrape
+from . import perf_analyzer
+from .harness import LoadSpec, Report, analyse, run_load, sample_total, scrape
 from .report import table, write_outputs
 
 SIZES = (1, 2, 4, 8, 16, 32)
+LOAD_TOOLS = {
+    "harness": "`batchyard bench`'s triton target (tritonclient gRPC aio, one generator process, open-loop "
+               "Poisson, tokenized sentences)",
+    "perf_analyzer": "Triton's perf_analyzer (the tritonclient wheel's) (`--async --request-rate-range R "
+                     "--request-distribution poisson`, gRPC, the demo's tokenized sentences as `--input-data`; "
+                     "windows repeated until the last 3 agree within the stability bound, those 3 merged; "
+                     "an unstable run reports the mean throughput and the largest p99 of its last 3 windows "
+                     "and no p50)"}
 MAX_BATCH = 32  # both servers: Batchyard's model max_batch, Triton's max_batch_size
 READY_TIMEOUT_S = 300.0  # model load on a busy 2-core machine
 
@@ -85,6 +94,7 @@ class Plan:
     windows: int
     stability: float
     reps: int
+    load_tool: str = "harness"  # or "perf_analyzer" (Triton's own, from the tritonclient wheel)
 
 
 def make_plan(args) -> Plan:
@@ -95,7 +105,7 @@ def make_plan(args) -> Plan:
                 load_fractions=[float(x) for x in fractions.split(",")], saturate=args.saturate,
                 saturate_fraction=1.5, delays_us=[int(x) for x in delays.split(",")], slo_ms=args.slo_ms,
                 warmup_s=5.0, window_s=10.0 if quick else 20.0, windows=3 if quick else 5,
-                stability=0.25 if quick else 0.15, reps=3 if quick else 7)
+                stability=0.25 if quick else 0.15, reps=3 if quick else 7, load_tool=args.load_tool)
 
 
 def offered_loads(plan: Plan, limit: float) -> None:
@@ -252,13 +262,18 @@ def counter(samples: list, name: str) -> float:
     return sample_total(samples, name) + sample_total(samples, f"{name}_total")
 
 
-def measure(server: Server, rate: float, plan: Plan, label: str) -> dict:
+def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Path | None) -> dict:
     spec = LoadSpec(rate=rate, slo_ms=plan.slo_ms, warmup_s=plan.warmup_s, window_s=plan.window_s,
                     windows=plan.windows, stability=plan.stability, processes=1, seed=7)
     before = scrape(server.metrics_url)
-    rows = run_load(server.url, server.model, spec, target="triton", inputs="minilm")
+    if plan.load_tool == "perf_analyzer":
+        pa = perf_analyzer.run_rate(server.url, server.model, rate, window_s=plan.window_s,
+                                    trials=plan.windows + 2, stability=plan.stability, input_data=input_data)
+        rep = Report(server.name, label, rate, stable=pa["stable"], summary=pa["summary"])
+    else:
+        rep = analyse(run_load(server.url, server.model, spec, target="triton", inputs="minilm"), spec,
+                      server.name, label)
     after = scrape(server.metrics_url)
-    rep = analyse(rows, spec, server.name, label)
     batches, items = (counter(after, name) - counter(before, name) for name in ("nv_inference_exec_count",
                                                                                 "nv_inference_count"))
     rep.summary["mean_batch"] = items / batches if batches else float("nan")
@@ -282,21 +297,24 @@ def run_all(plan: Plan, args) -> dict:
     out["plan"] = asdict(plan)
     rates = plan.loads + [plan.saturate]
     print(f"offered loads {plan.loads} req/s, saturated {plan.saturate} req/s", flush=True)
-    os.sched_setaffinity(0, load_cpu)  # the generator processes (spawned by run_load) inherit it
-    with batchyard_server(server_cpus) as (srv, node):
-        out["pinning"]["batchyard"] = srv.pinning
-        for r in rates:
-            out["runs"].append(measure(srv, r, plan, f"batchyard mcb @{r:g}"))
-        from batchyard.client import Client
-
-        with Client(node.dispatcher.frontend) as c:
-            st = c.status(timeout=10.0)
-        out["batchyard_status"] = {"curves": st.curves, "decisions": st.decisions}
-    for delay in plan.delays_us:
-        with triton_server(delay, server_cpus) as srv:
-            out["pinning"][srv.name] = srv.pinning
+    os.sched_setaffinity(0, load_cpu)  # the generator processes (run_load's, perf_analyzer) inherit it
+    with tempfile.TemporaryDirectory(prefix="by-vs-data-") as tmp:
+        data = (perf_analyzer.minilm_input_data(Path(tmp) / "minilm.json")
+                if plan.load_tool == "perf_analyzer" else None)
+        with batchyard_server(server_cpus) as (srv, node):
+            out["pinning"]["batchyard"] = srv.pinning
             for r in rates:
-                out["runs"].append(measure(srv, r, plan, f"triton {delay}us @{r:g}"))
+                out["runs"].append(measure(srv, r, plan, f"batchyard mcb @{r:g}", data))
+            from batchyard.client import Client
+
+            with Client(node.dispatcher.frontend) as c:
+                st = c.status(timeout=10.0)
+            out["batchyard_status"] = {"curves": st.curves, "decisions": st.decisions}
+        for delay in plan.delays_us:
+            with triton_server(delay, server_cpus) as srv:
+                out["pinning"][srv.name] = srv.pinning
+                for r in rates:
+                    out["runs"].append(measure(srv, r, plan, f"triton {delay}us @{r:g}", data))
     print("physical limit again, after the runs:", flush=True)
     out["limit_after"] = physical_limit(server_cpus[0], plan.reps)
     out["loadavg_end"] = os.getloadavg()
@@ -349,12 +367,13 @@ def render(res: dict, summ: dict, command: str) -> str:
              f"{','.join(map(str, res['server_cpus']))}, load generator on cpu {res['load_cpu'][0]}", "",
              f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} vCPUs shared with other sessions; load average "
-             f"{res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end. The numbers are "
-             f"**indicative**: other processes ran on both cores during the runs.", "",
-             "Same load tool for both: `batchyard bench`'s triton target (tritonclient gRPC aio, one generator "
-             "process, open-loop Poisson, tokenized sentences); latencies are client-observed; throughput = "
-             "completions/s in the measured windows; mean batch from each server's own "
-             "`nv_inference_count / nv_inference_exec_count` over the whole run.", "",
+             f"{res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end"
+             + (". The numbers are **indicative**: other processes ran on the cores during the runs."
+                if max(res['loadavg_start'][0], res['loadavg_end'][0]) > 1.5 else
+                " (1-minute averages; the bench's own server and generator count in them)."), "",
+             "Same load tool for both: " + LOAD_TOOLS[plan.get("load_tool", "harness")] + "; latencies are "
+             "client-observed; throughput = completions/s in the measured windows; mean batch from each server's "
+             "own `nv_inference_count / nv_inference_exec_count` over the whole run.", "",
              "## Physical limit of the core (one thread, AMX worker driven directly)", "",
              "Median of the worker's own compute time, before the runs (sets the offered loads) and after them.", "",
              "| B | T(B) ms before | items/s | T(B) ms after | items/s |", "|---|---|---|---|---|",
@@ -416,6 +435,8 @@ def main(argv=None) -> None:
                     "instance each (two workers: 1,2 where the host has a third core for the generator)")
     ap.add_argument("--two-workers", action="store_true", help="same as --server-cpus 1,2 (needs 3 cores)")
     ap.add_argument("--load-cpu", default="0")
+    ap.add_argument("--load-tool", choices=sorted(LOAD_TOOLS), default="harness",
+                    help="the load generator for both servers (perf_analyzer: Triton's own)")
     ap.add_argument("--out", default="bench/results/vs_triton")
     args = ap.parse_args(argv)
     if args.two_workers:

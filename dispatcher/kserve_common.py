@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import grpc
 import numpy as np
 
+from . import kserve_stats as S
 from . import protocol as P
 from .errors import BatchyardError
+from .kserve_stats import NodeStats
 
 # KServe datatype <-> numpy dtype name. Model configs write the same names with a TYPE_ prefix.
 KSERVE_TO_NP = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
@@ -50,6 +51,20 @@ class KServeError(Exception):
 
 def invalid(message: str) -> KServeError:
     return KServeError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def cuda_shm_register(name: str) -> None:
+    """The CUDA shared-memory extension as a Triton built without GPUs serves it: registering is
+    refused (INVALID_ARG, HTTP 400), unregistering succeeds (nothing is registered), the status
+    lists nothing. perf_analyzer and tritonclient's ``unregister_*_shared_memory()`` call the
+    CUDA half even for system shared memory; a missing endpoint failed their runs."""
+    raise invalid(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
+
+
+def cuda_shm_status(name: str) -> list:
+    if name:
+        raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{name}'")
+    return []
 
 
 def unknown_model(model: str) -> KServeError:
@@ -156,28 +171,18 @@ def model_config(spec: P.ModelSpec) -> dict:
 
 
 # ------------------------------------------------------------------ statistics
-@dataclass
-class ModelStats:
-    success: int = 0
-    success_ns: int = 0
-    fail: int = 0
-    fail_ns: int = 0
-    queue_ns: int = 0
-    compute_ns: int = 0
-    items: int = 0
-    last_ms: int = 0
-
-    def as_dict(self, name: str) -> dict:
-        """Triton's ModelStatistics in its JSON form. Each request counts as one execution:
-        the front door does not see which requests the dispatcher batched together."""
-        dur = lambda n, ns: {"count": n, "ns": ns}
-        return {"name": name, "version": "1", "last_inference": self.last_ms, "inference_count": self.items,
-                "execution_count": self.success,
-                "inference_stats": {"success": dur(self.success, self.success_ns), "fail": dur(self.fail, self.fail_ns),
-                                    "queue": dur(self.success, self.queue_ns),
-                                    "compute_input": dur(self.success, 0), "compute_infer": dur(self.success, self.compute_ns),
-                                    "compute_output": dur(self.success, 0)},
-                "batch_stats": []}
+def stats_json(name: str, c) -> dict:
+    """Triton's ModelStatistics in its JSON form, from the node's counters (kserve_stats). Each
+    request counts as one execution: the front door does not see which requests the dispatcher
+    batched together."""
+    dur = lambda n, ns: {"count": int(n), "ns": int(ns)}  # noqa: E731
+    ok = c[S.SUCCESS]
+    return {"name": name, "version": "1", "last_inference": int(c[S.LAST_MS]), "inference_count": int(c[S.ITEMS]),
+            "execution_count": int(ok),
+            "inference_stats": {"success": dur(ok, c[S.SUCCESS_NS]), "fail": dur(c[S.FAIL], c[S.FAIL_NS]),
+                                "queue": dur(ok, c[S.QUEUE_NS]), "compute_input": dur(ok, 0),
+                                "compute_infer": dur(ok, c[S.COMPUTE_NS]), "compute_output": dur(ok, 0)},
+            "batch_stats": []}
 
 
 # ------------------------------------------------------------------ the core
@@ -192,9 +197,10 @@ class KServeCore:
 
         self.client = client  # batchyard.AsyncClient
         self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
-        self.stats: dict[str, ModelStats] = {}
+        self.stats = NodeStats(self.shm.dir_fd)
         self._ready_at = -1.0
         self._ready: Optional[frozenset] = None  # models with a registered worker; None: no dispatcher
+        self._models: frozenset = frozenset()  # every model of the node, as of the last status
         self._refresh: Optional[asyncio.Future] = None
 
     async def spec(self, model: str) -> P.ModelSpec:
@@ -219,6 +225,7 @@ class KServeCore:
         try:
             st = await self.client.status(timeout=1.0)
             ready = frozenset(m for w in st.workers for m in w.models)
+            self._models = frozenset(st.models)
         except BatchyardError:
             ready = None
         self._ready, self._ready_at = ready, time.monotonic()
@@ -232,26 +239,31 @@ class KServeCore:
         """-> (spec, outputs by name) or KServeError with Triton's code."""
         spec = await self.spec(model)
         check_inputs(spec, inputs)
-        st = self.stats.setdefault(model, ModelStats())
+        c = self.stats.counters(model)
         t0 = time.perf_counter_ns()
         try:
             out = await self.client.infer(model, inputs, priority=priority_class(priority), timeout=timeout)
         except BatchyardError as e:
-            st.fail += 1
-            st.fail_ns += time.perf_counter_ns() - t0
+            c[S.FAIL] += 1
+            c[S.FAIL_NS] += time.perf_counter_ns() - t0
             raise from_batchyard(e, model) from None
-        st.success += 1
-        st.success_ns += time.perf_counter_ns() - t0
-        st.items += next(iter(inputs.values())).shape[0]
-        st.last_ms = int(time.time() * 1000)
+        c[S.SUCCESS] += 1
+        c[S.SUCCESS_NS] += time.perf_counter_ns() - t0
+        c[S.ITEMS] += next(iter(inputs.values())).shape[0]
+        c[S.LAST_MS] = int(time.time() * 1000)
         if out.timing is not None:
-            st.queue_ns += out.timing.queue_us * 1000
-            st.compute_ns += out.timing.compute_us * 1000
+            c[S.QUEUE_NS] += out.timing.queue_us * 1000
+            c[S.COMPUTE_NS] += out.timing.compute_us * 1000
         return spec, out
 
-    def model_stats(self, model: str) -> list[dict]:
-        names = [model] if model else sorted(self.stats)
-        return [self.stats.get(n, ModelStats()).as_dict(n) for n in names]
+    async def model_stats(self, model: str) -> list[dict]:
+        """Triton's statistics of ``model``, or of every model of the node (zeros for those not
+        asked for yet), summed over the node's front-door processes."""
+        if not model:
+            await self.ready_models()
+        names = [model] if model else sorted(self.stats.models() | self._models)
+        return [stats_json(n, self.stats.totals(n)) for n in names]
 
     def close(self) -> None:
+        self.stats.close()
         self.shm.close()

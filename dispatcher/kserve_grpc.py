@@ -16,8 +16,9 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
-from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, invalid, model_config,
-                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_register,
+                            cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
+                            timeout_s)
 
 # Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -73,7 +74,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if request.name:
             await self._call(context, self.core.spec(request.name))
         out = service_pb2.ModelStatisticsResponse()
-        for d in self.core.model_stats(request.name):
+        for d in await self.core.model_stats(request.name):
             json_format.ParseDict(d, out.model_stats.add())
         return out
 
@@ -94,6 +95,18 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             out.regions[r.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
                 name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
         return out
+
+    # ---------------------------------------------------------------- CUDA shared memory (no GPUs)
+    async def CudaSharedMemoryRegister(self, request, context):
+        await self._sync(context, cuda_shm_register, request.name)  # refused: aborts the call
+        return service_pb2.CudaSharedMemoryRegisterResponse()
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        await self._sync(context, cuda_shm_status, request.name)
+        return service_pb2.CudaSharedMemoryStatusResponse()
 
     # ---------------------------------------------------------------- inference
     async def ModelInfer(self, request, context):

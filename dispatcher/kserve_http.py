@@ -17,8 +17,9 @@ import numpy as np
 from aiohttp import web
 
 from . import __version__
-from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, invalid, model_config,
-                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_register,
+                            cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
+                            timeout_s)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -66,6 +67,7 @@ class KServeHttp:
         m = "/v2/models/{model}"
         v = "/v2/models/{model}/versions/{version}"
         r = "/v2/systemsharedmemory"
+        c = "/v2/cudasharedmemory"
         return [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
                 web.get("/v2", self.server_metadata),
                 web.get(m, self.metadata), web.get(v, self.metadata),
@@ -77,7 +79,11 @@ class KServeHttp:
                 web.get(r + "/status", self.shm_status), web.get(r + "/region/{name}/status", self.shm_status),
                 web.post(r + "/region/{name}/register", self.shm_register),
                 web.post(r + "/region/{name}/unregister", self.shm_unregister),
-                web.post(r + "/unregister", self.shm_unregister)]
+                web.post(r + "/unregister", self.shm_unregister),
+                web.get(c + "/status", self.cuda_status), web.get(c + "/region/{name}/status", self.cuda_status),
+                web.post(c + "/region/{name}/register", self.cuda_register),
+                web.post(c + "/region/{name}/unregister", self.cuda_unregister),
+                web.post(c + "/unregister", self.cuda_unregister)]
 
     # ---------------------------------------------------------------- health and metadata
     async def live(self, request):
@@ -111,7 +117,7 @@ class KServeHttp:
                 await self.core.spec(model)
         except KServeError as e:
             return _error(e)
-        return web.json_response({"model_stats": self.core.model_stats(model)})
+        return web.json_response({"model_stats": await self.core.model_stats(model)})
 
     # ---------------------------------------------------------------- system shared memory
     async def shm_register(self, request):
@@ -134,6 +140,23 @@ class KServeHttp:
             return _error(e)
         return web.json_response([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
                                   for r in regions])
+
+    # ---------------------------------------------------------------- CUDA shared memory (no GPUs)
+    async def cuda_register(self, request):
+        try:
+            cuda_shm_register(request.match_info["name"])
+        except KServeError as e:
+            return _error(e)
+        return web.Response()  # not reached: without GPUs every registration is refused
+
+    async def cuda_unregister(self, request):
+        return web.Response()
+
+    async def cuda_status(self, request):
+        try:
+            return web.json_response(cuda_shm_status(request.match_info.get("name", "")))
+        except KServeError as e:
+            return _error(e)
 
     # ---------------------------------------------------------------- inference
     async def infer(self, request):
@@ -175,9 +198,10 @@ class KServeHttp:
             arr = out[name]
             o = {"name": name, "datatype": NP_TO_KSERVE[arr.dtype.name], "shape": list(arr.shape)}
             if region is not None:
+                # As Triton: name, datatype and shape only. tritonclient's C++ HTTP client (and so
+                # perf_analyzer) reads any output "parameters" as binary data and requires
+                # binary_data_size in them.
                 self.core.shm.write(*region, arr, name)
-                o["parameters"] = {"shared_memory_region": region[0], "shared_memory_offset": region[1],
-                                   "shared_memory_byte_size": arr.nbytes}
             elif binary_out:
                 chunks.append(np.ascontiguousarray(arr).tobytes())
                 o["parameters"] = {"binary_data_size": len(chunks[-1])}

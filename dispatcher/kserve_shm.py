@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from .kserve_common import KServeError, invalid, tensor_from_bytes
+from .kserve_stats import NodeStats
 
 # Region keys Batchyard itself creates (client pools, worker slots): other clients' tensors live
 # there, so a KServe client may not name them (the SDK's rule: reference only your own memory).
@@ -100,8 +101,10 @@ class ShmRegions:
         self.dir = directory
         self.local: dict[str, Region] = {}  # regions this process has mapped
         self._dir_fd = self._alive_fd = -1
+        self.dir_fd: Optional[int] = None  # the shared directory, for the node's statistics (kserve_stats)
         if directory is not None:
             self._dir_fd = _open_private_dir(directory)
+            self.dir_fd = self._dir_fd
             self._join()
 
     # ------------------------------------------------------------ the shared directory
@@ -114,6 +117,7 @@ class ShmRegions:
         else:
             for n in self._entries():
                 self._unlink(n)
+            NodeStats.wipe(self._dir_fd)
         fcntl.flock(self._alive_fd, fcntl.LOCK_SH)
 
     def _entries(self) -> list[str]:
@@ -257,6 +261,7 @@ class ShmRegions:
             else:
                 for n in self._entries():
                     self._unlink(n)
+                NodeStats.wipe(self._dir_fd)
                 self._unlink(".alive")
                 try:
                     os.rmdir(self.dir)

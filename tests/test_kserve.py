@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -180,8 +181,10 @@ def test_shm_register_infer_unregister(front_door, proto):
         i.set_shared_memory("in", X.nbytes)
         o = mod.InferRequestedOutput("y")
         o.set_shared_memory("out", 24)
-        c.infer("sum", [i], outputs=[o])
+        result = c.infer("sum", [i], outputs=[o])
         np.testing.assert_array_equal(np.ndarray((3, 2), np.float32, buffer=shm_out.buf), front_door.sdk("sum", X))
+        if proto == "http":  # as Triton's: tritonclient's C++ client takes any parameters for binary data
+            assert result.get_output("y") == {"name": "y", "datatype": "FP32", "shape": [3, 2]}
         status = c.get_system_shared_memory_status(**({"as_json": True} if proto == "grpc" else {}))
         names = set(status["regions"]) if proto == "grpc" else {r["name"] for r in status}
         assert names == {"in", "out"}
@@ -218,6 +221,65 @@ def test_a_region_registered_once_serves_every_connection(front_door):
         c.close()
         shm_in.close()
         shm_in.unlink()
+
+
+def test_statistics_count_the_whole_node_whichever_process_answers(front_door):
+    """Two front-door processes: each request, and each statistics call, lands on either; the
+    counts must be the node's (perf_analyzer failed windows whose counts it read on the process
+    that had not carried them)."""
+    def count(client) -> int:
+        st = client.get_inference_statistics("sum", as_json=True)["model_stats"][0]
+        return int(st.get("inference_count", 0))
+
+    fresh = lambda: tgrpc.InferenceServerClient(  # noqa: E731 -- own TCP connection each
+        front_door.grpc_url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+    before = [count(fresh()) for _ in range(8)]
+    for _ in range(12):
+        c = fresh()
+        c.infer("sum", [_grpc_input(X)])
+        c.close()
+    after = [count(fresh()) for _ in range(8)]
+    assert len(set(before)) == 1 and len(set(after)) == 1, (before, after)
+    assert after[0] - before[0] == 12 * len(X)
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_cuda_shm_answers_as_a_triton_without_gpus(front_door, proto):
+    """tritonclient's unregister-all and perf_analyzer call the CUDA half too; a GPU-less Triton
+    unregisters nothing successfully, lists nothing and refuses to register."""
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    c = mod.InferenceServerClient(url)
+    c.unregister_cuda_shared_memory()
+    c.unregister_cuda_shared_memory("never-registered")
+    status = c.get_cuda_shared_memory_status(**({"as_json": True} if proto == "grpc" else {}))
+    assert not (status.get("regions") if proto == "grpc" else status)
+    with pytest.raises(InferenceServerException, match="GPUs not supported") as e:
+        c.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64)
+    assert e.value.status() == ("StatusCode.INVALID_ARGUMENT" if proto == "grpc" else "400")
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+@pytest.mark.parametrize("shm", ["none", "system"])
+def test_perf_analyzer_drives_the_front_door(front_door, proto, shm):
+    """Triton's own load tool, unchanged: its run ends 0, it reads the server-side statistics, and
+    its shared-memory set-up and clean-up go through (it unregisters CUDA regions as well). Any
+    window is accepted as stable (-s 1000): this is about the protocol, not the numbers."""
+    from batchyard.bench import perf_analyzer
+
+    url = front_door.grpc_url if proto == "grpc" else front_door.http_url
+    args = ["-m", "sum", "-u", url, "-i", proto, "--concurrency-range", "2", "--measurement-mode",
+            "count_windows", "--measurement-request-count", "50", "-s", "1000", "--max-trials", "3",
+            "--shared-memory", shm] + (["--output-shared-memory-size", "64"] if shm != "none" else [])
+    try:
+        cmd, env = perf_analyzer.command(args)
+    except perf_analyzer.PerfAnalyzerMissing as e:
+        pytest.skip(str(e))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "Unable to" not in out and "had error" not in out and "Failed" not in out, out
+    assert float(re.search(r"Throughput: ([\d.]+) infer/sec", r.stdout).group(1)) > 0, out
+    assert int(re.search(r"Successful request count: (\d+)", r.stdout).group(1)) > 0, out
 
 
 def test_shm_of_batchyard_itself_cannot_be_registered(front_door):
