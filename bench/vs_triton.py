@@ -53,7 +53,7 @@ SIZES = (1, 2, 4, 8, 16, 32)
 LOAD_TOOLS = {
     "harness": "`batchyard bench`'s triton target (tritonclient gRPC aio, one generator process, open-loop "
                "Poisson, tokenized sentences)",
-    "perf_analyzer": "Triton's perf_analyzer (the tritonclient wheel's) (`--async --request-rate-range R "
+    "perf_analyzer": "Triton's perf_analyzer from the tritonclient wheel (`--async --request-rate-range R "
                      "--request-distribution poisson`, gRPC, the demo's tokenized sentences as `--input-data`; "
                      "windows repeated until the last 3 agree within the stability bound, those 3 merged; "
                      "an unstable run reports the mean throughput and the largest p99 of its last 3 windows "

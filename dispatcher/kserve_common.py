@@ -53,12 +53,12 @@ def invalid(message: str) -> KServeError:
     return KServeError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def cuda_shm_register(name: str) -> None:
+def cuda_shm_refused(name: str) -> KServeError:
     """The CUDA shared-memory extension as a Triton built without GPUs serves it: registering is
     refused (INVALID_ARG, HTTP 400), unregistering succeeds (nothing is registered), the status
     lists nothing. perf_analyzer and tritonclient's ``unregister_*_shared_memory()`` call the
     CUDA half even for system shared memory; a missing endpoint failed their runs."""
-    raise invalid(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
+    return invalid(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
 
 
 def cuda_shm_status(name: str) -> list:
@@ -261,8 +261,10 @@ class KServeCore:
         asked for yet), summed over the node's front-door processes."""
         if not model:
             await self.ready_models()
-        names = [model] if model else sorted(self.stats.models() | self._models)
-        return [stats_json(n, self.stats.totals(n)) for n in names]
+        totals = self.stats.totals()
+        zero = np.zeros(len(S.FIELDS), np.int64)
+        names = [model] if model else sorted(set(totals) | self._models)
+        return [stats_json(n, totals.get(n, zero)) for n in names]
 
     def close(self) -> None:
         self.stats.close()

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
-from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_register,
+from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
                             cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
                             timeout_s)
 
@@ -98,8 +98,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---------------------------------------------------------------- CUDA shared memory (no GPUs)
     async def CudaSharedMemoryRegister(self, request, context):
-        await self._sync(context, cuda_shm_register, request.name)  # refused: aborts the call
-        return service_pb2.CudaSharedMemoryRegisterResponse()
+        e = cuda_shm_refused(request.name)
+        await context.abort(e.code, e.message)
 
     async def CudaSharedMemoryUnregister(self, request, context):
         return service_pb2.CudaSharedMemoryUnregisterResponse()

@@ -17,7 +17,7 @@ import numpy as np
 from aiohttp import web
 
 from . import __version__
-from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_register,
+from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
                             cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
                             timeout_s)
 
@@ -143,11 +143,7 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- CUDA shared memory (no GPUs)
     async def cuda_register(self, request):
-        try:
-            cuda_shm_register(request.match_info["name"])
-        except KServeError as e:
-            return _error(e)
-        return web.Response()  # not reached: without GPUs every registration is refused
+        return _error(cuda_shm_refused(request.match_info["name"]))
 
     async def cuda_unregister(self, request):
         return web.Response()

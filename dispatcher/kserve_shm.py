@@ -31,7 +31,6 @@ import grpc
 import numpy as np
 
 from .kserve_common import KServeError, invalid, tensor_from_bytes
-from .kserve_stats import NodeStats
 
 # Region keys Batchyard itself creates (client pools, worker slots): other clients' tensors live
 # there, so a KServe client may not name them (the SDK's rule: reference only your own memory).
@@ -101,10 +100,8 @@ class ShmRegions:
         self.dir = directory
         self.local: dict[str, Region] = {}  # regions this process has mapped
         self._dir_fd = self._alive_fd = -1
-        self.dir_fd: Optional[int] = None  # the shared directory, for the node's statistics (kserve_stats)
         if directory is not None:
             self._dir_fd = _open_private_dir(directory)
-            self.dir_fd = self._dir_fd
             self._join()
 
     # ------------------------------------------------------------ the shared directory
@@ -115,10 +112,20 @@ class ShmRegions:
         except BlockingIOError:
             pass  # another front door of this node is serving: keep its registrations
         else:
-            for n in self._entries():
-                self._unlink(n)
-            NodeStats.wipe(self._dir_fd)
+            self._wipe()
         fcntl.flock(self._alive_fd, fcntl.LOCK_SH)
+
+    @property
+    def dir_fd(self) -> Optional[int]:
+        """The node's shared directory, which also holds its statistics (kserve_stats); None
+        when this process keeps its own."""
+        return self._dir_fd if self._dir_fd >= 0 else None
+
+    def _wipe(self) -> None:
+        """Everything the node's front doors left here (regions, statistics), but the lock."""
+        for n in os.listdir(self._dir_fd):
+            if n != ".alive":
+                self._unlink(n)
 
     def _entries(self) -> list[str]:
         return [n for n in os.listdir(self._dir_fd) if n.startswith("r-") and n.endswith(".json")]
@@ -259,9 +266,7 @@ class ShmRegions:
             except BlockingIOError:
                 pass
             else:
-                for n in self._entries():
-                    self._unlink(n)
-                NodeStats.wipe(self._dir_fd)
+                self._wipe()
                 self._unlink(".alive")
                 try:
                     os.rmdir(self.dir)

@@ -2,7 +2,8 @@
 
 Each front-door process counts the requests it carries in a small file of its own in the node's
 private registry directory (``kserve_shm``): ``s-<model, hex>-<pid>``, eight int64 counters,
-memory-mapped, written only by that process. A statistics request sums every process's file, so
+memory-mapped, written only by that process (the directory's owner, ``kserve_shm``, clears them
+with it). A statistics request sums every process's file, so
 any process answers for the node, as Triton's one server does (perf_analyzer takes the model's
 counts before and after a window and fails when they did not move: with per-process counts a
 window whose two requests landed on different processes failed). Counts are monotone and
@@ -37,13 +38,6 @@ class NodeStats:
         self._mine: dict[str, np.ndarray] = {}
         self._maps: list[mmap.mmap] = []
 
-    @staticmethod
-    def wipe(dir_fd: int) -> None:
-        """A node's first front door: counts start at zero, as a restarted Triton's do."""
-        for n in os.listdir(dir_fd):
-            if n.startswith(PREFIX):
-                os.unlink(n, dir_fd=dir_fd)
-
     def counters(self, model: str) -> np.ndarray:
         c = self._mine.get(model)
         if c is None:
@@ -62,38 +56,30 @@ class NodeStats:
             c = self._mine[model] = c
         return c
 
-    def _files(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for n in os.listdir(self.dir_fd):
-            if n.startswith(PREFIX):
-                model_hex, _, _ = n[len(PREFIX):].rpartition("-")
-                try:
-                    out.setdefault(bytes.fromhex(model_hex).decode(), []).append(n)
-                except ValueError:
-                    continue
-        return out
+    def _read(self, name: str) -> Optional[tuple[str, np.ndarray]]:
+        """(model, counters) of one process's file, or None for another kind of file."""
+        if not name.startswith(PREFIX):
+            return None
+        try:
+            model = bytes.fromhex(name[len(PREFIX):].rpartition("-")[0]).decode()
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        except (ValueError, FileNotFoundError):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(SIZE)
+        return (model, np.frombuffer(data, np.int64)) if len(data) == SIZE else None
 
-    def models(self) -> set[str]:
-        return set(self._mine) if self.dir_fd is None else set(self._files())
-
-    def totals(self, model: str) -> np.ndarray:
+    def totals(self) -> dict[str, np.ndarray]:
+        """model -> its counters summed over the node's processes (LAST_MS: the latest)."""
         if self.dir_fd is None:
-            return self._mine.get(model, np.zeros(len(FIELDS), np.int64)).copy()
-        total = np.zeros(len(FIELDS), np.int64)
-        latest = 0
-        for n in self._files().get(model, []):
-            try:
-                fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
-            except FileNotFoundError:
-                continue
-            with os.fdopen(fd, "rb") as f:
-                data = f.read(SIZE)
-            if len(data) == SIZE:
-                c = np.frombuffer(data, np.int64)
-                total += c
-                latest = max(latest, int(c[LAST_MS]))
-        total[LAST_MS] = latest  # the latest inference, not a sum
-        return total
+            return {m: c.copy() for m, c in self._mine.items()}
+        out: dict[str, np.ndarray] = {}
+        for model, c in filter(None, map(self._read, os.listdir(self.dir_fd))):
+            total = out.setdefault(model, np.zeros(len(FIELDS), np.int64))
+            latest = max(total[LAST_MS], c[LAST_MS])
+            total += c
+            total[LAST_MS] = latest
+        return out
 
     def close(self) -> None:
         self._mine.clear()
