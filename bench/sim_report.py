@@ -196,7 +196,7 @@ def markdown(rep: dict) -> str:
          f"Seeds' devices: GPU {GPU.launch_s * 1e3:.2f} ms + {GPU.per_item_s * 1e3:.2f} ms·B (max batch {GPU.max_batch}); "
          f"2 AMX workers at {DEVICES[1].per_item_s * 1e3:.2f} ms·B. Load = offered rate / GPU-only capacity "
          f"({GPU_CAPACITY:,.0f} req/s). Policies are the real objects of `batchyard.policy`. "
-         f"Reproduce: `python -m batchyard.bench.sim_report` ({rep['n']:,} arrivals per point).", "",
+         f"Reproduce: `python -m batchyard.bench.sim_report --requests {rep['n']}` ({rep['n']:,} arrivals per point).", "",
          f"Baselines: {', '.join(BASELINES)}, and the best of {len(GRID)} window/fixed settings feeding every "
          f"worker ({GRID[0]} … {GRID[-1]}), ranked by p99 on the first {rep['n_tune']:,} arrivals of the same "
          f"trace, the best {TUNED_KEPT} re-run on the whole trace. \"best\" = the baseline with the lowest p99. "

@@ -95,6 +95,17 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
     return chunks, now + max(fin, default=0.0)
 
 
+def send_behind(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, items: int, held: int,
+                now: float) -> list:
+    """``send`` the ``items`` queued behind the first ``held`` ones, which stay at the head."""
+    kept = q.take(held) if held else []
+    try:
+        return send(state, d, w, q, items, now)
+    finally:
+        for r in reversed(kept):
+            q.push_front(r)
+
+
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
     """When to look again at items waiting for busy ``w``: when it frees, or, if it is overdue,
     after the time its batch would take (never ``now``: that would spin the live timer)."""
@@ -170,13 +181,24 @@ class MarginalCost(PerModelPolicy):
             alone = min(state.cost(model, w.path).predict(1) for w in ws)
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
+            held = 0  # head items planned for busy workers that finish them before this one
+            after = sum(c[2] for c in chunks)
             for finish, w, items in chunks:  # earliest finish first: it gets the FIFO head
+                after -= items
                 if not w.free:
                     # 5. Items planned for a busy worker wait for it; its completion (or, if
-                    #    it is overdue, a look after its batch time) decides again.
+                    #    it is overdue, a look after its batch time) decides again. They are
+                    #    the oldest ones: its batch finishes before the free workers' below.
                     d.wake_at = min(d.wake_at, _due(state, model, w, items, now))
+                    held += items
                     continue
                 queued = min(items, left)
+                cv = state.cost(model, w.path)
+                if cv.predict(1) > (cv.predict(2) - cv.predict(1)) * (1 + AMORTISES):
+                    # 6a. A launch-heavy worker also takes what no other worker's first batch
+                    #     holds (up to its cap): those items would otherwise wait for a later
+                    #     decision, and under a burst its next launch is the bottleneck.
+                    queued = max(queued, min(state.batch_cap(model, w, background), left - held - after))
                 if queued <= 0:
                     break
                 if slack > 0 and queued < state.batch_cap(model, w, background):
@@ -189,8 +211,8 @@ class MarginalCost(PerModelPolicy):
                             waited = True
                         d.wake_at = min(d.wake_at, t_flip, now + slack)
                         continue
-                # 7. Send now.
-                reqs = send(state, d, w, q, queued, now)
+                # 7. Send now, past the held head.
+                reqs = send_behind(state, d, w, q, queued, min(held, left - queued), now)
                 left -= sum(r.items for r in reqs)
                 idx.discard(reqs)
                 idx.discard([r for r, _ in d.late])

@@ -86,6 +86,23 @@ def test_free_cpus_take_their_share_while_the_gpu_finishes():
     assert st.queue("m").requests == 6 and d.wake_at == pytest.approx(0.250 * MS)
 
 
+def test_oldest_request_waits_for_the_busy_worker_that_finishes_it_first():
+    # The CPU frees in 0.02 ms and serves one request in 0.08 ms (done at 0.10 ms); the free
+    # GPU's batch takes at least 0.17 ms. The plan gives the head to the CPU, so the GPU's
+    # batch is taken from behind it. Before, the free GPU took the FIFO head and the oldest
+    # request finished later than the plan said it could: the whole of MCB's p99 tail.
+    st = seeds_state(n_queued=6, lam_per_s=1000)
+    cpu = st.workers["cpu0"]
+    cpu.inflight, cpu.busy_until = 1, 1.0 + 0.02 * MS
+    d = MarginalCost().decide(st, 1.0)
+    assert [x.worker.name for x in d.dispatches] == ["gpu0"]
+    sent = [r.seq for r in d.dispatches[0].requests]
+    assert 0 not in sent and sent[0] == 1
+    q = st.queue("m")
+    assert q.by_priority[1][0].seq == 0 and q.requests == 6 - len(sent)
+    assert d.wake_at == pytest.approx(cpu.busy_until)
+
+
 def test_plan_spreads_a_queue_over_every_free_worker():
     st = seeds_state(n_queued=64, lam_per_s=1000)
     for i in (1, 2):
