@@ -106,6 +106,19 @@ def send_behind(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueu
             q.push_front(r)
 
 
+def _another_free_by_next_arrival(state: SchedulerState, w: WorkerState, ws: list[WorkerState], chunks: list,
+                                  lam: float, now: float) -> bool:
+    """Whether a worker other than ``w`` is free when the next request is expected (``now +
+    1/lambda``): free now with nothing planned, or done with its planned first batch by then.
+    The marginal rule prices the next arrival served alone as compute lost; with such a worker
+    it is served at once, on compute nobody waits for, so waiting for it only delays ``w``'s items."""
+    if lam <= 0:
+        return False
+    nxt = now + 1.0 / lam
+    planned = {id(x): finish for finish, x, _ in chunks}
+    return any(planned.get(id(x), state.start_time(x, now)) <= nxt for x in ws if x is not w)
+
+
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
     """When to look again at items waiting for busy ``w``: when it frees, or, if it is overdue,
     after the time its batch would take (never ``now``: that would spin the live timer)."""
@@ -201,7 +214,8 @@ class MarginalCost(PerModelPolicy):
                     queued = max(queued, min(state.batch_cap(model, w, background), left - held - after))
                 if queued <= 0:
                     break
-                if slack > 0 and queued < state.batch_cap(model, w, background):
+                if (slack > 0 and queued < state.batch_cap(model, w, background)
+                        and not _another_free_by_next_arrival(state, w, ws, chunks, lam, now)):
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
                     pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone)

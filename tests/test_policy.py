@@ -103,6 +103,22 @@ def test_oldest_request_waits_for_the_busy_worker_that_finishes_it_first():
     assert d.wake_at == pytest.approx(cpu.busy_until)
 
 
+def test_no_wait_for_a_second_arrival_that_another_worker_will_be_free_for():
+    # CPUs 2x slower than the seeds' (0.16 ms an item), both busy, the GPU free, one request
+    # queued at 13.3k req/s. The marginal rule alone waits for a second arrival (it saves the
+    # 0.16 ms that arrival would cost alone); but cpu0 is free again before that arrival is
+    # due (75 us), so it would be served at once there and the wait only delays this request.
+    st = seeds_state(n_queued=1, lam_per_s=13_300)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.16 * MS)
+    st.costs[("m", "cpu")].samples = 100
+    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
+    for name, busy_ms in (("cpu0", 0.0275), ("cpu1", 0.0745)):
+        w = st.workers[name]
+        w.inflight, w.busy_until = 1, 1.0 + busy_ms * MS
+    d = MarginalCost().decide(st, 1.0)
+    assert paths(d) == [("gpu", 1)] and "waited" not in d.reasons
+
+
 def test_plan_spreads_a_queue_over_every_free_worker():
     st = seeds_state(n_queued=64, lam_per_s=1000)
     for i in (1, 2):
