@@ -66,6 +66,11 @@ SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
     "cpu-slower": ([GPU] + cpus(2, 0.16e-3), _poisson, SHAPED_LOADS, "CPU 0.16 ms·B (2x slower), Poisson"),
     "cpu-faster": ([GPU] + cpus(2, 0.04e-3), _poisson, SHAPED_LOADS, "CPU 0.04 ms·B (2x faster), Poisson"),
     "4-cpu": ([GPU] + cpus(4, 0.08e-3), _poisson, SHAPED_LOADS, "4 CPU workers at 0.08 ms·B, Poisson"),
+    # These three were added after MCB's rule was last changed: do its changes generalise beyond the others?
+    "cpu-3x-slower": ([GPU] + cpus(2, 0.24e-3), _poisson, SHAPED_LOADS, "CPU 0.24 ms·B (3x slower), Poisson"),
+    "1-cpu": ([GPU] + cpus(1, 0.08e-3), _poisson, SHAPED_LOADS, "one CPU worker at 0.08 ms·B, Poisson"),
+    "gpu-launch-heavy": ([Device("gpu0", "gpu", 0.5e-3, 0.01e-3)] + cpus(2, 0.08e-3), _poisson, SHAPED_LOADS,
+                         "GPU 0.5 ms + 0.01 ms·B, 2 CPUs at 0.08 ms·B, Poisson (load still of the seeds' GPU)"),
     "mmpp": (DEVICES, _mmpp, SHAPED_LOADS, "seeds' curves, Markov-modulated 0.4x/1.6x, 5 ms sojourns"),
     "on-off": (DEVICES, _on_off, SHAPED_LOADS, "seeds' curves, on/off bursts at 2x, 2 ms on / 2 ms off"),
     "step": (DEVICES, _step, SHAPED_LOADS, "seeds' curves, 0.5x -> 1.5x -> 0.5x of the mean rate"),
