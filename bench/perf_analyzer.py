@@ -129,8 +129,10 @@ def run_rate(url: str, model: str, rate: float, *, window_s: float, trials: int,
         last = passes[-3:]
         summary = {"throughput_rps": sum(t for t, _ in last) / len(last), "p50_ms": nan, "p90_ms": nan,
                    "p99_ms": max(p for _, p in last)}
-    failed = len(re.findall(r"had error", r.stdout + r.stderr))
-    summary.update(p999_ms=nan, goodput_rps=nan, errors={"perf_analyzer": failed} if failed else {})
+    failed = re.findall(r"had error:?\s*(.*)", r.stdout + r.stderr)
+    summary.update(p999_ms=nan, goodput_rps=nan, errors={"perf_analyzer": len(failed)} if failed else {})
+    if failed:  # the server's own words (status and message), so a failed request can be explained later
+        summary["error_messages"] = sorted({m.strip()[:300] for m in failed})[:5]
     return {"summary": summary, "stable": row is not None, "passes": passes}
 
 
