@@ -189,22 +189,37 @@ def load_profile(path: str) -> dict[tuple[str, str], CostCurve]:
             for model, paths in data["models"].items() for p, entry in paths.items()}
 
 
+MIN_ELAPSED_S = 100e-6  # the dispatcher's decision granularity
+
+
 class ArrivalRate:
     """Arrival rate lambda(t) as an exponentially decaying count: each arrival adds 1/tau and
-    the estimate decays with time constant tau. It follows a step change to 1 - e^-(t/tau) of
+    the count decays with time constant tau. It follows a step change to 1 - e^-(t/tau) of
     the new rate (86 % after 2 tau), and it decays while nothing arrives, so a policy waiting
     for "the next request" stops believing in it when the stream dries up.
+
+    Bias-corrected from the first arrival on: the count of the arrivals after the first is
+    divided by the share of the window observed so far, ``1 - e^-((t - t_first)/tau)``, so the
+    estimate is unbiased from the second arrival on (about n/elapsed while elapsed << tau)
+    instead of climbing from 0 over a few tau. Without it every start — and every simulated
+    trace, where tau spans thousands of arrivals — spends its first ~2 tau believing the
+    next request is up to several times further away than it is.
     """
 
-    __slots__ = ("tau", "_rate", "_t")
+    __slots__ = ("tau", "_rate", "_t", "_first")
 
     def __init__(self, tau_s: float = 0.25, initial: float = 0.0):
         self.tau = tau_s
-        self._rate = initial
+        self._rate = initial  # decayed count / tau at _t, not yet corrected
         self._t = 0.0
+        # A given initial rate stands for a long past: nothing to correct.
+        self._first = -math.inf if initial > 0 else None
 
     def arrive(self, now: float, n: int = 1) -> None:
-        self._rate = self.rate(now) + n / self.tau
+        if self._first is None:  # the first arrival starts the window; it says nothing of a rate
+            self._first = self._t = now
+            return
+        self._rate = self._decayed(now) + n / self.tau
         self._t = now
 
     @property
@@ -212,15 +227,34 @@ class ArrivalRate:
         """When the latest arrival came (0.0 before any)."""
         return self._t
 
-    def rate(self, now: float) -> float:
+    def _decayed(self, now: float) -> float:
         dt = now - self._t
         return self._rate * math.exp(-dt / self.tau) if dt > 0 else self._rate
 
+    def _seen(self, now: float) -> float:
+        """Share of the window observed since the first arrival: 1 - e^-(elapsed/tau).
+
+        Elapsed time counts as at least MIN_ELAPSED_S: arrivals closer together than the
+        dispatcher's decision granularity say only that the rate is high, and several in the
+        same instant (a client's burst, a test) would otherwise make it infinite."""
+        elapsed = max(now - self._first, MIN_ELAPSED_S) if self._first is not None else MIN_ELAPSED_S
+        return -math.expm1(-elapsed / self.tau) if elapsed < 40 * self.tau else 1.0
+
+    def rate(self, now: float) -> float:
+        if self._rate <= 0:
+            return 0.0
+        return self._decayed(now) / self._seen(now)
+
     def time_when_rate_is(self, target: float, now: float) -> float:
-        """The instant (>= now) at which, with no new arrival, the rate decays to ``target``."""
+        """The instant (>= now) at which, with no new arrival, the rate decays to ``target``.
+
+        Solves ``A e^-(t - t_last)/tau = target (1 - e^-(t - t_first)/tau)`` for t (A: the
+        count at the last arrival): ``t - t_last = tau ln(A/target + e^-(t_last - t_first)/tau)``."""
         r = self.rate(now)
         if target <= 0:
             return math.inf
         if r <= target:
             return now
-        return now + self.tau * math.log(r / target)
+        gap = self._t - self._first
+        tail = math.exp(-gap / self.tau) if gap < 40 * self.tau else 0.0
+        return max(now, self._t + self.tau * math.log(self._rate / target + tail))

@@ -97,7 +97,7 @@ def crossover_sizes(state: SchedulerState, model: str, max_batch: int) -> tuple[
 
 
 def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int, now: float,
-                       alone_s: float) -> tuple[bool, float]:
+                       alone_s: float, waiting_since: float | None = None) -> tuple[bool, float]:
     """The marginal test for a batch of ``b`` items bound for ``w``.
 
     One more request saves ``T(b) + T_alone(1) - T(b+1)`` of compute (it rides along instead of
@@ -105,6 +105,13 @@ def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int
     arrival, ``b / lambda``. Wait only while the saving is larger. Returns (pays, t_flip): with
     no new arrival lambda(t) decays, and the rule flips at the instant lambda falls to
     ``b / saving`` — that is when to look again.
+
+    With ``waiting_since`` (when the wait for the next arrival began: the latest arrival), the
+    wait also ends once it has cost the b items as much as that arrival would save, at
+    ``waiting_since + saving / b`` (the ski-rental break-even). The expected gap says whether
+    to wait, but the gap itself is exponential: without this bound a wait that pays in
+    expectation lasts until lambda decays (a time of order tau), and the unlucky gaps become
+    the p99.
     """
     curve = state.cost(model, w.path)
     saving = curve.predict(b) + alone_s - curve.predict(b + 1)
@@ -114,7 +121,12 @@ def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int
     lam = rate.rate(now)
     if lam <= 0 or saving <= b / lam:
         return False, now
-    return True, rate.time_when_rate_is(b / saving, now)
+    t_flip = rate.time_when_rate_is(b / saving, now)
+    if waiting_since is not None:
+        t_flip = min(t_flip, waiting_since + saving / b)
+        if t_flip <= now:
+            return False, now
+    return True, t_flip
 
 
 class ThreeSegment(PerModelPolicy):

@@ -42,15 +42,30 @@ def test_small_queue_goes_to_cpu_at_once():
     assert paths(d) == [("cpu", 1)] and d.wake_at == math.inf
 
 
-def test_middle_queue_waits_exactly_until_the_marginal_rule_flips():
-    # GPU only (no escape route), lambda = 20k/s: one more request saves the launch (0.15 ms)
-    # and costs 3 queued items 3/20000 s = 0.15 ms... use 30k/s so waiting pays at first.
+def test_middle_queue_waits_until_the_wait_has_cost_what_the_next_arrival_saves():
+    # GPU only (no escape route), lambda = 30k/s: one more request saves the launch (0.15 ms)
+    # and costs 3 queued items 3/30000 s = 0.1 ms in expectation, so waiting pays. But the gap
+    # to the next arrival is exponential: the wait stops once it has cost the 3 items as much
+    # as the arrival would save (ski rental), 0.15 ms / 3 after the latest arrival — not when
+    # lambda has decayed to 3 / 0.15 ms, 0.1 s later, as it did before (a p99 of 0.1 s).
     st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False)
     pol = MarginalCost()
     d = pol.decide(st, 1.0)
     assert d.dispatches == [] and d.reasons == {"waited": 1}
-    # With no arrival, lambda decays; the rule flips when lambda = b / saving = 3 / 0.15 ms.
-    flip = 1.0 + 0.25 * math.log(30_000 / (3 / (0.15 * MS)))
+    flip = 1.0 + 0.15 * MS / 3
+    assert d.wake_at == pytest.approx(flip, abs=1e-12)
+    assert pol.decide(st, flip - 1e-7).dispatches == []
+    assert paths(pol.decide(st, flip)) == [("gpu", 3)]
+
+
+def test_middle_queue_waits_exactly_until_the_marginal_rule_flips():
+    # Just above the break-even rate (3 / 0.15 ms = 20k/s), lambda's decay ends the wait first.
+    st = seeds_state(n_queued=3, lam_per_s=20_002, cpu=False)
+    pol = MarginalCost()
+    d = pol.decide(st, 1.0)
+    assert d.dispatches == [] and d.reasons == {"waited": 1}
+    flip = 1.0 + 0.25 * math.log(20_002 / (3 / (0.15 * MS)))
+    assert flip < 1.0 + 0.15 * MS / 3
     assert d.wake_at == pytest.approx(flip, abs=1e-9)
     assert pol.decide(st, flip - 1e-6).dispatches == []
     assert paths(pol.decide(st, flip + 1e-9)) == [("gpu", 3)]
@@ -103,6 +118,20 @@ def test_oldest_request_waits_for_the_busy_worker_that_finishes_it_first():
     assert d.wake_at == pytest.approx(cpu.busy_until)
 
 
+def test_expected_arrivals_do_not_take_the_head_from_a_cpu_about_to_free():
+    # 3 queued at 16k req/s, the CPU frees in 5 us, the GPU is free. The plan counts a share
+    # of the arrivals of its horizon (FUTURE_SHARE of lambda*H): the head waits 5 us for the
+    # CPU (done at 0.085 ms) and the GPU takes the other two. Counting all lambda*H as present
+    # from now gave them the CPU's next slots and sent all three to the GPU (0.21 ms).
+    st = seeds_state(n_queued=3, lam_per_s=16_000)
+    cpu = st.workers["cpu0"]
+    cpu.inflight, cpu.busy_until = 1, 1.0 + 0.005 * MS
+    d = MarginalCost().decide(st, 1.0)
+    assert paths(d) == [("gpu", 2)] and [r.seq for r in d.dispatches[0].requests] == [1, 2]
+    assert st.queue("m").by_priority[1][0].seq == 0
+    assert d.wake_at == pytest.approx(cpu.busy_until)
+
+
 def test_no_wait_for_a_second_arrival_that_another_worker_will_be_free_for():
     # CPUs 2x slower than the seeds' (0.16 ms an item), both busy, the GPU free, one request
     # queued at 13.3k req/s. The marginal rule alone waits for a second arrival (it saves the
@@ -139,11 +168,11 @@ def test_plan_spreads_a_queue_over_every_free_worker():
 def test_expiring_deadline_flushes_instead_of_waiting():
     now = 1.0
     # Waiting would pay (lambda high, GPU only) but the tightest deadline is 0.2 ms after the
-    # batch's predicted finish.
-    st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False, deadline=now + 0.21 * MS + 0.2 * MS)
+    # batch's predicted finish (the wait would otherwise end 0.05 ms after the latest arrival).
+    st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False, deadline=now + 0.21 * MS + 0.02 * MS)
     d = MarginalCost().decide(st, now)
-    assert d.dispatches == [] and d.wake_at == pytest.approx(now + 0.2 * MS, abs=1e-9)
-    d = MarginalCost().decide(st, now + 0.2 * MS + 1e-9)
+    assert d.dispatches == [] and d.wake_at == pytest.approx(now + 0.02 * MS, abs=1e-9)
+    d = MarginalCost().decide(st, now + 0.02 * MS + 1e-9)
     assert paths(d) == [("gpu", 3)] and d.reasons == {"flushed": 1, "dispatched-gpu": 1}
 
 
@@ -206,6 +235,33 @@ def test_arrival_rate_tracks_a_step_within_a_second():
         if t >= 1.5:
             break
     assert r.rate(t) == pytest.approx(5000 * (1 - math.exp(-0.5 / 0.25)) + 1000 * math.exp(-0.5 / 0.25), rel=0.05)
+
+
+def test_arrival_rate_is_right_from_the_second_arrival():
+    # 1000/s from a start at t = 5 s: after 50 ms the estimate is 1000/s, not the 18 % of it an
+    # uncorrected decaying count shows 50 ms in (the next request believed 5x further away).
+    r = ArrivalRate(tau_s=0.25)
+    assert r.rate(0.0) == 0.0
+    t = 5.0
+    r.arrive(t)
+    assert r.rate(t) == 0.0  # one arrival says nothing of a rate
+    for _ in range(50):
+        t += 1e-3
+        r.arrive(t)
+    assert r.rate(t) == pytest.approx(1000, rel=0.05)
+    # The flip time of the decaying estimate stays exact while the correction still moves.
+    when = r.time_when_rate_is(100.0, t)
+    assert when > t and r.rate(when) == pytest.approx(100.0, rel=1e-9)
+
+
+def test_arrivals_in_the_same_instant_give_a_finite_rate():
+    # Three requests admitted at t = 0 (a client's burst): the rate is high, not infinite, and
+    # the policy can still be asked (it raised ZeroDivisionError).
+    r = ArrivalRate(tau_s=0.25)
+    for _ in range(3):
+        r.arrive(0.0)
+    assert 0 < r.rate(0.0) < math.inf
+    assert math.isfinite(r.time_when_rate_is(10.0, 0.0))
 
 
 def test_multi_item_request_is_never_stranded_with_workers_idle():
