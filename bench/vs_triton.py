@@ -143,6 +143,9 @@ def pinning(pid: int) -> dict:
     return out
 
 
+NO_DEADLINE_S = 3600.0
+
+
 def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int = 0) -> NodeConfig:
     """demo_config's model and AMX worker, one worker per server core, policy mcb, the front door."""
     base = demo_config(run_dir, "mcb")
@@ -150,7 +153,10 @@ def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int 
     workers = tuple(msgspec.structs.replace(amx, name=f"amx{c}", cpus=(c,)) for c in cpus)
     model = msgspec.structs.replace(base.models[0], max_batch=MAX_BATCH)
     front = FrontendConfig(host="127.0.0.1", grpc_port=grpc_port, http_port=0, processes=1) if grpc_port else None
-    return NodeConfig(msgspec.structs.replace(base.dispatcher, policy="mcb", metrics_port=metrics_port),
+    # Triton sets no deadline on a request without a `timeout` parameter; Batchyard's default
+    # (30 s) would expire requests of the saturated run, whose queue grows for minutes.
+    return NodeConfig(msgspec.structs.replace(base.dispatcher, policy="mcb", metrics_port=metrics_port,
+                                              default_timeout_s=NO_DEADLINE_S),
                       (model,), workers, front).validate()
 
 

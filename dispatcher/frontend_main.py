@@ -30,7 +30,8 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
     fe = node.frontend
     client = AsyncClient(node.dispatcher.frontend, **node_client_keys(node.dispatcher, node.dispatcher.frontend))
     # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
-    core = KServeCore(client, ShmRegions(registry_dir(fe.host, fe.grpc_port, fe.http_port)))
+    core = KServeCore(client, ShmRegions(registry_dir(fe.host, fe.grpc_port, fe.http_port)),
+                      default_timeout_s=node.dispatcher.default_timeout_s)
     grpc_server = http_runner = watchdog = None
     try:
         # HTTP first: a client that sees the gRPC port ready finds HTTP ready too (tests wait so).

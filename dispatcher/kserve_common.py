@@ -192,10 +192,14 @@ READY_CACHE_S = 0.1  # readiness comes from the dispatcher's status, asked at mo
 class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
-    def __init__(self, client, shm=None):
+    def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None):
         from .kserve_shm import ShmRegions  # it imports this module's errors
 
         self.client = client  # batchyard.AsyncClient
+        # A request with no `timeout` parameter (and no gRPC deadline) gets the node's
+        # [dispatcher] default_timeout_s, not the Python SDK's own default: the operator who
+        # sets that key (Triton has no default deadline at all) means it for the front door too.
+        self.default_timeout_s = default_timeout_s
         self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
         self.stats = NodeStats(self.shm.dir_fd)
         self._ready_at = -1.0
@@ -242,7 +246,8 @@ class KServeCore:
         c = self.stats.counters(model)
         t0 = time.perf_counter_ns()
         try:
-            out = await self.client.infer(model, inputs, priority=priority_class(priority), timeout=timeout)
+            out = await self.client.infer(model, inputs, priority=priority_class(priority),
+                                          timeout=self.default_timeout_s if timeout is None else timeout)
         except BatchyardError as e:
             c[S.FAIL] += 1
             c[S.FAIL_NS] += time.perf_counter_ns() - t0

@@ -332,6 +332,36 @@ def test_timeout_parameter_becomes_the_deadline(front_door):
     assert e.value.status() == "StatusCode.UNAVAILABLE"
 
 
+@pytest.mark.parametrize("given, sent", [(None, 3600.0), (0.25, 0.25)])
+def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, given, sent):
+    # Triton sets no deadline on a request without `timeout`; Batchyard's front door gives it the
+    # node's [dispatcher] default_timeout_s. It gave the Python SDK's 30 s instead, whatever the
+    # config said: a saturated perf_analyzer run lost requests at 30 s with the key at 3600.
+    import asyncio
+
+    from batchyard import protocol as P
+    from batchyard.kserve_common import KServeCore
+
+    spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
+    seen = []
+
+    class Client:
+        specs = {"m": spec}
+
+        async def infer(self, model, inputs, priority, timeout):
+            seen.append(timeout)
+            return type("Out", (), {"timing": None})()
+
+    from batchyard.kserve_shm import ShmRegions
+
+    core = KServeCore(Client(), ShmRegions(str(tmp_path / "registry")), default_timeout_s=3600.0)
+    try:
+        asyncio.run(core.infer("m", {"x": np.zeros((1, 2), np.float32)}, timeout=given))
+    finally:
+        core.close()
+    assert seen == [sent]
+
+
 # ---------------------------------------------------------------- disconnects and readiness
 def test_client_that_disconnects_mid_request_loses_nothing_for_others(front_door):
     want = front_door.sdk("slow", X)
