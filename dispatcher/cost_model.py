@@ -238,7 +238,7 @@ class ArrivalRate:
         dispatcher's decision granularity say only that the rate is high, and several in the
         same instant (a client's burst, a test) would otherwise make it infinite."""
         elapsed = max(now - self._first, MIN_ELAPSED_S) if self._first is not None else MIN_ELAPSED_S
-        return -math.expm1(-elapsed / self.tau) if elapsed < 40 * self.tau else 1.0
+        return -math.expm1(-elapsed / self.tau)  # 1.0 once elapsed >> tau (and for _first = -inf)
 
     def rate(self, now: float) -> float:
         if self._rate <= 0:
@@ -255,6 +255,5 @@ class ArrivalRate:
             return math.inf
         if r <= target:
             return now
-        gap = self._t - self._first
-        tail = math.exp(-gap / self.tau) if gap < 40 * self.tau else 0.0
+        tail = math.exp(-(self._t - self._first) / self.tau)  # 0.0 for _first = -inf
         return max(now, self._t + self.tau * math.log(self._rate / target + tail))

@@ -97,7 +97,7 @@ def crossover_sizes(state: SchedulerState, model: str, max_batch: int) -> tuple[
 
 
 def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int, now: float,
-                       alone_s: float, waiting_since: float | None = None) -> tuple[bool, float]:
+                       alone_s: float, ski_rental: bool = False) -> tuple[bool, float]:
     """The marginal test for a batch of ``b`` items bound for ``w``.
 
     One more request saves ``T(b) + T_alone(1) - T(b+1)`` of compute (it rides along instead of
@@ -106,9 +106,9 @@ def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int
     no new arrival lambda(t) decays, and the rule flips at the instant lambda falls to
     ``b / saving`` — that is when to look again.
 
-    With ``waiting_since`` (when the wait for the next arrival began: the latest arrival), the
-    wait also ends once it has cost the b items as much as that arrival would save, at
-    ``waiting_since + saving / b`` (the ski-rental break-even). The expected gap says whether
+    With ``ski_rental``, the wait also ends once it has cost the b items as much as the next
+    arrival would save, at ``t_last + saving / b`` (``t_last``: the latest arrival, when the
+    wait for the next one began; the ski-rental break-even). The expected gap says whether
     to wait, but the gap itself is exponential: without this bound a wait that pays in
     expectation lasts until lambda decays (a time of order tau), and the unlucky gaps become
     the p99.
@@ -122,8 +122,8 @@ def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int
     if lam <= 0 or saving <= b / lam:
         return False, now
     t_flip = rate.time_when_rate_is(b / saving, now)
-    if waiting_since is not None:
-        t_flip = min(t_flip, waiting_since + saving / b)
+    if ski_rental:
+        t_flip = min(t_flip, rate.last + saving / b)
         if t_flip <= now:
             return False, now
     return True, t_flip

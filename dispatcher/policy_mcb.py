@@ -235,8 +235,7 @@ class MarginalCost(PerModelPolicy):
                         and not _another_free_by_next_arrival(state, w, ws, chunks, lam, now)):
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
-                    pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone,
-                                                      waiting_since=state.arrival(model).last)
+                    pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone, ski_rental=True)
                     if pays:
                         if not waited:
                             d.count("waited")
