@@ -26,8 +26,11 @@ import tritonclient.http as thttp
 import tritonclient.http.aio as thttp_aio
 from tritonclient.utils import InferenceServerException
 
+from batchyard import protocol as P
 from batchyard.client import Client
 from batchyard.config import DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, TensorConfig, to_toml
+from batchyard.kserve_common import KServeCore
+from batchyard.kserve_shm import ShmRegions
 
 from conftest import ROOT, SUM_MODEL, Node, sim_worker
 
@@ -337,24 +340,17 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     # Triton sets no deadline on a request without `timeout`; Batchyard's front door gives it the
     # node's [dispatcher] default_timeout_s. It gave the Python SDK's 30 s instead, whatever the
     # config said: a saturated perf_analyzer run lost requests at 30 s with the key at 3600.
-    import asyncio
-
-    from batchyard import protocol as P
-    from batchyard.kserve_common import KServeCore
-
     spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
     seen = []
 
-    class Client:
+    class FakeClient:
         specs = {"m": spec}
 
         async def infer(self, model, inputs, priority, timeout):
             seen.append(timeout)
             return type("Out", (), {"timing": None})()
 
-    from batchyard.kserve_shm import ShmRegions
-
-    core = KServeCore(Client(), ShmRegions(str(tmp_path / "registry")), default_timeout_s=3600.0)
+    core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")), default_timeout_s=3600.0)
     try:
         asyncio.run(core.infer("m", {"x": np.zeros((1, 2), np.float32)}, timeout=given))
     finally:
