@@ -168,10 +168,13 @@ class Client(CodecAccess):
         rid, frames = self._codec.encode_model_info(model)
         return self._send("model_info", rid, frames, [], {}, timeout).result()
 
-    def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0) -> P.StatusReply:
-        """Dispatcher state; with ``min_registrations`` the reply waits (up to ``wait`` s) until
-        that many worker registrations have happened."""
-        rid, frames = self._codec.encode_status(min_registrations, wait)
+    def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0,
+               min_departures: int = 0) -> P.StatusReply:
+        """Dispatcher state; with ``min_registrations`` (``min_departures``) the reply waits (up
+        to ``wait`` s) until that many worker registrations (workers taken out of rotation:
+        stopped, silent, lost) have happened since the dispatcher started. The reply carries
+        both counts: wait for the next event with the count + 1."""
+        rid, frames = self._codec.encode_status(min_registrations, wait, min_departures)
         return self._send("status", rid, frames, [], {}, wait + timeout).result()
 
     def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> InferFuture:

@@ -159,6 +159,7 @@ class AsyncClient(CodecAccess):
         rid, frames = self._codec.encode_model_info(model)
         return await self._send("model_info", rid, frames, [], {}, timeout)
 
-    async def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0) -> P.StatusReply:
-        rid, frames = self._codec.encode_status(min_registrations, wait)
+    async def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0,
+                     min_departures: int = 0) -> P.StatusReply:
+        rid, frames = self._codec.encode_status(min_registrations, wait, min_departures)
         return await self._send("status", rid, frames, [], {}, wait + timeout)

@@ -69,8 +69,10 @@ class RequestCore:
         self.batches: dict[int, Batch] = {}
         # heap of (when to look, seq), lazily pruned: a queued request's hopeless instant, else its deadline
         self.deadlines: list[tuple[float, int]] = []
-        self.status_waiters: list[tuple[float, int, Any]] = []  # (expires, min registrations, token)
+        # (expires, min registrations, min departures, token)
+        self.status_waiters: list[tuple[float, int, int, Any]] = []
         self.registrations = 0  # worker registrations since start (cumulative: a long poll's cursor)
+        self.departures = 0  # workers taken out of rotation since start (the same, for losses)
         self.decisions: dict[str, int] = {}  # decision reason -> count
         self.draining = False
         self.wake_at = math.inf  # the policy's last requested wake-up
@@ -289,6 +291,7 @@ class RequestCore:
         w = self.state.remove_worker(name)
         if w is None:
             return None
+        self.departures += 1
         self.suspended.pop(name, None)
         for b in [b for b in self.batches.values() if b.worker is w]:
             del self.batches[b.batch_id]
@@ -304,15 +307,15 @@ class RequestCore:
         return w
 
     # ------------------------------------------------------------------ status long polls
-    def add_status_waiter(self, token: Any, min_registrations: int, expires: float) -> None:
-        self.status_waiters.append((expires, min_registrations, token))
+    def add_status_waiter(self, token: Any, min_registrations: int, expires: float, min_departures: int = 0) -> None:
+        self.status_waiters.append((expires, min_registrations, min_departures, token))
 
     def due_status_waiters(self, now: float) -> list:
-        """Tokens of the long polls to answer now: enough registrations, or expired."""
+        """Tokens of the long polls to answer now: enough registrations and departures, or expired."""
         due, keep = [], []
         for entry in self.status_waiters:
-            if self.registrations >= entry[1] or now >= entry[0]:
-                due.append(entry[2])
+            if (self.registrations >= entry[1] and self.departures >= entry[2]) or now >= entry[0]:
+                due.append(entry[3])
             else:
                 keep.append(entry)
         self.status_waiters = keep

@@ -186,9 +186,6 @@ def stats_json(name: str, c) -> dict:
 
 
 # ------------------------------------------------------------------ the core
-READY_CACHE_S = 0.1  # readiness comes from the dispatcher's status, asked at most this often
-
-
 class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
@@ -202,8 +199,6 @@ class KServeCore:
         self.default_timeout_s = default_timeout_s
         self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
         self.stats = NodeStats(self.shm.dir_fd)
-        self._ready_at = -1.0
-        self._ready: Optional[frozenset] = None  # models with a registered worker; None: no dispatcher
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
         self._refresh: Optional[asyncio.Future] = None
 
@@ -218,9 +213,10 @@ class KServeCore:
 
     async def ready_models(self) -> Optional[frozenset]:
         """Models served by at least one registered worker (None when the dispatcher does not
-        answer). Concurrent callers share one status request."""
-        if time.monotonic() - self._ready_at < READY_CACHE_S:
-            return self._ready
+        answer). A caller that arrives while a status request is in flight takes its answer,
+        which bounds the dispatcher's work under a storm of probes; no answer is kept once it
+        came, so a probe made after the dispatcher's status shows a worker's loss or
+        registration sees it (tests wait on that status, then probe once)."""
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.ensure_future(self._fetch_ready())
         return await asyncio.shield(self._refresh)  # one caller's cancellation spares the others
@@ -232,7 +228,6 @@ class KServeCore:
             self._models = frozenset(st.models)
         except BatchyardError:
             ready = None
-        self._ready, self._ready_at = ready, time.monotonic()
         return ready
 
     async def model_ready(self, model: str) -> bool:

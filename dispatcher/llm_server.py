@@ -62,9 +62,12 @@ class LlmDesk:
         for send in self.core.decide(now):
             self._send_worker(send.worker.identity, P.encode(send.job))
 
-    def housekeeping(self, now: float) -> None:
-        for name, _failed in self.core.check_liveness(now):
+    def housekeeping(self, now: float) -> int:
+        """Take silent workers out of rotation; -> how many."""
+        lost = self.core.check_liveness(now)
+        for name, _failed in lost:
             log.warning("LLM worker %s out of rotation: silent past worker_dead_after_s", name)
+        return len(lost)
 
     def worker_infos(self) -> list:
         return [P.WorkerInfo(name=w.name, pid=w.pid, path=w.role, models=[w.engine.model], inflight=len(w.jobs),

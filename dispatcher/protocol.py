@@ -115,12 +115,14 @@ class ModelInfoRequest(msgspec.Struct, tag="model_info", tag_field="type"):
 
 class StatusRequest(msgspec.Struct, tag="status", tag_field="type", omit_defaults=True):
     """Dispatcher state. Held (long poll) until ``min_registrations`` worker registrations
-    have happened or ``wait_us`` has passed, so callers wait on an event rather than poll."""
+    and ``min_departures`` workers taken out of rotation have happened, or ``wait_us`` has
+    passed, so callers wait on an event rather than poll."""
 
     v: int
     id: U64
     min_registrations: NonNeg = 0
     wait_us: NonNeg = 0
+    min_departures: NonNeg = 0
 
 
 class CancelRequest(msgspec.Struct, tag="cancel", tag_field="type"):
@@ -226,6 +228,7 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
     decisions: dict[str, int] = {}  # reason -> count since start
     # trigger ("timer" | "arrival") -> {"n", "p50_us", "p99_us", "max_us"}: see lateness.py
     decision_lateness: dict[str, dict[str, float]] = {}
+    departures: int = 0  # workers taken out of rotation since the dispatcher started (cumulative)
 
 
 class ShmReply(msgspec.Struct, tag="shm", tag_field="type", omit_defaults=True):

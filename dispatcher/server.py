@@ -233,7 +233,9 @@ class Dispatcher:
         elif type(msg) is P.LlmDone:
             self.llm.on_done(msg, now)
         elif type(msg) is P.Goodbye:
-            if not self.llm.lost(msg.worker, "worker stopped", now):
+            if self.llm.lost(msg.worker, "worker stopped", now):
+                self.core.departures += 1  # the long poll's cursor counts every worker
+            else:
                 self._worker_lost(msg.worker, "worker stopped", now)
         elif msg.llm is not None:
             self.llm.on_register(msg, identity, now)
@@ -362,7 +364,8 @@ class Dispatcher:
         else:
             # Answered after this step's decision (see _step), so a status reply tells the
             # client that everything it sent before has been queued and decided on.
-            self.core.add_status_waiter((identity, msg.id), msg.min_registrations, now + msg.wait_us / 1e6)
+            self.core.add_status_waiter((identity, msg.id), msg.min_registrations, now + msg.wait_us / 1e6,
+                                        msg.min_departures)
 
     def _on_shm_register(self, msg, identity: bytes) -> None:
         self._reply(identity, P.encode(self.grants.answer(msg, identity, self.shm_allowed)))
@@ -426,7 +429,7 @@ class Dispatcher:
         self._next_housekeeping = now + self.cfg.heartbeat_interval_s
         for w, reason in self.core.check_liveness(now):
             log.warning("worker %s (pid %d) out of rotation: %s", w.name, w.pid, reason)
-        self.llm.housekeeping(now)
+        self.core.departures += self.llm.housekeeping(now)
         if now >= self._next_janitor:
             self._next_janitor = now + self.cfg.janitor_interval_s
             for name in reap_orphans():

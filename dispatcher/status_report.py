@@ -31,6 +31,7 @@ def status_reply(d, rid: int) -> P.StatusReply:
     now = time.monotonic()
     core = d.core
     return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK, registrations=core.registrations,
+                         departures=core.departures,
                          dispatcher_pid=os.getpid(), queued=d.state.queued_requests(),
                          workers=workers, models=sorted(d.specs) + sorted(d.llm.core.models()),
                          policy=core.policy.name, curves=curves(d) | llm_curves(d),

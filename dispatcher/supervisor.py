@@ -9,7 +9,10 @@ SIGTERM, SIGINT), never a polling loop: `up` learns that a child died from the k
 restart a healthy worker.
 
 Under systemd (``Type=notify``) `up` sends READY=1 once every worker has registered and
-WATCHDOG=1 from its wait loop; its children do not inherit the notification socket.
+every front-door process serves its ports, and WATCHDOG=1 from its wait loop; its children do
+not inherit systemd's notification socket. The front-door processes get one of `up`'s own
+instead: each sends READY=1 there once its ports are bound (as it would to systemd), which is
+how `up` knows that a client may connect — not a port probe.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
+import secrets
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -60,6 +68,43 @@ def _die_with_parent() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
 
 
+class FrontDoorsReady:
+    """The READY=1 datagrams of the front-door processes, on a socket of `up`'s own that they
+    get as NOTIFY_SOCKET (sd_notify's protocol, so the same front door under systemd tells
+    systemd). The kernel stamps each datagram with its sender's pid (SO_PASSCRED), and only
+    the pids of this `up`'s front-door children count: the socket's abstract name is visible
+    to every process of the network namespace."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        name = f"batchyard-up-{os.getpid()}-{secrets.token_hex(6)}"
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind("\0" + name)
+        self.address = "@" + name  # NOTIFY_SOCKET's spelling of an abstract name
+        self.ready_pids: set[int] = set()
+
+    def receive(self) -> None:
+        """Take every datagram waiting (never blocks); remember the senders that said READY=1."""
+        creds = struct.calcsize("3i")
+        while True:
+            try:
+                data, anc, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(creds))
+            except (BlockingIOError, InterruptedError):
+                return
+            pid = next((struct.unpack("3i", d[:creds])[0] for level, kind, d in anc
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
+            if pid is not None and b"READY=1" in data.split(b"\n"):
+                self.ready_pids.add(pid)
+
+    def wait(self, seconds: float) -> None:
+        """Block until a datagram arrives or ``seconds`` pass, then take what came."""
+        select.select([self.sock], [], [], seconds)
+        self.receive()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class Supervisor:
     def __init__(self, config_path: str | Path, node: NodeConfig, log_level: str = "INFO"):
         self.config_path = str(config_path)
@@ -70,13 +115,19 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         self.given_up: set[str] = set()
         self._last_start: dict[str, float] = {}
+        self._front_doors_ready: Optional[FrontDoorsReady] = None
 
-    def _spawn(self, *args: str, python: str = "") -> subprocess.Popen:
+    def _spawn(self, *args: str, python: str = "", env: Optional[dict] = None) -> subprocess.Popen:
         cmd = [python or sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
                "--config", self.config_path]
-        return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env())
+        return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env() | (env or {}))
+
+    def _front_doors(self) -> dict[str, subprocess.Popen]:
+        return {n: p for n, p in self.workers.items() if n.startswith(FRONTEND_NAME)}
 
     def start(self) -> None:
+        if self.node.frontend is not None and self.node.frontend.processes:
+            self._front_doors_ready = FrontDoorsReady()
         self.dispatcher = self._spawn("dispatcher")
         for w in self.node.workers:
             self.start_worker(w.name)
@@ -85,8 +136,10 @@ class Supervisor:
             self.start_worker(f"{FRONTEND_NAME}{i}")
 
     def start_worker(self, name: str) -> None:
-        args = ("frontend",) if name.startswith(FRONTEND_NAME) else ("worker", "--name", name)
-        self.workers[name] = self._spawn(*args, python=self._python(name))
+        front_door = name.startswith(FRONTEND_NAME)
+        args = ("frontend",) if front_door else ("worker", "--name", name)
+        env = {"NOTIFY_SOCKET": self._front_doors_ready.address} if front_door and self._front_doors_ready else None
+        self.workers[name] = self._spawn(*args, python=self._python(name), env=env)
         self._last_start[name] = time.monotonic()
         log.info("started worker %s (pid %d)", name, self.workers[name].pid)
 
@@ -97,8 +150,9 @@ class Supervisor:
         return w.vllm.python if w is not None and w.kind == "vllm" and w.vllm.python else ""
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S, client=None) -> "object":
-        """Block until every configured worker has registered with the dispatcher; fail at once
-        (not after ``timeout``) when the dispatcher or a worker exits during start-up.
+        """Block until every configured worker has registered with the dispatcher and every
+        front-door process serves its ports; fail at once (not after ``timeout``) when the
+        dispatcher or a worker exits during start-up (a front door: within READY_POLL_S).
 
         A poll that fails (DeadlineExceeded from a dispatcher too starved to answer in time,
         Unavailable from one still starting, anything else) is retried until ``timeout``;
@@ -131,10 +185,27 @@ class Supervisor:
                         retry_s = min(READY_POLL_S, 2 * retry_s)
                         continue
                     if st.registrations >= n:
+                        self._wait_front_doors(deadline, timeout)
                         return st
                     last = f"only {st.registrations} of {n} workers registered"
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    def _wait_front_doors(self, deadline: float, timeout: float) -> None:
+        ready = self._front_doors_ready
+        if ready is None:
+            return
+        while True:
+            ready.receive()
+            pids = {p.pid for p in self._front_doors().values()}
+            if pids <= ready.ready_pids:
+                return
+            self._check_started()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NodeNotReady(f"not ready within {timeout:.0f} s: {len(pids & ready.ready_pids)} of "
+                                   f"{len(pids)} front-door processes serving")
+            ready.wait(min(READY_POLL_S, left))  # READY_POLL_S: as late as a front door's death is seen
 
     def _check_started(self) -> None:
         if self.dispatcher is not None and self.dispatcher.poll() is not None:
@@ -155,6 +226,8 @@ class Supervisor:
         next_ping = time.monotonic()
         try:
             while True:
+                if self._front_doors_ready is not None:
+                    self._front_doors_ready.receive()  # restarted front doors' READY=1: nothing waits for it
                 # Look at the children *before* waiting: a child that died before the mask
                 # above was set sent a SIGCHLD that is gone, but it is still a zombie to poll().
                 if self.dispatcher.poll() is not None:
@@ -208,6 +281,9 @@ class Supervisor:
             if self.dispatcher.poll() is None:
                 self.dispatcher.terminate()
             _wait_all([self.dispatcher], STOP_TIMEOUT_S)
+        if self._front_doors_ready is not None:
+            self._front_doors_ready.close()
+            self._front_doors_ready = None
 
 
 @contextlib.contextmanager

@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import shutil
-import time
 from multiprocessing import shared_memory
 from pathlib import Path
 
-import grpc
 import numpy as np
 import psutil
 import pytest
@@ -73,19 +72,26 @@ def front_door():
         frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port, processes=2)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
+    # `up` says READY=1 the systemd way once every worker has registered and every front-door
+    # process serves its ports: wait for that datagram, or for `up` to exit.
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(f"{run_dir}/notify")
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
-                          stdout=subprocess.DEVNULL)
+                          stdout=subprocess.DEVNULL, env=os.environ | {"NOTIFY_SOCKET": f"{run_dir}/notify"})
     node = Node(cfg, up, run_dir)
     try:
-        with Client(node.address) as c:  # long poll: answered when every worker has registered
-            assert c.status(min_registrations=3, wait=180).registrations >= 3
-        # The front door binds HTTP before gRPC: a ready gRPC channel means both are serving.
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
-            grpc.channel_ready_future(ch).result(timeout=60)
-        _eventually(lambda: len(_listeners(up.pid, grpc_port)) == 2, timeout=60)
+        up_exited = os.pidfd_open(up.pid)
+        try:
+            readable, _, _ = select.select([notify, up_exited], [], [], 180)
+        finally:
+            os.close(up_exited)
+        assert notify in readable, f"`up` did not become ready (exit code {up.poll()})"
+        assert b"READY=1" in notify.recv(4096).split(b"\n")
+        assert len(_listeners(up.pid, grpc_port)) == 2 and len(_listeners(up.pid, http_port)) == 2
         yield FrontDoor(node, grpc_port, http_port)
     finally:
         node.stop()
+        notify.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -111,15 +117,6 @@ def _http_input(x, dtype="FP32", binary=True):
     i = thttp.InferInput("x", list(x.shape), dtype)
     i.set_data_from_numpy(x, binary_data=binary)
     return i
-
-
-def _eventually(check, timeout=15.0):
-    """Wait for a readiness change the front door cannot announce (KServe has no readiness
-    events): bounded re-checks, each a real request."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------- the calls a Triton user makes
@@ -402,12 +399,14 @@ def test_readiness_follows_the_models_last_worker(front_door):
     assert g.is_model_ready("solo") and h.is_model_ready("solo")
     os.kill(pid, signal.SIGSTOP)  # silent: the dispatcher declares it dead after worker_dead_after_s
     try:
-        _eventually(lambda: not g.is_model_ready("solo"))
-        assert not h.is_model_ready("solo")
+        with Client(front_door.node.address) as c:  # long poll: answered when a worker leaves rotation
+            gone = c.status(min_departures=st.departures + 1, wait=30)
+        assert gone.departures > st.departures and "solo0" not in {w.name for w in gone.workers}
+        # The front door asks the dispatcher on every probe: no stale "ready" after the loss.
+        assert not g.is_model_ready("solo") and not h.is_model_ready("solo")
         assert g.is_model_ready("sum"), "other models stay ready"
     finally:
         os.kill(pid, signal.SIGCONT)
     with Client(front_door.node.address) as c:  # it registers again once it heartbeats
         assert c.status(min_registrations=st.registrations + 1, wait=30).registrations > st.registrations
-    _eventually(lambda: g.is_model_ready("solo"))
-    assert h.is_model_ready("solo")
+    assert g.is_model_ready("solo") and h.is_model_ready("solo")

@@ -232,6 +232,19 @@ def test_the_event_loop_pings_the_watchdog_until_closed(notify_socket):
         loop.close()
 
 
+def test_front_door_readiness_names_the_sender_the_kernel_saw():
+    """`up` counts a front door ready by the pid the kernel stamps on its READY=1, so another
+    process that finds the abstract socket cannot speak for a front door."""
+    ready = supervisor.FrontDoorsReady()
+    try:
+        assert sd_notify.notify("STATUS=starting", {"NOTIFY_SOCKET": ready.address})
+        assert sd_notify.notify("READY=1\nMAINPID=1", {"NOTIFY_SOCKET": ready.address})
+        ready.wait(10)
+        assert ready.ready_pids == {os.getpid()}
+    finally:
+        ready.close()
+
+
 def _spawn_env(path: str, watchdog_usec: int) -> dict:
     env = sd_notify.child_env()
     env.update(NOTIFY_SOCKET=path, WATCHDOG_USEC=str(watchdog_usec))
