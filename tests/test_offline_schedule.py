@@ -1,0 +1,50 @@
+"""The offline schedule search (bench/offline_schedule.py): the upper bound the report sets MCB
+against must be a schedule the devices can run, and on a trace small enough to enumerate, the
+best one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchyard.bench.offline_schedule import replay, search
+from batchyard.bench.simulator import Device
+
+DEVICES = [Device("gpu0", "gpu", 0.15e-3, 0.02e-3, max_batch=8),
+           Device("amx0", "cpu", 0.0, 0.08e-3, max_batch=4), Device("amx1", "cpu", 0.0, 0.08e-3, max_batch=4)]
+
+
+def _every_fifo_block_schedule(arr, devices) -> float:
+    """The optimum over FIFO-block schedules, by enumerating them all (tiny traces only)."""
+    n = len(arr)
+
+    def best(i, free):
+        if i == n:
+            return 0.0
+        out = np.inf
+        for d, dev in enumerate(devices):
+            for length in range(1, min(dev.max_batch, n - i) + 1):
+                start = max(free[d], arr[i + length - 1])
+                finish = start + dev.curve().predict(length)
+                rest = best(i + length, free[:d] + (finish,) + free[d + 1:])
+                out = min(out, rest + sum(finish - a for a in arr[i:i + length]))
+        return out
+
+    return best(0, (0.0,) * len(devices)) / n
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_beam_wide_enough_finds_the_best_fifo_block_schedule(seed):
+    arr = np.cumsum(np.random.default_rng(seed).exponential(40e-6, 7))  # a burst: batching must pay
+    exact = _every_fifo_block_schedule(arr, DEVICES)
+    found = search(arr, DEVICES, beam=10_000, weight=0.0)
+    assert found.mean_s == pytest.approx(exact, rel=1e-12)
+    assert replay(arr, DEVICES, found.blocks) == pytest.approx(found.mean_s, rel=1e-12)
+
+
+def test_the_schedule_found_is_one_the_devices_can_run():
+    arr = np.cumsum(np.random.default_rng(5).exponential(25e-6, 400))
+    found = search(arr, DEVICES, beam=8, weight=4.0)
+    assert replay(arr, DEVICES, found.blocks) == pytest.approx(found.mean_s, rel=1e-9)  # replay asserts feasibility
+    assert found.mean_s >= DEVICES[1].curve().predict(1) - 1e-15  # no request beats the fastest T(1)
+    assert {d for _, _, d, _ in found.blocks} == {0, 1, 2}  # both kinds used
