@@ -103,6 +103,19 @@ def test_status_long_poll_is_due_on_registration_or_expiry():
     assert core.due_status_waiters(2.0) == ["b"]
 
 
+def test_status_long_poll_can_wait_for_a_worker_to_leave_rotation():
+    core = RequestCore(make_policy("greedy"), lambda *a: None)
+    core.add_worker(WorkerState("w", "cpu", {"m": 1}), 0.0)
+    core.add_status_waiter("gone", 0, 60.0, min_departures=1)
+    assert core.due_status_waiters(1.0) == []
+    core.add_worker(WorkerState("w", "cpu", {"m": 1}), 1.5)  # the same name again: the old one left
+    assert core.departures == 1 and core.due_status_waiters(1.5) == ["gone"]
+    core.add_status_waiter("next", 0, 60.0, min_departures=2)
+    assert core.worker_lost("nobody", "unknown", 2.0) is None and core.due_status_waiters(2.0) == []
+    core.worker_lost("w", "no heartbeat", 2.5)
+    assert core.departures == 2 and core.due_status_waiters(2.5) == ["next"]
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["admit", "decide", "complete", "lose", "cancel", "register", "drain"]),
                          st.integers(0, 7), st.floats(0.0, 0.02)), max_size=60)
 
