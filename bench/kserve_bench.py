@@ -6,9 +6,13 @@
   throughput  max completed requests/s through gRPC with 1, 2 and 4 front-door processes on
               one port (SO_REUSEPORT), driven by closed-loop tritonclient.grpc.aio load
               processes holding many requests in flight on several connections each.
+  cpu         CPU time per request of each node process (front door, dispatcher, worker), user
+              and system apart, at an offered Poisson rate: (CPU/s under load - CPU/s idle) /
+              completions/s. On one shared core this is what the node takes from the model.
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
+    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc
 """
 
 from __future__ import annotations
@@ -46,13 +50,6 @@ def noop_node(run_dir: str, processes: int) -> NodeConfig:
         frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(), processes=processes)).validate()
 
 
-def _wait_front_door(grpc_url: str) -> None:
-    import grpc
-
-    with grpc.insecure_channel(grpc_url) as ch:
-        grpc.channel_ready_future(ch).result(timeout=60)
-
-
 def _pcts(samples_s: list[float]) -> tuple[float, float]:
     a = np.asarray(samples_s) * 1e6
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
@@ -68,7 +65,6 @@ def latency(n: int) -> None:
         node = noop_node(d, 1)
         with running_node(node):
             g_url, h_url = f"127.0.0.1:{node.frontend.grpc_port}", f"127.0.0.1:{node.frontend.http_port}"
-            _wait_front_door(g_url)
             g, h = tg.InferenceServerClient(g_url), th.InferenceServerClient(h_url)
             gi = tg.InferInput("x", [1, 16], "FP32")
             gi.set_data_from_numpy(X)
@@ -130,7 +126,6 @@ def throughput(processes: list[int], seconds: float, loaders: int, inflight: int
             node = noop_node(d, k)
             with running_node(node):
                 url = f"127.0.0.1:{node.frontend.grpc_port}"
-                _wait_front_door(url)
                 ready, go, q = ctx.Queue(), ctx.Event(), ctx.Queue()
                 procs = [ctx.Process(target=_load_proc, args=(url, seconds, inflight, 4, ready, go, q))
                          for _ in range(loaders)]
@@ -145,6 +140,56 @@ def throughput(processes: list[int], seconds: float, loaders: int, inflight: int
         print(f"  {k} front-door process(es): {total / seconds:8.0f} req/s")
 
 
+def _node_cpu(procs: dict) -> dict:
+    """(user, system) CPU seconds of each node process, by process title."""
+    return {name: p.cpu_times()[:2] for name, p in procs.items()}
+
+
+async def _poisson_load(url: str, protocol: str, rate: float, seconds: float) -> int:
+    if protocol == "grpc":
+        import tritonclient.grpc as tc
+        import tritonclient.grpc.aio as ta
+    else:
+        import tritonclient.http as tc
+        import tritonclient.http.aio as ta
+    client = ta.InferenceServerClient(url)
+    inp = tc.InferInput("x", [1, 16], "FP32")
+    inp.set_data_from_numpy(X)
+    rng = np.random.default_rng(0)
+    t = time.perf_counter()
+    end, calls = t + seconds, []
+    while t < end:
+        t += rng.exponential(1 / rate)
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))  # the schedule's next send, not a sync
+        calls.append(asyncio.ensure_future(client.infer("noop", [inp])))
+    await asyncio.gather(*calls)
+    await client.close()
+    return len(calls)
+
+
+def cpu(rate: float, seconds: float, protocol: str) -> None:
+    import psutil
+
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+        node = noop_node(d, 1)
+        with running_node(node):
+            port = node.frontend.grpc_port if protocol == "grpc" else node.frontend.http_port
+            procs = {p.cmdline()[0]: p for p in psutil.Process().children(recursive=True)
+                     if p.cmdline() and p.cmdline()[0].startswith("batchyard::")}
+            t0, idle0 = time.perf_counter(), _node_cpu(procs)
+            time.sleep(seconds)  # the idle window: timers and heartbeats cost this much without requests
+            t1, idle1 = time.perf_counter(), _node_cpu(procs)
+            n = asyncio.run(_poisson_load(f"127.0.0.1:{port}", protocol, rate, seconds))
+            t2, busy = time.perf_counter(), _node_cpu(procs)
+    per_s = n / (t2 - t1)
+    print(f"CPU per request, no-op model, {protocol}, {n} requests at {per_s:.1f}/s offered {rate:.0f}/s "
+          "(user + system ms):")
+    for name in idle0:
+        per = [1e3 * ((busy[name][k] - idle1[name][k]) / (t2 - t1) - (idle1[name][k] - idle0[name][k]) / (t1 - t0))
+               / per_s for k in (0, 1)]
+        print(f"  {name:32s} {per[0]:6.3f} + {per[1]:6.3f} = {sum(per):6.3f} ms")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -155,9 +200,15 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--loaders", type=int, default=2)
     p.add_argument("--inflight", type=int, default=64)
+    p = sub.add_parser("cpu")
+    p.add_argument("--rate", type=float, default=40.0)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     a = ap.parse_args(argv)
     if a.cmd == "latency":
         latency(a.n)
+    elif a.cmd == "cpu":
+        cpu(a.rate, a.seconds, a.protocol)
     else:
         throughput(a.processes, a.seconds, a.loaders, a.inflight)
 
