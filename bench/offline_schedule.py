@@ -57,8 +57,10 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
     groups: list[list[int]] = []
     for k in range(m):
         same = next((g for g in groups if kind[g[0]] == kind[k]), None)
-        (same.append(k) if same is not None else groups.append([k]))
-
+        if same is None:
+            groups.append([k])
+        else:
+            same.append(k)
     group_of = {k: g for g in groups for k in g}
 
     def moved(free: tuple, d: int, t: float) -> tuple:
@@ -72,16 +74,18 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
         return tuple(out)
 
     # buckets[i]: a max-heap (by negated score) of at most `beam` states at cut i:
-    # (-score, cost, free times, path); path = (first, length, device, start, previous path).
+    # (-score, cost, tie-break, free times, path); path = (first, length, device, start, previous
+    # path). The tie-break (a count) keeps equal scores from comparing paths.
     buckets: list = [[] for _ in range(n + 1)]
     worst = np.full(n + 1, np.inf)  # score a newcomer must beat at each cut (inf while not full)
-    buckets[0] = [(0.0, 0.0, (0.0,) * m, None)]
+    buckets[0] = [(0.0, 0.0, 0, (0.0,) * m, None)]
+    tie = 0
     next_arrival = np.append(arr, np.inf)
     for i in range(n):
         states = sorted(buckets[i], reverse=True)  # best first: their runs fill the next cuts' beams
         buckets[i] = None
         seen = set()
-        for _, cost, free, path in states:
+        for _, cost, _, free, path in states:
             if free in seen:
                 continue
             seen.add(free)
@@ -103,7 +107,8 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
                 scores = costs + weight * busy
                 for q in np.nonzero(scores < worst[j])[0]:
                     cut = i + q + 1
-                    entry = (-float(scores[q]), float(costs[q]), moved(free, d, float(finish[q])),
+                    tie += 1
+                    entry = (-float(scores[q]), float(costs[q]), tie, moved(free, d, float(finish[q])),
                              (i, q + 1, d, float(start[q]), path))
                     bucket = buckets[cut]
                     if len(bucket) < beam:
@@ -112,7 +117,7 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
                         heapq.heapreplace(bucket, entry)
                     if len(bucket) == beam:
                         worst[cut] = -bucket[0][0]
-    _, cost, _, path = min(buckets[n], key=lambda e: e[1])
+    _, cost, _, _, path = min(buckets[n], key=lambda e: e[1])
     blocks = []
     while path is not None:
         first, length, d, start, path = path

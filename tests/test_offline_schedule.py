@@ -48,3 +48,9 @@ def test_the_schedule_found_is_one_the_devices_can_run():
     assert replay(arr, DEVICES, found.blocks) == pytest.approx(found.mean_s, rel=1e-9)  # replay asserts feasibility
     assert found.mean_s >= DEVICES[1].curve().predict(1) - 1e-15  # no request beats the fastest T(1)
     assert {d for _, _, d, _ in found.blocks} == {0, 1, 2}  # both kinds used
+
+
+def test_requests_that_arrive_together_tie_without_breaking_the_search():
+    arr = np.repeat(np.arange(6) * 1e-4, 4)  # bursts of 4 identical instants: many equal scores
+    found = search(arr, DEVICES, beam=4, weight=1.0)
+    assert replay(arr, DEVICES, found.blocks) == pytest.approx(found.mean_s, rel=1e-9)
