@@ -9,10 +9,14 @@
   cpu         CPU time per request of each node process (front door, dispatcher, worker), user
               and system apart, at an offered Poisson rate: (CPU/s under load - CPU/s idle) /
               completions/s. On one shared core this is what the node takes from the model.
+  status      the dispatcher's CPU per status request, full and brief (what a readiness probe
+              asks), against a model-info request, after --fill requests have filled the
+              decision-lateness rings the full status summarises.
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
     .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc
+    .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
 """
 
 from __future__ import annotations
@@ -190,6 +194,29 @@ def cpu(rate: float, seconds: float, protocol: str) -> None:
         print(f"  {name:32s} {per[0]:6.3f} + {per[1]:6.3f} = {sum(per):6.3f} ms")
 
 
+def status_cost(fill: int, n: int) -> None:
+    import psutil
+
+    from batchyard.client import Client
+
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+        node = noop_node(d, 1)
+        with running_node(node):
+            dispatcher = next(p for p in psutil.Process().children(recursive=True)
+                              if p.cmdline() and p.cmdline()[0] == "batchyard::dispatcher")
+            with Client(node.dispatcher.frontend) as c:
+                for _ in range(fill):  # each step that reads a message adds a lateness sample
+                    c.model_info("noop")
+                print(f"dispatcher CPU per request after {fill:,} requests, {n:,} each, one at a time:")
+                for name, call in (("model_info", lambda: c.model_info("noop")),
+                                   ("status brief", lambda: c.status(brief=True)), ("status", c.status)):
+                    cpu0, t0 = sum(dispatcher.cpu_times()[:2]), time.perf_counter()
+                    for _ in range(n):
+                        call()
+                    cpu1, t1 = sum(dispatcher.cpu_times()[:2]), time.perf_counter()
+                    print(f"  {name:13s} {1e6 * (cpu1 - cpu0) / n:7.0f} us CPU, {1e6 * (t1 - t0) / n:7.0f} us round trip")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -204,8 +231,13 @@ def main(argv=None) -> None:
     p.add_argument("--rate", type=float, default=40.0)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p = sub.add_parser("status")
+    p.add_argument("--fill", type=int, default=70_000)
+    p.add_argument("--n", type=int, default=1000)
     a = ap.parse_args(argv)
-    if a.cmd == "latency":
+    if a.cmd == "status":
+        status_cost(a.fill, a.n)
+    elif a.cmd == "latency":
         latency(a.n)
     elif a.cmd == "cpu":
         cpu(a.rate, a.seconds, a.protocol)

@@ -169,12 +169,13 @@ class Client(CodecAccess):
         return self._send("model_info", rid, frames, [], {}, timeout).result()
 
     def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0,
-               min_departures: int = 0) -> P.StatusReply:
+               min_departures: int = 0, brief: bool = False) -> P.StatusReply:
         """Dispatcher state; with ``min_registrations`` (``min_departures``) the reply waits (up
         to ``wait`` s) until that many worker registrations (workers taken out of rotation:
         stopped, silent, lost) have happened since the dispatcher started. The reply carries
-        both counts: wait for the next event with the count + 1."""
-        rid, frames = self._codec.encode_status(min_registrations, wait, min_departures)
+        both counts: wait for the next event with the count + 1. ``brief``: workers, models and
+        the counts only (no curves, arrival rates, decisions, lateness), cheap to ask often."""
+        rid, frames = self._codec.encode_status(min_registrations, wait, min_departures, brief)
         return self._send("status", rid, frames, [], {}, wait + timeout).result()
 
     def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> InferFuture:

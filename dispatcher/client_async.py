@@ -160,6 +160,6 @@ class AsyncClient(CodecAccess):
         return await self._send("model_info", rid, frames, [], {}, timeout)
 
     async def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0,
-                     min_departures: int = 0) -> P.StatusReply:
-        rid, frames = self._codec.encode_status(min_registrations, wait, min_departures)
+                     min_departures: int = 0, brief: bool = False) -> P.StatusReply:
+        rid, frames = self._codec.encode_status(min_registrations, wait, min_departures, brief)
         return await self._send("status", rid, frames, [], {}, wait + timeout)

@@ -204,10 +204,12 @@ class ClientCodec:
         rid = self.next_id()
         return rid, [P.encode(P.ModelInfoRequest(v=P.PROTOCOL_VERSION, id=rid, model=model))]
 
-    def encode_status(self, min_registrations: int, wait: float, min_departures: int = 0) -> tuple[int, list]:
+    def encode_status(self, min_registrations: int, wait: float, min_departures: int = 0,
+                      brief: bool = False) -> tuple[int, list]:
         rid = self.next_id()
         return rid, [P.encode(P.StatusRequest(v=P.PROTOCOL_VERSION, id=rid, min_registrations=min_registrations,
-                                              wait_us=int(wait * 1e6), min_departures=min_departures))]
+                                              wait_us=int(wait * 1e6), min_departures=min_departures,
+                                              brief=brief))]
 
     @staticmethod
     def encode_cancel(rid: int) -> bytes:

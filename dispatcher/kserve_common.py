@@ -216,14 +216,15 @@ class KServeCore:
         answer). A caller that arrives while a status request is in flight takes its answer,
         which bounds the dispatcher's work under a storm of probes; no answer is kept once it
         came, so a probe made after the dispatcher's status shows a worker's loss or
-        registration sees it (tests wait on that status, then probe once)."""
+        registration sees it (tests wait on that status, then probe once). The status asked is
+        the brief one: a probe costs the dispatcher about what a model-info request does."""
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.ensure_future(self._fetch_ready())
         return await asyncio.shield(self._refresh)  # one caller's cancellation spares the others
 
     async def _fetch_ready(self) -> Optional[frozenset]:
         try:
-            st = await self.client.status(timeout=1.0)
+            st = await self.client.status(timeout=1.0, brief=True)
             ready = frozenset(m for w in st.workers for m in w.models)
             self._models = frozenset(st.models)
         except BatchyardError:

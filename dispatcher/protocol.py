@@ -123,6 +123,9 @@ class StatusRequest(msgspec.Struct, tag="status", tag_field="type", omit_default
     min_registrations: NonNeg = 0
     wait_us: NonNeg = 0
     min_departures: NonNeg = 0
+    # Only what readiness needs (workers, models, the counts): no curves, arrival rates,
+    # decisions or lateness quantiles, which cost the dispatcher's thread far more to build.
+    brief: bool = False
 
 
 class CancelRequest(msgspec.Struct, tag="cancel", tag_field="type"):

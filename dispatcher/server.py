@@ -364,8 +364,8 @@ class Dispatcher:
         else:
             # Answered after this step's decision (see _step), so a status reply tells the
             # client that everything it sent before has been queued and decided on.
-            self.core.add_status_waiter((identity, msg.id), msg.min_registrations, now + msg.wait_us / 1e6,
-                                        msg.min_departures)
+            self.core.add_status_waiter((identity, msg.id, msg.brief), msg.min_registrations,
+                                        now + msg.wait_us / 1e6, msg.min_departures)
 
     def _on_shm_register(self, msg, identity: bytes) -> None:
         self._reply(identity, P.encode(self.grants.answer(msg, identity, self.shm_allowed)))
@@ -399,8 +399,8 @@ class Dispatcher:
             self._reject(identity, msg, got.status, got.message)
 
     def _answer_status_waiters(self, now: float) -> None:
-        for identity, rid in self.core.due_status_waiters(now):
-            self._reply(identity, P.encode(status_report.status_reply(self, rid)))
+        for identity, rid, brief in self.core.due_status_waiters(now):
+            self._reply(identity, P.encode(status_report.status_reply(self, rid, brief)))
 
     # ------------------------------------------------------------------ 4. workers out
     def _send_to_worker(self, batch: Batch, now: float) -> None:

@@ -24,20 +24,22 @@ def llm_curves(d) -> dict:
     return {f"{m}/llm": c.describe() for m, c in d.llm.core.curves.items()}
 
 
-def status_reply(d, rid: int) -> P.StatusReply:
+def status_reply(d, rid: int, brief: bool = False) -> P.StatusReply:
     workers = [P.WorkerInfo(name=w.name, pid=w.pid, path=w.path, models=list(w.models),
                             inflight=w.inflight, simulated=w.simulated)
                for w in d.state.workers.values()] + d.llm.worker_infos()
-    now = time.monotonic()
     core = d.core
-    return P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK, registrations=core.registrations,
-                         departures=core.departures,
-                         dispatcher_pid=os.getpid(), queued=d.state.queued_requests(),
-                         workers=workers, models=sorted(d.specs) + sorted(d.llm.core.models()),
-                         policy=core.policy.name, curves=curves(d) | llm_curves(d),
-                         arrival_rate={m: round(d.state.arrival(m).rate(now), 2) for m in d.specs},
-                         decisions=dict(core.decisions) | {f"llm_{k}": v for k, v in d.llm.core.decisions.items()},
-                         decision_lateness=d.lateness.quantiles_us())
+    reply = P.StatusReply(v=P.PROTOCOL_VERSION, id=rid, status=Status.OK, registrations=core.registrations,
+                          departures=core.departures, dispatcher_pid=os.getpid(), queued=d.state.queued_requests(),
+                          workers=workers, models=sorted(d.specs) + sorted(d.llm.core.models()),
+                          policy=core.policy.name)
+    if not brief:  # readiness probes ask brief: the rest costs the dispatcher's thread far more
+        now = time.monotonic()
+        reply.curves = curves(d) | llm_curves(d)
+        reply.arrival_rate = {m: round(d.state.arrival(m).rate(now), 2) for m in d.specs}
+        reply.decisions = dict(core.decisions) | {f"llm_{k}": v for k, v in d.llm.core.decisions.items()}
+        reply.decision_lateness = d.lateness.quantiles_us()
+    return reply
 
 
 def render_metrics(d) -> str:

@@ -367,3 +367,14 @@ def test_memory_of_a_request_answered_while_its_batch_runs_is_not_reused_until_r
         assert all((a == -1).all() for a in fresh), "the worker wrote into memory handed out again"
         # The release came before that status reply (same connection, in order): all is free now.
         assert not c._codec.late, "no release for the answered request's regions"
+
+
+def test_a_brief_status_has_what_readiness_needs_and_nothing_costly(start_node):
+    node = start_node([sim_worker("g")])
+    with node.client() as c:
+        c.infer("sum", {"x": np.ones((2, 4), np.float32)})
+        full, brief = c.status(), c.status(brief=True)
+    assert [w.name for w in brief.workers] == [w.name for w in full.workers] == ["g"]
+    assert brief.models == full.models and brief.registrations == full.registrations >= 1
+    assert full.curves and full.decision_lateness and full.decisions
+    assert not (brief.curves or brief.decision_lateness or brief.decisions or brief.arrival_rate)

@@ -311,3 +311,20 @@ def test_a_worker_whose_spec_differs_from_the_served_one_is_refused():
     assert "differs from the dispatcher's" in registration_problem([other], {"sum": served})
     bad = P.ModelSpec("bad", (P.TensorSpec("x", "complex64", (4,)),), (P.TensorSpec("y", "float32", (2,)),))
     assert "dtype" in registration_problem([bad], {})
+
+
+def test_decision_lateness_quantiles_are_the_order_statistics_of_the_ring():
+    import random
+
+    from batchyard.lateness import RING, Lateness
+
+    late = Lateness()
+    rng = random.Random(4)
+    xs = [rng.random() * 1e-3 for _ in range(RING + 500)]  # wraps: only the last RING samples count
+    for x in xs:
+        late.record("timer", x)
+    kept = sorted(xs[-RING:])
+    q = late.quantiles_us()["timer"]
+    assert q == {"n": RING + 500, "p50_us": round(kept[RING // 2] * 1e6, 1),
+                 "p99_us": round(kept[(99 * RING) // 100] * 1e6, 1), "max_us": round(kept[-1] * 1e6, 1)}
+    assert "arrival" not in late.quantiles_us()
