@@ -30,6 +30,12 @@ COMPACT_TOLERANCE = 0.10
 # The caps move slowly: look at them again every this many samples (and at every new size), not
 # at every batch (they scan every measured size: 12 % of a simulated MCB run, seeds 50 % load).
 CAP_REFRESH = 16
+# RLS with forgetting divides the covariance by the factor at every sample; in a direction the
+# samples never excite (a worker that only ever runs B=1 cannot tell launch from per-item time)
+# it grows as 0.995^-n and overflows after ~141,000 batches: the curve turns NaN and the policy
+# with it (simulated: p99 of seconds after 11 s at 30 % load). Its trace is kept at most this
+# (the initial covariance's), the usual bounded-covariance remedy.
+P_TRACE_MAX = 2e3
 
 
 @dataclass
@@ -129,7 +135,11 @@ class CostCurve:
         err = y - (self.launch_s * x0 + self.per_item_s * x1)
         self.launch_s += k0 * err
         self.per_item_s += k1 * err
-        self._p = [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p11 - k1 * px1) / lam]
+        p = [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p11 - k1 * px1) / lam]
+        trace = p[0] + p[2]
+        if trace > P_TRACE_MAX:
+            p = [v * (P_TRACE_MAX / trace) for v in p]
+        self._p = p
 
     def _set_knot(self, b: int, t: float, count: int = 1) -> None:
         if b not in self._knots:

@@ -328,3 +328,17 @@ def test_decision_lateness_quantiles_are_the_order_statistics_of_the_ring():
     assert q == {"n": RING + 500, "p50_us": round(kept[RING // 2] * 1e6, 1),
                  "p99_us": round(kept[(99 * RING) // 100] * 1e6, 1), "max_us": round(kept[-1] * 1e6, 1)}
     assert "arrival" not in late.quantiles_us()
+
+
+def test_a_curve_that_only_ever_sees_one_batch_size_stays_finite():
+    """RLS covariance windup: 200,000 batches of B=1 (a CPU worker serving single requests for
+    hours) made the forgetting factor blow the unexcited direction up to inf and the curve NaN."""
+    import math
+
+    from batchyard.cost_model import CostCurve
+
+    c = CostCurve()
+    for _ in range(200_000):
+        c.observe(1, 80e-6)
+    assert math.isfinite(c.launch_s) and math.isfinite(c.per_item_s)
+    assert c.predict(1) == pytest.approx(80e-6, rel=1e-3)
