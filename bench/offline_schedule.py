@@ -38,6 +38,23 @@ LINEAR_RUN_MAX = 4
 POLICIES = ("mcb", "gpu-only", "greedy", "escape:1", "escape:2", "escape:3", "escape:4", "three-segment")
 
 
+def interchangeable(devices: list[Device]) -> dict[int, list[int]]:
+    """Device index -> the indices of every device with the same curve (itself included).
+    Such devices are interchangeable: a state is their free times sorted within each group."""
+    kind = [(d.launch_s, d.per_item_s, d.max_batch, d.points) for d in devices]
+    return {k: [q for q in range(len(devices)) if kind[q] == kind[k]] for k in range(len(devices))}
+
+
+def busy_until(free: tuple, group: list[int], d: int, t: float) -> tuple:
+    """``free`` with device d busy until t, renumbered: free times sorted within d's group."""
+    out = list(free)
+    out[d] = t
+    if len(group) > 1:
+        for k, v in zip(group, sorted(out[k] for k in group)):
+            out[k] = v
+    return tuple(out)
+
+
 @dataclass
 class Schedule:
     mean_s: float
@@ -51,27 +68,8 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
     prefix = np.concatenate([[0.0], np.cumsum(arr)])
     times = [np.array([0.0] + [d.curve().predict(b) for b in range(1, d.max_batch + 1)]) for d in devices]
     run_max = [min(d.max_batch, LINEAR_RUN_MAX) if d.launch_s <= 0 else d.max_batch for d in devices]
-    # Devices with the same curve are interchangeable: states that differ only in which of them is
-    # busy are one state (free times sorted within each such group).
-    kind = [(d.launch_s, d.per_item_s, d.max_batch, d.points) for d in devices]
-    groups: list[list[int]] = []
-    for k in range(m):
-        same = next((g for g in groups if kind[g[0]] == kind[k]), None)
-        if same is None:
-            groups.append([k])
-        else:
-            same.append(k)
-    group_of = {k: g for g in groups for k in g}
-
-    def moved(free: tuple, d: int, t: float) -> tuple:
-        """``free`` with device d busy until t, in the canonical numbering."""
-        out = list(free)
-        out[d] = t
-        g = group_of[d]
-        if len(g) > 1:
-            for k, v in zip(g, sorted(out[k] for k in g)):
-                out[k] = v
-        return tuple(out)
+    # States that differ only in which of several identical devices is busy are one state.
+    group_of = interchangeable(devices)
 
     # buckets[i]: a max-heap (by negated score) of at most `beam` states at cut i:
     # (-score, cost, tie-break, free times, path); path = (first, length, device, start, previous
@@ -90,7 +88,7 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
                 continue
             seen.add(free)
             for d in range(m):
-                if any(kind[k] == kind[d] and free[k] == free[d] for k in range(d)):
+                if any(free[k] == free[d] for k in group_of[d] if k < d):
                     continue  # an identical device free at the same time was tried
                 r = min(run_max[d], n - i)
                 j = np.arange(i + 1, i + r + 1)  # the cut after each run length
@@ -108,8 +106,8 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
                 for q in np.nonzero(scores < worst[j])[0]:
                     cut = i + q + 1
                     tie += 1
-                    entry = (-float(scores[q]), float(costs[q]), tie, moved(free, d, float(finish[q])),
-                             (i, q + 1, d, float(start[q]), path))
+                    entry = (-float(scores[q]), float(costs[q]), tie,
+                             busy_until(free, group_of[d], d, float(finish[q])), (i, q + 1, d, float(start[q]), path))
                     bucket = buckets[cut]
                     if len(bucket) < beam:
                         heapq.heappush(bucket, entry)
@@ -130,19 +128,15 @@ def replay(arrivals: np.ndarray, devices: list[Device], blocks: list) -> float:
     request arrived and once its device is free, every request in exactly one batch, in trace
     order) and return its mean latency, computed afresh."""
     arr = np.asarray(arrivals, dtype=np.float64)
-    free = [0.0] * len(devices)
-    kind = [(d.launch_s, d.per_item_s, d.max_batch, d.points) for d in devices]
+    free = (0.0,) * len(devices)
+    group_of = interchangeable(devices)
     total, expect = 0.0, 0
     for first, length, d, start in blocks:
         assert first == expect and 1 <= length <= devices[d].max_batch, (first, length)
         assert start >= arr[first + length - 1] and start >= free[d] - 1e-15, (first, start, free[d])
         finish = start + devices[d].curve().predict(length)
         total += float(np.sum(finish - arr[first:first + length]))
-        free[d] = finish
-        for k in range(len(devices)):  # the search's numbering: identical devices sorted by free time
-            same = [q for q in range(len(devices)) if kind[q] == kind[k]]
-            for q, t in zip(same, sorted(free[q] for q in same)):
-                free[q] = t
+        free = busy_until(free, group_of[d], d, finish)  # the search's numbering of identical devices
         expect = first + length
     assert expect == len(arr)
     return total / len(arr)
@@ -150,11 +144,11 @@ def replay(arrivals: np.ndarray, devices: list[Device], blocks: list) -> float:
 
 def point(args) -> dict:
     """One (scenario, load) of the simulator report, on the first ``n`` arrivals of its trace."""
-    from .sim_report import SCENARIOS, _cut
+    from .sim_report import SCENARIOS, _cut, scenario_trace
 
     scen, load, n, n_full = args
-    devices, make, _, _ = SCENARIOS[scen]
-    trace = _cut(make(load, n_full, int(load * 100) + 7 * len(scen)), n)  # sim_report's trace, its head
+    devices = SCENARIOS[scen][0]
+    trace = _cut(scenario_trace(scen, load, n_full), n)  # the head of sim_report's trace
     row = {"scenario": scen, "load": load, "requests": len(trace)}
     row["policies_ms"] = {p: simulate(p, trace, devices).summary()["mean_ms"] for p in POLICIES}
     t0 = time.perf_counter()

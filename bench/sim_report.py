@@ -112,11 +112,16 @@ def _cut(trace, n):
     return Trace(trace.name, trace.arrivals[:n], trace.priority[:n], trace.timeout[:n])
 
 
+def scenario_trace(scen: str, load: float, n: int):
+    """The report's trace of ``n`` arrivals for (scenario, load): its seed is fixed by both."""
+    return SCENARIOS[scen][1](load, n, int(load * 100) + 7 * len(scen))
+
+
 def point(args) -> dict:
     """One (scenario, load): MCB, every baseline, the grid tuned on the first part of the trace."""
     scen, load, n, n_tune = args
-    devices, make, _, _ = SCENARIOS[scen]
-    tr = make(load, n, int(load * 100) + 7 * len(scen))
+    devices = SCENARIOS[scen][0]
+    tr = scenario_trace(scen, load, n)
     kept: dict = {}
     row = {"scenario": scen, "load": load, "requests": len(tr), "mcb": run_kept("mcb", tr, devices, kept)}
     for p in BASELINES:
