@@ -144,8 +144,15 @@ def throughput(processes: list[int], seconds: float, loaders: int, inflight: int
         print(f"  {k} front-door process(es): {total / seconds:8.0f} req/s")
 
 
+def _node_processes(sup) -> dict:
+    """The node's processes by the supervisor's names (dispatcher, each worker, frontend#i)."""
+    import psutil
+
+    return {name: psutil.Process(p.pid) for name, p in {"dispatcher": sup.dispatcher, **sup.workers}.items()}
+
+
 def _node_cpu(procs: dict) -> dict:
-    """(user, system) CPU seconds of each node process, by process title."""
+    """(user, system) CPU seconds of each node process."""
     return {name: p.cpu_times()[:2] for name, p in procs.items()}
 
 
@@ -172,14 +179,11 @@ async def _poisson_load(url: str, protocol: str, rate: float, seconds: float) ->
 
 
 def cpu(rate: float, seconds: float, protocol: str) -> None:
-    import psutil
-
     with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
         node = noop_node(d, 1)
-        with running_node(node):
+        with running_node(node) as sup:
             port = node.frontend.grpc_port if protocol == "grpc" else node.frontend.http_port
-            procs = {p.cmdline()[0]: p for p in psutil.Process().children(recursive=True)
-                     if p.cmdline() and p.cmdline()[0].startswith("batchyard::")}
+            procs = _node_processes(sup)
             t0, idle0 = time.perf_counter(), _node_cpu(procs)
             time.sleep(seconds)  # the idle window: timers and heartbeats cost this much without requests
             t1, idle1 = time.perf_counter(), _node_cpu(procs)
@@ -195,15 +199,12 @@ def cpu(rate: float, seconds: float, protocol: str) -> None:
 
 
 def status_cost(fill: int, n: int) -> None:
-    import psutil
-
     from batchyard.client import Client
 
     with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
         node = noop_node(d, 1)
-        with running_node(node):
-            dispatcher = next(p for p in psutil.Process().children(recursive=True)
-                              if p.cmdline() and p.cmdline()[0] == "batchyard::dispatcher")
+        with running_node(node) as sup:
+            dispatcher = _node_processes(sup)["dispatcher"]
             with Client(node.dispatcher.frontend) as c:
                 for _ in range(fill):  # each step that reads a message adds a lateness sample
                     c.model_info("noop")
