@@ -33,9 +33,10 @@ CAP_REFRESH = 16
 # RLS with forgetting divides the covariance by the factor at every sample; in a direction the
 # samples never excite (a worker that only ever runs B=1 cannot tell launch from per-item time)
 # it grows as 0.995^-n and overflows after ~141,000 batches: the curve turns NaN and the policy
-# with it (simulated: p99 of seconds after 11 s at 30 % load). Its trace is kept at most this
-# (the initial covariance's), the usual bounded-covariance remedy.
-P_TRACE_MAX = 2e3
+# with it (simulated: p99 of seconds after 11 s at 30 % load). Its trace is kept at most the
+# initial covariance's, the usual bounded-covariance remedy.
+P_INITIAL = 1e3  # the covariance starts at P_INITIAL * identity: the first samples move the fit freely
+P_TRACE_MAX = 2 * P_INITIAL
 
 
 @dataclass
@@ -48,7 +49,7 @@ class CostCurve:
     outliers: int = 0
     r2: float = float("nan")  # of the offline linear fit, when built from a profile
     # RLS state: inverse covariance P (2x2, symmetric) and parameters theta = (launch, per_item)
-    _p: list = field(default_factory=lambda: [1e3, 0.0, 1e3])
+    _p: list = field(default_factory=lambda: [P_INITIAL, 0.0, P_INITIAL])
     # knots: batch size -> (estimate, count); kept sorted by size in _sizes
     _knots: dict = field(default_factory=dict)
     _sizes: list = field(default_factory=list)

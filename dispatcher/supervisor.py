@@ -122,8 +122,8 @@ class Supervisor:
                "--config", self.config_path]
         return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env() | (env or {}))
 
-    def _front_doors(self) -> dict[str, subprocess.Popen]:
-        return {n: p for n, p in self.workers.items() if n.startswith(FRONTEND_NAME)}
+    def _front_door_pids(self) -> set[int]:
+        return {p.pid for n, p in self.workers.items() if n.startswith(FRONTEND_NAME)}
 
     def start(self) -> None:
         if self.node.frontend is not None and self.node.frontend.processes:
@@ -197,7 +197,7 @@ class Supervisor:
             return
         while True:
             ready.receive()
-            pids = {p.pid for p in self._front_doors().values()}
+            pids = self._front_door_pids()
             if pids <= ready.ready_pids:
                 return
             self._check_started()
