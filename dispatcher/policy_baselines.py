@@ -97,14 +97,23 @@ def crossover_sizes(state: SchedulerState, model: str, max_batch: int) -> tuple[
 
 
 def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int, now: float,
-                       alone_s: float, ski_rental: bool = False) -> tuple[bool, float]:
-    """The marginal test for a batch of ``b`` items bound for ``w``.
+                       alone_s: float) -> tuple[bool, float]:
+    """The seeds' marginal test for a batch of ``b`` items bound for ``w`` (three-segment).
 
     One more request saves ``T(b) + T_alone(1) - T(b+1)`` of compute (it rides along instead of
     running on its own); waiting for it costs every queued item the expected gap to the next
-    arrival, ``b / lambda``. Wait only while the saving is larger. Returns (pays, t_flip): with
-    no new arrival lambda(t) decays, and the rule flips at the instant lambda falls to
-    ``b / saving`` — that is when to look again.
+    arrival, ``b / lambda``. Wait only while the saving is larger (``wait_pays``)."""
+    curve = state.cost(model, w.path)
+    return wait_pays(state, model, b, curve.predict(b) + alone_s - curve.predict(b + 1), now)
+
+
+def wait_pays(state: SchedulerState, model: str, b: int, saving: float, now: float,
+              ski_rental: bool = False, break_even_gap: float | None = None) -> tuple[bool, float]:
+    """Whether waiting for one more arrival pays when it saves ``saving`` seconds and costs each
+    of ``b`` queued items the expected gap ``1 / lambda``. Returns (pays, t_flip): with no new
+    arrival lambda(t) decays, and the rule flips at the instant the expected gap reaches the
+    break-even gap — ``saving / b`` for a saving that does not depend on the gap, else
+    ``break_even_gap`` — that is when to look again.
 
     With ``ski_rental``, the wait also ends once it has cost the b items as much as the next
     arrival would save, at ``t_last + saving / b`` (``t_last``: the latest arrival, when the
@@ -113,15 +122,14 @@ def marginal_wait_pays(state: SchedulerState, model: str, w: WorkerState, b: int
     expectation lasts until lambda decays (a time of order tau), and the unlucky gaps become
     the p99.
     """
-    curve = state.cost(model, w.path)
-    saving = curve.predict(b) + alone_s - curve.predict(b + 1)
-    if saving <= 0:
+    gap = saving / b if break_even_gap is None else break_even_gap
+    if saving <= 0 or gap <= 0:
         return False, now
     rate = state.arrival(model)
     lam = rate.rate(now)
     if lam <= 0 or saving <= b / lam:
         return False, now
-    t_flip = rate.time_when_rate_is(b / saving, now)
+    t_flip = rate.time_when_rate_is(1.0 / gap, now)
     if ski_rental:
         t_flip = min(t_flip, rate.last + saving / b)
         if t_flip <= now:

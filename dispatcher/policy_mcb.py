@@ -8,7 +8,7 @@ import heapq
 import math
 
 from .deadline_index import DeadlineIndex
-from .policy_baselines import marginal_wait_pays
+from .policy_baselines import wait_pays
 from .policy_core import Decision, PerModelPolicy, aging_period, send, servers_for
 from .state import ModelQueue, SchedulerState, WorkerState
 
@@ -131,6 +131,41 @@ def _another_free_by_next_arrival(state: SchedulerState, w: WorkerState, ws: lis
     return any(planned.get(id(x), state.start_time(x, now)) <= nxt for x in ws if x is not w)
 
 
+def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState], chunks: list, q: int,
+                lam: float, now: float) -> tuple[float, float]:
+    """What waiting for the next arrival saves in summed latency, against sending ``w`` its ``q``
+    items now, and the break-even gap: the expected gap to that arrival below which the saving
+    exceeds the wait's cost, ``q`` times the gap. Returns (saving, break-even gap).
+
+    The arrival is expected at ``a = now + g``, ``g = 1/lambda``. Waiting, the ``q`` items and it
+    leave together at ``a + T(q+1)``: the arrival's latency is ``T(q+1)``, and each item finishes
+    ``T(q+1) - T(q)`` later for the batch's growth (beside the wait itself). Sent now, the
+    arrival takes its best other route x: the worker that, free at ``F_x`` (its first batch of the
+    plan ``chunks`` done, else its start time), finishes it alone soonest, ``max(F_x - a, 0) +
+    T_x(1)`` — ``w`` itself after this batch among them. The saving is that route's latency minus
+    ``T(q+1)`` minus the items' growth. So a free GPU does not hold a lone request for company while
+    a CPU frees soon after the next arrival; with no other route it waits while the arrival would
+    otherwise queue behind this batch and run alone.
+
+    The saving shrinks as ``g`` grows (routes busy past ``a`` come closer), so the break-even gap
+    is the smallest over routes of the root of ``max(D_x - g, 0) + T_x(1) - K = q·g``
+    (``D_x = F_x - now``, ``K`` = ``T(q+1)`` + the growth): exact, where ``saving / q`` would
+    overstate it and wake the dispatcher late."""
+    if lam <= 0:
+        return 0.0, 0.0  # no arrival expected: nothing to wait for
+    curve = state.cost(model, w.path)
+    tq, tq1 = curve.predict(q), curve.predict(q + 1)
+    k = tq1 + q * (tq1 - tq)
+    g = 1.0 / lam
+    planned = {id(x): finish for finish, x, _ in chunks}
+    routes = [(tq, curve.predict(1))]  # (D_x, T_x(1)); w itself is free again after the batch sent now
+    routes += [(planned.get(id(x), state.start_time(x, now)) - now, state.cost(model, x.path).predict(1))
+               for x in ws if x is not w]
+    saving = min(max(d - g, 0.0) + t1 for d, t1 in routes) - k
+    gap = min((d + t1 - k) / (q + 1) if d + t1 - k <= (q + 1) * d else (t1 - k) / q for d, t1 in routes)
+    return saving, gap
+
+
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
     """When to look again at items waiting for busy ``w``: when it frees, or, if it is overdue,
     after the time its batch would take (never ``now``: that would spin the live timer)."""
@@ -208,7 +243,6 @@ class MarginalCost(PerModelPolicy):
             if slack <= 0:
                 d.count("flushed")
                 chunks, _ = plan(state, model, [w for w in ws if w.free], b, now, background)
-            alone = min(state.cost(model, w.path).predict(1) for w in ws)
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
             held = 0  # head items planned for busy workers that finish them before this one
@@ -235,7 +269,8 @@ class MarginalCost(PerModelPolicy):
                         and not _another_free_by_next_arrival(state, w, ws, chunks, lam, now)):
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
-                    pays, t_flip = marginal_wait_pays(state, model, w, queued, now, alone, ski_rental=True)
+                    saving, gap = wait_saving(state, model, w, ws, chunks, queued, lam, now)
+                    pays, t_flip = wait_pays(state, model, queued, saving, now, ski_rental=True, break_even_gap=gap)
                     if pays:
                         if not waited:
                             d.count("waited")

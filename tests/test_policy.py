@@ -43,32 +43,37 @@ def test_small_queue_goes_to_cpu_at_once():
 
 
 def test_middle_queue_waits_until_the_wait_has_cost_what_the_next_arrival_saves():
-    # GPU only (no escape route), lambda = 30k/s: one more request saves the launch (0.15 ms)
-    # and costs 3 queued items 3/30000 s = 0.1 ms in expectation, so waiting pays. But the gap
-    # to the next arrival is exponential: the wait stops once it has cost the 3 items as much
-    # as the arrival would save (ski rental), 0.15 ms / 3 after the latest arrival — not when
-    # lambda has decayed to 3 / 0.15 ms, 0.1 s later, as it did before (a p99 of 0.1 s).
-    st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False)
+    # GPU only (no escape route), one request queued, lambda = 30k/s (next arrival in 33.3 us).
+    # Sent now it finishes at 0.17 ms, and the next arrival queues behind it and runs alone:
+    # latency 0.17 - 0.0333 + 0.17 = 0.3067 ms. Waiting, both leave at 0.0333 + T(2) = 0.223 ms:
+    # the arrival's latency is 0.19 ms and the request's batch grows by 0.02 ms, so the wait
+    # saves 0.3067 - 0.19 - 0.02 = 0.0967 ms and costs the request the gap, 0.0333 ms: it pays.
+    # The gap is exponential: the wait stops once it has cost what the arrival would save
+    # (ski rental), 0.0967 ms after the latest arrival — not when lambda has decayed, 0.17 s later.
+    st = seeds_state(n_queued=1, lam_per_s=30_000, cpu=False)
     pol = MarginalCost()
     d = pol.decide(st, 1.0)
     assert d.dispatches == [] and d.reasons == {"waited": 1}
-    flip = 1.0 + 0.15 * MS / 3
+    flip = 1.0 + (0.17 + 0.17 - 0.19 - 0.02) * MS - 1 / 30_000
     assert d.wake_at == pytest.approx(flip, abs=1e-12)
-    assert pol.decide(st, flip - 1e-7).dispatches == []
-    assert paths(pol.decide(st, flip)) == [("gpu", 3)]
+    assert pol.decide(st, d.wake_at - 1e-7).dispatches == []
+    assert paths(pol.decide(st, d.wake_at)) == [("gpu", 1)]
 
 
 def test_middle_queue_waits_exactly_until_the_marginal_rule_flips():
-    # Just above the break-even rate (3 / 0.15 ms = 20k/s), lambda's decay ends the wait first.
-    st = seeds_state(n_queued=3, lam_per_s=20_002, cpu=False)
+    # The wait pays while the expected gap g is below the break-even one: 0.34 - g - 0.21 ms
+    # saved > g, i.e. g < 0.065 ms, lambda > 15,384.6/s. Just above it, lambda's decay ends
+    # the wait first: at tau * ln(lambda / 15,384.6), before the ski-rental bound (~65 us).
+    lam = 15_386.0
+    st = seeds_state(n_queued=1, lam_per_s=lam, cpu=False)
     pol = MarginalCost()
     d = pol.decide(st, 1.0)
     assert d.dispatches == [] and d.reasons == {"waited": 1}
-    flip = 1.0 + 0.25 * math.log(20_002 / (3 / (0.15 * MS)))
-    assert flip < 1.0 + 0.15 * MS / 3
+    flip = 1.0 + 0.25 * math.log(lam * 0.065 * MS)
+    assert flip < 1.0 + (0.13 * MS - 1 / lam)
     assert d.wake_at == pytest.approx(flip, abs=1e-9)
-    assert pol.decide(st, flip - 1e-6).dispatches == []
-    assert paths(pol.decide(st, flip + 1e-9)) == [("gpu", 3)]
+    assert pol.decide(st, flip - 1e-7).dispatches == []
+    assert paths(pol.decide(st, flip + 1e-9)) == [("gpu", 1)]
 
 
 def test_large_queue_goes_to_gpu_at_once():
@@ -148,6 +153,25 @@ def test_no_wait_for_a_second_arrival_that_another_worker_will_be_free_for():
     assert paths(d) == [("gpu", 1)] and "waited" not in d.reasons
 
 
+def test_a_free_gpu_sends_a_lone_request_when_a_cpu_would_serve_the_next_arrival_sooner():
+    # CPUs 1.75x slower than the seeds' (0.14 ms an item), busy until 0.07 and 0.10 ms; the GPU
+    # is free; one request queued at 20k req/s (next arrival in 0.05 ms). The compute rule
+    # (one more request saves the 0.14 ms it would cost alone, > 0.05 ms of waiting) held the
+    # request for a GPU batch of two. But sent now, the next arrival goes to cpu0 as it frees
+    # and is done 0.16 ms after arriving; joining the GPU batch it would take T(2) = 0.19 ms, and
+    # the held request 0.05 + 0.02 ms more. Simulated, CPUs 0.14 ms, 45 % load: p50 1.15x
+    # escape:1's with the wait, 1.00x without.
+    st = seeds_state(n_queued=1, lam_per_s=20_000)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.14 * MS)
+    st.costs[("m", "cpu")].samples = 100
+    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
+    for name, busy_ms in (("cpu0", 0.07), ("cpu1", 0.10)):
+        w = st.workers[name]
+        w.inflight, w.busy_until = 1, 1.0 + busy_ms * MS
+    d = MarginalCost().decide(st, 1.0)
+    assert paths(d) == [("gpu", 1)] and "waited" not in d.reasons
+
+
 def test_plan_spreads_a_queue_over_every_free_worker():
     st = seeds_state(n_queued=64, lam_per_s=1000)
     for i in (1, 2):
@@ -167,13 +191,13 @@ def test_plan_spreads_a_queue_over_every_free_worker():
 
 def test_expiring_deadline_flushes_instead_of_waiting():
     now = 1.0
-    # Waiting would pay (lambda high, GPU only) but the tightest deadline is 0.2 ms after the
-    # batch's predicted finish (the wait would otherwise end 0.05 ms after the latest arrival).
-    st = seeds_state(n_queued=3, lam_per_s=30_000, cpu=False, deadline=now + 0.21 * MS + 0.02 * MS)
+    # Waiting would pay (lambda high, GPU only) but the tightest deadline is 0.02 ms after the
+    # batch's predicted finish (the wait would otherwise end 0.0967 ms after the latest arrival).
+    st = seeds_state(n_queued=1, lam_per_s=30_000, cpu=False, deadline=now + 0.17 * MS + 0.02 * MS)
     d = MarginalCost().decide(st, now)
     assert d.dispatches == [] and d.wake_at == pytest.approx(now + 0.02 * MS, abs=1e-9)
     d = MarginalCost().decide(st, now + 0.02 * MS + 1e-9)
-    assert paths(d) == [("gpu", 3)] and d.reasons == {"flushed": 1, "dispatched-gpu": 1}
+    assert paths(d) == [("gpu", 1)] and d.reasons == {"flushed": 1, "dispatched-gpu": 1}
 
 
 def test_infeasible_deadline_is_rejected_on_arrival():
