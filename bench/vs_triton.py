@@ -34,10 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import psutil
 
 from batchyard.config import FrontendConfig, NodeConfig, to_toml
@@ -95,6 +97,7 @@ class Plan:
     stability: float
     reps: int
     load_tool: str = "harness"  # or "perf_analyzer" (Triton's own, from the tritonclient wheel)
+    rounds: int = 1  # every (server, load) is measured once per round; the report takes medians
 
 
 def make_plan(args) -> Plan:
@@ -105,7 +108,8 @@ def make_plan(args) -> Plan:
                 load_fractions=[float(x) for x in fractions.split(",")], saturate=args.saturate,
                 saturate_fraction=1.5, delays_us=[int(x) for x in delays.split(",")], slo_ms=args.slo_ms,
                 warmup_s=5.0, window_s=10.0 if quick else 20.0, windows=3 if quick else 5,
-                stability=0.25 if quick else 0.15, reps=3 if quick else 7, load_tool=args.load_tool)
+                stability=0.25 if quick else 0.15, reps=3 if quick else 7, load_tool=args.load_tool,
+                rounds=args.rounds or (1 if quick else 2))
 
 
 def offered_loads(plan: Plan, limit: float) -> None:
@@ -268,6 +272,20 @@ def counter(samples: list, name: str) -> float:
     return sample_total(samples, name) + sample_total(samples, f"{name}_total")
 
 
+IDLE_TIMEOUT_S = 900.0  # a saturated run's backlog: minutes of queue on a slow core
+
+
+def wait_idle(server: Server) -> None:
+    """Until ``server`` has nothing queued or running (its ``nv_inference_pending_request_count``
+    is 0): the backlog of a saturated run would otherwise be served on the core the next
+    measurement, of this server or another, runs on."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while sample_total(scrape(server.metrics_url), "nv_inference_pending_request_count") > 0:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"vs_triton: {server.name} still busy {IDLE_TIMEOUT_S:.0f} s after a run")
+        time.sleep(0.5)  # another process tree's queue: nothing to wait on but its metrics
+
+
 def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Path | None) -> dict:
     spec = LoadSpec(rate=rate, slo_ms=plan.slo_ms, warmup_s=plan.warmup_s, window_s=plan.window_s,
                     windows=plan.windows, stability=plan.stability, processes=1, seed=7)
@@ -307,20 +325,27 @@ def run_all(plan: Plan, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="by-vs-data-") as tmp:
         data = (perf_analyzer.minilm_input_data(Path(tmp) / "minilm.json")
                 if plan.load_tool == "perf_analyzer" else None)
-        with batchyard_server(server_cpus) as (srv, node):
-            out["pinning"]["batchyard"] = srv.pinning
-            for r in rates:
-                out["runs"].append(measure(srv, r, plan, f"batchyard mcb @{r:g}", data))
+        # Every server runs for the whole bench, and the measurements interleave: each load is
+        # measured on every server in turn, round after round, with the server that goes first
+        # rotating. A machine shared with other sessions drifts over minutes; measured one server
+        # after the other, the drift would land on one of them.
+        with contextlib.ExitStack() as stack:
+            by, node = stack.enter_context(batchyard_server(server_cpus))
+            servers = [by] + [stack.enter_context(triton_server(d, server_cpus)) for d in plan.delays_us]
+            out["pinning"] = {s.name: s.pinning for s in servers}
+            turn = 0
+            for rnd in range(plan.rounds):
+                for r in rates:
+                    k, turn = turn % len(servers), turn + 1
+                    for srv in servers[k:] + servers[:k]:
+                        wait_idle(srv)
+                        run = measure(srv, r, plan, f"{srv.name} @{r:g} round {rnd + 1}", data)
+                        out["runs"].append(run | {"round": rnd})
             from batchyard.client import Client
 
             with Client(node.dispatcher.frontend) as c:
                 st = c.status(timeout=10.0)
             out["batchyard_status"] = {"curves": st.curves, "decisions": st.decisions}
-        for delay in plan.delays_us:
-            with triton_server(delay, server_cpus) as srv:
-                out["pinning"][srv.name] = srv.pinning
-                for r in rates:
-                    out["runs"].append(measure(srv, r, plan, f"triton {delay}us @{r:g}", data))
     print("physical limit again, after the runs:", flush=True)
     out["limit_after"] = physical_limit(server_cpus[0], plan.reps)
     out["loadavg_end"] = os.getloadavg()
@@ -332,31 +357,56 @@ def _s(run) -> dict:
     return run["report"].summary
 
 
-def _under_slo(runs, slo_ms) -> float:
-    ok = [_s(r)["throughput_rps"] for r in runs if _s(r)["p99_ms"] <= slo_ms and not _s(r)["errors"]]
+MERGED = ("p50_ms", "p99_ms", "throughput_rps", "mean_batch")
+
+
+def merge_rounds(runs: list) -> dict:
+    """{(server, rate): the median over rounds of each figure in MERGED, the p99's range, and
+    whether every round was stable} — one row of the report from every round's run of it."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["server"], r["rate"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN p50: unstable perf_analyzer runs
+            m = {f: float(np.nanmedian([_s(r).get(f, float("nan")) for r in rs])) for f in MERGED}
+        p99s = [_s(r)["p99_ms"] for r in rs]
+        m.update(p99_min=min(p99s), p99_max=max(p99s), rounds=len(rs),
+                 errors=sum(sum(_s(r)["errors"].values()) for r in rs),
+                 stable=all(r["report"].stable for r in rs))
+        out[key] = m
+    return out
+
+
+def _under_slo(rows: list, slo_ms) -> float:
+    ok = [m["throughput_rps"] for m in rows if m["p99_ms"] <= slo_ms and not m["errors"]]
     return max(ok, default=0.0)
 
 
 def summarise_results(res: dict) -> dict:
     plan = res["plan"]
-    by = {r["rate"]: r for r in res["runs"] if r["server"] == "batchyard"}
-    tri = [r for r in res["runs"] if r["server"] != "batchyard"]
+    merged = merge_rounds(res["runs"])
+    servers = list(dict.fromkeys(r["server"] for r in res["runs"]))
+    tri_names = [s for s in servers if s != "batchyard"]
     rows = []
     for rate in plan["loads"] + [plan["saturate"]]:
-        at = [r for r in tri if r["rate"] == rate]
-        best = min(at, key=lambda r: (_s(r)["p99_ms"], -_s(r)["throughput_rps"]))
+        at = [(s, merged[(s, rate)]) for s in tri_names]
+        # Triton's best delay is picked per load, after the fact: with several delays and noisy
+        # runs this favours Triton (the luckiest of them), which the report says.
+        best = min(at, key=lambda sm: (sm[1]["p99_ms"], -sm[1]["throughput_rps"]))
         if rate == plan["saturate"]:  # past the limit, the best Triton is the one that serves most
-            best = max(at, key=lambda r: _s(r)["throughput_rps"])
-        rows.append({"rate": rate, "batchyard": _s(by[rate]), "triton_delay_us": int(best["server"].split()[1]),
-                     "triton": _s(best), "batchyard_stable": by[rate]["report"].stable,
-                     "triton_stable": best["report"].stable})
+            best = max(at, key=lambda sm: sm[1]["throughput_rps"])
+        by = merged[("batchyard", rate)]
+        rows.append({"rate": rate, "batchyard": by, "triton_delay_us": int(best[0].split()[1]),
+                     "triton": best[1], "batchyard_stable": by["stable"], "triton_stable": best[1]["stable"]})
     # The core's capacity is at least the best seen: the limit before or after the runs.
     limit = max(res["limit"]["limit_items_per_s"], res["limit_after"]["limit_items_per_s"]) * len(res["server_cpus"])
-    by_max = _under_slo(by.values(), plan["slo_ms"])
-    tri_max = max(_under_slo([r for r in tri if r["server"] == s], plan["slo_ms"])
-                  for s in dict.fromkeys(r["server"] for r in tri))
+    by_max = _under_slo([merged[("batchyard", r)] for r in plan["loads"] + [plan["saturate"]]], plan["slo_ms"])
+    tri_max = max(_under_slo([m for (s, _), m in merged.items() if s == name], plan["slo_ms"]) for name in tri_names)
     sat = rows[-1]
-    return {"rows": rows, "max_under_slo": {"batchyard": by_max, "triton": tri_max},
+    return {"rows": rows, "merged": [{"server": s, "rate": r, **m} for (s, r), m in merged.items()],
+            "max_under_slo": {"batchyard": by_max, "triton": tri_max},
             "saturated_fraction": {"batchyard": sat["batchyard"]["throughput_rps"] / limit,
                                    "triton": sat["triton"]["throughput_rps"] / limit},
             "limit_items_per_s": limit,
@@ -389,6 +439,10 @@ def render(res: dict, summ: dict, command: str) -> str:
              f"{f(lim2['limit_items_per_s'])} at B={lim2['best_b']} after; the saturated fractions below use the "
              f"larger, **{f(summ['limit_items_per_s'])} items/s** (all server cores).", "",
              f"## p50 / p99 (ms) against offered Poisson load; Triton at its best delay of {plan['delays_us']} us", "",
+             f"Every server ran for the whole bench; each load was measured on every server in turn, "
+             f"{plan.get('rounds', 1)} round(s), the server going first rotating; each figure is the median over "
+             f"the rounds. Triton's delay is the best one per load, picked after the runs: of several noisy "
+             f"settings that is also the luckiest, which favours Triton.", "",
              "| offered/s | Batchyard p50 | p99 | tput/s | mean B | Triton best delay | p50 | p99 | tput/s | mean B "
              "| p99 By/Tri |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summ["rows"]:
@@ -399,12 +453,14 @@ def render(res: dict, summ: dict, command: str) -> str:
                      f"{f(b['throughput_rps'])} | {f(b['mean_batch'])} | {r['triton_delay_us']} us | {f(t['p50_ms'])} | "
                      f"{f(t['p99_ms'])}{mark(r['triton_stable'])} | {f(t['throughput_rps'])} | {f(t['mean_batch'])} | "
                      f"{b['p99_ms'] / t['p99_ms']:.2f} |")
-    delays = list(dict.fromkeys(r["server"] for r in res["runs"] if r["server"] != "batchyard"))
-    lines += ["", "Triton p99 ms (throughput/s, mean batch) at every delay of the sweep:", "",
-              "| offered/s | " + " | ".join(delays) + " |", "|---" * (len(delays) + 1) + "|"]
+    rng = lambda m: f" ({f(m['p99_min'])}–{f(m['p99_max'])})" if m["rounds"] > 1 else ""  # noqa: E731
+    merged = {(m["server"], m["rate"]): m for m in summ["merged"]}
+    servers = list(dict.fromkeys(m["server"] for m in summ["merged"]))
+    lines += ["", "p99 ms, median (range) over the rounds [throughput, mean batch], of every server at every load:",
+              "", "| offered/s | " + " | ".join(servers) + " |", "|---" * (len(servers) + 1) + "|"]
     for rate in plan["loads"] + [plan["saturate"]]:
-        cells = [next(_s(r) for r in res["runs"] if r["server"] == d and r["rate"] == rate) for d in delays]
-        lines.append(f"| {rate:g} | " + " | ".join(f"{f(c['p99_ms'])} ({f(c['throughput_rps'])}, {f(c['mean_batch'])})"
+        cells = [merged[(sv, rate)] for sv in servers]
+        lines.append(f"| {rate:g} | " + " | ".join(f"{f(c['p99_ms'])}{rng(c)} [{f(c['throughput_rps'])}/s, B {f(c['mean_batch'])}]"
                                                    for c in cells) + " |")
     g, m, sf = summ["goals"], summ["max_under_slo"], summ["saturated_fraction"]
     lim_all = summ["limit_items_per_s"]
@@ -443,6 +499,8 @@ def main(argv=None) -> None:
     ap.add_argument("--load-cpu", default="0")
     ap.add_argument("--load-tool", choices=sorted(LOAD_TOOLS), default="harness",
                     help="the load generator for both servers (perf_analyzer: Triton's own)")
+    ap.add_argument("--rounds", type=int, default=0, help="measure every (server, load) this many times, "
+                    "interleaved; the report takes medians (default 1 with --quick, else 2)")
     ap.add_argument("--out", default="bench/results/vs_triton")
     args = ap.parse_args(argv)
     if args.two_workers:
@@ -457,7 +515,7 @@ def main(argv=None) -> None:
     text = render(res, summ, command.strip())
     (out / "report.md").write_text(text)
     data = {k: v for k, v in res.items() if k != "runs"}
-    data["runs"] = [{"server": r["server"], "rate": r["rate"], "stable": r["report"].stable,
+    data["runs"] = [{"server": r["server"], "rate": r["rate"], "round": r["round"], "stable": r["report"].stable,
                      "summary": r["report"].summary} for r in res["runs"]]
     data["summary"] = summ
     (out / "report.json").write_text(json.dumps(data, indent=1, default=float))

@@ -126,3 +126,33 @@ def test_triton_schedule_policy_sends_priority_and_server_timeout_only_when_aske
     assert kwargs(0, 0.0) == {"priority": 1, "timeout": None, "client_timeout": 2 * CLIENT_GRACE_S}
     assert status(RuntimeError("[StatusCode.UNAVAILABLE] Request timeout expired")) == 4
     assert status(RuntimeError("Deadline Exceeded")) == 14
+
+
+def test_vs_triton_reports_the_median_of_interleaved_rounds_and_picks_tritons_delay_by_it():
+    """Two rounds of two loads on Batchyard and two Triton delays: each row is the median over the
+    rounds (not the last round, not the best), and Triton's best delay per load is the one with
+    the lowest median p99 — a setting lucky in one round only is not picked for it."""
+    from batchyard.bench.harness import Report
+    from batchyard.bench.vs_triton import render, summarise_results
+
+    def run(server, rate, rnd, p99, tput):
+        summary = {"p50_ms": p99 / 2, "p99_ms": p99, "throughput_rps": tput, "mean_batch": 2.0, "errors": {}}
+        return {"server": server, "rate": rate, "round": rnd, "report": Report(server, "", rate, stable=True,
+                                                                                  summary=summary)}
+    p99 = {("batchyard", 10): (100, 300), ("triton 0 us", 10): (150, 160), ("triton 50000 us", 10): (60, 400),
+           ("batchyard", 30): (900, 1200), ("triton 0 us", 30): (2000, 2100), ("triton 50000 us", 30): (2500, 1900)}
+    tput = {10: 10.0, 30: 25.0}
+    runs = [run(s, rate, rnd, p99[(s, rate)][rnd], tput[rate] + (s == "triton 0 us")) for rnd in (0, 1)
+            for (s, rate) in p99]
+    limit = {"curve": {1: {"ms": 50.0, "items_per_s": 20.0}}, "best_b": 1, "limit_items_per_s": 20.0}
+    res = {"plan": {"loads": [10], "saturate": 30, "slo_ms": 1000.0, "delays_us": [0, 50000], "rounds": 2},
+           "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
+           "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+    summ = summarise_results(res)
+    light, saturated = summ["rows"]
+    assert light["batchyard"]["p99_ms"] == 200 and (light["batchyard"]["p99_min"], light["batchyard"]["p99_max"]) == (100, 300)
+    assert light["triton_delay_us"] == 0 and light["triton"]["p99_ms"] == 155  # not 50000 us's lucky 60 ms
+    assert saturated["triton_delay_us"] == 0  # past the limit: the one that serves most
+    assert summ["max_under_slo"] == {"batchyard": 10.0, "triton": 11.0}
+    text = render(res, summ, "python -m batchyard.bench.vs_triton")
+    assert "| 10 | 200.0 (100.0–300.0) [10.0/s, B 2.0] | 155.0 (150.0–160.0)" in text
