@@ -137,18 +137,25 @@ def test_expected_arrivals_do_not_take_the_head_from_a_cpu_about_to_free():
     assert d.wake_at == pytest.approx(cpu.busy_until)
 
 
+def lone_request_with_busy_cpus(lam_per_s: float, cpu_ms_per_item: float, busy_ms: tuple) -> SchedulerState:
+    """One request queued at 1.0 s, the seeds' GPU free, two CPUs at ``cpu_ms_per_item`` ms an
+    item, busy for ``busy_ms`` from now."""
+    st = seeds_state(n_queued=1, lam_per_s=lam_per_s)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=cpu_ms_per_item * MS)
+    st.costs[("m", "cpu")].samples = 100
+    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
+    for name, ms in zip(("cpu0", "cpu1"), busy_ms):
+        w = st.workers[name]
+        w.inflight, w.busy_until = 1, 1.0 + ms * MS
+    return st
+
+
 def test_no_wait_for_a_second_arrival_that_another_worker_will_be_free_for():
     # CPUs 2x slower than the seeds' (0.16 ms an item), both busy, the GPU free, one request
     # queued at 13.3k req/s. The marginal rule alone waits for a second arrival (it saves the
     # 0.16 ms that arrival would cost alone); but cpu0 is free again before that arrival is
     # due (75 us), so it would be served at once there and the wait only delays this request.
-    st = seeds_state(n_queued=1, lam_per_s=13_300)
-    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.16 * MS)
-    st.costs[("m", "cpu")].samples = 100
-    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
-    for name, busy_ms in (("cpu0", 0.0275), ("cpu1", 0.0745)):
-        w = st.workers[name]
-        w.inflight, w.busy_until = 1, 1.0 + busy_ms * MS
+    st = lone_request_with_busy_cpus(13_300, 0.16, busy_ms=(0.0275, 0.0745))
     d = MarginalCost().decide(st, 1.0)
     assert paths(d) == [("gpu", 1)] and "waited" not in d.reasons
 
@@ -161,13 +168,7 @@ def test_a_free_gpu_sends_a_lone_request_when_a_cpu_would_serve_the_next_arrival
     # and is done 0.16 ms after arriving; joining the GPU batch it would take T(2) = 0.19 ms, and
     # the held request 0.05 + 0.02 ms more. Simulated, CPUs 0.14 ms, 45 % load: p50 1.15x
     # escape:1's with the wait, 1.00x without.
-    st = seeds_state(n_queued=1, lam_per_s=20_000)
-    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.14 * MS)
-    st.costs[("m", "cpu")].samples = 100
-    st.add_worker(WorkerState("cpu1", "cpu", {"m": 64}))
-    for name, busy_ms in (("cpu0", 0.07), ("cpu1", 0.10)):
-        w = st.workers[name]
-        w.inflight, w.busy_until = 1, 1.0 + busy_ms * MS
+    st = lone_request_with_busy_cpus(20_000, 0.14, busy_ms=(0.07, 0.10))
     d = MarginalCost().decide(st, 1.0)
     assert paths(d) == [("gpu", 1)] and "waited" not in d.reasons
 
