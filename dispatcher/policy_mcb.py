@@ -118,19 +118,6 @@ def send_behind(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueu
             q.push_front(r)
 
 
-def _another_free_by_next_arrival(state: SchedulerState, w: WorkerState, ws: list[WorkerState], chunks: list,
-                                  lam: float, now: float) -> bool:
-    """Whether a worker other than ``w`` is free when the next request is expected (``now +
-    1/lambda``): free now with nothing planned, or done with its planned first batch by then.
-    The marginal rule prices the next arrival served alone as compute lost; with such a worker
-    it is served at once, on compute nobody waits for, so waiting for it only delays ``w``'s items."""
-    if lam <= 0:
-        return False
-    nxt = now + 1.0 / lam
-    planned = {id(x): finish for finish, x, _ in chunks}
-    return any(planned.get(id(x), state.start_time(x, now)) <= nxt for x in ws if x is not w)
-
-
 def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState], chunks: list, q: int,
                 lam: float, now: float) -> tuple[float, float]:
     """What waiting for the next arrival saves in summed latency, against sending ``w`` its ``q``
@@ -144,8 +131,9 @@ def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[Work
     plan ``chunks`` done, else its start time), finishes it alone soonest, ``max(F_x - a, 0) +
     T_x(1)`` — ``w`` itself after this batch among them. The saving is that route's latency minus
     ``T(q+1)`` minus the items' growth. So a free GPU does not hold a lone request for company while
-    a CPU frees soon after the next arrival; with no other route it waits while the arrival would
-    otherwise queue behind this batch and run alone.
+    a CPU frees soon after the next arrival (or is free by then: that route costs only its T(1));
+    with no other route it waits while the arrival would otherwise queue behind this batch and
+    run alone.
 
     The saving shrinks as ``g`` grows (routes busy past ``a`` come closer), so the break-even gap
     is the smallest over routes of the root of ``max(D_x - g, 0) + T_x(1) - K = q·g``
@@ -157,8 +145,8 @@ def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[Work
     tq, tq1 = curve.predict(q), curve.predict(q + 1)
     k = tq1 + q * (tq1 - tq)
     g = 1.0 / lam
-    planned = {id(x): finish for finish, x, _ in chunks}
     routes = [(tq, curve.predict(1))]  # (D_x, T_x(1)); w itself is free again after the batch sent now
+    planned = {id(x): finish for finish, x, _ in chunks}
     routes += [(planned.get(id(x), state.start_time(x, now)) - now, state.cost(model, x.path).predict(1))
                for x in ws if x is not w]
     saving = min(max(d - g, 0.0) + t1 for d, t1 in routes) - k
@@ -265,8 +253,7 @@ class MarginalCost(PerModelPolicy):
                     queued = max(queued, min(cap, left - held - after))
                 if queued <= 0:
                     break
-                if (slack > 0 and queued < cap
-                        and not _another_free_by_next_arrival(state, w, ws, chunks, lam, now)):
+                if slack > 0 and queued < cap:
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
                     saving, gap = wait_saving(state, model, w, ws, chunks, queued, lam, now)
