@@ -96,14 +96,17 @@ class ModelQueue:
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
 
-    def take(self, max_items: int) -> list[Request]:
-        """Pop up to ``max_items`` items, high priority first, FIFO within a class.
-        A request is never split; one bigger than what is left ends the batch."""
+    def take(self, max_items: int, newest_low_first: bool = False) -> list[Request]:
+        """Pop up to ``max_items`` items, high priority first, FIFO within a class (the low
+        class newest first when ``newest_low_first``). A request is never split; one bigger
+        than what is left ends the batch."""
         out: list[Request] = []
         room = max_items
+        last = len(self.by_priority) - 1
         for prio, q in enumerate(self.by_priority):
-            while q and q[0].items <= room:
-                req = q.popleft()
+            newest = newest_low_first and prio == last
+            while q and (q[-1] if newest else q[0]).items <= room:
+                req = q.pop() if newest else q.popleft()
                 room -= req.items
                 self.class_items[prio] -= req.items
                 out.append(req)

@@ -63,6 +63,19 @@ def test_aging_does_not_merge_the_classes_of_a_slow_model():
     assert low.priority == 1
 
 
+def test_the_aging_period_does_not_follow_the_learned_batch_cap():
+    """Timings that make B=4 look the most efficient size (as noisy live knots did) cap the
+    batches at 4; the aging period stays 8 full (max) batches, or a flood's low requests are
+    promoted above the urgent ones before their timeout."""
+    core, _ = minilm_core()
+    curve = core.state.costs[("m", "cpu")]
+    for _ in range(3):
+        for b, factor in ((4, 0.9), (8, 1.0), (32, 1.0)):
+            curve.observe(b, factor * (LAUNCH_S + PER_ITEM_S * b))
+    assert core.state.batch_cap("m", core.state.workers["amx0"]) == 4
+    assert aging_period(core.state, "m") == 8 * curve.predict(MAX_BATCH)
+
+
 def test_low_batches_stay_short_while_urgent_requests_arrive():
     for urgent_seen, want in ((False, MAX_BATCH), (True, 3)):
         core, _ = minilm_core()
@@ -75,10 +88,26 @@ def test_low_batches_stay_short_while_urgent_requests_arrive():
         assert batch.items == want, urgent_seen
 
 
+def test_a_flooded_low_class_is_served_newest_first():
+    """Ten old low requests 0.3 s from their deadlines (one alone takes 146 ms, the short batch
+    of 3 373 ms) ahead of ten fresh ones. Oldest first, the batch was cut to the old requests
+    that still make it (2 items, the least efficient sizes) and every later batch likewise;
+    newest first it has the short size and fresh requests. With no old requests, FIFO."""
+    for old_timeout, want in ((0.3, [19, 18, 17]), (60.0, [0, 1, 2])):
+        core, failed = minilm_core()
+        for i in range(20):
+            core.admit("m", 1, 2, old_timeout if i < 10 else 60.0, 0.0, req_id=i)
+        core.state.note_arrival("m", 0, 1, 0.0)  # urgent traffic: low batches are short (3)
+        (batch,) = core.decide(0.0)
+        assert [r.req_id for r in batch.requests] == want and not failed, old_timeout
+
+
 def test_high_priority_under_a_flood_simulated():
     """SIMULATED, the live bench's load: high 10 %, normal 20 %, low 150 % of the core's limit with
     a 5 s timeout. Before: low completions 0/s (every low batch ran past its deadline) and high
-    p99 37x its p99 alone (aged low requests ahead of it); now both stay useful."""
+    p99 37x its p99 alone (aged low requests ahead of it); now both stay useful. Low completions
+    were 0.40 x the limit with the low class served oldest first (batches cut to the one or two
+    requests that still made their deadlines), 0.58 x newest first once it is flooded."""
     cpu = Device("amx0", "cpu", LAUNCH_S, PER_ITEM_S, max_batch=MAX_BATCH)
     limit = MAX_BATCH / (LAUNCH_S + PER_ITEM_S * MAX_BATCH)
     rates = np.array([0.10, 0.20, 1.50]) * limit
@@ -94,4 +123,4 @@ def test_high_priority_under_a_flood_simulated():
     high = warm & served & (trace.priority == 0)
     assert np.percentile(res.latency[high], 99) < 4 * p99_alone
     low_per_s = (warm & served & (trace.priority == 2)).sum() / (trace.arrivals[-1] - 20.0)
-    assert low_per_s > 0.4 * limit
+    assert low_per_s > 0.5 * limit
