@@ -250,7 +250,16 @@ class Dispatcher:
             log.error("rejecting worker %s: %s", msg.worker, text)
             self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=text)))
             return
-        if msg.worker in self.state.workers:
+        known = self.state.workers.get(msg.worker)
+        if known is not None and known.pid == msg.pid and known.identity == identity:
+            # The same process registering again is no restart: its batches are still running.
+            # After a dispatcher restart a worker's heartbeats, sent before its registration was
+            # answered, each draw a Reregister; one that lands after the answer made it register
+            # twice, and the second registration failed the batch it had just been given.
+            self.core.heartbeat(msg.worker, now)
+            self._send_worker(identity, P.encode(P.Registered(worker=msg.worker)))
+            return
+        if known is not None:
             self._worker_lost(msg.worker, "worker re-registered", now)
         for spec in msg.models:
             self.specs.setdefault(spec.name, spec)

@@ -61,3 +61,50 @@ def test_a_dead_dispatcher_fails_requests_in_flight_fast_and_the_client_reconnec
         assert c.infer("sum", {"x": np.full((1, 4), 2, np.float32)}, timeout=30)["y"].tolist() == [[8.0, 8.0]]
         # The new dispatcher knows no grants: the client registers its segments again by itself.
         assert c.infer("big", {"x": big}, timeout=30)["y"].shape == (1, 256, 1024)
+
+
+def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, processes):
+    """After a dispatcher restart, a worker's heartbeats sent before its registration was
+    answered each draw a Reregister; one that lands late makes the same process register
+    again. That is no restart: the batch it holds must not be failed over (it was, as "worker
+    re-registered": CI's test_a_dead_dispatcher_fails_requests_in_flight_fast got UNAVAILABLE
+    from it). A worker here is a bare socket, so the second registration comes exactly mid-batch."""
+    import zmq
+
+    from batchyard import protocol as P
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    start(processes, config, "dispatcher")
+    spec = SUM_MODEL.spec()
+    register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[spec]))
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"w0")
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(node.dispatcher.backend)
+
+    def recv(kind):
+        assert worker.poll(30_000), f"no {kind.__name__} from the dispatcher"
+        frames = worker.recv_multipart()
+        msg = P.to_worker_decoder.decode(frames[0])
+        assert type(msg) is kind, msg
+        return msg, frames
+
+    try:
+        worker.send(register)
+        recv(P.Registered)
+        with Client(node.dispatcher.frontend) as c:
+            fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+            batch, _ = recv(P.Batch)
+            worker.send(register)  # the same process (pid, connection) registers again
+            recv(P.Registered)
+            out = P.ItemResult(seq=batch.seqs[0], status=0, n_frames=1,
+                               outputs=[P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)])
+            worker.send_multipart([P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100,
+                                                        results=[out])), np.full((1, 2), 7, np.float32)])
+            assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
+            assert c.status().registrations == 1  # counted once
+    finally:
+        worker.close()
