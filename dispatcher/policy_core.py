@@ -102,7 +102,7 @@ def low_class_congested(state: SchedulerState, w: WorkerState, q: ModelQueue, no
     high, 20 % normal, 150 % low with a 5 s timeout): low completions 15.8/s of a 42.3/s limit,
     batches of 1.4. Newest first the batches have the short size the low class is kept to
     anyway, they serve fresh requests, and the old ones expire in the queue as they would have:
-    25.3/s, batches of 2.7. One request close to its deadline ahead of others that are not is
+    22.7/s, batches of 2.3. One request close to its deadline ahead of others that are not is
     no flood: it still goes in a short batch of its own (the ``compact``-th oldest decides)."""
     lows = q.by_priority[-1]
     if not lows:
@@ -158,9 +158,10 @@ def aging_period(state: SchedulerState, model: str) -> float:
     ``AGING_S``, or ``AGING_BATCHES`` of the model's longest full batch if that is longer.
     A full batch is the configured max batch, not the learned efficient one: that one follows
     noisy per-size timings, and live on one EPYC core it fell from 28 to 4 between two runs of
-    the priority bench; the aging period fell with it to 0.8 s, low requests of a flood (5 s
-    timeout) were promoted into the normal and then the high class within 2.3 s, and the high
-    class's p99 under the flood went from 0.4 s to 3.9 s."""
+    the priority bench, and the aging period with it to about 0.8 s: by the aging rule, a flood's
+    low requests (5 s timeout) then rise into the normal class after ~1.5 s and the high class
+    after ~2.3 s. In that run the high class's p99 under the flood was 3.9 s (0.4 s the run
+    before)."""
     longest = max((state.cost(model, w.path).predict(w.models[model])
                    for w in state.serving.get(model, ())), default=0.0)
     return max(AGING_S, AGING_BATCHES * longest)
