@@ -13,6 +13,7 @@ import zmq
 from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess, Generation,
                            InferResult, Pending, closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
+from .zmq_frames import EVENTS, NOBLOCK, POLLIN, send_parts
 
 
 class AsyncClient(CodecAccess):
@@ -71,7 +72,7 @@ class AsyncClient(CodecAccess):
     def _drain(self) -> None:
         while not self.closed:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(NOBLOCK)
             except zmq.Again:
                 return
             self._codec.on_reply(frames)
@@ -96,9 +97,11 @@ class AsyncClient(CodecAccess):
 
         self._codec.pending[rid] = Pending(kind, regions, outputs, resolve)
         self._timers[rid] = self.loop.call_later(timeout, self._on_local_timeout, rid)
-        self.sock.send_multipart(frames, copy=False)
-        # Sending can consume the FD's edge: drain now in case replies are already waiting.
-        self.loop.call_soon(self._drain)
+        send_parts(self.sock, frames)
+        # Sending can consume the FD's edge: drain soon if replies are already waiting (asking
+        # EVENTS costs one poll; an unconditional drain cost that plus a zmq.Again per request).
+        if self.sock.getsockopt(EVENTS) & POLLIN:
+            self.loop.call_soon(self._drain)
         return fut
 
     def _on_local_timeout(self, rid: int) -> None:

@@ -10,6 +10,7 @@ Triton (which often matches on the code, sometimes on the text) behaves the same
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Optional
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from . import kserve_stats as S
 from . import protocol as P
+from .client_codec import dtype_name
 from .errors import BatchyardError
 from .kserve_stats import NodeStats
 
@@ -26,6 +28,7 @@ KSERVE_TO_NP = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": 
                 "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
                 "FP16": "float16", "FP32": "float32", "FP64": "float64"}
 NP_TO_KSERVE = {v: k for k, v in KSERVE_TO_NP.items()}
+_NP_DTYPES = {k: np.dtype(v) for k, v in KSERVE_TO_NP.items()}
 PLATFORM = "batchyard"
 SERVER_NAME = "batchyard"
 EXTENSIONS = ["system_shared_memory", "statistics"]
@@ -115,8 +118,10 @@ def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) ->
 
 
 def tensor_from_bytes(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
-    dt = np.dtype(np_dtype(datatype, f"input '{name}'"))
-    want = int(np.prod(shape)) * dt.itemsize
+    dt = _NP_DTYPES.get(datatype)
+    if dt is None:
+        np_dtype(datatype, f"input '{name}'")  # raises Triton's error
+    want = math.prod(shape) * dt.itemsize
     if len(data) != want:
         raise invalid(f"unexpected total byte size {len(data)} for input '{name}', expecting {want}")
     return np.frombuffer(data, dtype=dt).reshape(shape)
@@ -128,9 +133,9 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
         arr = np.asarray(data, dtype=dt)
     except (TypeError, ValueError) as e:
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
-    if arr.size != int(np.prod(shape)):
+    if arr.size != math.prod(shape):
         raise invalid(f"unexpected number of elements {arr.size} for input '{name}', expecting "
-                      f"{int(np.prod(shape))} for shape {list(shape)}")
+                      f"{math.prod(shape)} for shape {list(shape)}")
     return arr.reshape(shape)
 
 
@@ -142,8 +147,8 @@ def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:
         t = want.get(name)
         if t is None:
             raise invalid(f"unexpected inference input '{name}' for model '{spec.name}'")
-        if arr.dtype.name != t.dtype:
-            raise invalid(f"inference input '{name}' data-type is '{NP_TO_KSERVE[arr.dtype.name]}', but model "
+        if dtype_name(arr.dtype) != t.dtype:
+            raise invalid(f"inference input '{name}' data-type is '{NP_TO_KSERVE[dtype_name(arr.dtype)]}', but model "
                           f"'{spec.name}' expects '{NP_TO_KSERVE.get(t.dtype, t.dtype)}'")
         if arr.ndim != len(t.shape) + 1 or tuple(arr.shape[1:]) != tuple(t.shape) or not 1 <= arr.shape[0] <= spec.max_batch:
             raise invalid(f"unexpected shape for input '{name}' for model '{spec.name}'. Expected "

@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
+from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
                             cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
                             timeout_s)
@@ -139,7 +140,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
         for name, region in wanted:
             arr = out[name]
-            o = resp.outputs.add(name=name, datatype=NP_TO_KSERVE[arr.dtype.name], shape=arr.shape)
+            o = resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
             if region is not None:
                 shm.write(*region, arr, name)
                 o.parameters["shared_memory_region"].string_param = region[0]

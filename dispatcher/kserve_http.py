@@ -17,6 +17,7 @@ import numpy as np
 from aiohttp import web
 
 from . import __version__
+from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
                             cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
                             timeout_s)
@@ -192,7 +193,7 @@ class KServeHttp:
         outputs, chunks = [], []
         for name, binary_out, region in wanted:
             arr = out[name]
-            o = {"name": name, "datatype": NP_TO_KSERVE[arr.dtype.name], "shape": list(arr.shape)}
+            o = {"name": name, "datatype": NP_TO_KSERVE[dtype_name(arr.dtype)], "shape": list(arr.shape)}
             if region is not None:
                 # As Triton: name, datatype and shape only. tritonclient's C++ HTTP client (and so
                 # perf_analyzer) reads any output "parameters" as binary data and requires

@@ -74,6 +74,15 @@ def test_batches_form_under_load(start_node):
     assert max(sizes) > 1  # requests that arrived while the worker was busy went together
 
 
+def test_a_big_endian_array_is_sent_by_value(start_node):
+    """The wire carries native (little-endian) bytes under a dtype name; an array read from a
+    big-endian file has the same name, so its bytes must be swapped, not sent as they are."""
+    node = start_node([sim_worker()])
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with node.client() as c:
+        np.testing.assert_array_equal(c.infer("sum", {"x": x.astype(">f4")})["y"], expected_sum(x))
+
+
 def test_large_tensors_go_through_shared_memory_both_ways(start_node):
     node = start_node([sim_worker()])
     with node.client() as c:
