@@ -32,6 +32,7 @@ _NP_DTYPES = {k: np.dtype(v) for k, v in KSERVE_TO_NP.items()}
 PLATFORM = "batchyard"
 SERVER_NAME = "batchyard"
 EXTENSIONS = ["system_shared_memory", "statistics"]
+VERSIONS = ("", "1")  # the one version of every model; "" asks for the latest
 
 
 class KServeError(Exception):
@@ -90,6 +91,19 @@ def from_batchyard(err: BatchyardError, model: str) -> KServeError:
             P.Status.CANCELLED: grpc.StatusCode.CANCELLED,
             P.Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}.get(st, grpc.StatusCode.INTERNAL)
     return KServeError(code, err.message)
+
+
+def unknown_version(model: str, version: str) -> KServeError:
+    # Triton's wording for a version it does not serve; Batchyard serves one, "1".
+    return KServeError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{model}' version {version} is not found")
+
+
+def model_control_refused(model: str) -> KServeError:
+    """Load and unload, as a Triton whose model control mode is NONE answers them: a Batchyard
+    node's models are the ones its config gives its workers."""
+    return KServeError(grpc.StatusCode.UNAVAILABLE,
+                       f"explicit model load / unload is not allowed: '{model}' is served while a worker of the "
+                       "node's config serves it (start or stop that worker instead)")
 
 
 def np_dtype(datatype: str, what: str) -> str:
@@ -207,14 +221,18 @@ class KServeCore:
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
         self._refresh: Optional[asyncio.Future] = None
 
-    async def spec(self, model: str) -> P.ModelSpec:
+    async def spec(self, model: str, version: str = "") -> P.ModelSpec:
+        """The model's spec; Triton's errors for an unknown model, then for a version other than
+        the one Batchyard serves ("1"; "" is the latest, as Triton reads it)."""
         spec = self.client.specs.get(model)
-        if spec is not None:
-            return spec
-        try:
-            return await self.client.model_info(model, timeout=5.0)
-        except BatchyardError as e:
-            raise from_batchyard(e, model) from None
+        if spec is None:
+            try:
+                spec = await self.client.model_info(model, timeout=5.0)
+            except BatchyardError as e:
+                raise from_batchyard(e, model) from None
+        if version not in VERSIONS:
+            raise unknown_version(model, version)
+        return spec
 
     async def ready_models(self) -> Optional[frozenset]:
         """Models served by at least one registered worker (None when the dispatcher does not
@@ -236,8 +254,19 @@ class KServeCore:
             ready = None
         return ready
 
-    async def model_ready(self, model: str) -> bool:
-        return model in ((await self.ready_models()) or ())
+    async def model_ready(self, model: str, version: str = "") -> bool:
+        return version in VERSIONS and model in ((await self.ready_models()) or ())
+
+    async def repository_index(self, ready_only: bool = False) -> list[dict]:
+        """Triton's repository index: every model of the node, READY while a worker serves it
+        (the index of a Triton in model-control mode NONE lists its models the same way)."""
+        ready = await self.ready_models()
+        if ready is None:
+            raise KServeError(grpc.StatusCode.UNAVAILABLE, "the dispatcher does not answer")
+        index = [{"name": m, "version": "1", "state": "READY" if m in ready else "UNAVAILABLE",
+                  "reason": "" if m in ready else "no worker serving it is registered"}
+                 for m in sorted(self._models | ready)]
+        return [i for i in index if i["state"] == "READY"] if ready_only else index
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], priority: int = 0,
                     timeout: Optional[float] = None) -> tuple[P.ModelSpec, dict]:

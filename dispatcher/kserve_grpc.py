@@ -2,12 +2,14 @@
 grpc.aio, translated onto Batchyard through ``KServeCore``. The generated stubs are the ones
 tritonclient ships, so the messages are exactly those its clients and perf_analyzer send.
 
-Methods not listed here (CUDA shared memory, repository control, trace and log settings) keep
-the generated base class's answer, UNIMPLEMENTED.
+Repository control answers as a Triton in model-control mode NONE does (the index lists the
+node's models; load and unload are refused); trace and log settings, which Batchyard does not
+have, are UNIMPLEMENTED with a message that says so.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 import grpc
@@ -18,8 +20,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
-                            cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
-                            timeout_s)
+                            cuda_shm_status, invalid, model_config, model_control_refused, model_metadata,
+                            tensor_from_bytes, tensor_from_list, timeout_s)
 
 # Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -57,27 +59,49 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerReadyResponse(ready=bool(await self.core.ready_models()))
 
     async def ModelReady(self, request, context):
-        return service_pb2.ModelReadyResponse(ready=await self.core.model_ready(request.name))
+        return service_pb2.ModelReadyResponse(ready=await self.core.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
         return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
-        md = await self._call(context, self.core.spec(request.name))
+        md = await self._call(context, self.core.spec(request.name, request.version))
         return json_format.ParseDict(model_metadata(md), service_pb2.ModelMetadataResponse())
 
     async def ModelConfig(self, request, context):
-        spec = await self._call(context, self.core.spec(request.name))
+        spec = await self._call(context, self.core.spec(request.name, request.version))
         cfg = json_format.ParseDict(model_config(spec), model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=cfg)
 
     async def ModelStatistics(self, request, context):
         if request.name:
-            await self._call(context, self.core.spec(request.name))
+            await self._call(context, self.core.spec(request.name, request.version))
         out = service_pb2.ModelStatisticsResponse()
         for d in await self.core.model_stats(request.name):
             json_format.ParseDict(d, out.model_stats.add())
         return out
+
+    # ---------------------------------------------------------------- repository (control mode NONE)
+    async def RepositoryIndex(self, request, context):
+        index = await self._call(context, self.core.repository_index(request.ready))
+        out = service_pb2.RepositoryIndexResponse()
+        for m in index:
+            out.models.add(**m)
+        return out
+
+    async def RepositoryModelLoad(self, request, context):
+        e = model_control_refused(request.model_name)
+        await context.abort(e.code, e.message)
+
+    async def RepositoryModelUnload(self, request, context):
+        e = model_control_refused(request.model_name)
+        await context.abort(e.code, e.message)
+
+    async def TraceSetting(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Batchyard has no trace settings (Triton's trace extension)")
+
+    async def LogSettings(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Batchyard has no log settings (Triton's logging extension)")
 
     # ---------------------------------------------------------------- system shared memory
     async def SystemSharedMemoryRegister(self, request, context):
@@ -113,8 +137,45 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         return await self._call(context, self._infer(request, context))
 
+    async def ModelStreamInfer(self, request_iterator, context):
+        """tritonclient's ``start_stream`` / ``stream_infer``: every request of the stream runs as
+        ModelInfer does, all at once, each answered as it completes (the client matches answers
+        by request id); an error answers its request only, in ``error_message``, as Triton's
+        stream does. A client that closes the stream withdraws what it still has queued."""
+        answers: asyncio.Queue = asyncio.Queue()
+        running: set = set()
+
+        async def answer(request):
+            try:
+                resp = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+            except (KServeError, ValueError, TypeError) as e:  # a malformed request: its own answer
+                resp = service_pb2.ModelStreamInferResponse(
+                    error_message=e.message if isinstance(e, KServeError) else f"{type(e).__name__}: {e}",
+                    infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
+            answers.put_nowait(resp)
+
+        async def read():
+            try:
+                async for request in request_iterator:
+                    task = asyncio.ensure_future(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*running)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (resp := await answers.get()) is not None:
+                yield resp
+            await reader  # its failure (a broken stream) is the stream's
+        finally:
+            for task in (reader, *running):
+                task.cancel()
+
     async def _infer(self, request, context) -> service_pb2.ModelInferResponse:
-        spec = await self.core.spec(request.model_name)  # an unknown model is the error to report first
+        # An unknown model (then version) is the error to report first.
+        spec = await self.core.spec(request.model_name, request.model_version)
         shm = self.core.shm
         inputs: dict[str, np.ndarray] = {}
         raw = iter(request.raw_input_contents)  # in the order of the inputs not in shared memory
@@ -160,6 +221,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         for o in request.outputs:
             if o.name not in names:
                 raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
+            if "classification" in o.parameters:  # tritonclient's class_count
+                raise invalid(f"output '{o.name}': classification is not supported")
             region = _shm_param(o.parameters)
             if region is not None:
                 self.core.shm.check(*region)

@@ -10,7 +10,7 @@ parameter (or the request's ``binary_data_output``) says so, else as a JSON list
 from __future__ import annotations
 
 import json
-import zlib
+import logging
 from typing import Optional
 
 import numpy as np
@@ -19,14 +19,35 @@ from aiohttp import web
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
-                            cuda_shm_status, invalid, model_config, model_metadata, tensor_from_bytes, tensor_from_list,
-                            timeout_s)
+                            cuda_shm_status, invalid, model_config, model_control_refused, model_metadata,
+                            tensor_from_bytes, tensor_from_list, timeout_s)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+log = logging.getLogger("batchyard.frontend")
 
 
 def _error(e: KServeError) -> web.Response:
     return web.json_response({"error": e.message}, status=e.http_status)
+
+
+def _version(request: web.Request) -> str:
+    return request.match_info.get("version", "")
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Every answer of the front door is JSON, as Triton's are: tritonclient parses an error's
+    body, and aiohttp's own text for an unknown path (or a handler's crash) made the client fail
+    on the parse instead of reporting the error."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response({"error": f"{e.reason}: {request.method} {request.path}"}, status=e.status)
+    except Exception as e:  # noqa: BLE001 -- one request's fault; the front door keeps serving
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return web.json_response({"error": f"internal error: {type(e).__name__}: {e}"}, status=500)
 
 
 def _shm(params: dict) -> Optional[tuple[str, int, int]]:
@@ -37,11 +58,10 @@ def _shm(params: dict) -> Optional[tuple[str, int, int]]:
 
 
 async def _body(request: web.Request) -> bytes:
-    body = await request.read()
-    encoding = request.headers.get("Content-Encoding", "").lower()
-    if encoding in ("gzip", "deflate"):  # tritonclient's request_compression_algorithm
-        body = zlib.decompress(body, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    return body
+    # A gzip or deflate body (tritonclient's request_compression_algorithm) arrives decompressed:
+    # aiohttp's server undoes Content-Encoding itself. Undoing it again failed every such
+    # request with a 500.
+    return await request.read()
 
 
 def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
@@ -84,7 +104,10 @@ class KServeHttp:
                 web.get(c + "/status", self.cuda_status), web.get(c + "/region/{name}/status", self.cuda_status),
                 web.post(c + "/region/{name}/register", self.cuda_register),
                 web.post(c + "/region/{name}/unregister", self.cuda_unregister),
-                web.post(c + "/unregister", self.cuda_unregister)]
+                web.post(c + "/unregister", self.cuda_unregister),
+                web.post("/v2/repository/index", self.repository_index),
+                web.post("/v2/repository/models/{model}/load", self.model_control),
+                web.post("/v2/repository/models/{model}/unload", self.model_control)]
 
     # ---------------------------------------------------------------- health and metadata
     async def live(self, request):
@@ -94,20 +117,21 @@ class KServeHttp:
         return web.Response(status=200 if await self.core.ready_models() else 400)
 
     async def model_ready(self, request):
-        return web.Response(status=200 if await self.core.model_ready(request.match_info["model"]) else 400)
+        ready = await self.core.model_ready(request.match_info["model"], _version(request))
+        return web.Response(status=200 if ready else 400)
 
     async def server_metadata(self, request):
         return web.json_response({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
 
     async def metadata(self, request):
         try:
-            return web.json_response(model_metadata(await self.core.spec(request.match_info["model"])))
+            return web.json_response(model_metadata(await self.core.spec(request.match_info["model"], _version(request))))
         except KServeError as e:
             return _error(e)
 
     async def config(self, request):
         try:
-            return web.json_response(model_config(await self.core.spec(request.match_info["model"])))
+            return web.json_response(model_config(await self.core.spec(request.match_info["model"], _version(request))))
         except KServeError as e:
             return _error(e)
 
@@ -115,10 +139,21 @@ class KServeHttp:
         model = request.match_info.get("model", "")
         try:
             if model:
-                await self.core.spec(model)
+                await self.core.spec(model, _version(request))
         except KServeError as e:
             return _error(e)
         return web.json_response({"model_stats": await self.core.model_stats(model)})
+
+    # ---------------------------------------------------------------- repository (control mode NONE)
+    async def repository_index(self, request):
+        try:
+            body, _ = _split(request, await _body(request)) if request.can_read_body else ({}, b"")
+            return web.json_response(await self.core.repository_index(bool(body.get("ready", False))))
+        except KServeError as e:
+            return _error(e)
+
+    async def model_control(self, request):
+        return _error(model_control_refused(request.match_info["model"]))
 
     # ---------------------------------------------------------------- system shared memory
     async def shm_register(self, request):
@@ -166,7 +201,7 @@ class KServeHttp:
 
     async def _infer(self, request) -> web.Response:
         model = request.match_info["model"]
-        spec = await self.core.spec(model)  # an unknown model is the error to report first
+        spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
         header, binary = _split(request, await _body(request))
         params = header.get("parameters") or {}
         inputs, pos = {}, 0
@@ -238,7 +273,7 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
                      extra_routes=()) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode."""
-    app = web.Application(client_max_size=max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app.add_routes(KServeHttp(core).routes())
     app.add_routes(list(extra_routes))
     runner = web.AppRunner(app, access_log=None)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import shutil
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -163,6 +164,83 @@ def test_aio_clients_equal_the_sdk(front_door):
         np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_http_requests_are_served(front_door, algorithm):
+    """tritonclient's request/response compression (Content-Encoding): a compressed request
+    got a 500 when the body was decompressed a second time."""
+    c = thttp.InferenceServerClient(front_door.http_url)
+    res = c.infer("sum", [_http_input(X)], request_compression_algorithm=algorithm,
+                  response_compression_algorithm=algorithm)
+    np.testing.assert_array_equal(res.as_numpy("y"), front_door.sdk("sum", X))
+
+
+def test_stream_infer_answers_every_request_of_the_stream(front_door):
+    """start_stream / async_stream_infer: each request answered once, by its id; a bad one
+    answers with its error and the stream goes on."""
+    got, done = {}, threading.Event()
+
+    def callback(result, error):
+        rid = result.get_response().id if result is not None else None
+        got[rid if error is None else f"error {len(got)}"] = error.message() if error else result.as_numpy("y")
+        if len(got) == 4:
+            done.set()
+
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    c.start_stream(callback=callback)
+    try:
+        for rid, model, version in [("a", "sum", ""), ("b", "nope", ""), ("c", "sum", "7"), ("d", "sum", "1")]:
+            c.async_stream_infer(model, [_grpc_input(X)], request_id=rid, model_version=version)
+        assert done.wait(30), got
+    finally:
+        c.stop_stream()
+    # A stream closed with a request still running: the front door withdraws it and serves on.
+    c.start_stream(callback=lambda result, error: None)
+    c.async_stream_infer("slow", [_grpc_input(X)], request_id="gone")
+    c.stop_stream(cancel_requests=True)
+    want = front_door.sdk("sum", X)
+    np.testing.assert_array_equal(c.infer("sum", [_grpc_input(X)]).as_numpy("y"), want)
+    np.testing.assert_array_equal(got.pop("a"), want)
+    np.testing.assert_array_equal(got.pop("d"), want)
+    assert sorted(got.values()) == ["Request for unknown model: 'nope' is not found",
+                                    "Request for unknown model: 'sum' version 7 is not found"]
+
+
+def test_repository_index_lists_the_models_and_load_is_refused(front_door):
+    """As a Triton in model-control mode NONE: the index lists the node's models and their
+    state; load and unload are refused with UNAVAILABLE (HTTP 503)."""
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    h = thttp.InferenceServerClient(front_door.http_url)
+    index = {m["name"]: m for m in g.get_model_repository_index(as_json=True)["models"]}
+    assert index["sum"]["state"] == "READY" and set(index) >= {"sum", "slow"}
+    assert {m["name"] for m in h.get_model_repository_index()} == set(index)
+    for c, code in ((g, "StatusCode.UNAVAILABLE"), (h, "503")):
+        for call in (c.load_model, c.unload_model):
+            with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed") as e:
+                call("sum")
+            assert e.value.status() == code
+
+
+def test_versions_and_unknown_paths_answer_as_triton(front_door):
+    """Batchyard serves version 1 of each model: another version is not found (Triton's
+    wording), and is not ready. An unknown HTTP path answers in JSON, so tritonclient reports
+    the status instead of failing to parse aiohttp's text."""
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    h = thttp.InferenceServerClient(front_door.http_url)
+    text = "Request for unknown model: 'sum' version 7 is not found"
+    assert g.is_model_ready("sum", "1") and not g.is_model_ready("sum", "7") and not h.is_model_ready("sum", "7")
+    for call in (lambda: g.get_model_metadata("sum", "7"), lambda: g.infer("sum", [_grpc_input(X)], model_version="7"),
+                 lambda: h.get_model_config("sum", "7"), lambda: h.infer("sum", [_http_input(X)], model_version="7")):
+        with pytest.raises(InferenceServerException, match=text) as e:
+            call()
+        assert e.value.status() in ("StatusCode.NOT_FOUND", "404")
+    with pytest.raises(InferenceServerException, match="Not Found") as e:
+        h.get_trace_settings()
+    assert e.value.status() == "404"
+    with pytest.raises(InferenceServerException, match="no trace settings") as e:
+        g.get_trace_settings()
+    assert e.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
 # ---------------------------------------------------------------- system shared memory
 @pytest.mark.parametrize("proto", ["grpc", "http"])
 def test_shm_register_infer_unregister(front_door, proto):
@@ -258,18 +336,20 @@ def test_cuda_shm_answers_as_a_triton_without_gpus(front_door, proto):
     assert e.value.status() == ("StatusCode.INVALID_ARGUMENT" if proto == "grpc" else "400")
 
 
-@pytest.mark.parametrize("proto", ["grpc", "http"])
+@pytest.mark.parametrize("proto", ["grpc", "http", "grpc-streaming"])
 @pytest.mark.parametrize("shm", ["none", "system"])
 def test_perf_analyzer_drives_the_front_door(front_door, proto, shm):
     """Triton's own load tool, unchanged: its run ends 0, it reads the server-side statistics, and
-    its shared-memory set-up and clean-up go through (it unregisters CUDA regions as well). Any
-    window is accepted as stable (-s 1000): this is about the protocol, not the numbers."""
+    its shared-memory set-up and clean-up go through (it unregisters CUDA regions as well); with
+    --streaming its requests go over one ModelStreamInfer stream. Any window is accepted as stable
+    (-s 1000): this is about the protocol, not the numbers."""
     from batchyard.bench import perf_analyzer
 
-    url = front_door.grpc_url if proto == "grpc" else front_door.http_url
-    args = ["-m", "sum", "-u", url, "-i", proto, "--concurrency-range", "2", "--measurement-mode",
+    url = front_door.http_url if proto == "http" else front_door.grpc_url
+    args = ["-m", "sum", "-u", url, "-i", proto.split("-")[0], "--concurrency-range", "2", "--measurement-mode",
             "count_windows", "--measurement-request-count", "50", "-s", "1000", "--max-trials", "3",
-            "--shared-memory", shm] + (["--output-shared-memory-size", "64"] if shm != "none" else [])
+            "--shared-memory", shm] + (["--output-shared-memory-size", "64"] if shm != "none" else []) \
+        + (["--streaming"] if proto == "grpc-streaming" else [])
     try:
         cmd, env = perf_analyzer.command(args)
     except perf_analyzer.PerfAnalyzerMissing as e:
@@ -294,19 +374,21 @@ BAD_CASES = {
     "unknown model": ("nope", X, "FP32", "unknown model: 'nope'"),
     "wrong shape": ("sum", np.zeros((2, 5), np.float32), "FP32", "unexpected shape for input 'x'"),
     "wrong dtype": ("sum", X.astype(np.float64), "FP64", "data-type is 'FP64', but model 'sum' expects 'FP32'"),
+    "classification": ("sum", X, "FP32", "classification is not supported"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_bad_requests_get_tritons_codes(front_door, case):
     model, x, dtype, text = BAD_CASES[case]
+    classify = case == "classification"  # tritonclient's class_count
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     with pytest.raises(InferenceServerException, match=text) as e:
-        g.infer(model, [_grpc_input(x, dtype)])
+        g.infer(model, [_grpc_input(x, dtype)], outputs=[tgrpc.InferRequestedOutput("y", class_count=1)] if classify else None)
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     h = thttp.InferenceServerClient(front_door.http_url)
     with pytest.raises(InferenceServerException, match=text) as e:
-        h.infer(model, [_http_input(x, dtype)])
+        h.infer(model, [_http_input(x, dtype)], outputs=[thttp.InferRequestedOutput("y", class_count=1)] if classify else None)
     assert e.value.status() == "400"
 
 
