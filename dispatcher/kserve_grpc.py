@@ -46,6 +46,12 @@ def _shm_param(params) -> Optional[tuple[str, int, int]]:
     return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
 
 
+def _as_kserve(e: Exception) -> KServeError:
+    """A field of the wrong type or value (a string priority, say) is the request's fault, as on
+    the HTTP side: INVALID_ARGUMENT, not the UNKNOWN that an escaping exception becomes."""
+    return e if isinstance(e, KServeError) else invalid(f"malformed inference request: {type(e).__name__}: {e}")
+
+
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, core: KServeCore):
@@ -148,9 +154,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def answer(request):
             try:
                 resp = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-            except (KServeError, ValueError, TypeError) as e:  # a malformed request: its own answer
+            except (KServeError, ValueError, TypeError) as e:  # this request's fault: its own answer
                 resp = service_pb2.ModelStreamInferResponse(
-                    error_message=e.message if isinstance(e, KServeError) else f"{type(e).__name__}: {e}",
+                    error_message=_as_kserve(e).message,
                     infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
             answers.put_nowait(resp)
 
@@ -234,7 +240,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _call(context, coro):
         try:
             return await coro
-        except KServeError as e:
+        except (KServeError, ValueError, TypeError) as e:
+            e = _as_kserve(e)
             await context.abort(e.code, e.message)
 
     @staticmethod

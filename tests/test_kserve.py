@@ -392,6 +392,22 @@ def test_bad_requests_get_tritons_codes(front_door, case):
     assert e.value.status() == "400"
 
 
+def test_a_parameter_of_the_wrong_type_is_an_invalid_argument(front_door):
+    """A raw ModelInfer whose priority is a string: INVALID_ARGUMENT with the reason, as the HTTP
+    side answers, not UNKNOWN with an internal exception's name."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    req.inputs.add(name="x", datatype="FP32", shape=[3, 4])
+    req.raw_input_contents.append(X.tobytes())
+    req.parameters["priority"].string_param = "urgent"
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed inference request" in e.value.details()
+
+
 def test_bad_shm_region_is_not_found(front_door):
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     i = tgrpc.InferInput("x", [3, 4], "FP32")
