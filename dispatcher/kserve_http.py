@@ -61,7 +61,10 @@ async def _body(request: web.Request) -> bytes:
     # A gzip or deflate body (tritonclient's request_compression_algorithm) arrives decompressed:
     # aiohttp's server undoes Content-Encoding itself. Undoing it again failed every such
     # request with a 500.
-    return await request.read()
+    try:
+        return await request.read()
+    except web.RequestPayloadError as e:  # a body that does not decompress: the client's fault
+        raise invalid(f"the request body cannot be read: {e}") from None
 
 
 def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:

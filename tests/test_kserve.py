@@ -174,6 +174,18 @@ def test_compressed_http_requests_are_served(front_door, algorithm):
     np.testing.assert_array_equal(res.as_numpy("y"), front_door.sdk("sum", X))
 
 
+def test_a_body_that_does_not_decompress_is_a_bad_request(front_door):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{front_door.http_url}/v2/models/sum/infer", data=b"not gzip",
+                                 headers={"Content-Encoding": "gzip"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and "cannot be read" in json.loads(e.value.read())["error"]
+
+
 def test_stream_infer_answers_every_request_of_the_stream(front_door):
     """start_stream / async_stream_infer: each request answered once, by its id; a bad one
     answers with its error and the stream goes on."""
