@@ -191,13 +191,14 @@ def model_config(spec: P.ModelSpec) -> dict:
 
 # ------------------------------------------------------------------ statistics
 def stats_json(name: str, c) -> dict:
-    """Triton's ModelStatistics in its JSON form, from the node's counters (kserve_stats). Each
-    request counts as one execution: the front door does not see which requests the dispatcher
-    batched together."""
+    """Triton's ModelStatistics in its JSON form, from the node's counters (kserve_stats). The
+    execution count is the batches the front door's requests ran in (each request adds its share
+    of its batch), so inference_count / execution_count is the mean batch, as with Triton; a batch
+    shared with SDK clients counts only the front door's share of it."""
     dur = lambda n, ns: {"count": int(n), "ns": int(ns)}  # noqa: E731
     ok = c[S.SUCCESS]
     return {"name": name, "version": "1", "last_inference": int(c[S.LAST_MS]), "inference_count": int(c[S.ITEMS]),
-            "execution_count": int(ok),
+            "execution_count": int(round(c[S.EXEC_PPM] / S.PPM)),
             "inference_stats": {"success": dur(ok, c[S.SUCCESS_NS]), "fail": dur(c[S.FAIL], c[S.FAIL_NS]),
                                 "queue": dur(ok, c[S.QUEUE_NS]), "compute_input": dur(ok, 0),
                                 "compute_infer": dur(ok, c[S.COMPUTE_NS]), "compute_output": dur(ok, 0)},
@@ -284,11 +285,14 @@ class KServeCore:
             raise from_batchyard(e, model) from None
         c[S.SUCCESS] += 1
         c[S.SUCCESS_NS] += time.perf_counter_ns() - t0
-        c[S.ITEMS] += next(iter(inputs.values())).shape[0]
+        items = next(iter(inputs.values())).shape[0]
+        c[S.ITEMS] += items
         c[S.LAST_MS] = int(time.time() * 1000)
-        if out.timing is not None:
-            c[S.QUEUE_NS] += out.timing.queue_us * 1000
-            c[S.COMPUTE_NS] += out.timing.compute_us * 1000
+        timing = out.timing
+        if timing is not None:
+            c[S.QUEUE_NS] += timing.queue_us * 1000
+            c[S.COMPUTE_NS] += timing.compute_us * 1000
+        c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
         return spec, out
 
     async def model_stats(self, model: str) -> list[dict]:

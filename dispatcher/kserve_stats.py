@@ -1,7 +1,7 @@
 """Triton's per-model statistics for the whole node, with several front-door processes.
 
 Each front-door process counts the requests it carries in a small file of its own in the node's
-private registry directory (``kserve_shm``): ``s-<model, hex>-<pid>``, eight int64 counters,
+private registry directory (``kserve_shm``): ``s-<model, hex>-<pid>``, nine int64 counters,
 memory-mapped, written only by that process (the directory's owner, ``kserve_shm``, clears them
 with it). A statistics request sums every process's file, so
 any process answers for the node, as Triton's one server does (perf_analyzer takes the model's
@@ -19,8 +19,12 @@ from typing import Optional
 
 import numpy as np
 
-FIELDS = ("success", "success_ns", "fail", "fail_ns", "queue_ns", "compute_ns", "items", "last_ms")
-SUCCESS, SUCCESS_NS, FAIL, FAIL_NS, QUEUE_NS, COMPUTE_NS, ITEMS, LAST_MS = range(len(FIELDS))
+FIELDS = ("success", "success_ns", "fail", "fail_ns", "queue_ns", "compute_ns", "items", "last_ms", "exec_ppm")
+SUCCESS, SUCCESS_NS, FAIL, FAIL_NS, QUEUE_NS, COMPUTE_NS, ITEMS, LAST_MS, EXEC_PPM = range(len(FIELDS))
+# EXEC_PPM: executions (batches) in millionths. A request of k items in a batch of B items adds
+# k/B of that batch, so the requests of one batch add up to one execution whichever front-door
+# process carried each of them.
+PPM = 1_000_000
 SIZE = 8 * len(FIELDS)
 PREFIX = "s-"
 

@@ -333,6 +333,34 @@ def test_statistics_count_the_whole_node_whichever_process_answers(front_door):
     assert after[0] - before[0] == 12 * len(X)
 
 
+def test_execution_count_counts_batches_not_requests(front_door):
+    """perf_analyzer's "Execution count" and a dashboard's inference_count / execution_count read
+    the mean batch, as with Triton. Eight requests at once to `slow` (a 300 ms launch) share
+    batches; each used to count as an execution of its own."""
+    def counts() -> tuple[int, int]:
+        c = tgrpc.InferenceServerClient(front_door.grpc_url)
+        st = c.get_inference_statistics("slow", as_json=True)["model_stats"][0]
+        return int(st.get("inference_count", 0)), int(st.get("execution_count", 0))
+
+    async def burst():
+        g = tgrpc_aio.InferenceServerClient(front_door.grpc_url)
+        try:
+            res = await asyncio.gather(*[g.infer("slow", [_grpc_input(X)]) for _ in range(8)])
+            return [r.as_numpy("y") for r in res]
+        finally:
+            await g.close()
+
+    items0, execs0 = counts()
+    want = front_door.sdk("slow", X)
+    items1, execs1 = counts()  # the SDK's request is not the front door's: not counted
+    assert (items1, execs1) == (items0, execs0)
+    for out in asyncio.run(burst()):
+        np.testing.assert_array_equal(out, want)
+    items2, execs2 = counts()
+    assert items2 - items1 == 8 * len(X)
+    assert 2 <= execs2 - execs1 <= 4  # 3-item requests, max batch 16: at most 5 a batch
+
+
 @pytest.mark.parametrize("proto", ["grpc", "http"])
 def test_cuda_shm_answers_as_a_triton_without_gpus(front_door, proto):
     """tritonclient's unregister-all and perf_analyzer call the CUDA half too; a GPU-less Triton
