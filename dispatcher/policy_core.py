@@ -38,35 +38,38 @@ class Decision:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
-def head_request(q: ModelQueue) -> Optional[Request]:
-    """The request ``take`` would pop first (highest class, oldest)."""
-    for dq in q.by_priority:
+def head_request(q: ModelQueue, newest_low_first: bool = False) -> Optional[Request]:
+    """The request ``take`` would pop first (highest class, oldest; the newest low one when
+    ``newest_low_first`` and only low ones are queued)."""
+    last = len(q.by_priority) - 1
+    for prio, dq in enumerate(q.by_priority):
         if dq:
-            return dq[0]
+            return dq[-1] if newest_low_first and prio == last else dq[0]
     return None
 
 
 def take_batch(q: ModelQueue, max_items: int, cap: int, max_requests: Optional[int] = None,
                newest_low_first: bool = False) -> list[Request]:
     """Up to ``max_items`` items (never more than ``cap``), high priority first, FIFO within a
-    class, at most ``max_requests`` requests. Requests are never split, so when the head
-    request alone is bigger than ``max_items`` (a planned split point fell inside it) but fits
-    ``cap``, it goes alone: a batch is never empty only because of where a split fell."""
+    class (the low class newest first when ``newest_low_first``), at most ``max_requests``
+    requests. Requests are never split, so when the head request alone is bigger than
+    ``max_items`` (a planned split point fell inside it) but fits ``cap``, it goes alone: a
+    batch is never empty only because of where a split fell."""
     room = min(max_items, cap)
     if max_requests is None:
         out = q.take(room, newest_low_first)
     else:
         out, used = [], 0
         while len(out) < max_requests:
-            head = head_request(q)
+            head = head_request(q, newest_low_first)
             if head is None or used + head.items > room:
                 break
-            out += q.take(head.items)
+            out += q.take(head.items, newest_low_first)
             used += head.items
     if not out:
-        head = head_request(q)
+        head = head_request(q, newest_low_first)
         if head is not None and head.items <= cap:
-            out = q.take(head.items)
+            out = q.take(head.items, newest_low_first)
     return out
 
 

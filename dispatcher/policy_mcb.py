@@ -145,8 +145,8 @@ def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[Work
     tq, tq1 = curve.predict(q), curve.predict(q + 1)
     k = tq1 + q * (tq1 - tq)
     g = 1.0 / lam
-    planned = {id(x): finish for finish, x, _ in chunks}
     routes = [(tq, curve.predict(1))]  # (D_x, T_x(1)); w itself is free again after the batch sent now
+    planned = {id(x): finish for finish, x, _ in chunks}
     routes += [(planned.get(id(x), state.start_time(x, now)) - now, state.cost(model, x.path).predict(1))
                for x in ws if x is not w]
     saving = min(max(d - g, 0.0) + t1 for d, t1 in routes) - k

@@ -14,9 +14,9 @@ from batchyard.bench.traces import poisson, with_classes
 from batchyard.core import RequestCore
 from batchyard.cost_model import CostCurve
 from batchyard.policy import AGING_S, make_policy
-from batchyard.policy_core import aging_period
+from batchyard.policy_core import aging_period, take_batch
 from batchyard.protocol import Status
-from batchyard.state import WorkerState
+from batchyard.state import ModelQueue, Request, WorkerState
 
 # MiniLM-L6 bf16 on one core of this machine, as Batchyard learned it live (bench/results/priority).
 LAUNCH_S, PER_ITEM_S, MAX_BATCH = 0.0317, 0.1139, 32
@@ -100,6 +100,16 @@ def test_a_flooded_low_class_is_served_newest_first():
         core.state.note_arrival("m", 0, 1, 0.0)  # urgent traffic: low batches are short (3)
         (batch,) = core.decide(0.0)
         assert [r.req_id for r in batch.requests] == want and not failed, old_timeout
+
+
+def test_a_counted_batch_takes_the_flooded_low_class_newest_first_too():
+    """take_batch with max_requests (escape:K's CPU share) pops the same end that ``take`` does:
+    it used to ignore newest_low_first and take the oldest low requests."""
+    q = ModelQueue("m")
+    for i in range(5):
+        q.push(Request(seq=i, model="m", items=1, priority=2, arrival=float(i), deadline=math.inf, req_id=i))
+    assert [r.req_id for r in take_batch(q, 8, 8, max_requests=2, newest_low_first=True)] == [4, 3]
+    assert [r.req_id for r in take_batch(q, 8, 8, max_requests=2)] == [0, 1]
 
 
 def test_high_priority_under_a_flood_simulated():
