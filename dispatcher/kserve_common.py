@@ -93,6 +93,17 @@ def from_batchyard(err: BatchyardError, model: str) -> KServeError:
     return KServeError(code, err.message)
 
 
+# What a field of the wrong type or value raises while a request is read (a string priority, a
+# JSON list where an object belongs): the request's fault, INVALID_ARGUMENT / 400, on both sides.
+MALFORMED = (ValueError, TypeError, AttributeError)
+
+
+def as_kserve(e: Exception) -> KServeError:
+    """A KServeError as it is; one of MALFORMED as Triton's INVALID_ARGUMENT with the reason
+    (escaping, it became gRPC's UNKNOWN naming an internal exception, or an HTTP 500)."""
+    return e if isinstance(e, KServeError) else invalid(f"malformed inference request: {type(e).__name__}: {e}")
+
+
 def unknown_version(model: str, version: str) -> KServeError:
     # Triton's wording for a version it does not serve; Batchyard serves one, "1".
     return KServeError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{model}' version {version} is not found")

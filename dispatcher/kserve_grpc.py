@@ -19,9 +19,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
 from .client_codec import dtype_name
-from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
-                            cuda_shm_status, invalid, model_config, model_control_refused, model_metadata,
-                            tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
+                            cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
+                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
 
 # Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -44,12 +44,6 @@ def _shm_param(params) -> Optional[tuple[str, int, int]]:
     if not region:
         return None
     return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
-
-
-def _as_kserve(e: Exception) -> KServeError:
-    """A field of the wrong type or value (a string priority, say) is the request's fault, as on
-    the HTTP side: INVALID_ARGUMENT, not the UNKNOWN that an escaping exception becomes."""
-    return e if isinstance(e, KServeError) else invalid(f"malformed inference request: {type(e).__name__}: {e}")
 
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -154,9 +148,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def answer(request):
             try:
                 resp = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-            except (KServeError, ValueError, TypeError) as e:  # this request's fault: its own answer
+            except (KServeError, *MALFORMED) as e:  # this request's fault: its own answer
                 resp = service_pb2.ModelStreamInferResponse(
-                    error_message=_as_kserve(e).message,
+                    error_message=as_kserve(e).message,
                     infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
             answers.put_nowait(resp)
 
@@ -240,8 +234,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _call(context, coro):
         try:
             return await coro
-        except (KServeError, ValueError, TypeError) as e:
-            e = _as_kserve(e)
+        except (KServeError, *MALFORMED) as e:
+            e = as_kserve(e)
             await context.abort(e.code, e.message)
 
     @staticmethod

@@ -18,9 +18,9 @@ from aiohttp import web
 
 from . import __version__
 from .client_codec import dtype_name
-from .kserve_common import (EXTENSIONS, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, cuda_shm_refused,
-                            cuda_shm_status, invalid, model_config, model_control_refused, model_metadata,
-                            tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
+                            cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
+                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 log = logging.getLogger("batchyard.frontend")
@@ -197,10 +197,8 @@ class KServeHttp:
     async def infer(self, request):
         try:
             return await self._infer(request)
-        except KServeError as e:
-            return _error(e)
-        except (ValueError, TypeError, AttributeError) as e:  # a field of the wrong JSON type
-            return _error(invalid(f"malformed inference request: {type(e).__name__}: {e}"))
+        except (KServeError, *MALFORMED) as e:
+            return _error(as_kserve(e))
 
     async def _infer(self, request) -> web.Response:
         model = request.match_info["model"]
