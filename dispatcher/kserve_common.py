@@ -126,16 +126,29 @@ def np_dtype(datatype: str, what: str) -> str:
     return dt
 
 
+UINT64_MAX = (1 << 64) - 1
+
+
+def uint64_param(value, name: str) -> int:
+    """A request parameter Triton reads as an unsigned 64-bit integer (priority, timeout). A value
+    past that range is the request's fault; unchecked, it failed deep in the SDK's encoder as an
+    internal error."""
+    v = int(value)
+    if not 0 <= v <= UINT64_MAX:
+        raise invalid(f"parameter '{name}' must be an unsigned 64-bit integer, got {value}")
+    return v
+
+
 def priority_class(value: int) -> str:
     """Triton's priority: 1 is the highest, 0 the model's default; Batchyard has three classes."""
-    if value < 0:
-        raise invalid(f"priority must be >= 0, got {value}")
+    value = uint64_param(value, "priority")
     return {0: "normal", 1: "high", 2: "normal"}.get(value, "low")
 
 
 def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) -> Optional[float]:
     """Triton's ``timeout`` parameter (microseconds, 0 = none) and a gRPC deadline, whichever is
     sooner, as Batchyard's timeout in seconds (None: the dispatcher's default)."""
+    timeout_us = uint64_param(timeout_us, "timeout") if timeout_us else 0
     t = timeout_us / 1e6 if timeout_us else None
     if grpc_left_s is not None and grpc_left_s > 0:
         t = grpc_left_s if t is None else min(t, grpc_left_s)
@@ -152,16 +165,39 @@ def tensor_from_bytes(name: str, datatype: str, shape: list[int], data) -> np.nd
     return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
+# The JSON value kinds (as numpy infers them) each tensor kind takes, as Triton's JSON parser
+# takes them: numbers for floats, integers for integers, true/false for BOOL. Converting straight
+# to the tensor's dtype would read null as NaN, true as 1.0 and 1.5 as the integer 1.
+_JSON_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
+
+
 def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
-    dt = np_dtype(datatype, f"input '{name}'")
+    dt = _NP_DTYPES.get(datatype) or np.dtype(np_dtype(datatype, f"input '{name}'"))
     try:
-        arr = np.asarray(data, dtype=dt)
-    except (TypeError, ValueError) as e:
+        parsed = np.asarray(data)
+        if parsed.size and parsed.dtype.kind not in _JSON_KINDS.get(dt.kind, ""):
+            raise ValueError(f"got {_json_kind(parsed)}")
+        arr = parsed.astype(dt, copy=False)
+    except (TypeError, ValueError, OverflowError) as e:
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
     if arr.size != math.prod(shape):
         raise invalid(f"unexpected number of elements {arr.size} for input '{name}', expecting "
                       f"{math.prod(shape)} for shape {list(shape)}")
     return arr.reshape(shape)
+
+
+def _json_kind(parsed: np.ndarray) -> str:
+    return {"b": "true/false", "i": "integers", "u": "integers", "f": "non-integral numbers",
+            "U": "strings"}.get(parsed.dtype.kind, "null, mixed or out-of-range values")
+
+
+def check_new_input(inputs: dict, name: str, shape: list[int], model: str) -> None:
+    """Triton's errors for an input given twice (it kept the last one silently) and for a
+    dimension left unspecified (-1, which made the element count negative)."""
+    if name in inputs:
+        raise invalid(f"input '{name}' already exists in request")
+    if any(d < 0 for d in shape):
+        raise invalid(f"All input dimensions should be specified for input '{name}' for model '{model}', got {shape}")
 
 
 def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:

@@ -20,8 +20,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
-                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
+                            check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
+                            model_control_refused, model_metadata, tensor_from_bytes, tensor_from_list,
+                            timeout_s)
 
 # Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -181,6 +182,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         raw = iter(request.raw_input_contents)  # in the order of the inputs not in shared memory
         for t in request.inputs:
             shape = list(t.shape)
+            check_new_input(inputs, t.name, shape, request.model_name)
             region = _shm_param(t.parameters)
             if region is not None:
                 inputs[t.name] = shm.read(*region, t.datatype, shape, t.name)

@@ -19,8 +19,9 @@ from aiohttp import web
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
-                            model_metadata, tensor_from_bytes, tensor_from_list, timeout_s)
+                            check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
+                            model_control_refused, model_metadata, tensor_from_bytes, tensor_from_list,
+                            timeout_s)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 log = logging.getLogger("batchyard.frontend")
@@ -208,6 +209,7 @@ class KServeHttp:
         inputs, pos = {}, 0
         for t in header.get("inputs") or []:
             name, datatype, shape = t.get("name", ""), t.get("datatype", ""), list(t.get("shape") or [])
+            check_new_input(inputs, name, shape, model)
             tp = t.get("parameters") or {}
             region = _shm(tp)
             if region is not None:

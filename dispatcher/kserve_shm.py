@@ -87,7 +87,8 @@ def _map_segment(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
     try:
         size = os.fstat(fd).st_size
         if offset < 0 or byte_size < 0 or offset + byte_size > size or size == 0:
-            raise invalid(f"failed to register shared memory region '{name}': invalid args")
+            raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
+                          f"{byte_size} bytes, the segment '{key}' has {size})")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)

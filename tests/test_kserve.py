@@ -448,6 +448,51 @@ def test_a_parameter_of_the_wrong_type_is_an_invalid_argument(front_door):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed inference request" in e.value.details()
 
 
+# Requests tritonclient would not build but a hand-written client sends: (the input entries as
+# (name, shape, JSON data), the request parameters (gRPC's, HTTP's), Triton's message).
+_X = ("x", [3, 4], X.ravel().tolist())
+RAW_CASES = {
+    "an input given twice": ([_X, _X], {}, {}, "input 'x' already exists in request"),
+    "a dimension left unspecified": ([("x", [-1, 4], X.ravel().tolist())], {}, {},
+                                     r"All input dimensions should be specified for input 'x' for model 'sum', got \[-1, 4\]"),
+    "a timeout outside 64 bits": ([_X], {"timeout": -1}, {"timeout": 2 ** 64},
+                                  "parameter 'timeout' must be an unsigned 64-bit integer"),
+    "a priority outside 64 bits": ([_X], {"priority": -1}, {"priority": 2 ** 64},
+                                   "parameter 'priority' must be an unsigned 64-bit integer"),
+    "JSON null as FP32 data": ([("x", [3, 4], [None] * 12)], None, {}, "data is not FP32"),
+    "JSON true as FP32 data": ([("x", [3, 4], [True] * 12)], None, {}, "data is not FP32"),
+}
+
+
+@pytest.mark.parametrize("case", list(RAW_CASES))
+def test_malformed_tensors_and_parameters_get_tritons_errors(front_door, case):
+    """Each was accepted with a silently wrong reading (the last of two inputs, null as NaN, true as
+    1.0), or failed as an internal error (a negative element count, a timeout the SDK could not
+    encode): now INVALID_ARGUMENT / 400 with the reason, and nothing reaches a worker."""
+    import json
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    tensors, grpc_params, http_params, text = RAW_CASES[case]
+    if grpc_params is not None:  # JSON's null and true have no typed gRPC field for FP32
+        req = service_pb2.ModelInferRequest(model_name="sum")
+        for name, shape, data in tensors:
+            req.inputs.add(name=name, datatype="FP32", shape=shape)
+            req.raw_input_contents.append(np.asarray(data, np.float32).tobytes())
+        for key, value in grpc_params.items():
+            req.parameters[key].int64_param = value
+        with grpc.insecure_channel(front_door.grpc_url) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and re.search(text, e.value.details()), \
+            e.value.details()
+    body = {"inputs": [{"name": n, "shape": shape, "datatype": "FP32", "data": data} for n, shape, data in tensors],
+            "parameters": http_params}
+    r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
+    assert r.status_code == 400 and re.search(text, json.loads(r.read())["error"]), r.read()
+
+
 def test_bad_shm_region_is_not_found(front_door):
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     i = tgrpc.InferInput("x", [3, 4], "FP32")
