@@ -45,6 +45,14 @@ REPLY_GRACE_S = 1.0
 # the pool wins and the gap grows with size (see docs/protocol.md).
 DEFAULT_SHM_THRESHOLD = 64 << 10
 
+def checked_timeout(timeout: Optional[float]) -> float:
+    """A request's timeout in seconds (None: DEFAULT_TIMEOUT_S), or InvalidArgument."""
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    if not 0 < timeout <= P.MAX_TIMEOUT_S:
+        raise InvalidArgument(f"timeout must be > 0 and at most {P.MAX_TIMEOUT_S:g} seconds, got {timeout}")
+    return timeout
+
+
 PRIORITIES = {"high": P.PRIORITY_HIGH, "normal": P.PRIORITY_NORMAL, "low": P.PRIORITY_LOW}
 
 
@@ -157,9 +165,7 @@ class ClientCodec:
             if priority not in PRIORITIES:
                 raise InvalidArgument(f"priority {priority!r} not one of {list(PRIORITIES)}")
             priority = PRIORITIES[priority]
-        timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-        if timeout <= 0:
-            raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
+        timeout = checked_timeout(timeout)
         rid = self.next_id()
         refs, frames, regions, used = [], [], [], set()
         n_items = 0
@@ -210,7 +216,7 @@ class ClientCodec:
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
                         route: str = "") -> tuple[int, list, float]:
         rid = self.next_id()
-        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        timeout = checked_timeout(timeout)
         prio = PRIORITIES[priority] if isinstance(priority, str) else int(priority)
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=[int(t) for t in prompt],
                                 max_tokens=int(max_tokens), priority=prio, timeout_us=int(timeout * 1e6), route=route)

@@ -22,7 +22,7 @@ import msgspec
 import msgspec.inspect as mi
 import tomli_w
 
-from .protocol import DTYPES, ModelSpec, Name, TensorSpec
+from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, Name, TensorSpec
 from .validation import validate_spec
 
 
@@ -40,6 +40,7 @@ Address = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
 # Empty (a model no worker of this node builds itself) or "package.module:function".
@@ -149,7 +150,7 @@ class DispatcherConfig(_Table):
     profile: str = ""  # cost-curve profile written by `batchyard calibrate` (JSON); empty: learn online
     max_queue: Positive = 10_000  # queued requests per model before OVERLOADED
     max_inline_bytes: NonNeg = 4 << 20  # larger payloads must come through shared memory
-    default_timeout_s: PositiveFloat = 30.0
+    default_timeout_s: TimeoutS = 30.0
     heartbeat_interval_s: PositiveFloat = 0.2
     # Generous: on a starved host (load average ~10) healthy workers went 1.6 s without being
     # heard. A worker that dies is noticed sooner anyway: `up` or systemd restarts it at once

@@ -149,7 +149,8 @@ def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) ->
     """Triton's ``timeout`` parameter (microseconds, 0 = none) and a gRPC deadline, whichever is
     sooner, as Batchyard's timeout in seconds (None: the dispatcher's default)."""
     timeout_us = uint64_param(timeout_us, "timeout") if timeout_us else 0
-    t = timeout_us / 1e6 if timeout_us else None
+    # Any uint64 is a valid Triton timeout; past Batchyard's longest one it means the same: never.
+    t = min(timeout_us / 1e6, P.MAX_TIMEOUT_S) if timeout_us else None
     if grpc_left_s is not None and grpc_left_s > 0:
         t = grpc_left_s if t is None else min(t, grpc_left_s)
     return t

@@ -27,6 +27,10 @@ SegmentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{
 Priority = Annotated[int, msgspec.Meta(ge=0, le=2)]
 
 PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 0, 1, 2
+# The longest timeout a client may ask for (about 31 years: "never", in practice). Above it
+# timeout_us no longer fits the wire's uint64 once rounded (2**64 - 1 us rounds to 2**64), and the
+# SDK's waits exceed threading.TIMEOUT_MAX.
+MAX_TIMEOUT_S = 1e9
 PRIORITY_NAMES = ("high", "normal", "low")
 
 

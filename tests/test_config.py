@@ -124,6 +124,8 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
     (edited("max_batch = 16", "max_batch = 0"),
      "node.toml: [[models]] #1 (name 'sum'): max_batch: expected int >= 1, got 0"),
     (edited('frontend = "ipc:', 'frontend = "http:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
+    (edited("max_queue = 100", "default_timeout_s = 1e12"),
+     "node.toml: [dispatcher] default_timeout_s: expected float <= 1000000000.0, got 1000000000000.0"),
 ])
 def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, message):
     assert load_error(tmp_path, text).startswith(message)

@@ -4,6 +4,7 @@ HTTP clients and their asyncio variants, against a node run by `batchyard up` wi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import select
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 import tritonclient.grpc as tgrpc
 import tritonclient.grpc.aio as tgrpc_aio
 import tritonclient.http as thttp
@@ -469,8 +471,6 @@ def test_malformed_tensors_and_parameters_get_tritons_errors(front_door, case):
     """Each was accepted with a silently wrong reading (the last of two inputs, null as NaN, true as
     1.0), or failed as an internal error (a negative element count, a timeout the SDK could not
     encode): now INVALID_ARGUMENT / 400 with the reason, and nothing reaches a worker."""
-    import json
-
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -491,6 +491,56 @@ def test_malformed_tensors_and_parameters_get_tritons_errors(front_door, case):
             "parameters": http_params}
     r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
     assert r.status_code == 400 and re.search(text, json.loads(r.read())["error"]), r.read()
+
+
+_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=False),
+                         st.text(max_size=6))
+_json = st.recursive(_json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                            st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                     max_leaves=8)
+_edge_ints = st.sampled_from([-1, 0, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 64])  # Triton reads these as uint64
+_maybe = lambda good: st.one_of(st.just(good), st.just(good), _json)  # noqa: E731  mostly right, sometimes anything
+
+
+@st.composite
+def _fuzzed_http_infer(draw) -> tuple[str, bytes, dict]:
+    """A JSON (or binary-extension) infer body: each field the valid one or any JSON value, one to
+    three inputs (so an input can come twice), request and tensor parameters of any value."""
+    def tensor():
+        t = {"name": draw(_maybe("x")), "shape": draw(_maybe([3, 4])), "datatype": draw(_maybe("FP32")),
+             "data": draw(_maybe(X.ravel().tolist()))}
+        if draw(st.booleans()):
+            t["parameters"] = draw(st.dictionaries(st.sampled_from(
+                ["binary_data_size", "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"]),
+                _json, max_size=2))
+        return t
+    body = {"inputs": [tensor() for _ in range(draw(st.integers(1, 3)))],
+            "parameters": draw(st.dictionaries(st.sampled_from(["priority", "timeout", "binary_data_output"]),
+                                               _json | _edge_ints, max_size=3))}
+    if draw(st.booleans()):
+        body["outputs"] = [{"name": draw(_maybe("y")),
+                            "parameters": draw(st.dictionaries(st.sampled_from(["binary_data", "classification"]),
+                                                               _json, max_size=2))}]
+    raw, headers = json.dumps(body).encode(), {}
+    if draw(st.booleans()):  # the binary tensor extension, its header length anywhere near the truth
+        headers["Inference-Header-Content-Length"] = str(len(raw) + draw(st.integers(-3, 3)))
+        raw += draw(st.binary(max_size=48))
+    return draw(st.sampled_from(["sum", "sum", "nope"])), raw, headers
+
+
+@given(st.lists(_fuzzed_http_infer(), min_size=1, max_size=10))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzzed_http_infer_gets_a_json_answer_never_a_500_and_the_node_serves_on(front_door, batch):
+    """Whatever the body, the answer is 200 or a 4xx / 503 with a JSON error: a request's own fault
+    is never an internal error (an HTTP timeout of 2**64 was a 500), and the node serves on."""
+    c = thttp.InferenceServerClient(front_door.http_url)
+    for model, raw, headers in batch:
+        r = c._post(f"v2/models/{model}/infer", raw, headers, None)
+        body = r.read()
+        assert r.status_code in (200, 400, 404, 503), (r.status_code, body[:300], raw[:300])
+        if r.status_code != 200:
+            assert isinstance(json.loads(body)["error"], str)
+    np.testing.assert_array_equal(c.infer("sum", [_http_input(X)]).as_numpy("y"), front_door.sdk("sum", X))
 
 
 def test_bad_shm_region_is_not_found(front_door):

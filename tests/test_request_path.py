@@ -108,6 +108,9 @@ def test_unknown_model_and_bad_shapes_raise_typed_errors(start_node):
             c.infer("sum", {"x": np.zeros((1, 4), np.float64)})
         with pytest.raises(InvalidArgument, match=r"shape \[1, 3\], model expects \[n, 4\]"):
             c.infer("sum", {"x": np.zeros((1, 3), np.float32)})
+        for timeout in (0, -1.0, 2e13):  # 2e13 s: past the wire's uint64 of microseconds
+            with pytest.raises(InvalidArgument, match="timeout must be > 0 and at most 1e\\+09 seconds"):
+                c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=timeout)
         np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
 
 
