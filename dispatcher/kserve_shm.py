@@ -19,6 +19,7 @@ registered here, and tensors reach the dispatcher as copies.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import mmap
 import os
@@ -72,7 +73,10 @@ def _open_private_dir(path: str) -> int:
 
 
 def _entry(name: str) -> str:
-    return "r-" + name.encode().hex() + ".json"
+    # A digest, not the name itself: a region's name is any string the client chose (a long one
+    # made a file name past NAME_MAX, a lone surrogate one no file name at all); the entry keeps
+    # the name.
+    return "r-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest() + ".json"
 
 
 def _map_segment(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:

@@ -543,6 +543,72 @@ def test_fuzzed_http_infer_gets_a_json_answer_never_a_500_and_the_node_serves_on
     np.testing.assert_array_equal(c.infer("sum", [_http_input(X)]).as_numpy("y"), front_door.sdk("sum", X))
 
 
+@st.composite
+def _fuzzed_grpc_infer(draw):
+    """A ModelInferRequest: each field the valid one or anything of its type, typed or raw
+    contents in any number, parameters of every type."""
+    from tritonclient.grpc import service_pb2
+
+    ints = st.integers(-2 ** 63, 2 ** 63 - 1)
+    r = service_pb2.ModelInferRequest(model_name=draw(st.sampled_from(["sum", "sum", "nope"])),
+                                      model_version=draw(st.sampled_from(["", "1", "7"])))
+    for _ in range(draw(st.integers(0, 3))):
+        t = r.inputs.add(name=draw(st.sampled_from(["x", "x", "z"])),
+                         datatype=draw(st.sampled_from(["FP32", "FP32", "INT32", "BYTES", "BF16", "nope"])),
+                         shape=draw(st.just([3, 4]) | st.lists(st.integers(-2, 20) | ints, max_size=3)))
+        contents = draw(st.sampled_from(["raw", "raw", "fp32", "int", "bytes", "shm", "none"]))
+        if contents == "raw":
+            r.raw_input_contents.append(draw(st.just(X.tobytes()) | st.binary(max_size=64)))
+        elif contents == "fp32":
+            t.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32), max_size=12)))
+        elif contents == "int":
+            t.contents.int_contents.extend(draw(st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), max_size=12)))
+        elif contents == "bytes":
+            t.contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=4), max_size=3)))
+        elif contents == "shm":
+            t.parameters["shared_memory_region"].string_param = draw(st.text(max_size=4))
+            t.parameters["shared_memory_byte_size"].int64_param = draw(ints)
+            t.parameters["shared_memory_offset"].int64_param = draw(ints)
+    for _ in range(draw(st.integers(0, 2))):
+        o = r.outputs.add(name=draw(st.sampled_from(["y", "x"])))
+        if draw(st.booleans()):
+            o.parameters["classification"].int64_param = draw(st.integers(-1, 3))
+    for key in draw(st.lists(st.sampled_from(["priority", "timeout", "binary_data_output"]), max_size=3)):
+        p = r.parameters[key]
+        kind = draw(st.sampled_from(["int64", "uint64", "bool", "string", "double"]))
+        if kind == "int64":
+            p.int64_param = draw(ints)
+        elif kind == "uint64":
+            p.uint64_param = draw(st.integers(0, 2 ** 64 - 1) | st.just(2 ** 64 - 1))
+        elif kind == "bool":
+            p.bool_param = draw(st.booleans())
+        elif kind == "string":
+            p.string_param = draw(st.text(max_size=4))
+        else:
+            p.double_param = draw(st.floats())
+    return r
+
+
+@given(st.lists(_fuzzed_grpc_infer(), min_size=1, max_size=10))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzzed_grpc_infer_gets_tritons_codes_never_an_internal_one_and_the_node_serves_on(front_door, batch):
+    """Whatever the request, the answer is OK or the code Triton gives a request's own fault
+    (INVALID_ARGUMENT, NOT_FOUND) or an unavailable model: never UNKNOWN or INTERNAL."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE}
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        for r in batch:
+            try:
+                stub.ModelInfer(r, timeout=30)
+            except grpc.RpcError as e:
+                assert e.code() in allowed, (e.code(), e.details(), r)
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    np.testing.assert_array_equal(g.infer("sum", [_grpc_input(X)]).as_numpy("y"), front_door.sdk("sum", X))
+
+
 def test_bad_shm_region_is_not_found(front_door):
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     i = tgrpc.InferInput("x", [3, 4], "FP32")

@@ -48,6 +48,22 @@ def test_a_region_registered_in_one_process_serves_in_another(registry, segment)
     assert [r.name for r in b.status()] == ["in"]
 
 
+@pytest.mark.parametrize("name", ["n" * 300, "\udc80 lone surrogate", "région ✓"])
+def test_a_region_may_have_any_name(registry, segment, name):
+    """A client picks the name; a long one made the registry's file name too long and a lone
+    surrogate (JSON's "\\udc80") none at all: both were internal errors, before and after
+    registering."""
+    a, b = registry(), registry()
+    with pytest.raises(KServeError) as e:
+        b.read(name, 0, 16, "FP32", [4], "x")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    a.register(name, segment.name, 0, 64)
+    np.testing.assert_array_equal(b.read(name, 0, 16, "FP32", [4], "x"), [0, 1, 2, 3])
+    assert [r.name for r in b.status(name)] == [name]
+    b.unregister(name)
+    assert a.status() == []
+
+
 def test_one_name_once_across_processes(registry, segment):
     a, b = registry(), registry()
     a.register("in", segment.name, 0, 64)
