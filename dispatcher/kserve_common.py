@@ -98,10 +98,10 @@ def from_batchyard(err: BatchyardError, model: str) -> KServeError:
 MALFORMED = (ValueError, TypeError, AttributeError)
 
 
-def as_kserve(e: Exception) -> KServeError:
+def as_kserve(e: Exception, what: str = "inference request") -> KServeError:
     """A KServeError as it is; one of MALFORMED as Triton's INVALID_ARGUMENT with the reason
     (escaping, it became gRPC's UNKNOWN naming an internal exception, or an HTTP 500)."""
-    return e if isinstance(e, KServeError) else invalid(f"malformed inference request: {type(e).__name__}: {e}")
+    return e if isinstance(e, KServeError) else invalid(f"malformed {what}: {type(e).__name__}: {e}")
 
 
 def unknown_version(model: str, version: str) -> KServeError:

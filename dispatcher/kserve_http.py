@@ -163,10 +163,13 @@ class KServeHttp:
     async def shm_register(self, request):
         try:
             body, _ = _split(request, await _body(request))
-            self.core.shm.register(request.match_info["name"], str(body.get("key", "")),
-                                   int(body.get("offset", 0)), int(body.get("byte_size", 0)))
-        except KServeError as e:
-            return _error(e)
+            key = body.get("key", "")
+            if not isinstance(key, str):
+                raise invalid(f"'key' must be a string, got {key!r}")
+            self.core.shm.register(request.match_info["name"], key, int(body.get("offset") or 0),
+                                   int(body.get("byte_size") or 0))
+        except (KServeError, *MALFORMED) as e:  # a body of the wrong shape: the client's fault, a 400
+            return _error(as_kserve(e, "shared-memory registration"))
         return web.Response()
 
     async def shm_unregister(self, request):
