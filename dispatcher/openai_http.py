@@ -68,7 +68,7 @@ class OpenAiCompletions:
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")
         model = body.get("model")
-        if model not in self.models:
+        if not isinstance(model, str) or model not in self.models:  # a list or an object is unhashable
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               "not_found_error", "model")
         _check_supported(body)

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from batchyard import protocol as P
 from batchyard.client import AsyncClient, Client
@@ -226,3 +227,35 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              ({"model": "tiny", "prompt": [1, 2], "max_tokens": 10**6}, 400, "max_tokens")):
         status, err = _http(url + "/v1/completions", body)
         assert status == code and word in err["error"]["message"], (body, status, err)
+
+
+_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 65, 2 ** 65), st.floats(), st.text(max_size=6))
+_json = st.recursive(_json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                            st.dictionaries(st.text(max_size=4), inner, max_size=2)),
+                     max_leaves=6)
+_GOOD = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "n": 1, "best_of": 1,
+         "stream": False, "echo": False, "logprobs": None, "suffix": None, "timeout": 5.0, "batchyard_route": ""}
+
+
+@st.composite
+def _fuzzed_completion(draw) -> dict:
+    """A completions body: each field left out, the good value, or any JSON value."""
+    body = {}
+    for key, good in _GOOD.items():
+        choice = draw(st.sampled_from(["good", "good", "absent", "any"]))
+        if choice != "absent":
+            body[key] = good if choice == "good" else draw(_json)
+    return body
+
+
+@given(st.lists(_fuzzed_completion(), min_size=1, max_size=6))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzzed_completions_get_openai_errors_never_a_500(llm_node, batch):
+    """Whatever the body, a 200 or an OpenAI error object with a 4xx / 503: a model name of the
+    wrong JSON type (a list is unhashable) was a 500 in the KServe error shape."""
+    _, _, url = llm_node
+    for body in batch:
+        status, out = _http(url + "/v1/completions", body)
+        assert status in (200, 400, 404, 429, 503, 504), (status, out, body)
+        if status != 200:
+            assert isinstance(out["error"]["message"], str) and isinstance(out["error"]["type"], str), out
