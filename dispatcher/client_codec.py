@@ -175,6 +175,12 @@ class ClientCodec:
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             n_items = arr.shape[0] if arr.ndim else 0
             dtype = dtype_name(arr.dtype)
+            if dtype not in P.DTYPES:
+                # Refused here, not by the dispatcher: an array of this kind (datetime64, object)
+                # may have no buffer to send, and a frame that fails to send killed the sync
+                # client's I/O thread, failing every later call of every thread sharing it.
+                raise InvalidArgument(f"input {name!r}: dtype '{dtype}' is not a tensor type Batchyard carries; "
+                                      f"one of {sorted(P.DTYPES)}")
             # Only arrays from alloc_array have a region; most callers never make one.
             region = (self._array_regions.get(arr.__array_interface__["data"][0])
                       if self._array_regions and arr.nbytes else None)

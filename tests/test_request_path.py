@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,18 @@ def test_unknown_model_and_bad_shapes_raise_typed_errors(start_node):
         for timeout in (0, -1.0, 2e13):  # 2e13 s: past the wire's uint64 of microseconds
             with pytest.raises(InvalidArgument, match="timeout must be > 0 and at most 1e\\+09 seconds"):
                 c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=timeout)
+        np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
+
+
+def test_an_array_no_tensor_type_fits_is_refused_and_the_client_serves_on(start_node):
+    """A datetime64 array has no buffer to send: it killed the client's I/O thread, and every
+    later call of every thread sharing the client failed."""
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        for x in (np.zeros((1, 4), "datetime64[s]"), np.zeros((1, 4), object), np.ones((1, 4), np.complex64),
+                  np.array([["a"] * 4])):
+            with pytest.raises(InvalidArgument, match=re.escape(f"dtype '{x.dtype.name}' is not a tensor type")):
+                c.infer("sum", {"x": x})
         np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
 
 
