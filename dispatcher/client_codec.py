@@ -304,6 +304,14 @@ class ClientCodec:
             self.late[rid] = [*pend.regions, *pend.outputs.values()]
         return pend
 
+    def fail_unsent(self, rid: int, error: BaseException) -> None:
+        """Fail a request that never left this process: no worker saw its regions."""
+        pend = self.pending.pop(rid, None)
+        if pend is not None:
+            for region in (*pend.regions, *pend.outputs.values()):
+                self.free(region)
+            pend.resolve(error)
+
     def fail_all(self, error_factory: Callable[[], BaseException]) -> None:
         """Resolve every request in flight with an error (the client is closing)."""
         pending, self.pending = self.pending, {}

@@ -23,7 +23,7 @@ import zmq
 
 from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, closed_error, connection_lost, lost_error,
                            no_reply_error)
-from .errors import Unavailable
+from .errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("batchyard.client")
 
@@ -175,6 +175,9 @@ class SocketThread:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return  # over the high-water mark: POLLOUT tells us when to go on
+            except (TypeError, ValueError) as e:  # a frame with no buffer: that request's fault alone
+                if rid is not None:
+                    self._codec.fail_unsent(rid, InvalidArgument(f"a tensor of this request cannot be sent: {e}"))
             self._outbox.popleft()
 
     def _drain(self) -> None:

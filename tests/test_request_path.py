@@ -127,6 +127,17 @@ def test_an_array_no_tensor_type_fits_is_refused_and_the_client_serves_on(start_
         np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
 
 
+def test_a_frame_that_cannot_be_sent_fails_its_request_alone(start_node):
+    """Whatever slips past the encoder's checks, the I/O thread that every thread of the client
+    shares fails that one request and goes on."""
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        rid, frames, *_ = c._codec.encode_infer("sum", {"x": np.ones((1, 4), np.float32)}, "normal", None)
+        with pytest.raises(InvalidArgument, match="a tensor of this request cannot be sent"):
+            c._send("infer", rid, [frames[0], object()], [], {}, 5.0).result()
+        np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
+
+
 def raw_roundtrip(address, frames, timeout_ms=5000):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
