@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
+import operator
 import threading
 import weakref
 from typing import Callable, Optional
@@ -51,6 +53,29 @@ def checked_timeout(timeout: Optional[float]) -> float:
     if not 0 < timeout <= P.MAX_TIMEOUT_S:
         raise InvalidArgument(f"timeout must be > 0 and at most {P.MAX_TIMEOUT_S:g} seconds, got {timeout}")
     return timeout
+
+
+def checked_priority(priority) -> int:
+    """A class name ("high", "normal", "low") or its number (0, 1, 2), or InvalidArgument."""
+    if isinstance(priority, str):
+        if priority not in PRIORITIES:
+            raise InvalidArgument(f"priority {priority!r} not one of {list(PRIORITIES)}")
+        return PRIORITIES[priority]
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or not 0 <= priority <= 2:
+        raise InvalidArgument(f"priority must be one of {list(PRIORITIES)} or 0..2, got {priority!r}")
+    return int(priority)
+
+
+MAX_NEW_TOKENS = 1 << 16  # the wire's bound (protocol.GenerateRequest)
+
+
+def _whole_numbers(values, what: str, expected: str) -> list[int]:
+    """Python ints of ``values`` (numpy integers too: the wire's encoder takes only ints), or
+    InvalidArgument: a float or a string is refused, not truncated or read digit by digit."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be {expected}, got {values!r:.80}") from None
 
 
 PRIORITIES = {"high": P.PRIORITY_HIGH, "normal": P.PRIORITY_NORMAL, "low": P.PRIORITY_LOW}
@@ -161,10 +186,7 @@ class ClientCodec:
     def encode_infer(self, model: str, inputs: dict, priority, timeout: Optional[float]):
         """-> (id, frames, input regions, output regions by name, timeout in s, segments this
         connection has no grant for yet: the caller registers those before sending it)."""
-        if isinstance(priority, str):
-            if priority not in PRIORITIES:
-                raise InvalidArgument(f"priority {priority!r} not one of {list(PRIORITIES)}")
-            priority = PRIORITIES[priority]
+        priority = checked_priority(priority)
         timeout = checked_timeout(timeout)
         rid = self.next_id()
         refs, frames, regions, used = [], [], [], set()
@@ -221,11 +243,20 @@ class ClientCodec:
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
                         route: str = "") -> tuple[int, list, float]:
-        rid = self.next_id()
         timeout = checked_timeout(timeout)
-        prio = PRIORITIES[priority] if isinstance(priority, str) else int(priority)
-        msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=[int(t) for t in prompt],
-                                max_tokens=int(max_tokens), priority=prio, timeout_us=int(timeout * 1e6), route=route)
+        prio = checked_priority(priority)
+        tokens = _whole_numbers(prompt, "prompt", "a sequence of token ids (the SDK does not tokenize text)")
+        if not tokens or not all(0 <= t < 2**31 for t in tokens):
+            raise InvalidArgument(f"prompt must be one or more token ids in [0, 2**31), got {prompt!r:.80}")
+        try:
+            n = operator.index(max_tokens)
+        except TypeError:
+            n = 0
+        if not 1 <= n <= MAX_NEW_TOKENS:
+            raise InvalidArgument(f"max_tokens must be an integer in 1..{MAX_NEW_TOKENS}, got {max_tokens!r:.40}")
+        rid = self.next_id()
+        msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
+                                priority=prio, timeout_us=int(timeout * 1e6), route=route)
         return rid, [P.encode(msg)], timeout
 
     def encode_model_info(self, model: str) -> tuple[int, list]:

@@ -179,6 +179,17 @@ def test_bad_requests_get_clear_errors_and_the_next_one_is_served(llm_node):
             c.generate("tiny", [1] * 500, max_tokens=16)
         with pytest.raises(Exception, match="engine failed"):
             c.generate("tiny", [1, BAD_TOKEN, 2], route="gpu")
+        # Arguments the SDK refused with a raw ValueError / TypeError / KeyError / OverflowError,
+        # or passed on truncated (a float token, a float priority):
+        for prompt, kw, text in (("the text", {}, "prompt must be a sequence of token ids"),
+                                 ([1.5, 2], {}, "prompt must be a sequence of token ids"),
+                                 ([2 ** 70], {}, r"token ids in \[0, 2\*\*31\)"),
+                                 ([1, 2], {"max_tokens": "x"}, "max_tokens must be an integer in 1..65536"),
+                                 ([1, 2], {"max_tokens": 2 ** 70}, "max_tokens must be an integer in 1..65536"),
+                                 ([1, 2], {"priority": "urgent"}, "priority 'urgent' not one of"),
+                                 ([1, 2], {"priority": 1.5}, "priority must be one of")):
+            with pytest.raises(InvalidArgument, match=text):
+                c.generate("tiny", prompt, **kw)
         assert list(c.generate("tiny", [1, 2, 3], max_tokens=2)) == expected([1, 2, 3], 2)
 
 
