@@ -97,12 +97,18 @@ class AsyncClient(CodecAccess):
 
         self._codec.pending[rid] = Pending(kind, regions, outputs, resolve)
         self._timers[rid] = self.loop.call_later(timeout, self._on_local_timeout, rid)
+        self._send_frames(frames)
+        return fut
+
+    def _send_frames(self, frames: list) -> None:
+        """Every send goes through here. Sending can consume the FD's edge: drain soon if replies
+        are already waiting (asking EVENTS costs one poll; an unconditional drain cost that plus
+        a zmq.Again per request). A send without this check (a cancellation's) left a reply that
+        had just arrived unread until the next request, and an idle front door has none: the
+        request it belonged to was answered only by its local timeout."""
         send_parts(self.sock, frames)
-        # Sending can consume the FD's edge: drain soon if replies are already waiting (asking
-        # EVENTS costs one poll; an unconditional drain cost that plus a zmq.Again per request).
         if self.sock.getsockopt(EVENTS) & POLLIN:
             self.loop.call_soon(self._drain)
-        return fut
 
     def _on_local_timeout(self, rid: int) -> None:
         self._timers.pop(rid, None)
@@ -129,7 +135,7 @@ class AsyncClient(CodecAccess):
             # The caller gave up: withdraw it if still queued (the late reply frees its regions).
             if not self.closed:
                 self._codec.expire_local(rid)
-                self.sock.send(self._codec.encode_cancel(rid))
+                self._send_frames([self._codec.encode_cancel(rid)])
             raise
 
     async def _register_segments(self, segments: set[str], timeout: float = 10.0) -> None:

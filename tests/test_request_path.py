@@ -368,6 +368,53 @@ def test_async_cancel_withdraws_the_queued_request(start_node):
     asyncio.run(go())
 
 
+def test_a_reply_waiting_when_a_cancellation_is_sent_is_still_read(run_dir):
+    """The async client learns of replies from its socket's edge-triggered FD, and any send may
+    consume that edge (libzmq handles its pending commands then), so every send must look for
+    waiting replies itself. A cancellation's send did not: a reply that had arrived just before
+    it sat unread while the client had nothing else to send (seen on a front door whose HTTP
+    client hung up: another client's request hung until its local timeout, about 1 run in 6 of
+    tests/test_kserve.py under load). Here a dispatcher played by a ROUTER socket sets the order,
+    and the FD's edge is taken away outright: only the cancellation's own look can read the reply."""
+    spec = P.ModelSpec(name="sum", max_batch=16, inputs=[P.TensorSpec("x", "float32", [4])],
+                       outputs=[P.TensorSpec("y", "float32", [2])])
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(f"ipc://{run_dir}/fake")
+
+    def received() -> tuple[bytes, object]:
+        assert fake.poll(10_000)
+        frames = fake.recv_multipart()
+        return frames[0], P.client_message_decoder.decode(frames[1])
+
+    async def go():
+        async with AsyncClient(f"ipc://{run_dir}/fake", ctx=ctx) as c:
+            c._codec.specs["sum"] = spec  # no model-info round trip before the infer
+            info = asyncio.ensure_future(c.model_info("other"))
+            doomed = asyncio.ensure_future(c.infer("sum", {"x": np.ones((1, 4), np.float32)}))
+            await asyncio.sleep(0)  # both sent
+            peer, first = received()
+            _, second = received()
+            assert type(first) is P.ModelInfoRequest and type(second) is P.InferRequest
+            c.loop.remove_reader(c.sock.getsockopt(zmq.FD))  # the edge is gone, as a send can take it
+            fake.send_multipart([peer, P.encode(P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=first.id,
+                                                                  status=P.Status.OK, spec=spec))])
+            while not c.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the reply is in the client's socket
+                pass
+            doomed.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+            assert type(received()[1]) is P.CancelRequest
+            assert (await asyncio.wait_for(info, 5.0)).name == "sum"
+
+    try:
+        asyncio.run(go())
+    finally:
+        fake.close()
+        ctx.term()
+
+
 def test_status_shows_learned_curves_and_arrival_rate(start_node):
     node = start_node([sim_worker("g", launch_us=2000.0, per_item_us=500.0)])
     with node.client() as c:
