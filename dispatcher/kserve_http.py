@@ -66,6 +66,8 @@ async def _body(request: web.Request) -> bytes:
         return await request.read()
     except web.RequestPayloadError as e:  # a body that does not decompress: the client's fault
         raise invalid(f"the request body cannot be read: {e}") from None
+    except ConnectionResetError:  # the client hung up mid-body: nobody to answer, no server error
+        raise invalid("the client closed the connection before its body arrived") from None
 
 
 def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
@@ -282,7 +284,10 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app.add_routes(KServeHttp(core).routes())
     app.add_routes(list(extra_routes))
-    runner = web.AppRunner(app, access_log=None)
+    # handler_cancellation: an HTTP client that hangs up withdraws its request, as a cancelled
+    # gRPC call does; aiohttp's default lets the handler run on, and the abandoned request then
+    # still took its place in a batch on a worker.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=True).start()
     return runner

@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import shutil
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -732,6 +735,42 @@ def test_client_that_disconnects_mid_request_loses_nothing_for_others(front_door
     np.testing.assert_array_equal(
         tgrpc.InferenceServerClient(front_door.grpc_url).infer("sum", [_grpc_input(X)]).as_numpy("y"),
         front_door.sdk("sum", X))
+
+
+def test_an_http_client_that_hangs_up_withdraws_its_request(front_door):
+    """Requests queued behind a running batch whose HTTP clients close the connection leave the
+    queue while that batch still runs: they are withdrawn, not run for nobody (aiohttp, left to
+    its default, let the handler run on and the request took a place in the next batch)."""
+    body = json.dumps({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32",
+                                   "data": X.ravel().tolist()}]}).encode()
+    head = (f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    with Client(front_door.node.address) as c:
+        done: queue.Queue = queue.Queue()
+        g.async_infer("slow", [_grpc_input(X)], callback=lambda result, error: done.put((result, error)))
+        give_up = time.monotonic() + 30  # the waits below end in ms; this only keeps a broken run from hanging
+        while not any(w.inflight for w in c.status().workers if w.name == "slow0"):
+            assert time.monotonic() < give_up
+        started = time.monotonic()  # the slow worker's batch runs 300 ms from about now
+        hung_up = [socket.create_connection(("127.0.0.1", int(front_door.http_url.rsplit(":", 1)[1])))
+                   for _ in range(6)]
+        for s in hung_up:
+            s.sendall(head + body)
+        while c.status().queued < len(hung_up):  # all six are queued behind the running batch
+            assert time.monotonic() < give_up
+        for s in hung_up:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a killed client
+            s.close()
+        while c.status().queued:
+            assert time.monotonic() < give_up
+        emptied_after = time.monotonic() - started
+    # Run, they would leave the queue only when the running batch ends, 300 ms after it started
+    # (a few ms before `started`: the bound leaves room on both sides).
+    assert emptied_after < 0.2, f"the queue emptied {emptied_after:.3f} s in: the hung-up requests were run"
+    result, error = done.get(timeout=30)
+    assert error is None
+    np.testing.assert_array_equal(result.as_numpy("y"), front_door.sdk("slow", X))
 
 
 def test_readiness_follows_the_models_last_worker(front_door):
