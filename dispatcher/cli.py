@@ -50,9 +50,15 @@ def _run_status(args) -> int:
     import msgspec
 
     from .client import Client
+    from .errors import BatchyardError, InvalidArgument
+    from .exit_codes import EX_UNAVAILABLE, EX_USAGE
 
-    with Client(args.address) as c:
-        print(json.dumps(msgspec.to_builtins(c.status(timeout=5.0)), indent=1))
+    try:
+        with Client(args.address) as c:
+            print(json.dumps(msgspec.to_builtins(c.status(timeout=5.0)), indent=1))
+    except BatchyardError as e:  # a malformed address, or no dispatcher there: one line, not a traceback
+        print(f"batchyard: {e}", file=sys.stderr)
+        return EX_USAGE if isinstance(e, InvalidArgument) else EX_UNAVAILABLE
     return 0
 
 

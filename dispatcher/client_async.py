@@ -26,7 +26,12 @@ class AsyncClient(CodecAccess):
         self.loop = asyncio.get_running_loop()
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
-        self.sock, self._monitor = open_dealer(self.ctx, address, curve_server_key, curve_keys)
+        try:
+            self.sock, self._monitor = open_dealer(self.ctx, address, curve_server_key, curve_keys)
+        except BaseException:
+            if self._own_ctx:
+                self.ctx.term()
+            raise
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._grant_lock = asyncio.Lock()
         self.closed = False

@@ -390,6 +390,20 @@ def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes
     disconnection events; the same settings for both clients. ``curve_server_key`` (z85) and
     ``curve_keys`` (public, secret; from ``batchyard keygen``) for a CURVE-secured tcp endpoint."""
     sock = ctx.socket(zmq.DEALER)
+    try:
+        monitor = _setup_dealer(sock, address, curve_server_key, curve_keys)
+    except BaseException as e:
+        # Closed here (the monitor by _setup_dealer): the caller's ctx.term() would otherwise
+        # wait for them forever; a bad address hung Client("foo") instead of raising.
+        sock.close(linger=0)
+        if isinstance(e, zmq.ZMQError):
+            raise InvalidArgument(f"cannot connect to the dispatcher at {address!r}: {e}") from None
+        raise
+    return sock, monitor
+
+
+def _setup_dealer(sock: zmq.Socket, address: str, curve_server_key: Optional[bytes],
+                  curve_keys: Optional[tuple[bytes, bytes]]) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -409,8 +423,12 @@ def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes
     for e in _LOST:
         events |= e
     monitor = sock.get_monitor_socket(events)
-    sock.connect(address)
-    return sock, monitor
+    try:
+        sock.connect(address)
+    except BaseException:
+        monitor.close(linger=0)
+        raise
+    return monitor
 
 
 def connection_lost(monitor: zmq.Socket) -> str:

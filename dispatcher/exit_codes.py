@@ -8,3 +8,6 @@ EX_CONFIG = 78
 # sysexits.h EX_UNAVAILABLE: a service this process needs (a Triton server) stayed unreachable
 # through its start timeout. Unlike EX_CONFIG it may come back, so a restart can help.
 EX_UNAVAILABLE = 69
+
+# sysexits.h EX_USAGE: a command given an argument it cannot use (a malformed address).
+EX_USAGE = 64

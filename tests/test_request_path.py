@@ -324,6 +324,24 @@ def test_client_without_dispatcher_fails_fast_with_clear_error(run_dir):
             c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=0.2)
 
 
+def test_a_malformed_address_raises_at_once_and_the_cli_says_so_in_one_line(run_dir):
+    """Client("foo") hung for good: the connect failed after the socket was made, and closing
+    the context waited for that socket."""
+    with pytest.raises(InvalidArgument, match="cannot connect to the dispatcher at 'foo'"):
+        Client("foo")
+
+    async def go():
+        with pytest.raises(InvalidArgument, match="cannot connect to the dispatcher at 'tcp://'"):
+            AsyncClient("tcp://")
+
+    asyncio.run(go())
+    for address, code, text in (("foo", 64, "cannot connect to the dispatcher at 'foo'"),
+                                (f"ipc://{run_dir}/nobody-home", 69, "no reply from the dispatcher")):
+        r = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--address", address],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == code and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_dispatcher_shutdown_answers_queued_requests(start_node):
     node = start_node([sim_worker("slow", launch_us=500_000.0)])
     with node.client() as c:
