@@ -163,15 +163,33 @@ class DispatcherCollector:
                      ("model",), (((k,), r) for k, r in sorted(s.rates.items())))
 
 
+# The endpoint shares the dispatcher's thread and file-descriptor table: a peer that connects and
+# never finishes its request must not keep a descriptor for good. Thousands of such connections
+# were all kept, each an fd the dispatcher's sockets then lacked.
+METRICS_MAX_CONNECTIONS = 32  # open at once; a new one closes the oldest, so a scrape gets through
+METRICS_IDLE_S = 10.0  # a request not complete by then is dropped
+
+
 class _MetricsHTTP(asyncio.Protocol):
     """Just enough HTTP/1.1: GET /metrics -> 200 text, anything else -> 404; then close."""
 
-    def __init__(self, render: Callable[[], str]):
+    def __init__(self, render: Callable[[], str], open_now: dict):
         self.render = render
         self.buf = b""
+        self.open_now = open_now  # the server's open connections, oldest first (a dict as an ordered set)
+        self.idle = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if len(self.open_now) >= METRICS_MAX_CONNECTIONS:
+            next(iter(self.open_now)).transport.abort()  # its connection_lost forgets it
+        self.open_now[self] = None
+        self.idle = asyncio.get_running_loop().call_later(METRICS_IDLE_S, transport.abort)
+
+    def connection_lost(self, exc) -> None:
+        self.open_now.pop(self, None)
+        if self.idle is not None:
+            self.idle.cancel()
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -193,4 +211,5 @@ async def serve_metrics(loop: asyncio.AbstractEventLoop, host: str, port: int, r
     # Import now, at start-up: done at the first scrape it would stall the decision loop ~0.1 s.
     import prometheus_client.exposition  # noqa: F401
 
-    return await loop.create_server(lambda: _MetricsHTTP(render), host, port)
+    open_now: dict = {}
+    return await loop.create_server(lambda: _MetricsHTTP(render, open_now), host, port)

@@ -68,6 +68,32 @@ def test_metrics_count_a_known_load(start_node):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
 
 
+def test_idle_metrics_connections_cannot_use_up_the_dispatchers_descriptors(start_node):
+    """Connections that never finish a request were all kept open by the endpoint, which shares
+    the dispatcher's thread and descriptors: now at most METRICS_MAX_CONNECTIONS, the oldest
+    closed first, so a scrape still gets through and the node serves on."""
+    import psutil
+
+    from batchyard.metrics import METRICS_MAX_CONNECTIONS
+
+    port = free_port()
+    node = start_node([sim_worker()], metrics_port=port)
+    with node.client() as c:
+        dispatcher = psutil.Process(c.status().dispatcher_pid)
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4 * METRICS_MAX_CONNECTIONS)]
+        try:
+            for s in idle:
+                s.sendall(b"GET /metr")  # and never the rest
+            assert total(scrape_port(port), "nv_inference_pending_request_count") == 0
+            held = [k for k in dispatcher.net_connections("tcp")
+                    if k.laddr.port == port and k.status == psutil.CONN_ESTABLISHED]
+            assert len(held) <= METRICS_MAX_CONNECTIONS
+            np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
+        finally:
+            for s in idle:
+                s.close()
+
+
 def test_label_values_are_escaped_and_the_exposition_parses():
     """A model name with a quote, a backslash and a newline comes back from a Prometheus parser
     exactly, and Triton's metric names are kept as they are (no ``_total`` added)."""
