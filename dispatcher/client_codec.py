@@ -17,6 +17,7 @@ import numbers
 import operator
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Callable, Optional
 
 import numpy as np
@@ -188,11 +189,16 @@ class ClientCodec:
         connection has no grant for yet: the caller registers those before sending it)."""
         priority = checked_priority(priority)
         timeout = checked_timeout(timeout)
+        if not isinstance(inputs, Mapping):
+            raise InvalidArgument(f"inputs must be a dict of input name -> array, got {type(inputs).__name__}")
         rid = self.next_id()
         refs, frames, regions, used = [], [], [], set()
         n_items = 0
         for name, value in inputs.items():
-            arr = np.asarray(value)
+            try:
+                arr = np.asarray(value)
+            except ValueError as e:  # a ragged nested list
+                raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
             if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             n_items = arr.shape[0] if arr.ndim else 0

@@ -124,6 +124,10 @@ def test_an_array_no_tensor_type_fits_is_refused_and_the_client_serves_on(start_
                   np.array([["a"] * 4])):
             with pytest.raises(InvalidArgument, match=re.escape(f"dtype '{x.dtype.name}' is not a tensor type")):
                 c.infer("sum", {"x": x})
+        for inputs, text in ((np.ones((1, 4), np.float32), "inputs must be a dict"),  # an AttributeError before
+                             ({"x": [[1.0, 2.0], [3.0]]}, "input 'x' is not an array")):  # a ValueError before
+            with pytest.raises(InvalidArgument, match=text):
+                c.infer("sum", inputs)
         np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
 
 
