@@ -55,3 +55,29 @@ def test_minilm_embeddings_match_the_model_run_directly(start_node):
     with torch.inference_mode():
         want16 = model16(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))["embedding"].numpy()
     np.testing.assert_allclose(got, want16, atol=2e-2)
+
+
+def test_a_request_the_model_fails_on_fails_alone_not_its_batch(run_dir):
+    """An out-of-vocabulary token id makes MiniLM raise. That failed the whole batch: every client
+    whose request shared it got INTERNAL. The worker now runs a failed batch's requests one by one;
+    only the one the model fails on by itself fails, with the model's words, and the time of such a
+    batch teaches the dispatcher nothing (compute_us 0)."""
+    from batchyard.config import DispatcherConfig, NodeConfig
+    from batchyard.protocol import Status
+    from batchyard.workers.harness import DirectWorker
+
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      models=(MINILM,), workers=(amx_worker("amx0", ("minilm",), (1, 2)),)).validate()
+    ids, mask = tokenize(["a good request", "a bad one", "another good one"])
+    bad = ids[1:2].copy()
+    bad[0, 1] = 10 ** 6  # past the vocabulary
+    with DirectWorker(node, "amx0") as dw:
+        dw.wait_registered()
+        requests = [dw.request("minilm", {"input_ids": i, "attention_mask": m})
+                    for i, m in ((ids[0:1], mask[0:1]), (bad, mask[1:2]), (ids[2:3], mask[2:3]))]
+        done, frames = dw.run("minilm", requests)
+        alone, _ = dw.run("minilm", [requests[0]])
+    assert [r.status for r in done.results] == [Status.OK, Status.INVALID_ARGUMENT, Status.OK]
+    assert "failed on this request" in done.results[1].message and "IndexError" in done.results[1].message
+    assert done.compute_us == 0 and alone.compute_us > 0
+    assert len(frames) == 2  # one embedding frame for each good request

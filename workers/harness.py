@@ -67,12 +67,15 @@ class DirectWorker:
 
     def zeros_request(self, model: str, items: int) -> list:
         """One request of ``items`` items with zero-filled inline inputs."""
-        spec = self.spec[model]
-        refs, frames = [], []
-        for i, t in enumerate(spec.inputs):
-            refs.append(P.TensorRef(name=t.name, dtype=t.dtype, shape=[items, *t.shape], frame=i))
-            frames.append(np.zeros((items, *t.shape), dtype=t.dtype))
-        return [P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=0, model=model, inputs=refs)), *frames]
+        return self.request(model, {t.name: np.zeros((items, *t.shape), dtype=t.dtype) for t in self.spec[model].inputs})
+
+    @staticmethod
+    def request(model: str, arrays: dict) -> list:
+        """One request with these inline inputs (name -> array)."""
+        refs = [P.TensorRef(name=name, dtype=a.dtype.name, shape=list(a.shape), frame=i)
+                for i, (name, a) in enumerate(arrays.items())]
+        return [P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=0, model=model, inputs=refs)),
+                *(np.ascontiguousarray(a) for a in arrays.values())]
 
     def close(self) -> None:
         self.proc.terminate()

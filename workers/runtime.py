@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 import zmq
 
 from batchyard import protocol as P
@@ -203,9 +204,37 @@ class WorkerRuntime:
         t0 = time.perf_counter()
         try:
             raw = self.executor.run(msg.model, inputs)
-        except Exception as e:
+        except ExecutorUnavailable as e:
             raw = e
+        except Exception as e:
+            raw = self._each_alone(msg.model, items, spec, e)
+            # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
+            return self._finish(msg, items, spec, raw, 0, None)
         return self._finish(msg, items, spec, raw, int((time.perf_counter() - t0) * 1e6), None)
+
+    def _each_alone(self, model: str, items: list, spec, batch_failure: Exception):
+        """The batch raised: run each of its requests alone, so that only the ones the model fails
+        on by themselves fail (INVALID_ARGUMENT, the model's words), not every client whose request
+        shared the batch with them (one out-of-vocabulary token id failed them all). Returns the
+        outputs of the rest, or ``batch_failure`` when every request fails alone too: then the
+        model, not an input, is at fault. Only for executors that run a batch in the call
+        (``submit`` ones reply later, from their own thread)."""
+        good = [it for it in items if it.error is None]
+        if len(good) < 2:
+            return batch_failure
+        outs, failed = [], []
+        for it in good:
+            try:
+                outs.append(check_outputs(self.executor.run(model, assemble([it], spec)), spec, it.items))
+            except Exception as e:  # this request's own failure (or the backend's, caught next)
+                failed.append((it, e))
+        if len(failed) == len(good) or any(isinstance(e, ExecutorUnavailable) for _, e in failed):
+            return batch_failure
+        for it, e in failed:
+            it.error = (Status.INVALID_ARGUMENT, f"model {model!r} failed on this request: {type(e).__name__}: {e}")
+        log.warning("batch of %s failed (%s: %s); run alone, %d of its %d requests failed", model,
+                    type(batch_failure).__name__, batch_failure, len(failed), len(good))
+        return {t.name: np.concatenate([o[t.name] for o in outs]) for t in spec.outputs}
 
     def _finish(self, msg: P.Batch, items, spec, raw, compute_us: int, batch_error) -> list:
         outputs = None
