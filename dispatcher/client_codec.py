@@ -41,12 +41,14 @@ def dtype_name(dt: np.dtype) -> str:
         name = _DTYPE_NAMES[dt] = dt.name
     return name
 
+
 DEFAULT_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 1.0
 # Tensors from this size on go through shared memory. Measured (bench/handoff.py, this
 # machine): inline ZeroMQ and a pool copy cost about the same up to ~16 KiB; from 64 KiB on
 # the pool wins and the gap grows with size (see docs/protocol.md).
 DEFAULT_SHM_THRESHOLD = 64 << 10
+
 
 def checked_timeout(timeout: Optional[float]) -> float:
     """A request's timeout in seconds (None: DEFAULT_TIMEOUT_S), or InvalidArgument."""
@@ -62,21 +64,11 @@ def checked_priority(priority) -> int:
         if priority not in PRIORITIES:
             raise InvalidArgument(f"priority {priority!r} not one of {list(PRIORITIES)}")
         return PRIORITIES[priority]
-    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or not 0 <= priority <= 2:
-        raise InvalidArgument(f"priority must be one of {list(PRIORITIES)} or 0..2, got {priority!r}")
+    if (isinstance(priority, bool) or not isinstance(priority, numbers.Integral)
+            or not P.PRIORITY_HIGH <= priority <= P.PRIORITY_LOW):
+        raise InvalidArgument(f"priority must be one of {list(PRIORITIES)} or "
+                              f"{P.PRIORITY_HIGH}..{P.PRIORITY_LOW}, got {priority!r}")
     return int(priority)
-
-
-MAX_NEW_TOKENS = 1 << 16  # the wire's bound (protocol.GenerateRequest)
-
-
-def _whole_numbers(values, what: str, expected: str) -> list[int]:
-    """Python ints of ``values`` (numpy integers too: the wire's encoder takes only ints), or
-    InvalidArgument: a float or a string is refused, not truncated or read digit by digit."""
-    try:
-        return [operator.index(v) for v in values]
-    except TypeError:
-        raise InvalidArgument(f"{what} must be {expected}, got {values!r:.80}") from None
 
 
 PRIORITIES = {"high": P.PRIORITY_HIGH, "normal": P.PRIORITY_NORMAL, "low": P.PRIORITY_LOW}
@@ -251,15 +243,21 @@ class ClientCodec:
                         route: str = "") -> tuple[int, list, float]:
         timeout = checked_timeout(timeout)
         prio = checked_priority(priority)
-        tokens = _whole_numbers(prompt, "prompt", "a sequence of token ids (the SDK does not tokenize text)")
-        if not tokens or not all(0 <= t < 2**31 for t in tokens):
+        # operator.index: Python and numpy integers (the wire's encoder takes only ints); a float or
+        # a string is refused, not truncated or read digit by digit.
+        try:
+            tokens = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise InvalidArgument("prompt must be a sequence of token ids (the SDK does not tokenize text), "
+                                  f"got {prompt!r:.80}") from None
+        if not tokens or not all(0 <= t <= P.MAX_TOKEN_ID for t in tokens):
             raise InvalidArgument(f"prompt must be one or more token ids in [0, 2**31), got {prompt!r:.80}")
         try:
             n = operator.index(max_tokens)
         except TypeError:
             n = 0
-        if not 1 <= n <= MAX_NEW_TOKENS:
-            raise InvalidArgument(f"max_tokens must be an integer in 1..{MAX_NEW_TOKENS}, got {max_tokens!r:.40}")
+        if not 1 <= n <= P.MAX_NEW_TOKENS:
+            raise InvalidArgument(f"max_tokens must be an integer in 1..{P.MAX_NEW_TOKENS}, got {max_tokens!r:.40}")
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
                                 priority=prio, timeout_us=int(timeout * 1e6), route=route)
@@ -345,17 +343,18 @@ class ClientCodec:
         """Fail a request that never left this process: no worker saw its regions."""
         pend = self.pending.pop(rid, None)
         if pend is not None:
-            for region in (*pend.regions, *pend.outputs.values()):
-                self.free(region)
-            pend.resolve(error)
+            self._fail_freeing(pend, error)
 
     def fail_all(self, error_factory: Callable[[], BaseException]) -> None:
         """Resolve every request in flight with an error (the client is closing)."""
         pending, self.pending = self.pending, {}
         for pend in pending.values():
-            for region in (*pend.regions, *pend.outputs.values()):
-                self.free(region)
-            pend.resolve(error_factory())
+            self._fail_freeing(pend, error_factory())
+
+    def _fail_freeing(self, pend: Pending, error: BaseException) -> None:
+        for region in (*pend.regions, *pend.outputs.values()):
+            self.free(region)
+        pend.resolve(error)
 
     def lost_connection(self) -> set[int]:
         """The connection to the dispatcher is gone: a new one has no shared-memory grants (they

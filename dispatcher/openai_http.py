@@ -19,7 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 from . import errors
-from .protocol import Status
+from .protocol import MAX_TOKEN_ID, Status
 
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
          Status.OVERLOADED: 429, Status.UNAVAILABLE: 503, Status.CANCELLED: 499}
@@ -135,7 +135,7 @@ class OpenAiCompletions:
 
 
 def _is_token(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
 
 
 def _route(body: dict) -> str:

@@ -24,14 +24,13 @@ Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 # Segment names are file names under /dev/shm: no slashes, no dots at the start.
 SegmentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")]
-Priority = Annotated[int, msgspec.Meta(ge=0, le=2)]
-
 PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 0, 1, 2
+Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_HIGH, le=PRIORITY_LOW)]
+PRIORITY_NAMES = ("high", "normal", "low")
 # The longest timeout a client may ask for (about 31 years: "never", in practice). Above it
 # timeout_us no longer fits the wire's uint64 once rounded (2**64 - 1 us rounds to 2**64), and the
 # SDK's waits exceed threading.TIMEOUT_MAX.
 MAX_TIMEOUT_S = 1e9
-PRIORITY_NAMES = ("high", "normal", "low")
 
 
 class Status(enum.IntEnum):
@@ -159,7 +158,9 @@ class ShmUnregisterRequest(msgspec.Struct, tag="shm_unregister", tag_field="type
     segment: SegmentName
 
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+MAX_TOKEN_ID = 2**31 - 1
+MAX_NEW_TOKENS = 1 << 16  # the most tokens one generate request may ask for
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)$")]
 
 
@@ -172,7 +173,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_def
     id: U64
     model: Name
     prompt: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=1 << 17)]
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 16
     priority: Priority = PRIORITY_NORMAL
     timeout_us: NonNeg = 0
     route: Route = ""
