@@ -61,7 +61,14 @@ def dealer(address: str, keys: tuple[bytes, bytes] | None = None, server_key: by
 
 
 def roundtrip(s: zmq.Socket, frames, timeout_ms=60_000):
-    s.send_multipart(frames)
+    """The reply, or None if none came within ``timeout_ms``. A DEALER whose CURVE handshake was
+    refused may have no peer left to queue to, and a blocking send then waited for good (a clean-
+    clone CI run hung here 300 s): the send is bounded too, and a send that cannot go is no reply."""
+    s.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    try:
+        s.send_multipart(frames)
+    except zmq.Again:
+        return None
     if not s.poll(timeout_ms):
         return None
     return P.reply_decoder.decode(s.recv_multipart()[0])
