@@ -100,6 +100,9 @@ class CudaConfig(_Table):
 
     device: NonNeg = 0
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # cuda: replay each model as CUDA graphs captured at start (batch sizes 1, 2, 4, ... max_batch);
+    # false runs PyTorch eagerly, one Python launch per kernel
+    graphs: bool = True
     onnx: dict[str, str] = {}  # tensorrt: model -> ONNX file
 
 

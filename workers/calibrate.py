@@ -21,6 +21,7 @@ from batchyard.cost_model import CostCurve
 def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None, reps: int = 5,
               workers: list[str] | None = None, log=print) -> dict:
     from .harness import DirectWorker
+    from .runtime import powers_of_two
 
     points: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for w in node.workers:
@@ -30,7 +31,7 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
             dw.wait_registered()
             for model in w.models:
                 spec = dw.spec[model]
-                bs = [b for b in (sizes or _default_sizes(spec.max_batch)) if b <= spec.max_batch]
+                bs = [b for b in (sizes or powers_of_two(spec.max_batch)) if b <= spec.max_batch]
                 for b in bs:
                     req = dw.zeros_request(model, b)
                     dw.run(model, [req])  # warm-up at this shape
@@ -48,10 +49,3 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
     Path(out).write_text(json.dumps(profile, indent=1))
     return profile
 
-
-def _default_sizes(max_batch: int) -> list[int]:
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch]

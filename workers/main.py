@@ -85,7 +85,7 @@ def _make_executor(node: NodeConfig, wcfg):
     if wcfg.kind == "cuda":
         from .cuda_executors import TorchCudaExecutor
 
-        return TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision)
+        return TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision, graphs=wcfg.cuda.graphs)
     if wcfg.kind == "tensorrt":
         from .cuda_executors import TensorRTExecutor
 

@@ -98,7 +98,7 @@ class WorkerRuntime:
         import numpy as np
 
         for model, spec in self.specs.items():
-            for b in sizes.get(model) or _powers_of_two(spec.max_batch):
+            for b in sizes.get(model) or powers_of_two(spec.max_batch):
                 inputs = {t.name: np.zeros((b, *t.shape), dtype=t.dtype) for t in spec.inputs}
                 t0 = time.perf_counter()
                 self.executor.run(model, inputs)
@@ -267,7 +267,9 @@ class ExecutorUnavailable(Exception):
     get UNAVAILABLE, not INTERNAL, and the worker stays up."""
 
 
-def _powers_of_two(max_batch: int) -> tuple[int, ...]:
+def powers_of_two(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes 1, 2, 4, ... below ``max_batch``, and ``max_batch``: the default warm-up,
+    calibration and CUDA graph sizes."""
     sizes, b = [], 1
     while b < max_batch:
         sizes.append(b)
