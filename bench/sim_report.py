@@ -61,6 +61,15 @@ def _step(load, n, seed):
     return steps([(0.0, 0.5 * r), (d / 3, 1.5 * r), (2 * d / 3, 0.5 * r)], d * 1.0, seed=seed)
 
 
+# MiniLM-L6 measured (B, seconds) on an H200 with CUDA graphs and on one 4-core AMX worker of
+# that host (bench/results/gpu_h200.md): a real pair, the CPU 23x slower than the GPU at B=1.
+H200_MINILM = ((1, 0.389e-3), (2, 0.403e-3), (4, 0.430e-3), (8, 0.471e-3), (16, 0.636e-3), (32, 0.812e-3),
+               (64, 1.233e-3))
+AMX4_MINILM = ((1, 8.924e-3), (2, 11.579e-3), (4, 17.123e-3), (8, 27.585e-3), (16, 49.606e-3), (32, 101.906e-3),
+               (64, 290.977e-3))
+H200_AMX = [Device("gpu0", "gpu", 0.0, 0.0, points=H200_MINILM)] + [
+    Device(f"amx{i}", "cpu", 0.0, 0.0, points=AMX4_MINILM) for i in range(2)]
+
 SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
     "seeds": (DEVICES, _poisson, LOADS, "seeds' curves, Poisson"),
     "cpu-slower": ([GPU] + cpus(2, 0.16e-3), _poisson, SHAPED_LOADS, "CPU 0.16 ms·B (2x slower), Poisson"),
@@ -74,6 +83,9 @@ SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
     "mmpp": (DEVICES, _mmpp, SHAPED_LOADS, "seeds' curves, Markov-modulated 0.4x/1.6x, 5 ms sojourns"),
     "on-off": (DEVICES, _on_off, SHAPED_LOADS, "seeds' curves, on/off bursts at 2x, 2 ms on / 2 ms off"),
     "step": (DEVICES, _step, SHAPED_LOADS, "seeds' curves, 0.5x -> 1.5x -> 0.5x of the mean rate"),
+    # Added with the rule for a full GPU batch's overflow, which this pair exposed (p99 49.7 ms at 90 %).
+    "h200-amx": (H200_AMX, _poisson, SHAPED_LOADS, "measured: MiniLM on an H200 (CUDA graphs) + 2 AMX workers "
+                 "of 4 cores, Poisson (load of the seeds' GPU: 78 % of the H200's at 90 %)"),
 }
 
 
