@@ -54,3 +54,13 @@ def test_requests_that_arrive_together_tie_without_breaking_the_search():
     arr = np.repeat(np.arange(6) * 1e-4, 4)  # bursts of 4 identical instants: many equal scores
     found = search(arr, DEVICES, beam=4, weight=1.0)
     assert replay(arr, DEVICES, found.blocks) == pytest.approx(found.mean_s, rel=1e-9)
+
+
+def test_a_device_given_by_measured_points_may_run_its_whole_max_batch():
+    # A GPU known only by measured (B, seconds) has launch_s 0: the search took it for a device
+    # without a launch cost and cut its runs at 4 items, so on the measured H200 + AMX curves its
+    # schedules were 100x worse than MCB's. Twelve requests at once belong in one batch.
+    gpu = Device("gpu0", "gpu", 0.0, 0.0, max_batch=16, points=((1, 0.389e-3), (8, 0.471e-3), (16, 0.636e-3)))
+    found = search(np.zeros(12), [gpu], beam=4, weight=1.0)
+    assert [length for _, length, _, _ in found.blocks] == [12]
+    assert found.mean_s == pytest.approx(gpu.curve().predict(12))
