@@ -48,7 +48,7 @@ class TorchCudaExecutor:
     With ``graphs`` (the default) each model is captured once per batch-size bucket (powers of
     two up to ``max_batch``) as a CUDA graph, and a batch of B items replays the smallest bucket
     that holds it. Eager PyTorch launches each of a model's kernels from Python: on an H200,
-    MiniLM-L6 took 3.2 ms at every B from 1 to 64, all of it launch time. A model whose capture
+    MiniLM-L6 took 3.1-5.8 ms at every B from 1 to 64 eagerly, 0.39-1.23 ms as graphs. A model whose capture
     fails (a host sync or a data-dependent shape in its forward) runs eagerly, with a warning."""
 
     path = "gpu"
@@ -125,8 +125,8 @@ class TorchCudaExecutor:
                 static, graphs = self.graphs[model]
                 bucket = min(b for b in graphs if b >= n)
                 for name in inputs:
-                    # Rows n..bucket keep an earlier batch's inputs: valid data for the model,
-                    # and their outputs are never read.
+                    # Rows n..bucket keep an earlier batch's inputs (zeros before the first):
+                    # valid data for the model, and their outputs are never read.
                     static[name][:n].copy_(host_in[name][:n], non_blocking=True)
                 graph, out = graphs[bucket]
                 graph.replay()
