@@ -28,12 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from batchyard.policy_mcb import amortises_launch
+
 from .simulator import Device, simulate
 
 WEIGHTS = (1.0, 4.0, 8.0)
 BEAM = 16
-# Runs on a device with no launch cost (T(1) no more than T(2) - T(1)) never gain from more than
-# a few requests: each would wait for the others' compute.
+# Runs on a device with no launch cost (T linear through 0) never gain from more than a few
+# requests: each would wait for the others' compute.
 LINEAR_RUN_MAX = 4
 POLICIES = ("mcb", "gpu-only", "greedy", "escape:1", "escape:2", "escape:3", "escape:4", "three-segment")
 
@@ -67,9 +69,9 @@ def search(arrivals: np.ndarray, devices: list[Device], beam: int = BEAM, weight
     n, m = len(arr), len(devices)
     prefix = np.concatenate([[0.0], np.cumsum(arr)])
     times = [np.array([0.0] + [d.curve().predict(b) for b in range(1, d.max_batch + 1)]) for d in devices]
-    # From the curve, not the launch_s field: a device given by measured points has launch_s 0.
-    run_max = [d.max_batch if t[1] > 1.05 * (t[2] - t[1]) else min(d.max_batch, LINEAR_RUN_MAX)
-               for d, t in zip(devices, times)]
+    # From the curve, as MCB decides it, not the launch_s field: a device given by measured
+    # points has launch_s 0.
+    run_max = [d.max_batch if amortises_launch(d.curve()) else min(d.max_batch, LINEAR_RUN_MAX) for d in devices]
     # States that differ only in which of several identical devices is busy are one state.
     group_of = interchangeable(devices)
 

@@ -71,7 +71,7 @@ def checked_priority(priority) -> int:
     return int(priority)
 
 
-PRIORITIES = {"high": P.PRIORITY_HIGH, "normal": P.PRIORITY_NORMAL, "low": P.PRIORITY_LOW}
+PRIORITIES = {name: level for level, name in enumerate(P.PRIORITY_NAMES)}  # "high" -> 0, ...
 
 
 def closed_error() -> Cancelled:

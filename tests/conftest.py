@@ -36,6 +36,10 @@ SUM_MODEL = ModelConfig(name="sum", factory="batchyard.workers.models:mlp", max_
 BIG_MODEL = ModelConfig(name="big", factory="batchyard.workers.models:mlp", max_batch=4,
                         inputs=(TensorConfig("x", "float32", (256, 1024)),),
                         outputs=(TensorConfig("y", "float32", (256, 1024)),))
+MINILM_MODEL = ModelConfig(name="minilm", factory="batchyard.workers.models:minilm", max_batch=4,
+                           inputs=(TensorConfig("input_ids", "int64", (128,)),
+                                   TensorConfig("attention_mask", "int64", (128,))),
+                           outputs=(TensorConfig("embedding", "float32", (384,)),))
 MLP_MODEL = ModelConfig(name="mlp", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (256,)),),
                         outputs=(TensorConfig("y", "float32", (256,)),))

@@ -5,15 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchyard.config import ModelConfig, TensorConfig, WorkerConfig
+from batchyard.config import WorkerConfig
 from batchyard.workers.models import MLP, minilm, tokenize
 
-from conftest import MLP_MODEL
-
-MINILM = ModelConfig(name="minilm", factory="batchyard.workers.models:minilm", max_batch=4,
-                     inputs=(TensorConfig("input_ids", "int64", (128,)), TensorConfig("attention_mask", "int64", (128,))),
-                     outputs=(TensorConfig("embedding", "float32", (384,)),))
-
+from conftest import MINILM_MODEL, MLP_MODEL
 
 def amx_worker(name, models, sizes):
     return WorkerConfig(name=name, kind="amx", models=models, threads=1, warmup_sizes=sizes)
@@ -38,7 +33,7 @@ def test_mlp_outputs_equal_direct_bf16_run_and_batches_mix_requests(start_node):
 
 
 def test_minilm_embeddings_match_the_model_run_directly(start_node):
-    node = start_node([amx_worker("amx0", ("minilm",), (1, 2))], models=(MINILM,))
+    node = start_node([amx_worker("amx0", ("minilm",), (1, 2))], models=(MINILM_MODEL,))
     texts = ["Watch p99, never the average.", "The GPU only eats batches that are already fat.",
              "Tail requests always have an escape route."]
     ids, mask = tokenize(texts)
@@ -67,7 +62,7 @@ def test_a_request_the_model_fails_on_fails_alone_not_its_batch(run_dir):
     from batchyard.workers.harness import DirectWorker
 
     node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      models=(MINILM,), workers=(amx_worker("amx0", ("minilm",), (1, 2)),)).validate()
+                      models=(MINILM_MODEL,), workers=(amx_worker("amx0", ("minilm",), (1, 2)),)).validate()
     ids, mask = tokenize(["a good request", "a bad one", "another good one"])
     bad = ids[1:2].copy()
     bad[0, 1] = 10 ** 6  # past the vocabulary

@@ -9,20 +9,19 @@ import subprocess
 import sys
 import textwrap
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from batchyard.config import CudaConfig, ModelConfig, TensorConfig, WorkerConfig
+from batchyard.config import CudaConfig, WorkerConfig
 from batchyard.workers.models import MLP
 
-from conftest import MLP_MODEL
+from conftest import MINILM_MODEL, MLP_MODEL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to PyTorch")
 
-MINILM = ModelConfig(name="minilm", factory="batchyard.workers.models:minilm", max_batch=64,
-                     inputs=(TensorConfig("input_ids", "int64", (128,)), TensorConfig("attention_mask", "int64", (128,))),
-                     outputs=(TensorConfig("embedding", "float32", (384,)),))
+MINILM = msgspec.structs.replace(MINILM_MODEL, max_batch=64)
 
 
 def cuda_worker(name, models, sizes, **cuda):

@@ -95,8 +95,6 @@ class WorkerRuntime:
     def warmup(self, sizes: dict[str, tuple[int, ...]]) -> None:
         """Run every batch size the scheduler may use once: oneDNN builds kernels per shape and
         the first call at a new size measured 25-35 % slower (once 919 ms)."""
-        import numpy as np
-
         for model, spec in self.specs.items():
             for b in sizes.get(model) or powers_of_two(spec.max_batch):
                 inputs = {t.name: np.zeros((b, *t.shape), dtype=t.dtype) for t in spec.inputs}
