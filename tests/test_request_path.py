@@ -376,10 +376,17 @@ def test_async_cancel_withdraws_the_queued_request(start_node):
 
     async def go():
         async with AsyncClient(node.address) as c:
+            # With the spec known, each task sends its request at its first step, so yielding
+            # once fixes the order on the wire. Without it a task that fetched the spec could be
+            # overtaken by one created later (seen in CI: `second` ran, `first` was the queued one).
+            await c.model_info("sum")
             first = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
-            await c.status()
+            await asyncio.sleep(0)
+            st = await c.status()
+            assert (st.queued, st.workers[0].inflight) == (0, 1)  # `first` is on the worker
             second = c.submit("sum", {"x": np.ones((1, 4), np.float32)})
-            await c.status()  # queued behind `first`
+            await asyncio.sleep(0)
+            assert (await c.status()).queued == 1  # `second` waits behind it
             second.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await second
