@@ -115,7 +115,7 @@ def triton_server(name: str, levels: int, delay_us: int, cpus: list):
         try:
             cfg = (Path(d) / "model_amx" / "config.pbtxt").read_text()
             yield Server(name, tl.grpc_url, "model_amx", f"http://127.0.0.1:{tl.metrics_port}/metrics",
-                         pinning(tl.proc.pid)), cfg[cfg.index("dynamic_batching {"):], None
+                         pinning(tl.proc.pid), tl.proc.pid), cfg[cfg.index("dynamic_batching {"):], None
         finally:
             tl.close()
 

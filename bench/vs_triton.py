@@ -194,6 +194,7 @@ class Server:
     model: str
     metrics_url: str
     pinning: dict
+    pid: int  # the root of its process tree
 
 
 @contextlib.contextmanager
@@ -210,7 +211,7 @@ def batchyard_server(cpus: list):
         try:
             url = f"127.0.0.1:{port}"
             wait_model_ready(url, "minilm", proc)
-            yield Server("batchyard", url, "minilm", f"http://127.0.0.1:{mport}/metrics", pinning(proc.pid)), node
+            yield Server("batchyard", url, "minilm", f"http://127.0.0.1:{mport}/metrics", pinning(proc.pid), proc.pid), node
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -260,7 +261,7 @@ def triton_server(delay_us: int, cpus: list):
             tl.start(READY_TIMEOUT_S)
         try:
             yield Server(f"triton {delay_us} us", tl.grpc_url, "model_amx",
-                         f"http://127.0.0.1:{tl.metrics_port}/metrics", pinning(tl.proc.pid))
+                         f"http://127.0.0.1:{tl.metrics_port}/metrics", pinning(tl.proc.pid), tl.proc.pid)
         finally:
             tl.close()
 
