@@ -171,3 +171,21 @@ def test_efficient_batch_is_not_set_by_noise():
     # B=30..32 differ by 0.07 % per item here: any of them is the limit.
     assert learned({b: 0.013 + 0.019 * b for b in range(1, 33)}).efficient_batch(32) >= 30
     assert learned(dict(EPYC_MINILM)).efficient_batch(32) == 16
+
+
+def test_a_knot_follows_a_change_of_speed_but_not_one_slow_batch():
+    """A knot's running mean is slow on purpose (noise must not set the cap), yet the machine's
+    speed does change (a neighbour, a frequency step): then the last few batches agree on a bias
+    and the knot follows them. One slow batch (a GC pause, below the outlier cut) is no change."""
+    from batchyard.cost_model import CostCurve
+
+    rng = np.random.default_rng(3)
+    c = CostCurve()
+    for _ in range(60):
+        c.observe(8, 0.2 * (1 + 0.05 * rng.standard_normal()))
+    before = c._knots[8][0]
+    c.observe(8, 2 * before)
+    assert c._knots[8][0] < 1.02 * before  # a fixed 5 % step moved it 5 %
+    for _ in range(20):
+        c.observe(8, 0.24 * (1 + 0.05 * rng.standard_normal()))
+    assert c._knots[8][0] == pytest.approx(0.24, rel=0.05)  # a plain 1/20 mean needs ~26 batches
