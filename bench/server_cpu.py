@@ -26,16 +26,17 @@ from .harness import scrape
 
 
 def cpu_seconds(procs: list) -> dict:
-    out = {}
+    """{process name: user + system seconds}, summed over processes of one name (two workers)."""
+    out: dict = {}
     for p in procs:
         with contextlib.suppress(psutil.Error):
             t = p.cpu_times()
-            out[(p.pid, p.name())] = t.user + t.system
+            out[p.name()] = out.get(p.name(), 0.0) + t.user + t.system
     return out
 
 
-def measure(server: V.Server, pid: int, rate: float, input_data: Path) -> dict:
-    root = psutil.Process(pid)
+def measure(server: V.Server, rate: float, input_data: Path) -> dict:
+    root = psutil.Process(server.pid)
     procs = [root, *root.children(recursive=True)]
     perf_analyzer.run_rate(server.url, server.model, rate, window_s=5, trials=2, stability=0.5,
                            input_data=input_data)  # warm-up: every shape the run will see
@@ -44,7 +45,7 @@ def measure(server: V.Server, pid: int, rate: float, input_data: Path) -> dict:
                                 input_data=input_data)
     after, m1, elapsed = cpu_seconds(procs), scrape(server.metrics_url), time.monotonic() - t0
     n, batches = (V.counter(m1, k) - V.counter(m0, k) for k in ("nv_inference_count", "nv_inference_exec_count"))
-    per = {name: (after[(p, name)] - before.get((p, name), 0.0)) for p, name in after}
+    per = {name: s - before.get(name, 0.0) for name, s in after.items()}
     return {"requests": n, "seconds": elapsed, "mean_batch": n / batches if batches else float("nan"),
             "p99_ms": pa["summary"]["p99_ms"], "cpu_s": per}
 
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
             cm = V.batchyard_server([args.server_cpu]) if name == "batchyard" else V.triton_server(0, [args.server_cpu])
             with cm as got:
                 server = got[0] if name == "batchyard" else got
-                r = measure(server, server.pid, args.rate, data)
+                r = measure(server, args.rate, data)
             print(f"{name}: {r['requests']:.0f} requests in {r['seconds']:.1f} s at {args.rate:g}/s offered, "
                   f"mean batch {r['mean_batch']:.2f}, p99 {r['p99_ms']:.0f} ms")
             for proc, s in sorted(r["cpu_s"].items()):

@@ -34,6 +34,9 @@ EFFICIENT_Z = 2.0
 KNOT_MEMORY = 20  # a knot is a running mean with weight 1/KNOT_MEMORY once it has that many samples
 DRIFT_MEMORY = 4  # ... unless its last ~DRIFT_MEMORY samples say the machine's speed changed
 DRIFT_Z = 3.0
+# The drift EWMA's standard deviation per unit of spread: (x1.25 for a standard deviation from a
+# mean absolute deviation) x sqrt(w / (2 - w)) for weight w; past DRIFT_Z of it, the speed changed.
+DRIFT_LIMIT = DRIFT_Z * 1.25 * math.sqrt((1 / DRIFT_MEMORY) / (2 - 1 / DRIFT_MEMORY))
 KNOT_EFFECTIVE = 30  # samples a knot's estimate is worth, for its standard error (see _relative_error)
 # Background work (low priority while urgent requests arrive) gives up this much throughput per
 # item for short batches: an urgent request that arrives behind one waits for it (not preemptible).
@@ -61,10 +64,9 @@ class CostCurve:
     r2: float = float("nan")  # of the offline linear fit, when built from a profile
     # RLS state: inverse covariance P (2x2, symmetric) and parameters theta = (launch, per_item)
     _p: list = field(default_factory=lambda: [P_INITIAL, 0.0, P_INITIAL])
-    # knots: batch size -> (estimate, count); kept sorted by size in _sizes
+    # knots: batch size -> (estimate, count, spread, drift); kept sorted by size in _sizes. spread:
+    # mean |sample / estimate - 1| (0: calibrated); drift: recent mean of (sample / estimate - 1)
     _knots: dict = field(default_factory=dict)
-    _spread: dict = field(default_factory=dict)  # batch size -> mean |sample / estimate - 1| (0: calibrated)
-    _drift: dict = field(default_factory=dict)  # batch size -> recent mean of (sample / estimate - 1), signed
     _sizes: list = field(default_factory=list)
     _caps: dict = field(default_factory=dict)  # max_b -> efficient_batch, -max_b -> compact_batch, until the next sample
 
@@ -116,7 +118,7 @@ class CostCurve:
         error = {b: self._relative_error(b) for b in sizes}
         if max_b not in per_item:
             per_item[max_b] = self._interpolate(max_b) / max_b
-            error[max_b] = max(error[b] for b in sizes if b < max_b)  # as its nearest evidence, at worst
+            error[max_b] = max(error.values())  # as its nearest evidence, at worst
         best = min(per_item, key=per_item.get)
         return max(b for b, t in per_item.items()
                    if t <= per_item[best] * (1 + EFFICIENT_TOLERANCE + EFFICIENT_Z * math.hypot(error[b], error[best])))
@@ -128,7 +130,8 @@ class CostCurve:
         39; the speed-change detector's false alarms shorten that to about KNOT_EFFECTIVE
         (measured: 300 knots of 60 samples at 3, 10 and 20 % jitter). Calibrated knots carry
         no spread: a calibration point is a median of runs."""
-        return 1.25 * self._spread.get(b, 0.0) / math.sqrt(min(self._knots[b][1], KNOT_EFFECTIVE))
+        _, n, spread, _ = self._knots[b]
+        return 1.25 * spread / math.sqrt(min(n, KNOT_EFFECTIVE))
 
     def observe(self, b: int, seconds: float) -> bool:
         """Learn from one completed batch. Returns False if it was rejected as an outlier."""
@@ -141,8 +144,7 @@ class CostCurve:
         if k is None:
             self._set_knot(b, seconds)
         else:
-            est, n = k
-            spread = self._spread.get(b, 0.0)
+            est, n, spread, drift = k
             if n >= 4 and est > 0:
                 # A running mean over about KNOT_MEMORY samples, each clipped to 3 spreads: the
                 # odd slow batch (a GC pause) moves it little. (A fixed 5 % step per sample made
@@ -154,17 +156,14 @@ class CostCurve:
                 # tracked to within 5 % in a median of 8 batches at 5 % jitter, 15 at 10 % (not 26).
                 bound = max(3.0 * spread, 0.05) * est
                 step = max(-bound, min(bound, seconds - est))  # clipped: one slow batch is no shift
-                w = 1 / DRIFT_MEMORY
-                drift = self._drift.get(b, 0.0) + (step / est - self._drift.get(b, 0.0)) * w
-                self._drift[b] = drift
-                shifted = abs(drift) > DRIFT_Z * 1.25 * spread * math.sqrt(w / (2 - w))
-                est += step * (w if shifted else 1 / min(n + 1, KNOT_MEMORY))
+                drift += (step / est - drift) / DRIFT_MEMORY
+                shifted = abs(drift) > DRIFT_LIMIT * spread
+                est += step * (1 / DRIFT_MEMORY if shifted else 1 / min(n + 1, KNOT_MEMORY))
                 dev = abs(step) / est  # clipped too: one slow batch must not double the spread
             else:
                 est += (seconds - est) / (n + 1)
                 dev = abs(seconds - est) / est if est > 0 else 0.0
-            self._spread[b] = spread + (dev - spread) / min(n, KNOT_MEMORY)
-            self._knots[b] = (est, n + 1)
+            self._knots[b] = (est, n + 1, spread + (dev - spread) / min(n, KNOT_MEMORY), drift)
         if self.samples % CAP_REFRESH == 0:
             self._caps.clear()
         return True
@@ -189,9 +188,7 @@ class CostCurve:
     def _set_knot(self, b: int, t: float, count: int = 1) -> None:
         if b not in self._knots:
             bisect.insort(self._sizes, b)
-        self._knots[b] = (t, count)
-        self._spread.pop(b, None)
-        self._drift.pop(b, None)
+        self._knots[b] = (t, count, 0.0, 0.0)
         self._caps.clear()
 
     def _interpolate(self, b: int) -> float:

@@ -10,6 +10,7 @@ from batchyard.workers.models import MLP, minilm, tokenize
 
 from conftest import MINILM_MODEL, MLP_MODEL
 
+
 def amx_worker(name, models, sizes):
     return WorkerConfig(name=name, kind="amx", models=models, threads=1, warmup_sizes=sizes)
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from batchyard.bench.sim_report import AMX4_MINILM, H200_MINILM  # measured: bench/results/gpu_h200.md
 from batchyard.cost_model import ArrivalRate, CostCurve
 from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible, plan
 from batchyard.state import Request, SchedulerState, WorkerState
@@ -190,11 +191,6 @@ def test_plan_spreads_a_queue_over_every_free_worker():
     assert [(w.name, n) for _, w, n in chunks] == [("gpu0", 64)]
 
 
-# MiniLM-L6 measured on an H200 (CUDA graphs) and on a 4-core AMX worker (bench/results/gpu_h200.md).
-H200_GPU = ((1, 0.389), (2, 0.403), (4, 0.430), (8, 0.471), (16, 0.636), (32, 0.812), (64, 1.233))
-AMX_CPU = ((1, 8.924), (2, 11.579), (4, 17.123), (8, 27.585), (16, 49.606), (32, 101.906), (64, 290.977))
-
-
 def test_the_overflow_of_a_full_gpu_batch_waits_for_the_next_one_not_a_slow_cpu():
     # 100 queued at 40k req/s, the GPU busy for 1 ms more, a CPU free but 20x slower. The GPU's
     # next batch is full at 64; the rest are done soonest in the GPU batch after it (~3 ms),
@@ -202,8 +198,8 @@ def test_the_overflow_of_a_full_gpu_batch_waits_for_the_next_one_not_a_slow_cpu(
     # items, so the CPU looked free of competition and took 16 (simulated at 90 % of the seeds'
     # GPU capacity on these curves: p99 49.7 ms against gpu-only's 1.9 ms).
     st = seeds_state(n_queued=100, lam_per_s=40_000, gpu_busy_until=1.0 + 1 * MS)
-    st.costs[("m", "gpu")] = CostCurve.from_points([(b, t * MS) for b, t in H200_GPU])
-    st.costs[("m", "cpu")] = CostCurve.from_points([(b, t * MS) for b, t in AMX_CPU])
+    st.costs[("m", "gpu")] = CostCurve.from_points(list(H200_MINILM))
+    st.costs[("m", "cpu")] = CostCurve.from_points(list(AMX4_MINILM))
     for c in st.costs.values():
         c.samples = 100
     chunks, _ = plan(st, "m", st.serving["m"], 100, 1.0)
