@@ -44,6 +44,18 @@ def amortises_launch(curve, k: int = 1) -> bool:
     return curve.predict(1) > (curve.predict(k + 1) - curve.predict(k)) * (1 + AMORTISES)
 
 
+def adds_items_dearer(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState]) -> bool:
+    """Whether another of ``ws`` adds an item to its batch more cheaply than ``w`` does,
+    ``T(2) - T(1)`` beyond AMORTISES (a CPU beside a GPU). Step 6c sizes such a worker's batch
+    by the queue alone when it amortises a launch."""
+    def added(x: WorkerState) -> float:
+        c = state.cost(model, x.path)
+        return c.predict(2) - c.predict(1)
+
+    mine = added(w)
+    return any(mine > added(x) * (1 + AMORTISES) for x in ws if x is not w)
+
+
 def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: float,
          background: bool = False) -> tuple[list, float]:
     """Plan ``n`` queued items over ``ws`` — free workers from now, busy ones from their
@@ -216,6 +228,7 @@ class MarginalCost(PerModelPolicy):
             #    counts FUTURE_SHARE * lambda*H. H and the count feed each other; a few rounds
             #    reach the fixed point (or stop when it stops growing).
             chunks, end = plan(state, model, ws, b, now, background)
+            alone = {id(w): items for _, w, items in chunks}  # each worker's share of the queue alone (6c)
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
             extra = 0
@@ -232,6 +245,7 @@ class MarginalCost(PerModelPolicy):
             if slack <= 0:
                 d.count("flushed")
                 chunks, _ = plan(state, model, [w for w in ws if w.free], b, now, background)
+                alone = {id(w): items for _, w, items in chunks}
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
             held = 0  # head items planned for busy workers that finish them before this one
@@ -248,10 +262,22 @@ class MarginalCost(PerModelPolicy):
                 queued = min(items, left)
                 cap = state.batch_cap(model, w, background)
                 if amortises_launch(state.cost(model, w.path)):
-                    # 6a. A launch-heavy worker also takes what no other worker's first batch
-                    #     holds (up to its cap): those items would otherwise wait for a later
-                    #     decision, and under a burst its next launch is the bottleneck.
-                    queued = max(queued, min(cap, left - held - after))
+                    if adds_items_dearer(state, model, w, ws):
+                        # 6c. A launch-heavy worker that is not the cheapest place for added
+                        #     items (a CPU with a launch beside a GPU) takes at most its share
+                        #     of the queue alone. The expected arrivals fill the cheaper
+                        #     worker's planned batch and so grow this one, but this batch
+                        #     leaves now without them: its items would wait for compute spent
+                        #     on requests that are not there.
+                        queued = min(queued, alone.get(id(w), 0))
+                        if queued <= 0:
+                            continue
+                    else:
+                        # 6a. A launch-heavy worker also takes what no other worker's first
+                        #     batch holds (up to its cap): those items would otherwise wait for
+                        #     a later decision, and under a burst its next launch is the
+                        #     bottleneck.
+                        queued = max(queued, min(cap, left - held - after))
                 if queued <= 0:
                     break
                 if slack > 0 and queued < cap:
