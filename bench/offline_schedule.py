@@ -204,13 +204,22 @@ def main(argv=None) -> None:
     ap.add_argument("--full", type=int, default=100_000, help="the sim_report trace length whose head is taken")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only these scenarios' rows in the report already in --out (same --requests)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     tasks = [(s, load, args.requests, args.full) for s in args.scenarios.split(",") for load in SCENARIOS[s][2]]
     with Pool(args.jobs) as pool:
         rows = pool.map(point, tasks, chunksize=1)
-    rep = {"simulated": True, "n": args.requests, "rows": rows, "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
+    rep = {"simulated": True, "n": args.requests, "rows": rows, "wall_s": 0.0}
+    if args.merge:
+        from .sim_report import merged
+
+        rep = merged(out / "offline_schedule.json", rows, args.requests)
+        order = list(SCENARIOS)
+        rep["rows"].sort(key=lambda r: (order.index(r["scenario"]), r["load"]))
+    rep["wall_s"] += time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "offline_schedule.json").write_text(json.dumps(rep, indent=1))
     (out / "offline_schedule.md").write_text(markdown(rep))

@@ -189,3 +189,16 @@ def test_a_knot_follows_a_change_of_speed_but_not_one_slow_batch():
     for _ in range(20):
         c.observe(8, 0.24 * (1 + 0.05 * rng.standard_normal()))
     assert c._knots[8][0] == pytest.approx(0.24, rel=0.05)  # a plain 1/20 mean needs ~26 batches
+
+
+def test_a_merged_report_replaces_only_the_scenarios_rerun(tmp_path):
+    from batchyard.bench.sim_report import merged
+
+    path = tmp_path / "sim_report.json"
+    old = {"n": 1000, "rows": [{"scenario": "seeds", "load": 0.3, "x": 1}, {"scenario": "mmpp", "load": 0.3, "x": 1}]}
+    path.write_text(json.dumps(old))
+    rep = merged(path, [{"scenario": "mmpp", "load": 0.3, "x": 2}, {"scenario": "mmpp", "load": 0.6, "x": 2}], 1000)
+    assert sorted((r["scenario"], r["load"], r["x"]) for r in rep["rows"]) == [
+        ("mmpp", 0.3, 2), ("mmpp", 0.6, 2), ("seeds", 0.3, 1)]
+    with pytest.raises(SystemExit, match="--requests 1000, not 2000"):  # traces of another length: not comparable
+        merged(path, [], 2000)
