@@ -86,7 +86,7 @@ SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
     # Added with the rule for a full GPU batch's overflow, which this pair exposed (p99 49.7 ms at 90 %).
     "h200-amx": (H200_AMX, _poisson, SHAPED_LOADS, "measured: MiniLM on an H200 (CUDA graphs) + 2 AMX workers "
                  "of 4 cores, Poisson (load of the seeds' GPU: 78 % of the H200's at 90 %)"),
-    # Added with MCB's step 6c: CPUs whose batches amortise a launch (MCB's p99 was 1.09-1.23x
+    # Added with MCB's step 6b: CPUs whose batches amortise a launch (MCB's p99 was 1.09-1.23x
     # escape:3's at 90 % on such curves before it).
     "cpu-launch": ([GPU] + [Device(f"amx{i}", "cpu", 0.02e-3, 0.06e-3) for i in range(2)], _poisson, SHAPED_LOADS,
                    "2 CPUs at 0.02 ms + 0.06 ms·B (a launch to amortise; T(1) as the seeds'), Poisson"),

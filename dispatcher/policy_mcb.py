@@ -46,7 +46,7 @@ def amortises_launch(curve, k: int = 1) -> bool:
 
 def adds_items_dearer(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState]) -> bool:
     """Whether another of ``ws`` adds an item to its batch more cheaply than ``w`` does,
-    ``T(2) - T(1)`` beyond AMORTISES (a CPU beside a GPU). Step 6c sizes such a worker's batch
+    ``T(2) - T(1)`` beyond AMORTISES (a CPU beside a GPU). Step 6b sizes such a worker's batch
     by the queue alone when it amortises a launch."""
     def added(x: WorkerState) -> float:
         c = state.cost(model, x.path)
@@ -228,7 +228,7 @@ class MarginalCost(PerModelPolicy):
             #    counts FUTURE_SHARE * lambda*H. H and the count feed each other; a few rounds
             #    reach the fixed point (or stop when it stops growing).
             chunks, end = plan(state, model, ws, b, now, background)
-            alone = {id(w): items for _, w, items in chunks}  # each worker's share of the queue alone (6c)
+            alone = {id(w): items for _, w, items in chunks}  # each worker's share of the queue alone (6b)
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
             extra = 0
@@ -263,7 +263,7 @@ class MarginalCost(PerModelPolicy):
                 cap = state.batch_cap(model, w, background)
                 if amortises_launch(state.cost(model, w.path)):
                     if adds_items_dearer(state, model, w, ws):
-                        # 6c. A launch-heavy worker that is not the cheapest place for added
+                        # 6b. A launch-heavy worker that is not the cheapest place for added
                         #     items (a CPU with a launch beside a GPU) takes at most its share
                         #     of the queue alone. The expected arrivals fill the cheaper
                         #     worker's planned batch and so grow this one, but this batch
