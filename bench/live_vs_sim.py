@@ -1,11 +1,12 @@
 """Live dispatcher vs simulator on ONE trace (issue 10): SIMULATED devices on both sides.
 
 ``python -m batchyard.bench.live_vs_sim [--scale S] [--load 0.5] [--duration D]
-[--policies mcb,escape:2] [--out bench/results/live_vs_sim.json]`` (exit status 1 when a
+[--policies mcb,escape:2] [--scenario seeds] [--out bench/results/live_vs_sim.json]`` (exit status 1 when a
 policy misses the 15 % bar; the JSON and the .md are written either way)
 
 Both sides get the seeds' devices (bench/simulator.py ``seeds_devices(2)``: GPU 0.15 ms +
-0.02 ms*B, max batch 64; two CPU workers at 0.08 ms*B) with every time multiplied by ``S``:
+0.02 ms*B, max batch 64; two CPU workers at 0.08 ms*B; ``--scenario`` takes another of
+sim_report's launch + per-item scenarios) with every time multiplied by ``S``:
 - live: the real dispatcher process, three ``kind = "sim"`` worker processes (they sleep the
   curve's service time), the bench harness as client over ZeroMQ ipc. The dispatcher starts
   from a ``[dispatcher] profile`` holding the exact scaled curves, so it begins where the
@@ -62,10 +63,16 @@ PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # ---------------------------------------------------------------- devices, trace, node
-def scaled_devices(scale: float) -> list[Device]:
-    """The seeds' devices with every time multiplied by ``scale``."""
+def scaled_devices(scale: float, scenario: str = "seeds") -> list[Device]:
+    """The devices of sim_report's ``scenario`` (the seeds' by default) with every time
+    multiplied by ``scale``."""
+    from .sim_report import SCENARIOS
+
+    devices = seeds_devices(2) if scenario == "seeds" else SCENARIOS[scenario][0]
+    if any(d.points for d in devices):
+        raise SystemExit(f"live_vs_sim: scenario {scenario!r} has measured points, not launch + per-item curves")
     return [Device(d.name, d.path, d.launch_s * scale, d.per_item_s * scale, d.max_batch, d.jitter)
-            for d in seeds_devices(2)]
+            for d in devices]
 
 
 def gpu_capacity(devices: list[Device]) -> float:
@@ -202,7 +209,8 @@ def conditioning(live_ms: np.ndarray, sim_ms: np.ndarray, sim: dict) -> dict:
     return out
 
 
-def on_paper(load: float, scale: float, policies: list[str], path: str = "bench/results/sim_report.json") -> dict:
+def on_paper(load: float, scale: float, policies: list[str], scenario: str = "seeds",
+             path: str = "bench/results/sim_report.json") -> dict:
     """The simulator report's numbers for the same load (unscaled, on its own longer trace), times
     S. Not recomputed here on the short trace compressed by S: the rate estimate's 0.25 s time
     constant would then span the whole trace (3000 requests last 0.13 s unscaled)."""
@@ -210,7 +218,7 @@ def on_paper(load: float, scale: float, policies: list[str], path: str = "bench/
         rep = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
-    row = next((r for r in rep.get("rows", []) if r["scenario"] == "seeds" and abs(r["load"] - load) < 1e-9), None)
+    row = next((r for r in rep.get("rows", []) if r["scenario"] == scenario and abs(r["load"] - load) < 1e-9), None)
     if row is None:
         return {}
     got = {p: {k: row[p][k] * scale for k in ("p50_ms", "p99_ms", "mean_ms")} for p in policies if p in row}
@@ -224,8 +232,9 @@ def markdown(rep: dict) -> str:
     L = ["# Live dispatcher vs simulator — SIMULATED devices", "",
          f"Same trace on both sides: Poisson {rep['rate_rps']:.1f} req/s (= {rep['load']:.0%} of the scaled GPU-only "
          f"capacity {rep['gpu_capacity_rps']:.1f} req/s), {rep['requests']} requests, seed {rep['seed']}. "
-         f"Devices: the seeds' curves × {rep['scale']:g}: GPU {g['launch_ms']:.2f} ms + {g['per_item_ms']:.2f} ms·B "
-         f"(max batch {g['max_batch']}), {len(d) - 1} CPU workers at {c['per_item_ms']:.2f} ms·B — all SIMULATED "
+         f"Devices: sim_report's `{rep.get('scenario', 'seeds')}` curves × {rep['scale']:g}: GPU {g['launch_ms']:.2f} ms + "
+         f"{g['per_item_ms']:.2f} ms·B (max batch {g['max_batch']}), {len(d) - 1} CPU workers at "
+         f"{c['launch_ms']:.2f} ms + {c['per_item_ms']:.2f} ms·B — all SIMULATED "
          f"(live: `kind = \"sim\"` worker processes that sleep the service time). Bar: live within "
          f"{TOLERANCE:.0%} of the simulator on p50 and p99. Measured {rep['when']} (2-core box, 1-min load average "
          f"{'{:.1f} before, {:.1f} after'.format(*rep['loadavg_before_after']) if 'loadavg_before_after' in rep else 'n/a'}"
@@ -288,12 +297,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=3000, help="requests per policy when --duration is not given")
     ap.add_argument("--policies", default="mcb,escape:2")
     ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--scenario", default="seeds", help="sim_report's scenario whose devices both sides get")
     ap.add_argument("--out", default="bench/results/live_vs_sim.json")
     args = ap.parse_args(argv)
     for k in sorted(os.environ):
         if k.startswith("MCB_"):
             print(f"note: {k}={os.environ[k]} is set (policy experiments); results are for that setting")
-    devices = scaled_devices(args.scale)
+    devices = scaled_devices(args.scale, args.scenario)
     rate = args.load * gpu_capacity(devices)
     spec = load_spec(rate, args.duration or args.requests / rate, args.seed)
     trace = trace_for(spec)
@@ -310,7 +320,7 @@ def main(argv=None) -> int:
               f"(served {lv['served']}/{lv['sent']}, {lv['wall_s']:.0f} s)", flush=True)
     by = lambda side: [r["policy"] for r in sorted(rows, key=lambda r: r[side]["p99_ms"])]
     argv_s = " ".join(argv) if argv is not None else " ".join(__import__("sys").argv[1:])
-    rep = {"simulated": True, "scale": args.scale, "load": args.load, "rate_rps": rate,
+    rep = {"simulated": True, "scenario": args.scenario, "scale": args.scale, "load": args.load, "rate_rps": rate,
            "gpu_capacity_rps": gpu_capacity(devices), "requests": len(trace), "duration_s": spec.duration,
            "seed": args.seed, "tolerance": TOLERANCE, "loadavg_before_after": [load_before[0], os.getloadavg()[0]], "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "command": f".venv/bin/python -m batchyard.bench.live_vs_sim {argv_s}".strip(),
@@ -318,7 +328,7 @@ def main(argv=None) -> int:
                         "max_batch": d.max_batch} for d in devices],
            "rows": rows, "ranking": {"sim": by("sim"), "live": by("live"), "same_winner": by("sim")[:1] == by("live")[:1]},
            "all_agree": all(r["agrees"] for r in rows)}
-    paper = on_paper(args.load, args.scale, [r["policy"] for r in rows])
+    paper = on_paper(args.load, args.scale, [r["policy"] for r in rows], args.scenario)
     if paper:
         rep["paper"] = paper
         rep["ranking"]["paper"] = sorted(paper["x_scale"], key=lambda p: paper["x_scale"][p]["p99_ms"])

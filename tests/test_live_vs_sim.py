@@ -4,6 +4,7 @@ and a tiny live run (all workers simulated) answers every request."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from batchyard.bench import live_vs_sim as lvs
 from batchyard.bench.harness import PATH, SENT, SIMULATED, STATUS, schedule
@@ -30,6 +31,14 @@ def test_the_profile_holds_the_simulators_curves(tmp_path):
     for d in devices:
         for b in (1, 3, 17, 64):
             assert abs(curves[("m", d.path)].predict(b) - d.curve().predict(b)) < 1e-9
+
+
+def test_another_scenarios_curves_are_scaled_and_measured_points_refused():
+    devices = lvs.scaled_devices(1000.0, "cpu-launch")  # CPUs at 0.02 + 0.06 ms*B, x1000
+    cpu = [d for d in devices if d.path == "cpu"]
+    assert len(cpu) == 2 and all(abs(d.launch_s - 0.02) < 1e-12 and abs(d.per_item_s - 0.06) < 1e-12 for d in cpu)
+    with pytest.raises(SystemExit, match="measured points"):  # its curves cannot be scaled as launch + per item
+        lvs.scaled_devices(1000.0, "h200-amx")
 
 
 def test_a_tiny_live_run_answers_every_request_in_trace_order():
