@@ -53,7 +53,8 @@ from batchyard.config import DispatcherConfig, ModelConfig, NodeConfig, SimConfi
 from batchyard.supervisor import running_node
 
 from .harness import BATCH_SIZE, COMPUTE_US, LATENCY_US, PATH, QUEUE_US, SENT, STATUS, LoadSpec, run_load, schedule
-from .simulator import MODEL, Device, seeds_devices, simulate
+from .sim_report import SCENARIOS
+from .simulator import MODEL, Device, simulate
 from .traces import Trace
 
 TOLERANCE = 0.15  # the issue's bar: live within 15 % of the simulator on p50 and p99
@@ -66,9 +67,7 @@ PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 def scaled_devices(scale: float, scenario: str = "seeds") -> list[Device]:
     """The devices of sim_report's ``scenario`` (the seeds' by default) with every time
     multiplied by ``scale``."""
-    from .sim_report import SCENARIOS
-
-    devices = seeds_devices(2) if scenario == "seeds" else SCENARIOS[scenario][0]
+    devices = SCENARIOS[scenario][0]  # "seeds": seeds_devices(2)
     if any(d.points for d in devices):
         raise SystemExit(f"live_vs_sim: scenario {scenario!r} has measured points, not launch + per-item curves")
     return [Device(d.name, d.path, d.launch_s * scale, d.per_item_s * scale, d.max_batch, d.jitter)

@@ -217,8 +217,6 @@ def main(argv=None) -> None:
         from .sim_report import merged
 
         rep = merged(out / "offline_schedule.json", rows, args.requests)
-        order = list(SCENARIOS)
-        rep["rows"].sort(key=lambda r: (order.index(r["scenario"]), r["load"]))
     rep["wall_s"] += time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "offline_schedule.json").write_text(json.dumps(rep, indent=1))

@@ -265,13 +265,19 @@ def markdown(rep: dict) -> str:
     return "\n".join(L)
 
 
+def in_order(rows: list[dict]) -> list[dict]:
+    """``rows`` by scenario (as SCENARIOS lists them), then load."""
+    order = list(SCENARIOS)
+    return sorted(rows, key=lambda r: (order.index(r["scenario"]), r["load"]))
+
+
 def merged(path: Path, rows: list[dict], n: int) -> dict:
-    """The report at ``path`` with the rows of the scenarios in ``rows`` replaced by them."""
+    """The report at ``path`` with the rows of the scenarios in ``rows`` replaced by them, in order."""
     rep = json.loads(path.read_text())
     if rep["n"] != n:
         raise SystemExit(f"{path} was run with --requests {rep['n']}, not {n}: cannot merge")
     done = {r["scenario"] for r in rows}
-    rep["rows"] = [r for r in rep["rows"] if r["scenario"] not in done] + rows
+    rep["rows"] = in_order([r for r in rep["rows"] if r["scenario"] not in done] + rows)
     return rep
 
 
@@ -298,9 +304,7 @@ def main(argv=None) -> None:
         rep = merged(out / "sim_report.json", rows, n)
     else:
         rep = {"simulated": True, "n": n, "n_tune": n_tune, "gpu_capacity_rps": GPU_CAPACITY, "grid": GRID,
-               "rows": rows, "priority_flood": priority_flood(min(n, 50_000) // 2)}
-    order = list(SCENARIOS)
-    rep["rows"].sort(key=lambda r: (order.index(r["scenario"]), r["load"]))
+               "rows": in_order(rows), "priority_flood": priority_flood(min(n, 50_000) // 2)}
     rep["plots"] = plots(rep["rows"], out)
     rep["wall_s"] = rep.get("wall_s", 0.0) + time.perf_counter() - t0
     (out / "sim_report.json").write_text(json.dumps(rep, indent=1, default=float))
