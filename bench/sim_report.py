@@ -61,6 +61,25 @@ def _step(load, n, seed):
     return steps([(0.0, 0.5 * r), (d / 3, 1.5 * r), (2 * d / 3, 0.5 * r)], d * 1.0, seed=seed)
 
 
+def _mmpp_deep(load, n, seed):
+    """Markov-modulated Poisson, deeper and slower than ``_mmpp``: 0.2x and 1.8x, 10 ms sojourns."""
+    r = load * GPU_CAPACITY
+    return bursts(0.2 * r, 1.8 * r, 0.01, 0.01, n / r, seed=seed)
+
+
+def _on_off_short(load, n, seed):
+    """On/off with short bursts: off for 2 ms on average, then three times the mean rate for 1 ms."""
+    r = load * GPU_CAPACITY
+    return bursts(0.0, 3.0 * r, 0.002, 0.001, n / r, seed=seed)
+
+
+def _four_steps(load, n, seed):
+    """0.7x, up to 1.6x, back to 0.7x, then 1.0x of the mean rate, a quarter of the trace each."""
+    r = load * GPU_CAPACITY
+    d = n / r
+    return steps([(0.0, 0.7 * r), (d / 4, 1.6 * r), (d / 2, 0.7 * r), (3 * d / 4, 1.0 * r)], d, seed=seed)
+
+
 # MiniLM-L6 measured (B, seconds) on an H200 with CUDA graphs and on one 4-core AMX worker of
 # that host (bench/results/gpu_h200.md): a real pair, the CPU 23x slower than the GPU at B=1.
 H200_MINILM = ((1, 0.389e-3), (2, 0.403e-3), (4, 0.430e-3), (8, 0.471e-3), (16, 0.636e-3), (32, 0.812e-3),
@@ -90,6 +109,16 @@ SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
     # escape:3's at 90 % on such curves before it).
     "cpu-launch": ([GPU] + [Device(f"amx{i}", "cpu", 0.02e-3, 0.06e-3) for i in range(2)], _poisson, SHAPED_LOADS,
                    "2 CPUs at 0.02 ms + 0.06 ms·B (a launch to amortise; T(1) as the seeds'), Poisson"),
+    # Held out: first run after MCB's rule was last changed (step 6b), of the kinds above with
+    # other numbers, and added as they came out, misses included.
+    "cpu-1.5x-slower": ([GPU] + cpus(2, 0.12e-3), _poisson, SHAPED_LOADS, "CPU 0.12 ms·B (1.5x slower), Poisson"),
+    "cpu-1.33x-faster": ([GPU] + cpus(2, 0.06e-3), _poisson, SHAPED_LOADS, "CPU 0.06 ms·B (1.33x faster), Poisson"),
+    "3-cpu": ([GPU] + cpus(3, 0.08e-3), _poisson, SHAPED_LOADS, "3 CPU workers at 0.08 ms·B, Poisson"),
+    "gpu-dearer-items": ([Device("gpu0", "gpu", 0.1e-3, 0.03e-3)] + cpus(2, 0.08e-3), _poisson, SHAPED_LOADS,
+                         "GPU 0.1 ms + 0.03 ms·B, 2 CPUs at 0.08 ms·B, Poisson (load still of the seeds' GPU)"),
+    "mmpp-deep": (DEVICES, _mmpp_deep, SHAPED_LOADS, "seeds' curves, Markov-modulated 0.2x/1.8x, 10 ms sojourns"),
+    "on-off-short": (DEVICES, _on_off_short, SHAPED_LOADS, "seeds' curves, on/off bursts at 3x, 1 ms on / 2 ms off"),
+    "four-steps": (DEVICES, _four_steps, SHAPED_LOADS, "seeds' curves, 0.7x -> 1.6x -> 0.7x -> 1.0x of the mean rate"),
 }
 
 
