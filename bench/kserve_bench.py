@@ -9,13 +9,15 @@
   cpu         CPU time per request of each node process (front door, dispatcher, worker), user
               and system apart, at an offered Poisson rate: (CPU/s under load - CPU/s idle) /
               completions/s. On one shared core this is what the node takes from the model.
+              With --threads, each process's threads apart too (its main thread, ZeroMQ's I/O
+              thread, gRPC's event-engine threads), summed by thread name.
   status      the dispatcher's CPU per status request, full and brief (what a readiness probe
               asks), against a model-info request, after --fill requests have filled the
               decision-lateness rings the full status summarises.
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
-    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc
+    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads]
     .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
 """
 
@@ -151,9 +153,27 @@ def _node_processes(sup) -> dict:
     return {name: psutil.Process(p.pid) for name, p in {"dispatcher": sup.dispatcher, **sup.workers}.items()}
 
 
-def _node_cpu(procs: dict) -> dict:
-    """(user, system) CPU seconds of each node process."""
-    return {name: p.cpu_times()[:2] for name, p in procs.items()}
+def _thread_name(pid: int, tid: int) -> str:
+    if tid == pid:
+        return "main"  # its name is the process title, cut to 15 characters
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"  # it ended meanwhile
+
+
+def _node_cpu(procs: dict, threads: bool = False) -> dict:
+    """(user, system) CPU seconds of each node process; with ``threads`` also of each of its
+    threads, summed by thread name ("dispatcher/main", "frontend#0/event_engine", ...)."""
+    out = {}
+    for name, p in procs.items():
+        out[name] = tuple(p.cpu_times()[:2])
+        for t in p.threads() if threads else ():
+            key = f"{name}/{_thread_name(p.pid, t.id)}"
+            u, s = out.get(key, (0.0, 0.0))
+            out[key] = (u + t.user_time, s + t.system_time)
+    return out
 
 
 async def _poisson_load(url: str, protocol: str, rate: float, seconds: float) -> int:
@@ -178,23 +198,26 @@ async def _poisson_load(url: str, protocol: str, rate: float, seconds: float) ->
     return len(calls)
 
 
-def cpu(rate: float, seconds: float, protocol: str) -> None:
+def cpu(rate: float, seconds: float, protocol: str, threads: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
         node = noop_node(d, 1)
         with running_node(node) as sup:
             port = node.frontend.grpc_port if protocol == "grpc" else node.frontend.http_port
             procs = _node_processes(sup)
-            t0, idle0 = time.perf_counter(), _node_cpu(procs)
+            t0, idle0 = time.perf_counter(), _node_cpu(procs, threads)
             time.sleep(seconds)  # the idle window: timers and heartbeats cost this much without requests
-            t1, idle1 = time.perf_counter(), _node_cpu(procs)
+            t1, idle1 = time.perf_counter(), _node_cpu(procs, threads)
             n = asyncio.run(_poisson_load(f"127.0.0.1:{port}", protocol, rate, seconds))
-            t2, busy = time.perf_counter(), _node_cpu(procs)
+            t2, busy = time.perf_counter(), _node_cpu(procs, threads)
     per_s = n / (t2 - t1)
     print(f"CPU per request, no-op model, {protocol}, {n} requests at {per_s:.1f}/s offered {rate:.0f}/s "
           "(user + system ms):")
-    for name in idle0:
-        per = [1e3 * ((busy[name][k] - idle1[name][k]) / (t2 - t1) - (idle1[name][k] - idle0[name][k]) / (t1 - t0))
-               / per_s for k in (0, 1)]
+    zero = (0.0, 0.0)  # a thread that started after a snapshot
+    for name in busy:
+        b, i1, i0 = busy[name], idle1.get(name, zero), idle0.get(name, zero)
+        per = [1e3 * ((b[k] - i1[k]) / (t2 - t1) - (i1[k] - i0[k]) / (t1 - t0)) / per_s for k in (0, 1)]
+        if "/" in name and b == i0:
+            continue  # a thread that never ran in either window (gRPC's timer, ZeroMQ's reaper)
         print(f"  {name:32s} {per[0]:6.3f} + {per[1]:6.3f} = {sum(per):6.3f} ms")
 
 
@@ -232,6 +255,7 @@ def main(argv=None) -> None:
     p.add_argument("--rate", type=float, default=40.0)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--threads", action="store_true", help="also each process's threads, by thread name")
     p = sub.add_parser("status")
     p.add_argument("--fill", type=int, default=70_000)
     p.add_argument("--n", type=int, default=1000)
@@ -241,7 +265,7 @@ def main(argv=None) -> None:
     elif a.cmd == "latency":
         latency(a.n)
     elif a.cmd == "cpu":
-        cpu(a.rate, a.seconds, a.protocol)
+        cpu(a.rate, a.seconds, a.protocol, a.threads)
     else:
         throughput(a.processes, a.seconds, a.loaders, a.inflight)
 
