@@ -173,7 +173,7 @@ def sentences_request(dw, b: int) -> list:
 
     from .demo import SENTENCES
 
-    ids, mask = (np.asarray(a) for a in tokenize(SENTENCES))
+    ids, mask = tokenize(SENTENCES)  # int64 arrays [n, 128]
     return dw.request("minilm", {"input_ids": np.resize(ids, (b, ids.shape[1])),
                                  "attention_mask": np.resize(mask, (b, mask.shape[1]))})
 
