@@ -99,6 +99,12 @@ class CostCurve:
             cap = self._caps[max_b] = self._efficient_batch(max_b)
         return cap
 
+    def unproven(self, b: int) -> bool:
+        """Whether size ``b`` has fewer than ``EFFICIENT_MIN_COUNT`` measurements (calibration
+        points count as that many)."""
+        k = self._knots.get(b)
+        return k is None or k[1] < EFFICIENT_MIN_COUNT
+
     def compact_batch(self, max_b: int) -> int:
         """The smallest batch size whose predicted time per item is within ``COMPACT_TOLERANCE``
         of the best size up to ``max_b``: short batches that still give nearly all the throughput."""

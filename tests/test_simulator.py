@@ -173,6 +173,47 @@ def test_efficient_batch_is_not_set_by_noise():
     assert learned(dict(EPYC_MINILM)).efficient_batch(32) == 16
 
 
+def test_a_saturated_worker_tries_its_max_batch_before_the_cap_keeps_it_out():
+    """Knots learned at moderate load never include the configured max (batches stay small), and
+    one slow knot (24 here, measured while the core was shared) makes the max look slow by
+    extrapolation: the cap kept a saturated MiniLM core at B=15 where B=32 is the fastest per
+    item (live, bench/results/vs_triton_slo). With the queue holding a full max batch, the worker
+    is sent one until the max has evidence of its own; then the knots decide, either way."""
+    from batchyard.core import RequestCore
+    from batchyard.cost_model import EFFICIENT_MIN_COUNT, CostCurve
+    from batchyard.policy import make_policy
+    from batchyard.state import WorkerState
+
+    def t(b):  # one core's MiniLM: 13 ms + 19 ms per item, cheaper per item up to 32
+        return 0.013 + 0.019 * b
+
+    def saturated_core(queued: int):
+        core = RequestCore(make_policy("mcb"), lambda *_: None)
+        curve = core.state.costs[("m", "cpu")] = CostCurve(launch_s=0.013, per_item_s=0.019)
+        for _ in range(EFFICIENT_MIN_COUNT):
+            for b in (1, 2, 4, 8, 16):
+                curve.observe(b, t(b))
+            curve.observe(24, 1.15 * t(24))
+        core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
+        for i in range(queued):
+            core.admit("m", 1, 2, 60.0, 0.0, req_id=i + 1)
+        return core, curve
+
+    core, curve = saturated_core(40)
+    assert curve.efficient_batch(32) == 16  # the knots alone keep 32 out
+    (batch,) = core.decide(0.0)
+    assert len(batch.requests) == 32  # a full queue tries the max
+    core, _ = saturated_core(31)
+    (batch,) = core.decide(0.0)
+    assert len(batch.requests) == 16  # no full max batch queued: the knots' cap, no size in between
+    for slow, want in ((False, 32), (True, 16)):
+        core, curve = saturated_core(40)
+        for _ in range(EFFICIENT_MIN_COUNT):
+            curve.observe(32, t(32) * (1.3 if slow else 1.0))
+        # measured now: a fast max stays, a slow one is capped
+        assert core.state.batch_cap("m", core.state.workers["amx0"]) == want
+
+
 def test_a_knot_follows_a_change_of_speed_but_not_one_slow_batch():
     """A knot's running mean is slow on purpose (noise must not set the cap), yet the machine's
     speed does change (a neighbour, a frequency step): then the last few batches agree on a bias
