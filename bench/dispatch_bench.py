@@ -7,6 +7,9 @@
 (c) idle dispatcher CPU %
 (d) shared-memory handoff (producer start -> consumer holds an ndarray view) vs inline ZeroMQ
 (e) decision lateness under open-loop load at 50 % and 90 % of (b)'s routed capacity
+(f) CPU per request at a low Poisson rate (one request at a time, mostly): the dispatcher's
+    process against the bare forwarder's, idle CPU subtracted. At this rate every message costs
+    a wake-up, which is what a node shares its core with the model for
 
 The paths are built in bench/noop_paths.py. Each mode runs ``--runs`` times, alternating the
 paths inside a run; medians are reported, and written to ``--json``. This machine is shared
@@ -195,6 +198,64 @@ def bench_c(seconds: float = 10.0) -> float:
     return pct_
 
 
+# ---------------------------------------------------------------- (f) CPU per request at a low rate
+def _open_loop(address: str, rate: float, seconds: float, seed: int = 1) -> int:
+    """Poisson requests over a raw DEALER at ``rate``, replies read as they come; the count sent."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        for i in range(50):  # warm: the worker registered, the model's spec known, caches hot
+            s.send_multipart(encode_request(i + 1))
+            s.recv_multipart()
+        rng = np.random.default_rng(seed)
+        t = time.perf_counter()
+        end, sent, got = t + seconds, 0, 0
+        while t < end:
+            t += rng.exponential(1 / rate)
+            while (left := t - time.perf_counter()) > 0:  # read replies until the next send is due
+                if s.poll(left * 1000, zmq.POLLIN):
+                    s.recv_multipart()
+                    got += 1
+            s.send_multipart(encode_request(1000 + sent))
+            sent += 1
+        while got < sent:
+            s.recv_multipart()
+            got += 1
+        return sent
+    finally:
+        s.close()
+        ctx.term()
+
+
+def _cpu_per_request(address: str, pid: int, rate: float, seconds: float, idle_s: float = 3.0) -> float:
+    """Microseconds of the process's CPU (all threads, user + system) per request, less its idle CPU."""
+    import psutil
+
+    p = psutil.Process(pid)
+    t0, c0 = time.monotonic(), sum(p.cpu_times()[:2])
+    time.sleep(idle_s)  # measuring idle CPU: nothing to wait for by design
+    t1, c1 = time.monotonic(), sum(p.cpu_times()[:2])
+    n = _open_loop(address, rate, seconds)
+    t2, c2 = time.monotonic(), sum(p.cpu_times()[:2])
+    return ((c2 - c1) - (c1 - c0) / (t1 - t0) * (t2 - t1)) / n * 1e6
+
+
+def bench_f(rate: float = 100.0, seconds: float = 15.0, runs: int = 3) -> dict:
+    res: dict = {"dispatcher": [], "bare forwarder": []}
+    for _ in range(runs):
+        with NodeRun() as r, Client(r.address) as c:
+            pid = c.status().dispatcher_pid
+            res["dispatcher"].append(_cpu_per_request(r.address, pid, rate, seconds))
+        with Anchor("bare forwarder") as a:
+            res["bare forwarder"].append(_cpu_per_request(a.address, a.box_pid, rate, seconds))
+    print(f"(f) CPU per request at {rate:g} req/s Poisson, no-op worker, {runs} runs (us, idle subtracted)")
+    for k, v in res.items():
+        print(f"    {k:16s} median {_med(v):7.0f}  (runs {', '.join(f'{x:.0f}' for x in v)})")
+    return {"rate": rate, "seconds": seconds, "runs_us": res, "median_us": {k: _med(v) for k, v in res.items()}}
+
+
 # ---------------------------------------------------------------- (d) shm handoff
 def _consumer(addr: str) -> None:
     ctx = zmq.Context()
@@ -310,12 +371,12 @@ def record(path: str, results: dict) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "all"])
+    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "all"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--capacity", type=float, default=0.0, help="(e): routed capacity in req/s (0: measure it)")
     ap.add_argument("--json", default="bench/results/dispatch_bench.json", help="merge results here ('' : don't)")
     args = ap.parse_args(argv)
-    which = {"a", "b", "c", "d", "e"} if "all" in args.which else set(args.which)
+    which = {"a", "b", "c", "d", "e", "f"} if "all" in args.which else set(args.which)
     meta = {"command": "python -m batchyard.bench.dispatch_bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
     load = ", ".join(f"{x:.1f}" for x in meta["loadavg_at_start"])
@@ -337,6 +398,8 @@ def main(argv=None) -> None:
         cap = args.capacity or (out["b_routed"]["req_per_s"]["dispatcher"] if "b_routed" in out
                                 else dispatcher_capacity(args.runs))
         out["e_lateness"] = bench_lateness(cap, runs=args.runs)
+    if "f" in which:
+        out["f_cpu_per_request"] = bench_f(runs=args.runs)
     if args.json:
         record(args.json, {k: {"meta": meta, "result": v} for k, v in out.items()})
 

@@ -205,6 +205,11 @@ class Anchor:
             self.__exit__()
             raise
 
+    @property
+    def box_pid(self) -> int:
+        """The middle box's process (the echo worker's when it is reached directly)."""
+        return self._procs[0].pid
+
     def _start(self, ctx, target, *args) -> None:
         p = ctx.Process(target=target, args=args, daemon=True)
         p.start()
