@@ -117,7 +117,7 @@ class CostCurve:
         return cap
 
     def _efficient_batch(self, max_b: int) -> int:
-        sizes = [b for b in self._sizes if b <= max_b and self._knots[b][1] >= EFFICIENT_MIN_COUNT]
+        sizes = [b for b in self._sizes if b <= max_b and not self.unproven(b)]
         if len(sizes) < 2:
             return max_b
         per_item = {b: self._knots[b][0] / b for b in sizes}
