@@ -342,3 +342,28 @@ def test_a_curve_that_only_ever_sees_one_batch_size_stays_finite():
         c.observe(1, 80e-6)
     assert math.isfinite(c.launch_s) and math.isfinite(c.per_item_s)
     assert c.predict(1) == pytest.approx(80e-6, rel=1e-3)
+
+
+PIN_EVERY_THREAD = """
+import os, threading, numpy  # numpy starts OpenBLAS's threads at import: before the pinning
+from batchyard.workers.pinning import pin_cpus
+started = threading.Event()
+t = threading.Thread(target=lambda: (started.set(), threading.Event().wait(5)), daemon=True)
+t.start()
+started.wait()
+cpu = min(os.sched_getaffinity(0))
+pin_cpus((cpu,))
+masks = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+print(cpu, len(masks), sorted({tuple(m) for m in masks.values()}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one of them")
+def test_a_pinned_worker_has_every_thread_on_its_cpus():
+    """A worker's threads started before its pinning (OpenBLAS's, numpy's import starts them)
+    stayed on every core it inherited: pinning bound only the thread that asked."""
+    out = subprocess.run([sys.executable, "-c", PIN_EVERY_THREAD], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split(maxsplit=2)
+    cpu, threads, masks = int(out[0]), int(out[1]), out[2].strip()
+    assert threads >= 2
+    assert masks == f"[({cpu},)]"

@@ -17,13 +17,21 @@ log = logging.getLogger("batchyard.worker")
 
 
 def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
-    """Restrict this process to ``cpus`` (empty: leave as is). Returns the effective set."""
+    """Restrict this process, every thread of it, to ``cpus`` (empty: leave as is). Returns the
+    effective set."""
     if cpus:
         available = os.sched_getaffinity(0)
         bad = set(cpus) - available
         if bad:
             raise ValueError(f"cpus {sorted(bad)} are not available to this process (have {sorted(available)})")
-        os.sched_setaffinity(0, cpus)
+        # An affinity set through pid 0 binds the calling thread only. Threads started before
+        # this (OpenBLAS's pool, which numpy starts at import) kept every core of the mask the
+        # worker inherited: seen on a worker started with two cores and pinned to one.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+                pass
     return sorted(os.sched_getaffinity(0))
 
 
