@@ -1,7 +1,7 @@
 """``batchyard demo``: a whole node on this machine under a short Poisson load.
 
-Embedded config: the dispatcher, one AMX worker running MiniLM-L6 (bf16 weights, real
-PyTorch) and one *simulated* GPU worker (service time from the seeds' GPU curve scaled to
+Embedded config: the dispatcher, one AMX worker running MiniLM-L6 (bf16 weights where the
+CPU multiplies bf16 natively, else fp32; real PyTorch) and one *simulated* GPU worker (service time from the seeds' GPU curve scaled to
 MiniLM). Prints a latency table per path; rows from the simulated device say so.
 """
 
@@ -18,6 +18,7 @@ from batchyard.config import (DispatcherConfig, ModelConfig, NodeConfig, SimConf
                                WorkerConfig)
 from batchyard.client import Client
 from batchyard.supervisor import running_node
+from batchyard.workers.precision import resolve
 
 from .harness import LoadSpec, analyse, run_load
 from .report import latency_table
@@ -68,7 +69,7 @@ def run_demo(duration: float = 10.0, rate: float = 60.0, policy: str = "mcb", tr
             gpu = WorkerConfig(name="gpu0", kind="triton", models=("minilm",), warmup_sizes=(1, 2, 4, 8),
                                triton=TritonConfig(url=tl.grpc_url, models={"minilm": "model_amx"}))
             node = NodeConfig(node.dispatcher, node.models, (node.workers[0], gpu)).validate()
-        print(f"starting dispatcher, AMX worker (MiniLM-L6 bf16) and "
+        print(f"starting dispatcher, AMX worker (MiniLM-L6 {resolve('auto')}) and "
               f"{'Triton-backed' if triton else 'simulated'} GPU worker ...", flush=True)
         t0 = time.monotonic()
         stack.enter_context(running_node(node))

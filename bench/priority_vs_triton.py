@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from batchyard.deploy import asset
+from batchyard.workers.precision import resolve
 from batchyard.workers.triton_local import TritonLocal
 
 from .harness import LATENCY_US, PRIORITY, SENT, STATUS, LoadSpec, done_times, run_load, scrape
@@ -196,7 +197,8 @@ def run_all(plan: Plan, args) -> dict:
         raise SystemExit(f"priority_vs_triton: need server cpus {server_cpus} and a separate load cpu "
                          f"{sorted(load_cpu)}; this process may use {sorted(have)}")
     res = {"machine": machine(), "server_cpus": server_cpus, "load_cpu": sorted(load_cpu),
-           "loadavg_start": os.getloadavg(), "runs": [], "pinning": {}, "configs": {}}
+           "loadavg_start": os.getloadavg(), "runs": [], "pinning": {}, "configs": {},
+           "precision": resolve("auto")}
     if args.limit:
         res["limit"] = {"limit_items_per_s": args.limit, "given": True}
     else:
@@ -244,10 +246,11 @@ def render(res: dict, rows: list[dict], command: str) -> str:
     plan, m, f0 = res["plan"], res["machine"], lambda x: f"{x:.0f}"  # noqa: E731
     lim = res["limit"]["limit_items_per_s"]
     r = plan["rates"]
-    lines = ["# Priorities under a flood: Triton vs Triton priority levels vs Batchyard — MiniLM-L6 bf16", "",
+    lines = [f"# Priorities under a flood: Triton vs Triton priority levels vs Batchyard — MiniLM-L6 "
+             f"{res.get('precision', 'bf16')}", "",
              f"Command: `{command}`", "",
              f"Machine: {m['cpu_model']}, {m['vcpus']} vCPUs, `grep -c amx /proc/cpuinfo` = {m['amx_flag_lines']} "
-             f"(no AMX: bf16 runs without it). Server side on cpu {','.join(map(str, res['server_cpus']))}, load "
+             f"(no AMX: the model runs in {res.get('precision', 'bf16')} without it). Server side on cpu {','.join(map(str, res['server_cpus']))}, load "
              f"generator on cpu {res['load_cpu'][0]} (taskset). **Other sessions' work shared both cores** during the "
              f"runs (load average {res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end; "
              f"per run in report.json): the numbers are indicative.", "",

@@ -138,6 +138,9 @@ class WorkerConfig(_Table):
     cpus: tuple[NonNeg, ...] = ()  # CPU affinity; empty = leave as inherited
     numa_node: Optional[NonNeg] = None  # bind memory here when libnuma is present
     threads: Positive = 1  # intra-op threads of the executor
+    # kind amx: the model's weights in bf16 or fp32; auto = bf16 where the CPU multiplies it
+    # natively (amx_bf16, avx512_bf16), fp32 elsewhere (workers/precision.py)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     max_inflight: Positive = 1
     warmup_sizes: tuple[Positive, ...] = ()  # empty: powers of two up to the model's max_batch
     sim: SimConfig = SimConfig()

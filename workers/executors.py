@@ -5,7 +5,8 @@ An executor is built once per worker, loads each model it serves, and then runs
 - ``TorchCpuExecutor`` (the AMX worker): PyTorch on CPU, weights converted to bf16 *once*
   (bf16 autocast re-casts on every call and measured ~10x slower for the MLP here), so
   oneDNN picks its bf16 kernels — AMX tiles where the CPU has them (``ONEDNN_VERBOSE=1``
-  prints ``brg_matmul:avx10_1_512_amx`` on Sapphire Rapids), avx512_core_bf16 otherwise.
+  prints ``brg_matmul:avx10_1_512_amx`` on Sapphire Rapids), avx512_core_bf16 otherwise;
+  fp32 on a CPU with neither (workers/precision.py).
 - ``SimulatedExecutor``: no model; sleeps ``launch + per_item * B`` and returns a
   deterministic function of the inputs (``sim_outputs``) so correctness is still checked.
 """
@@ -35,12 +36,15 @@ class TorchCpuExecutor:
     path = "cpu"
     simulated = False
 
-    def __init__(self, threads: int = 1, precision: str = "bf16"):
+    def __init__(self, threads: int = 1, precision: str = "auto"):
         import torch  # imported here, after the worker pinned itself (see pinning.py)
+
+        from .precision import resolve, torch_dtype
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.precision = resolve(precision)
+        self.dtype = torch_dtype(self.precision)
         self.models: dict[str, object] = {}
 
     def load(self, spec: ModelSpec, factory: str) -> None:

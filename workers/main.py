@@ -70,7 +70,9 @@ def _make_executor(node: NodeConfig, wcfg):
         os.environ.setdefault("OMP_NUM_THREADS", str(wcfg.threads))
         from .executors import TorchCpuExecutor
 
-        return TorchCpuExecutor(threads=wcfg.threads)
+        ex = TorchCpuExecutor(threads=wcfg.threads, precision=wcfg.precision)
+        log.info("worker %s: model weights in %s (precision = %r)", wcfg.name, ex.precision, wcfg.precision)
+        return ex
     if wcfg.kind == "triton":
         from .triton_executor import TritonExecutor
 

@@ -17,12 +17,14 @@ import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from batchyard.workers.models import minilm  # noqa: E402
+from batchyard.workers.precision import torch_dtype  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
         torch.set_num_threads(1)
-        self.model = minilm().eval().to(torch.bfloat16)
+        # The precision a Batchyard AMX worker takes by default on this CPU: bf16 where native.
+        self.model = minilm().eval().to(torch_dtype("auto"))
 
     def execute(self, requests):
         out = []
