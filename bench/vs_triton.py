@@ -6,7 +6,7 @@
 Offered loads default to fractions of the limit measured first (the same plan fits a core of any
 speed), plus one at 1.5x the limit for the saturated throughput.
 
-- Physical limit: T(B) of MiniLM-L6 bf16 on one thread of the server core, measured on an AMX
+- Physical limit: T(B) of MiniLM-L6 (bf16 where the CPU has it natively, else fp32, both servers) on one thread of the server core, measured on an AMX
   worker driven directly (workers/harness.py DirectWorker: no dispatcher, no queue); the limit
   is max over B of B / T(B).
 - Triton 2.51 (nvidia-pytriton): deploy/triton/cpu/model_amx (python backend, the same factory
@@ -19,6 +19,10 @@ speed), plus one at 1.5x the limit for the saturated throughput.
 - The server side (tritonserver and its stubs / the whole ``batchyard up`` tree) runs on
   ``--server-cpus`` (``taskset``), the load generator on ``--load-cpu``: the harness's triton
   target (tritonclient gRPC aio, open-loop Poisson, tokenized sentences) against both.
+- ``--control-cpus C`` splits each server instead: its model process (Batchyard's AMX worker,
+  Triton's python-backend stub) stays on ``--server-cpus``, every other thread of its tree
+  (Batchyard's supervisor, dispatcher and front door; tritonserver's own threads) moves to C.
+  It tells what the server's per-request work, apart from the model, costs the model's core.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import psutil
 
 from batchyard.config import FrontendConfig, NodeConfig, to_toml
 from batchyard.deploy import asset
+from batchyard.workers.precision import resolve
 from batchyard.workers.triton_local import TritonLocal
 
 from .demo import demo_config
@@ -137,6 +142,25 @@ def on_cpus(cpus: set):
         os.sched_setaffinity(0, before)
 
 
+# What runs the model in each server's tree: Batchyard's worker (its process title) and Triton's
+# python-backend stub. --control-cpus moves every other process of the tree.
+MODEL_PROCESSES = ("amx-worker[", "triton_python_backend_stub")
+
+
+def move_control(pid: int, cpus: set) -> None:
+    """Every thread of ``pid``'s tree, but the model processes', onto ``cpus``. Threads, not
+    processes: an affinity set through a pid binds only the thread of that id, and the threads a
+    server started before now (gRPC's, ZeroMQ's I/O thread) would stay where they were."""
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            if any(m in " ".join(p.cmdline()) for m in MODEL_PROCESSES):
+                continue
+            for t in p.threads():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(t.id, cpus)
+
+
 def pinning(pid: int) -> dict:
     """{process name: its CPUs} for ``pid`` and its descendants: shows the taskset took."""
     root = psutil.Process(pid)
@@ -212,19 +236,23 @@ class Server:
 
 
 @contextlib.contextmanager
-def batchyard_server(cpus: list):
-    """``taskset -c <cpus> batchyard up`` with the front door; stopped with SIGTERM as systemd would."""
+def batchyard_server(cpus: list, control: set = frozenset()):
+    """``taskset -c <cpus> batchyard up`` with the front door (with ``control``, all but the
+    worker then moved there); stopped with SIGTERM as systemd would."""
     with tempfile.TemporaryDirectory(prefix="by-vs-node-") as d:
         port, mport = free_port(), free_port()
         node = minilm_node(d, cpus, grpc_port=port, metrics_port=mport)
         cfg = Path(d) / "node.toml"
         cfg.write_text(to_toml(node))
-        cmd = ["taskset", "-c", ",".join(map(str, cpus)), sys.executable, "-m", "batchyard.cli",
+        # The worker pins itself to its config's cpus, which must be in the mask it inherits.
+        cmd = ["taskset", "-c", ",".join(map(str, sorted({*cpus, *control}))), sys.executable, "-m", "batchyard.cli",
                "--log-level", "WARNING", "up", "--config", str(cfg)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         try:
             url = f"127.0.0.1:{port}"
             wait_model_ready(url, "minilm", proc)
+            if control:
+                move_control(proc.pid, set(control))
             yield Server("batchyard", url, "minilm", f"http://127.0.0.1:{mport}/metrics", pinning(proc.pid), proc.pid), node
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -268,11 +296,13 @@ def triton_repo(delay_us: int, instances: int, into: Path) -> Path:
 
 
 @contextlib.contextmanager
-def triton_server(delay_us: int, cpus: list):
+def triton_server(delay_us: int, cpus: list, control: set = frozenset()):
     with tempfile.TemporaryDirectory(prefix="by-vs-tri-") as d:
         tl = TritonLocal(triton_repo(delay_us, len(cpus), Path(d)), models=["model_amx"])
         with on_cpus(set(cpus)):  # tritonserver and the stubs it forks inherit this mask
             tl.start(READY_TIMEOUT_S)
+        if control:
+            move_control(tl.proc.pid, set(control))
         try:
             yield Server(f"triton {delay_us} us", tl.grpc_url, "model_amx",
                          f"http://127.0.0.1:{tl.metrics_port}/metrics", pinning(tl.proc.pid), tl.proc.pid)
@@ -323,11 +353,13 @@ def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Pat
 def run_all(plan: Plan, args) -> dict:
     server_cpus = [int(c) for c in args.server_cpus.split(",")]
     load_cpu = {int(args.load_cpu)}
+    control = {int(c) for c in args.control_cpus.split(",")} if args.control_cpus else set()
     have = os.sched_getaffinity(0)
-    if not set(server_cpus) | load_cpu <= have or load_cpu & set(server_cpus):
-        raise SystemExit(f"vs_triton: need server cpus {server_cpus} and a separate load cpu {sorted(load_cpu)}; "
-                         f"this process may use {sorted(have)}")
-    out = {"server_cpus": server_cpus, "load_cpu": sorted(load_cpu),
+    if not set(server_cpus) | load_cpu | control <= have or (load_cpu | control) & set(server_cpus):
+        raise SystemExit(f"vs_triton: need server cpus {server_cpus} apart from the load cpu {sorted(load_cpu)} "
+                         f"and the control cpus {sorted(control)}; this process may use {sorted(have)}")
+    out = {"server_cpus": server_cpus, "load_cpu": sorted(load_cpu), "control_cpus": sorted(control),
+           "precision": resolve("auto"),  # both servers' weights (workers/precision.py)
            "loadavg_start": os.getloadavg(), "runs": [], "pinning": {}}
     print(f"physical limit on cpu {server_cpus[0]} (one thread, the AMX worker's own compute time):", flush=True)
     out["limit"] = physical_limit(server_cpus[0], plan.reps)
@@ -345,8 +377,8 @@ def run_all(plan: Plan, args) -> dict:
         # rotating. A machine shared with other sessions drifts over minutes; measured one server
         # after the other, the drift would land on one of them.
         with contextlib.ExitStack() as stack:
-            by, node = stack.enter_context(batchyard_server(server_cpus))
-            servers = [by] + [stack.enter_context(triton_server(d, server_cpus)) for d in plan.delays_us]
+            by, node = stack.enter_context(batchyard_server(server_cpus, control))
+            servers = [by] + [stack.enter_context(triton_server(d, server_cpus, control)) for d in plan.delays_us]
             out["pinning"] = {s.name: s.pinning for s in servers}
             turn = 0
             for rnd in range(plan.rounds):
@@ -434,8 +466,12 @@ def summarise_results(res: dict) -> dict:
 def render(res: dict, summ: dict, command: str) -> str:
     plan, lim, lim2 = res["plan"], res["limit"], res["limit_after"]
     f = lambda x: f"{x:.1f}"  # noqa: E731
-    lines = [f"# Batchyard front door vs Triton dynamic batcher — MiniLM-L6 bf16, server on cpu "
-             f"{','.join(map(str, res['server_cpus']))}, load generator on cpu {res['load_cpu'][0]}", "",
+    control = res.get("control_cpus")
+    where = (f"model process on cpu {','.join(map(str, res['server_cpus']))}, the rest of each server on cpu "
+             f"{','.join(map(str, control))}" if control else f"server on cpu {','.join(map(str, res['server_cpus']))}")
+    lines = [f"# Batchyard front door vs Triton dynamic batcher — MiniLM-L6 {res.get('precision', 'bf16')}, {where}, "
+             f"load generator on cpu "
+             f"{res['load_cpu'][0]}", "",
              f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} vCPUs shared with other sessions; load average "
              f"{res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end"
@@ -512,6 +548,8 @@ def main(argv=None) -> None:
                     "instance each (two workers: 1,2 where the host has a third core for the generator)")
     ap.add_argument("--two-workers", action="store_true", help="same as --server-cpus 1,2 (needs 3 cores)")
     ap.add_argument("--load-cpu", default="0")
+    ap.add_argument("--control-cpus", default="", help="cores for everything of each server but its model "
+                    "process (Batchyard's worker, Triton's python stub); may be the load cpu")
     ap.add_argument("--load-tool", choices=sorted(LOAD_TOOLS), default="harness",
                     help="the load generator for both servers (perf_analyzer: Triton's own)")
     ap.add_argument("--rounds", type=int, default=0, help="measure every (server, load) this many times, "
