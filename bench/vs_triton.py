@@ -6,9 +6,10 @@
 Offered loads default to fractions of the limit measured first (the same plan fits a core of any
 speed), plus one at 1.5x the limit for the saturated throughput.
 
-- Physical limit: T(B) of MiniLM-L6 (bf16 where the CPU has it natively, else fp32, both servers) on one thread of the server core, measured on an AMX
-  worker driven directly (workers/harness.py DirectWorker: no dispatcher, no queue); the limit
-  is max over B of B / T(B).
+- Physical limit: T(B) of MiniLM-L6 (both servers: bf16 where the CPU has it natively, else
+  fp32; workers/precision.py) on one thread of the server core, measured on an AMX worker driven
+  directly (workers/harness.py DirectWorker: no dispatcher, no queue); the limit is max over B
+  of B / T(B).
 - Triton 2.51 (nvidia-pytriton): deploy/triton/cpu/model_amx (python backend, the same factory
   ``batchyard.workers.models:minilm``, one thread per instance) with ``dynamic_batching`` on,
   max batch 32, swept over ``max_queue_delay_microseconds``. Its ``execute`` is given one forward
@@ -470,8 +471,7 @@ def render(res: dict, summ: dict, command: str) -> str:
     where = (f"model process on cpu {','.join(map(str, res['server_cpus']))}, the rest of each server on cpu "
              f"{','.join(map(str, control))}" if control else f"server on cpu {','.join(map(str, res['server_cpus']))}")
     lines = [f"# Batchyard front door vs Triton dynamic batcher — MiniLM-L6 {res.get('precision', 'bf16')}, {where}, "
-             f"load generator on cpu "
-             f"{res['load_cpu'][0]}", "",
+             f"load generator on cpu {res['load_cpu'][0]}", "",
              f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} vCPUs shared with other sessions; load average "
              f"{res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end"
