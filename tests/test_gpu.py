@@ -1,10 +1,12 @@
 """The GPU paths on a real GPU: the ``cuda`` worker (PyTorch on CUDA) through a whole node, and
-the CUDA shared-memory regions the Triton worker hands to Triton. Skipped where PyTorch sees no
-GPU (CI, the CPU build of PyTorch); run on a GPU host with ``pytest tests/test_gpu.py``."""
+the CUDA shared-memory regions the Triton worker hands to Triton, by hand and through a real
+tritonserver. Skipped where PyTorch sees no GPU (CI, the CPU build of PyTorch); run on a GPU host
+with ``pytest tests/test_gpu.py``."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -14,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchyard.config import CudaConfig, WorkerConfig
+from batchyard.config import CudaConfig, ModelConfig, TensorConfig, TritonConfig, WorkerConfig
 from batchyard.workers.models import MLP
 
-from conftest import MINILM_MODEL, MLP_MODEL
+from conftest import MINILM_MODEL, MLP_MODEL, ROOT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to PyTorch")
 
@@ -137,6 +139,51 @@ def test_a_cuda_region_is_device_memory_another_process_reads_and_writes_through
     finally:
         region.close()
     assert region.ptr == 0
+
+
+TRI = ModelConfig(name="tri", factory="", max_batch=64,
+                  inputs=(TensorConfig("x", "float32", (1024,)),), outputs=(TensorConfig("y", "float32", (1024,)),))
+
+
+def _dense(x: np.ndarray) -> np.ndarray:
+    """What both Triton test models compute: tanh(x @ W), W seeded as in their model.py."""
+    w = (np.random.default_rng(0).standard_normal((1024, 1024)) / 32.0).astype(np.float32)
+    return np.tanh(x @ w)
+
+
+# dense_amx runs on the CPU: Triton copies between the CUDA regions and host memory. dense_gpu
+# runs on the GPU and takes and gives GPU tensors: the tensors stay in device memory.
+@pytest.mark.parametrize("repo,model", [("cpu", "dense_amx"), ("gpu", "dense_gpu")])
+def test_the_triton_worker_moves_every_tensor_through_cuda_shared_memory(start_node, repo, model):
+    if importlib.util.find_spec("pytriton") is None:
+        pytest.skip("needs nvidia-pytriton's tritonserver")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from batchyard.workers.triton_local import TritonLocal
+
+    tl = TritonLocal(ROOT / "deploy" / "triton" / repo, models=[model]).start(ready_timeout_s=120)
+    triton = grpcclient.InferenceServerClient(tl.grpc_url)
+    try:
+        # gRPC messages capped at 16 KiB: a 64-item batch (256 KiB in, 256 KiB out) passes only
+        # if no tensor byte travels in a message body.
+        w = WorkerConfig(name="gpu0", kind="triton", models=("tri",), warmup_sizes=(1, 8),
+                         triton=TritonConfig(url=tl.grpc_url, models={"tri": model}, shm="cuda",
+                                             max_grpc_message_bytes=16 << 10))
+        node = start_node([w], models=(TRI,))
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((n, 1024)).astype(np.float32) for n in (1, 3, 64, 32, 2)]
+        with node.client() as c:
+            got = [c.infer("tri", {"x": x}) for x in xs]
+            cuda = set(triton.get_cuda_shared_memory_status().regions)
+            system = set(triton.get_system_shared_memory_status().regions)
+        for x, r in zip(xs, got):
+            np.testing.assert_allclose(r["y"], _dense(x), rtol=1e-4, atol=1e-4)  # fp32, another summation order
+            assert r.timing.path == "gpu" and r.timing.batch_size == len(x)
+        assert len(cuda) == 4 and not system  # inflight 2: an input and an output region each
+        node.stop()
+        assert not set(triton.get_cuda_shared_memory_status().regions)  # unregistered at stop
+    finally:
+        triton.close()
+        tl.close()
 
 
 def test_tensorrt_engine_from_onnx_serves_like_the_model(start_node, tmp_path):

@@ -3,6 +3,7 @@ CPU-only here: Triton stands in for the GPU's speed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -15,7 +16,8 @@ import zlib
 import numpy as np
 import pytest
 
-pytest.importorskip("pytriton")
+if importlib.util.find_spec("pytriton") is None:  # found, not imported: tritonserver is all we use of it
+    pytest.skip("needs nvidia-pytriton's tritonserver", allow_module_level=True)
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from batchyard.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
@@ -23,7 +25,7 @@ from batchyard.errors import Unavailable  # noqa: E402
 from batchyard.workers.runtime import ExecutorUnavailable  # noqa: E402
 from batchyard.workers.triton_executor import TritonExecutor  # noqa: E402
 from batchyard.workers.triton_local import ServerExited, TritonLocal, _free_port  # noqa: E402
-from batchyard.workers.triton_regions import cuda_device_count  # noqa: E402
+from batchyard.workers.triton_regions import cuda_device_count, resolve_kind  # noqa: E402
 
 from conftest import ROOT, sim_worker, spawn_up  # noqa: E402
 
@@ -65,6 +67,24 @@ def test_same_outputs_as_calling_triton_directly(start_node, triton):
         np.testing.assert_allclose(r["y"], direct(triton, x), rtol=1e-4, atol=1e-5)  # fp32; batch composition changes matmul blocking
         assert r.timing.path == "gpu" and not r.timing.simulated
     assert max(r.timing.batch_size for r in res) > 1
+
+
+def test_two_executors_in_one_process_keep_their_regions_apart(triton):
+    # Each load() clears the regions registered under its prefix (a killed predecessor's): with
+    # one prefix per process the second executor took the first one's names, and the first read
+    # zeros where its outputs should have been.
+    a = TritonExecutor(triton.grpc_url, {"tri": "dense_amx"}, inflight=1, shm="system")
+    b = TritonExecutor(triton.grpc_url, {"tri": "dense_amx"}, inflight=1, shm="system")
+    try:
+        a.load(TRI.spec())
+        b.load(TRI.spec())
+        x = np.random.default_rng(6).standard_normal((2, 1024)).astype(np.float32)
+        want = direct(triton, x)
+        for ex in (a, b, a):
+            np.testing.assert_allclose(ex.run("tri", {"x": x})["y"], want, rtol=1e-4, atol=1e-5)
+    finally:
+        a.close()
+        b.close()
 
 
 RENAMED = ModelConfig(name="tri", factory="", max_batch=64, inputs=(TensorConfig("features", "float32", (1024,)),),
@@ -143,8 +163,11 @@ def test_triton_killed_mid_load_gives_explicit_errors_then_recovers(start_node):
 
 
 def _regions(tl) -> set[str]:
+    """The regions registered with Triton, of the kind these tests' workers use (shm = "auto")."""
     cl = grpcclient.InferenceServerClient(tl.grpc_url)
     try:
+        if resolve_kind("auto", 0) == "cuda":
+            return set(cl.get_cuda_shared_memory_status().regions)
         return set(cl.get_system_shared_memory_status().regions)
     finally:
         cl.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 
@@ -99,7 +100,9 @@ class TritonExecutor:
         self.backoff_min_s, self.backoff_max_s = backoff_s
         self.shm_kind = "none" if shm == "none" else resolve_kind(shm, device)
         self.device = device
-        self.region_prefix = region_prefix or f"batchyard-{os.getpid()}-"
+        # Without a given prefix (the worker gives a stable one), one of this executor's own:
+        # load() unregisters every region under the prefix, another executor's too if shared.
+        self.region_prefix = region_prefix or f"batchyard-{os.getpid()}-{secrets.token_hex(4)}-"
         self.channel_args = _channel_args(channel_args)
         self.specs: dict[str, ModelSpec] = {}
         self.client = None

@@ -22,6 +22,7 @@ Process ownership (``batchyard triton-local`` runs it as a service):
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import secrets
@@ -85,15 +86,18 @@ def default_stub_site() -> str:
 
 
 def pytriton_root() -> Path:
-    import pytriton
-
-    return Path(pytriton.__file__).parent / "tritonserver"
+    """The wheel's ``tritonserver`` folder, found without importing pytriton: its import pulls in
+    its own client and model stack (0.4 s here) and wants numpy<2."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed: pip install 'batchyard[triton]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
 class TritonLocal:
     def __init__(self, model_repository: str | Path, grpc_port: int = 0, http_port: int = 0,
                  metrics_port: int = 0, log_verbose: int = 0, stub_site: str | None = None,
-                 models: list[str] | None = None):
+                 models: list[str] | None = None, gpu_pools: bool | None = None):
         self.repo = Path(model_repository).resolve()
         self.grpc_port = grpc_port or _free_port()
         self.http_port = http_port or _free_port()
@@ -101,6 +105,9 @@ class TritonLocal:
         self.log_verbose = log_verbose
         self.stub_site = stub_site
         self.models = models  # load only these (explicit model control); None: the whole repository
+        # Triton's pinned and CUDA memory pools: None gives them where a GPU is visible. Without a
+        # GPU they must be off (the python backend then returned empty outputs).
+        self.gpu_pools = gpu_pools
         self.proc: subprocess.Popen | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="by-triton-"))
         # The python backend names its /dev/shm regions <prefix><uuid>: ours alone start with this.
@@ -126,9 +133,7 @@ class TritonLocal:
         return self.workdir / "backends"
 
     def _env(self) -> dict:
-        import pytriton
-
-        libs = [sysconfig.get_config_var("LIBDIR"), str(Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs")]
+        libs = [sysconfig.get_config_var("LIBDIR"), str(pytriton_root().parent.parent / "nvidia_pytriton.libs")]
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
         site = sysconfig.get_paths()["purelib"]
@@ -145,10 +150,10 @@ class TritonLocal:
                f"--grpc-port={self.grpc_port}", f"--http-port={self.http_port}",
                f"--metrics-port={self.metrics_port}", "--allow-metrics=true",
                f"--log-verbose={self.log_verbose}", "--exit-on-error=true", "--strict-readiness=true",
-               # CPU-only host: no pinned or CUDA pools (the python backend then returned empty outputs).
-               "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+        if not self._gpu_pools():
+            cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         if self.models is not None:
             cmd += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in self.models]
         parent = os.getpid()
@@ -159,6 +164,13 @@ class TritonLocal:
         log.info("tritonserver pid %d starting (log %s)", self.proc.pid, self.workdir / "tritonserver.log")
         self.wait_ready(ready_timeout_s)
         return self
+
+    def _gpu_pools(self) -> bool:
+        if self.gpu_pools is None:
+            from batchyard.workers.triton_regions import cuda_device_count
+
+            self.gpu_pools = cuda_device_count() > 0
+        return self.gpu_pools
 
     def wait_ready(self, timeout_s: float) -> None:
         import tritonclient.grpc as grpcclient
