@@ -43,6 +43,11 @@ MINILM_MODEL = ModelConfig(name="minilm", factory="batchyard.workers.models:mini
 MLP_MODEL = ModelConfig(name="mlp", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (256,)),),
                         outputs=(TensorConfig("y", "float32", (256,)),))
+# Served by Triton's test models deploy/triton/cpu/dense_amx and gpu/dense_gpu (no factory: only
+# Triton workers serve it).
+TRITON_DENSE_MODEL = ModelConfig(name="tri", factory="", max_batch=64,
+                                 inputs=(TensorConfig("x", "float32", (1024,)),),
+                                 outputs=(TensorConfig("y", "float32", (1024,)),))
 
 
 def free_port() -> int:

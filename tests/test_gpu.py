@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchyard.config import CudaConfig, ModelConfig, TensorConfig, TritonConfig, WorkerConfig
+from batchyard.config import CudaConfig, TritonConfig, WorkerConfig
 from batchyard.workers.models import MLP
 
-from conftest import MINILM_MODEL, MLP_MODEL, ROOT
+from conftest import MINILM_MODEL, MLP_MODEL, ROOT, TRITON_DENSE_MODEL as TRI
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to PyTorch")
 
@@ -139,10 +139,6 @@ def test_a_cuda_region_is_device_memory_another_process_reads_and_writes_through
     finally:
         region.close()
     assert region.ptr == 0
-
-
-TRI = ModelConfig(name="tri", factory="", max_batch=64,
-                  inputs=(TensorConfig("x", "float32", (1024,)),), outputs=(TensorConfig("y", "float32", (1024,)),))
 
 
 def _dense(x: np.ndarray) -> np.ndarray:

@@ -27,11 +27,9 @@ from batchyard.workers.triton_executor import TritonExecutor  # noqa: E402
 from batchyard.workers.triton_local import ServerExited, TritonLocal, _free_port  # noqa: E402
 from batchyard.workers.triton_regions import cuda_device_count, resolve_kind  # noqa: E402
 
-from conftest import ROOT, sim_worker, spawn_up  # noqa: E402
+from conftest import ROOT, TRITON_DENSE_MODEL as TRI, sim_worker, spawn_up  # noqa: E402
 
 REPO = ROOT / "deploy" / "triton" / "cpu"
-TRI = ModelConfig(name="tri", factory="", max_batch=64,
-                  inputs=(TensorConfig("x", "float32", (1024,)),), outputs=(TensorConfig("y", "float32", (1024,)),))
 
 
 @pytest.fixture(scope="module")

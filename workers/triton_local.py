@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .triton_regions import cuda_device_count
+
 log = logging.getLogger("batchyard.triton")
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 EXIT_TIMEOUT_S = 10  # tritonserver's own grace period on SIGTERM; stop() waits longer than this
@@ -97,7 +99,7 @@ def pytriton_root() -> Path:
 class TritonLocal:
     def __init__(self, model_repository: str | Path, grpc_port: int = 0, http_port: int = 0,
                  metrics_port: int = 0, log_verbose: int = 0, stub_site: str | None = None,
-                 models: list[str] | None = None, gpu_pools: bool | None = None):
+                 models: list[str] | None = None):
         self.repo = Path(model_repository).resolve()
         self.grpc_port = grpc_port or _free_port()
         self.http_port = http_port or _free_port()
@@ -105,9 +107,6 @@ class TritonLocal:
         self.log_verbose = log_verbose
         self.stub_site = stub_site
         self.models = models  # load only these (explicit model control); None: the whole repository
-        # Triton's pinned and CUDA memory pools: None gives them where a GPU is visible. Without a
-        # GPU they must be off (the python backend then returned empty outputs).
-        self.gpu_pools = gpu_pools
         self.proc: subprocess.Popen | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="by-triton-"))
         # The python backend names its /dev/shm regions <prefix><uuid>: ours alone start with this.
@@ -152,7 +151,9 @@ class TritonLocal:
                f"--log-verbose={self.log_verbose}", "--exit-on-error=true", "--strict-readiness=true",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
-        if not self._gpu_pools():
+        if cuda_device_count() == 0:
+            # No GPU: no pinned or CUDA pools (with them the python backend returned empty
+            # outputs). With one, Triton's defaults.
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         if self.models is not None:
             cmd += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in self.models]
@@ -164,13 +165,6 @@ class TritonLocal:
         log.info("tritonserver pid %d starting (log %s)", self.proc.pid, self.workdir / "tritonserver.log")
         self.wait_ready(ready_timeout_s)
         return self
-
-    def _gpu_pools(self) -> bool:
-        if self.gpu_pools is None:
-            from batchyard.workers.triton_regions import cuda_device_count
-
-            self.gpu_pools = cuda_device_count() > 0
-        return self.gpu_pools
 
     def wait_ready(self, timeout_s: float) -> None:
         import tritonclient.grpc as grpcclient
