@@ -201,6 +201,9 @@ class FrontendConfig(_Table):
     grpc_port: Port = 8001
     http_port: Port = 8000
     processes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # all on the same ports (SO_REUSEPORT)
+    # The largest request (and gRPC answer) in bytes. Triton's gRPC limit is the same 2 GiB - 1,
+    # and its HTTP one (64 MiB) is for JSON only, not for binary tensors.
+    max_request_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=(1 << 31) - 1)] = (1 << 31) - 1
 
 
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.

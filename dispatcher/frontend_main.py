@@ -43,11 +43,11 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
                 from .openai_http import OpenAiCompletions
 
                 extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models}).routes()
-            http_runner = await start_http(core, fe.host, fe.http_port, extra_routes=extra)
+            http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 
-            grpc_server = await start_grpc(core, fe.host, fe.grpc_port)
+            grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes)
         watchdog = announce_ready(asyncio.get_running_loop())
         log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s", os.getpid(), fe.host,
                  fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend)

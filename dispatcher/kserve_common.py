@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from typing import Optional
 
@@ -31,8 +32,11 @@ NP_TO_KSERVE = {v: k for k, v in KSERVE_TO_NP.items()}
 _NP_DTYPES = {k: np.dtype(v) for k, v in KSERVE_TO_NP.items()}
 PLATFORM = "batchyard"
 SERVER_NAME = "batchyard"
-EXTENSIONS = ["system_shared_memory", "statistics"]
-VERSIONS = ("", "1")  # the one version of every model; "" asks for the latest
+# Triton's names (its core's server.cc) of the protocol extensions this front door serves: a
+# KServe client may look here before it sends binary tensors or shared-memory references.
+EXTENSIONS = ["model_repository", "model_configuration", "system_shared_memory", "cuda_shared_memory",
+              "binary_tensor_data", "parameters", "statistics"]
+VERSION = 1  # the one version of every model
 
 
 class KServeError(Exception):
@@ -102,6 +106,22 @@ def as_kserve(e: Exception, what: str = "inference request") -> KServeError:
     """A KServeError as it is; one of MALFORMED as Triton's INVALID_ARGUMENT with the reason
     (escaping, it became gRPC's UNKNOWN naming an internal exception, or an HTTP 500)."""
     return e if isinstance(e, KServeError) else invalid(f"malformed {what}: {type(e).__name__}: {e}")
+
+
+def parse_version(version: str) -> int:
+    """A model version string as Triton reads it (``GetModelVersionFromString``, with
+    ``std::stol``): "" is the latest (-1); leading blanks and a leading integer count ("01" is
+    1); no integer, or a negative one, is INVALID_ARG."""
+    if not version:
+        return -1
+    m = re.match(r"\s*([+-]?\d+)", version)
+    if m is None:
+        raise invalid(f"failed to get model version from specified version string '{version}' (details: stol), "
+                      "version should be an integral value > 0")
+    v = int(m.group(1))
+    if v < 0:
+        raise invalid(f"invalid model version specified '{version}' , version should be an integral value > 0")
+    return v
 
 
 def unknown_version(model: str, version: str) -> KServeError:
@@ -192,6 +212,17 @@ def _json_kind(parsed: np.ndarray) -> str:
             "U": "strings"}.get(parsed.dtype.kind, "null, mixed or out-of-range values")
 
 
+def output_nbytes(spec: P.ModelSpec, name: str, inputs: dict) -> Optional[int]:
+    """Bytes of output ``name`` for this request, known before it runs: Batchyard's tensors have a
+    fixed shape per item, and the batch is the inputs' first dimension (None without one)."""
+    first = next(iter(inputs.values()), None)
+    if first is None or first.ndim == 0:
+        return None
+    t = next(t for t in spec.outputs if t.name == name)
+    dt = _NP_DTYPES.get(NP_TO_KSERVE.get(t.dtype, ""))
+    return None if dt is None else first.shape[0] * math.prod(t.shape) * dt.itemsize
+
+
 def check_new_input(inputs: dict, name: str, shape: list[int], model: str) -> None:
     """Triton's errors for an input given twice (it kept the last one silently) and for a
     dimension left unspecified (-1, which made the element count negative)."""
@@ -272,14 +303,16 @@ class KServeCore:
 
     async def spec(self, model: str, version: str = "") -> P.ModelSpec:
         """The model's spec; Triton's errors for an unknown model, then for a version other than
-        the one Batchyard serves ("1"; "" is the latest, as Triton reads it)."""
+        the one Batchyard serves ("1"; "" is the latest, as Triton reads it). A version string
+        that is no integer is refused first, as Triton parses it before it looks the model up."""
+        v = parse_version(version)
         spec = self.client.specs.get(model)
         if spec is None:
             try:
                 spec = await self.client.model_info(model, timeout=5.0)
             except BatchyardError as e:
                 raise from_batchyard(e, model) from None
-        if version not in VERSIONS:
+        if v not in (-1, VERSION):
             raise unknown_version(model, version)
         return spec
 
@@ -304,7 +337,12 @@ class KServeCore:
         return ready
 
     async def model_ready(self, model: str, version: str = "") -> bool:
-        return version in VERSIONS and model in ((await self.ready_models()) or ())
+        try:
+            if parse_version(version) not in (-1, VERSION):
+                return False
+        except KServeError:
+            return False
+        return model in ((await self.ready_models()) or ())
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         """Triton's repository index: every model of the node, READY while a worker serves it

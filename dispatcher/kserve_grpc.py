@@ -21,7 +21,7 @@ from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
-                            model_control_refused, model_metadata, tensor_from_bytes, tensor_from_list,
+                            model_control_refused, model_metadata, output_nbytes, tensor_from_bytes, tensor_from_list,
                             timeout_s)
 
 # Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
@@ -38,6 +38,21 @@ def param(params, key: str, default=None):
     p = params[key]
     which = p.WhichOneof("parameter_choice")
     return getattr(p, which) if which else default
+
+
+def uint_param(params, key: str, kinds: tuple[str, ...]) -> int:
+    """An integer request parameter read as Triton reads it: of one of ``kinds``' types (priority:
+    int64 or uint64; timeout: int64, as tritonclient sends them), not negative; 0 when absent."""
+    if key not in params:
+        return 0
+    p = params[key]
+    which = p.WhichOneof("parameter_choice")
+    if which not in kinds:
+        raise invalid(f"invalid value type for '{key}' parameter, expected {' or '.join(kinds)}.")
+    value = getattr(p, which)
+    if value < 0:
+        raise invalid(f"invalid value for '{key}', expected value >= 0.")
+    return value
 
 
 def _shm_param(params) -> Optional[tuple[str, int, int]]:
@@ -140,20 +155,21 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context):
         """tritonclient's ``start_stream`` / ``stream_infer``: every request of the stream runs as
-        ModelInfer does, all at once, each answered as it completes (the client matches answers
-        by request id); an error answers its request only, in ``error_message``, as Triton's
-        stream does. A client that closes the stream withdraws what it still has queued."""
-        answers: asyncio.Queue = asyncio.Queue()
+        ModelInfer does, all at once, and the answers go back in the order the requests came, as
+        Triton answers a stream to a model that is not decoupled (a client may pair them by order:
+        tritonclient's default request id is ""); an error answers its request only, in
+        ``error_message``, as Triton's stream does. A client that closes the stream withdraws what
+        it still has queued."""
+        order: asyncio.Queue = asyncio.Queue()  # each request's answer, running, in arrival order
         running: set = set()
 
         async def answer(request):
             try:
-                resp = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+                return service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except (KServeError, *MALFORMED) as e:  # this request's fault: its own answer
-                resp = service_pb2.ModelStreamInferResponse(
+                return service_pb2.ModelStreamInferResponse(
                     error_message=as_kserve(e).message,
                     infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
-            answers.put_nowait(resp)
 
         async def read():
             try:
@@ -161,14 +177,14 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     task = asyncio.ensure_future(answer(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
-                await asyncio.gather(*running)
+                    order.put_nowait(task)
             finally:
-                answers.put_nowait(None)
+                order.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
-            while (resp := await answers.get()) is not None:
-                yield resp
+            while (task := await order.get()) is not None:
+                yield await task
             await reader  # its failure (a broken stream) is the stream's
         finally:
             for task in (reader, *running):
@@ -187,6 +203,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if region is not None:
                 inputs[t.name] = shm.read(*region, t.datatype, shape, t.name)
             elif request.raw_input_contents:
+                if t.HasField("contents"):
+                    raise invalid(f"contents field must not be specified when using raw_input_contents for "
+                                  f"'{t.name}' for model '{request.model_name}'")
                 data = next(raw, None)
                 if data is None:
                     raise invalid(f"expected raw input content for input '{t.name}' "
@@ -196,10 +215,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 field = _CONTENTS.get(t.datatype, "")
                 values = getattr(t.contents, field) if field else []
                 inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
-        wanted = self._requested_outputs(request, spec)
+        wanted = self._requested_outputs(request, spec, inputs)
         left = context.time_remaining()
-        _, out = await self.core.infer(request.model_name, inputs, priority=int(param(request.parameters, "priority", 0)),
-                                       timeout=timeout_s(param(request.parameters, "timeout", 0), left))
+        priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
+        timeout = uint_param(request.parameters, "timeout", ("int64_param",))
+        _, out = await self.core.infer(request.model_name, inputs, priority=priority, timeout=timeout_s(timeout, left))
         resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
         for name, region in wanted:
             arr = out[name]
@@ -214,7 +234,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
         return resp
 
-    def _requested_outputs(self, request, spec) -> list[tuple[str, Optional[tuple]]]:
+    def _requested_outputs(self, request, spec, inputs: dict) -> list[tuple[str, Optional[tuple]]]:
         """(name, shm region or None) per output to return; all of the model's when none named."""
         if not request.outputs:
             return [(t.name, None) for t in spec.outputs]
@@ -227,7 +247,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise invalid(f"output '{o.name}': classification is not supported")
             region = _shm_param(o.parameters)
             if region is not None:
-                self.core.shm.check(*region)
+                self.core.shm.check_output(*region, o.name, output_nbytes(spec, o.name, inputs))
             wanted.append((o.name, region))
         return wanted
 
@@ -248,7 +268,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(e.code, e.message)
 
 
-async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = 64 << 20) -> grpc.aio.Server:
+async def start_grpc(core: KServeCore, host: str, port: int,
+                     max_message_bytes: int = (1 << 31) - 1) -> grpc.aio.Server:
     """A started grpc.aio server on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT: the kernel spreads connections over them)."""
     opts = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_message_bytes),

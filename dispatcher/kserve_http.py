@@ -3,8 +3,11 @@ system shared-memory endpoints, on aiohttp, translated onto Batchyard through ``
 
 Binary tensor data: a request whose JSON header is followed by raw tensor bytes says how long the
 header is in ``Inference-Header-Content-Length``; each input carried that way has
-``parameters.binary_data_size``. Outputs come back binary when the output's ``binary_data``
-parameter (or the request's ``binary_data_output``) says so, else as a JSON list.
+``parameters.binary_data_size``, and the binary data must be used up exactly. Outputs come back
+binary when the output's ``binary_data`` parameter (or, for a request that names no outputs, its
+``binary_data_output``) says so, else as a JSON list. A header length of 0 is Triton's raw binary
+request: the body is the one input of a one-input model, one item, and every output comes back
+binary.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
-                            model_control_refused, model_metadata, tensor_from_bytes, tensor_from_list,
+                            model_control_refused, model_metadata, output_nbytes, tensor_from_bytes, tensor_from_list,
                             timeout_s)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_JSON_BYTES = 64 << 20  # Triton's --http-max-input-size default, which bounds the JSON part only
 log = logging.getLogger("batchyard.frontend")
 
 
@@ -51,11 +55,46 @@ async def _json_errors(request: web.Request, handler):
         return web.json_response({"error": f"internal error: {type(e).__name__}: {e}"}, status=500)
 
 
+def _uint(obj: dict, key: str) -> int:
+    """A JSON parameter Triton reads as an unsigned integer (0 when absent): a string, a
+    fraction, a boolean or a negative number is the request's fault, as in Triton."""
+    v = obj.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise invalid(f"Unable to parse '{key}': expected an unsigned integer, got {json.dumps(v)}")
+    return v
+
+
+def _bool(obj: dict, key: str, default: bool) -> bool:
+    v = obj.get(key, default)
+    if not isinstance(v, bool):
+        raise invalid(f"Unable to parse '{key}': expected true or false, got {json.dumps(v)}")
+    return v
+
+
 def _shm(params: dict) -> Optional[tuple[str, int, int]]:
     region = params.get("shared_memory_region")
     if not region:
         return None
-    return str(region), int(params.get("shared_memory_offset", 0)), int(params.get("shared_memory_byte_size", 0))
+    return str(region), _uint(params, "shared_memory_offset"), _uint(params, "shared_memory_byte_size")
+
+
+def _data_source(name: str, t: dict, tp: dict) -> str:
+    """Which one of the three places an input's data can be in this input names; Triton refuses
+    an input that names none or several (the binary data used to win over the others)."""
+    given = [k for k, present in (("data", "data" in t), ("binary_data_size", "binary_data_size" in tp),
+                                  ("shared_memory_region", "shared_memory_region" in tp)) if present]
+    if len(given) != 1:
+        got = " no field is set" if not given else " set " + " ".join(f"'{k}'" for k in given)
+        raise invalid(f"Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                      f"'parameters', 'shared_memory_region' in 'parameters'. But{got} (input '{name}')")
+    return given[0]
+
+
+def _is_raw(request: web.Request) -> bool:
+    """Triton's raw binary request: ``Inference-Header-Content-Length: 0``, the whole body being
+    the one input's bytes."""
+    n = request.headers.get(HEADER_LENGTH, "").strip()
+    return n.isdigit() and int(n) == 0
 
 
 async def _body(request: web.Request) -> bytes:
@@ -77,6 +116,9 @@ def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
         n = len(body) if n is None else int(n)
         if not 0 <= n <= len(body):
             raise ValueError(f"{HEADER_LENGTH} {n} is beyond the body's {len(body)} bytes")
+        if n > MAX_JSON_BYTES:
+            raise invalid(f"request JSON size of {n} bytes exceeds the maximum allowed input size of "
+                          f"{MAX_JSON_BYTES} bytes (send large tensors as binary data)")
         header = json.loads(bytes(body[:n]))
     except ValueError as e:
         raise invalid(f"failed to parse the request JSON buffer: {e}") from None
@@ -209,30 +251,21 @@ class KServeHttp:
     async def _infer(self, request) -> web.Response:
         model = request.match_info["model"]
         spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
-        header, binary = _split(request, await _body(request))
-        params = header.get("parameters") or {}
-        inputs, pos = {}, 0
-        for t in header.get("inputs") or []:
-            name, datatype, shape = t.get("name", ""), t.get("datatype", ""), list(t.get("shape") or [])
-            check_new_input(inputs, name, shape, model)
-            tp = t.get("parameters") or {}
-            region = _shm(tp)
-            if region is not None:
-                inputs[name] = self.core.shm.read(*region, datatype, shape, name)
-            elif "binary_data_size" in tp:
-                n = int(tp["binary_data_size"])
-                if pos + n > len(binary):
-                    raise invalid(f"unexpected end of binary data for input '{name}': {n} bytes at offset {pos}, "
-                                  f"{len(binary)} bytes of binary data in the body")
-                inputs[name] = tensor_from_bytes(name, datatype, shape, binary[pos:pos + n])
-                pos += n
-            elif "data" in t:
-                inputs[name] = tensor_from_list(name, datatype, shape, t["data"])
-            else:
-                raise invalid(f"input '{name}' has no data, binary_data_size or shared memory region")
-        wanted = self._requested_outputs(header, spec, bool(params.get("binary_data_output", False)))
-        _, out = await self.core.infer(model, inputs, priority=int(params.get("priority", 0)),
-                                       timeout=timeout_s(int(params.get("timeout", 0))))
+        body = await _body(request)
+        if _is_raw(request):
+            header, params = {}, {}
+            inputs = self._raw_input(spec, body)
+            wanted = [(t.name, True, None) for t in spec.outputs]  # Triton answers a raw request in binary
+        else:
+            header, binary = _split(request, body)
+            params = header.get("parameters") or {}
+            inputs = self._inputs(model, header, binary)
+            wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
+        rid = header.get("id", "")
+        if not isinstance(rid, str):
+            raise invalid(f"Unable to parse 'id': expected a string, got {json.dumps(rid)}")
+        _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
+                                       timeout=timeout_s(_uint(params, "timeout")))
         outputs, chunks = [], []
         for name, binary_out, region in wanted:
             arr = out[name]
@@ -249,16 +282,54 @@ class KServeHttp:
                 o["data"] = arr.reshape(-1).tolist()
             outputs.append(o)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}
-        if "id" in header:
-            reply["id"] = header["id"]
+        if rid:  # Triton leaves an empty id out
+            reply["id"] = rid
         text = json.dumps(reply).encode()
         if not chunks:
             return web.Response(body=text, content_type="application/json")
         return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream",
                             headers={HEADER_LENGTH: str(len(text))})
 
-    def _requested_outputs(self, header: dict, spec, binary_default: bool) -> list:
-        """(name, binary?, shm region or None) per output to return; all when none is named."""
+    def _inputs(self, model: str, header: dict, binary: memoryview) -> dict[str, np.ndarray]:
+        inputs, pos = {}, 0
+        for t in header.get("inputs") or []:
+            name, datatype, shape = t.get("name", ""), t.get("datatype", ""), list(t.get("shape") or [])
+            check_new_input(inputs, name, shape, model)
+            tp = t.get("parameters") or {}
+            source = _data_source(name, t, tp)
+            if source == "shared_memory_region":
+                region = _shm(tp)
+                if region is None:
+                    raise invalid(f"input '{name}': 'shared_memory_region' must name a registered region")
+                inputs[name] = self.core.shm.read(*region, datatype, shape, name)
+            elif source == "binary_data_size":
+                n = _uint(tp, "binary_data_size")
+                if pos + n > len(binary):
+                    raise invalid(f"unexpected end of binary data for input '{name}': {n} bytes at offset {pos}, "
+                                  f"{len(binary)} bytes of binary data in the body")
+                inputs[name] = tensor_from_bytes(name, datatype, shape, binary[pos:pos + n])
+                pos += n
+            else:
+                inputs[name] = tensor_from_list(name, datatype, shape, t["data"])
+        if pos != len(binary):
+            raise invalid(f"unexpected additional input data for model '{model}' ({len(binary) - pos} bytes of "
+                          "binary data that no input's binary_data_size takes)")
+        return inputs
+
+    @staticmethod
+    def _raw_input(spec, body: bytes) -> dict[str, np.ndarray]:
+        """A raw binary request's body as the model's only input, one item (Triton's raw input)."""
+        if len(spec.inputs) != 1:
+            raise invalid(f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with one "
+                          f"input; '{spec.name}' has {len(spec.inputs)}")
+        t = spec.inputs[0]
+        datatype = NP_TO_KSERVE.get(t.dtype, t.dtype)
+        return {t.name: tensor_from_bytes(t.name, datatype, [1, *t.shape], memoryview(body))}
+
+    def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict) -> list:
+        """(name, binary?, shm region or None) per output to return. None named: all of them, binary
+        as the request's ``binary_data_output`` says; a named one is binary only if its own
+        ``binary_data`` says so (Triton: the request's setting is for outputs not named)."""
         requested = header.get("outputs")
         if not requested:
             return [(t.name, binary_default, None) for t in spec.outputs]
@@ -272,12 +343,12 @@ class KServeHttp:
                 raise invalid(f"output '{name}': classification is not supported")
             region = _shm(op)
             if region is not None:
-                self.core.shm.check(*region)
-            wanted.append((name, bool(op.get("binary_data", binary_default)), region))
+                self.core.shm.check_output(*region, name, output_nbytes(spec, name, inputs))
+            wanted.append((name, _bool(op, "binary_data", False), region))
         return wanted
 
 
-async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = 64 << 20,
+async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,
                      extra_routes=()) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode."""

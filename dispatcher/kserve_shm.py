@@ -98,6 +98,12 @@ def _map_segment(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def _too_small(tensor: str, byte_size: int, nbytes: int) -> KServeError:
+    return KServeError(grpc.StatusCode.INTERNAL,
+                       f"shared memory size specified with the request for output '{tensor}' ({byte_size} bytes) "
+                       f"should be at least {nbytes} bytes to hold the results")
+
+
 class ShmRegions:
     """The registry, seen from one front-door process. ``directory=None``: this process only."""
 
@@ -180,9 +186,6 @@ class ShmRegions:
         registered = self._registered()
         if any(r.name == name for r in registered):
             raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        if any(r.key == key for r in registered):
-            raise invalid(f"registering an active shared memory key, \"{key}\", under a different name is not "
-                          f"currently supported")
         region = Region(name, key, offset, byte_size, _map_segment(name, key, offset, byte_size))
         if self.dir is not None:
             try:
@@ -240,8 +243,12 @@ class ShmRegions:
                           f"(offset {offset} + {nbytes} bytes > its {r.byte_size} bytes)")
         return r, r.offset + offset
 
-    def check(self, name: str, offset: int, byte_size: int) -> None:
-        """Fail now, before the inference runs, if an output region is not usable."""
+    def check_output(self, name: str, offset: int, byte_size: int, tensor: str, nbytes: Optional[int]) -> None:
+        """Fail now, before the inference runs, if an output region is not usable or cannot hold
+        the ``nbytes`` of the output (None: not known yet). Too small a region is Triton's
+        INTERNAL with its message (its allocator finds out after the run; here the run is spared)."""
+        if nbytes is not None and nbytes > byte_size:
+            raise _too_small(tensor, byte_size, nbytes)
         self._range(name, offset, byte_size)
 
     def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str) -> np.ndarray:
@@ -253,8 +260,7 @@ class ShmRegions:
 
     def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
         if arr.nbytes > byte_size:
-            raise invalid(f"shared memory size specified with the request for output '{tensor}' "
-                          f"({byte_size} bytes) should be at least {arr.nbytes} bytes to hold the results")
+            raise _too_small(tensor, byte_size, arr.nbytes)
         r, start = self._range(name, offset, arr.nbytes)
         r.mm[start:start + arr.nbytes] = np.ascontiguousarray(arr).tobytes()
 

@@ -43,6 +43,8 @@ SLOW_MODEL = ModelConfig(name="slow", max_batch=16, inputs=(TensorConfig("x", "f
                          outputs=(TensorConfig("y", "float32", (2,)),))
 SOLO_MODEL = ModelConfig(name="solo", max_batch=16, inputs=(TensorConfig("x", "float32", (4,)),),
                          outputs=(TensorConfig("y", "float32", (2,)),))
+HUGE_MODEL = ModelConfig(name="huge", max_batch=32, inputs=(TensorConfig("x", "float32", (1024, 1024)),),
+                         outputs=(TensorConfig("y", "float32", (2,)),))  # 4 MiB an item
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
 
 
@@ -72,8 +74,8 @@ def front_door():
     cfg = NodeConfig(
         dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
                                     heartbeat_interval_s=0.1, worker_dead_after_s=0.6),
-        models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL),
-        workers=(sim_worker("sim0", models=("sum",)), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
+        models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL, HUGE_MODEL),
+        workers=(sim_worker("sim0", models=("sum", "huge")), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
                  sim_worker("solo0", models=("solo",))),
         frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port, processes=2)).validate()
     path = Path(run_dir) / "node.toml"
@@ -222,6 +224,28 @@ def test_stream_infer_answers_every_request_of_the_stream(front_door):
                                     "Request for unknown model: 'sum' version 7 is not found"]
 
 
+def test_a_stream_answers_in_the_order_its_requests_came(front_door):
+    """Triton answers a stream to a non-decoupled model in request order, and tritonclient's
+    default request id is "": a client may pair answers with requests by order. A slow request
+    sent first must come back first (it came back after the fast one)."""
+    got, done = [], threading.Event()
+
+    def callback(result, error):
+        got.append(error.message() if error else result.get_response().model_name)
+        if len(got) == 3:
+            done.set()
+
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    c.start_stream(callback=callback)
+    try:
+        for model in ("slow", "sum", "nope"):
+            c.async_stream_infer(model, [_grpc_input(X)])
+        assert done.wait(30), got
+    finally:
+        c.stop_stream()
+    assert got == ["slow", "sum", "Request for unknown model: 'nope' is not found"]
+
+
 def test_repository_index_lists_the_models_and_load_is_refused(front_door):
     """As a Triton in model-control mode NONE: the index lists the node's models and their
     state; load and unload are refused with UNAVAILABLE (HTTP 503)."""
@@ -258,6 +282,124 @@ def test_versions_and_unknown_paths_answer_as_triton(front_door):
     assert e.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
+def test_version_strings_are_read_as_triton_reads_them(front_door):
+    """Triton reads a version with std::stol: "01" is version 1; no integer, or a negative one, is
+    INVALID_ARG (both were "not found")."""
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    h = thttp.InferenceServerClient(front_door.http_url)
+    want = front_door.sdk("sum", X)
+    np.testing.assert_array_equal(g.infer("sum", [_grpc_input(X)], model_version="01").as_numpy("y"), want)
+    np.testing.assert_array_equal(h.infer("sum", [_http_input(X)], model_version="01").as_numpy("y"), want)
+    for version, text in (("abc", "failed to get model version from specified version string 'abc'"),
+                          ("-1", "invalid model version specified '-1'")):
+        for call, code in ((lambda: g.infer("sum", [_grpc_input(X)], model_version=version),
+                            "StatusCode.INVALID_ARGUMENT"),
+                           (lambda: h.get_model_metadata("sum", version), "400")):
+            with pytest.raises(InferenceServerException, match=text) as e:
+                call()
+            assert e.value.status() == code
+
+
+def test_server_metadata_lists_every_extension_served(front_door):
+    """A KServe client may look for binary_tensor_data before it sends binary tensors."""
+    served = {"binary_tensor_data", "system_shared_memory", "cuda_shared_memory", "model_repository",
+              "model_configuration", "parameters", "statistics"}
+    assert set(tgrpc.InferenceServerClient(front_door.grpc_url).get_server_metadata(as_json=True)["extensions"]) == served
+    assert set(thttp.InferenceServerClient(front_door.http_url).get_server_metadata()["extensions"]) == served
+
+
+def _post_infer(front_door, body: bytes, header_length=None, model="sum"):
+    import http.client
+
+    host, port = front_door.http_url.split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        c.request("POST", f"/v2/models/{model}/infer", body=body,
+                  headers={} if header_length is None else {"Inference-Header-Content-Length": str(header_length)})
+        r = c.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        c.close()
+
+
+def _binary_body(header: dict, *chunks: bytes) -> tuple[bytes, int]:
+    text = json.dumps(header).encode()
+    return b"".join([text, *chunks]), len(text)
+
+
+def test_http_binary_data_is_used_exactly_as_triton_uses_it(front_door):
+    """Binary bytes no input takes, and an input that gives its data two ways, are 400s (the
+    extra bytes were ignored, and the binary data won over the JSON data)."""
+    x = {"name": "x", "datatype": "FP32", "shape": [3, 4]}
+    cases = [
+        (_binary_body({"inputs": [{**x, "parameters": {"binary_data_size": X.nbytes}}]}, X.tobytes(), b"extra"),
+         "unexpected additional input data for model 'sum'"),
+        (_binary_body({"inputs": [{**x, "data": X.ravel().tolist()}]}, X.tobytes()),
+         "unexpected additional input data for model 'sum'"),
+        (_binary_body({"inputs": [{**x, "data": X.ravel().tolist(), "parameters": {"binary_data_size": X.nbytes}}]},
+                      X.tobytes()),
+         "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+         "'shared_memory_region' in 'parameters'. But set 'data' 'binary_data_size'"),
+        (_binary_body({"inputs": [x]}), "But no field is set"),
+        (_binary_body({"inputs": [{**x, "data": X.ravel().tolist()}], "parameters": {"priority": "1"}}),
+         "Unable to parse 'priority'"),
+        (_binary_body({"inputs": [{**x, "data": X.ravel().tolist()}], "parameters": {"binary_data_output": 1}}),
+         "Unable to parse 'binary_data_output'"),
+        (_binary_body({"id": 7, "inputs": [{**x, "data": X.ravel().tolist()}]}), "Unable to parse 'id'"),
+    ]
+    for (body, n), text in cases:
+        status, _, answer = _post_infer(front_door, body, n)
+        assert status == 400 and text in json.loads(answer)["error"], (text, answer)
+
+
+def test_http_outputs_id_and_the_raw_binary_request_answer_as_triton(front_door):
+    want = front_door.sdk("sum", X)
+    x = {"name": "x", "datatype": "FP32", "shape": [3, 4], "data": X.ravel().tolist()}
+    # A named output without binary_data is JSON: binary_data_output is for the outputs not named.
+    body, _ = _binary_body({"id": "", "inputs": [x], "outputs": [{"name": "y"}],
+                            "parameters": {"binary_data_output": True}})
+    status, _, answer = _post_infer(front_door, body)
+    reply = json.loads(answer)
+    assert status == 200 and "id" not in reply  # Triton leaves an empty id out
+    np.testing.assert_array_equal(np.asarray(reply["outputs"][0]["data"], np.float32).reshape(3, 2), want)
+    # Inference-Header-Content-Length: 0 -- the body is the one input, one item; outputs binary.
+    status, headers, answer = _post_infer(front_door, X[1].tobytes(), 0)
+    assert status == 200, answer
+    n = int(headers["Inference-Header-Content-Length"])
+    out = json.loads(answer[:n])["outputs"][0]
+    assert out["shape"] == [1, 2] and out["parameters"] == {"binary_data_size": 8}
+    np.testing.assert_array_equal(np.frombuffer(answer[n:], np.float32), want[1])
+    status, _, answer = _post_infer(front_door, X.tobytes(), 0)  # three items: not one item's bytes
+    assert status == 400 and "unexpected total byte size 48 for input 'x', expecting 16" in json.loads(answer)["error"]
+
+
+def test_grpc_contents_beside_raw_contents_is_an_invalid_argument(front_door):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    t = req.inputs.add(name="x", datatype="FP32", shape=[3, 4])
+    t.contents.fp32_contents.extend(np.zeros(12))
+    req.raw_input_contents.append(X.tobytes())
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "contents field must not be specified when using raw_input_contents for 'x' for model 'sum'"
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_a_request_past_64_mib_is_served(front_door, proto):
+    """Triton takes gRPC messages up to 2 GiB and does not bound binary tensors over HTTP; both
+    sides here refused anything past 64 MiB (RESOURCE_EXHAUSTED, 413)."""
+    x = np.random.default_rng(0).random((17, 1024, 1024), dtype=np.float32)  # 68 MiB
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    i = mod.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    got = mod.InferenceServerClient(url).infer("huge", [i]).as_numpy("y")
+    np.testing.assert_array_equal(got, front_door.sdk("huge", x))
+
+
 # ---------------------------------------------------------------- system shared memory
 @pytest.mark.parametrize("proto", ["grpc", "http"])
 def test_shm_register_infer_unregister(front_door, proto):
@@ -291,6 +433,41 @@ def test_shm_register_infer_unregister(front_door, proto):
         for region in (shm_in, shm_out):
             region.close()
             region.unlink()
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_one_segment_under_two_names_and_an_output_region_too_small(front_door, proto):
+    """Triton refuses only a second use of a name: one segment may be registered as an input half
+    and an output half (it was refused). An output region too small for the output is Triton's
+    INTERNAL / 500 with its message (it was INVALID_ARGUMENT, after the model had run)."""
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    c = mod.InferenceServerClient(url)
+    tag = f"by_kserve_halves_{os.getpid()}_{proto}"
+    seg = shared_memory.SharedMemory(tag, create=True, size=128)
+    stats = lambda: c.get_inference_statistics("sum", **({"as_json": True} if proto == "grpc" else {}))[  # noqa: E731
+        "model_stats"][0]["inference_stats"]["success"].get("count", 0)
+    try:
+        np.ndarray(X.shape, X.dtype, buffer=seg.buf)[...] = X
+        c.register_system_shared_memory("in", f"/{tag}", X.nbytes, 0)
+        c.register_system_shared_memory("out", f"/{tag}", 64, 64)
+        i = mod.InferInput("x", [3, 4], "FP32")
+        i.set_shared_memory("in", X.nbytes)
+        o = mod.InferRequestedOutput("y")
+        o.set_shared_memory("out", 24)
+        c.infer("sum", [i], outputs=[o])
+        np.testing.assert_array_equal(np.ndarray((3, 2), np.float32, buffer=seg.buf, offset=64),
+                                      front_door.sdk("sum", X))
+        served = stats()
+        o.set_shared_memory("out", 8)
+        with pytest.raises(InferenceServerException, match=r"shared memory size specified with the request for "
+                           r"output 'y' \(8 bytes\) should be at least 24 bytes to hold the results") as e:
+            c.infer("sum", [i], outputs=[o])
+        assert e.value.status() == ("StatusCode.INTERNAL" if proto == "grpc" else "500")
+        assert stats() == served  # refused before it ran
+    finally:
+        c.unregister_system_shared_memory()
+        seg.close()
+        seg.unlink()
 
 
 def test_a_region_registered_once_serves_every_connection(front_door):
@@ -450,7 +627,8 @@ def test_a_parameter_of_the_wrong_type_is_an_invalid_argument(front_door):
     with grpc.insecure_channel(front_door.grpc_url) as ch:
         with pytest.raises(grpc.RpcError) as e:
             service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed inference request" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "invalid value type for 'priority' parameter, expected int64_param or uint64_param."
 
 
 # Requests tritonclient would not build but a hand-written client sends: (the input entries as
@@ -461,8 +639,10 @@ RAW_CASES = {
     "a dimension left unspecified": ([("x", [-1, 4], X.ravel().tolist())], {}, {},
                                      r"All input dimensions should be specified for input 'x' for model 'sum', got \[-1, 4\]"),
     "a timeout outside 64 bits": ([_X], {"timeout": -1}, {"timeout": 2 ** 64},
+                                  "invalid value for 'timeout', expected value >= 0|"
                                   "parameter 'timeout' must be an unsigned 64-bit integer"),
     "a priority outside 64 bits": ([_X], {"priority": -1}, {"priority": 2 ** 64},
+                                   "invalid value for 'priority', expected value >= 0|"
                                    "parameter 'priority' must be an unsigned 64-bit integer"),
     "JSON null as FP32 data": ([("x", [3, 4], [None] * 12)], None, {}, "data is not FP32"),
     "JSON true as FP32 data": ([("x", [3, 4], [True] * 12)], None, {}, "data is not FP32"),
