@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from typing import Any, Callable, NamedTuple, Optional
 
 from .policy import feasible
@@ -77,7 +78,10 @@ class RequestCore:
         self.draining = False
         self.wake_at = math.inf  # the policy's last requested wake-up
         self._seq = itertools.count(1)
-        self._batch_ids = itertools.count(1)
+        # Each dispatcher run numbers its batches from a random start: a worker that outlived a
+        # restart may still answer a batch of the previous run, whose number a new batch got when
+        # both runs counted from 1 (another client's request then took that answer).
+        self._batch_ids = itertools.count(1 + random.getrandbits(48))
 
     # ------------------------------------------------------------------ arrival
     def admit(self, model: str, items: int, priority: int, timeout_s: float, now: float,
@@ -89,6 +93,10 @@ class RequestCore:
         q = self.state.queue(model)
         if q.requests >= self.max_queue:
             return Rejected(Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)")
+        largest = max((w.models[model] for w in self.state.serving.get(model, ())), default=0)
+        if items > largest > 0:
+            return Rejected(Status.INVALID_ARGUMENT, f"{items} items of {model!r} in one request: more than any of "
+                            f"its workers takes in a batch ({largest})")
         timeout = timeout_s or self.default_timeout_s
         self.state.note_arrival(model, priority, items, now)
         if not feasible(self.state, model, items, now + timeout, now):
@@ -186,13 +194,16 @@ class RequestCore:
         return wake
 
     # ------------------------------------------------------------------ completion
-    def complete(self, batch_id: int, compute_s: Optional[float], now: float) -> Optional[Batch]:
+    def complete(self, batch_id: int, compute_s: Optional[float], now: float,
+                 worker: Optional[str] = None) -> Optional[Batch]:
         """A batch finished; the worker's slot is free and the cost curve learns from it.
         ``compute_s`` None: nothing ran (nothing to learn). Returns None for a batch that is
-        no longer tracked (its worker was declared lost and its requests failed over)."""
-        batch = self.batches.pop(batch_id, None)
-        if batch is None:
+        no longer tracked (its worker was declared lost and its requests failed over), and for
+        an answer from a ``worker`` that the batch was not sent to (left tracked)."""
+        batch = self.batches.get(batch_id)
+        if batch is None or (worker is not None and batch.worker.name != worker):
             return None
+        del self.batches[batch_id]
         w = batch.worker
         if self.state.workers.get(w.name) is w:
             w.last_seen = now
@@ -304,7 +315,21 @@ class RequestCore:
                     self.state.queue(req.model).push_front(req)
                 else:
                     self.fail(req, Status.UNAVAILABLE, f"worker {name} failed while running the batch ({reason})")
+        for model in w.models:
+            self._fail_too_big(model, f"worker {name} left ({reason})")
         return w
+
+    def _fail_too_big(self, model: str, why: str) -> None:
+        """Fail the queued requests of ``model`` more items than any worker left serving it takes
+        in a batch (workers may register different max batches): no batch can ever hold them."""
+        largest = max((w.models[model] for w in self.state.serving.get(model, ())), default=0)
+        q = self.state.queues.get(model)
+        if not largest or q is None or q.items <= largest:
+            return
+        for req in [r for r in self.requests.values() if r.model == model and r.state == QUEUED and r.items > largest]:
+            q.remove(req)
+            self.fail(req, Status.UNAVAILABLE, f"{req.items} items: more than any worker of {model!r} left takes in "
+                      f"a batch ({largest}); {why}")
 
     # ------------------------------------------------------------------ status long polls
     def add_status_waiter(self, token: Any, min_registrations: int, expires: float, min_departures: int = 0) -> None:

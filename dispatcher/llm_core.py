@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -101,7 +102,7 @@ class LlmCore:
         self.jobs: dict[int, Job] = {}
         self.requests: dict[int, LlmRequest] = {}  # open, by seq
         self._deadlines: list = []  # heap of (deadline, seq)
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 + random.getrandbits(48))  # per run, as RequestCore's batch ids
         self.decisions = {PREFILL_CPU: 0, GPU: 0}
         self.draining = False
         self._out: list = []  # jobs started since the last decide()
@@ -278,9 +279,12 @@ class LlmCore:
     # ------------------------------------------------------------------ completions
     def complete(self, msg: P.LlmDone, now: float) -> list:
         """A job ended: hand prefilled requests on to a GPU, return the requests that finished."""
-        job = self.jobs.pop(msg.job_id, None)
+        job = self.jobs.get(msg.job_id)
         if job is None or job.worker.name != msg.worker:
-            return []  # from a worker declared lost, or a job already failed over
+            # From a worker declared lost, for a job already failed over, or not this job's worker
+            # (the job stays: its own worker's answer is still to come).
+            return []
+        del self.jobs[msg.job_id]
         del job.worker.jobs[job.job_id]
         by_seq = {r.seq: r for r in job.requests}
         finished: list = []

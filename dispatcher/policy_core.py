@@ -79,12 +79,14 @@ def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_
     its deadline (``fit_deadlines``), reserve the worker, record the dispatch."""
     newest = low_class_congested(state, w, q, now)
     while True:
-        reqs = take_batch(q, max_items, w.models[q.model], max_requests, newest)
+        reqs = taken = take_batch(q, max_items, w.models[q.model], max_requests, newest)
         if reqs and any(r.deadline < math.inf for r in reqs):
             reqs, back = fit_deadlines(state, d, w, q.model, reqs, now)
             for r in reversed(back):
                 q.push_front(r)
-        if reqs or not q.requests:
+        # Nothing taken (the head request is more items than this worker's max batch): nothing
+        # to send it; taking again would spin the dispatcher forever.
+        if reqs or not taken or not q.requests:
             break  # else every request taken was hopeless: take again (the queue is shorter)
     if reqs:
         state.on_dispatch(w, q.model, sum(r.items for r in reqs), now)

@@ -272,9 +272,9 @@ class Dispatcher:
 
     def _on_batch_done(self, msg: P.BatchDone, frames: list, now: float) -> None:
         # compute_us 0: nothing ran (the worker rejected every request): nothing to learn.
-        batch = self.core.complete(msg.batch_id, msg.compute_us / 1e6 if msg.compute_us else None, now)
+        batch = self.core.complete(msg.batch_id, msg.compute_us / 1e6 if msg.compute_us else None, now, msg.worker)
         if batch is None:
-            return  # from a worker declared dead, or for requests already failed over
+            return  # from a worker declared dead, for requests already failed over, or not this batch's worker
         w = batch.worker
         path, simulated = w.path, w.simulated
         metrics = self.metrics

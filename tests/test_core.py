@@ -198,3 +198,65 @@ def test_unavailable_requests_are_retried_on_another_worker_once():
     (b,) = core.decide(0.03)
     core.complete(b.batch_id, None, 0.04)
     assert core.retry_elsewhere(lone, b.worker, 0.04) is False  # nobody else serves "other"
+
+
+class _Spinning(Exception):
+    pass
+
+
+def _decide_within(core, now, seconds=5.0):
+    """core.decide(now), failing the test instead of hanging it if decide never returns."""
+    import signal
+
+    def alarm(*_):
+        raise _Spinning("decide() did not return")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return core.decide(now)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_workers_of_different_max_batches_never_spin_the_dispatcher():
+    """Workers may register different max batches. A 9-item request with a max-8 worker in the
+    plan made send() take nothing and try again forever: the dispatcher's one thread spun, nobody
+    got a reply. It goes to the worker it fits; once no worker left takes it, it fails; a new one
+    is refused on arrival."""
+    ends = Ends()
+    core = RequestCore(make_policy("mcb"), ends.on_fail)
+    core.add_worker(WorkerState("big", "gpu", {"m": 32}), 0.0)
+    core.add_worker(WorkerState("small", "cpu", {"m": 8}), 0.0)
+    core.admit("m", 9, 1, 1.0, 0.0, req_id=1)
+    (batch,) = _decide_within(core, 0.0)
+    assert batch.worker.name == "big" and batch.items == 9
+    core.admit("m", 9, 1, 1.0, 0.0, req_id=2)  # waits for big (busy)
+    assert _decide_within(core, 0.001) == [] and not ends.failed
+    core.worker_lost("big", "gone", 0.002)  # its batch's request 1 goes back to the queue too
+    assert ends.failed == {1: Status.UNAVAILABLE, 2: Status.UNAVAILABLE}
+    assert not core.state.queue("m").requests
+    refused = core.admit("m", 9, 1, 1.0, 0.003, req_id=3)
+    assert isinstance(refused, Rejected) and refused.status == Status.INVALID_ARGUMENT
+    assert _decide_within(core, 0.003) == []
+
+
+def test_an_answer_from_a_worker_the_batch_was_not_sent_to_is_dropped():
+    """After a dispatcher restart a worker that outlived it may answer a batch of the previous
+    run; its number was reused, and the answer went to another client's request. The batch stays
+    with its own worker, and each run numbers its batches from its own start."""
+    ends = Ends()
+    core = make_core(ends)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    core.admit("m", 1, 1, 1.0, 0.0, req_id=1)
+    (batch,) = core.decide(0.0)
+    other = "cpu0" if batch.worker.name == "gpu0" else "gpu0"
+    assert core.complete(batch.batch_id, 0.001, 0.001, worker=other) is None
+    assert core.complete(batch.batch_id, 0.001, 0.001, worker=batch.worker.name) is batch
+    firsts = set()
+    for _ in range(3):
+        c = make_core(Ends())
+        c.admit("m", 1, 1, 1.0, 0.0, req_id=1)
+        firsts.add(c.decide(0.0)[0].batch_id)
+    assert len(firsts) == 3

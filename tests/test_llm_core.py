@@ -178,3 +178,19 @@ def test_every_admitted_request_ends_exactly_once(ops):
     h.jobs()  # everything still open is past its deadline now
     ended = finished + [f[0] for f in h.failed]
     assert sorted(ended) == sorted(admitted), "each admitted request ends exactly once"
+
+
+def test_an_answer_from_another_worker_leaves_the_job_to_its_own():
+    """A done message naming a job of another worker (a stale one from before a dispatcher
+    restart: job ids repeated) popped the job, so its own worker's answer was ignored and the
+    request waited for its deadline."""
+    h = Harness()
+    rid, _ = h.submit(64)
+    [send] = h.jobs()
+    job = send.job
+    stray = P.LlmDone(job_id=job.job_id, worker="cpu0", compute_s=0.01,
+                      results=[P.LlmResult(seq=s, status=int(Status.OK), tokens=[9], first_token_s=0.001, kv_tokens=0)
+                               for s in job.seqs])
+    assert h.core.complete(stray, h.now) == []
+    [f] = h.done(send)
+    assert f.request.req_id == rid and not h.failed
