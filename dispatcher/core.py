@@ -93,7 +93,7 @@ class RequestCore:
         q = self.state.queue(model)
         if q.requests >= self.max_queue:
             return Rejected(Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)")
-        largest = max((w.models[model] for w in self.state.serving.get(model, ())), default=0)
+        largest = self.state.largest_batch.get(model, 0)
         if items > largest > 0:
             return Rejected(Status.INVALID_ARGUMENT, f"{items} items of {model!r} in one request: more than any of "
                             f"its workers takes in a batch ({largest})")
@@ -320,13 +320,13 @@ class RequestCore:
         return w
 
     def _fail_too_big(self, model: str, why: str) -> None:
-        """Fail the queued requests of ``model`` more items than any worker left serving it takes
-        in a batch (workers may register different max batches): no batch can ever hold them."""
-        largest = max((w.models[model] for w in self.state.serving.get(model, ())), default=0)
+        """Fail the queued requests of ``model`` more items than any worker left for it takes in a
+        batch (workers may register different max batches): no batch can ever hold them."""
+        largest = self.state.largest_batch.get(model, 0)
         q = self.state.queues.get(model)
         if not largest or q is None or q.items <= largest:
             return
-        for req in [r for r in self.requests.values() if r.model == model and r.state == QUEUED and r.items > largest]:
+        for req in [r for cls in q.by_priority for r in cls if r.items > largest]:
             q.remove(req)
             self.fail(req, Status.UNAVAILABLE, f"{req.items} items: more than any worker of {model!r} left takes in "
                       f"a batch ({largest}); {why}")

@@ -338,11 +338,10 @@ class KServeCore:
 
     async def model_ready(self, model: str, version: str = "") -> bool:
         try:
-            if parse_version(version) not in (-1, VERSION):
-                return False
+            served = parse_version(version) in (-1, VERSION)
         except KServeError:
-            return False
-        return model in ((await self.ready_models()) or ())
+            served = False
+        return served and model in ((await self.ready_models()) or ())
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         """Triton's repository index: every model of the node, READY while a worker serves it

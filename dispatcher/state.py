@@ -142,6 +142,9 @@ class SchedulerState:
     workers: dict[str, WorkerState] = field(default_factory=dict)
     # model -> workers serving it, in registration order (policy iteration order)
     serving: dict[str, list[WorkerState]] = field(default_factory=dict)
+    # model -> the largest max batch of the workers registered for it, suspended ones included
+    # (they come back): a request of more items than that can never go in a batch
+    largest_batch: dict[str, int] = field(default_factory=dict)
     costs: dict[tuple[str, str], CostCurve] = field(default_factory=dict)  # (model, path) -> T(B)
     arrivals: dict[str, ArrivalRate] = field(default_factory=dict)  # model -> lambda(t)
 
@@ -231,6 +234,7 @@ class SchedulerState:
         self.workers[w.name] = w
         for m in w.models:
             self.serving.setdefault(m, []).append(w)
+        self._note_largest_batch(w.models)
 
     def remove_worker(self, name: str) -> Optional[WorkerState]:
         w = self.workers.pop(name, None)
@@ -239,7 +243,12 @@ class SchedulerState:
                 lst = self.serving.get(m, [])
                 if w in lst:
                     lst.remove(w)
+            self._note_largest_batch(w.models)
         return w
+
+    def _note_largest_batch(self, models) -> None:
+        for m in models:
+            self.largest_batch[m] = max((x.models[m] for x in self.workers.values() if m in x.models), default=0)
 
     def suspend(self, w: WorkerState) -> None:
         """Out of rotation (the policy and admission no longer see it), still registered."""

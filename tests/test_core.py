@@ -260,3 +260,20 @@ def test_an_answer_from_a_worker_the_batch_was_not_sent_to_is_dropped():
         c.admit("m", 1, 1, 1.0, 0.0, req_id=1)
         firsts.add(c.decide(0.0)[0].batch_id)
     assert len(firsts) == 3
+
+
+def test_a_suspended_worker_still_counts_for_the_largest_batch():
+    """A worker out of rotation for a while (the circuit breaker) comes back: a request only it
+    can take is queued for it, not refused."""
+    ends = Ends()
+    core = RequestCore(make_policy("mcb"), ends.on_fail)
+    big = WorkerState("big", "gpu", {"m": 32})
+    core.add_worker(big, 0.0)
+    core.add_worker(WorkerState("small", "cpu", {"m": 8}), 0.0)
+    core.state.suspend(big)
+    req = core.admit("m", 9, 1, 1.0, 0.0, req_id=1)
+    assert not isinstance(req, Rejected) and not ends.failed
+    assert _decide_within(core, 0.0) == []
+    core.state.resume(big)
+    (batch,) = _decide_within(core, 0.001)
+    assert batch.worker is big and batch.items == 9
