@@ -108,13 +108,20 @@ class RequestCore:
         self.requests[seq] = req
         if client is not None:
             self.by_client_id[(client, req_id)] = seq
-        # Queued, it is hopeless before its deadline: once even the fastest path alone would end
-        # after it (the policies' margin for a fast run, LATE_MARGIN); then it is failed at once.
-        fastest = min((self.state.cost(model, w.path).predict(items) for w in self.state.serving.get(model, ())),
-                      default=0.0)
-        heapq.heappush(self.deadlines, (req.deadline - (1 - LATE_MARGIN) * fastest, seq))
+        heapq.heappush(self.deadlines, (self._hopeless_at(req), seq))
         q.push(req)
         return req
+
+    def _fastest(self, model: str, items: int) -> float:
+        """The time the fastest path serving ``model`` now takes for ``items`` alone (0: none serves it)."""
+        return min((self.state.cost(model, w.path).predict(items) for w in self.state.serving.get(model, ())),
+                   default=0.0)
+
+    def _hopeless_at(self, req: Request) -> float:
+        """Queued, a request is hopeless before its deadline: once even the fastest path alone
+        would end after it (with the policies' margin for a fast run, LATE_MARGIN); then it is
+        failed at once rather than left to expire."""
+        return req.deadline - (1 - LATE_MARGIN) * self._fastest(req.model, req.items)
 
     def cancel(self, client: Any, req_id: int) -> bool:
         """Cancel a queued request (one already in a batch runs to completion)."""
@@ -137,9 +144,14 @@ class RequestCore:
                 continue  # finished already
             if req.deadline > now:
                 if req.state == QUEUED:
+                    # The instant was set on arrival; the paths may have changed since (a faster
+                    # worker joined, the curves learned): judge it on the paths of now.
+                    hopeless = self._hopeless_at(req)
+                    if hopeless > now:
+                        heapq.heappush(heap, (hopeless, seq))
+                        continue
                     self.state.queue(req.model).remove(req)
-                    fastest = min((self.state.cost(req.model, w.path).predict(req.items)
-                                   for w in self.state.serving.get(req.model, ())), default=0.0)
+                    fastest = self._fastest(req.model, req.items)
                     self.fail(req, Status.DEADLINE_EXCEEDED,
                               f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} ms "
                               f"left after {(now - req.arrival) * 1e3:.1f} ms in queue, the fastest path takes "

@@ -54,7 +54,8 @@ def take_batch(q: ModelQueue, max_items: int, cap: int, max_requests: Optional[i
     class (the low class newest first when ``newest_low_first``), at most ``max_requests``
     requests. Requests are never split, so when the head request alone is bigger than
     ``max_items`` (a planned split point fell inside it) but fits ``cap``, it goes alone: a
-    batch is never empty only because of where a split fell."""
+    batch is never empty only because of where a split fell. A head bigger than ``cap`` (a
+    worker of a bigger max batch takes it) is passed over (``ModelQueue.take_fitting``)."""
     room = min(max_items, cap)
     if max_requests is None:
         out = q.take(room, newest_low_first)
@@ -70,6 +71,8 @@ def take_batch(q: ModelQueue, max_items: int, cap: int, max_requests: Optional[i
         head = head_request(q, newest_low_first)
         if head is not None and head.items <= cap:
             out = q.take(head.items, newest_low_first)
+        elif head is not None:  # only a worker of a bigger max batch takes the head: it waits for one
+            out = q.take_fitting(room, cap, max_requests)
     return out
 
 

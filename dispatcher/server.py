@@ -128,6 +128,12 @@ class Dispatcher:
         if self._closed:
             return
         self._closed = True
+        try:
+            # Every message gets one reply: a status long poll still waiting gets the status as of
+            # now (as if its wait had run out), sent before the sockets close (they linger for it).
+            self._answer_status_waiters(math.inf)
+        except Exception:
+            log.exception("pending status requests could not be answered at shutdown")
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.is_closed():
             for fd in (self.frontend.getsockopt(zmq.FD), self.backend.getsockopt(zmq.FD), self.timer.fd):

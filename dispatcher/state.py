@@ -117,6 +117,34 @@ class ModelQueue:
         self.items -= n
         return out
 
+    def take_fitting(self, max_items: int, cap: int, max_requests: Optional[int] = None) -> list[Request]:
+        """Like ``take`` (oldest first in each class), but passing over every request of more
+        than ``cap`` items, which stay queued in their places: workers may register different max
+        batches, and a request only a bigger worker takes must not hold up the ones behind it
+        while that worker is busy and a smaller one is free. O(queue): only for that case."""
+        out: list[Request] = []
+        room, n = max_items, 0
+        limit = math.inf if max_requests is None else max_requests
+        for prio, q in enumerate(self.by_priority):
+            passed, full = [], False
+            while q and not full:
+                if q[0].items > cap:
+                    passed.append(q.popleft())
+                elif q[0].items <= room and len(out) < limit:
+                    req = q.popleft()
+                    room -= req.items
+                    self.class_items[prio] -= req.items
+                    out.append(req)
+                else:
+                    full = True  # one this worker takes is left: keep priority order
+            q.extendleft(reversed(passed))
+            if full:
+                break
+        n = max_items - room
+        self.requests -= len(out)
+        self.items -= n
+        return out
+
 
 @dataclass
 class WorkerState:

@@ -277,3 +277,48 @@ def test_a_suspended_worker_still_counts_for_the_largest_batch():
     core.state.resume(big)
     (batch,) = _decide_within(core, 0.001)
     assert batch.worker is big and batch.items == 9
+
+
+def test_a_queued_request_is_judged_hopeless_on_the_paths_it_has_now():
+    """The instant a queued request becomes hopeless was fixed on arrival, from the paths then: a
+    faster worker that registered since failed it all the same, "90 ms left, the fastest path
+    takes 1 ms". It is judged on the paths of the moment, and the new worker serves it."""
+    from batchyard.cost_model import CostCurve
+
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)
+    core.state.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.1, samples=100)
+    core.state.costs[("m", "gpu")] = CostCurve(launch_s=0.001, per_item_s=0.0, samples=100)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    core.admit("m", 1, 1, 10.0, 0.0, req_id=1)
+    (busy,) = core.decide(0.0)  # cpu0 is busy for 100 ms
+    core.admit("m", 1, 1, 0.25, 0.0, req_id=2)  # cpu0 alone: hopeless from 160 ms on
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.01)
+    core.state.workers["gpu0"].inflight = 1  # busy too, so the request stays queued
+    core.decide(0.17)
+    assert not ends.failed
+    core.state.workers["gpu0"].inflight = 0
+    (batch,) = core.decide(0.18)
+    assert batch.worker.name == "gpu0" and [r.req_id for r in batch.requests] == [2]
+    core.worker_lost("gpu0", "gone", 0.19)  # its batch's request goes back to the queue once
+    core.complete(busy.batch_id, 0.1, 0.19)
+    core.decide(0.19)  # cpu0, the only path left, cannot make the 60 ms left
+    assert ends.failed == {2: Status.DEADLINE_EXCEEDED}
+
+
+def test_a_request_only_a_busy_bigger_worker_takes_does_not_hold_up_the_ones_behind_it():
+    """Workers of different max batches: a 9-item request at the head waits for the max-32 worker,
+    busy; the 1-item requests behind it went nowhere although the max-8 worker was free."""
+    for policy in ("mcb", "greedy", "escape:2"):
+        ends = Ends()
+        core = RequestCore(make_policy(policy), ends.on_fail)
+        core.add_worker(WorkerState("big", "gpu", {"m": 32}), 0.0)
+        core.add_worker(WorkerState("small", "cpu", {"m": 8}), 0.0)
+        core.state.workers["big"].inflight = 1
+        core.state.workers["big"].busy_until = 0.01
+        for i, items in enumerate((9, 1, 1), 1):
+            core.admit("m", items, 1, 1.0, 0.0, req_id=i)
+        (batch,) = _decide_within(core, 0.0)
+        assert batch.worker.name == "small", policy
+        assert [r.req_id for r in batch.requests] == [2, 3], policy
+        assert core.state.queue("m").by_priority[1][0].req_id == 1 and not ends.failed

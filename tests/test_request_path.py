@@ -359,6 +359,23 @@ def test_dispatcher_shutdown_answers_queued_requests(start_node):
         assert running.result()["y"].tolist() == [[4.0, 4.0]]  # drained, not dropped
 
 
+def test_dispatcher_shutdown_answers_a_pending_status_long_poll(start_node):
+    """A long poll still waiting when the dispatcher shuts down gets its one reply, the status as
+    of then: it used to get none, and its caller waited out its whole timeout."""
+    node = start_node([sim_worker("g")])
+
+    async def go():
+        async with AsyncClient(node.address) as c:
+            poll = asyncio.ensure_future(c.status(min_registrations=10**6, wait=20, timeout=5))
+            st = await c.status()  # answered after the long poll above was taken in
+            assert not poll.done()
+            os.kill(st.dispatcher_pid, signal.SIGTERM)
+            reply = await poll
+            assert reply.dispatcher_pid == st.dispatcher_pid and reply.registrations < 10**6
+
+    asyncio.run(go())
+
+
 def test_queued_request_can_be_cancelled(start_node):
     node = start_node([sim_worker("slow", launch_us=300_000.0)])
     with node.client() as c:
