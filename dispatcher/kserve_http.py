@@ -210,8 +210,7 @@ class KServeHttp:
             key = body.get("key", "")
             if not isinstance(key, str):
                 raise invalid(f"'key' must be a string, got {key!r}")
-            self.core.shm.register(request.match_info["name"], key, int(body.get("offset") or 0),
-                                   int(body.get("byte_size") or 0))
+            self.core.shm.register(request.match_info["name"], key, _uint(body, "offset"), _uint(body, "byte_size"))
         except (KServeError, *MALFORMED) as e:  # a body of the wrong shape: the client's fault, a 400
             return _error(as_kserve(e, "shared-memory registration"))
         return web.Response()

@@ -21,11 +21,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import grpc
@@ -33,10 +32,11 @@ import numpy as np
 
 from .kserve_common import KServeError, invalid, tensor_from_bytes
 
-# Region keys Batchyard itself creates (client pools, worker slots): other clients' tensors live
-# there, so a KServe client may not name them (the SDK's rule: reference only your own memory).
-_OWN_SEGMENTS = re.compile(r"^batchyard_")
-_SHM_KEY = re.compile(r"^/?([A-Za-z0-9_][A-Za-z0-9_.-]{0,199})$")
+# Region keys Batchyard itself creates (client pools, the Triton worker's regions with its local
+# tritonserver): other clients' tensors live there, so a KServe client may not name them (the
+# SDK's rule: reference only your own memory).
+_OWN_SEGMENTS = re.compile(r"batchyard_|by_triton_")
+_SHM_KEY = re.compile(r"/?([A-Za-z0-9_][A-Za-z0-9_.-]{0,199})")  # fullmatch: "$" let a trailing newline in
 SHM_DIR = "/dev/shm"
 
 
@@ -46,8 +46,8 @@ class Region:
     key: str
     offset: int
     byte_size: int
-    mm: Optional[mmap.mmap] = field(default=None, repr=False)
-    entry_ino: int = 0  # the registry entry this mapping was made from
+    fd: int = -1  # the segment, open (read and written with pread/pwrite, never mapped)
+    entry_ino: int = 0  # the registry entry this region was opened from
 
 
 def registry_dir(host: str, grpc_port: int, http_port: int) -> str:
@@ -79,23 +79,36 @@ def _entry(name: str) -> str:
     return "r-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest() + ".json"
 
 
-def _map_segment(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
-    m = _SHM_KEY.match(key)
+def _open_segment(name: str, key: str, offset: int, byte_size: int) -> int:
+    """The region's segment as an open fd. Not mapped: a client that shrank its segment made the
+    next access to a mapping past the new end a SIGBUS, which killed the front door (and its
+    restart dropped every client's registrations); pread and pwrite cannot fault."""
+    m = _SHM_KEY.fullmatch(key)
     if m is None or _OWN_SEGMENTS.match(m[1]):
         raise invalid(f"failed to register shared memory region '{name}': key '{key}' is not a POSIX "
                       f"shared-memory name this front door may open")
     try:
-        fd = os.open(os.path.join(SHM_DIR, m[1]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Non-blocking: opening a FIFO would wait for a writer, on the front door's event loop.
+        fd = os.open(os.path.join(SHM_DIR, m[1]), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
+        size = st.st_size
         if offset < 0 or byte_size < 0 or offset + byte_size > size or size == 0:
             raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
                           f"{byte_size} bytes, the segment '{key}' has {size})")
-        return mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def _shrunk(name: str, start: int, nbytes: int, size: int) -> KServeError:
+    return invalid(f"Invalid offset + byte size for shared memory region: '{name}' (bytes {start} to "
+                   f"{start + nbytes} of a segment now {size} bytes long)")
 
 
 def _too_small(tensor: str, byte_size: int, nbytes: int) -> KServeError:
@@ -178,20 +191,21 @@ class ShmRegions:
 
     def _drop_local(self, name: str) -> None:
         r = self.local.pop(name, None)
-        if r is not None and r.mm is not None:
-            r.mm.close()
+        if r is not None and r.fd >= 0:
+            os.close(r.fd)
+            r.fd = -1
 
     # ------------------------------------------------------------ the extension's calls
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         registered = self._registered()
         if any(r.name == name for r in registered):
             raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        region = Region(name, key, offset, byte_size, _map_segment(name, key, offset, byte_size))
+        region = Region(name, key, offset, byte_size, _open_segment(name, key, offset, byte_size))
         if self.dir is not None:
             try:
                 self._publish(region)
             except BaseException:
-                region.mm.close()
+                os.close(region.fd)
                 raise
         self._drop_local(name)
         self.local[name] = region
@@ -230,7 +244,7 @@ class ShmRegions:
         entry = self._read(_entry(name))
         if entry is None:
             return None
-        entry.mm = _map_segment(name, entry.key, entry.offset, entry.byte_size)
+        entry.fd = _open_segment(name, entry.key, entry.offset, entry.byte_size)
         self.local[name] = entry
         return entry
 
@@ -255,14 +269,20 @@ class ShmRegions:
         """A copy of the tensor in the region: the client may reuse its memory as soon as the
         reply comes, and the region may be unregistered while the request is queued."""
         r, start = self._range(name, offset, byte_size)
-        arr = tensor_from_bytes(tensor, datatype, shape, memoryview(r.mm)[start:start + byte_size])
-        return arr.copy()
+        buf = bytearray(byte_size)
+        got = os.preadv(r.fd, [buf], start)
+        if got < byte_size:
+            raise _shrunk(name, start, byte_size, os.fstat(r.fd).st_size)
+        return tensor_from_bytes(tensor, datatype, shape, memoryview(buf))
 
     def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
         if arr.nbytes > byte_size:
             raise _too_small(tensor, byte_size, arr.nbytes)
         r, start = self._range(name, offset, arr.nbytes)
-        r.mm[start:start + arr.nbytes] = np.ascontiguousarray(arr).tobytes()
+        size = os.fstat(r.fd).st_size
+        if start + arr.nbytes > size:  # shrunk since: a write would grow the client's file
+            raise _shrunk(name, start, arr.nbytes, size)
+        os.pwrite(r.fd, np.ascontiguousarray(arr).tobytes(), start)
 
     def close(self) -> None:
         """Unmap this process's regions. The registrations stay while another front door of the

@@ -82,6 +82,7 @@ class Dispatcher:
         self._closed = False
         self.stopped: Optional[asyncio.Future] = None
 
+        transport.seed_routing_ids()  # before the ROUTERs: each draws its first peer id at creation
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
@@ -367,7 +368,7 @@ class Dispatcher:
         elif type(msg) is P.CancelRequest:
             self.core.cancel(identity, msg.id)
         elif type(msg) is P.ShmRegisterRequest or type(msg) is P.ShmUnregisterRequest:
-            self._on_shm_register(msg, identity)
+            self._on_shm_register(msg, identity, transport.connection(frames))
         elif type(msg) is P.ModelInfoRequest:
             spec = self.specs.get(msg.model)
             if spec is None:
@@ -382,8 +383,8 @@ class Dispatcher:
             self.core.add_status_waiter((identity, msg.id, msg.brief), msg.min_registrations,
                                         now + msg.wait_us / 1e6, msg.min_departures)
 
-    def _on_shm_register(self, msg, identity: bytes) -> None:
-        self._reply(identity, P.encode(self.grants.answer(msg, identity, self.shm_allowed)))
+    def _on_shm_register(self, msg, identity: bytes, conn: tuple) -> None:
+        self._reply(identity, P.encode(self.grants.answer(msg, conn, self.shm_allowed)))
 
     def _unknown_model(self, model: str) -> str:
         return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs) + sorted(self.llm.core.models())}"
@@ -397,8 +398,9 @@ class Dispatcher:
         if spec is None:
             self._reject(identity, msg, Status.UNKNOWN_MODEL, self._unknown_model(msg.model))
             return
+        files = None
         if msg.outputs or any(ref.shm is not None for ref in msg.inputs):
-            denied = self.grants.denied(msg, identity, self.shm_allowed)
+            files, denied = self.grants.files(msg, transport.connection(frames), self.shm_allowed)
             if denied:
                 self._reject(identity, msg, Status.PERMISSION_DENIED, denied)
                 return
@@ -412,6 +414,8 @@ class Dispatcher:
                               [raw, *payload])
         if type(got) is Rejected:
             self._reject(identity, msg, got.status, got.message)
+        else:
+            got.shm_files = files
 
     def _answer_status_waiters(self, now: float) -> None:
         for identity, rid, brief in self.core.due_status_waiters(now):
@@ -421,12 +425,15 @@ class Dispatcher:
     def _send_to_worker(self, batch: Batch, now: float) -> None:
         reqs = batch.requests
         frames: list = [batch.worker.identity, b""]
-        seqs, n_frames = [], []
+        seqs, n_frames, files = [], [], {}
         for r in reqs:
             seqs.append(r.seq)
             n_frames.append(len(r.frames) - 1)
             frames.extend(r.frames)
-        frames[1] = P.encode(P.Batch(batch_id=batch.batch_id, model=batch.model, seqs=seqs, n_frames=n_frames))
+            if r.shm_files:
+                files[r.seq] = r.shm_files
+        frames[1] = P.encode(P.Batch(batch_id=batch.batch_id, model=batch.model, seqs=seqs, n_frames=n_frames,
+                                     files=files))
         try:
             send_parts(self.backend, frames)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's connection is gone

@@ -33,6 +33,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 
 SHM_DIR = "/dev/shm"
@@ -56,12 +57,15 @@ def _path(name: str) -> str:
 class Segment:
     """One mapped POSIX shared-memory segment."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool, lock_fd: int = -1):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, lock_fd: int = -1, fd: int = -1,
+                 file_id: tuple = ()):
         self.name = name
         self.mm = mm
         self.size = len(mm)
         self.owner = owner
         self.lock_fd = lock_fd  # the owner's open fd, holding its shared flock
+        self.fd = fd  # an attached segment's open fd: its size is checked on every use
+        self.file_id = file_id  # (st_dev, st_ino) of the file mapped
 
     @classmethod
     def create(cls, size: int) -> "Segment":
@@ -81,21 +85,29 @@ class Segment:
         return cls(name, mm, owner=True, lock_fd=fd)
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str, file_id: tuple = ()) -> "Segment":
+        """Map the segment ``name``: a regular file, reached without following a symlink, and
+        when ``file_id`` is given, that very file (the one its client proved it owns)."""
         try:
-            fd = os.open(_path(name), os.O_RDWR)
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ShmError(f"shared-memory segment {name!r} does not exist") from None
         except OSError as e:
             raise ShmError(f"cannot open shared-memory segment {name!r}: {e.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ShmError(f"shared-memory segment {name!r} is not a regular file")
+            if file_id and (st.st_dev, st.st_ino) != tuple(file_id):
+                raise ShmError(f"shared-memory segment {name!r} is not the file registered under that name "
+                               f"(replaced since; register it again)")
+            if st.st_size == 0:
                 raise ShmError(f"shared-memory segment {name!r} is empty")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+        except BaseException:
             os.close(fd)
-        return cls(name, mm, owner=False)
+            raise
+        return cls(name, mm, owner=False, fd=fd, file_id=(st.st_dev, st.st_ino))
 
     def close(self) -> None:
         try:
@@ -112,6 +124,9 @@ class Segment:
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SegmentCache:
@@ -121,29 +136,39 @@ class SegmentCache:
         self.capacity = capacity
         self._lru: collections.OrderedDict[str, Segment] = collections.OrderedDict()
 
-    def get(self, name: str) -> Segment:
+    def get(self, name: str, file_id: tuple = ()) -> Segment:
         seg = self._lru.get(name)
         if seg is not None:
-            self._lru.move_to_end(name)
-            return seg
-        seg = Segment.attach(name)
+            if not file_id or seg.file_id == tuple(file_id):
+                self._lru.move_to_end(name)
+                return seg
+            self.forget(name)  # the name now stands for another file (its owner made it again)
+        seg = Segment.attach(name, file_id)
         self._lru[name] = seg
         while len(self._lru) > self.capacity:
             _, old = self._lru.popitem(last=False)
             old.close()
         return seg
 
-    def buffer(self, name: str, offset: int, nbytes: int) -> memoryview:
-        """A writable view of ``nbytes`` at ``offset``; ShmError if out of bounds."""
-        seg = self.get(name)
-        if offset + nbytes > seg.size:
-            # The segment may have been replaced by one of another size: remap once.
+    def buffer(self, name: str, offset: int, nbytes: int, file_id: tuple = ()) -> memoryview:
+        """A writable view of ``nbytes`` at ``offset`` of the segment (of the file ``file_id``,
+        when given); ShmError if out of bounds.
+
+        The bounds are those of the file now (an fstat per use, about a microsecond), not of the
+        mapping: a client that shrank its segment after the worker mapped it made the worker's
+        next access past the new end a SIGBUS, which killed the worker. (A shrink between this
+        check and the access still does; only sealed segments would close that.)"""
+        seg = self.get(name, file_id)
+        end = offset + nbytes
+        size = os.fstat(seg.fd).st_size
+        if end > seg.size and end <= size:
+            # The file grew past the mapping: map it again.
             self.forget(name)
-            seg = self.get(name)
-            if offset + nbytes > seg.size:
-                raise ShmError(f"shared-memory range [{offset}, {offset + nbytes}) is outside "
-                               f"segment {name!r} of {seg.size} bytes")
-        return memoryview(seg.mm)[offset:offset + nbytes]
+            seg = self.get(name, file_id)
+        if end > min(size, seg.size):
+            raise ShmError(f"shared-memory range [{offset}, {end}) is outside "
+                           f"segment {name!r} of {size} bytes")
+        return memoryview(seg.mm)[offset:end]
 
     def forget(self, name: str) -> None:
         seg = self._lru.pop(name, None)

@@ -7,15 +7,24 @@ the client writes it at offset 0 of the segment, and the dispatcher reads those 
 A process that cannot write another's segment cannot obtain a grant for it, so it cannot make
 a worker read or overwrite that memory on its behalf.
 
-Grants belong to a connection's routing identity, and only to identities ZeroMQ assigned
-(they start with a zero byte, which a peer may not choose), so a client cannot take over
-another client's identity and inherit its grants.
+Grants belong to a connection: its routing identity, only one ZeroMQ assigned (starting with a
+zero byte), together with the peer's credentials the kernel gives for an ipc connection
+(ZeroMQ's "Peer-Address" of the message: uid, gid and pid, SO_PEERCRED). A peer may choose a
+routing id of that form (libzmq does not stop it), so the identity alone did not say who holds
+the grant: a process that took a closed connection's id inherited its grants. The credentials
+are the kernel's, so another process cannot present them.
+
+A grant is for the file proved, not its name: its (st_dev, st_ino) go to the worker with every
+batch that references it, and the worker maps only that file (``shm.SegmentCache``). Granted by
+name, a segment replaced after the proof by a symlink to another user's segment, or unlinked and
+created again by someone else, was mapped all the same.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from typing import Optional
 
 from . import protocol as P
@@ -28,83 +37,117 @@ SHM_DIR = "/dev/shm"
 CHALLENGE_BYTES = 16
 
 
+PENDING_PER_CONNECTION = 64  # challenges one connection may have outstanding (registrations half-way)
+PENDING_CONNECTIONS = 4096  # connections with challenges outstanding
+
+
+def file_id(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
 class ShmGrants:
+    """Connections are keyed by ``conn``: (routing identity, peer credentials), see above."""
+
     def __init__(self, shm_dir: str = SHM_DIR):
         self.shm_dir = shm_dir
-        self.granted: dict[bytes, set[str]] = {}  # connection identity -> segments
-        self.pending: dict[tuple[bytes, str], bytes] = {}  # (identity, segment) -> challenge
+        self.granted: dict[tuple, dict[str, tuple[int, int]]] = {}  # conn -> segment -> the file proved
+        self.pending: dict[tuple, dict[str, bytes]] = {}  # conn -> segment -> challenge
 
-    def challenge(self, identity: bytes, segment: str) -> tuple[Optional[bytes], str]:
+    def challenge(self, conn: tuple, segment: str) -> tuple[Optional[bytes], str]:
         """(challenge, "") or (None, why not)."""
-        if not identity.startswith(b"\0"):
+        if not conn[0].startswith(b"\0"):
             return None, "this connection chose its own routing id; shared memory needs one the dispatcher assigned"
-        if len(self.pending) > 4096:  # registrations abandoned half-way: forget the oldest
-            self.pending.pop(next(iter(self.pending)))
-        c = secrets.token_bytes(CHALLENGE_BYTES)
-        self.pending[(identity, segment)] = c
+        mine = self.pending.get(conn)
+        if mine is None:
+            if len(self.pending) >= PENDING_CONNECTIONS:  # abandoned half-way: forget the oldest
+                self.pending.pop(next(iter(self.pending)))
+            mine = self.pending[conn] = {}
+        elif len(mine) >= PENDING_PER_CONNECTION:  # one connection evicts only its own
+            mine.pop(next(iter(mine)))
+        c = mine[segment] = secrets.token_bytes(CHALLENGE_BYTES)
         return c, ""
 
-    def prove(self, identity: bytes, segment: str) -> str:
-        """"" when the segment holds this connection's challenge (granted), else why not."""
-        want = self.pending.pop((identity, segment), None)
+    def prove(self, conn: tuple, segment: str) -> str:
+        """Empty when the segment holds this connection's challenge (it is granted), else why not."""
+        mine = self.pending.get(conn)
+        want = mine.pop(segment, None) if mine is not None else None
+        if mine is not None and not mine:
+            del self.pending[conn]
         if want is None:
             return f"no challenge outstanding for segment {segment!r} on this connection"
         try:
-            fd = os.open(os.path.join(self.shm_dir, segment), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # Non-blocking: opening a FIFO waits for a writer, and this is the dispatcher's one thread.
+            fd = os.open(os.path.join(self.shm_dir, segment),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             return f"cannot open segment {segment!r}: {e.strerror}"
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return f"segment {segment!r} is not a regular file"
             got = os.pread(fd, CHALLENGE_BYTES, 0)
+        except OSError as e:
+            return f"cannot read segment {segment!r}: {e.strerror}"
         finally:
             os.close(fd)
         if not secrets.compare_digest(got, want):
             return f"segment {segment!r} does not hold this connection's challenge at offset 0"
-        self.granted.setdefault(identity, set()).add(segment)
+        self.granted.setdefault(conn, {})[segment] = file_id(st)
         return ""
 
-    def revoke(self, identity: bytes, segment: str) -> None:
-        segs = self.granted.get(identity)
+    def revoke(self, conn: tuple, segment: str) -> None:
+        segs = self.granted.get(conn)
         if segs is not None:
-            segs.discard(segment)
+            segs.pop(segment, None)
             if not segs:
-                del self.granted[identity]
+                del self.granted[conn]
 
-    def allows(self, identity: bytes, segment: str) -> bool:
-        segs = self.granted.get(identity)
-        return segs is not None and segment in segs
-
-    def answer(self, msg, identity: bytes, shm_allowed: bool) -> P.ShmReply:
+    def answer(self, msg, conn: tuple, shm_allowed: bool) -> P.ShmReply:
         """The reply to a ``shm_register`` (either step) or ``shm_unregister``."""
         why, challenge = "", b""
         if not shm_allowed:
             why = TCP_REFUSAL
         elif type(msg) is P.ShmUnregisterRequest:
-            self.revoke(identity, msg.segment)
+            self.revoke(conn, msg.segment)
         elif msg.proved:
-            why = self.prove(identity, msg.segment)
+            why = self.prove(conn, msg.segment)
         else:
-            c, why = self.challenge(identity, msg.segment)
+            c, why = self.challenge(conn, msg.segment)
             challenge = c or b""
         return P.ShmReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.PERMISSION_DENIED if why else Status.OK,
                           message=why, challenge=challenge)
 
-    def denied(self, msg: P.InferRequest, identity: bytes, shm_allowed: bool) -> str:
-        """Why ``msg`` may not use the shared memory it names ("" when it may)."""
+    def files(self, msg: P.InferRequest, conn: tuple, shm_allowed: bool) -> tuple[dict, str]:
+        """The files ``msg``'s shared memory may be mapped from, {segment: [st_dev, st_ino]}, and
+        "" — or ({}, why not)."""
         if not shm_allowed:
-            return TCP_REFUSAL
+            return {}, TCP_REFUSAL
+        segs = self.granted.get(conn, {})
+        out = {}
         for ref in msg.inputs:
-            if ref.shm is not None and not self.allows(identity, ref.shm.segment):
-                return f"input {ref.name!r}: segment {ref.shm.segment!r} is not registered on this connection"
+            if ref.shm is not None:
+                f = segs.get(ref.shm.segment)
+                if f is None:
+                    return {}, f"input {ref.name!r}: segment {ref.shm.segment!r} is not registered on this connection"
+                out[ref.shm.segment] = list(f)
         for name, ref in msg.outputs.items():
-            if not self.allows(identity, ref.segment):
-                return f"output {name!r}: segment {ref.segment!r} is not registered on this connection"
-        return ""
+            f = segs.get(ref.segment)
+            if f is None:
+                return {}, f"output {name!r}: segment {ref.segment!r} is not registered on this connection"
+            out[ref.segment] = list(f)
+        return out, ""
 
     def sweep(self) -> None:
-        """Forget grants for segments that no longer exist (their owner unlinked them)."""
-        for identity in list(self.granted):
-            segs = self.granted[identity]
-            for s in [s for s in segs if not os.path.exists(os.path.join(self.shm_dir, s))]:
-                segs.discard(s)
+        """Forget grants for files that no longer exist under their names (their owner unlinked
+        them, or something else took the name since)."""
+        for conn in list(self.granted):
+            segs = self.granted[conn]
+            for s, f in list(segs.items()):
+                try:
+                    same = file_id(os.stat(os.path.join(self.shm_dir, s), follow_symlinks=False)) == f
+                except OSError:
+                    same = False
+                if not same:
+                    del segs[s]
             if not segs:
-                del self.granted[identity]
+                del self.granted[conn]

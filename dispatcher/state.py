@@ -20,7 +20,8 @@ N_PRIORITIES = 3
 
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "arrival", "deadline", "state",
-                 "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight")
+                 "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
+                 "shm_files")
 
     def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
                  deadline: float, client: Any = None, req_id: int = 0,
@@ -41,6 +42,7 @@ class Request:
         # Failed while its batch ran: the worker may still touch its client's shared memory
         # until the batch ends, when the client gets a `release` (docs/protocol.md).
         self.answered_in_flight = False
+        self.shm_files: Optional[dict] = None  # {segment: [st_dev, st_ino]} granted (shm_grants.py)
 
 
 class ModelQueue:

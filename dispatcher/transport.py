@@ -103,3 +103,30 @@ def secure_worker_socket(sock: zmq.Socket, cfg: DispatcherConfig, address: str) 
 
 def is_tcp(address: str) -> bool:
     return address.startswith("tcp://")
+
+
+def seed_routing_ids() -> None:
+    """Make the routing ids a ROUTER created after this call gives its peers unpredictable.
+
+    libzmq numbers the peers of a ROUTER from ``rand()``, which nothing seeds: every dispatcher
+    named its connections 0x6B8B4567, +1, ... A peer may also choose such an id itself, and libzmq
+    aborts the whole process (an assertion) when the id it then numbers a new connection with is
+    taken: a client that held the next few ids killed the dispatcher. Seeded, the next id is
+    one of 2**32 nobody can name in advance."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).srand(int.from_bytes(os.urandom(4), "little"))
+    except (OSError, AttributeError):  # no libc rand to seed: nothing to do
+        pass
+
+
+def connection(frames: list) -> tuple:
+    """Who sent a message from a client: (routing identity, the peer's credentials). On ipc the
+    credentials are the kernel's (ZeroMQ's "Peer-Address": uid, gid and pid by SO_PEERCRED), so a
+    process that takes another connection's routing id is still told apart (shm_grants.py)."""
+    try:
+        peer = frames[1].get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, IndexError):  # inproc, or frames that are plain bytes
+        peer = ""
+    return (frames[0].bytes, peer)

@@ -852,6 +852,22 @@ def test_bad_shm_region_is_not_found(front_door):
     assert e.value.status() == "404"
 
 
+def test_http_shm_registration_takes_only_unsigned_integers(front_door):
+    """Triton reads offset and byte_size as unsigned integers; "8" and 1.9 were taken as 8 and 1."""
+    c = thttp.InferenceServerClient(front_door.http_url)
+    segment = shared_memory.SharedMemory(f"by_kserve_uint_{os.getpid()}", create=True, size=64)
+    try:
+        for field, value in (("offset", "8"), ("offset", 1.9), ("byte_size", "16"), ("byte_size", None)):
+            body = {"key": f"/{segment.name}", "offset": 0, "byte_size": 16, field: value}
+            r = c._post("v2/systemsharedmemory/region/r/register", json.dumps(body).encode(), None, None)
+            assert r.status_code == 400 and f"Unable to parse '{field}'" in json.loads(r.read())["error"]
+        assert c.get_system_shared_memory_status() == []
+    finally:
+        c.unregister_system_shared_memory()
+        segment.close()
+        segment.unlink()
+
+
 def test_timeout_parameter_becomes_the_deadline(front_door):
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     with pytest.raises(InferenceServerException, match="Request timeout expired") as e:

@@ -104,3 +104,42 @@ def test_another_users_directory_is_refused(tmp_path):
     os.chmod(d, 0o755)
     with pytest.raises(PermissionError):
         ShmRegions(str(d))
+
+
+def test_a_segment_shrunk_under_a_region_is_an_error_not_a_crash(registry, segment):
+    """The front door mapped a region's segment once: after its client shrank it, the next
+    access past the new end was a SIGBUS that killed the front door (and its restart dropped
+    every client's registrations)."""
+    a = registry()
+    a.register("in", segment.name, 0, 64)
+    np.testing.assert_array_equal(a.read("in", 32, 16, "FP32", [4], "x"), [8, 9, 10, 11])
+    os.truncate(f"/dev/shm/{segment.name}", 16)
+    for call in (lambda: a.read("in", 32, 16, "FP32", [4], "x"),
+                 lambda: a.write("in", 32, 16, np.zeros(4, np.float32), "y")):
+        with pytest.raises(KServeError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "now 16 bytes long" in e.value.message
+    assert os.stat(f"/dev/shm/{segment.name}").st_size == 16  # the write did not grow it back
+    np.testing.assert_array_equal(a.read("in", 0, 16, "FP32", [4], "x"), [0, 1, 2, 3])
+
+
+def test_keys_of_the_nodes_own_segments_and_non_files_are_refused(registry, segment):
+    """The Triton worker's regions with its local tritonserver (by_triton_*) hold other clients'
+    tensors; a key ending in a newline passed the name check; a FIFO stopped the front door's
+    event loop until someone wrote to it."""
+    a = registry()
+    triton_like = f"by_triton_{os.getpid()}_0a1b2c3d_in"
+    fifo = f"kfifo_{os.getpid()}"
+    os.link(f"/dev/shm/{segment.name}", f"/dev/shm/{triton_like}")
+    os.mkfifo(f"/dev/shm/{fifo}")
+    try:
+        for key, code in ((triton_like, grpc.StatusCode.INVALID_ARGUMENT),
+                          (segment.name + "\n", grpc.StatusCode.INVALID_ARGUMENT),
+                          (fifo, grpc.StatusCode.INTERNAL)):
+            with pytest.raises(KServeError) as e:
+                a.register("r", key, 0, 16)
+            assert e.value.code == code, key
+        assert a.status() == []
+    finally:
+        os.unlink(f"/dev/shm/{triton_like}")
+        os.unlink(f"/dev/shm/{fifo}")

@@ -16,7 +16,7 @@ from batchyard.shm import SegmentCache, ShmError
 
 
 class BatchItem:
-    __slots__ = ("seq", "request", "arrays", "items", "error")
+    __slots__ = ("seq", "request", "arrays", "items", "error", "files")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -24,6 +24,7 @@ class BatchItem:
         self.arrays: dict[str, np.ndarray] = {}
         self.items = 0
         self.error: tuple[int, str] | None = None
+        self.files: dict = {}  # segment -> [st_dev, st_ino] granted (protocol.Batch.files)
 
 
 def read_batch(msg: P.Batch, frames: list, cache: SegmentCache) -> list[BatchItem]:
@@ -37,9 +38,10 @@ def read_batch(msg: P.Batch, frames: list, cache: SegmentCache) -> list[BatchIte
         try:
             req = P.infer_request_decoder.decode(header.buffer)
             item.request = req
+            item.files = files = msg.files.get(seq, {})
             for ref in req.inputs:
                 if ref.shm is not None:
-                    buf = cache.buffer(ref.shm.segment, ref.shm.offset, ref.shm.nbytes)
+                    buf = cache.buffer(ref.shm.segment, ref.shm.offset, ref.shm.nbytes, files.get(ref.shm.segment, ()))
                 else:
                     buf = payload[ref.frame].buffer
                 item.arrays[ref.name] = np.frombuffer(buf, dtype=ref.dtype).reshape(ref.shape)
@@ -92,7 +94,8 @@ def write_results(items: list[BatchItem], outputs: dict[str, np.ndarray] | None,
                 part = outputs[t.name][start:start + it.items]
                 placement = it.request.outputs.get(t.name)
                 if placement is not None:
-                    buf = cache.buffer(placement.segment, placement.offset, part.nbytes)
+                    buf = cache.buffer(placement.segment, placement.offset, part.nbytes,
+                                       it.files.get(placement.segment, ()))
                     np.frombuffer(buf, dtype=part.dtype).reshape(part.shape)[...] = part
                     refs.append(P.TensorRef(name=t.name, dtype=t.dtype, shape=list(part.shape),
                                             shm=P.ShmRef(placement.segment, placement.offset, part.nbytes)))

@@ -1,0 +1,207 @@
+"""The shared-memory trust boundary against a client that plays tricks with its own files and
+routing ids: a grant is for the file proved, held by the process that proved it, and nothing a
+client does to its files stops the dispatcher or kills a worker."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from batchyard import protocol as P
+from batchyard.shm import SHM_DIR
+
+from conftest import sim_worker
+from test_request_path import header, shm_register
+
+SEGMENT_BYTES = 64 * 1024
+
+
+@pytest.fixture
+def files():
+    """make(fill) -> the name of a fresh file in /dev/shm (no Batchyard name: the dispatcher's
+    reaper would take it), float32 ``fill`` from offset 64; all removed after the test."""
+    made = []
+
+    def make(fill: float = 0.0, name: str = "") -> str:
+        name = name or f"bytest_{os.getpid()}_{secrets.token_hex(4)}"
+        made.append(name)
+        data = bytearray(SEGMENT_BYTES)
+        data[64:64 + 16] = np.full(4, fill, np.float32).tobytes()
+        with open(os.path.join(SHM_DIR, name), "wb") as f:
+            f.write(data)
+        return name
+
+    yield make
+    for name in made:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+def write_challenge(segment: str, challenge: bytes) -> None:
+    fd = os.open(os.path.join(SHM_DIR, segment), os.O_WRONLY)
+    try:
+        os.pwrite(fd, challenge, 0)
+    finally:
+        os.close(fd)
+
+
+def dealer(address: str, routing_id: bytes = b"") -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if routing_id:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+    s.connect(address)
+    return s
+
+
+def infer_input_from(sock, segment: str) -> P.InferReply:
+    sock.send_multipart([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                                         "shm": {"segment": segment, "offset": 64, "nbytes": 16}}])])
+    assert sock.poll(10_000), "no reply"
+    return P.reply_decoder.decode(sock.recv_multipart()[0])
+
+
+def test_a_segment_replaced_by_a_symlink_after_its_proof_is_not_followed(start_node, files):
+    """The grant was for a name: a client proved its own file, then put a symlink to another
+    file (another user's segment) under that name, and the worker read and wrote through it."""
+    node = start_node([sim_worker()])
+    victim, mine = files(7.0), files(0.0)
+    with dealer(node.address) as s:
+        assert shm_register(s, mine, write_challenge).status == P.Status.OK
+        os.unlink(os.path.join(SHM_DIR, mine))
+        os.symlink(os.path.join(SHM_DIR, victim), os.path.join(SHM_DIR, mine))
+        reply = infer_input_from(s, mine)
+        assert reply.status == P.Status.INVALID_ARGUMENT and "input shared memory" in reply.message, reply
+        s.send_multipart([header(outputs={"y": {"segment": mine, "offset": 64, "nbytes": 8}}),
+                          np.ones((1, 4), np.float32).tobytes()])
+        assert s.poll(10_000)
+        reply = P.reply_decoder.decode(s.recv_multipart()[0])
+        assert reply.status == P.Status.INVALID_ARGUMENT and "output shared memory" in reply.message, reply
+    with open(os.path.join(SHM_DIR, victim), "rb") as f:
+        assert np.frombuffer(f.read()[64:80], np.float32).tolist() == [7.0] * 4
+
+
+def test_a_name_made_again_by_someone_else_is_not_served_from_the_old_mapping(start_node, files):
+    """Workers kept a segment mapped by name: once its owner unlinked it, whoever made a file of
+    that name and proved it read the old owner's tensors from the worker's stale mapping. The old
+    owner's grant does not reach the new file either."""
+    node = start_node([sim_worker()])
+    name = files(7.0)
+    with node.client() as c, dealer(node.address) as first, dealer(node.address) as second:
+        assert shm_register(first, name, write_challenge).status == P.Status.OK
+        first.send_multipart([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                                              "shm": {"segment": name, "offset": 64, "nbytes": 16}}])])
+        assert first.poll(10_000)
+        old = first.recv_multipart()
+        assert np.frombuffer(old[1], np.float32).tolist() == [28.0, 28.0]
+        os.unlink(os.path.join(SHM_DIR, name))
+        files(1.0, name=name)
+        assert shm_register(second, name, write_challenge).status == P.Status.OK
+        second.send_multipart([header(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4],
+                                               "shm": {"segment": name, "offset": 64, "nbytes": 16}}])])
+        assert second.poll(10_000)
+        new = second.recv_multipart()
+        assert P.reply_decoder.decode(new[0]).status == P.Status.OK
+        assert np.frombuffer(new[1], np.float32).tolist() == [4.0, 4.0]  # not the old file's 28
+        reply = infer_input_from(first, name)
+        assert reply.status in (P.Status.INVALID_ARGUMENT, P.Status.PERMISSION_DENIED), reply
+        assert c.status().departures == 0
+
+
+def test_registering_a_fifo_does_not_stop_the_dispatcher(start_node):
+    """Proving a segment opened it for reading, and opening a FIFO waits for a writer: the
+    dispatcher's one thread stopped until somebody opened it."""
+    node = start_node([sim_worker()])
+    name = f"bytest_{os.getpid()}_{secrets.token_hex(4)}"
+    path = os.path.join(SHM_DIR, name)
+    os.mkfifo(path)
+    try:
+        with node.client() as c, dealer(node.address) as s:
+            reply = shm_register(s, name, lambda segment, challenge: None)
+            assert reply.status == P.Status.PERMISSION_DENIED and "not a regular file" in reply.message, reply
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+    finally:
+        os.unlink(path)
+
+
+def test_a_segment_shrunk_after_it_was_mapped_does_not_kill_the_worker(start_node, files):
+    """The worker checked ranges against the size it mapped: a client that shrank its segment
+    and then asked for an output past the new end killed the worker with SIGBUS."""
+    node = start_node([sim_worker()])
+    name = files(1.0)
+    with node.client() as c, dealer(node.address) as s:
+        assert shm_register(s, name, write_challenge).status == P.Status.OK
+        out = {"y": {"segment": name, "offset": 16384, "nbytes": 8}}
+        s.send_multipart([header(outputs=out), np.ones((1, 4), np.float32).tobytes()])
+        assert s.poll(10_000) and P.reply_decoder.decode(s.recv_multipart()[0]).status == P.Status.OK
+        os.truncate(os.path.join(SHM_DIR, name), 4096)
+        s.send_multipart([header(outputs=out), np.ones((1, 4), np.float32).tobytes()])
+        assert s.poll(10_000)
+        reply = P.reply_decoder.decode(s.recv_multipart()[0])
+        assert reply.status == P.Status.INVALID_ARGUMENT and "outside segment" in reply.message, reply
+        assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+        assert c.status().departures == 0  # the worker never left
+
+
+TAKE_OVER = """
+import sys, msgspec, zmq
+address, rid, segment = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
+head = msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 9, "model": "sum", "inputs": [
+    {"name": "x", "dtype": "float32", "shape": [1, 4], "shm": {"segment": segment, "offset": 64, "nbytes": 16}}]})
+for attempt in range(40):  # until the dispatcher has let the closed connection's id go
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, rid)
+    s.connect(address)
+    s.send_multipart([head])
+    if s.poll(500):
+        print(msgspec.msgpack.decode(s.recv_multipart()[0])["status"])
+        break
+    s.close()
+"""
+
+
+def test_a_closed_connections_grants_do_not_pass_to_a_process_that_takes_its_routing_id(start_node, files):
+    """A peer may choose a routing id of the form ZeroMQ assigns: a process that took a closed
+    connection's id inherited its grants, and read that client's memory."""
+    node = start_node([sim_worker()])
+    name = files(7.0)
+    rid = b"\0" + secrets.token_bytes(4)
+    with dealer(node.address, rid) as s:
+        assert shm_register(s, name, write_challenge).status == P.Status.OK
+        assert infer_input_from(s, name).status == P.Status.OK
+    out = subprocess.run([sys.executable, "-c", TAKE_OVER, node.address, rid.hex(), name],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str(int(P.Status.PERMISSION_DENIED)), (out.stdout, out.stderr)
+
+
+def test_holding_the_ids_zeromq_would_give_next_does_not_abort_the_dispatcher(start_node):
+    """libzmq numbers a ROUTER's peers from rand(), unseeded: every dispatcher's first peer id was
+    0x6B8B4567. A client that held the next ids made libzmq abort the dispatcher (an assertion)
+    when it numbered the next connection."""
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        pid = c.status().dispatcher_pid
+    squatters = [dealer(node.address, b"\0" + struct.pack(">I", 0x6B8B4567 + k)) for k in range(64)]
+    try:
+        for s in squatters:  # each connected and known to the dispatcher
+            s.send_multipart([msgspec.msgpack.encode({"type": "status", "v": 1, "id": 1, "brief": True})])
+        for s in squatters:
+            assert s.poll(10_000)
+            s.recv_multipart()
+        with node.client() as c:
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+            assert c.status().dispatcher_pid == pid
+    finally:
+        for s in squatters:
+            s.close()
