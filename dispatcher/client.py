@@ -34,8 +34,8 @@ import zmq
 
 from . import protocol as P
 from .client_async import AsyncClient
-from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, ClientCodec,
-                           CodecAccess, Generation, InferResult, Pending, closed_error, open_dealer)
+from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, SETUP_TIMEOUT_S,
+                           ClientCodec, CodecAccess, Generation, InferResult, Pending, closed_error, open_dealer)
 from .client_io import SocketThread
 from .shm import ShmError
 
@@ -118,8 +118,8 @@ class Client(CodecAccess):
         deadline at the dispatcher (default DEFAULT_TIMEOUT_S)."""
         if self.closed:
             raise closed_error()
-        if self._codec.needs_spec(model):
-            self.model_info(model)
+        if self._codec.needs_spec(model):  # a call's own steps wait no longer than the call may
+            self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout or SETUP_TIMEOUT_S))
         try:
             rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         except ShmError:
@@ -128,7 +128,7 @@ class Client(CodecAccess):
             raise
         if need:
             try:
-                self._register_segments(need)
+                self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
             except BaseException:
                 for region in (*regions, *outputs.values()):
                     self._codec.free(region)

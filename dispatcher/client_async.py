@@ -11,8 +11,8 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess, Generation,
-                           InferResult, Pending, closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
+from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
+                           CodecAccess, Generation, InferResult, Pending, closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
 from .zmq_frames import EVENTS, NOBLOCK, POLLIN, send_parts
 
 
@@ -123,12 +123,12 @@ class AsyncClient(CodecAccess):
 
     async def infer(self, model: str, inputs: dict, *, priority="normal",
                     timeout: Optional[float] = None) -> InferResult:
-        if self._codec.needs_spec(model):
-            await self.model_info(model)
+        if self._codec.needs_spec(model):  # a call's own steps wait no longer than the call may
+            await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout or SETUP_TIMEOUT_S))
         rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
-                await self._register_segments(need)
+                await self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
             except BaseException:
                 for region in (*regions, *outputs.values()):
                     self._codec.free(region)

@@ -44,6 +44,9 @@ def dtype_name(dt: np.dtype) -> str:
 
 DEFAULT_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 1.0
+# A call's own set-up messages (its model's spec, a new segment's registration) wait at most
+# this long, or the call's timeout if shorter.
+SETUP_TIMEOUT_S = 10.0
 # Tensors from this size on go through shared memory. Measured (bench/handoff.py, this
 # machine): inline ZeroMQ and a pool copy cost about the same up to ~16 KiB; from 64 KiB on
 # the pool wins and the gap grows with size (see docs/protocol.md).
