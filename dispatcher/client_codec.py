@@ -317,7 +317,13 @@ class ClientCodec:
         elif pend.kind == "generate":
             pend.resolve(Generation(msg.tokens, msg.timing))
         else:
-            pend.resolve(self._outputs(msg, frames[1:], pend.outputs))
+            try:
+                result = self._outputs(msg, frames[1:], pend.outputs)
+            except (IndexError, KeyError, ValueError, TypeError) as e:
+                # A reply that does not match its own header fails its request, not the I/O
+                # thread (every other request of this client would then wait out its timeout).
+                result = error_for(Status.INTERNAL, f"malformed reply from the dispatcher: {e!r}")
+            pend.resolve(result)
 
     def _outputs(self, msg: P.InferReply, frames: list, regions: dict) -> InferResult:
         out = {}

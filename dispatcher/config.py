@@ -13,6 +13,7 @@ Every error names the file, the table and the key, and suggests the closest know
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -36,17 +37,21 @@ class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     pass
 
 
-Address = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
+# The node's processes are separate: an inproc:// address never reaches the workers.
+Address = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc)://.+")]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+# Finite: inf passed as a duration or a cost (per_item_us = inf failed every request INTERNAL,
+# "timestamp out of range"); no setting of a node needs more than 1e9 (of s or of us).
+FLOAT_MAX = 1e9
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=FLOAT_MAX)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=FLOAT_MAX)]
 Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
 # Empty (a model no worker of this node builds itself) or "package.module:function".
-Factory = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$")]
+Factory = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?\Z")]
 # Worker names end up in process titles and Triton region names.
-WorkerName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
+WorkerName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")]
 
 
 class TensorConfig(_Table):
@@ -181,7 +186,7 @@ class DispatcherConfig(_Table):
     # is trusted to the same degree as the host.
     allow_shm_over_tcp: bool = False
     # ipc socket files: mode and group (empty: the process's own), so only that group connects.
-    ipc_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}$")] = "0660"
+    ipc_mode: Annotated[str, msgspec.Meta(pattern=r"^0?[0-7]{3}\Z")] = "0660"
     ipc_group: str = ""
     # ZMQ_MAXMSGSIZE on the frontend: a peer sending a larger frame is disconnected by ZeroMQ
     # before the dispatcher reads it. 0: max_inline_bytes + 1 MiB.
@@ -247,8 +252,9 @@ class NodeConfig(_Table):
         except msgspec.ValidationError as e:
             raise ConfigError(_explain(e, data)) from None
         d = self.dispatcher
-        if d.frontend == d.backend:
-            raise ConfigError(f"[dispatcher] frontend and backend must differ (both {d.frontend!r})")
+        if _same_endpoint(d.frontend, d.backend):
+            raise ConfigError(f"[dispatcher] frontend and backend must differ (both {d.frontend!r}"
+                              + ("" if d.frontend == d.backend else f" and {d.backend!r}") + ")")
         if d.curve_secret_key and not d.curve_authorized_keys:
             raise ConfigError("[dispatcher] curve_secret_key is set but curve_authorized_keys is not: name a "
                               "folder of client public keys, or \"*\" to accept any client key")
@@ -461,6 +467,20 @@ def parse_config(data: dict, source: str = "config") -> NodeConfig:
         return cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    """Whether two addresses name one socket: "ipc://d//fe" is "ipc://d/fe" (the second bind
+    replaced the first one's socket file, and clients' messages reached the workers' socket)."""
+    def norm(addr: str) -> str:
+        scheme, _, rest = addr.partition("://")
+        if scheme == "ipc":
+            return "ipc://" + os.path.normpath(os.path.abspath(rest))
+        host, _, port = rest.rpartition(":")
+        if host in ("localhost", "127.0.0.1", "[::1]", "::1", "*", "0.0.0.0"):
+            host = "local"  # a wildcard bind takes the port on loopback too
+        return f"{scheme}://{host}:{port}"
+    return norm(a) == norm(b)
 
 
 def load_config(path: str | Path) -> NodeConfig:

@@ -26,6 +26,10 @@ from .protocol import Status
 from .state import DONE, INFLIGHT, QUEUED, Request, SchedulerState, WorkerState
 
 
+# Status long polls one connection may have held at once; past that each is answered at once.
+MAX_STATUS_WAITERS = 64
+
+
 class Rejected(NamedTuple):
     """Admission said no: reply with this status and message, nothing was queued."""
 
@@ -71,7 +75,10 @@ class RequestCore:
         # heap of (when to look, seq), lazily pruned: a queued request's hopeless instant, else its deadline
         self.deadlines: list[tuple[float, int]] = []
         # (expires, min registrations, min departures, token)
-        self.status_waiters: list[tuple[float, int, int, Any]] = []
+        self.status_waiters: list[tuple[float, int, int, Any, Any]] = []
+        self._waiters_by_owner: dict[Any, int] = {}  # connection -> its long polls held
+        self._waiters_wake = math.inf  # the earliest expiry among them
+        self._waiters_seen: Optional[tuple[int, int]] = None  # (registrations, departures) at the last look
         self.registrations = 0  # worker registrations since start (cumulative: a long poll's cursor)
         self.departures = 0  # workers taken out of rotation since start (the same, for losses)
         self.decisions: dict[str, int] = {}  # decision reason -> count
@@ -200,7 +207,7 @@ class RequestCore:
         if self.deadlines and self.deadlines[0][0] < wake:
             wake = self.deadlines[0][0]
         if self.status_waiters:
-            wake = min(wake, min(w[0] for w in self.status_waiters))
+            wake = min(wake, self._waiters_wake)
         if self.suspended:
             wake = min(wake, min(until for until, _ in self.suspended.values()))
         return wake
@@ -228,9 +235,15 @@ class RequestCore:
         if req.state == DONE or self.requests.pop(req.seq, None) is None:
             return False
         req.state = DONE
-        if req.client is not None:
-            self.by_client_id.pop((req.client, req.req_id), None)
+        self._forget_client_id(req)
         return True
+
+    def _forget_client_id(self, req: Request) -> None:
+        # A client may reuse an id while a request of that id is still open: the entry is then the
+        # newer request's, and must stay so that a cancel still reaches it.
+        key = (req.client, req.req_id)
+        if req.client is not None and self.by_client_id.get(key) == req.seq:
+            del self.by_client_id[key]
 
     def fail(self, req: Request, status: Status, message: str) -> None:
         """End ``req`` with an error, once (later calls are ignored)."""
@@ -239,8 +252,7 @@ class RequestCore:
         req.answered_in_flight = req.state == INFLIGHT
         req.state = DONE
         self.requests.pop(req.seq, None)
-        if req.client is not None:
-            self.by_client_id.pop((req.client, req.req_id), None)
+        self._forget_client_id(req)
         self.on_fail(req, status, message)
 
     # ------------------------------------------------------------------ failing paths
@@ -344,18 +356,42 @@ class RequestCore:
                       f"a batch ({largest}); {why}")
 
     # ------------------------------------------------------------------ status long polls
-    def add_status_waiter(self, token: Any, min_registrations: int, expires: float, min_departures: int = 0) -> None:
-        self.status_waiters.append((expires, min_registrations, min_departures, token))
+    def add_status_waiter(self, token: Any, min_registrations: int, expires: float, min_departures: int = 0,
+                          owner: Any = None) -> bool:
+        """Hold a status long poll. False (the caller answers it now) when ``owner`` (its
+        connection) already holds ``MAX_STATUS_WAITERS`` of them."""
+        if owner is not None:
+            held = self._waiters_by_owner.get(owner, 0)
+            if held >= MAX_STATUS_WAITERS:
+                return False
+            self._waiters_by_owner[owner] = held + 1
+        self.status_waiters.append((expires, min_registrations, min_departures, token, owner))
+        self._waiters_wake = min(self._waiters_wake, expires)
+        self._waiters_seen = None  # it may be due already
+        return True
 
     def due_status_waiters(self, now: float) -> list:
-        """Tokens of the long polls to answer now: enough registrations and departures, or expired."""
+        """Tokens of the long polls to answer now: enough registrations and departures, or expired.
+        The held polls are looked through only when a count moved, a poll came or one expires:
+        a scan at every step made every client slower under a crowd of held polls."""
+        counts = (self.registrations, self.departures)
+        if counts == self._waiters_seen and now < self._waiters_wake:
+            return []
         due, keep = [], []
+        wake = math.inf
         for entry in self.status_waiters:
-            if (self.registrations >= entry[1] and self.departures >= entry[2]) or now >= entry[0]:
+            if (counts[0] >= entry[1] and counts[1] >= entry[2]) or now >= entry[0]:
                 due.append(entry[3])
+                owner = entry[4]
+                if owner is not None:
+                    left = self._waiters_by_owner.pop(owner) - 1
+                    if left:
+                        self._waiters_by_owner[owner] = left
             else:
                 keep.append(entry)
+                wake = min(wake, entry[0])
         self.status_waiters = keep
+        self._waiters_seen, self._waiters_wake = counts, wake
         return due
 
     # ------------------------------------------------------------------ shutdown

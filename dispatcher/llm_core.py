@@ -176,7 +176,13 @@ class LlmCore:
                        seq=next(self._ids))
         self.requests[r.seq] = r
         heapq.heappush(self._deadlines, (r.deadline, r.seq))
-        self._route(r, now)
+        try:
+            self._route(r, now)
+        except BaseException:
+            # Not admitted after all: the caller answers it, once; kept, it would be answered
+            # again at its deadline.
+            self.requests.pop(r.seq, None)
+            raise
         return None
 
     def load(self, model: str, now: float) -> PathLoad:

@@ -22,8 +22,10 @@ U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec bounds fit int
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-# Segment names are file names under /dev/shm: no slashes, no dots at the start.
-SegmentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")]
+# Segment names are file names under /dev/shm: no slashes, no dots at the start. Patterns end in
+# \Z, not $: msgspec matches with re.search, and "$" also matches before a trailing newline
+# ("gpu\n" passed the LLM route's pattern, and its KeyError answered a request twice).
+SegmentName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\Z")]
 PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 0, 1, 2
 Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_HIGH, le=PRIORITY_LOW)]
 PRIORITY_NAMES = ("high", "normal", "low")
@@ -161,7 +163,7 @@ class ShmUnregisterRequest(msgspec.Struct, tag="shm_unregister", tag_field="type
 MAX_TOKEN_ID = 2**31 - 1
 MAX_NEW_TOKENS = 1 << 16  # the most tokens one generate request may ask for
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
-Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)$")]
+Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
@@ -287,7 +289,7 @@ class LlmEngine(msgspec.Struct, omit_defaults=True):
     """What an LLM worker (a vLLM engine) is: sent in its Register instead of tensor models."""
 
     model: Name
-    role: Annotated[str, msgspec.Meta(pattern=r"^(prefill-cpu|gpu)$")]
+    role: Annotated[str, msgspec.Meta(pattern=r"^(prefill-cpu|gpu)\Z")]
     stand_in: bool = False  # a CPU engine standing in for the GPU instance
     block_size: int = 0
     max_model_len: int = 0
@@ -389,7 +391,7 @@ class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True
     in the engine (continuous batching)."""
 
     job_id: int
-    kind: Annotated[str, msgspec.Meta(pattern=r"^(prefill|generate)$")]
+    kind: Annotated[str, msgspec.Meta(pattern=r"^(prefill|generate)\Z")]
     seqs: list[int]
     prompts: list[list[int]]
     max_tokens: list[int]
@@ -414,7 +416,8 @@ to_worker_decoder = msgspec.msgpack.Decoder(DispatcherToWorker)
 infer_request_decoder = msgspec.msgpack.Decoder(InferRequest)
 
 # msgspec raises UnicodeDecodeError (not a DecodeError) for a str that is not valid UTF-8.
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+# RecursionError: a header nested a thousand deep (in a field nobody reads) is the sender's fault.
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
 
 def salvage_id(raw: bytes) -> Optional[int]:

@@ -57,6 +57,22 @@ EXIT_BROKEN_INVARIANT = 70  # sysexits.h EX_SOFTWARE: restartable, unlike EX_CON
 _now = time.monotonic
 
 
+_STATUSES = frozenset(int(s) for s in Status)
+
+
+def malformed_result(res: P.ItemResult, frames_left: int) -> str:
+    """What is wrong with a worker's result for one request ("" when nothing): its frame count
+    against the frames left in the message, its status, its outputs' frame indices."""
+    if not 0 <= res.n_frames <= frames_left:
+        return f"n_frames {res.n_frames} with {frames_left} frames left"
+    if res.status not in _STATUSES:
+        return f"unknown status {res.status}"
+    for ref in res.outputs:
+        if ref.shm is None and not 0 <= ref.frame < res.n_frames:
+            return f"output {ref.name!r} names frame {ref.frame} of {res.n_frames}"
+    return ""
+
+
 class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, models: tuple = (), ctx: Optional[zmq.Context] = None,
                  profile: Optional[dict[tuple[str, str], CostCurve]] = None):
@@ -296,26 +312,36 @@ class Dispatcher:
             if backoff is not None:
                 log.warning("worker %s out of rotation for %.1f s: its batch failed UNAVAILABLE (%s)",
                             w.name, backoff, msg.results[0].message)
+        malformed = ""
         for res in msg.results:
-            out_frames = frames[pos:pos + res.n_frames]
-            pos += res.n_frames
+            # A result whose frames do not add up is answered INTERNAL, not forwarded: the client
+            # would index frames that are not there (the SDK's I/O thread died of it). Once one is
+            # wrong, the positions of the ones after it are unknown too.
+            malformed = malformed or malformed_result(res, len(frames) - pos)
+            if malformed:
+                status, message, outputs, out_frames = (Status.INTERNAL, f"worker {msg.worker} sent a malformed "
+                                                        f"result: {malformed}", [], [])
+            else:
+                status, message, outputs = res.status, res.message, res.outputs
+                out_frames = frames[pos:pos + res.n_frames]
+                pos += res.n_frames
             req = by_seq.get(res.seq)
             if req is None:
                 continue
-            if res.status == Status.UNAVAILABLE and self.core.retry_elsewhere(req, w, now):
+            if status == Status.UNAVAILABLE and self.core.retry_elsewhere(req, w, now):
                 continue
             if not finish(req):
                 continue
             timing = P.Timing(queue_us=int((req.dispatched_at - req.arrival) * 1e6), compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
                               worker=msg.worker, simulated=simulated)
-            if res.status == Status.OK:
+            if status == Status.OK:
                 metrics.request_ok(req.model, path, req.priority, req.items, timing.queue_us, timing.compute_us,
                                    timing.total_us)
             else:
-                metrics.request_failed(req.model, _reason(res.status))
-            header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=res.status,
-                                           message=res.message, outputs=res.outputs, timing=timing))
+                metrics.request_failed(req.model, _reason(status))
+            header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=status,
+                                           message=message, outputs=outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
         if not unavailable:
             self.core.batch_health(w, False, now)
@@ -380,8 +406,13 @@ class Dispatcher:
         else:
             # Answered after this step's decision (see _step), so a status reply tells the
             # client that everything it sent before has been queued and decided on.
-            self.core.add_status_waiter((identity, msg.id, msg.brief), msg.min_registrations,
-                                        now + msg.wait_us / 1e6, msg.min_departures)
+            # A wait is at most a request's longest timeout; a connection past its share of held
+            # polls has this one answered now (still after this step's decision).
+            token = (identity, msg.id, msg.brief)
+            if not self.core.add_status_waiter(token, msg.min_registrations,
+                                               now + min(msg.wait_us / 1e6, P.MAX_TIMEOUT_S), msg.min_departures,
+                                               owner=identity):
+                self.core.add_status_waiter(token, 0, now)
 
     def _on_shm_register(self, msg, identity: bytes, conn: tuple) -> None:
         self._reply(identity, P.encode(self.grants.answer(msg, conn, self.shm_allowed)))

@@ -126,6 +126,14 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
     (edited('frontend = "ipc:', 'frontend = "http:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
     (edited("max_queue = 100", "default_timeout_s = 1e12"),
      "node.toml: [dispatcher] default_timeout_s: expected float <= 1000000000.0, got 1000000000000.0"),
+    # inf passed; per_item_us = inf then failed every request INTERNAL
+    (edited("launch_us = 100.0", "launch_us = inf"),
+     "node.toml: [[workers]] #4 (name 'sim0'): sim.launch_us: expected float <= 1000000000.0, got inf"),
+    (edited("max_queue = 100", "drain_timeout_s = inf"),
+     "node.toml: [dispatcher] drain_timeout_s: expected float <= 1000000000.0, got inf"),
+    # "$" let a trailing newline through
+    (edited('name = "amx1"', 'name = "amx1\\n"'), "node.toml: [[workers]] #2 (name 'amx1\\n'): name: expected str matching regex"),
+    (edited('frontend = "ipc:', 'frontend = "inproc:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
 ])
 def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, message):
     assert load_error(tmp_path, text).startswith(message)
@@ -134,6 +142,10 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
 @pytest.mark.parametrize("text,message", [
     (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "ipc:///tmp/by-test/fe"'),
      "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe')"),
+    # one socket in two spellings: the second bind took the first one's socket file
+    (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "ipc:///tmp/by-test//fe"'),
+     "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe' and "
+     "'ipc:///tmp/by-test//fe')"),
     (edited("max_queue = 100", 'policy = "gredy"'), "node.toml: [dispatcher] policy: unknown policy 'gredy'"),
     (edited("max_queue = 100", "heartbeat_interval_s = 15.0"),
      "node.toml: [dispatcher] heartbeat_interval_s (15.0) must be below worker_dead_after_s (10.0)"),

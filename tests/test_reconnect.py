@@ -108,3 +108,50 @@ def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, proces
             assert c.status().registrations == 1  # counted once
     finally:
         worker.close()
+
+
+def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(run_dir, processes):
+    """A worker's result that names a frame it did not send was forwarded as OK: the SDK's I/O
+    thread died indexing it, and the caller's infer(timeout=...) never returned."""
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.errors import InternalError
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    start(processes, config, "dispatcher")
+    register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[SUM_MODEL.spec()]))
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(node.dispatcher.backend)
+    y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
+    try:
+        worker.send(register)
+        assert worker.poll(30_000)
+        worker.recv_multipart()  # registered
+        with Client(node.dispatcher.frontend) as c:
+            for bad in (P.ItemResult(seq=0, status=0, n_frames=0, outputs=y),  # frame 0 of none
+                        P.ItemResult(seq=0, status=0, n_frames=3, outputs=y),  # 3 frames, none sent
+                        P.ItemResult(seq=0, status=0, n_frames=-1, outputs=y),
+                        P.ItemResult(seq=0, status=999, n_frames=0)):  # no such status
+                fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+                assert worker.poll(30_000)
+                frames = worker.recv_multipart()
+                batch = P.to_worker_decoder.decode(frames[0])
+                bad.seq = batch.seqs[0]
+                worker.send_multipart([P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100,
+                                                            results=[bad]))])
+                with pytest.raises(InternalError, match="malformed result"):
+                    fut.result(timeout=30)
+            fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)  # the client still works
+            assert worker.poll(30_000)
+            batch = P.to_worker_decoder.decode(worker.recv_multipart()[0])
+            good = P.ItemResult(seq=batch.seqs[0], status=0, n_frames=1, outputs=y)
+            worker.send_multipart([P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100,
+                                                        results=[good])), np.full((1, 2), 7, np.float32)])
+            assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
+    finally:
+        worker.close()

@@ -322,6 +322,17 @@ def test_expired_deadline_and_full_queue_get_their_status(start_node):
         assert q2.result()["y"].tolist() == [[4.0, 4.0]]
 
 
+def test_a_header_nested_a_thousand_deep_is_invalid_argument_with_its_id(start_node):
+    """An unknown field nested 1,000 deep raised RecursionError in the decoder: answered INTERNAL,
+    with a traceback in the log, instead of the sender's error."""
+    node = start_node([sim_worker()])
+    raw = header(zz=0)
+    assert raw.endswith(b"\xa2zz\x00")
+    raw = raw[:-1] + b"\x91" * 1000 + b"\x90"  # zz = [[[...]]]
+    reply = raw_roundtrip(node.address, [raw, X1])
+    assert reply.status == P.Status.INVALID_ARGUMENT and reply.id == 9, reply
+
+
 def test_client_without_dispatcher_fails_fast_with_clear_error(run_dir):
     """Within about the call's timeout: fetching the model's spec first waited a fixed 10 s."""
     with Client(f"ipc://{run_dir}/nobody-home") as c:

@@ -367,3 +367,19 @@ def test_a_pinned_worker_has_every_thread_on_its_cpus():
     cpu, threads, masks = int(out[0]), int(out[1]), out[2].strip()
     assert threads >= 2
     assert masks == f"[({cpu},)]"
+
+
+def test_patterns_refuse_a_trailing_newline():
+    """msgspec matches patterns with re.search, where "$" matches before a final newline: an LLM
+    route of "gpu\\n" decoded, raised KeyError in the core after the request was stored, and the
+    request was answered twice (INTERNAL at once, DEADLINE_EXCEEDED at its deadline)."""
+    base = {"type": "generate", "v": 1, "id": 1, "model": "m", "prompt": [1, 2]}
+    assert P.client_message_decoder.decode(msgspec.msgpack.encode(base | {"route": "gpu"})).route == "gpu"
+    for bad in ({"route": "gpu\n"}, {"route": "prefill-cpu\n"}):
+        with pytest.raises(P.DecodeError):
+            P.client_message_decoder.decode(msgspec.msgpack.encode(base | bad))
+    ref = {"type": "infer", "v": 1, "id": 1, "model": "m",
+           "inputs": [{"name": "x", "dtype": "float32", "shape": [1], "shm": {"segment": "abc\n", "offset": 0,
+                                                                             "nbytes": 4}}]}
+    with pytest.raises(P.DecodeError):
+        P.client_message_decoder.decode(msgspec.msgpack.encode(ref))
