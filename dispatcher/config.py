@@ -160,7 +160,8 @@ class DispatcherConfig(_Table):
     policy: str = "mcb"  # see dispatcher/policy.py: mcb, three-segment, gpu-only, greedy, fixed:N, window:US,N
     profile: str = ""  # cost-curve profile written by `batchyard calibrate` (JSON); empty: learn online
     max_queue: Positive = 10_000  # queued requests per model before OVERLOADED
-    max_inline_bytes: NonNeg = 4 << 20  # larger payloads must come through shared memory
+    # larger payloads must come through shared memory (at most 1 TiB: ZeroMQ's size limit is an int64)
+    max_inline_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 4 << 20
     default_timeout_s: TimeoutS = 30.0
     heartbeat_interval_s: PositiveFloat = 0.2
     # Generous: on a starved host (load average ~10) healthy workers went 1.6 s without being
@@ -261,6 +262,24 @@ class NodeConfig(_Table):
         if d.max_message_bytes and d.max_message_bytes <= d.max_inline_bytes:
             raise ConfigError(f"[dispatcher] max_message_bytes ({d.max_message_bytes}) must exceed "
                               f"max_inline_bytes ({d.max_inline_bytes})")
+        # Things on the host the dispatcher needs at start: named here, not by its traceback.
+        for key in ("profile", "curve_secret_key"):
+            path = getattr(d, key)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"[dispatcher] {key}: no file {path!r}")
+        if d.curve_authorized_keys not in ("", "*") and not os.path.isdir(d.curve_authorized_keys):
+            raise ConfigError(f"[dispatcher] curve_authorized_keys: no folder {d.curve_authorized_keys!r} "
+                              f"(or \"*\" for any client key)")
+        if d.ipc_group:
+            import grp
+
+            try:
+                grp.getgrnam(d.ipc_group)
+            except KeyError:
+                raise ConfigError(f"[dispatcher] ipc_group: no group {d.ipc_group!r} on this host") from None
+        if d.breaker_backoff_max_s < d.breaker_backoff_s:
+            raise ConfigError(f"[dispatcher] breaker_backoff_max_s ({d.breaker_backoff_max_s}) must not be below "
+                              f"breaker_backoff_s ({d.breaker_backoff_s})")
         if d.heartbeat_interval_s >= d.worker_dead_after_s:
             raise ConfigError(f"[dispatcher] heartbeat_interval_s ({d.heartbeat_interval_s}) must be below "
                               f"worker_dead_after_s ({d.worker_dead_after_s})")
@@ -297,6 +316,11 @@ class NodeConfig(_Table):
             return
         if w.vllm is not None:
             raise ConfigError(f"{where}: vllm is set but kind is {w.kind!r}; it is for kind \"vllm\"")
+        for table, default, kinds in (("sim", SimConfig(), ("sim",)), ("triton", TritonConfig(), ("triton",)),
+                                      ("cuda", CudaConfig(), ("cuda", "tensorrt"))):
+            if w.kind not in kinds and getattr(w, table) != default:  # it would be ignored
+                raise ConfigError(f"{where}: {table} is set but kind is {w.kind!r}; it is for kind "
+                                  + " or ".join(f'"{k}"' for k in kinds))
         names = [m.name for m in self.models]
         if not w.models:
             raise ConfigError(f"{where}: models is empty; name at least one of {names}")

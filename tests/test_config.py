@@ -126,6 +126,8 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
     (edited('frontend = "ipc:', 'frontend = "http:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
     (edited("max_queue = 100", "default_timeout_s = 1e12"),
      "node.toml: [dispatcher] default_timeout_s: expected float <= 1000000000.0, got 1000000000000.0"),
+    (edited("max_queue = 100", "max_inline_bytes = 9223372036854775807"),
+     "node.toml: [dispatcher] max_inline_bytes: expected int <= 1099511627776"),
     # inf passed; per_item_us = inf then failed every request INTERNAL
     (edited("launch_us = 100.0", "launch_us = inf"),
      "node.toml: [[workers]] #4 (name 'sim0'): sim.launch_us: expected float <= 1000000000.0, got inf"),
@@ -142,6 +144,18 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
 @pytest.mark.parametrize("text,message", [
     (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "ipc:///tmp/by-test/fe"'),
      "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe')"),
+    # found only at start before, each by a child's traceback
+    (edited("max_queue = 100", 'ipc_group = "nosuchgroupzz"'),
+     "node.toml: [dispatcher] ipc_group: no group 'nosuchgroupzz' on this host"),
+    (edited("max_queue = 100", 'profile = "/nonexistent/profile.json"'),
+     "node.toml: [dispatcher] profile: no file '/nonexistent/profile.json'"),
+    (edited("max_queue = 100", 'curve_secret_key = "/nonexistent/server.key"\ncurve_authorized_keys = "*"'),
+     "node.toml: [dispatcher] curve_secret_key: no file '/nonexistent/server.key'"),
+    # a table for another kind of worker was silently ignored
+    (edited("[workers.sim]\nlaunch_us", "[workers.triton]\nurl = \"localhost:8001\"\n\n[workers.sim]\nlaunch_us"),
+     "node.toml: [[workers]] #4 (name 'sim0'): triton is set but kind is 'sim'; it is for kind \"triton\""),
+    (edited("max_queue = 100", "breaker_backoff_s = 5.0\nbreaker_backoff_max_s = 1.0"),
+     "node.toml: [dispatcher] breaker_backoff_max_s (1.0) must not be below breaker_backoff_s (5.0)"),
     # one socket in two spellings: the second bind took the first one's socket file
     (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "ipc:///tmp/by-test//fe"'),
      "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe' and "
