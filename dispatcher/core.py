@@ -74,7 +74,7 @@ class RequestCore:
         self.batches: dict[int, Batch] = {}
         # heap of (when to look, seq), lazily pruned: a queued request's hopeless instant, else its deadline
         self.deadlines: list[tuple[float, int]] = []
-        # (expires, min registrations, min departures, token)
+        # (expires, min registrations, min departures, token, owner connection)
         self.status_waiters: list[tuple[float, int, int, Any, Any]] = []
         self._waiters_by_owner: dict[Any, int] = {}  # connection -> its long polls held
         self._waiters_wake = math.inf  # the earliest expiry among them
