@@ -309,7 +309,11 @@ class RequestCore:
         return True
 
     def check_liveness(self, now: float) -> list[tuple[WorkerState, str]]:
-        """Declare workers silent for longer than ``worker_dead_after_s`` lost."""
+        """Declare lost the workers silent for longer than ``worker_dead_after_s``, and those
+        holding a batch whose every request has ended, its last deadline that long ago. A worker
+        heartbeats from a thread of its own: one whose batch never came back (a hung model, a
+        bug) kept its slot for good, and every later request of the model was refused "cannot
+        finish before its deadline". Lost, it is told to register again on its next heartbeat."""
         lost = []
         dead_before = now - self.worker_dead_after_s
         for w in list(self.state.workers.values()):
@@ -317,6 +321,13 @@ class RequestCore:
                 reason = f"no heartbeat for {now - w.last_seen:.1f} s"
                 self.worker_lost(w.name, reason, now)
                 lost.append((w, reason))
+        for b in list(self.batches.values()):
+            if (self.batches.get(b.batch_id) is b and all(r.state == DONE for r in b.requests)
+                    and max(r.deadline for r in b.requests) < dead_before):
+                reason = (f"batch {b.batch_id} sent {now - b.sent_at:.1f} s ago never came back, "
+                          f"{self.worker_dead_after_s:.1f} s past its last request's deadline")
+                if self.worker_lost(b.worker.name, reason, now) is not None:
+                    lost.append((b.worker, reason))
         return lost
 
     def worker_lost(self, name: str, reason: str, now: float) -> Optional[WorkerState]:

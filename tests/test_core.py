@@ -351,3 +351,26 @@ def test_one_connection_holds_a_bounded_number_of_status_long_polls():
     assert core.due_status_waiters(50.0) == [("d", 0)]
     assert len(core.due_status_waiters(100.0)) == MAX_STATUS_WAITERS and not core.status_waiters
     assert core.add_status_waiter(("c", 99), 10**6, 200.0, owner="c")  # answered ones free the share
+
+
+def test_a_batch_that_never_comes_back_does_not_hold_its_worker_for_good():
+    """A worker heartbeats from a thread of its own: one whose batch never came back kept its
+    slot, and every later request was refused "cannot finish before its deadline on any path"."""
+    ends = Ends()
+    core = make_core(ends, worker_dead_after_s=10.0)
+    core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=1)
+    (batch,) = core.decide(0.0)
+    for t in (0.5, 1.5, 6.0, 10.9):
+        core.heartbeat("gpu0", t)
+        core.decide(t)
+        assert core.check_liveness(t) == []
+    assert ends.failed == {1: Status.DEADLINE_EXCEEDED} and not core.state.workers["gpu0"].free
+    core.heartbeat("gpu0", 11.1)
+    (lost,) = core.check_liveness(11.1)
+    assert lost[0].name == "gpu0" and "never came back" in lost[1]
+    assert core.heartbeat("gpu0", 11.2) is False  # told to register again
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 11.3)
+    core.admit("m", 1, 1, 1.0, 11.3, client=b"c", req_id=2)
+    (again,) = core.decide(11.3)
+    assert again.worker.name == "gpu0"
+    assert core.complete(batch.batch_id, 0.01, 11.4, worker="gpu0") is None  # the old answer, if it comes
