@@ -12,7 +12,8 @@ import zmq
 
 from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
-                           CodecAccess, Generation, InferResult, Pending, closed_error, connection_lost, lost_error, no_reply_error, open_dealer)
+                           CodecAccess, Generation, InferResult, Pending, closed_error, connection_lost, lost_error,
+                           no_reply_error, open_dealer)
 from .zmq_frames import EVENTS, NOBLOCK, POLLIN, send_parts
 
 

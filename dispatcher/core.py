@@ -74,11 +74,10 @@ class RequestCore:
         self.batches: dict[int, Batch] = {}
         # heap of (when to look, seq), lazily pruned: a queued request's hopeless instant, else its deadline
         self.deadlines: list[tuple[float, int]] = []
-        # (expires, min registrations, min departures, token, owner connection)
-        self.status_waiters: list[tuple[float, int, int, Any, Any]] = []
+        # heap of (expires, seq, min registrations, min departures, token, owner connection)
+        self.status_waiters: list[tuple] = []
         self._waiters_by_owner: dict[Any, int] = {}  # connection -> its long polls held
-        self._waiters_wake = math.inf  # the earliest expiry among them
-        self._waiters_seen: Optional[tuple[int, int]] = None  # (registrations, departures) at the last look
+        self._waiters_seen = (0, 0)  # (registrations, departures) when the held polls were last looked through
         self.registrations = 0  # worker registrations since start (cumulative: a long poll's cursor)
         self.departures = 0  # workers taken out of rotation since start (the same, for losses)
         self.decisions: dict[str, int] = {}  # decision reason -> count
@@ -207,7 +206,7 @@ class RequestCore:
         if self.deadlines and self.deadlines[0][0] < wake:
             wake = self.deadlines[0][0]
         if self.status_waiters:
-            wake = min(wake, self._waiters_wake)
+            wake = min(wake, self.status_waiters[0][0])
         if self.suspended:
             wake = min(wake, min(until for until, _ in self.suspended.values()))
         return wake
@@ -376,34 +375,34 @@ class RequestCore:
             if held >= MAX_STATUS_WAITERS:
                 return False
             self._waiters_by_owner[owner] = held + 1
-        self.status_waiters.append((expires, min_registrations, min_departures, token, owner))
-        self._waiters_wake = min(self._waiters_wake, expires)
-        self._waiters_seen = None  # it may be due already
+        if self.registrations >= min_registrations and self.departures >= min_departures:
+            expires = -math.inf  # due already
+        heapq.heappush(self.status_waiters, (expires, next(self._seq), min_registrations, min_departures, token, owner))
         return True
 
     def due_status_waiters(self, now: float) -> list:
         """Tokens of the long polls to answer now: enough registrations and departures, or expired.
-        The held polls are looked through only when a count moved, a poll came or one expires:
-        a scan at every step made every client slower under a crowd of held polls."""
+        Expiries come off a heap; the held polls are looked through only when a count moved (a
+        scan at every step made every client slower under a crowd of held polls)."""
+        heap = self.status_waiters
+        due = []
         counts = (self.registrations, self.departures)
-        if counts == self._waiters_seen and now < self._waiters_wake:
-            return []
-        due, keep = [], []
-        wake = math.inf
-        for entry in self.status_waiters:
-            if (counts[0] >= entry[1] and counts[1] >= entry[2]) or now >= entry[0]:
-                due.append(entry[3])
-                owner = entry[4]
-                if owner is not None:
-                    left = self._waiters_by_owner.pop(owner) - 1
-                    if left:
-                        self._waiters_by_owner[owner] = left
-            else:
-                keep.append(entry)
-                wake = min(wake, entry[0])
-        self.status_waiters = keep
-        self._waiters_seen, self._waiters_wake = counts, wake
-        return due
+        if counts != self._waiters_seen:
+            self._waiters_seen = counts
+            keep = []
+            for entry in heap:
+                (due if counts[0] >= entry[2] and counts[1] >= entry[3] else keep).append(entry)
+            heapq.heapify(keep)
+            self.status_waiters = heap = keep
+        while heap and heap[0][0] <= now:
+            due.append(heapq.heappop(heap))
+        for entry in due:
+            owner = entry[5]
+            if owner is not None:
+                left = self._waiters_by_owner.pop(owner) - 1
+                if left:
+                    self._waiters_by_owner[owner] = left
+        return [entry[4] for entry in due]
 
     # ------------------------------------------------------------------ shutdown
     def begin_drain(self) -> None:

@@ -367,7 +367,7 @@ class Batch(msgspec.Struct, tag="batch", tag_field="type"):
     n_frames: list[int]
     # seq -> {segment: [st_dev, st_ino]}: the file each shared-memory segment of that request was
     # granted for (shm_grants.py); the worker maps no other file under that name
-    files: dict[int, dict[str, list[int]]] = {}
+    files: dict[int, dict[str, tuple[int, int]]] = {}
 
 
 class Registered(msgspec.Struct, tag="registered", tag_field="type"):

@@ -98,7 +98,7 @@ class Segment:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ShmError(f"shared-memory segment {name!r} is not a regular file")
-            if file_id and (st.st_dev, st.st_ino) != tuple(file_id):
+            if file_id and (st.st_dev, st.st_ino) != file_id:
                 raise ShmError(f"shared-memory segment {name!r} is not the file registered under that name "
                                f"(replaced since; register it again)")
             if st.st_size == 0:
@@ -139,7 +139,7 @@ class SegmentCache:
     def get(self, name: str, file_id: tuple = ()) -> Segment:
         seg = self._lru.get(name)
         if seg is not None:
-            if not file_id or seg.file_id == tuple(file_id):
+            if not file_id or seg.file_id == file_id:
                 self._lru.move_to_end(name)
                 return seg
             self.forget(name)  # the name now stands for another file (its owner made it again)

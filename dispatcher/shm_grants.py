@@ -118,7 +118,7 @@ class ShmGrants:
                           message=why, challenge=challenge)
 
     def files(self, msg: P.InferRequest, conn: tuple, shm_allowed: bool) -> tuple[dict, str]:
-        """The files ``msg``'s shared memory may be mapped from, {segment: [st_dev, st_ino]}, and
+        """The files ``msg``'s shared memory may be mapped from, {segment: (st_dev, st_ino)}, and
         "" — or ({}, why not)."""
         if not shm_allowed:
             return {}, TCP_REFUSAL
@@ -129,12 +129,12 @@ class ShmGrants:
                 f = segs.get(ref.shm.segment)
                 if f is None:
                     return {}, f"input {ref.name!r}: segment {ref.shm.segment!r} is not registered on this connection"
-                out[ref.shm.segment] = list(f)
+                out[ref.shm.segment] = f
         for name, ref in msg.outputs.items():
             f = segs.get(ref.segment)
             if f is None:
                 return {}, f"output {name!r}: segment {ref.segment!r} is not registered on this connection"
-            out[ref.segment] = list(f)
+            out[ref.segment] = f
         return out, ""
 
     def sweep(self) -> None:

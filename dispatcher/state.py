@@ -42,7 +42,7 @@ class Request:
         # Failed while its batch ran: the worker may still touch its client's shared memory
         # until the batch ends, when the client gets a `release` (docs/protocol.md).
         self.answered_in_flight = False
-        self.shm_files: Optional[dict] = None  # {segment: [st_dev, st_ino]} granted (shm_grants.py)
+        self.shm_files: Optional[dict] = None  # {segment: (st_dev, st_ino)} granted (shm_grants.py)
 
 
 class ModelQueue:
@@ -125,7 +125,7 @@ class ModelQueue:
         batches, and a request only a bigger worker takes must not hold up the ones behind it
         while that worker is busy and a smaller one is free. O(queue): only for that case."""
         out: list[Request] = []
-        room, n = max_items, 0
+        room = max_items
         limit = math.inf if max_requests is None else max_requests
         for prio, q in enumerate(self.by_priority):
             passed, full = [], False

@@ -24,7 +24,7 @@ class BatchItem:
         self.arrays: dict[str, np.ndarray] = {}
         self.items = 0
         self.error: tuple[int, str] | None = None
-        self.files: dict = {}  # segment -> [st_dev, st_ino] granted (protocol.Batch.files)
+        self.files: dict = {}  # segment -> (st_dev, st_ino) granted (protocol.Batch.files)
 
 
 def read_batch(msg: P.Batch, frames: list, cache: SegmentCache) -> list[BatchItem]:
