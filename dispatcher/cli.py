@@ -15,15 +15,24 @@ import sys
 from importlib.metadata import entry_points
 
 from .config import ConfigError, load_config
+from .exit_codes import EX_CONFIG
 
 
-def load_node(path: str):
-    """The node config at ``path``, or exit 2 with the validation message."""
+def load_node(path: str, workers: tuple[str, ...] | None = ()):
+    """The node config at ``path``, checked against this host for the named ``workers`` (None:
+    every worker; the processes that start them), or exit 78 (EX_CONFIG: neither `up` nor
+    systemd restarts it) with the validation message."""
     try:
-        return load_config(path)
+        cfg = load_config(path)
+        if workers != ():
+            try:
+                cfg.check_host(workers)
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
+        return cfg
     except ConfigError as e:
         print(f"batchyard: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(EX_CONFIG)
 
 
 def _run_dispatcher(args) -> int:
@@ -41,7 +50,7 @@ def _run_frontend(args) -> int:
 def _run_up(args) -> int:
     from .supervisor import run_up
 
-    return run_up(args.config, load_node(args.config), args.log_level.upper())
+    return run_up(args.config, load_node(args.config, workers=None), args.log_level.upper())
 
 
 def _run_status(args) -> int:

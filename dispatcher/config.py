@@ -308,6 +308,42 @@ class NodeConfig(_Table):
         if f is not None and (f.grpc_port == f.http_port or not (f.grpc_port or f.http_port)):
             raise ConfigError(f"[frontend] grpc_port ({f.grpc_port}) and http_port ({f.http_port}) must differ, "
                               f"and at least one be set")
+        _check_ports_apart(self._tcp_ports())
+        return self
+
+    def _tcp_ports(self) -> list[tuple[str, str, int]]:
+        """(key, host, port) of every TCP port the node listens on."""
+        d, f = self.dispatcher, self.frontend
+        ports = []
+        for key in ("frontend", "backend"):
+            scheme, _, rest = getattr(d, key).partition("://")
+            host, _, port = rest.rpartition(":")
+            if scheme == "tcp" and port.isdigit() and int(port):
+                ports.append((f"[dispatcher] {key}", host, int(port)))
+        if d.metrics_port:
+            ports.append(("[dispatcher] metrics_port", d.metrics_host, d.metrics_port))
+        if f is not None:
+            ports += [(f"[frontend] {key}", f.host, getattr(f, key)) for key in ("grpc_port", "http_port")
+                      if getattr(f, key)]
+        return ports
+
+    def check_host(self, workers: tuple[str, ...] | None = None) -> "NodeConfig":
+        """Check what the named workers (all: None) need of this host: their cpus online, their
+        numa_node present. Not part of ``validate``: a config may be written and checked on
+        another host than the one it runs on. The processes that start workers call it, so a
+        worker pinned to a cpu the host lacks is one line at start, not a restart loop."""
+        online = _online_cpus()
+        nodes = _numa_nodes()
+        for i, w in enumerate(self.workers):
+            if workers is not None and w.name not in workers:
+                continue
+            missing = sorted(set(w.cpus) - online) if online else []
+            if missing:
+                raise ConfigError(f"{_item('workers', i, w.name)}: cpus: cpu {missing[0]} is not online on this "
+                                  f"host (online: {_ranges(online)})")
+            if w.numa_node is not None and nodes and w.numa_node not in nodes:
+                raise ConfigError(f"{_item('workers', i, w.name)}: numa_node: node {w.numa_node} does not exist "
+                                  f"on this host (nodes: {_ranges(nodes)})")
         return self
 
     def _check_worker(self, where: str, w: WorkerConfig) -> None:
@@ -359,6 +395,59 @@ class NodeConfig(_Table):
                               f"{_did_you_mean(w.models[0], names)}")
 
 
+def _check_ports_apart(ports: list[tuple[str, str, int]]) -> None:
+    """Two listeners on one port: the second process failed to bind at start, after the first
+    had started (the metrics port on the front door's HTTP port stopped the node half-way up)."""
+    def host(h: str) -> str:
+        h = h.strip("[]")
+        return "127.0.0.1" if h in ("localhost", "::1") else "*" if h in ("", "*", "0.0.0.0", "::") else h
+    for i, (key_a, host_a, port_a) in enumerate(ports):
+        for key_b, host_b, port_b in ports[:i]:
+            a, b = host(host_a), host(host_b)
+            if port_a == port_b and (a == b or "*" in (a, b)):
+                raise ConfigError(f"{key_a} and {key_b} both use port {port_a}; give each its own")
+
+
+def _online_cpus() -> set[int]:
+    """The host's online cpus (empty when it cannot say)."""
+    try:
+        text = Path("/sys/devices/system/cpu/online").read_text()
+    except OSError:
+        return set(range(os.cpu_count() or 0))
+    return _parse_ranges(text)
+
+
+def _numa_nodes() -> set[int]:
+    """The host's NUMA nodes (empty when the kernel does not say: no check then)."""
+    try:
+        return _parse_ranges(Path("/sys/devices/system/node/online").read_text())
+    except OSError:
+        return set()
+
+
+def _parse_ranges(text: str) -> set[int]:
+    """The kernel's list form: "0-3,8,10-11"."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _ranges(values: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for v in sorted(values):
+        if run and v != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(v)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 def _item(table: str, i: int, name: str | None) -> str:
     """`[[workers]] #2 (name 'amx1')`: position as a person counts it, plus the name if any."""
     return f"[[{table}]] #{i + 1}" + (f" (name {name!r})" if isinstance(name, str) else "")
@@ -395,7 +484,7 @@ def _explain(err: msgspec.ValidationError, data: dict) -> str:
     m = _ERROR.match(str(err))
     msg, steps = m["msg"], [a or b for a, b in _STEP.findall(m["path"] or "")]
     # Split the path into the table a person would look for and the key inside it.
-    if steps[:1] in (["models"], ["workers"]) and len(steps) > 1 and steps[1].isdigit():
+    if steps[:1] in (["models"], ["workers"], ["llm_models"]) and len(steps) > 1 and steps[1].isdigit():
         item = _value_at(data, steps[:2])
         where, inner = _item(steps[0], int(steps[1]), item.get("name") if isinstance(item, dict) else None), steps[2:]
     elif steps[:1] in (["dispatcher"], ["frontend"]):
@@ -409,7 +498,8 @@ def _explain(err: msgspec.ValidationError, data: dict) -> str:
         if not steps:  # top level: these are tables
             header = _header(field, data.get(field))
             kind = "table" if header.startswith("[") else "key"
-            if field in {f.name for f in mi.type_info(WorkerConfig).fields if isinstance(f.type, mi.StructType)}:
+            if field in {f.name for f in mi.type_info(WorkerConfig).fields
+                         if isinstance(_optional_removed(f.type), mi.StructType)}:
                 return f"unknown table [{field}]: a worker's is written [workers.{field}] after its [[workers]]"
             return f"unknown {kind} {header}" + _did_you_mean(field, known, shown=_header)
         prefix = _dotted(inner) + "." if inner else ""
@@ -420,7 +510,7 @@ def _explain(err: msgspec.ValidationError, data: dict) -> str:
             return f"missing table {_header(missing[1])}"
         return f"{where} missing required key {_dotted(inner + [missing[1]])!r}"
     value, typ = _value_at(data, steps), _type_at(steps)
-    if len(steps) == 1 and steps[0] in ("models", "workers") and isinstance(value, dict):
+    if len(steps) == 1 and steps[0] in ("models", "workers", "llm_models") and isinstance(value, dict):
         return f"[{steps[0]}] must be an array of tables: write [[{steps[0]}]] for each"
     text = msg.replace("`", "").replace("Invalid enum value", "Invalid value")
     text = text[0].lower() + text[1:]
@@ -441,7 +531,7 @@ def _dotted(steps: list[str]) -> str:
 def _header(name: str, value=None) -> str:
     """How a top-level entry is written: [dispatcher], [[workers]], or a bare key."""
     if value is None:
-        value = [{}] if name in ("models", "workers") else {}
+        value = [{}] if name in ("models", "workers", "llm_models") else {}
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         return f"[[{name}]]"
     return f"[{name}]" if isinstance(value, dict) else repr(name)
@@ -459,18 +549,24 @@ def _value_at(data, steps: list[str]):
 
 
 def _type_at(steps: list[str]):
-    typ = mi.type_info(NodeConfig)
+    """The msgspec type at a path, optional wrappers removed (an unknown key in [frontend] or
+    [workers.vllm], both optional tables, got no suggestion)."""
+    typ = _optional_removed(mi.type_info(NodeConfig))
     for s in steps:
-        typ = _step_type(typ, s)
+        typ = _optional_removed(_step_type(typ, s))
+    return typ
+
+
+def _optional_removed(typ):
+    if isinstance(typ, mi.UnionType):
+        rest = [t for t in typ.types if not isinstance(t, mi.NoneType)]
+        if len(rest) == 1:
+            return rest[0]
     return typ
 
 
 def _step_type(typ, step: str):
-    """The msgspec type one step (a field name or an index) below `typ`, optional wrappers removed."""
-    while isinstance(typ, mi.UnionType):
-        typ = next((t for t in typ.types if not isinstance(t, mi.NoneType)), typ)
-        if isinstance(typ, mi.UnionType):
-            break
+    """The msgspec type one step (a field name or an index) below `typ`."""
     if isinstance(typ, mi.StructType):
         return next((f.type for f in typ.fields if f.name == step), None)
     if isinstance(typ, (mi.VarTupleType, mi.ListType)):

@@ -68,6 +68,10 @@ class RequestCore:
         self.breaker_backoff_max_s = breaker_backoff_max_s
         self.suspended: dict[str, tuple[float, WorkerState]] = {}  # name -> (back in rotation at, worker)
         self.backoff: dict[str, float] = {}  # name -> its next back-off (doubles while it keeps failing)
+        # name -> why: workers declared lost because a batch never came back. Their main thread is
+        # stuck in the model, so telling them to register again brings nothing back; they are told
+        # to exit, and `up` or systemd starts them anew. Cleared when the name registers again.
+        self.hung: dict[str, str] = {}
         self.state = SchedulerState()
         self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
         self.by_client_id: dict[tuple[Any, int], int] = {}  # (client, request id) -> seq, for cancel
@@ -295,6 +299,7 @@ class RequestCore:
             self.worker_lost(w.name, "worker re-registered", now)
         self.suspended.pop(w.name, None)
         self.backoff.pop(w.name, None)
+        self.hung.pop(w.name, None)
         w.last_seen = now
         self.state.add_worker(w)
         self.registrations += 1
@@ -312,7 +317,8 @@ class RequestCore:
         holding a batch whose every request has ended, its last deadline that long ago. A worker
         heartbeats from a thread of its own: one whose batch never came back (a hung model, a
         bug) kept its slot for good, and every later request of the model was refused "cannot
-        finish before its deadline". Lost, it is told to register again on its next heartbeat."""
+        finish before its deadline". Lost, a silent worker is told to register again on its next
+        heartbeat, a hung one to exit (``hung``)."""
         lost = []
         dead_before = now - self.worker_dead_after_s
         for w in list(self.state.workers.values()):
@@ -327,6 +333,7 @@ class RequestCore:
                           f"{self.worker_dead_after_s:.1f} s past its last request's deadline")
                 if self.worker_lost(b.worker.name, reason, now) is not None:
                     lost.append((b.worker, reason))
+                    self.hung[b.worker.name] = reason
         return lost
 
     def worker_lost(self, name: str, reason: str, now: float) -> Optional[WorkerState]:

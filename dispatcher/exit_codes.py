@@ -11,3 +11,8 @@ EX_UNAVAILABLE = 69
 
 # sysexits.h EX_USAGE: a command given an argument it cannot use (a malformed address).
 EX_USAGE = 64
+
+# sysexits.h EX_SOFTWARE: a worker the dispatcher declared hung (a batch never came back) exits
+# with it from its heartbeat thread, its main thread being stuck in the model; `up` and systemd
+# (Restart=always) start it again.
+EX_SOFTWARE = 70

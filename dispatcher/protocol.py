@@ -378,6 +378,14 @@ class Reregister(msgspec.Struct, tag="reregister", tag_field="type"):
     worker: str
 
 
+class Restart(msgspec.Struct, tag="restart", tag_field="type"):
+    """To a worker's heartbeat socket: a batch of it never came back, so its model is stuck.
+    The worker exits (EX_SOFTWARE) and its supervisor starts it again."""
+
+    worker: str
+    reason: str
+
+
 class RegisterRejected(msgspec.Struct, tag="register_rejected", tag_field="type"):
     worker: str
     message: str
@@ -402,7 +410,7 @@ class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True
     order: list[int] = []
 
 
-DispatcherToWorker = Union[Batch, Registered, Reregister, RegisterRejected, LlmJob]
+DispatcherToWorker = Union[Batch, Registered, Reregister, Restart, RegisterRejected, LlmJob]
 
 
 # ---------------------------------------------------------------- codecs

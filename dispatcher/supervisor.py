@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .exit_codes import EX_CONFIG
+from .exit_codes import EX_CONFIG, EX_SOFTWARE
 from .config import NodeConfig, to_toml
 from .sd_notify import child_env, notify, watchdog_interval_s
 from .transport import node_client_keys
@@ -247,8 +247,9 @@ class Supervisor:
                     n = self.restarts.get(name, 0)
                     delay = min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** n) if quick else 0.0
                     self.restarts[name] = n + 1 if quick else 0
-                    log.warning("worker %s (pid %d) exited with %s; restart in %.1f s",
-                                name, proc.pid, proc.returncode, delay)
+                    why = " (the dispatcher declared it hung)" if proc.returncode == EX_SOFTWARE else ""
+                    log.warning("worker %s (pid %d) exited with %s%s; restart in %.1f s",
+                                name, proc.pid, proc.returncode, why, delay)
                     pending_restart[name] = now + delay
                 for name, at in list(pending_restart.items()):
                     if at <= now:

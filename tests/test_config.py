@@ -3,11 +3,14 @@ the shipped examples load, and a written config reads back equal."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
 from batchyard.config import (ConfigError, DispatcherConfig, ModelConfig, NodeConfig, TensorConfig, TritonConfig,
-                              WorkerConfig, load_config, parse_config, to_toml)
+                              WorkerConfig, _numa_nodes, _online_cpus, _ranges, load_config, parse_config, to_toml)
 from batchyard.deploy import asset
 
 NODE = """\
@@ -51,6 +54,23 @@ launch_us = 100.0
 """
 
 
+LLM = """
+[[llm_models]]
+name = "l"
+path = "/models/l"
+"""
+
+VLLM_WORKER = """
+[[workers]]
+name = "v0"
+kind = "vllm"
+models = ["l"]
+
+[workers.vllm]
+role = "gpu"
+"""
+
+
 def load_error(tmp_path, text: str) -> str:
     path = tmp_path / "node.toml"
     path.write_text(text)
@@ -85,6 +105,12 @@ def test_the_base_config_loads(tmp_path):
      "node.toml: [[workers]] #3 (name 'gpu0') unknown key 'triton.ur' (did you mean 'triton.url'?)"),
     (edited("launch_us = 100.0", "lanch_us = 100.0"),
      "node.toml: [[workers]] #4 (name 'sim0') unknown key 'sim.lanch_us' (did you mean 'sim.launch_us'?)"),
+    # optional tables and [[llm_models]] had no suggestion (or no table named)
+    (NODE + "[frontend]\ngrpc_prot = 9001\n", "node.toml: [frontend] unknown key 'grpc_prot' (did you mean 'grpc_port'?)"),
+    (NODE + LLM + "blok_size = 32\n",
+     "node.toml: [[llm_models]] #1 (name 'l') unknown key 'blok_size' (did you mean 'block_size'?)"),
+    (NODE + LLM + VLLM_WORKER + "kv_cache_gb = 2.0\n",
+     "node.toml: [[workers]] #5 (name 'v0') unknown key 'vllm.kv_cache_gb' (did you mean 'vllm.kv_cache_gib'?)"),
 ])
 def test_a_typo_in_any_table_names_file_table_key_and_the_likely_key(tmp_path, text, message):
     assert load_error(tmp_path, text) == message
@@ -177,6 +203,11 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
      "node.toml: [[workers]] #1 (name 'amx0'): kind 'amx' builds model 'sum' itself, so that model needs factory"),
     (edited('"float32", shape = [2]', '"float32", shape = [2] }, { name = "y", dtype = "int8", shape = [1]'),
      "node.toml: [[models]] #1 (name 'sum'): model 'sum': duplicate output names ['y', 'y']"),
+    # two listeners on one port: the second failed to bind after the first had started
+    (edited("max_queue = 100", "metrics_port = 8000") + "[frontend]\n",
+     "node.toml: [frontend] http_port and [dispatcher] metrics_port both use port 8000; give each its own"),
+    (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://localhost:8001"') + "[frontend]\nhost = \"0.0.0.0\"\n",
+     "node.toml: [frontend] grpc_port and [dispatcher] frontend both use port 8001; give each its own"),
 ])
 def test_rules_across_fields_name_the_table(tmp_path, text, message):
     assert load_error(tmp_path, text).startswith(message)
@@ -232,3 +263,24 @@ def test_the_triton_example_is_shipped():
     cfg = load_config(asset("configs", "node0-triton.toml"))
     assert {w.kind for w in cfg.workers} == {"amx", "triton"}
     assert cfg.worker("gpu0").triton.models == {"minilm": "model_amx"}  # runs on a CPU host
+
+
+def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_path):
+    # A worker pinned to a cpu the host lacks died at start with a traceback, and `up` (or
+    # systemd) restarted it over and over.
+    path = tmp_path / "node.toml"
+    path.write_text(edited("cpus = [1]", "cpus = [4096]\nnuma_node = 0"))
+    cfg = load_config(path)  # a config may be written on another host: loading it does not look
+    with pytest.raises(ConfigError, match=r"^\[\[workers\]\] #2 \(name 'amx1'\): cpus: cpu 4096 is not online "
+                                          r"on this host \(online: 0"):
+        cfg.check_host()
+    cfg.check_host(("amx0",))  # a process that runs only amx0 needs only amx0's
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr  # EX_CONFIG: not restarted
+    assert r.stderr.strip().endswith("cpus: cpu 4096 is not online on this host (online: "
+                                     f"{_ranges(_online_cpus())})"), r.stderr
+    path.write_text(edited("cpus = [1]", "cpus = [0]\nnuma_node = 4096"))
+    if _numa_nodes():
+        with pytest.raises(ConfigError, match=r"numa_node: node 4096 does not exist on this host \(nodes: 0"):
+            load_config(path).check_host(("amx1",))

@@ -368,8 +368,10 @@ def test_a_batch_that_never_comes_back_does_not_hold_its_worker_for_good():
     core.heartbeat("gpu0", 11.1)
     (lost,) = core.check_liveness(11.1)
     assert lost[0].name == "gpu0" and "never came back" in lost[1]
-    assert core.heartbeat("gpu0", 11.2) is False  # told to register again
+    assert core.heartbeat("gpu0", 11.2) is False  # unknown now
+    assert "never came back" in core.hung["gpu0"]  # so told to exit and be started again
     core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 11.3)
+    assert core.hung == {}
     core.admit("m", 1, 1, 1.0, 11.3, client=b"c", req_id=2)
     (again,) = core.decide(11.3)
     assert again.worker.name == "gpu0"

@@ -285,3 +285,18 @@ def test_dispatcher_tells_systemd_it_is_ready_and_alive(run_dir, notify_socket):
     finally:
         disp.terminate()
         disp.wait(30)
+
+
+def test_a_worker_whose_batch_never_comes_back_is_started_again(start_node):
+    # A model stuck in a batch (here a simulated one that takes 10 minutes): its heartbeat
+    # thread goes on, so the worker stayed registered-but-useless; declared lost, it was told to
+    # register again, which its stuck main thread never did. The node served nothing more of it.
+    node = start_node([sim_worker("w0", ("sum",), launch_us=600e6)],
+                      heartbeat_interval_s=0.1, worker_dead_after_s=1.0)
+    with node.client() as c:
+        st = c.status()
+        with pytest.raises(DeadlineExceeded):
+            c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=0.3)
+        back = c.status(min_registrations=st.registrations + 1, wait=30)
+    assert back.registrations > st.registrations, "the hung worker was not started again"
+    assert [w.name for w in back.workers] == ["w0"] and back.workers[0].pid != st.workers[0].pid

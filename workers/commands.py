@@ -11,7 +11,7 @@ def _run_worker(args) -> int:
 
     from .main import run_worker
 
-    return run_worker(load_node(args.config), args.name)
+    return run_worker(load_node(args.config, workers=(args.name,)), args.name)
 
 
 def _run_calibrate(args) -> int:
@@ -20,7 +20,7 @@ def _run_calibrate(args) -> int:
     from .calibrate import calibrate
 
     sizes = [int(x) for x in args.sizes.split(",") if x] or None
-    calibrate(load_node(args.config), args.out, sizes=sizes, reps=args.reps, workers=args.worker)
+    calibrate(load_node(args.config, workers=tuple(args.worker) if args.worker else None), args.out, sizes=sizes, reps=args.reps, workers=args.worker)
     return 0
 
 

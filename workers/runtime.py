@@ -3,7 +3,9 @@
 A worker connects a DEALER (identity = its name) to the dispatcher's backend ROUTER,
 registers after warm-up, then runs one batch message at a time. A heartbeat thread with its
 own socket keeps the worker visibly alive while a long batch runs (the model releases the
-GIL); it also relays the dispatcher's "reregister" (e.g. after a dispatcher restart).
+GIL); it also relays the dispatcher's "reregister" (e.g. after a dispatcher restart), and on its
+"restart" (a batch never came back: the model is stuck) ends the process for its supervisor to
+start again.
 Under systemd (``Type=notify``) the worker sends READY=1 once it has registered.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 import zmq
 
 from batchyard import protocol as P
+from batchyard.exit_codes import EX_SOFTWARE
 from batchyard.protocol import Status
 from batchyard.sd_notify import notify
 from batchyard.shm import SegmentCache
@@ -64,6 +67,14 @@ class Heartbeat(threading.Thread):
                     msg = P.to_worker_decoder.decode(self.sock.recv())
                     if type(msg) is P.Reregister:
                         self.reregister.set()
+                    elif type(msg) is P.Restart:
+                        # The main thread is stuck in the model and cannot be asked to stop:
+                        # leave at once, so that the supervisor starts a working process.
+                        log.error("worker %s exits to be started again: the dispatcher declared it hung (%s)",
+                                  msg.worker, msg.reason)
+                        for h in logging.getLogger().handlers:
+                            h.flush()
+                        os._exit(EX_SOFTWARE)
         except zmq.ZMQError:
             pass
         finally:
