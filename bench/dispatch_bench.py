@@ -267,8 +267,11 @@ def _consumer(addr: str) -> None:
         ref = P.msgspec.msgpack.decode(f[0].bytes, type=P.TensorRef) if len(f[0]) else None
         if ref is None:
             break
-        if ref.shm is not None:
-            buf = cache.buffer(ref.shm.segment, ref.shm.offset, ref.shm.nbytes)
+        if ref.shm is not None:  # as a worker reads it: a view where it maps the segment, else a copy
+            buf = cache.view(ref.shm.segment, ref.shm.offset, ref.shm.nbytes)
+            if buf is None:
+                buf = np.empty(ref.shm.nbytes, np.uint8)
+                cache.read_into(ref.shm.segment, ref.shm.offset, memoryview(buf))
         else:
             buf = f[1].buffer
         arr = np.frombuffer(buf, dtype=ref.dtype).reshape(ref.shape)

@@ -15,8 +15,15 @@ Ownership story (docs/protocol.md, "Shared memory"):
   under a temporary name, locked, and only then renamed to its final name, so no live segment
   is ever visible unlocked. The dispatcher runs the reaper on a slow timer and every new client
   runs it once at start.
-- Workers map client segments by name (cached, LRU-bounded), read inputs without copying and
-  write outputs in place. A Triton-backed GPU worker also owns the segments it registers with
+- Workers open client segments by name (cached, LRU-bounded). A segment that only the worker's
+  own user can shrink (``SegmentCache.maps``) is mapped: inputs are read without copying and
+  outputs written in place. Any other is never mapped: inputs are read with ``preadv`` straight
+  into the batch's arrays (the one copy a batch of several requests needs anyway) and outputs
+  written with ``pwrite``. Under a mapping, a client that shrank its file made the worker's
+  next access a SIGBUS, which killed it, and no check before the access closes that race; a
+  read or write by offset past the end just comes up short. A client that can shrink a file
+  only the worker's user may write could kill the worker outright, so mapping costs nothing
+  there. A Triton-backed GPU worker also owns the segments it registers with
   Triton; they carry its pid, so the reaper below removes them if it dies.
 - The dispatcher never maps a segment and never touches tensor bytes.
 
@@ -57,14 +64,14 @@ def _path(name: str) -> str:
 class Segment:
     """One mapped POSIX shared-memory segment."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool, lock_fd: int = -1, fd: int = -1,
+    def __init__(self, name: str, mm: mmap.mmap | None, owner: bool, lock_fd: int = -1, fd: int = -1,
                  file_id: tuple = ()):
         self.name = name
-        self.mm = mm
-        self.size = len(mm)
+        self.mm = mm  # None for a segment a worker reads and writes by offset (SegmentCache.maps)
+        self.size = len(mm) if mm is not None else 0  # of the mapping
         self.owner = owner
         self.lock_fd = lock_fd  # the owner's open fd, holding its shared flock
-        self.fd = fd  # an attached segment's open fd: its size is checked on every use
+        self.fd = fd  # an attached segment's open fd
         self.file_id = file_id  # (st_dev, st_ino) of the file mapped
 
     @classmethod
@@ -86,8 +93,9 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, file_id: tuple = ()) -> "Segment":
-        """Map the segment ``name``: a regular file, reached without following a symlink, and
-        when ``file_id`` is given, that very file (the one its client proved it owns)."""
+        """Open the segment ``name``: a regular file, reached without following a symlink, and
+        when ``file_id`` is given, that very file (the one its client proved it owns). Mapped
+        only when this process's user alone may write it (``SegmentCache.maps``)."""
         try:
             fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -101,9 +109,9 @@ class Segment:
             if file_id and (st.st_dev, st.st_ino) != file_id:
                 raise ShmError(f"shared-memory segment {name!r} is not the file registered under that name "
                                f"(replaced since; register it again)")
-            if st.st_size == 0:
-                raise ShmError(f"shared-memory segment {name!r} is empty")
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+            mm = None
+            if SegmentCache.maps(st) and st.st_size:
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
@@ -111,7 +119,8 @@ class Segment:
 
     def close(self) -> None:
         try:
-            self.mm.close()
+            if self.mm is not None:
+                self.mm.close()
         except BufferError:
             # A numpy view still points into the mapping; the OS unmaps it at exit. The
             # segment's *name* is what leaks across processes, and unlink handles that.
@@ -130,7 +139,8 @@ class Segment:
 
 
 class SegmentCache:
-    """Worker side: segments mapped by name, least recently used evicted past ``capacity``."""
+    """Worker side: segments opened by name, least recently used closed past ``capacity``;
+    mapped, or read and written by offset (``maps``, module docstring)."""
 
     def __init__(self, capacity: int = 32):
         self.capacity = capacity
@@ -150,25 +160,53 @@ class SegmentCache:
             old.close()
         return seg
 
-    def buffer(self, name: str, offset: int, nbytes: int, file_id: tuple = ()) -> memoryview:
-        """A writable view of ``nbytes`` at ``offset`` of the segment (of the file ``file_id``,
-        when given); ShmError if out of bounds.
+    @staticmethod
+    def maps(st: os.stat_result) -> bool:
+        """Whether a segment is mapped: owned by this process's user and writable by no one else,
+        so no one but that user (who could as well kill the worker) can shrink it under the
+        mapping. Any other is read and written by offset."""
+        return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
-        The bounds are those of the file now (an fstat per use, about a microsecond), not of the
-        mapping: a client that shrank its segment after the worker mapped it made the worker's
-        next access past the new end a SIGBUS, which killed the worker. (A shrink between this
-        check and the access still does; only sealed segments would close that.)"""
+    def view(self, name: str, offset: int, nbytes: int, file_id: tuple = ()) -> memoryview | None:
+        """A writable view of ``nbytes`` at ``offset`` of a mapped segment (of the file ``file_id``,
+        when given), None for one read and written by offset (``maps``); ShmError unless the
+        range lies inside the file as it is now (an fstat per use, about a microsecond)."""
         seg = self.get(name, file_id)
         end = offset + nbytes
         size = os.fstat(seg.fd).st_size
-        if end > seg.size and end <= size:
-            # The file grew past the mapping: map it again.
-            self.forget(name)
-            seg = self.get(name, file_id)
-        if end > min(size, seg.size):
+        if end > size:
             raise ShmError(f"shared-memory range [{offset}, {end}) is outside "
                            f"segment {name!r} of {size} bytes")
+        if seg.mm is None:
+            return None
+        if end > seg.size:  # the file grew past the mapping: map it again
+            self.forget(name)
+            return self.view(name, offset, nbytes, file_id)
         return memoryview(seg.mm)[offset:end]
+
+    def read_into(self, name: str, offset: int, out, file_id: tuple = ()) -> None:
+        """Fill ``out`` (a writable 1-D byte buffer) from ``offset`` of the segment; ShmError if the file ends first."""
+        fd = self.get(name, file_id).fd
+        want, done = len(out), 0
+        while done < want:
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                size = os.fstat(fd).st_size
+                raise ShmError(f"shared-memory range [{offset}, {offset + want}) is outside "
+                               f"segment {name!r} of {size} bytes")
+            done += n
+
+    def write(self, name: str, offset: int, data, file_id: tuple = ()) -> None:
+        """Write ``data`` (a 1-D byte buffer) at ``offset`` of the segment; ShmError if it does not fit in the
+        file as it is (a write past the end would grow the client's file instead)."""
+        view = self.view(name, offset, len(data), file_id)
+        if view is not None:
+            view[:] = data
+            return
+        fd = self.get(name, file_id).fd
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
 
     def forget(self, name: str) -> None:
         seg = self._lru.pop(name, None)

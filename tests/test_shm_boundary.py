@@ -205,3 +205,76 @@ def test_holding_the_ids_zeromq_would_give_next_does_not_abort_the_dispatcher(st
     finally:
         for s in squatters:
             s.close()
+
+
+READ_THEN_SHRINK = """
+import os, sys, numpy as np
+from batchyard import protocol as P
+from batchyard.shm import SHM_DIR, SegmentCache
+from batchyard.workers.batch_io import assemble, read_batch
+
+name, mode = sys.argv[1], sys.argv[2]
+os.chmod(os.path.join(SHM_DIR, name), 0o660)  # its group may write (and shrink) it too
+spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (2,)),), 16)
+ref = P.TensorRef(name="x", dtype="float32", shape=[1, 4], shm=P.ShmRef(name, 64, 16))
+head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=1, model="sum", inputs=[ref]))
+frame = type("Frame", (), {"buffer": memoryview(head)})
+cache = SegmentCache()
+n = 1 if mode == "one" else 2
+items = read_batch(P.Batch(batch_id=1, model="sum", seqs=list(range(n)), n_frames=[0] * n), [frame] * n, cache)
+inputs = assemble(items, spec, cache)
+os.truncate(os.path.join(SHM_DIR, name), 0)  # the client shrinks its file while the model runs
+print(float(inputs["x"].sum()), [it.error for it in items])
+"""
+
+
+@pytest.mark.parametrize("mode", ["one", "two"])
+def test_inputs_shrunk_while_the_model_runs_do_not_kill_the_worker(files, mode):
+    """A lone request's shared-memory inputs were handed to the model as views of the worker's
+    mapping: a client that shrank its file during the batch killed the worker with SIGBUS (and
+    the check before each access could never close that race). A file that someone besides the
+    worker's user may write is now never mapped: its inputs are read into the batch's arrays."""
+    name = files(2.5)
+    r = subprocess.run([sys.executable, "-c", READ_THEN_SHRINK, name, mode], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    expected = 10.0 if mode == "one" else 20.0
+    assert r.stdout.split()[0] == str(expected) and "[None" in r.stdout, r.stdout
+
+
+def test_a_segment_shrunk_between_the_check_and_the_read_fails_only_its_request(files):
+    from batchyard.shm import SegmentCache
+    from batchyard.workers.batch_io import assemble, read_batch
+
+    spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (2,)),), 16)
+    names = [files(1.0), files(3.0)]
+    for n in names:
+        os.chmod(os.path.join(SHM_DIR, n), 0o660)
+    heads = [P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=i, model="sum", inputs=[
+        P.TensorRef(name="x", dtype="float32", shape=[1, 4], shm=P.ShmRef(n, 64, 16))])) for i, n in enumerate(names)]
+    frames = [type("Frame", (), {"buffer": memoryview(h)}) for h in heads]
+    cache = SegmentCache()
+    try:
+        items = read_batch(P.Batch(batch_id=1, model="sum", seqs=[0, 1], n_frames=[0, 0]), frames, cache)
+        assert [it.error for it in items] == [None, None]  # both fit when checked
+        os.truncate(os.path.join(SHM_DIR, names[0]), 32)  # then the first client shrinks its file
+        inputs = assemble(items, spec, cache)
+    finally:
+        cache.close()
+    assert inputs["x"].tolist() == [[3.0] * 4]  # the other request runs alone
+    assert items[0].error[0] == P.Status.INVALID_ARGUMENT and "outside segment" in items[0].error[1]
+
+
+def test_only_a_segment_no_one_but_the_workers_user_can_shrink_is_mapped(files):
+    """Mapped, a segment's inputs cost no copy; a client that can shrink a file only the
+    worker's user may write could kill the worker by other means anyway."""
+    from batchyard.shm import SegmentCache
+
+    path = os.path.join(SHM_DIR, files(1.0))
+    for mode, mapped in ((0o600, True), (0o644, True), (0o620, False), (0o602, False)):
+        os.chmod(path, mode)
+        assert SegmentCache.maps(os.stat(path)) is mapped, oct(mode)
+    if os.geteuid() == 0:  # a file of another user is never mapped, whatever its mode
+        os.chown(path, 65534, -1)
+        os.chmod(path, 0o600)
+        assert not SegmentCache.maps(os.stat(path))

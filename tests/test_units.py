@@ -158,11 +158,19 @@ def test_segment_cache_reports_missing_and_out_of_bounds():
     try:
         r = pool.alloc(128)
         pool.view(r)[:4] = b"abcd"
-        assert bytes(cache.buffer(r.segment, r.offset, 4)) == b"abcd"
+        out = bytearray(4)
+        cache.read_into(r.segment, r.offset, memoryview(out))
+        assert out == b"abcd"
+        cache.write(r.segment, r.offset + 4, memoryview(b"efgh"))
+        assert bytes(pool.view(r)[:8]) == b"abcdefgh"
         with pytest.raises(ShmError, match="outside segment"):
-            cache.buffer(r.segment, 4000, 200)
+            cache.view(r.segment, 4000, 200)
+        with pytest.raises(ShmError, match="outside segment"):
+            cache.read_into(r.segment, 4000, memoryview(bytearray(200)))
+        with pytest.raises(ShmError, match="outside segment"):
+            cache.write(r.segment, 4000, memoryview(bytes(200)))
         with pytest.raises(ShmError, match="does not exist"):
-            cache.buffer("batchyard_1_dead", 0, 4)
+            cache.view("batchyard_1_dead", 0, 4)
     finally:
         cache.close()
         pool.close()

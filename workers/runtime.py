@@ -198,9 +198,11 @@ class WorkerRuntime:
         if not n_items:
             return self._finish(msg, items, spec, None, 0, None)
         try:
-            inputs = assemble(items, spec)
+            inputs = assemble(items, spec, self.cache)
         except Exception as e:
             return self._finish(msg, items, spec, None, 0, (Status.INTERNAL, f"assembling inputs: {e}"))
+        if not any(it.error is None for it in items):  # every segment came up short
+            return self._finish(msg, items, spec, None, 0, None)
         submit = getattr(self.executor, "submit", None)
         if submit is not None:
             def done(raw, compute_us, msg=msg, items=items, spec=spec):
@@ -234,7 +236,8 @@ class WorkerRuntime:
         outs, failed = [], []
         for it in good:
             try:
-                outs.append(check_outputs(self.executor.run(model, assemble([it], spec)), spec, it.items))
+                inputs = assemble([it], spec, self.cache)
+                outs.append(check_outputs(self.executor.run(model, inputs), spec, it.items))
             except Exception as e:  # this request's own failure (or the backend's, caught next)
                 failed.append((it, e))
         if len(failed) == len(good) or any(isinstance(e, ExecutorUnavailable) for _, e in failed):
