@@ -164,7 +164,8 @@ class SegmentCache:
     def maps(st: os.stat_result) -> bool:
         """Whether a segment is mapped: owned by this process's user and writable by no one else,
         so no one but that user (who could as well kill the worker) can shrink it under the
-        mapping. Any other is read and written by offset."""
+        mapping. Any other is read and written by offset. (A POSIX ACL that lets anyone else
+        write the file shows in the group bits, which then hold the ACL's mask.)"""
         return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
     def view(self, name: str, offset: int, nbytes: int, file_id: tuple = ()) -> memoryview | None:
