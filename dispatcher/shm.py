@@ -62,7 +62,7 @@ def _path(name: str) -> str:
 
 
 class Segment:
-    """One mapped POSIX shared-memory segment."""
+    """One POSIX shared-memory segment: a client's own (created and mapped), or one a worker opened."""
 
     def __init__(self, name: str, mm: mmap.mmap | None, owner: bool, lock_fd: int = -1, fd: int = -1,
                  file_id: tuple = ()):
