@@ -10,6 +10,7 @@ have, are UNIMPLEMENTED with a message that says so.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Optional
 
 import grpc
@@ -23,6 +24,8 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
                             model_control_refused, model_metadata, output_nbytes, tensor_from_bytes, tensor_from_list,
                             timeout_s)
+
+log = logging.getLogger("batchyard.frontend")
 
 # Typed (non-raw) tensor contents: which field of InferTensorContents carries each datatype.
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -166,7 +169,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def answer(request):
             try:
                 return service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-            except (KServeError, *MALFORMED) as e:  # this request's fault: its own answer
+            except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
+                if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
+                    log.exception("stream request for model %r failed", request.model_name)
+                    e = KServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
                 return service_pb2.ModelStreamInferResponse(
                     error_message=as_kserve(e).message,
                     infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
@@ -201,7 +207,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             check_new_input(inputs, t.name, shape, request.model_name)
             region = _shm_param(t.parameters)
             if region is not None:
-                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name)
+                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec)
             elif request.raw_input_contents:
                 if t.HasField("contents"):
                     raise invalid(f"contents field must not be specified when using raw_input_contents for "
@@ -259,6 +265,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except (KServeError, *MALFORMED) as e:
             e = as_kserve(e)
             await context.abort(e.code, e.message)
+        except Exception as e:  # noqa: BLE001 -- INTERNAL with its kind, not gRPC's UNKNOWN naming a class
+            log.exception("request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 
     @staticmethod
     async def _sync(context, fn, *args):

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from . import __version__
 from .client_codec import dtype_name
+from .http_body import read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
                             model_control_refused, model_metadata, output_nbytes, tensor_from_bytes, tensor_from_list,
@@ -95,18 +96,6 @@ def _is_raw(request: web.Request) -> bool:
     the one input's bytes."""
     n = request.headers.get(HEADER_LENGTH, "").strip()
     return n.isdigit() and int(n) == 0
-
-
-async def _body(request: web.Request) -> bytes:
-    # A gzip or deflate body (tritonclient's request_compression_algorithm) arrives decompressed:
-    # aiohttp's server undoes Content-Encoding itself. Undoing it again failed every such
-    # request with a 500.
-    try:
-        return await request.read()
-    except web.RequestPayloadError as e:  # a body that does not decompress: the client's fault
-        raise invalid(f"the request body cannot be read: {e}") from None
-    except ConnectionResetError:  # the client hung up mid-body: nobody to answer, no server error
-        raise invalid("the client closed the connection before its body arrived") from None
 
 
 def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
@@ -195,7 +184,7 @@ class KServeHttp:
     # ---------------------------------------------------------------- repository (control mode NONE)
     async def repository_index(self, request):
         try:
-            body, _ = _split(request, await _body(request)) if request.can_read_body else ({}, b"")
+            body, _ = _split(request, await read_body(request)) if request.can_read_body else ({}, b"")
             return web.json_response(await self.core.repository_index(bool(body.get("ready", False))))
         except KServeError as e:
             return _error(e)
@@ -206,7 +195,7 @@ class KServeHttp:
     # ---------------------------------------------------------------- system shared memory
     async def shm_register(self, request):
         try:
-            body, _ = _split(request, await _body(request))
+            body, _ = _split(request, await read_body(request))
             key = body.get("key", "")
             if not isinstance(key, str):
                 raise invalid(f"'key' must be a string, got {key!r}")
@@ -250,7 +239,7 @@ class KServeHttp:
     async def _infer(self, request) -> web.Response:
         model = request.match_info["model"]
         spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
-        body = await _body(request)
+        body = await read_body(request)
         if _is_raw(request):
             header, params = {}, {}
             inputs = self._raw_input(spec, body)
@@ -258,7 +247,7 @@ class KServeHttp:
         else:
             header, binary = _split(request, body)
             params = header.get("parameters") or {}
-            inputs = self._inputs(model, header, binary)
+            inputs = self._inputs(spec, header, binary)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
         rid = header.get("id", "")
         if not isinstance(rid, str):
@@ -289,8 +278,8 @@ class KServeHttp:
         return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream",
                             headers={HEADER_LENGTH: str(len(text))})
 
-    def _inputs(self, model: str, header: dict, binary: memoryview) -> dict[str, np.ndarray]:
-        inputs, pos = {}, 0
+    def _inputs(self, spec, header: dict, binary: memoryview) -> dict[str, np.ndarray]:
+        model, inputs, pos = spec.name, {}, 0
         for t in header.get("inputs") or []:
             name, datatype, shape = t.get("name", ""), t.get("datatype", ""), list(t.get("shape") or [])
             check_new_input(inputs, name, shape, model)
@@ -300,7 +289,7 @@ class KServeHttp:
                 region = _shm(tp)
                 if region is None:
                     raise invalid(f"input '{name}': 'shared_memory_region' must name a registered region")
-                inputs[name] = self.core.shm.read(*region, datatype, shape, name)
+                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec)
             elif source == "binary_data_size":
                 n = _uint(tp, "binary_data_size")
                 if pos + n > len(binary):
@@ -357,7 +346,8 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
     # handler_cancellation: an HTTP client that hangs up withdraws its request, as a cancelled
     # gRPC call does; aiohttp's default lets the handler run on, and the abandoned request then
     # still took its place in a batch on a worker.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    # auto_decompress off: compressed bodies are inflated by read_body, bounded and off the loop.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=True).start()
     return runner

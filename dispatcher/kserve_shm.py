@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -30,7 +31,7 @@ from typing import Optional
 import grpc
 import numpy as np
 
-from .kserve_common import KServeError, invalid, tensor_from_bytes
+from .kserve_common import KSERVE_TO_NP, KServeError, check_input, invalid, np_dtype, tensor_from_bytes
 
 # Region keys Batchyard itself creates (client pools, the Triton worker's regions with its local
 # tritonserver): other clients' tensors live there, so a KServe client may not name them (the
@@ -265,9 +266,16 @@ class ShmRegions:
             raise _too_small(tensor, byte_size, nbytes)
         self._range(name, offset, byte_size)
 
-    def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str) -> np.ndarray:
+    def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str,
+             spec) -> np.ndarray:
         """A copy of the tensor in the region: the client may reuse its memory as soon as the
-        reply comes, and the region may be unregistered while the request is queued."""
+        reply comes, and the region may be unregistered while the request is queued. The
+        declaration is checked against the model ``spec`` and ``byte_size`` against it first, so
+        that no more is read than one batch of the model takes."""
+        check_input(spec, tensor, np_dtype(datatype, f"input '{tensor}'"), shape)
+        want = math.prod(shape) * np.dtype(KSERVE_TO_NP[datatype]).itemsize
+        if byte_size != want:
+            raise invalid(f"unexpected total byte size {byte_size} for input '{tensor}', expecting {want}")
         r, start = self._range(name, offset, byte_size)
         buf = bytearray(byte_size)
         got = os.preadv(r.fd, [buf], start)

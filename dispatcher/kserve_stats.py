@@ -1,8 +1,10 @@
 """Triton's per-model statistics for the whole node, with several front-door processes.
 
 Each front-door process counts the requests it carries in a small file of its own in the node's
-private registry directory (``kserve_shm``): ``s-<model, hex>-<pid>``, nine int64 counters,
-memory-mapped, written only by that process (the directory's owner, ``kserve_shm``, clears them
+private registry directory (``kserve_shm``): ``s-<digest of the model's name>-<pid>``, nine
+int64 counters, memory-mapped, then the model's name (a file name holding the name itself passed
+the 255-byte limit at a 125-character name, and every infer of that model failed), written only
+by that process (the directory's owner, ``kserve_shm``, clears them
 with it). A statistics request sums every process's file, so
 any process answers for the node, as Triton's one server does (perf_analyzer takes the model's
 counts before and after a window and fails when they did not move: with per-process counts a
@@ -13,6 +15,7 @@ the node's lifetime) and the first front door of a node starts them from zero.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 from typing import Optional
@@ -30,7 +33,7 @@ PREFIX = "s-"
 
 
 def _file(model: str, pid: int) -> str:
-    return f"{PREFIX}{model.encode().hex()}-{pid}"
+    return f"{PREFIX}{hashlib.sha256(model.encode()).hexdigest()[:32]}-{pid}"
 
 
 class NodeStats:
@@ -51,7 +54,7 @@ class NodeStats:
                 fd = os.open(_file(model, os.getpid()), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
                              dir_fd=self.dir_fd)
                 try:
-                    os.ftruncate(fd, SIZE)
+                    os.pwrite(fd, model.encode(), SIZE)  # the counters before it read zero
                     mm = mmap.mmap(fd, SIZE)
                 finally:
                     os.close(fd)
@@ -65,13 +68,16 @@ class NodeStats:
         if not name.startswith(PREFIX):
             return None
         try:
-            model = bytes.fromhex(name[len(PREFIX):].rpartition("-")[0]).decode()
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        except (ValueError, FileNotFoundError):
+        except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb") as f:
-            data = f.read(SIZE)
-        return (model, np.frombuffer(data, np.int64)) if len(data) == SIZE else None
+            data = f.read()
+        try:
+            model = data[SIZE:].decode()
+        except UnicodeDecodeError:
+            return None
+        return (model, np.frombuffer(data[:SIZE], np.int64)) if model else None
 
     def totals(self) -> dict[str, np.ndarray]:
         """model -> its counters summed over the node's processes (LAST_MS: the latest)."""

@@ -13,12 +13,15 @@ instances, TTFT, KV tokens moved and ``stand_in`` (the "gpu" instance is a CPU e
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 
 from aiohttp import web
 
 from . import errors
+from .http_body import read_body
+from .kserve_common import KServeError
 from .protocol import MAX_TOKEN_ID, Status
 
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
@@ -62,8 +65,10 @@ class OpenAiCompletions:
 
     async def _completions(self, request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError as e:
+            body = json.loads(await read_body(request))
+        except KServeError as e:  # unreadable, or a compressed body that does not inflate within the limit
+            raise OpenAiError(400, e.message) from None
+        except (ValueError, RecursionError) as e:
             raise OpenAiError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")

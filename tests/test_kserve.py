@@ -193,6 +193,57 @@ def test_a_body_that_does_not_decompress_is_a_bad_request(front_door):
     assert e.value.code == 400 and "cannot be read" in json.loads(e.value.read())["error"]
 
 
+def test_a_compressed_body_inflates_only_up_to_the_limit():
+    """aiohttp inflated a body on the event loop, bounded only by the body-size limit: a 1 MiB
+    gzip upload that expands to 1 GiB took 2 GB and held every client of the process for 16 s.
+    Bodies are now inflated on a thread (http_body) and refused past the limit."""
+    import gzip
+    import zlib
+
+    from batchyard.http_body import _WBITS, inflate
+    from batchyard.kserve_common import KServeError
+
+    bomb = gzip.compress(bytes(64 << 20))  # 64 KiB that inflate to 64 MiB
+    with pytest.raises(KServeError, match="decompresses to more than 1048576 bytes"):
+        inflate(bomb, _WBITS["gzip"], 1 << 20)
+    assert inflate(gzip.compress(b"abc"), _WBITS["gzip"], 3) == b"abc"
+    assert inflate(zlib.compress(b"abc"), _WBITS["deflate"], 3) == b"abc"
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert inflate(raw.compress(b"abc") + raw.flush(), _WBITS["deflate"], 3) == b"abc"  # raw deflate too
+    with pytest.raises(KServeError, match="ends early"):
+        inflate(gzip.compress(b"abc" * 100)[:-12], _WBITS["gzip"], 1000)
+
+
+def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front_door):
+    """An offset of inf raised OverflowError, which no handler caught: the stream ended with
+    UNKNOWN and the requests after it got no answer."""
+    got, done = [], threading.Event()
+
+    def callback(result, error):
+        got.append(error.message() if error else result.as_numpy("y"))
+        if len(got) == 3:
+            done.set()
+
+    bad = _grpc_input(X)
+    bad.set_shared_memory("nowhere", X.nbytes)
+    bad._input.parameters["shared_memory_offset"].double_param = float("inf")
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    c.start_stream(callback=callback)
+    try:
+        for inputs in ([_grpc_input(X)], [bad], [_grpc_input(X)]):
+            c.async_stream_infer("sum", inputs)
+        assert done.wait(30), got
+    finally:
+        c.stop_stream()
+    want = front_door.sdk("sum", X)
+    np.testing.assert_array_equal(got[0], want)
+    assert "OverflowError" in got[1] and "malformed" in got[1], got[1]
+    np.testing.assert_array_equal(got[2], want)
+    with pytest.raises(InferenceServerException) as e:  # the same as a unary call: INVALID_ARGUMENT
+        c.infer("sum", [bad])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT", e.value
+
+
 def test_stream_infer_answers_every_request_of_the_stream(front_door):
     """start_stream / async_stream_infer: each request answered once, by its id; a bad one
     answers with its error and the stream goes on."""

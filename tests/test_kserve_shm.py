@@ -10,8 +10,11 @@ import grpc
 import numpy as np
 import pytest
 
+from batchyard import protocol as P
 from batchyard.kserve_common import KServeError
 from batchyard.kserve_shm import ShmRegions
+
+SPEC = P.ModelSpec("m", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (4,)),), 8)
 
 
 @pytest.fixture
@@ -41,10 +44,10 @@ def segment():
 def test_a_region_registered_in_one_process_serves_in_another(registry, segment):
     a, b = registry(), registry()
     a.register("in", segment.name, 0, 64)
-    got = b.read("in", 0, 16, "FP32", [4], "x")
-    np.testing.assert_array_equal(got, [0, 1, 2, 3])
+    got = b.read("in", 0, 16, "FP32", [1, 4], "x", SPEC)
+    np.testing.assert_array_equal(got, [[0, 1, 2, 3]])
     b.write("in", 16, 16, np.full(4, 7.0, np.float32), "y")
-    np.testing.assert_array_equal(a.read("in", 16, 16, "FP32", [4], "x"), [7, 7, 7, 7])
+    np.testing.assert_array_equal(a.read("in", 16, 16, "FP32", [1, 4], "x", SPEC), [[7, 7, 7, 7]])
     assert [r.name for r in b.status()] == ["in"]
 
 
@@ -55,10 +58,10 @@ def test_a_region_may_have_any_name(registry, segment, name):
     registering."""
     a, b = registry(), registry()
     with pytest.raises(KServeError) as e:
-        b.read(name, 0, 16, "FP32", [4], "x")
+        b.read(name, 0, 16, "FP32", [1, 4], "x", SPEC)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     a.register(name, segment.name, 0, 64)
-    np.testing.assert_array_equal(b.read(name, 0, 16, "FP32", [4], "x"), [0, 1, 2, 3])
+    np.testing.assert_array_equal(b.read(name, 0, 16, "FP32", [1, 4], "x", SPEC), [[0, 1, 2, 3]])
     assert [r.name for r in b.status(name)] == [name]
     b.unregister(name)
     assert a.status() == []
@@ -75,16 +78,16 @@ def test_one_name_once_across_processes(registry, segment):
 def test_unregister_anywhere_ends_the_region_everywhere(registry, segment):
     a, b = registry(), registry()
     a.register("in", segment.name, 0, 64)
-    b.read("in", 0, 16, "FP32", [4], "x")  # b has it mapped now
+    b.read("in", 0, 16, "FP32", [1, 4], "x", SPEC)  # b has it mapped now
     a.unregister("in")
     with pytest.raises(KServeError) as e:
-        b.read("in", 0, 16, "FP32", [4], "x")
+        b.read("in", 0, 16, "FP32", [1, 4], "x", SPEC)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     # Registered again with a smaller size: b must see the new entry, not its old mapping.
     a.register("in", segment.name, 16, 16)
-    np.testing.assert_array_equal(b.read("in", 0, 16, "FP32", [4], "x"), [4, 5, 6, 7])
+    np.testing.assert_array_equal(b.read("in", 0, 16, "FP32", [1, 4], "x", SPEC), [[4, 5, 6, 7]])
     with pytest.raises(KServeError):
-        b.read("in", 16, 16, "FP32", [4], "x")
+        b.read("in", 16, 16, "FP32", [1, 4], "x", SPEC)
 
 
 def test_a_restarted_front_door_starts_with_no_regions(registry, segment, tmp_path):
@@ -112,15 +115,15 @@ def test_a_segment_shrunk_under_a_region_is_an_error_not_a_crash(registry, segme
     every client's registrations)."""
     a = registry()
     a.register("in", segment.name, 0, 64)
-    np.testing.assert_array_equal(a.read("in", 32, 16, "FP32", [4], "x"), [8, 9, 10, 11])
+    np.testing.assert_array_equal(a.read("in", 32, 16, "FP32", [1, 4], "x", SPEC), [[8, 9, 10, 11]])
     os.truncate(f"/dev/shm/{segment.name}", 16)
-    for call in (lambda: a.read("in", 32, 16, "FP32", [4], "x"),
+    for call in (lambda: a.read("in", 32, 16, "FP32", [1, 4], "x", SPEC),
                  lambda: a.write("in", 32, 16, np.zeros(4, np.float32), "y")):
         with pytest.raises(KServeError) as e:
             call()
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "now 16 bytes long" in e.value.message
     assert os.stat(f"/dev/shm/{segment.name}").st_size == 16  # the write did not grow it back
-    np.testing.assert_array_equal(a.read("in", 0, 16, "FP32", [4], "x"), [0, 1, 2, 3])
+    np.testing.assert_array_equal(a.read("in", 0, 16, "FP32", [1, 4], "x", SPEC), [[0, 1, 2, 3]])
 
 
 def test_keys_of_the_nodes_own_segments_and_non_files_are_refused(registry, segment):
@@ -143,3 +146,48 @@ def test_keys_of_the_nodes_own_segments_and_non_files_are_refused(registry, segm
     finally:
         os.unlink(f"/dev/shm/{triton_like}")
         os.unlink(f"/dev/shm/{fifo}")
+
+
+def test_a_region_read_is_checked_against_the_model_before_any_byte_is_copied(registry):
+    """The read copied as many bytes as the request claimed before comparing them with the shape:
+    a 2 GiB claim on a sparse 1 TiB file held the front door's loop 7 s and took 2.2 GB, a 1 TiB
+    claim was a 500 (MemoryError)."""
+    path = "/dev/shm/bytest_sparse_%d" % os.getpid()
+    with open(path, "wb") as f:
+        f.truncate(1 << 40)
+    try:
+        a = registry()
+        a.register("big", path.rsplit("/", 1)[1], 0, 1 << 40)
+        for size, shape, match in ((1 << 31, [1, 4], "unexpected total byte size 2147483648 for input 'x', expecting 16"),
+                                   (1 << 40, [1 << 38, 4], r"unexpected shape for input 'x' for model 'm'"),
+                                   (16, [1, 4, 1], r"unexpected shape"), (16, [1, 4], None)):
+            if match is None:
+                assert a.read("big", 0, size, "FP32", shape, "x", SPEC).shape == (1, 4)
+                continue
+            with pytest.raises(KServeError, match=match) as e:
+                a.read("big", 0, size, "FP32", shape, "x", SPEC)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(KServeError, match="unexpected inference input 'z' for model 'm'"):
+            a.read("big", 0, 16, "FP32", [1, 4], "z", SPEC)
+    finally:
+        os.unlink(path)
+
+
+def test_statistics_of_a_model_with_a_long_or_non_ascii_name(tmp_path):
+    """The statistics file was named by the model's name in hex: past 124 characters (42 CJK
+    ones) the name passed the 255-byte limit, and every front-door infer of that model failed."""
+    from batchyard.kserve_stats import ITEMS, SUCCESS, NodeStats
+
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    names = ["m" * 128, "模型" * 40, "sum"]
+    try:
+        a, b = NodeStats(fd), NodeStats(fd)
+        for n in names:
+            a.counters(n)[SUCCESS] += 2
+            a.counters(n)[ITEMS] += 5
+        totals = b.totals()
+        a.close()
+    finally:
+        os.close(fd)
+    assert sorted(totals) == sorted(names)
+    assert all(totals[n][SUCCESS] == 2 and totals[n][ITEMS] == 5 for n in names)

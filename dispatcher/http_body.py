@@ -1,0 +1,66 @@
+"""Reading an HTTP request's body, compressed or not, for the front door's aiohttp servers.
+
+aiohttp's server undoes Content-Encoding itself, on the event loop and bounded only by the
+body-size limit of the *decompressed* body: a 1 MiB gzip upload that expands to 1 GiB took
+2 GB of memory and held every other client of that front-door process for 16 s. The servers
+turn that off (``auto_decompress=False``) and read bodies here: the compressed bytes bounded by
+the body-size limit, then inflated on a thread, at most ``INFLATING`` at once, and refused as
+soon as they pass the same limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from aiohttp import web
+
+from .kserve_common import invalid
+
+# Bodies inflated at once per process: each may hold up to the body-size limit while it grows.
+INFLATING = 2
+_inflating: asyncio.Semaphore | None = None
+# HTTP's deflate is zlib-wrapped, but some clients send it raw; gzip has its own header.
+_WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, decompressed; INVALID_ARGUMENT (400) for one that cannot be read,
+    does not decompress, uses an encoding other than gzip and deflate, or inflates past the
+    application's ``client_max_size``."""
+    global _inflating
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as e:  # e.g. a chunked body that breaks off: the client's fault
+        raise invalid(f"the request body cannot be read: {e}") from None
+    except ConnectionResetError:  # the client hung up mid-body: nobody to answer, no server error
+        raise invalid("the client closed the connection before its body arrived") from None
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise invalid(f"the request body cannot be read: unsupported Content-Encoding '{encoding}' "
+                      f"(gzip, deflate or none)")
+    if _inflating is None:
+        _inflating = asyncio.Semaphore(INFLATING)
+    async with _inflating:
+        return await asyncio.to_thread(inflate, raw, wbits, request.app._client_max_size)
+
+
+def inflate(raw: bytes, wbits: tuple[int, ...], limit: int) -> bytes:
+    """``raw`` decompressed (the first of ``wbits`` that reads it), at most ``limit`` bytes."""
+    for i, w in enumerate(wbits):
+        d = zlib.decompressobj(w)
+        try:
+            out = d.decompress(raw, limit + 1)
+        except zlib.error as e:
+            if i + 1 < len(wbits):
+                continue
+            raise invalid(f"the request body cannot be read: it does not decompress ({e})") from None
+        if len(out) > limit:
+            raise invalid(f"the request body decompresses to more than {limit} bytes, the most this server takes")
+        if not d.eof:
+            raise invalid("the request body cannot be read: its compressed data ends early")
+        return out
+    raise AssertionError("unreachable")
