@@ -315,6 +315,8 @@ class KServeCore:
         that is no integer is refused first, as Triton parses it before it looks the model up."""
         v = parse_version(version)
         spec = self.client.specs.get(model)
+        if spec is None and not 1 <= len(model) <= 128:  # no model can have it (protocol.Name)
+            raise unknown_model(model)
         if spec is None:
             try:
                 spec = await self.client.model_info(model, timeout=5.0)

@@ -102,6 +102,8 @@ def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
     """The JSON header and the binary tensor data after it."""
     n = request.headers.get(HEADER_LENGTH)
     try:
+        if n is not None and not n.strip().isdigit():  # int() also reads "6_9" and "+6"
+            raise ValueError(f"{HEADER_LENGTH} {n!r} is not a byte count")
         n = len(body) if n is None else int(n)
         if not 0 <= n <= len(body):
             raise ValueError(f"{HEADER_LENGTH} {n} is beyond the body's {len(body)} bytes")

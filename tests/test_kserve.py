@@ -645,6 +645,8 @@ def test_shm_of_batchyard_itself_cannot_be_registered(front_door):
 # ---------------------------------------------------------------- errors, as Triton reports them
 BAD_CASES = {
     "unknown model": ("nope", X, "FP32", "unknown model: 'nope'"),
+    # no model can have it: the SDK's own 'malformed header: Expected `str` of length <= 128' before
+    "name too long": ("m" * 129, X, "FP32", "unknown model: 'm{129}' is not found"),
     "wrong shape": ("sum", np.zeros((2, 5), np.float32), "FP32", "unexpected shape for input 'x'"),
     "wrong dtype": ("sum", X.astype(np.float64), "FP64", "data-type is 'FP64', but model 'sum' expects 'FP32'"),
     "classification": ("sum", X, "FP32", "classification is not supported"),
@@ -1040,3 +1042,12 @@ def test_readiness_follows_the_models_last_worker(front_door):
     with Client(front_door.node.address) as c:  # it registers again once it heartbeats
         assert c.status(min_registrations=st.registrations + 1, wait=30).registrations > st.registrations
     assert g.is_model_ready("solo") and h.is_model_ready("solo")
+
+
+def test_a_header_length_is_plain_digits(front_door):
+    """Python's int() reads "6_9" as 69 and "+6" as 6: Triton takes digits only."""
+    body, n = _binary_body({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
+    for bad in (f"{n // 10}_{n % 10}", f"+{n}"):
+        status, _, text = _post_infer(front_door, body, header_length=bad)
+        assert status == 400 and b"is not a byte count" in text, (bad, text)
+    assert _post_infer(front_door, body, header_length=n)[0] == 200
