@@ -21,13 +21,15 @@ from .kserve_common import invalid
 INFLATING = 2
 _inflating: asyncio.Semaphore | None = None
 # HTTP's deflate is zlib-wrapped, but some clients send it raw; gzip has its own header.
-_WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+_WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
+          "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, limit: int = 0) -> bytes:
     """The request's body, decompressed; INVALID_ARGUMENT (400) for one that cannot be read,
-    does not decompress, uses an encoding other than gzip and deflate, or inflates past the
-    application's ``client_max_size``."""
+    does not decompress, uses an encoding other than gzip and deflate, or inflates past
+    ``limit`` (at most the application's ``client_max_size``, which is also the default): the
+    most a route can use, so that a small upload cannot make the process hold gigabytes."""
     global _inflating
     try:
         raw = await request.read()
@@ -45,7 +47,8 @@ async def read_body(request: web.Request) -> bytes:
     if _inflating is None:
         _inflating = asyncio.Semaphore(INFLATING)
     async with _inflating:
-        return await asyncio.to_thread(inflate, raw, wbits, request.app._client_max_size)
+        cap = request.app._client_max_size
+        return await asyncio.to_thread(inflate, raw, wbits, min(limit, cap) if limit else cap)
 
 
 def inflate(raw: bytes, wbits: tuple[int, ...], limit: int) -> bytes:
@@ -62,5 +65,7 @@ def inflate(raw: bytes, wbits: tuple[int, ...], limit: int) -> bytes:
             raise invalid(f"the request body decompresses to more than {limit} bytes, the most this server takes")
         if not d.eof:
             raise invalid("the request body cannot be read: its compressed data ends early")
+        if d.unused_data:  # a second gzip member or garbage: refused, not silently dropped
+            raise invalid("the request body cannot be read: data follows the compressed body")
         return out
     raise AssertionError("unreachable")

@@ -76,8 +76,11 @@ def cuda_shm_status(name: str) -> list:
 
 
 def unknown_model(model: str) -> KServeError:
-    # Triton: INVALID_ARG (HTTP 400) "Request for unknown model: 'x' is not found".
-    return invalid(f"Request for unknown model: '{model}' is not found")
+    # Triton: INVALID_ARG (HTTP 400) "Request for unknown model: 'x' is not found". A name past
+    # 200 characters is cut: echoed whole, a 10 KB one made gRPC's trailer too big for the
+    # client (RESOURCE_EXHAUSTED instead of the error).
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    return invalid(f"Request for unknown model: '{shown}' is not found")
 
 
 def from_batchyard(err: BatchyardError, model: str) -> KServeError:
@@ -231,6 +234,12 @@ def check_new_input(inputs: dict, name: str, shape: list[int], model: str) -> No
         raise invalid(f"input '{name}' already exists in request")
     if any(d < 0 for d in shape):
         raise invalid(f"All input dimensions should be specified for input '{name}' for model '{model}', got {shape}")
+
+
+def batch_input_bytes(spec: P.ModelSpec) -> int:
+    """The bytes of every input of a whole batch of the model: the most tensor data a request can
+    carry."""
+    return spec.max_batch * sum(math.prod(t.shape) * np.dtype(t.dtype).itemsize for t in spec.inputs)
 
 
 def check_input(spec: P.ModelSpec, name: str, dtype: str, shape: list[int]) -> None:

@@ -23,9 +23,9 @@ from . import __version__
 from .client_codec import dtype_name
 from .http_body import read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
-                            model_control_refused, model_metadata, output_nbytes, tensor_from_bytes, tensor_from_list,
-                            timeout_s)
+                            batch_input_bytes, check_new_input, cuda_shm_refused, cuda_shm_status, invalid,
+                            model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
+                            tensor_from_list, timeout_s)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_JSON_BYTES = 64 << 20  # Triton's --http-max-input-size default, which bounds the JSON part only
@@ -186,8 +186,8 @@ class KServeHttp:
     # ---------------------------------------------------------------- repository (control mode NONE)
     async def repository_index(self, request):
         try:
-            body, _ = _split(request, await read_body(request)) if request.can_read_body else ({}, b"")
-            return web.json_response(await self.core.repository_index(bool(body.get("ready", False))))
+            body, _ = _split(request, await read_body(request, MAX_JSON_BYTES)) if request.can_read_body else ({}, b"")
+            return web.json_response(await self.core.repository_index(_bool(body, "ready", False)))
         except KServeError as e:
             return _error(e)
 
@@ -197,7 +197,7 @@ class KServeHttp:
     # ---------------------------------------------------------------- system shared memory
     async def shm_register(self, request):
         try:
-            body, _ = _split(request, await read_body(request))
+            body, _ = _split(request, await read_body(request, MAX_JSON_BYTES))
             key = body.get("key", "")
             if not isinstance(key, str):
                 raise invalid(f"'key' must be a string, got {key!r}")
@@ -241,7 +241,7 @@ class KServeHttp:
     async def _infer(self, request) -> web.Response:
         model = request.match_info["model"]
         spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
-        body = await read_body(request)
+        body = await read_body(request, MAX_JSON_BYTES + batch_input_bytes(spec))
         if _is_raw(request):
             header, params = {}, {}
             inputs = self._raw_input(spec, body)

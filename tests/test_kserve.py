@@ -212,6 +212,37 @@ def test_a_compressed_body_inflates_only_up_to_the_limit():
     assert inflate(raw.compress(b"abc") + raw.flush(), _WBITS["deflate"], 3) == b"abc"  # raw deflate too
     with pytest.raises(KServeError, match="ends early"):
         inflate(gzip.compress(b"abc" * 100)[:-12], _WBITS["gzip"], 1000)
+    with pytest.raises(KServeError, match="data follows"):  # a second member was dropped silently
+        inflate(gzip.compress(b"abc") + gzip.compress(b"def"), _WBITS["gzip"], 1000)
+
+
+def test_a_compressed_infer_body_inflates_no_further_than_the_model_can_use(front_door):
+    """The limit was the 2 GiB body limit: 1.5 MB of gzip held 3 GB. An infer body inflates to at
+    most the JSON limit (64 MiB) plus a whole batch of the model's inputs."""
+    import gzip
+    import http.client
+
+    bomb = gzip.compress(b" " * (65 << 20), 1)
+    host, port = front_door.http_url.split(":")
+
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request("POST", "/v2/models/sum/infer", body=bomb, headers={"Content-Encoding": "gzip"})
+        r = c.getresponse()
+        status, text = r.status, r.read()
+    finally:
+        c.close()
+    assert status == 400 and b"decompresses to more than" in text, text
+    np.testing.assert_array_equal(thttp.InferenceServerClient(front_door.http_url).infer(
+        "sum", [_http_input(X)]).as_numpy("y"), front_door.sdk("sum", X))
+
+
+def test_a_long_unknown_model_name_is_an_invalid_argument_over_grpc(front_door):
+    """Echoed whole, a 10 KB name made the gRPC trailer too big: RESOURCE_EXHAUSTED."""
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("m" * 10_000, [_grpc_input(X)])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "..." in e.value.message(), e.value
 
 
 def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front_door):
