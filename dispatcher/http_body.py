@@ -5,7 +5,8 @@ body-size limit of the *decompressed* body: a 1 MiB gzip upload that expands to 
 2 GB of memory and held every other client of that front-door process for 16 s. The servers
 turn that off (``auto_decompress=False``) and read bodies here: the compressed bytes bounded by
 the body-size limit, then inflated on a thread, at most ``INFLATING`` at once, and refused as
-soon as they pass the same limit.
+soon as they pass what their route can use (an infer: the JSON limit plus a whole batch of the
+model's inputs).
 """
 
 from __future__ import annotations

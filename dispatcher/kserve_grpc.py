@@ -272,6 +272,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except (KServeError, *MALFORMED) as e:
             e = as_kserve(e)
             await context.abort(e.code, e.message)
+        except grpc.aio.AbortError:  # aborted already, with its own code
+            raise
         except Exception as e:  # noqa: BLE001 -- INTERNAL with its kind, not gRPC's UNKNOWN naming a class
             log.exception("request failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
