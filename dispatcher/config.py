@@ -13,6 +13,7 @@ Every error names the file, the table and the key, and suggests the closest know
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import re
 import tomllib
@@ -437,14 +438,10 @@ def _parse_ranges(text: str) -> set[int]:
 
 def _ranges(values: set[int]) -> str:
     """{0, 1, 2, 5} -> "0-2,5"."""
-    out, run = [], []
-    for v in sorted(values):
-        if run and v != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(v)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    out = []
+    for _, run in itertools.groupby(enumerate(sorted(values)), lambda p: p[1] - p[0]):  # consecutive values
+        first, *rest = [v for _, v in run]
+        out.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(out)
 
 

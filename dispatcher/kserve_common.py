@@ -180,13 +180,25 @@ def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) ->
     return t
 
 
-def tensor_from_bytes(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
+def check_byte_size(name: str, datatype: str, shape: list[int], nbytes: int) -> np.dtype:
+    """The input's numpy dtype, once ``nbytes`` is what its datatype and shape take."""
     dt = _NP_DTYPES.get(datatype)
     if dt is None:
         np_dtype(datatype, f"input '{name}'")  # raises Triton's error
     want = math.prod(shape) * dt.itemsize
-    if len(data) != want:
-        raise invalid(f"unexpected total byte size {len(data)} for input '{name}', expecting {want}")
+    if nbytes != want:
+        raise invalid(f"unexpected total byte size {nbytes} for input '{name}', expecting {want}")
+    return dt
+
+
+def check_element_count(name: str, shape: list[int], count: int) -> None:
+    if count != math.prod(shape):
+        raise invalid(f"unexpected number of elements {count} for input '{name}', expecting "
+                      f"{math.prod(shape)} for shape {list(shape)}")
+
+
+def tensor_from_bytes(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
+    dt = check_byte_size(name, datatype, shape, len(data))
     return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
@@ -205,9 +217,7 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
         arr = parsed.astype(dt, copy=False)
     except (TypeError, ValueError, OverflowError) as e:
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
-    if arr.size != math.prod(shape):
-        raise invalid(f"unexpected number of elements {arr.size} for input '{name}', expecting "
-                      f"{math.prod(shape)} for shape {list(shape)}")
+    check_element_count(name, shape, arr.size)
     return arr.reshape(shape)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import Optional
 
 import grpc
@@ -22,9 +21,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            check_input, check_new_input, cuda_shm_refused, cuda_shm_status, invalid, model_config,
-                            model_control_refused, model_metadata, np_dtype, output_nbytes, tensor_from_bytes,
-                            tensor_from_list, timeout_s)
+                            check_element_count, check_input, check_new_input, cuda_shm_refused, cuda_shm_status,
+                            invalid, model_config, model_control_refused, model_metadata, np_dtype, output_nbytes,
+                            tensor_from_bytes, tensor_from_list, timeout_s)
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -224,9 +223,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 # Checked before the values are turned into Python objects (tens of bytes each):
                 # 100 MiB of contents for a [1, 16] input took 1.6-2.8 GB and held the loop 5-12 s.
                 check_input(spec, t.name, np_dtype(t.datatype, f"input '{t.name}'"), shape)
-                if len(values) != math.prod(shape):
-                    raise invalid(f"unexpected number of elements {len(values)} for input '{t.name}', expecting "
-                                  f"{math.prod(shape)} for shape {shape}")
+                check_element_count(t.name, shape, len(values))
                 inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
         wanted = self._requested_outputs(request, spec, inputs)
         left = context.time_remaining()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -31,7 +30,7 @@ from typing import Optional
 import grpc
 import numpy as np
 
-from .kserve_common import KSERVE_TO_NP, KServeError, check_input, invalid, np_dtype, tensor_from_bytes
+from .kserve_common import KServeError, check_byte_size, check_input, invalid, np_dtype
 
 # Region keys Batchyard itself creates (client pools, the Triton worker's regions with its local
 # tritonserver): other clients' tensors live there, so a KServe client may not name them (the
@@ -273,15 +272,13 @@ class ShmRegions:
         declaration is checked against the model ``spec`` and ``byte_size`` against it first, so
         that no more is read than one batch of the model takes."""
         check_input(spec, tensor, np_dtype(datatype, f"input '{tensor}'"), shape)
-        want = math.prod(shape) * np.dtype(KSERVE_TO_NP[datatype]).itemsize
-        if byte_size != want:
-            raise invalid(f"unexpected total byte size {byte_size} for input '{tensor}', expecting {want}")
+        dt = check_byte_size(tensor, datatype, shape, byte_size)
         r, start = self._range(name, offset, byte_size)
         buf = bytearray(byte_size)
         got = os.preadv(r.fd, [buf], start)
         if got < byte_size:
             raise _shrunk(name, start, byte_size, os.fstat(r.fd).st_size)
-        return tensor_from_bytes(tensor, datatype, shape, memoryview(buf))
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
 
     def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
         if arr.nbytes > byte_size:
