@@ -6,6 +6,9 @@ batchyard.policy. For each scenario and load, MCB is set against every baseline 
 configure: gpu-only, greedy, escape:1..4, three-segment, and a grid of window/fixed settings
 (feeding every worker, as Triton's dynamic batcher does) tuned per load. Writes
 sim_report.md, sim_report.json and a plot.
+
+``--random K`` runs K scenarios of the same kinds whose numbers are drawn at random instead
+(``random_scenarios``): a held-out check of the rule, written to sim_random.md and .json.
 """
 
 from __future__ import annotations
@@ -42,20 +45,20 @@ def _poisson(load, n, seed):
     return poisson(load * GPU_CAPACITY, n, seed=seed)
 
 
-def _bursty(low_x: float, high_x: float, low_s: float, high_s: float):
+def _bursty(low_x: float, high_x: float, low_s: float, high_s: float, capacity: float = GPU_CAPACITY):
     """A trace(load, n, seed): Markov-modulated Poisson at ``low_x`` and ``high_x`` times the mean
-    rate, with mean sojourns ``low_s`` and ``high_s`` (on/off when ``low_x`` is 0)."""
+    rate (``load * capacity``), with mean sojourns ``low_s`` and ``high_s`` (on/off when ``low_x`` is 0)."""
     def trace(load, n, seed):
-        r = load * GPU_CAPACITY
+        r = load * capacity
         return bursts(low_x * r, high_x * r, low_s, high_s, n / r, seed=seed)
     return trace
 
 
-def _stepped(*levels: tuple[int, int, float]):
+def _stepped(*levels: tuple[int, int, float], capacity: float = GPU_CAPACITY):
     """A trace(load, n, seed): Poisson whose rate steps to ``x`` times the mean at ``k/m`` of the
     trace's duration, for each level ``(k, m, x)``."""
     def trace(load, n, seed):
-        r = load * GPU_CAPACITY
+        r = load * capacity
         d = n / r
         return steps([(k * d / m, x * r) for k, m, x in levels], d, seed=seed)
     return trace
@@ -109,6 +112,50 @@ SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
     "on-off-short": (DEVICES, _on_off_short, SHAPED_LOADS, "seeds' curves, on/off bursts at 3x, 1 ms on / 2 ms off"),
     "four-steps": (DEVICES, _four_steps, SHAPED_LOADS, "seeds' curves, 0.7x -> 1.6x -> 0.7x -> 1.0x of the mean rate"),
 }
+
+
+def gpu_capacity(gpu: Device) -> float:
+    """Items/s of ``gpu`` alone, in full batches (what a scenario's load is a fraction of)."""
+    return gpu.max_batch / (gpu.launch_s + gpu.per_item_s * gpu.max_batch)
+
+
+def random_scenarios(k: int, seed: int) -> dict:
+    """``k`` scenarios of the kinds above with numbers drawn at random, for a held-out check:
+    a GPU of 0.05-0.6 ms + 0.005-0.04 ms·B (max batch 64); 1-4 CPU workers of 0.03-0.3 ms·B,
+    with a launch of 0.005-0.05 ms in 2 of 5; arrivals Poisson, Markov-modulated (low rate
+    0.1-0.6x, sojourns 2-20 ms), on/off (1-4 ms each) or a step up for the middle third (1.3-2x),
+    the bursty ones at a mean of the load. Load is a fraction of that GPU's own capacity."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(k):
+        gpu = Device("gpu0", "gpu", rng.uniform(0.05, 0.6) * 1e-3, rng.uniform(0.005, 0.04) * 1e-3)
+        n_cpu, per_item = int(rng.integers(1, 5)), rng.uniform(0.03, 0.3) * 1e-3
+        launch = rng.uniform(0.005, 0.05) * 1e-3 if rng.random() < 0.4 else 0.0
+        cap = gpu_capacity(gpu)
+        kind = ("poisson", "mmpp", "on-off", "step")[int(rng.integers(0, 4))]
+        if kind == "poisson":
+            trace = lambda load, n, seed, cap=cap: poisson(load * cap, n, seed=seed)
+            what = "Poisson"
+        elif kind == "mmpp":
+            low_x, low_s, high_s = rng.uniform(0.1, 0.6), rng.uniform(0.002, 0.02), rng.uniform(0.002, 0.02)
+            high_x = (low_s + high_s - low_x * low_s) / high_s  # a mean of 1x
+            trace = _bursty(low_x, high_x, low_s, high_s, capacity=cap)
+            what = f"Markov-modulated {low_x:.2f}x/{high_x:.2f}x, {low_s * 1e3:.1f}/{high_s * 1e3:.1f} ms sojourns"
+        elif kind == "on-off":
+            on_s, off_s = rng.uniform(0.001, 0.004), rng.uniform(0.001, 0.004)
+            trace = _bursty(0.0, (on_s + off_s) / on_s, off_s, on_s, capacity=cap)
+            what = f"on/off at {(on_s + off_s) / on_s:.2f}x, {on_s * 1e3:.1f} ms on / {off_s * 1e3:.1f} ms off"
+        else:
+            x = rng.uniform(1.3, 2.0)
+            low = (3 - x) / 2
+            trace = _stepped((0, 1, low), (1, 3, x), (2, 3, low), capacity=cap)
+            what = f"{low:.2f}x -> {x:.2f}x -> {low:.2f}x of the mean rate"
+        cpu = f"{launch * 1e3:.3f} ms + " if launch else ""
+        out[f"random-{seed}-{i}"] = (
+            [gpu] + cpus(n_cpu, per_item, launch_s=launch), trace, SHAPED_LOADS,
+            f"GPU {gpu.launch_s * 1e3:.3f} ms + {gpu.per_item_s * 1e3:.4f} ms·B, {n_cpu} CPU(s) at "
+            f"{cpu}{per_item * 1e3:.3f} ms·B, {what}")
+    return out
 
 
 def run(policy, trace, devices):
@@ -283,6 +330,27 @@ def markdown(rep: dict) -> str:
     return "\n".join(L)
 
 
+def random_markdown(rep: dict) -> str:
+    """The held-out report: one table, a row per (scenario, load), each scenario's numbers beside it."""
+    L = ["# Simulator report, held-out scenarios — SIMULATED devices", "",
+         f"{len(rep['scenarios'])} scenarios of the kinds in sim_report.md with numbers drawn at random "
+         f"(`random_scenarios`, seed {rep['seed']}; the rule was not tuned on them). Load = offered rate / "
+         f"that scenario's GPU-only capacity. Baselines, bar and interval as in sim_report.md. Reproduce: "
+         f"`python -m batchyard.bench.sim_report --random {len(rep['scenarios'])} --random-seed {rep['seed']} "
+         f"--requests {rep['n']}` ({rep['n']:,} arrivals per point).", "", summary(rep["rows"]), "",
+         "| scenario | load | MCB p50 | MCB p99 | best baseline | its p50 | its p99 | p99 ratio | its 95% interval | "
+         "p50 ratio | bar |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        m, b = r["mcb"], r["best"]
+        ok = "met" if r["p99_ok"] and r["p50_ok"] else ("**p99 missed**" if not r["p99_ok"] else "**p50 missed**")
+        lo, hi = r["p99_ratio_ci"]
+        L.append(f"| {r['scenario'].rsplit('-', 1)[1]} | {r['load'] * 100:.0f}% | {m['p50_ms']:.3f} | "
+                 f"{m['p99_ms']:.3f} | {b['policy']} | {b['p50_ms']:.3f} | {b['p99_ms']:.3f} | "
+                 f"{m['p99_ms'] / b['p99_ms']:.3f} | {lo:.3f}–{hi:.3f} | {m['p50_ms'] / b['p50_ms']:.3f} | {ok} |")
+    L += ["", "Scenarios:", ""] + [f"- {name.rsplit('-', 1)[1]}: {what}" for name, what in rep["scenarios"].items()]
+    return "\n".join(L) + "\n"
+
+
 def in_order(rows: list[dict]) -> list[dict]:
     """``rows`` by scenario (as SCENARIOS lists them), then load."""
     order = list(SCENARIOS)
@@ -308,7 +376,14 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--merge", action="store_true",
                     help="replace only these scenarios' rows in the report already in --out (same --requests)")
+    ap.add_argument("--random", type=int, default=0, metavar="K",
+                    help="instead, K scenarios drawn at random (held out); writes sim_random.md/.json")
+    ap.add_argument("--random-seed", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.random:
+        drawn = random_scenarios(args.random, args.random_seed)
+        SCENARIOS.update(drawn)  # before the pool forks: its workers look scenarios up by name
+        args.scenarios = ",".join(drawn)
     n = args.requests or (20_000 if args.quick else 200_000)
     n_tune = min(n, max(10_000, n // 10))
     out = Path(args.out)
@@ -318,6 +393,14 @@ def main(argv=None) -> None:
     tasks.sort(key=lambda t: -t[1])  # slow (high-load) points first
     with Pool(args.jobs) as pool:
         rows = pool.map(point, tasks, chunksize=1)
+    if args.random:
+        rep = {"simulated": True, "n": n, "n_tune": n_tune, "seed": args.random_seed, "grid": GRID,
+               "scenarios": {name: SCENARIOS[name][3] for name in drawn}, "rows": in_order(rows),
+               "wall_s": time.perf_counter() - t0}
+        (out / "sim_random.json").write_text(json.dumps(rep, indent=1, default=float))
+        (out / "sim_random.md").write_text(random_markdown(rep))
+        print(random_markdown(rep))
+        return
     if args.merge:
         rep = merged(out / "sim_report.json", rows, n)
     else:

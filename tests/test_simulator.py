@@ -243,3 +243,21 @@ def test_a_merged_report_replaces_only_the_scenarios_rerun(tmp_path):
         ("mmpp", 0.3, 2), ("mmpp", 0.6, 2), ("seeds", 0.3, 1)]
     with pytest.raises(SystemExit, match="--requests 1000, not 2000"):  # traces of another length: not comparable
         merged(path, [], 2000)
+
+
+def test_held_out_scenarios_are_reproducible_within_their_ranges_and_at_the_load_asked():
+    from batchyard.bench.sim_report import SHAPED_LOADS, gpu_capacity, random_scenarios
+
+    drawn = random_scenarios(8, seed=3)
+    assert list(drawn) == [f"random-3-{i}" for i in range(8)]
+    again = random_scenarios(8, seed=3)
+    for name, (devices, trace, loads, what) in drawn.items():
+        assert what == again[name][3] and loads == SHAPED_LOADS  # the same seed draws the same scenarios
+        gpu, cpus = devices[0], devices[1:]
+        assert gpu.path == "gpu" and 0.05e-3 <= gpu.launch_s <= 0.6e-3 and 0.005e-3 <= gpu.per_item_s <= 0.04e-3
+        assert 1 <= len(cpus) <= 4 and all(c.path == "cpu" and 0.03e-3 <= c.per_item_s <= 0.3e-3 for c in cpus)
+        # a bursty trace's mean rate is still the load asked for (of this scenario's own GPU)
+        t = trace(0.5, 40_000, 1)
+        rate = len(t.arrivals) / (t.arrivals[-1] - t.arrivals[0])
+        assert rate == pytest.approx(0.5 * gpu_capacity(gpu), rel=0.15), what
+    assert random_scenarios(8, seed=4)["random-4-0"][3] != drawn["random-3-0"][3]
