@@ -10,14 +10,16 @@
               and system apart, at an offered Poisson rate: (CPU/s under load - CPU/s idle) /
               completions/s. On one shared core this is what the node takes from the model.
               With --threads, each process's threads apart too (its main thread, ZeroMQ's I/O
-              thread, gRPC's event-engine threads), summed by thread name.
+              thread, gRPC's event-engine threads), summed by thread name. With --floor, also
+              a bare server of the same protocol (grpc.aio or aiohttp on uvloop, a fixed reply,
+              no Batchyard) under the same load: what the protocol library alone costs.
   status      the dispatcher's CPU per status request, full and brief (what a readiness probe
               asks), against a model-info request, after --fill requests have filled the
               decision-lateness rings the full status summarises.
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
-    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads]
+    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads] [--floor]
     .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
 """
 
@@ -221,6 +223,77 @@ def cpu(rate: float, seconds: float, protocol: str, threads: bool = False) -> No
         print(f"  {name:32s} {per[0]:6.3f} + {per[1]:6.3f} = {sum(per):6.3f} ms")
 
 
+def _bare_server(protocol: str, port: int, ready) -> None:
+    """A server of ``protocol`` that answers every infer with one fixed reply of NOOP's shape."""
+    import uvloop
+
+    y = np.ones((1, 16), np.float32)
+    if protocol == "grpc":
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        reply = service_pb2.ModelInferResponse(model_name="noop", model_version="1")
+        reply.outputs.add(name="y", datatype="FP32", shape=[1, 16])
+        reply.raw_output_contents.append(y.tobytes())
+
+        class Bare(service_pb2_grpc.GRPCInferenceServiceServicer):
+            async def ModelInfer(self, request, context):
+                return reply
+
+        async def serve():
+            server = grpc.aio.server()
+            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Bare(), server)
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            ready.set()
+            await server.wait_for_termination()
+    else:
+        import json
+
+        from aiohttp import web
+
+        body = json.dumps({"model_name": "noop", "model_version": "1", "outputs": [
+            {"name": "y", "datatype": "FP32", "shape": [1, 16], "data": y.ravel().tolist()}]}).encode()
+
+        async def infer(request):
+            await request.read()
+            return web.Response(body=body, content_type="application/json")
+
+        async def serve():
+            app = web.Application()
+            app.router.add_post("/v2/models/{model}/infer", infer)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            ready.set()
+            await asyncio.Event().wait()
+    uvloop.install()
+    asyncio.run(serve())
+
+
+def floor(rate: float, seconds: float, protocol: str) -> None:
+    """CPU per request of ``_bare_server`` under the load ``cpu`` offers, idle subtracted."""
+    import psutil
+
+    port, ready = _free_port(), mp.Event()
+    proc = mp.Process(target=_bare_server, args=(protocol, port, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(60):
+            raise SystemExit("the bare server did not start")
+        me = psutil.Process(proc.pid)
+        t0, c0 = time.perf_counter(), sum(me.cpu_times()[:2])
+        time.sleep(seconds)
+        t1, c1 = time.perf_counter(), sum(me.cpu_times()[:2])
+        n = asyncio.run(_poisson_load(f"127.0.0.1:{port}", protocol, rate, seconds))
+        t2, c2 = time.perf_counter(), sum(me.cpu_times()[:2])
+    finally:
+        proc.kill()
+        proc.join()
+    per = 1e3 * ((c2 - c1) - (c1 - c0) / (t1 - t0) * (t2 - t1)) / n
+    print(f"  {'bare ' + protocol + ' server (floor)':32s} {per:22.3f} ms")
+
+
 def status_cost(fill: int, n: int) -> None:
     from batchyard.client import Client
 
@@ -256,6 +329,7 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument("--threads", action="store_true", help="also each process's threads, by thread name")
+    p.add_argument("--floor", action="store_true", help="also a bare server of the protocol, no Batchyard")
     p = sub.add_parser("status")
     p.add_argument("--fill", type=int, default=70_000)
     p.add_argument("--n", type=int, default=1000)
@@ -266,6 +340,8 @@ def main(argv=None) -> None:
         latency(a.n)
     elif a.cmd == "cpu":
         cpu(a.rate, a.seconds, a.protocol, a.threads)
+        if a.floor:
+            floor(a.rate, a.seconds, a.protocol)
     else:
         throughput(a.processes, a.seconds, a.loaders, a.inflight)
 
