@@ -93,7 +93,8 @@ SCENARIOS = {  # name: (devices, trace(load, n, seed), loads, what it is)
                          "GPU 0.5 ms + 0.01 ms·B, 2 CPUs at 0.08 ms·B, Poisson (load still of the seeds' GPU)"),
     "mmpp": (DEVICES, _mmpp, SHAPED_LOADS, "seeds' curves, Markov-modulated 0.4x/1.6x, 5 ms sojourns"),
     "on-off": (DEVICES, _on_off, SHAPED_LOADS, "seeds' curves, on/off bursts at 2x, 2 ms on / 2 ms off"),
-    "step": (DEVICES, _step, SHAPED_LOADS, "seeds' curves, 0.5x -> 1.5x -> 0.5x of the mean rate"),
+    "step": (DEVICES, _step, SHAPED_LOADS,
+             "seeds' curves, 0.5x -> 1.5x -> 0.5x of the load's rate, in thirds (a mean of 0.83x)"),
     # Added with the rule for a full GPU batch's overflow, which this pair exposed (p99 49.7 ms at 90 %).
     "h200-amx": (H200_AMX, _poisson, SHAPED_LOADS, "measured: MiniLM on an H200 (CUDA graphs) + 2 AMX workers "
                  "of 4 cores, Poisson (load of the seeds' GPU: 78 % of the H200's at 90 %)"),
