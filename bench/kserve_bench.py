@@ -200,27 +200,38 @@ async def _poisson_load(url: str, protocol: str, rate: float, seconds: float) ->
     return len(calls)
 
 
+def _cpu_per_request(procs: dict, url: str, protocol: str, rate: float, seconds: float,
+                     threads: bool = False) -> tuple[int, float, dict]:
+    """An idle window, then ``seconds`` of Poisson load on ``url``: (requests, their rate,
+    {name: (user, system) ms of CPU a request}), each process's idle CPU/s subtracted. A thread
+    that never ran in either window (gRPC's timer, ZeroMQ's reaper) is left out."""
+    t0, idle0 = time.perf_counter(), _node_cpu(procs, threads)
+    time.sleep(seconds)  # the idle window: timers and heartbeats cost this much without requests
+    t1, idle1 = time.perf_counter(), _node_cpu(procs, threads)
+    n = asyncio.run(_poisson_load(url, protocol, rate, seconds))
+    t2, busy = time.perf_counter(), _node_cpu(procs, threads)
+    per_s = n / (t2 - t1)
+    zero = (0.0, 0.0)  # a thread that started after a snapshot
+    out = {}
+    for name in busy:
+        b, i1, i0 = busy[name], idle1.get(name, zero), idle0.get(name, zero)
+        if "/" in name and b == i0:
+            continue
+        out[name] = tuple(1e3 * ((b[k] - i1[k]) / (t2 - t1) - (i1[k] - i0[k]) / (t1 - t0)) / per_s for k in (0, 1))
+    return n, per_s, out
+
+
 def cpu(rate: float, seconds: float, protocol: str, threads: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
         node = noop_node(d, 1)
         with running_node(node) as sup:
             port = node.frontend.grpc_port if protocol == "grpc" else node.frontend.http_port
-            procs = _node_processes(sup)
-            t0, idle0 = time.perf_counter(), _node_cpu(procs, threads)
-            time.sleep(seconds)  # the idle window: timers and heartbeats cost this much without requests
-            t1, idle1 = time.perf_counter(), _node_cpu(procs, threads)
-            n = asyncio.run(_poisson_load(f"127.0.0.1:{port}", protocol, rate, seconds))
-            t2, busy = time.perf_counter(), _node_cpu(procs, threads)
-    per_s = n / (t2 - t1)
+            n, per_s, per = _cpu_per_request(_node_processes(sup), f"127.0.0.1:{port}", protocol, rate, seconds,
+                                             threads)
     print(f"CPU per request, no-op model, {protocol}, {n} requests at {per_s:.1f}/s offered {rate:.0f}/s "
           "(user + system ms):")
-    zero = (0.0, 0.0)  # a thread that started after a snapshot
-    for name in busy:
-        b, i1, i0 = busy[name], idle1.get(name, zero), idle0.get(name, zero)
-        per = [1e3 * ((b[k] - i1[k]) / (t2 - t1) - (i1[k] - i0[k]) / (t1 - t0)) / per_s for k in (0, 1)]
-        if "/" in name and b == i0:
-            continue  # a thread that never ran in either window (gRPC's timer, ZeroMQ's reaper)
-        print(f"  {name:32s} {per[0]:6.3f} + {per[1]:6.3f} = {sum(per):6.3f} ms")
+    for name, (user, system) in per.items():
+        print(f"  {name:32s} {user:6.3f} + {system:6.3f} = {user + system:6.3f} ms")
 
 
 def _bare_server(protocol: str, port: int, ready) -> None:
@@ -281,17 +292,13 @@ def floor(rate: float, seconds: float, protocol: str) -> None:
     try:
         if not ready.wait(60):
             raise SystemExit("the bare server did not start")
-        me = psutil.Process(proc.pid)
-        t0, c0 = time.perf_counter(), sum(me.cpu_times()[:2])
-        time.sleep(seconds)
-        t1, c1 = time.perf_counter(), sum(me.cpu_times()[:2])
-        n = asyncio.run(_poisson_load(f"127.0.0.1:{port}", protocol, rate, seconds))
-        t2, c2 = time.perf_counter(), sum(me.cpu_times()[:2])
+        name = f"bare {protocol} server (floor)"
+        _, _, per = _cpu_per_request({name: psutil.Process(proc.pid)}, f"127.0.0.1:{port}", protocol, rate, seconds)
     finally:
         proc.kill()
         proc.join()
-    per = 1e3 * ((c2 - c1) - (c1 - c0) / (t1 - t0) * (t2 - t1)) / n
-    print(f"  {'bare ' + protocol + ' server (floor)':32s} {per:22.3f} ms")
+    user, system = per[name]
+    print(f"  {name:32s} {user:6.3f} + {system:6.3f} = {user + system:6.3f} ms")
 
 
 def status_cost(fill: int, n: int) -> None:
