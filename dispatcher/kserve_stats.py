@@ -1,14 +1,13 @@
 """Triton's per-model statistics for the whole node, with several front-door processes.
 
 Each front-door process counts the requests it carries in a small file of its own in the node's
-private registry directory (``kserve_shm``): ``s-<digest of the model's name>-<pid>``, nine
-int64 counters, memory-mapped, then the model's name (a file name holding the name itself passed
-the 255-byte limit at a 125-character name, and every infer of that model failed), written only
-by that process (the directory's owner, ``kserve_shm``, clears them
-with it). A statistics request sums every process's file, so
-any process answers for the node, as Triton's one server does (perf_analyzer takes the model's
-counts before and after a window and fails when they did not move: with per-process counts a
-window whose two requests landed on different processes failed). Counts are monotone and
+private registry directory (``kserve_shm``, whose owner clears them with it), written only by
+that process: ``s-<digest of the model's name>-<pid>``, nine int64 counters, memory-mapped,
+then the model's name. (A file named by the model's name itself passed the 255-byte limit at a
+125-character name, and every infer of that model failed.) A statistics request sums every
+process's file, so any process answers for the node, as Triton's one server does
+(perf_analyzer takes the model's counts before and after a window and fails when they did not
+move: with per-process counts a window whose two requests landed on different processes failed). Counts are monotone and
 aligned, so a reader sees each one whole; a file outlives its process (counts are cumulative for
 the node's lifetime) and the first front door of a node starts them from zero.
 """
