@@ -347,7 +347,8 @@ def random_markdown(rep: dict) -> str:
     """The held-out report: one table, a row per (scenario, load), each scenario's numbers beside it."""
     L = ["# Simulator report, held-out scenarios — SIMULATED devices", "",
          f"{len(rep['scenarios'])} scenarios of the kinds in sim_report.md with numbers drawn at random "
-         f"(`random_scenarios`, seed {rep['seed']}; the rule was not tuned on them). Load = offered rate / "
+         f"(`random_scenarios`, seed {rep['seed']}; a rule changed after its points were seen is no longer held "
+         f"out on that seed: docs/policy.md, \"Held out at random\", says which seeds the rule has seen). Load = offered rate / "
          f"that scenario's GPU-only capacity. Baselines, bar and interval as in sim_report.md. Reproduce: "
          f"`python -m batchyard.bench.sim_report --random {len(rep['scenarios'])} --random-seed {rep['seed']} "
          f"--requests {rep['n']}` ({rep['n']:,} arrivals per point). Latencies of tens of ms mean the devices "

@@ -47,7 +47,7 @@ def amortises_launch(curve, k: int = 1) -> bool:
 def adds_items_dearer(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState]) -> bool:
     """Whether another of ``ws`` adds an item to its batch more cheaply than ``w`` does,
     ``T(2) - T(1)`` beyond AMORTISES (a CPU beside a GPU). Step 6b sizes such a worker's batch
-    by the queue alone when it amortises a launch."""
+    when it amortises a launch (``_share_before_next_launch``)."""
     def added(x: WorkerState) -> float:
         c = state.cost(model, x.path)
         return c.predict(2) - c.predict(1)
@@ -167,6 +167,23 @@ def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[Work
     return saving, gap
 
 
+def _share_before_next_launch(state: SchedulerState, model: str, ws: list[WorkerState], b: int, chunks: list,
+                              lam: float, now: float, background: bool) -> dict:
+    """Each worker's first batch (by id) in a plan of the ``b`` queued items plus the
+    arrivals expected before the worker that adds items most cheaply (the GPU) can start its
+    next batch: ``lambda * (its start - now)``, none while it is free. ``chunks`` is the plan of
+    the queue alone, reused when no arrival is expected. (Step 6b.)"""
+    def added(x: WorkerState) -> float:
+        c = state.cost(model, x.path)
+        return c.predict(2) - c.predict(1)
+
+    cheapest = min(ws, key=added)
+    joining = int(lam * (state.start_time(cheapest, now) - now))
+    if joining > 0:
+        chunks, _ = plan(state, model, ws, b + joining, now, background)
+    return {id(w): items for _, w, items in chunks}
+
+
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
     """When to look again at items waiting for busy ``w``: when it frees, or, if it is overdue,
     after the time its batch would take (never ``now``: that would spin the live timer)."""
@@ -228,9 +245,14 @@ class MarginalCost(PerModelPolicy):
             #    counts FUTURE_SHARE * lambda*H. H and the count feed each other; a few rounds
             #    reach the fixed point (or stop when it stops growing).
             chunks, end = plan(state, model, ws, b, now, background)
-            alone = {id(w): items for _, w, items in chunks}  # each worker's share of the queue alone (6b)
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
+            # Step 6b's shares, planned before anything is sent (a send makes the GPU busy), and
+            # only where a free worker will need them.
+            share = None
+            if any(w.free and amortises_launch(state.cost(model, w.path)) and adds_items_dearer(state, model, w, ws)
+                   for w in ws):
+                share = _share_before_next_launch(state, model, ws, b, chunks, lam, now, background)
             extra = 0
             room = sum(state.batch_cap(model, w, background) for w in ws)  # a plan never holds more than this
             for _ in range(FUTURE_ROUNDS):
@@ -245,7 +267,7 @@ class MarginalCost(PerModelPolicy):
             if slack <= 0:
                 d.count("flushed")
                 chunks, _ = plan(state, model, [w for w in ws if w.free], b, now, background)
-                alone = {id(w): items for _, w, items in chunks}
+                share = {id(w): items for _, w, items in chunks}
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
             held = 0  # head items planned for busy workers that finish them before this one
@@ -264,12 +286,15 @@ class MarginalCost(PerModelPolicy):
                 if amortises_launch(state.cost(model, w.path)):
                     if adds_items_dearer(state, model, w, ws):
                         # 6b. A launch-heavy worker that is not the cheapest place for added
-                        #     items (a CPU with a launch beside a GPU) takes at most its share
-                        #     of the queue alone. The expected arrivals fill the cheaper
-                        #     worker's planned batch and so grow this one, but this batch
-                        #     leaves now without them: its items would wait for compute spent
-                        #     on requests that are not there.
-                        queued = min(queued, alone.get(id(w), 0))
+                        #     items (a CPU with a launch beside a GPU) takes at most its first
+                        #     batch in a plan of the queue and the arrivals expected before the
+                        #     cheapest worker (the GPU) can start its next batch: those join
+                        #     that batch, so the CPU leaves them the room they take there.
+                        #     Arrivals after it starts find the CPU free again: counting them
+                        #     too (step 3's plan) makes this batch, which leaves now, wait for
+                        #     compute planned for requests that will not share it; counting
+                        #     none leaves the CPU taking too little while the GPU is busy.
+                        queued = min(queued, share.get(id(w), 0))
                         if queued <= 0:
                             continue
                     else:
