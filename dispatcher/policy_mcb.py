@@ -44,16 +44,18 @@ def amortises_launch(curve, k: int = 1) -> bool:
     return curve.predict(1) > (curve.predict(k + 1) - curve.predict(k)) * (1 + AMORTISES)
 
 
+def added_item_cost(state: SchedulerState, model: str, w: WorkerState) -> float:
+    """What one more item adds to a batch on ``w``: ``T(2) - T(1)``."""
+    c = state.cost(model, w.path)
+    return c.predict(2) - c.predict(1)
+
+
 def adds_items_dearer(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState]) -> bool:
     """Whether another of ``ws`` adds an item to its batch more cheaply than ``w`` does,
     ``T(2) - T(1)`` beyond AMORTISES (a CPU beside a GPU). Step 6b sizes such a worker's batch
     when it amortises a launch (``_share_before_next_launch``)."""
-    def added(x: WorkerState) -> float:
-        c = state.cost(model, x.path)
-        return c.predict(2) - c.predict(1)
-
-    mine = added(w)
-    return any(mine > added(x) * (1 + AMORTISES) for x in ws if x is not w)
+    mine = added_item_cost(state, model, w)
+    return any(mine > added_item_cost(state, model, x) * (1 + AMORTISES) for x in ws if x is not w)
 
 
 def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: float,
@@ -173,11 +175,7 @@ def _share_before_next_launch(state: SchedulerState, model: str, ws: list[Worker
     arrivals expected before the worker that adds items most cheaply (the GPU) can start its
     next batch: ``lambda * (its start - now)``, none while it is free. ``chunks`` is the plan of
     the queue alone, reused when no arrival is expected. (Step 6b.)"""
-    def added(x: WorkerState) -> float:
-        c = state.cost(model, x.path)
-        return c.predict(2) - c.predict(1)
-
-    cheapest = min(ws, key=added)
+    cheapest = min(ws, key=lambda x: added_item_cost(state, model, x))
     joining = int(lam * (state.start_time(cheapest, now) - now))
     if joining > 0:
         chunks, _ = plan(state, model, ws, b + joining, now, background)

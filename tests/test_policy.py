@@ -222,7 +222,8 @@ def launch_cpus_state(n_queued: int, gpu_busy_ms: float) -> SchedulerState:
 
 def test_free_cpus_with_a_launch_take_their_share_of_the_queue_and_the_arrivals_due_before_the_gpu_starts():
     # 4 queued, the GPU busy for 0.3 ms, 20k req/s: 6 arrivals are expected before the GPU can
-    # start; the plan of 10 gives each CPU 2 (done at 0.28 ms, sooner than the GPU). Counting
+    # start; the plan of 10 gives the CPUs 2 and 3 and the GPU 5, so the 4 go 2 + 2 (done at
+    # 0.28 ms, sooner than the GPU). Counting
     # every arrival of the plan's horizon (step 3's plan) grew a CPU's share until the first
     # CPU took all 4 (done at 0.52 ms) and the second stayed idle: simulated (2 such CPUs, 90 %
     # load, 20k arrivals), CPU batches of 4-8 made MCB's p99 1.23x escape:3's.
