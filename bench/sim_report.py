@@ -25,7 +25,6 @@ from .simulator import Device, seeds_devices, simulate
 from .traces import bursts, merge, poisson, steps
 
 
-
 def gpu_capacity(gpu: Device) -> float:
     """Items/s of ``gpu`` alone, in full batches (what a scenario's load is a fraction of)."""
     return gpu.max_batch / (gpu.launch_s + gpu.per_item_s * gpu.max_batch)
@@ -348,8 +347,8 @@ def random_markdown(rep: dict) -> str:
     L = ["# Simulator report, held-out scenarios — SIMULATED devices", "",
          f"{len(rep['scenarios'])} scenarios of the kinds in sim_report.md with numbers drawn at random "
          f"(`random_scenarios`, seed {rep['seed']}; a rule changed after its points were seen is no longer held "
-         f"out on that seed: docs/policy.md, \"Held out at random\", says which seeds the rule has seen). Load = offered rate / "
-         f"that scenario's GPU-only capacity. Baselines, bar and interval as in sim_report.md. Reproduce: "
+         f"out on that seed: docs/policy.md, \"Held out at random\", says which seeds the rule has seen). "
+         f"Load = offered rate / that scenario's GPU-only capacity. Baselines, bar and interval as in sim_report.md. Reproduce: "
          f"`python -m batchyard.bench.sim_report --random {len(rep['scenarios'])} --random-seed {rep['seed']} "
          f"--requests {rep['n']}` ({rep['n']:,} arrivals per point). Latencies of tens of ms mean the devices "
          f"cannot keep up for part of the trace (a step to up to 2x the mean rate at a 90 % load): every "

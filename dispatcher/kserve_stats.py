@@ -7,9 +7,10 @@ then the model's name. (A file named by the model's name itself passed the 255-b
 125-character name, and every infer of that model failed.) A statistics request sums every
 process's file, so any process answers for the node, as Triton's one server does
 (perf_analyzer takes the model's counts before and after a window and fails when they did not
-move: with per-process counts a window whose two requests landed on different processes failed). Counts are monotone and
-aligned, so a reader sees each one whole; a file outlives its process (counts are cumulative for
-the node's lifetime) and the first front door of a node starts them from zero.
+move: with per-process counts a window whose two requests landed on different processes
+failed). Counts are monotone and aligned, so a reader sees each one whole; a file outlives its
+process (counts are cumulative for the node's lifetime) and the first front door of a node
+starts them from zero.
 """
 
 from __future__ import annotations

@@ -245,12 +245,11 @@ class MarginalCost(PerModelPolicy):
             chunks, end = plan(state, model, ws, b, now, background)
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
-            # Step 6b's shares, planned before anything is sent (a send makes the GPU busy), and
-            # only where a free worker will need them.
-            share = None
-            if any(w.free and amortises_launch(state.cost(model, w.path)) and adds_items_dearer(state, model, w, ws)
-                   for w in ws):
-                share = _share_before_next_launch(state, model, ws, b, chunks, lam, now, background)
+            # The free workers step 6b sizes, and their shares, planned before anything is sent
+            # (a send makes the GPU busy) and only where such a worker is free.
+            sized = {id(w) for w in ws if w.free and amortises_launch(state.cost(model, w.path))
+                     and adds_items_dearer(state, model, w, ws)}
+            share = _share_before_next_launch(state, model, ws, b, chunks, lam, now, background) if sized else {}
             extra = 0
             room = sum(state.batch_cap(model, w, background) for w in ws)  # a plan never holds more than this
             for _ in range(FUTURE_ROUNDS):
@@ -265,7 +264,8 @@ class MarginalCost(PerModelPolicy):
             if slack <= 0:
                 d.count("flushed")
                 chunks, _ = plan(state, model, [w for w in ws if w.free], b, now, background)
-                share = {id(w): items for _, w, items in chunks}
+                if sized:
+                    share = {id(w): items for _, w, items in chunks}
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
             held = 0  # head items planned for busy workers that finish them before this one
@@ -281,26 +281,25 @@ class MarginalCost(PerModelPolicy):
                     continue
                 queued = min(items, left)
                 cap = state.batch_cap(model, w, background)
-                if amortises_launch(state.cost(model, w.path)):
-                    if adds_items_dearer(state, model, w, ws):
-                        # 6b. A launch-heavy worker that is not the cheapest place for added
-                        #     items (a CPU with a launch beside a GPU) takes at most its first
-                        #     batch in a plan of the queue and the arrivals expected before the
-                        #     cheapest worker (the GPU) can start its next batch: those join
-                        #     that batch, so the CPU leaves them the room they take there.
-                        #     Arrivals after it starts find the CPU free again: counting them
-                        #     too (step 3's plan) makes this batch, which leaves now, wait for
-                        #     compute planned for requests that will not share it; counting
-                        #     none leaves the CPU taking too little while the GPU is busy.
-                        queued = min(queued, share.get(id(w), 0))
-                        if queued <= 0:
-                            continue
-                    else:
-                        # 6a. A launch-heavy worker also takes what no other worker's first
-                        #     batch holds (up to its cap): those items would otherwise wait for
-                        #     a later decision, and under a burst its next launch is the
-                        #     bottleneck.
-                        queued = max(queued, min(cap, left - held - after))
+                if id(w) in sized:
+                    # 6b. A launch-heavy worker that is not the cheapest place for added
+                    #     items (a CPU with a launch beside a GPU) takes at most its first
+                    #     batch in a plan of the queue and the arrivals expected before the
+                    #     cheapest worker (the GPU) can start its next batch: those join
+                    #     that batch, so the CPU leaves them the room they take there.
+                    #     Arrivals after it starts find the CPU free again: counting them
+                    #     too (step 3's plan) makes this batch, which leaves now, wait for
+                    #     compute planned for requests that will not share it; counting
+                    #     none leaves the CPU taking too little while the GPU is busy.
+                    queued = min(queued, share.get(id(w), 0))
+                    if queued <= 0:
+                        continue
+                elif amortises_launch(state.cost(model, w.path)):
+                    # 6a. A launch-heavy worker also takes what no other worker's first
+                    #     batch holds (up to its cap): those items would otherwise wait for
+                    #     a later decision, and under a burst its next launch is the
+                    #     bottleneck.
+                    queued = max(queued, min(cap, left - held - after))
                 if queued <= 0:
                     break
                 if slack > 0 and queued < cap:
