@@ -75,12 +75,25 @@ def cuda_shm_status(name: str) -> list:
     return []
 
 
+def _shown(model: str) -> str:
+    # A name past 200 characters is cut: echoed whole, a 10 KB one made gRPC's trailer too big
+    # for the client (RESOURCE_EXHAUSTED instead of the error).
+    return model if len(model) <= 200 else model[:200] + "..."
+
+
 def unknown_model(model: str) -> KServeError:
-    # Triton: INVALID_ARG (HTTP 400) "Request for unknown model: 'x' is not found". A name past
-    # 200 characters is cut: echoed whole, a 10 KB one made gRPC's trailer too big for the
-    # client (RESOURCE_EXHAUSTED instead of the error).
-    shown = model if len(model) <= 200 else model[:200] + "..."
-    return invalid(f"Request for unknown model: '{shown}' is not found")
+    """Triton 2.51 (nvidia-pytriton's tritonserver, asked the same): NOT_FOUND, HTTP 404, for an
+    infer, metadata or config request naming a model it does not have. This answered
+    INVALID_ARGUMENT / 400, the code of older Tritons."""
+    return KServeError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{_shown(model)}' is not found")
+
+
+def stats_unavailable(model: str, version_given: bool) -> KServeError:
+    """Triton's statistics of a model (or version) it does not have: INVALID_ARGUMENT, HTTP 400,
+    in words of their own."""
+    if version_given:
+        return invalid(f"requested model version is not available for model '{_shown(model)}'")
+    return invalid(f"requested model '{_shown(model)}' is not available")
 
 
 def from_batchyard(err: BatchyardError, model: str) -> KServeError:
@@ -366,10 +379,9 @@ class KServeCore:
         return ready
 
     async def model_ready(self, model: str, version: str = "") -> bool:
-        try:
-            served = parse_version(version) in (-1, VERSION)
-        except KServeError:
-            served = False
+        """A version string that is no integer, or a negative one, is Triton's INVALID_ARGUMENT
+        here too (it answered "not ready"); the HTTP routes take digits only."""
+        served = parse_version(version) in (-1, VERSION)
         return served and model in ((await self.ready_models()) or ())
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
@@ -409,10 +421,19 @@ class KServeCore:
         c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
         return spec, out
 
-    async def model_stats(self, model: str) -> list[dict]:
+    async def model_stats(self, model: str, version: str = "") -> list[dict]:
         """Triton's statistics of ``model``, or of every model of the node (zeros for those not
-        asked for yet), summed over the node's front-door processes."""
-        if not model:
+        asked for yet), summed over the node's front-door processes. A model or version the node
+        does not have is Triton's error for statistics (``stats_unavailable``)."""
+        if model:
+            v = parse_version(version)
+            try:
+                await self.spec(model)
+            except KServeError as e:
+                raise (stats_unavailable(model, False) if e.code == grpc.StatusCode.NOT_FOUND else e) from None
+            if v not in (-1, VERSION):
+                raise stats_unavailable(model, True)
+        else:
             await self.ready_models()
         totals = self.stats.totals()
         zero = np.zeros(len(S.FIELDS), np.int64)

@@ -32,6 +32,10 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
              "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
              "FP64": "fp64_contents"}
+# Each field's own datatype, as Triton names it when a request fills the wrong one.
+_FIELD_TYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_contents": "INT64", "uint_contents": "UINT32",
+               "uint64_contents": "UINT64", "fp32_contents": "FP32", "fp64_contents": "FP64",
+               "bytes_contents": "BYTES"}
 
 
 def param(params, key: str, default=None):
@@ -65,6 +69,15 @@ def _shm_param(params) -> Optional[tuple[str, int, int]]:
     return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
 
 
+def check_contents_field(t, field: str, model: str) -> None:
+    """Typed contents in a field of another datatype than the input's are Triton's error (they
+    were ignored, and the input then counted 0 elements)."""
+    for other, datatype in _FIELD_TYPE.items():
+        if other != field and len(getattr(t.contents, other)):
+            raise invalid(f"unexpected explicit tensor data for input tensor '{t.name}' for model '{model}' of "
+                          f"type '{datatype}', expected datatype '{t.datatype}'")
+
+
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, core: KServeCore):
@@ -78,7 +91,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerReadyResponse(ready=bool(await self.core.ready_models()))
 
     async def ModelReady(self, request, context):
-        return service_pb2.ModelReadyResponse(ready=await self.core.model_ready(request.name, request.version))
+        ready = await self._call(context, self.core.model_ready(request.name, request.version))
+        return service_pb2.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
         return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
@@ -93,10 +107,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelConfigResponse(config=cfg)
 
     async def ModelStatistics(self, request, context):
-        if request.name:
-            await self._call(context, self.core.spec(request.name, request.version))
         out = service_pb2.ModelStatisticsResponse()
-        for d in await self.core.model_stats(request.name):
+        for d in await self._call(context, self.core.model_stats(request.name, request.version)):
             json_format.ParseDict(d, out.model_stats.add())
         return out
 
@@ -219,6 +231,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 inputs[t.name] = tensor_from_bytes(t.name, t.datatype, shape, data)
             else:
                 field = _CONTENTS.get(t.datatype, "")
+                check_contents_field(t, field, request.model_name)
                 values = getattr(t.contents, field) if field else []
                 # Checked before the values are turned into Python objects (tens of bytes each):
                 # 100 MiB of contents for a [1, 16] input took 1.6-2.8 GB and held the loop 5-12 s.
@@ -245,16 +258,21 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return resp
 
     def _requested_outputs(self, request, spec, inputs: dict) -> list[tuple[str, Optional[tuple]]]:
-        """(name, shm region or None) per output to return; all of the model's when none named."""
+        """(name, shm region or None) per output to return; all of the model's when none named.
+        An output named twice is returned once, as its first mention asks (Triton 2.51 answers
+        it once; this returned it twice)."""
         if not request.outputs:
             return [(t.name, None) for t in spec.outputs]
         names = {t.name for t in spec.outputs}
-        wanted = []
+        wanted, seen = [], set()
         for o in request.outputs:
             if o.name not in names:
                 raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
             if "classification" in o.parameters:  # tritonclient's class_count
                 raise invalid(f"output '{o.name}': classification is not supported")
+            if o.name in seen:
+                continue
+            seen.add(o.name)
             region = _shm_param(o.parameters)
             if region is not None:
                 self.core.shm.check_output(*region, o.name, output_nbytes(spec, o.name, inputs))

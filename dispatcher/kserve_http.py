@@ -65,6 +65,34 @@ def _uint(obj: dict, key: str) -> int:
     return v
 
 
+_REQUIRED = object()
+_KINDS = {list: "an array", dict: "an object", str: "a string"}
+
+
+def _field(obj, key: str, kind: type, default=_REQUIRED):
+    """``obj[key]`` when it is a JSON value of ``kind`` (``default`` when absent, if there is one):
+    another kind, a missing required member, or a parent that is no object is the request's
+    fault, in Triton's words ("Unable to parse 'shape'"). Unchecked, these failed as Python's own
+    exceptions, named in the error ("AttributeError: 'str' object has no attribute 'get'")."""
+    if not isinstance(obj, dict):
+        raise invalid(f"Unable to parse '{key}': it belongs to an object, got {json.dumps(obj)[:80]}")
+    if key not in obj:
+        if default is _REQUIRED:
+            raise invalid(f"Unable to parse '{key}': the object has no member '{key}'")
+        return default
+    v = obj[key]
+    if not isinstance(v, kind):
+        raise invalid(f"Unable to parse '{key}': expected {_KINDS[kind]}, got {json.dumps(v)[:80]}")
+    return v
+
+
+def _shape(t: dict) -> list[int]:
+    shape = _field(t, "shape", list)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise invalid(f"Unable to parse 'shape': expected an array of integers, got {json.dumps(shape)[:80]}")
+    return shape
+
+
 def _bool(obj: dict, key: str, default: bool) -> bool:
     v = obj.get(key, default)
     if not isinstance(v, bool):
@@ -125,7 +153,8 @@ class KServeHttp:
 
     def routes(self) -> list:
         m = "/v2/models/{model}"
-        v = "/v2/models/{model}/versions/{version}"
+        # As Triton's routes: a version is digits ("01" is 1); any other string is no route (404).
+        v = "/v2/models/{model}/versions/{version:[0-9]+}"
         r = "/v2/systemsharedmemory"
         c = "/v2/cudasharedmemory"
         return [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
@@ -156,8 +185,9 @@ class KServeHttp:
         return web.Response(status=200 if await self.core.ready_models() else 400)
 
     async def model_ready(self, request):
-        ready = await self.core.model_ready(request.match_info["model"], _version(request))
-        return web.Response(status=200 if ready else 400)
+        if await self.core.model_ready(request.match_info["model"], _version(request)):
+            return web.Response()
+        return web.json_response({"error": "Model version not ready"}, status=400)  # Triton's answer
 
     async def server_metadata(self, request):
         return web.json_response({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
@@ -175,13 +205,11 @@ class KServeHttp:
             return _error(e)
 
     async def stats(self, request):
-        model = request.match_info.get("model", "")
         try:
-            if model:
-                await self.core.spec(model, _version(request))
+            stats = await self.core.model_stats(request.match_info.get("model", ""), _version(request))
         except KServeError as e:
             return _error(e)
-        return web.json_response({"model_stats": await self.core.model_stats(model)})
+        return web.json_response({"model_stats": stats})
 
     # ---------------------------------------------------------------- repository (control mode NONE)
     async def repository_index(self, request):
@@ -198,9 +226,10 @@ class KServeHttp:
     async def shm_register(self, request):
         try:
             body, _ = _split(request, await read_body(request, MAX_JSON_BYTES))
-            key = body.get("key", "")
-            if not isinstance(key, str):
-                raise invalid(f"'key' must be a string, got {key!r}")
+            for required in ("key", "byte_size"):  # Triton's errors; a missing size read as 0 bytes
+                if required not in body:
+                    raise invalid(f"Shared memory register request has no '{required}' field")
+            key = _field(body, "key", str)
             self.core.shm.register(request.match_info["name"], key, _uint(body, "offset"), _uint(body, "byte_size"))
         except (KServeError, *MALFORMED) as e:  # a body of the wrong shape: the client's fault, a 400
             return _error(as_kserve(e, "shared-memory registration"))
@@ -248,7 +277,7 @@ class KServeHttp:
             wanted = [(t.name, True, None) for t in spec.outputs]  # Triton answers a raw request in binary
         else:
             header, binary = _split(request, body)
-            params = header.get("parameters") or {}
+            params = _field(header, "parameters", dict, {})
             inputs = self._inputs(spec, header, binary)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
         rid = header.get("id", "")
@@ -282,10 +311,10 @@ class KServeHttp:
 
     def _inputs(self, spec, header: dict, binary: memoryview) -> dict[str, np.ndarray]:
         model, inputs, pos = spec.name, {}, 0
-        for t in header.get("inputs") or []:
-            name, datatype, shape = t.get("name", ""), t.get("datatype", ""), list(t.get("shape") or [])
+        for t in _field(header, "inputs", list):
+            name, datatype, shape = _field(t, "name", str), _field(t, "datatype", str), _shape(t)
             check_new_input(inputs, name, shape, model)
-            tp = t.get("parameters") or {}
+            tp = _field(t, "parameters", dict, {})
             source = _data_source(name, t, tp)
             if source == "shared_memory_region":
                 region = _shm(tp)
@@ -319,18 +348,22 @@ class KServeHttp:
     def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict) -> list:
         """(name, binary?, shm region or None) per output to return. None named: all of them, binary
         as the request's ``binary_data_output`` says; a named one is binary only if its own
-        ``binary_data`` says so (Triton: the request's setting is for outputs not named)."""
+        ``binary_data`` says so (Triton: the request's setting is for outputs not named). An
+        output named twice is returned once, as its first mention asks (as Triton 2.51)."""
         requested = header.get("outputs")
         if not requested:
             return [(t.name, binary_default, None) for t in spec.outputs]
         names = {t.name for t in spec.outputs}
-        wanted = []
-        for o in requested:
-            name, op = o.get("name", ""), o.get("parameters") or {}
+        wanted, seen = [], set()
+        for o in _field(header, "outputs", list):
+            name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
             if name not in names:
                 raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
             if "classification" in op:
                 raise invalid(f"output '{name}': classification is not supported")
+            if name in seen:
+                continue
+            seen.add(name)
             region = _shm(op)
             if region is not None:
                 self.core.shm.check_output(*region, name, output_nbytes(spec, name, inputs))

@@ -97,7 +97,8 @@ def _open_segment(name: str, key: str, offset: int, byte_size: int) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
         size = st.st_size
-        if offset < 0 or byte_size < 0 or offset + byte_size > size or size == 0:
+        # A region of no bytes serves nothing; Triton refuses it too (its mmap of 0 bytes fails).
+        if offset < 0 or byte_size <= 0 or offset + byte_size > size:
             raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
                           f"{byte_size} bytes, the segment '{key}' has {size})")
     except BaseException:

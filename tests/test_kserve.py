@@ -4,6 +4,7 @@ HTTP clients and their asyncio variants, against a node run by `batchyard up` wi
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import queue
@@ -237,12 +238,12 @@ def test_a_compressed_infer_body_inflates_no_further_than_the_model_can_use(fron
         "sum", [_http_input(X)]).as_numpy("y"), front_door.sdk("sum", X))
 
 
-def test_a_long_unknown_model_name_is_an_invalid_argument_over_grpc(front_door):
+def test_a_long_unknown_model_name_is_not_found_over_grpc(front_door):
     """Echoed whole, a 10 KB name made the gRPC trailer too big: RESOURCE_EXHAUSTED."""
     c = tgrpc.InferenceServerClient(front_door.grpc_url)
     with pytest.raises(InferenceServerException) as e:
         c.infer("m" * 10_000, [_grpc_input(X)])
-    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "..." in e.value.message(), e.value
+    assert e.value.status() == "StatusCode.NOT_FOUND" and "..." in e.value.message(), e.value
 
 
 def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front_door):
@@ -365,8 +366,8 @@ def test_versions_and_unknown_paths_answer_as_triton(front_door):
 
 
 def test_version_strings_are_read_as_triton_reads_them(front_door):
-    """Triton reads a version with std::stol: "01" is version 1; no integer, or a negative one, is
-    INVALID_ARG (both were "not found")."""
+    """Triton reads a gRPC version with std::stol: "01" is version 1; no integer, or a negative
+    one, is INVALID_ARG (both were "not found")."""
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     h = thttp.InferenceServerClient(front_door.http_url)
     want = front_door.sdk("sum", X)
@@ -374,12 +375,13 @@ def test_version_strings_are_read_as_triton_reads_them(front_door):
     np.testing.assert_array_equal(h.infer("sum", [_http_input(X)], model_version="01").as_numpy("y"), want)
     for version, text in (("abc", "failed to get model version from specified version string 'abc'"),
                           ("-1", "invalid model version specified '-1'")):
-        for call, code in ((lambda: g.infer("sum", [_grpc_input(X)], model_version=version),
-                            "StatusCode.INVALID_ARGUMENT"),
-                           (lambda: h.get_model_metadata("sum", version), "400")):
-            with pytest.raises(InferenceServerException, match=text) as e:
-                call()
-            assert e.value.status() == code
+        with pytest.raises(InferenceServerException, match=text) as e:
+            g.infer("sum", [_grpc_input(X)], model_version=version)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        # Over HTTP Triton's routes take a version of digits only: anything else is no route.
+        with pytest.raises(InferenceServerException, match="Not Found") as e:
+            h.get_model_metadata("sum", version)
+        assert e.value.status() == "404"
 
 
 def test_server_metadata_lists_every_extension_served(front_door):
@@ -674,28 +676,90 @@ def test_shm_of_batchyard_itself_cannot_be_registered(front_door):
 
 
 # ---------------------------------------------------------------- errors, as Triton reports them
+# Each code is what Triton 2.51 (nvidia-pytriton's tritonserver) answered the same request.
 BAD_CASES = {
-    "unknown model": ("nope", X, "FP32", "unknown model: 'nope'"),
+    "unknown model": ("nope", X, "FP32", "unknown model: 'nope'", "NOT_FOUND", "404"),
     # no model can have it: the SDK's own 'malformed header: Expected `str` of length <= 128' before
-    "name too long": ("m" * 129, X, "FP32", "unknown model: 'm{129}' is not found"),
-    "wrong shape": ("sum", np.zeros((2, 5), np.float32), "FP32", "unexpected shape for input 'x'"),
-    "wrong dtype": ("sum", X.astype(np.float64), "FP64", "data-type is 'FP64', but model 'sum' expects 'FP32'"),
-    "classification": ("sum", X, "FP32", "classification is not supported"),
+    "name too long": ("m" * 129, X, "FP32", "unknown model: 'm{129}' is not found", "NOT_FOUND", "404"),
+    "wrong shape": ("sum", np.zeros((2, 5), np.float32), "FP32", "unexpected shape for input 'x'", "INVALID_ARGUMENT",
+                    "400"),
+    "wrong dtype": ("sum", X.astype(np.float64), "FP64", "data-type is 'FP64', but model 'sum' expects 'FP32'",
+                    "INVALID_ARGUMENT", "400"),
+    "classification": ("sum", X, "FP32", "classification is not supported", "INVALID_ARGUMENT", "400"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_bad_requests_get_tritons_codes(front_door, case):
-    model, x, dtype, text = BAD_CASES[case]
+    """An unknown model answered INVALID_ARGUMENT / 400, the code of older Tritons; 2.51 says
+    NOT_FOUND / 404."""
+    model, x, dtype, text, grpc_code, http_code = BAD_CASES[case]
     classify = case == "classification"  # tritonclient's class_count
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     with pytest.raises(InferenceServerException, match=text) as e:
         g.infer(model, [_grpc_input(x, dtype)], outputs=[tgrpc.InferRequestedOutput("y", class_count=1)] if classify else None)
-    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert e.value.status() == f"StatusCode.{grpc_code}"
     h = thttp.InferenceServerClient(front_door.http_url)
     with pytest.raises(InferenceServerException, match=text) as e:
         h.infer(model, [_http_input(x, dtype)], outputs=[thttp.InferRequestedOutput("y", class_count=1)] if classify else None)
-    assert e.value.status() == "400"
+    assert e.value.status() == http_code
+
+
+def test_model_calls_on_an_unknown_model_or_version_answer_as_triton_2_51(front_door):
+    """Metadata and config of an unknown model are NOT_FOUND / 404 (they were INVALID_ARGUMENT /
+    400); statistics are INVALID_ARGUMENT / 400 in words of their own, for an unknown model and
+    for a version the node does not serve; readiness of a version string that is no integer is
+    INVALID_ARGUMENT over gRPC (it answered "not ready"), and no route over HTTP (404), as
+    Triton's routes take digits only; a model that is not ready says so in JSON."""
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    h = thttp.InferenceServerClient(front_door.http_url)
+    for call, code in ((lambda: g.get_model_metadata("nope"), "StatusCode.NOT_FOUND"),
+                       (lambda: g.get_model_config("nope"), "StatusCode.NOT_FOUND"),
+                       (lambda: h.get_model_metadata("nope"), "404"), (lambda: h.get_model_config("nope"), "404")):
+        with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found") as e:
+            call()
+        assert e.value.status() == code
+    for call, text in ((lambda: g.get_inference_statistics("nope"), "requested model 'nope' is not available"),
+                       (lambda: h.get_inference_statistics("nope"), "requested model 'nope' is not available"),
+                       (lambda: g.get_inference_statistics("sum", "3"),
+                        "requested model version is not available for model 'sum'"),
+                       (lambda: h.get_inference_statistics("sum", "3"),
+                        "requested model version is not available for model 'sum'")):
+        with pytest.raises(InferenceServerException, match=text) as e:
+            call()
+        assert e.value.status() in ("StatusCode.INVALID_ARGUMENT", "400")
+    with pytest.raises(InferenceServerException, match="failed to get model version from specified version string"):
+        g.is_model_ready("sum", "x")
+    r = h._get("v2/models/sum/versions/x/ready", None, None)
+    assert r.status_code == 404 and json.loads(r.read())["error"].startswith("Not Found")
+    r = h._get("v2/models/nope/ready", None, None)
+    assert r.status_code == 400 and json.loads(r.read()) == {"error": "Model version not ready"}
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_an_output_named_twice_comes_back_once(front_door, proto):
+    """Triton 2.51 answers a repeated requested output once; this answered it twice."""
+    mod, inp = (tgrpc, _grpc_input(X)) if proto == "grpc" else (thttp, _http_input(X))
+    c = mod.InferenceServerClient(front_door.grpc_url if proto == "grpc" else front_door.http_url)
+    res = c.infer("sum", [inp], outputs=[mod.InferRequestedOutput("y"), mod.InferRequestedOutput("y")])
+    outputs = res.get_response(as_json=True)["outputs"] if proto == "grpc" else res.get_response()["outputs"]
+    assert [o["name"] for o in outputs] == ["y"]
+    np.testing.assert_array_equal(res.as_numpy("y"), front_door.sdk("sum", X))
+
+
+def test_typed_contents_in_another_types_field_are_tritons_error(front_door):
+    """FP32 data sent in ``int_contents`` was ignored, and the input then counted 0 elements."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    req.inputs.add(name="x", datatype="FP32", shape=[3, 4]).contents.int_contents.extend(range(12))
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == ("unexpected explicit tensor data for input tensor 'x' for model 'sum' of type "
+                                 "'INT32', expected datatype 'FP32'")
 
 
 def test_a_parameter_of_the_wrong_type_is_an_invalid_argument(front_door):
@@ -936,6 +1000,57 @@ def test_bad_shm_region_is_not_found(front_door):
     assert e.value.status() == "404"
 
 
+def test_a_registration_without_key_or_size_or_of_no_bytes_is_refused(front_door):
+    """As Triton 2.51: over HTTP a body without ``key`` or ``byte_size`` is a 400 naming the field
+    (a missing size registered a region of 0 bytes); a region of 0 bytes is refused over either
+    protocol, and nothing is registered."""
+    h = thttp.InferenceServerClient(front_door.http_url)
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    segment = shared_memory.SharedMemory(f"by_kserve_nosize_{os.getpid()}", create=True, size=64)
+    try:
+        for missing in ("key", "byte_size"):
+            body = {k: v for k, v in {"key": f"/{segment.name}", "offset": 0, "byte_size": 16}.items() if k != missing}
+            r = h._post("v2/systemsharedmemory/region/r0/register", json.dumps(body).encode(), None, None)
+            assert r.status_code == 400, r.status_code
+            assert json.loads(r.read())["error"] == f"Shared memory register request has no '{missing}' field"
+        with pytest.raises(InferenceServerException, match="invalid args") as e:
+            h.register_system_shared_memory("r0", f"/{segment.name}", 0)
+        assert e.value.status() == "400"
+        with pytest.raises(InferenceServerException, match="invalid args") as e:
+            g.register_system_shared_memory("r0", f"/{segment.name}", 0)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert h.get_system_shared_memory_status() == []
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+MALFORMED_BODIES = {
+    "inputs not an array": ({"inputs": {"x": 1}}, "Unable to parse 'inputs': expected an array"),
+    "no inputs member": ({"outputs": []}, "Unable to parse 'inputs': the object has no member 'inputs'"),
+    "an input that is no object": ({"inputs": ["x"]}, "Unable to parse 'name': it belongs to an object"),
+    "an input without a name": ({"inputs": [{"shape": [3, 4], "datatype": "FP32", "data": [0] * 12}]},
+                                "Unable to parse 'name': the object has no member 'name'"),
+    "a shape that is a string": ({"inputs": [{"name": "x", "shape": "3,4", "datatype": "FP32", "data": [0] * 12}]},
+                                 "Unable to parse 'shape': expected an array"),
+    "a shape of fractions": ({"inputs": [{"name": "x", "shape": [3.0, 4], "datatype": "FP32", "data": [0] * 12}]},
+                             "Unable to parse 'shape': expected an array of integers"),
+    "outputs not an array": ({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": [0] * 12}],
+                              "outputs": {"y": 1}}, "Unable to parse 'outputs': expected an array"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_BODIES))
+def test_a_malformed_json_body_is_named_by_its_field(front_door, case):
+    """Each answered 400 naming a Python exception ("AttributeError: 'str' object has no attribute
+    'get'"); now the field, in Triton's words. (Triton answers these 500; a body the client got
+    wrong is a 400 here, docs/frontend.md.)"""
+    body, text = MALFORMED_BODIES[case]
+    r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
+    error = json.loads(r.read())["error"]
+    assert r.status_code == 400 and error.startswith(text) and "Error" not in error, error
+
+
 def test_http_shm_registration_takes_only_unsigned_integers(front_door):
     """Triton reads offset and byte_size as unsigned integers; "8" and 1.9 were taken as 8 and 1."""
     c = thttp.InferenceServerClient(front_door.http_url)
@@ -1082,3 +1197,130 @@ def test_a_header_length_is_plain_digits(front_door):
         status, _, text = _post_infer(front_door, body, header_length=bad)
         assert status == 400 and b"is not a byte count" in text, (bad, text)
     assert _post_infer(front_door, body, header_length=n)[0] == 200
+
+
+# ---------------------------------------------------------------- against Triton itself
+_TRITON_SUM = {
+    "config.pbtxt": 'name: "sum"\nbackend: "python"\nmax_batch_size: 16\n'
+                    'input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
+                    'output [ { name: "y", data_type: TYPE_FP32, dims: [ 2 ] } ]\n'
+                    'instance_group [ { kind: KIND_CPU, count: 1 } ]\n',
+    "1/model.py": "import numpy as np\nimport triton_python_backend_utils as pb_utils\n\n\n"
+                  "class TritonPythonModel:\n    def execute(self, requests):\n"
+                  "        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor('y', np.zeros(\n"
+                  "            (pb_utils.get_input_tensor_by_name(r, 'x').as_numpy().shape[0], 2), np.float32))])\n"
+                  "                for r in requests]\n",
+}
+
+
+@pytest.fixture(scope="module")
+def triton_sum(tmp_path_factory):
+    """A real tritonserver (nvidia-pytriton's) serving a python-backend `sum` of the front door's
+    inputs and outputs."""
+    if importlib.util.find_spec("pytriton") is None:
+        pytest.skip("needs nvidia-pytriton's tritonserver")
+    from batchyard.workers.triton_local import TritonLocal
+
+    repo = tmp_path_factory.mktemp("triton-repo")
+    for rel, text in _TRITON_SUM.items():
+        (repo / "sum" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "sum" / rel).write_text(text)
+    tl = TritonLocal(repo, models=["sum"]).start(ready_timeout_s=120)
+    try:
+        yield tl
+    finally:
+        tl.close()
+
+
+_XJ = {"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}
+# (method, path, JSON body): requests a Triton user's code sends, right and wrong. Left out, as
+# docs/frontend.md says: bodies Batchyard cannot read (Triton 500, Batchyard 400), trace and log
+# settings, a `timeout` (Triton's applies to its batcher's queue only), and model control (this
+# Triton runs in explicit mode; a node's models are its config's, as in mode NONE).
+PARITY_HTTP = [
+    ("POST", "v2/models/nope/infer", {"inputs": [_XJ]}), ("GET", "v2/models/nope", None),
+    ("GET", "v2/models/nope/config", None), ("GET", "v2/models/nope/stats", None),
+    ("GET", "v2/models/nope/ready", None), ("GET", "v2/models/sum/versions/3", None),
+    ("GET", "v2/models/sum/versions/3/stats", None), ("GET", "v2/models/sum/versions/x", None),
+    ("GET", "v2/models/sum/versions/-1/ready", None), ("GET", "v2/models/sum/versions/01", None),
+    ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "z"}]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "y"}, {"name": "y"}]}),
+    ("POST", "v2/models/sum/infer", {"inputs": []}),
+    ("POST", "v2/models/sum/infer", {"inputs": [dict(_XJ, shape=[17, 4], data=[0.0] * 68)]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [dict(_XJ, shape=[12])]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [dict(_XJ, datatype="INT32", data=list(range(12)))]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [dict(_XJ, datatype="BYTES", data=["a"] * 12)]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [_XJ, _XJ]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [dict(_XJ, data=None, parameters={
+        "shared_memory_region": "nope", "shared_memory_byte_size": 48})]}),
+    ("POST", "v2/models/sum/infer", {"id": "a", "inputs": [_XJ], "parameters": {"priority": 5, "other": 1}}),
+    ("GET", "v2/systemsharedmemory/region/nope/status", None),
+    ("POST", "v2/systemsharedmemory/region/nope/unregister", None),
+    ("POST", "v2/systemsharedmemory/region/r/register", {"offset": 0, "byte_size": 16}),
+]
+
+
+def _http_status(url: str, method: str, path: str, body) -> int:
+    import urllib.error
+    import urllib.request
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        request = urllib.request.Request(f"http://{url}/{path}", data, method=method)
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_http_answers_with_tritons_status_codes(front_door, triton_sum):
+    """The same requests to Triton 2.51 and to the front door get the same HTTP status."""
+    triton_url = f"127.0.0.1:{triton_sum.http_port}"
+    got = [(m, p, _http_status(triton_url, m, p, b), _http_status(front_door.http_url, m, p, b))
+           for m, p, b in PARITY_HTTP]
+    assert [g for g in got if g[2] != g[3]] == [], "(method, path, Triton, Batchyard)"
+
+
+def test_grpc_answers_with_tritons_status_codes(front_door, triton_sum):
+    """The same gRPC requests to Triton 2.51 and to the front door get the same status code."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
+
+    def infer(model="sum", version="", outputs=(), shape=(3, 4), raw=X.tobytes(), **params):
+        r = pb.ModelInferRequest(model_name=model, model_version=version)
+        r.inputs.add(name="x", datatype="FP32", shape=list(shape))
+        r.raw_input_contents.append(raw)
+        for o in outputs:
+            r.outputs.add(name=o)
+        for k, v in params.items():
+            r.parameters[k].int64_param = v
+        return r
+
+    typed = pb.ModelInferRequest(model_name="sum")
+    typed.inputs.add(name="x", datatype="FP32", shape=[3, 4]).contents.int_contents.extend(range(12))
+    calls = [("ModelInfer", infer("nope")), ("ModelInfer", infer("")), ("ModelInfer", infer(version="3")),
+             ("ModelInfer", infer(version="x")), ("ModelInfer", infer(outputs=["z"])),
+             ("ModelInfer", infer(outputs=["y", "y"])), ("ModelInfer", infer(shape=(17, 4), raw=bytes(272))),
+             ("ModelInfer", infer(raw=X.tobytes()[:-4])), ("ModelInfer", infer(priority=5, sequence_id=3)),
+             ("ModelInfer", typed), ("ModelMetadata", pb.ModelMetadataRequest(name="nope")),
+             ("ModelConfig", pb.ModelConfigRequest(name="nope")),
+             ("ModelConfig", pb.ModelConfigRequest(name="sum", version="2")),
+             ("ModelStatistics", pb.ModelStatisticsRequest(name="nope")),
+             ("ModelStatistics", pb.ModelStatisticsRequest(name="sum", version="2")),
+             ("ModelReady", pb.ModelReadyRequest(name="sum", version="x")),
+             ("ModelReady", pb.ModelReadyRequest(name="nope")),
+             ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name="nope")),
+             ("SystemSharedMemoryRegister",
+              pb.SystemSharedMemoryRegisterRequest(name="r", key="/by_none", byte_size=8)),
+             ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name="nope"))]
+
+    def code(url, fn, req):
+        with grpc.insecure_channel(url) as ch:
+            try:
+                getattr(service_pb2_grpc.GRPCInferenceServiceStub(ch), fn)(req, timeout=30)
+                return "OK"
+            except grpc.RpcError as e:
+                return e.code().name
+
+    got = [(fn, str(req)[:60], code(triton_sum.grpc_url, fn, req), code(front_door.grpc_url, fn, req))
+           for fn, req in calls]
+    assert [g for g in got if g[2] != g[3]] == [], "(call, request, Triton, Batchyard)"
