@@ -211,6 +211,9 @@ class FrontendConfig(_Table):
     # The largest request (and gRPC answer) in bytes. Triton's gRPC limit is the same 2 GiB - 1,
     # and its HTTP one (64 MiB) is for JSON only, not for binary tensors.
     max_request_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=(1 << 31) - 1)] = (1 << 31) - 1
+    # As Triton's --strict-readiness (its default too): the server is ready while every model of
+    # the node has a registered worker; false: while any has.
+    strict_readiness: bool = True
 
 
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.

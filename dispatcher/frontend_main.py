@@ -31,7 +31,7 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
     client = AsyncClient(node.dispatcher.frontend, **node_client_keys(node.dispatcher, node.dispatcher.frontend))
     # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
     core = KServeCore(client, ShmRegions(registry_dir(fe.host, fe.grpc_port, fe.http_port)),
-                      default_timeout_s=node.dispatcher.default_timeout_s)
+                      default_timeout_s=node.dispatcher.default_timeout_s, strict_readiness=fe.strict_readiness)
     grpc_server = http_runner = watchdog = None
     try:
         # HTTP first: a client that sees the gRPC port ready finds HTTP ready too (tests wait so).

@@ -328,7 +328,7 @@ def stats_json(name: str, c) -> dict:
 class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
-    def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None):
+    def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None, strict_readiness: bool = True):
         from .kserve_shm import ShmRegions  # it imports this module's errors
 
         self.client = client  # batchyard.AsyncClient
@@ -336,6 +336,7 @@ class KServeCore:
         # [dispatcher] default_timeout_s, not the Python SDK's own default: the operator who
         # sets that key (Triton has no default deadline at all) means it for the front door too.
         self.default_timeout_s = default_timeout_s
+        self.strict_readiness = strict_readiness
         self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
         self.stats = NodeStats(self.shm.dir_fd)
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
@@ -377,6 +378,16 @@ class KServeCore:
         except BatchyardError:
             ready = None
         return ready
+
+    async def server_ready(self) -> bool:
+        """Triton's default readiness (``--strict-readiness=true``): ready while every model of
+        the node has a registered worker; with ``strict`` off, while any has. Readiness used to
+        be the second alone: a node whose only worker of one model was gone stayed ready, and a
+        load balancer that probes /v2/health/ready kept sending that model's requests there."""
+        ready = await self.ready_models()
+        if not ready:
+            return False
+        return not self.strict_readiness or self._models <= ready
 
     async def model_ready(self, model: str, version: str = "") -> bool:
         """A version string that is no integer, or a negative one, is Triton's INVALID_ARGUMENT

@@ -88,7 +88,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return service_pb2.ServerReadyResponse(ready=bool(await self.core.ready_models()))
+        return service_pb2.ServerReadyResponse(ready=await self.core.server_ready())
 
     async def ModelReady(self, request, context):
         ready = await self._call(context, self.core.model_ready(request.name, request.version))

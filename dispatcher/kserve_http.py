@@ -182,7 +182,7 @@ class KServeHttp:
         return web.Response()
 
     async def ready(self, request):
-        return web.Response(status=200 if await self.core.ready_models() else 400)
+        return web.Response(status=200 if await self.core.server_ready() else 400)
 
     async def model_ready(self, request):
         if await self.core.model_ready(request.match_info["model"], _version(request)):

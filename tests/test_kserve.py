@@ -1097,6 +1097,25 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     assert seen == [sent]
 
 
+@pytest.mark.parametrize("strict, served, want", [(True, {"a", "b"}, True), (True, {"a"}, False),
+                                                  (False, {"a"}, True), (False, set(), False)])
+def test_server_readiness_is_strict_as_tritons_unless_configured_not(tmp_path, strict, served, want):
+    """Strict (Triton's default): ready while every model of the node has a worker; the server
+    stayed ready with one model's last worker gone. ``strict_readiness = false``: while any has."""
+    class FakeClient:
+        specs = {}
+
+        async def status(self, timeout, brief):
+            workers = [type("W", (), {"models": [m]})() for m in sorted(served)]
+            return type("Status", (), {"workers": workers, "models": ["a", "b"]})()
+
+    core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")), strict_readiness=strict)
+    try:
+        assert asyncio.run(core.server_ready()) is want
+    finally:
+        core.close()
+
+
 # ---------------------------------------------------------------- disconnects and readiness
 def test_client_that_disconnects_mid_request_loses_nothing_for_others(front_door):
     want = front_door.sdk("slow", X)
@@ -1183,11 +1202,14 @@ def test_readiness_follows_the_models_last_worker(front_door):
         # The front door asks the dispatcher on every probe: no stale "ready" after the loss.
         assert not g.is_model_ready("solo") and not h.is_model_ready("solo")
         assert g.is_model_ready("sum"), "other models stay ready"
+        # The server is not, as Triton's default strict readiness has it (it stayed ready).
+        assert not g.is_server_ready() and not h.is_server_ready()
     finally:
         os.kill(pid, signal.SIGCONT)
     with Client(front_door.node.address) as c:  # it registers again once it heartbeats
         assert c.status(min_registrations=st.registrations + 1, wait=30).registrations > st.registrations
     assert g.is_model_ready("solo") and h.is_model_ready("solo")
+    assert g.is_server_ready() and h.is_server_ready()
 
 
 def test_a_header_length_is_plain_digits(front_door):
