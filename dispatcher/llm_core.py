@@ -23,7 +23,7 @@ import heapq
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 from . import protocol as P
 from .llm_fit import LearnedCurves, prefill_features
