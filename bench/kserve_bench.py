@@ -16,11 +16,16 @@
   status      the dispatcher's CPU per status request, full and brief (what a readiness probe
               asks), against a model-info request, after --fill requests have filled the
               decision-lateness rings the full status summarises.
+  stall       what one large JSON request costs everyone else of its front-door process: small
+              gRPC requests, one at a time, while HTTP infer requests of --mib MiB of JSON
+              tensor data (float32, 4 MiB an item) are served; the longest small request during
+              each is how long the process's loop was held.
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
     .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads] [--floor]
     .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
+    .venv/bin/python -m batchyard.bench.kserve_bench stall --mib 62 --n 3
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from batchyard.supervisor import running_node
 NOOP = ModelConfig(name="noop", max_batch=64, inputs=(TensorConfig("x", "float32", (16,)),),
                    outputs=(TensorConfig("y", "float32", (16,)),))
 X = np.ones((1, 16), np.float32)
+BIG = ModelConfig(name="big", max_batch=16, inputs=(TensorConfig("x", "float32", (1024, 1024)),),
+                  outputs=(TensorConfig("y", "float32", (2,)),))
 
 
 def _free_port() -> int:
@@ -49,11 +56,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def noop_node(run_dir: str, processes: int) -> NodeConfig:
+def noop_node(run_dir: str, processes: int, models: tuple = (NOOP,)) -> NodeConfig:
     return NodeConfig(
         dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-        models=(NOOP,),
-        workers=(WorkerConfig(name="sim0", kind="sim", models=("noop",), max_inflight=4,
+        models=models,
+        workers=(WorkerConfig(name="sim0", kind="sim", models=tuple(m.name for m in models), max_inflight=4,
                               sim=SimConfig(launch_us=20.0, per_item_us=1.0)),),
         frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(), processes=processes)).validate()
 
@@ -327,6 +334,61 @@ def status_cost(fill: int, n: int) -> None:
                     print(f"  {name:13s} {1e6 * (cpu1 - cpu0) / n:7.0f} us CPU, {1e6 * (t1 - t0) / n:7.0f} us round trip")
 
 
+def stall(mib: float, n: int) -> None:
+    import json
+    import threading
+    import urllib.request
+
+    import tritonclient.grpc as tg
+
+    rng = np.random.default_rng(0)
+    per_item = len(json.dumps(rng.standard_normal(1024 * 1024).astype(np.float32).tolist()))
+    items = max(1, int(mib * 2**20 // per_item))
+    data = rng.standard_normal((items, 1024, 1024)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "x", "shape": list(data.shape), "datatype": "FP32",
+                                   "data": data.ravel().tolist()}]}).encode()
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+        node = noop_node(d, 1, (NOOP, BIG))
+        with running_node(node):
+            url = f"http://127.0.0.1:{node.frontend.http_port}/v2/models/big/infer"
+            g = tg.InferenceServerClient(f"127.0.0.1:{node.frontend.grpc_port}")
+            gi = tg.InferInput("x", [1, 16], "FP32")
+            gi.set_data_from_numpy(X)
+            for _ in range(50):
+                g.infer("noop", [gi])
+            small: list[tuple[float, float]] = []  # (start, seconds)
+            done = threading.Event()
+
+            def probe():
+                while not done.is_set():
+                    t = time.perf_counter()
+                    g.infer("noop", [gi])
+                    small.append((t, time.perf_counter() - t))
+                    done.wait(0.005)
+
+            th = threading.Thread(target=probe)
+            th.start()
+            try:
+                print(f"stall: {len(body) / 2**20:.1f} MiB of JSON ({items} items), one front-door process")
+                for _ in range(n):
+                    done.wait(0.5)
+                    t0 = time.perf_counter()
+                    with urllib.request.urlopen(urllib.request.Request(url, body, method="POST"), timeout=300) as r:
+                        status = r.status
+                    t1 = time.perf_counter()
+                    # The small request held during the big one comes back after it: wait for a
+                    # small request that started after it.
+                    while not small or small[-1][0] < t1:
+                        done.wait(0.01)
+                    during = [s for t, s in small if t0 - 0.5 <= t <= t1]
+                    print(f"  big request {status}, {1e3 * (t1 - t0):6.0f} ms; small requests meanwhile: "
+                          f"{len(during)}, longest {1e3 * max(during, default=0):6.0f} ms")
+            finally:
+                done.set()
+                th.join()
+    print(f"  small requests in all: p50 {1e3 * float(np.median([s for _, s in small])):.1f} ms")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -346,8 +408,13 @@ def main(argv=None) -> None:
     p = sub.add_parser("status")
     p.add_argument("--fill", type=int, default=70_000)
     p.add_argument("--n", type=int, default=1000)
+    p = sub.add_parser("stall")
+    p.add_argument("--mib", type=float, default=62.0, help="JSON size (under the 64 MiB JSON limit)")
+    p.add_argument("--n", type=int, default=3)
     a = ap.parse_args(argv)
-    if a.cmd == "status":
+    if a.cmd == "stall":
+        stall(a.mib, a.n)
+    elif a.cmd == "status":
         status_cost(a.fill, a.n)
     elif a.cmd == "latency":
         latency(a.n)
