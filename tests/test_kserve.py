@@ -235,6 +235,32 @@ def test_request_json_is_read_as_json_loads_reads_it(value):
     assert json.dumps(decode_json(raw)) == json.dumps(json.loads(raw))
 
 
+@given(st.lists(st.floats(width=32), min_size=1, max_size=20), st.text(max_size=4))
+@settings(max_examples=200, deadline=None)
+def test_an_infer_reply_reads_as_json_dumps_wrote_it(values, rid):
+    """Replies are encoded by msgspec unless they hold a NaN or an Infinity, which ``json`` writes
+    as Triton does (msgspec would write null): whichever writes it, the reply reads back the same
+    as ``json.dumps`` of it."""
+    from batchyard.kserve_http import encode_json
+
+    arr = np.asarray(values, np.float32)
+    reply = {"model_name": "m", "model_version": "1", "id": rid,
+             "outputs": [{"name": "y", "datatype": "FP32", "shape": [arr.size], "data": arr.tolist()}]}
+    text = encode_json(reply, bool(np.isfinite(arr).all()))
+    assert json.dumps(json.loads(text)) == json.dumps(reply)
+
+
+def test_a_reply_with_a_nan_output_says_nan_as_triton(front_door):
+    """Triton writes a NaN output as NaN in its JSON; tritonclient reads it back as NaN."""
+    h = thttp.InferenceServerClient(front_door.http_url)
+    x = np.full((3, 4), np.nan, np.float32)
+    r = h._post("v2/models/sum/infer", json.dumps({"inputs": [
+        {"name": "x", "shape": [3, 4], "datatype": "FP32", "data": x.ravel().tolist()}]}), None, None)
+    text = r.read()
+    assert r.status_code == 200 and b"NaN" in text and b"null" not in text, text
+    assert np.isnan(h.infer("sum", [_http_input(x, binary=False)]).as_numpy("y")).all()
+
+
 @pytest.mark.parametrize("raw", [b'"\\ud800"', b"1e400", b"[NaN, -Infinity]", b'{"a": 1, "a": 2}', b"{}x", b"", b"[1,"])
 def test_request_json_edge_cases_read_or_fail_as_json_loads(raw):
     from batchyard.kserve_http import decode_json
