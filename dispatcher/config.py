@@ -214,6 +214,10 @@ class FrontendConfig(_Table):
     # As Triton's --strict-readiness (its default too): the server is ready while every model of
     # the node has a registered worker; false: while any has.
     strict_readiness: bool = True
+    # An HTTP connection that sends nothing of a request for this long is closed: idle between
+    # requests, its headers unfinished, or its body stalled (that request answers 408). Without
+    # it a client that opened connections and sent nothing held a descriptor each for an hour.
+    idle_timeout_s: PositiveFloat = 75.0
 
 
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.

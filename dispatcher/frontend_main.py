@@ -43,7 +43,8 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
                 from .openai_http import OpenAiCompletions
 
                 extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models}).routes()
-            http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra)
+            http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
+                                           idle_timeout_s=fe.idle_timeout_s)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 

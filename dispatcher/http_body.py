@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import zlib
 
+import grpc
 from aiohttp import web
 
-from .kserve_common import invalid
+from .kserve_common import KServeError, invalid
 
 # Bodies inflated at once per process: each may hold up to the body-size limit while it grows.
 INFLATING = 2
+# The application's longest wait for the next bytes of a body ([frontend] idle_timeout_s).
+BODY_STALL_S = web.AppKey("body_stall_s", float)
 _inflating: asyncio.Semaphore | None = None
 # HTTP's deflate is zlib-wrapped, but some clients send it raw; gzip has its own header.
 _WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
@@ -33,7 +36,7 @@ async def read_body(request: web.Request, limit: int = 0) -> bytes:
     most a route can use, so that a small upload cannot make the process hold gigabytes."""
     global _inflating
     try:
-        raw = await request.read()
+        raw = await _read_raw(request)
     except web.RequestPayloadError as e:  # e.g. a chunked body that breaks off: the client's fault
         raise invalid(f"the request body cannot be read: {e}") from None
     except ConnectionResetError:  # the client hung up mid-body: nobody to answer, no server error
@@ -50,6 +53,28 @@ async def read_body(request: web.Request, limit: int = 0) -> bytes:
     async with _inflating:
         cap = request.app._client_max_size
         return await asyncio.to_thread(inflate, raw, wbits, min(limit, cap) if limit else cap)
+
+
+async def _read_raw(request: web.Request) -> bytes:
+    """The body as sent, as ``request.read()`` reads it (up to ``client_max_size``, 413 past it),
+    but waiting at most the application's BODY_STALL_S for each next chunk: a body that stalls
+    answers 408 (it held its descriptor for as long as the client kept it open). aiohttp then
+    reads what is left of the body for its lingering time, and closes the connection."""
+    stall = request.app.get(BODY_STALL_S)
+    cap = request.app._client_max_size
+    body = bytearray()
+    while True:
+        try:
+            async with asyncio.timeout(stall):
+                chunk = await request.content.readany()
+        except TimeoutError:
+            raise KServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"the request body stalled: no bytes for {stall:g} s ({len(body)} received)") from None
+        if not chunk:
+            return bytes(body)
+        body.extend(chunk)
+        if cap and len(body) > cap:
+            raise web.HTTPRequestEntityTooLarge(max_size=cap, actual_size=len(body))
 
 
 def inflate(raw: bytes, wbits: tuple[int, ...], limit: int) -> bytes:

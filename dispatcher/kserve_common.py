@@ -45,6 +45,7 @@ class KServeError(Exception):
     HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
             grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.CANCELLED: 400,
             grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNIMPLEMENTED: 501,
+            grpc.StatusCode.DEADLINE_EXCEEDED: 408,  # an HTTP body that stalled (http_body)
             grpc.StatusCode.INTERNAL: 500}
 
     def __init__(self, code: grpc.StatusCode, message: str):

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from . import __version__
 from .client_codec import dtype_name
-from .http_body import read_body
+from .http_body import BODY_STALL_S, read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             batch_input_bytes, check_new_input, cuda_shm_refused, cuda_shm_status, invalid,
                             model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
@@ -410,17 +410,25 @@ class KServeHttp:
 
 
 async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,
-                     extra_routes=()) -> web.AppRunner:
+                     extra_routes=(), idle_timeout_s: float = 75.0) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
-    processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode."""
+    processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode.
+    ``idle_timeout_s``: a connection waiting for a request (none yet, headers unfinished, or
+    idle after an answer) is closed after it, and a body that stalls that long answers 408."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
+    app[BODY_STALL_S] = idle_timeout_s
     app.add_routes(KServeHttp(core).routes())
     app.add_routes(list(extra_routes))
     # handler_cancellation: an HTTP client that hangs up withdraws its request, as a cancelled
     # gRPC call does; aiohttp's default lets the handler run on, and the abandoned request then
     # still took its place in a batch on a worker.
     # auto_decompress off: compressed bodies are inflated by read_body, bounded and off the loop.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False)
+    # keepalive_timeout: aiohttp arms it at the connection's start and after each answer, and
+    # closes the connection if no request has arrived whole by then (its default is an hour).
+    # lingering_time: after an answer to a request whose body is not all read (a stalled one,
+    # 408; one too large, 413), how long aiohttp reads on before it closes the connection.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False,
+                           keepalive_timeout=idle_timeout_s, lingering_time=min(10.0, idle_timeout_s))
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=True).start()
     return runner

@@ -66,8 +66,8 @@ class OpenAiCompletions:
     async def _completions(self, request) -> web.Response:
         try:
             body = json.loads(await read_body(request))
-        except KServeError as e:  # unreadable, or a compressed body that does not inflate within the limit
-            raise OpenAiError(400, e.message) from None
+        except KServeError as e:  # unreadable, stalled (408), or a compressed body that inflates past the limit
+            raise OpenAiError(e.http_status, e.message) from None
         except (ValueError, RecursionError) as e:
             raise OpenAiError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):

@@ -4,6 +4,7 @@ HTTP clients and their asyncio variants, against a node run by `batchyard up` wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -70,6 +71,12 @@ class FrontDoor:
 def front_door():
     """One node for the module: `sum` (fast), `slow` (300 ms a batch) and `solo` (its own worker,
     which the readiness test stops), plus two front-door processes sharing free ports."""
+    with _node_with_front_door(processes=2) as fd:
+        yield fd
+
+
+@contextlib.contextmanager
+def _node_with_front_door(**frontend):
     run_dir = tempfile.mkdtemp(prefix="by-", dir="/tmp")
     grpc_port, http_port = _free_port(), _free_port()
     cfg = NodeConfig(
@@ -78,7 +85,7 @@ def front_door():
         models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL, HUGE_MODEL),
         workers=(sim_worker("sim0", models=("sum", "huge")), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
                  sim_worker("solo0", models=("solo",))),
-        frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port, processes=2)).validate()
+        frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port, **frontend)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
     # `up` says READY=1 the systemd way once every worker has registered and every front-door
@@ -96,7 +103,8 @@ def front_door():
             os.close(up_exited)
         assert notify in readable, f"`up` did not become ready (exit code {up.poll()})"
         assert b"READY=1" in notify.recv(4096).split(b"\n")
-        assert len(_listeners(up.pid, grpc_port)) == 2 and len(_listeners(up.pid, http_port)) == 2
+        n = cfg.frontend.processes
+        assert len(_listeners(up.pid, grpc_port)) == n and len(_listeners(up.pid, http_port)) == n
         yield FrontDoor(node, grpc_port, http_port)
     finally:
         node.stop()
@@ -1267,6 +1275,31 @@ def test_readiness_follows_the_models_last_worker(front_door):
         assert c.status(min_registrations=st.registrations + 1, wait=30).registrations > st.registrations
     assert g.is_model_ready("solo") and h.is_model_ready("solo")
     assert g.is_server_ready() and h.is_server_ready()
+
+
+def test_connections_that_send_nothing_of_a_request_are_closed_and_others_served():
+    """[frontend] idle_timeout_s: a connection that sends nothing, one whose headers never end,
+    and one whose body stalls are closed after it (the last with a 408 that says so); each held
+    a descriptor for aiohttp's hour before. Clients that keep sending are served meanwhile."""
+    with _node_with_front_door(idle_timeout_s=0.5) as fd:
+        host, port = fd.http_url.split(":")
+        head = b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
+        conns = []
+        for sent in (b"", b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\n", head + b'{"inputs": ['):
+            c = socket.create_connection((host, int(port)), timeout=30)  # well past the 0.5 s: a hang fails
+            c.sendall(sent)
+            conns.append(c)
+        h = thttp.InferenceServerClient(fd.http_url)
+        np.testing.assert_array_equal(h.infer("sum", [_http_input(X)]).as_numpy("y"), fd.sdk("sum", X))
+        answers = []
+        for c in conns:
+            with c:
+                got = b""
+                while chunk := c.recv(65536):  # until the server closes the connection
+                    got += chunk
+                answers.append(got)
+        assert answers[:2] == [b"", b""]
+        assert answers[2].startswith(b"HTTP/1.1 408") and b"the request body stalled" in answers[2], answers[2]
 
 
 def test_a_header_length_is_plain_digits(front_door):
