@@ -11,7 +11,10 @@ Names follow Triton where the meaning is the same (dashboards keep working):
 nv_inference_request_success, nv_inference_request_failure{reason}, nv_inference_count,
 nv_inference_exec_count, nv_inference_queue_duration_us, nv_inference_compute_infer_duration_us,
 nv_inference_request_duration_us (cumulative, as in Triton), and
-nv_inference_pending_request_count (gauge); labels model, path, priority.
+nv_inference_pending_request_count (gauge); labels model and version (always "1", as the front
+door serves every model), and Batchyard's path and priority. nv_inference_compute_input_duration_us
+and ..._output_... are 0: a batch's input and output copies count in its compute time (as in the
+front door's statistics), and a Triton dashboard that adds the three still finds all three.
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
 batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_arrival_rate{model}.
 
@@ -36,7 +39,10 @@ _TRITON_OK_FAMILIES = (
     ("nv_inference_queue_duration_us", _QUEUE, "Cumulative queue time, us"),
     ("nv_inference_compute_infer_duration_us", _COMPUTE, "Cumulative compute time of the batches requests ran in, us"),
     ("nv_inference_request_duration_us", _TOTAL, "Cumulative end-to-end time in the dispatcher, us"),
+    ("nv_inference_compute_input_duration_us", None, "Cumulative input time, us (0: counted in compute_infer)"),
+    ("nv_inference_compute_output_duration_us", None, "Cumulative output time, us (0: counted in compute_infer)"),
 )
+VERSION = "1"  # the one version of every model (the front door's, and Triton's label)
 
 
 class ScrapeState(NamedTuple):
@@ -124,21 +130,21 @@ class DispatcherCollector:
         m, s = self.metrics, self.scrape
         ok_rows = sorted(m.ok.items())
         for name, idx, help_ in _TRITON_OK_FAMILIES:
-            fam = UnknownMetricFamily(name, help_, labels=("model", "path", "priority"))
+            fam = UnknownMetricFamily(name, help_, labels=("model", "version", "path", "priority"))
             for (model, path, prio), row in ok_rows:
-                fam.add_metric((model, path, PRIORITY_NAMES[prio]), row[idx])
+                fam.add_metric((model, VERSION, path, PRIORITY_NAMES[prio]), 0 if idx is None else row[idx])
             yield fam
         fam = UnknownMetricFamily("nv_inference_request_failure", "Failed inference requests by reason",
-                                  labels=("model", "reason"))
+                                  labels=("model", "version", "reason"))
         for (model, reason), n in sorted(m.failures.items()):
-            fam.add_metric((model, reason), n)
+            fam.add_metric((model, VERSION, reason), n)
         yield fam
-        fam = UnknownMetricFamily("nv_inference_exec_count", "Batches executed", labels=("model", "path"))
+        fam = UnknownMetricFamily("nv_inference_exec_count", "Batches executed", labels=("model", "version", "path"))
         for (model, path), n in sorted(m.exec_count.items()):
-            fam.add_metric((model, path), n)
+            fam.add_metric((model, VERSION, path), n)
         yield fam
         yield gauge("nv_inference_pending_request_count", "Requests queued or in flight",
-                     ("model",), (((k,), n) for k, n in sorted(s.pending.items())))
+                     ("model", "version"), (((k, VERSION), n) for k, n in sorted(s.pending.items())))
 
         fam = HistogramMetricFamily("batchyard_request_latency_seconds", "Arrival-to-reply latency in the dispatcher",
                                     labels=("model",))

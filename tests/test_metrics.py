@@ -57,6 +57,15 @@ def test_metrics_count_a_known_load(start_node):
     assert total(m, "nv_inference_compute_infer_duration_us") > 0
     assert total(m, "nv_inference_request_duration_us") >= total(m, "nv_inference_queue_duration_us")
     assert total(m, "nv_inference_pending_request_count") == 0
+    # Triton 2.51's families, each labelled model and version as Triton labels them (dashboards
+    # select {model=..., version="1"}; there was no version label, and no input/output time).
+    triton = {"nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+              "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+              "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+              "nv_inference_compute_output_duration_us", "nv_inference_pending_request_count"}
+    assert triton <= {s.name for s in m}
+    assert all(s.labels.get("version") == "1" and "model" in s.labels for s in m if s.name in triton)
+    assert total(m, "nv_inference_request_success", model="sum", version="1") == 10
     assert total(m, "batchyard_request_latency_seconds_count", model="sum") == 10
     assert total(m, "batchyard_request_latency_seconds_bucket", model="sum", le="+Inf") == 10
     assert total(m, "batchyard_decisions_total") >= 1
