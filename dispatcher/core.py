@@ -339,20 +339,25 @@ class RequestCore:
     def worker_lost(self, name: str, reason: str, now: float) -> Optional[WorkerState]:
         """Fail over every batch the worker had: each request goes back to the head of its
         queue once if its deadline allows, otherwise it fails UNAVAILABLE. Nothing is left
-        waiting on a worker that is gone."""
+        waiting on a worker that is gone. A request that goes back goes as a ``suspect``: it
+        runs alone next (``policy_core.send``), so an input that kills the worker kills it once
+        more alone, not the others of its batch again."""
         w = self.state.remove_worker(name)
         if w is None:
             return None
         self.departures += 1
         self.suspended.pop(name, None)
-        for b in [b for b in self.batches.values() if b.worker is w]:
+        # Newest batch and request first: each goes to the head of its queue, so the oldest ends
+        # there first, in the order they came (they came back reversed).
+        for b in reversed([b for b in self.batches.values() if b.worker is w]):
             del self.batches[b.batch_id]
-            for req in b.requests:
+            for req in reversed(b.requests):
                 if req.state != INFLIGHT:
                     continue
                 if req.retries < self.max_retries and req.deadline > now and not self.draining:
                     req.retries += 1
                     req.state = QUEUED
+                    req.suspect = True
                     self.state.queue(req.model).push_front(req)
                 else:
                     self.fail(req, Status.UNAVAILABLE, f"worker {name} failed while running the batch ({reason})")

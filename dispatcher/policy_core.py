@@ -91,11 +91,36 @@ def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_
         # to send it; taking again would spin the dispatcher forever.
         if reqs or not taken or not q.requests:
             break  # else every request taken was hopeless: take again (the queue is shorter)
+    if any(r.suspect for r in reqs) and (len(reqs) > 1 or w.inflight):
+        reqs = _isolate_suspects(q, w, reqs)
     if reqs:
         state.on_dispatch(w, q.model, sum(r.items for r in reqs), now)
         d.dispatches.append(Dispatch(w, q.model, reqs))
         d.count(reason or f"dispatched-{w.path}")
     return reqs
+
+
+def _isolate_suspects(q: ModelQueue, w: WorkerState, reqs: list[Request]) -> list[Request]:
+    """What of ``reqs`` may run together on ``w``; the rest back at the head of the queue.
+
+    A worker that died running a batch may have been killed by one of its inputs (a crash in
+    native code on that input; Python exceptions are caught per item by the worker). Retried
+    together, that input killed the worker again and took the rest of its batch with it, out of
+    retries (Triton fails every request of a batch whose backend crashed). So a suspect (a
+    request that ran beside others on such a worker) runs alone, on a worker with nothing else
+    in flight: it takes only itself down. A suspect at the head that cannot go yet holds the
+    worker until its batches in flight end (sending newer requests there could keep it busy
+    for good); suspects behind the head wait for their turn at it."""
+    head = reqs[0]
+    if head.suspect:
+        keep = [head] if w.inflight == 0 else []
+    else:
+        keep = [r for r in reqs if not r.suspect]
+    kept = {id(r) for r in keep}
+    for r in reversed(reqs):
+        if id(r) not in kept:
+            q.push_front(r)
+    return keep
 
 
 def low_class_congested(state: SchedulerState, w: WorkerState, q: ModelQueue, now: float) -> bool:

@@ -21,7 +21,7 @@ N_PRIORITIES = 3
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "arrival", "deadline", "state",
                  "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
-                 "shm_files")
+                 "shm_files", "suspect")
 
     def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
                  deadline: float, client: Any = None, req_id: int = 0,
@@ -43,6 +43,8 @@ class Request:
         # until the batch ends, when the client gets a `release` (docs/protocol.md).
         self.answered_in_flight = False
         self.shm_files: Optional[dict] = None  # {segment: (st_dev, st_ino)} granted (shm_grants.py)
+        # Its batch's worker died while running it: it may be what killed it (policy_core.send).
+        self.suspect = False
 
 
 class ModelQueue:

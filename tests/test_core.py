@@ -68,6 +68,60 @@ def test_worker_loss_retries_once_then_fails_unavailable():
     assert core.complete(b1.batch_id, 0.1, 0.003) is None  # a dead worker's late completion
 
 
+def test_an_input_that_kills_its_worker_takes_only_itself_down_the_second_time():
+    """Request 2 kills any worker that runs it. Before, its batch of four was retried as one
+    batch, the worker died again, and all four failed, out of retries (as Triton fails every
+    request of a crashed backend's batch). Now each retried request runs alone, on a worker
+    with nothing else in flight: 2 fails, 1, 3 and 4 are served, and a request that came after
+    the crash is batched as usual once they are through."""
+    ends = Ends()
+    core = make_core(ends)
+    reqs = [core.admit("m", 1, 1, 10.0, 0.0, req_id=i) for i in (1, 2, 3, 4)]
+    (batch,) = core.decide(0.0)
+    assert len(batch.requests) == 4
+    now = 0.001
+    core.worker_lost("gpu0", "killed by request 2", now)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), now)  # restarted
+    core.admit("m", 1, 1, 10.0, now, req_id=5)
+    core.admit("m", 1, 1, 10.0, now, req_id=6)
+    sizes = []
+    while core.requests:
+        now += 0.001
+        (batch,) = core.decide(now)
+        sizes.append([r.req_id for r in batch.requests])
+        if 2 in sizes[-1]:
+            core.worker_lost("gpu0", "killed by request 2 again", now)
+            core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), now)
+        else:
+            for r in core.complete(batch.batch_id, 0.001, now).requests:
+                ends.finish(core, r)
+    assert ends.failed == {2: Status.UNAVAILABLE} and ends.finished == {1, 3, 4, 5, 6} and not ends.twice
+    assert sorted(sizes[:4]) == [[1], [2], [3], [4]] and sizes[4:] == [[5, 6]], sizes
+    assert all(r.retries == 1 for r in reqs)
+
+
+def test_a_suspect_waits_for_its_worker_to_drain_and_holds_it_meanwhile():
+    """A worker running two batches at once (capacity 2): a suspect at the head of the queue is
+    not sent beside a batch in flight (it could kill that batch too), nor is anything behind it
+    (newer work could keep the worker busy for good and the suspect waiting); once the batch
+    ends it goes alone, and what is no suspect may run beside it."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}, capacity=2), 0.0)
+    core.admit("m", 1, 1, 10.0, 0.0, req_id=1)
+    core.admit("m", 1, 1, 10.0, 0.0, req_id=2)
+    ((first),) = core.decide(0.0)
+    assert [r.req_id for r in first.requests] == [1, 2]
+    core.worker_lost("gpu0", "gone", 0.001)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}, capacity=2), 0.001)
+    core.admit("m", 1, 1, 10.0, 0.001, req_id=3)
+    sent = core.decide(0.001)
+    assert [[r.req_id for r in b.requests] for b in sent] == [[1]]  # 2 and 3 wait: the worker is not idle
+    assert core.decide(0.002) == [] and core.state.workers["gpu0"].free
+    core.complete(sent[0].batch_id, 0.001, 0.003)
+    assert [[r.req_id for r in b.requests] for b in core.decide(0.003)] == [[2], [3]]
+
+
 def test_cancel_only_withdraws_queued_requests():
     ends = Ends()
     core = RequestCore(make_policy("greedy"), ends.on_fail)  # no worker: requests stay queued

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from batchyard.client import Client
-from batchyard.config import WorkerConfig
+from batchyard.config import ModelConfig, TensorConfig, WorkerConfig
 from batchyard.errors import DeadlineExceeded, Unavailable
 from batchyard.shm import SHM_DIR, live_segments
 
@@ -174,3 +174,25 @@ def test_up_stopped_during_start_up_still_cleans_up(run_dir):
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_is_served(start_node):
+    """Request 2 kills the worker that runs it. Its batch's other requests were retried with
+    it, the worker died again, and they failed with it; now each retried request runs alone:
+    request 2 fails UNAVAILABLE, every other one is served, and the worker is back."""
+    poison = ModelConfig(name="poison", factory="tests.poison_model:model", max_batch=8,
+                         inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    node = start_node([WorkerConfig(name="w0", kind="amx", models=("poison",), threads=1, warmup_sizes=(1,))],
+                      models=(poison,))
+    with node.client() as c:
+        xs = [np.full((1, 4), i, np.float32) for i in range(6)]
+        xs[2][:] = np.nan
+        futs = [c.submit("poison", {"x": x}, timeout=120.0) for x in xs]
+        outcomes = []
+        for f in futs:
+            try:
+                outcomes.append(f.result()["y"].tolist())
+            except Unavailable as e:
+                outcomes.append(type(e).__name__)
+        assert outcomes == [[[2.0 * i, 2.0 * i]] if i != 2 else "Unavailable" for i in range(6)], outcomes
+        assert c.infer("poison", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[2.0, 2.0]]
