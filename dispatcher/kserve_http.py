@@ -106,17 +106,18 @@ def _kind_of(v) -> str:
 
 
 def _field(obj, key: str, kind: type, default=_REQUIRED):
-    """``obj[key]`` when it is a JSON value of ``kind`` (``default`` when absent, if there is one):
-    another kind, a missing required member, or a parent that is no object is the request's
+    """``obj[key]`` when it is a JSON value of ``kind`` (``default`` when absent or null, if there
+    is one): another kind, a missing required member, or a parent that is no object is the request's
     fault, in Triton's words ("Unable to parse 'shape'"). Unchecked, these failed as Python's own
     exceptions, named in the error ("AttributeError: 'str' object has no attribute 'get'")."""
     if not isinstance(obj, dict):
         raise invalid(f"Unable to parse '{key}': it belongs to an object, got {_kind_of(obj)}")
-    if key not in obj:
+    v = obj.get(key)
+    if v is None:  # absent, or null: an optional member's null reads as its absence
         if default is _REQUIRED:
-            raise invalid(f"Unable to parse '{key}': the object has no member '{key}'")
+            raise invalid(f"Unable to parse '{key}': " + ("it is null" if key in obj else
+                                                          f"the object has no member '{key}'"))
         return default
-    v = obj[key]
     if not isinstance(v, kind):
         raise invalid(f"Unable to parse '{key}': expected {_KINDS[kind]}, got {_kind_of(v)}")
     return v

@@ -1102,7 +1102,18 @@ MALFORMED_BODIES = {
                              "Unable to parse 'shape': expected an array of integers"),
     "outputs not an array": ({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": [0] * 12}],
                               "outputs": {"y": 1}}, "Unable to parse 'outputs': expected an array"),
+    "a name that is null": ({"inputs": [{"name": None, "shape": [3, 4], "datatype": "FP32", "data": [0] * 12}]},
+                            "Unable to parse 'name': it is null"),
 }
+
+
+def test_an_optional_member_that_is_null_reads_as_absent(front_door):
+    """``"parameters": null`` on the request, an input or an output means none, as leaving it out."""
+    body = {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist(),
+                        "parameters": None}], "outputs": [{"name": "y", "parameters": None}], "parameters": None}
+    r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
+    assert r.status_code == 200, r.read()
+    np.testing.assert_allclose(json.loads(r.read())["outputs"][0]["data"], front_door.sdk("sum", X).ravel())
 
 
 @pytest.mark.parametrize("case", list(MALFORMED_BODIES))
