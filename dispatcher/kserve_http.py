@@ -318,9 +318,7 @@ class KServeHttp:
             params = _field(header, "parameters", dict, {})
             inputs = self._inputs(spec, header, binary)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
-        rid = header.get("id", "")
-        if not isinstance(rid, str):
-            raise invalid(f"Unable to parse 'id': expected a string, got {_kind_of(rid)}")
+        rid = _field(header, "id", str, "")
         _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
                                        timeout=timeout_s(_uint(params, "timeout")))
         outputs, chunks, finite = [], [], True
