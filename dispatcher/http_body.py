@@ -51,7 +51,7 @@ async def read_body(request: web.Request, limit: int = 0) -> bytes:
     if _inflating is None:
         _inflating = asyncio.Semaphore(INFLATING)
     async with _inflating:
-        cap = request.app._client_max_size
+        cap = request.client_max_size
         return await asyncio.to_thread(inflate, raw, wbits, min(limit, cap) if limit else cap)
 
 
@@ -61,7 +61,7 @@ async def _read_raw(request: web.Request) -> bytes:
     answers 408 (it held its descriptor for as long as the client kept it open). aiohttp then
     reads what is left of the body for its lingering time, and closes the connection."""
     stall = request.app.get(BODY_STALL_S)
-    cap = request.app._client_max_size
+    cap = request.client_max_size
     body = bytearray()
     while True:
         try:

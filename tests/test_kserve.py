@@ -1313,6 +1313,19 @@ def test_connections_that_send_nothing_of_a_request_are_closed_and_others_served
         assert answers[2].startswith(b"HTTP/1.1 408") and b"the request body stalled" in answers[2], answers[2]
 
 
+def test_a_body_past_max_request_bytes_is_refused_413():
+    """The body is read by the front door's own loop (http_body._read_raw, which bounds each wait
+    for the next bytes), so the size limit aiohttp's ``read()`` applied is its to apply too."""
+    with _node_with_front_door(max_request_bytes=1 << 16) as fd:
+        h = thttp.InferenceServerClient(fd.http_url)
+        x = np.zeros((16, 4), np.float32)
+        big = json.dumps({"inputs": [{"name": "x", "shape": [16, 4], "datatype": "FP32", "data": x.ravel().tolist()}],
+                          "id": "x" * (1 << 16)})
+        r = h._post("v2/models/sum/infer", big, None, None)
+        assert r.status_code == 413 and "Request Entity Too Large" in json.loads(r.read())["error"]
+        np.testing.assert_array_equal(h.infer("sum", [_http_input(X)]).as_numpy("y"), fd.sdk("sum", X))
+
+
 def test_a_header_length_is_plain_digits(front_door):
     """Python's int() reads "6_9" as 69 and "+6" as 6: Triton takes digits only."""
     body, n = _binary_body({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
