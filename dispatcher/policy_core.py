@@ -107,8 +107,8 @@ def _isolate_suspects(q: ModelQueue, w: WorkerState, reqs: list[Request]) -> lis
     native code on that input; Python exceptions are caught per item by the worker). Retried
     together, that input killed the worker again and took the rest of its batch with it, out of
     retries (Triton fails every request of a batch whose backend crashed). So a suspect (a
-    request that ran beside others on such a worker) runs alone, on a worker with nothing else
-    in flight: it takes only itself down. A suspect at the head that cannot go yet holds the
+    request whose worker died running it, ``RequestCore.worker_lost``) runs alone, on a worker
+    with nothing else in flight: it takes only itself down. A suspect at the head that cannot go yet holds the
     worker until its batches in flight end (sending newer requests there could keep it busy
     for good); suspects behind the head wait for their turn at it."""
     head = reqs[0]
