@@ -182,8 +182,9 @@ def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_is_served(star
     request 2 fails UNAVAILABLE, every other one is served, and the worker is back."""
     poison = ModelConfig(name="poison", factory="tests.poison_model:model", max_batch=8,
                          inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    # The dispatcher's own time window (6 items, or 1 s after the oldest) puts the six in one batch.
     node = start_node([WorkerConfig(name="w0", kind="amx", models=("poison",), threads=1, warmup_sizes=(1,))],
-                      models=(poison,))
+                      models=(poison,), policy="window:1000000,6")
     with node.client() as c:
         xs = [np.full((1, 4), i, np.float32) for i in range(6)]
         xs[2][:] = np.nan
