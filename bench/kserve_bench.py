@@ -358,13 +358,16 @@ def stall(mib: float, n: int) -> None:
                 g.infer("noop", [gi])
             small: list[tuple[float, float]] = []  # (start, seconds)
             done = threading.Event()
+            answered = threading.Condition()
 
             def probe():
                 while not done.is_set():
                     t = time.perf_counter()
                     g.infer("noop", [gi])
-                    small.append((t, time.perf_counter() - t))
-                    done.wait(0.005)
+                    with answered:
+                        small.append((t, time.perf_counter() - t))
+                        answered.notify()
+                    done.wait(0.005)  # the probe's pace: a small request every ~5 ms
 
             th = threading.Thread(target=probe)
             th.start()
@@ -378,8 +381,8 @@ def stall(mib: float, n: int) -> None:
                     t1 = time.perf_counter()
                     # The small request held during the big one comes back after it: wait for a
                     # small request that started after it.
-                    while not small or small[-1][0] < t1:
-                        done.wait(0.01)
+                    with answered:
+                        answered.wait_for(lambda: small[-1][0] >= t1, timeout=60)
                     during = [s for t, s in small if t0 - 0.5 <= t <= t1]
                     print(f"  big request {status}, {1e3 * (t1 - t0):6.0f} ms; small requests meanwhile: "
                           f"{len(during)}, longest {1e3 * max(during, default=0):6.0f} ms")
