@@ -12,7 +12,10 @@ nv_inference_request_success, nv_inference_request_failure{reason}, nv_inference
 nv_inference_exec_count, nv_inference_queue_duration_us, nv_inference_compute_infer_duration_us,
 nv_inference_request_duration_us (cumulative, as in Triton), and
 nv_inference_pending_request_count (gauge); labels model and version (always "1", as the front
-door serves every model), and Batchyard's path and priority. nv_inference_compute_input_duration_us
+door serves every model), and Batchyard's path and priority. A failure's ``reason`` is one of Triton
+2.51's four (REJECTED: queue full or timeout expired; CANCELED; BACKEND: the model or its worker
+failed; OTHER: the request itself, e.g. a wrong shape or an unknown model), and its ``status``
+Batchyard's status name, which says more. nv_inference_compute_input_duration_us
 and ..._output_... are 0: a batch's input and output copies count in its compute time (as in the
 front door's statistics), and a Triton dashboard that adds the three still finds all three.
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
@@ -28,7 +31,13 @@ import asyncio
 import bisect
 from typing import Callable, Iterator, NamedTuple
 
-from .protocol import PRIORITY_NAMES
+from .protocol import PRIORITY_NAMES, Status
+
+# Triton 2.51 labels a failure with one of four reasons (its MetricModelReporter's
+# failure_reasons_map); a dashboard's {reason="REJECTED"} must find the same requests here. A
+# status not named is the request's own fault: OTHER.
+TRITON_REASONS = {Status.OVERLOADED: "REJECTED", Status.DEADLINE_EXCEEDED: "REJECTED", Status.CANCELLED: "CANCELED",
+                  Status.INTERNAL: "BACKEND", Status.UNAVAILABLE: "BACKEND"}
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _OK, _ITEMS, _QUEUE, _COMPUTE, _TOTAL = range(5)
@@ -45,6 +54,10 @@ _TRITON_OK_FAMILIES = (
 VERSION = "1"  # the one version of every model (the front door's, and Triton's label)
 
 
+def status_name(status: int) -> str:
+    return Status(status).name.lower() if status in Status._value2member_map_ else f"status_{status}"
+
+
 class ScrapeState(NamedTuple):
     """What the dispatcher knows only at scrape time (computed by it, not counted here)."""
     pending: dict  # model -> requests queued or in flight
@@ -56,7 +69,7 @@ class ScrapeState(NamedTuple):
 class Metrics:
     def __init__(self) -> None:
         self.ok: dict[tuple[str, str, int], list] = {}  # (model, path, prio) -> [n, items, queue, compute, total]
-        self.failures: dict[tuple[str, str], int] = {}  # (model, reason) -> n
+        self.failures: dict[tuple[str, int], int] = {}  # (model, status) -> n
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
         self.latency: dict[str, list] = {}  # model -> bucket counts (+Inf last), then [sum]
         self._collector = DispatcherCollector(self)
@@ -80,8 +93,8 @@ class Metrics:
         h[bisect.bisect_left(LATENCY_BUCKETS_S, total_us * 1e-6)] += 1
         h[-1] += total_us
 
-    def request_failed(self, model: str, reason: str) -> None:
-        key = (model, reason)
+    def request_failed(self, model: str, status: int) -> None:
+        key = (model, int(status))
         self.failures[key] = self.failures.get(key, 0) + 1
 
     def batch_done(self, model: str, path: str) -> None:
@@ -135,9 +148,9 @@ class DispatcherCollector:
                 fam.add_metric((model, VERSION, path, PRIORITY_NAMES[prio]), 0 if idx is None else row[idx])
             yield fam
         fam = UnknownMetricFamily("nv_inference_request_failure", "Failed inference requests by reason",
-                                  labels=("model", "version", "reason"))
-        for (model, reason), n in sorted(m.failures.items()):
-            fam.add_metric((model, VERSION, reason), n)
+                                  labels=("model", "version", "reason", "status"))
+        for (model, status), n in sorted(m.failures.items()):
+            fam.add_metric((model, VERSION, TRITON_REASONS.get(status, "OTHER"), status_name(status)), n)
         yield fam
         fam = UnknownMetricFamily("nv_inference_exec_count", "Batches executed", labels=("model", "version", "path"))
         for (model, path), n in sorted(m.exec_count.items()):

@@ -341,7 +341,7 @@ class Dispatcher:
                 metrics.request_ok(req.model, path, req.priority, req.items, timing.queue_us, timing.compute_us,
                                    timing.total_us)
             else:
-                metrics.request_failed(req.model, _reason(status))
+                metrics.request_failed(req.model, status)
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=status,
                                            message=message, outputs=outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
@@ -423,7 +423,7 @@ class Dispatcher:
         return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs) + sorted(self.llm.core.models())}"
 
     def _reject(self, identity: bytes, msg: P.InferRequest, status: Status, message: str) -> None:
-        self.metrics.request_failed(msg.model, _reason(status))
+        self.metrics.request_failed(msg.model, status)
         self._reply(identity, P.error_reply(msg.id, status, message))
 
     def _on_infer(self, msg: P.InferRequest, identity: bytes, raw: bytes, frames: list, now: float) -> None:
@@ -513,7 +513,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ replies
     def _on_fail(self, req: Request, status: Status, message: str) -> None:
-        self.metrics.request_failed(req.model, _reason(status))
+        self.metrics.request_failed(req.model, status)
         self._reply(req.client, P.error_reply(req.req_id, status, message, req.answered_in_flight))
 
     def _reply(self, identity: bytes, header: bytes) -> None:
@@ -525,6 +525,3 @@ class Dispatcher:
     def render_metrics(self) -> str:
         return status_report.render_metrics(self)
 
-
-def _reason(status: int) -> str:
-    return Status(status).name.lower() if status in Status._value2member_map_ else f"status_{status}"

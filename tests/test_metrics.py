@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchyard.bench.harness import sample_total as total
 from batchyard.bench.harness import scrape
-from batchyard.errors import InvalidArgument, UnknownModel
+from batchyard.errors import DeadlineExceeded, InvalidArgument, UnknownModel
 from batchyard.metrics import Metrics
+from batchyard.protocol import Status
 
 from conftest import sim_worker
 from test_request_path import X1, header, raw_roundtrip
@@ -44,14 +45,19 @@ def test_metrics_count_a_known_load(start_node):
             c.infer("ghost", {"x": np.ones((1, 4), np.float32)})
         # an infer for an unknown model, sent raw, is one
         assert raw_roundtrip(node.address, [header(model="ghost"), X1]).status == 5
+        with pytest.raises(DeadlineExceeded):  # 1 us: no path finishes it in time, refused on arrival
+            c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=1e-6)
         c.status()  # every reply above has been sent
     m = scrape_port(port)
     assert total(m, "nv_inference_request_success") == 10
     assert total(m, "nv_inference_request_success", priority="high") == 3
     assert total(m, "nv_inference_request_success", path="gpu") == 10
     assert total(m, "nv_inference_count") == 22  # items
-    assert total(m, "nv_inference_request_failure", reason="invalid_argument") == 2
-    assert total(m, "nv_inference_request_failure", reason="unknown_model") == 1
+    # Triton's four reasons (a dashboard's {reason="REJECTED"}), Batchyard's status beside them
+    assert total(m, "nv_inference_request_failure", reason="OTHER", status="invalid_argument") == 2
+    assert total(m, "nv_inference_request_failure", reason="OTHER", status="unknown_model") == 1
+    assert total(m, "nv_inference_request_failure", reason="REJECTED", status="deadline_exceeded") == 1
+    assert total(m, "nv_inference_request_failure") == 4
     assert 1 <= total(m, "nv_inference_exec_count") <= 10
     assert total(m, "nv_inference_queue_duration_us") > 0
     assert total(m, "nv_inference_compute_infer_duration_us") > 0
@@ -103,6 +109,22 @@ def test_idle_metrics_connections_cannot_use_up_the_dispatchers_descriptors(star
                 s.close()
 
 
+def test_failures_carry_tritons_reasons_and_batchyards_status():
+    """Triton 2.51 labels a failure REJECTED, CANCELED, BACKEND or OTHER; the reason was
+    Batchyard's status name ("overloaded"), which no Triton dashboard selects."""
+    m = Metrics()
+    want = {Status.OVERLOADED: "REJECTED", Status.DEADLINE_EXCEEDED: "REJECTED", Status.CANCELLED: "CANCELED",
+            Status.INTERNAL: "BACKEND", Status.UNAVAILABLE: "BACKEND", Status.INVALID_ARGUMENT: "OTHER",
+            Status.UNKNOWN_MODEL: "OTHER", Status.PERMISSION_DENIED: "OTHER", 99: "OTHER"}
+    for status in want:
+        m.request_failed("m", status)
+    samples = [s for fam in text_string_to_metric_families(m.render({}, {}, {}, {})) for s in fam.samples
+               if s.name == "nv_inference_request_failure"]
+    got = {s.labels["status"]: s.labels["reason"] for s in samples}
+    assert got == {(Status(k).name.lower() if k != 99 else "status_99"): v for k, v in want.items()}
+    assert all(s.value == 1 and s.labels["version"] == "1" for s in samples)
+
+
 def test_label_values_are_escaped_and_the_exposition_parses():
     """A model name with a quote, a backslash and a newline comes back from a Prometheus parser
     exactly, and Triton's metric names are kept as they are (no ``_total`` added)."""
@@ -110,13 +132,13 @@ def test_label_values_are_escaped_and_the_exposition_parses():
     m = Metrics()
     for _ in range(3):
         m.request_ok(odd, "cpu", 0, items=4, queue_us=100, compute_us=2000, total_us=2500)
-    m.request_failed(odd, "overloaded")
+    m.request_failed(odd, Status.OVERLOADED)
     m.batch_done(odd, "cpu")
     text = m.render({odd: 2}, {"cpu_now": 3}, {f"{odd}/cpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {odd: 12.5})
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     assert total(samples, "nv_inference_request_success", model=odd, path="cpu", priority="high") == 3
     assert total(samples, "nv_inference_count", model=odd) == 12
-    assert total(samples, "nv_inference_request_failure", model=odd, reason="overloaded") == 1
+    assert total(samples, "nv_inference_request_failure", model=odd, reason="REJECTED", status="overloaded") == 1
     assert total(samples, "nv_inference_exec_count", model=odd, path="cpu") == 1
     assert total(samples, "nv_inference_pending_request_count", model=odd) == 2
     assert total(samples, "batchyard_request_latency_seconds_bucket", model=odd, le="0.005") == 3
