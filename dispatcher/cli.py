@@ -18,15 +18,16 @@ from .config import ConfigError, load_config
 from .exit_codes import EX_CONFIG
 
 
-def load_node(path: str, workers: tuple[str, ...] | None = ()):
+def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = False):
     """The node config at ``path``, checked against this host for the named ``workers`` (None:
-    every worker; the processes that start them), or exit 78 (EX_CONFIG: neither `up` nor
-    systemd restarts it) with the validation message."""
+    every worker; the processes that start them) and, with ``control``, for the dispatcher and
+    front door, or exit 78 (EX_CONFIG: neither `up` nor systemd restarts it) with the validation
+    message."""
     try:
         cfg = load_config(path)
-        if workers != ():
+        if workers != () or control:
             try:
-                cfg.check_host(workers)
+                cfg.check_host(workers, control)
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
         return cfg
@@ -38,13 +39,13 @@ def load_node(path: str, workers: tuple[str, ...] | None = ()):
 def _run_dispatcher(args) -> int:
     from .dispatcher_main import run_dispatcher
 
-    return run_dispatcher(load_node(args.config))
+    return run_dispatcher(load_node(args.config, control=True))
 
 
 def _run_frontend(args) -> int:
     from .frontend_main import run_frontend
 
-    return run_frontend(load_node(args.config))
+    return run_frontend(load_node(args.config, control=True))
 
 
 def _run_up(args) -> int:

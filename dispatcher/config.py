@@ -196,6 +196,9 @@ class DispatcherConfig(_Table):
     # LLM mode: weight of the decode stall a GPU prefill causes the running streams, against
     # TTFT, when choosing the route (dispatcher/llm_routing.py); 0 = TTFT only
     llm_interference_weight: NonNegFloat = 0.0
+    # CPU affinity of the dispatcher process (its loop and ZeroMQ's I/O thread); empty = as
+    # inherited. Cores apart from the workers' keep its per-request work off the model's cores.
+    cpus: tuple[NonNeg, ...] = ()
 
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -218,6 +221,10 @@ class FrontendConfig(_Table):
     # requests, its headers unfinished, or its body stalled (that request answers 408). Without
     # it a client that opened connections and sent nothing held a descriptor each for an hour.
     idle_timeout_s: PositiveFloat = 75.0
+    # CPU affinity of every front-door process (its loop, gRPC's and ZeroMQ's threads); empty =
+    # as inherited. A request costs a front door ~1.5 ms of CPU in Python's gRPC: on a worker's
+    # core that is time its model does not get (docs/frontend.md, "Cost").
+    cpus: tuple[NonNeg, ...] = ()
 
 
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.
@@ -335,13 +342,23 @@ class NodeConfig(_Table):
                       if getattr(f, key)]
         return ports
 
-    def check_host(self, workers: tuple[str, ...] | None = None) -> "NodeConfig":
+    def check_host(self, workers: tuple[str, ...] | None = None, control: bool = False) -> "NodeConfig":
         """Check what the named workers (all: None) need of this host: their cpus online, their
-        numa_node present. Not part of ``validate``: a config may be written and checked on
-        another host than the one it runs on. The processes that start workers call it, so a
-        worker pinned to a cpu the host lacks is one line at start, not a restart loop."""
+        numa_node present; with ``control`` (or all workers) also the dispatcher's and the front
+        door's cpus. Not part of ``validate``: a config may be written and checked on another
+        host than the one it runs on. The processes that start workers call it, so a worker
+        pinned to a cpu the host lacks is one line at start, not a restart loop."""
         online = _online_cpus()
         nodes = _numa_nodes()
+        if control or workers is None:
+            tables = [("[dispatcher]", self.dispatcher.cpus)]
+            if self.frontend is not None:
+                tables.append(("[frontend]", self.frontend.cpus))
+            for table, cpus in tables:
+                missing = sorted(set(cpus) - online) if online else []
+                if missing:
+                    raise ConfigError(f"{table} cpus: cpu {missing[0]} is not online on this host "
+                                      f"(online: {_ranges(online)})")
         for i, w in enumerate(self.workers):
             if workers is not None and w.name not in workers:
                 continue

@@ -10,6 +10,7 @@ import signal
 
 from . import sd_notify
 from .config import NodeConfig
+from .exit_codes import EX_CONFIG
 from .server import Dispatcher
 
 log = logging.getLogger("batchyard.dispatcher")
@@ -20,9 +21,15 @@ def run_dispatcher(node: NodeConfig) -> int:
     bounded drain (0), or after a broken invariant (EXIT_BROKEN_INVARIANT)."""
     import uvloop
 
+    from .affinity import pin_cpus
     from .proctitle import set_title
 
     set_title("batchyard::dispatcher")
+    try:
+        cpus = pin_cpus(node.dispatcher.cpus)  # before ZeroMQ's I/O thread starts: it inherits the mask
+    except ValueError as e:  # online, but outside the mask this process was started with (systemd's CPUAffinity)
+        log.error("[dispatcher] cpus: %s", e)
+        return EX_CONFIG
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     profile = None
@@ -37,8 +44,8 @@ def run_dispatcher(node: NodeConfig) -> int:
     ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, d.begin_shutdown)
-    log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s",
-             os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name)
+    log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s, cpus %s",
+             os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name, cpus)
     metrics_server = None
     if node.dispatcher.metrics_port:
         from .metrics import serve_metrics

@@ -50,8 +50,9 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
 
             grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes)
         watchdog = announce_ready(asyncio.get_running_loop())
-        log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s", os.getpid(), fe.host,
-                 fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend)
+        log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(), fe.host,
+                 fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend,
+                 sorted(os.sched_getaffinity(0)))
         await stop.wait()
     finally:
         if watchdog is not None:
@@ -70,6 +71,13 @@ def run_frontend(node: NodeConfig) -> int:
     set_title("batchyard::frontend")
     if node.frontend is None:
         log.error("the config has no [frontend] table: nothing to serve")
+        return EX_CONFIG
+    from .affinity import pin_cpus
+
+    try:
+        pin_cpus(node.frontend.cpus)  # before gRPC's and ZeroMQ's threads start: they inherit the mask
+    except ValueError as e:  # online, but outside the mask this process was started with (systemd's CPUAffinity)
+        log.error("[frontend] cpus: %s", e)
         return EX_CONFIG
     import uvloop
 

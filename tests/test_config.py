@@ -265,6 +265,29 @@ def test_the_triton_example_is_shipped():
     assert cfg.worker("gpu0").triton.models == {"minilm": "model_amx"}  # runs on a CPU host
 
 
+@pytest.mark.parametrize("table", ["dispatcher", "frontend"])
+def test_a_dispatcher_or_front_door_on_a_cpu_the_host_lacks_is_refused_at_start(tmp_path, table):
+    path = tmp_path / "node.toml"
+    text = NODE.replace("max_queue = 100", "max_queue = 100\ncpus = [4096]") if table == "dispatcher" else \
+        NODE + "\n[frontend]\ncpus = [0, 4096]\n"
+    path.write_text(text)
+    cfg = load_config(path)
+    assert (cfg.dispatcher.cpus if table == "dispatcher" else cfg.frontend.cpus)[-1] == 4096
+    cfg.check_host(("amx0",))  # a worker's process does not run the dispatcher
+    want = f"[{table}] cpus: cpu 4096 is not online on this host (online: {_ranges(_online_cpus())})"
+    for check in (lambda: cfg.check_host(), lambda: cfg.check_host((), control=True)):
+        with pytest.raises(ConfigError) as e:
+            check()
+        assert str(e.value) == want
+    # The process itself says so and exits 78 (EX_CONFIG), before binding anything.
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", table, "--config", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith(want), r.stderr
+    assert load_error(tmp_path, text.replace("4096", "-1")).endswith(f"[{table}] cpus[{0 if table == 'dispatcher' else 1}]: "
+                                                                     "expected int >= 0, got -1")
+
+
 def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_path):
     # A worker pinned to a cpu the host lacks died at start with a traceback, and `up` (or
     # systemd) restarted it over and over.

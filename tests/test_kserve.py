@@ -76,12 +76,12 @@ def front_door():
 
 
 @contextlib.contextmanager
-def _node_with_front_door(**frontend):
+def _node_with_front_door(dispatcher=None, **frontend):
     run_dir = tempfile.mkdtemp(prefix="by-", dir="/tmp")
     grpc_port, http_port = _free_port(), _free_port()
     cfg = NodeConfig(
         dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
-                                    heartbeat_interval_s=0.1, worker_dead_after_s=0.6),
+                                    heartbeat_interval_s=0.1, worker_dead_after_s=0.6, **(dispatcher or {})),
         models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL, HUGE_MODEL),
         workers=(sim_worker("sim0", models=("sum", "huge")), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
                  sim_worker("solo0", models=("solo",))),
@@ -1324,6 +1324,28 @@ def test_a_body_past_max_request_bytes_is_refused_413():
         r = h._post("v2/models/sum/infer", big, None, None)
         assert r.status_code == 413 and "Request Entity Too Large" in json.loads(r.read())["error"]
         np.testing.assert_array_equal(h.infer("sum", [_http_input(X)]).as_numpy("y"), fd.sdk("sum", X))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one of them")
+def test_the_dispatcher_and_the_front_door_run_on_their_configured_cpus():
+    """[dispatcher] cpus and [frontend] cpus: every thread of those processes (gRPC's and
+    ZeroMQ's too) on the cpus named, the workers on theirs (here, as inherited), and the node
+    serving. Without them the front door's and the dispatcher's per-request work ran on the
+    model's cores."""
+    mine = sorted(os.sched_getaffinity(0))
+    cpu = mine[-1]
+    with _node_with_front_door(dispatcher={"cpus": (cpu,)}, cpus=(cpu,), processes=2) as fd:
+        g = tgrpc.InferenceServerClient(fd.grpc_url)
+        np.testing.assert_array_equal(g.infer("sum", [_grpc_input(X)]).as_numpy("y"), fd.sdk("sum", X))
+        procs = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(fd.node.up.pid).children(recursive=True)}
+        masks = {}
+        for pid, title in procs.items():
+            role = "dispatcher" if "::dispatcher" in title else "frontend" if "::frontend" in title else "worker"
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                masks.setdefault(role, set()).add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+    assert masks["dispatcher"] == {(cpu,)} and masks["frontend"] == {(cpu,)}, masks
+    assert masks["worker"] == {tuple(mine)}, masks
+    assert sum("::frontend" in t for t in procs.values()) == 2
 
 
 def test_a_header_length_is_plain_digits(front_door):

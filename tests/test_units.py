@@ -354,7 +354,7 @@ def test_a_curve_that_only_ever_sees_one_batch_size_stays_finite():
 
 PIN_EVERY_THREAD = """
 import os, threading, numpy  # numpy starts OpenBLAS's threads at import: before the pinning
-from batchyard.workers.pinning import pin_cpus
+from batchyard.affinity import pin_cpus
 started = threading.Event()
 t = threading.Thread(target=lambda: (started.set(), threading.Event().wait(5)), daemon=True)
 t.start()

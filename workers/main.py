@@ -22,7 +22,9 @@ def run_worker(node: NodeConfig, name: str) -> int:
     wcfg = node.worker(name)
     title = "gpu-worker" if wcfg.kind in ("triton", "cuda", "tensorrt") else f"{wcfg.kind}-worker"
     set_title(f"batchyard::{title}[{name}]")
-    from .pinning import bind_numa_node, pin_cpus
+    from batchyard.affinity import pin_cpus
+
+    from .pinning import bind_numa_node
 
     cpus = pin_cpus(wcfg.cpus)
     numa_note = bind_numa_node(wcfg.numa_node)

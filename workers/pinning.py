@@ -1,4 +1,4 @@
-"""CPU affinity and NUMA memory binding for a worker process.
+"""CPU affinity (``batchyard.affinity.pin_cpus``) and NUMA memory binding for a worker process.
 
 Must run *before* torch is imported: oneDNN/OpenMP size their thread pools from the affinity
 mask they see at import (measured: pinned before import, the worker came up single-threaded).
@@ -11,28 +11,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
 log = logging.getLogger("batchyard.worker")
-
-
-def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
-    """Restrict this process, every thread of it, to ``cpus`` (empty: leave as is). Returns the
-    effective set."""
-    if cpus:
-        available = os.sched_getaffinity(0)
-        bad = set(cpus) - available
-        if bad:
-            raise ValueError(f"cpus {sorted(bad)} are not available to this process (have {sorted(available)})")
-        # An affinity set through pid 0 binds the calling thread only. Threads started before
-        # this (OpenBLAS's pool, which numpy starts at import) kept every core of the mask the
-        # worker inherited: seen on a worker started with two cores and pinned to one.
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
-                pass
-    return sorted(os.sched_getaffinity(0))
 
 
 def bind_numa_node(node: int | None) -> str:
