@@ -144,7 +144,8 @@ def on_cpus(cpus: set):
 
 
 # What runs the model in each server's tree: Batchyard's worker (its process title) and Triton's
-# python-backend stub. --control-cpus moves every other process of the tree.
+# python-backend stub. --control-cpus moves every other process of Triton's tree (Batchyard's
+# dispatcher and front door pin themselves: [dispatcher] / [frontend] cpus).
 MODEL_PROCESSES = ("amx-worker[", "triton_python_backend_stub")
 
 
@@ -175,17 +176,21 @@ def pinning(pid: int) -> dict:
 NO_DEADLINE_S = 3600.0
 
 
-def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int = 0) -> NodeConfig:
-    """demo_config's model and AMX worker, one worker per server core, policy mcb, the front door."""
+def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int = 0,
+                control: tuple = ()) -> NodeConfig:
+    """demo_config's model and AMX worker, one worker per server core, policy mcb, the front door;
+    the dispatcher and the front door on ``control`` ([dispatcher] / [frontend] cpus; empty: as
+    inherited)."""
     base = demo_config(run_dir, "mcb")
     amx = base.workers[0]
     workers = tuple(msgspec.structs.replace(amx, name=f"amx{c}", cpus=(c,)) for c in cpus)
     model = msgspec.structs.replace(base.models[0], max_batch=MAX_BATCH)
-    front = FrontendConfig(host="127.0.0.1", grpc_port=grpc_port, http_port=0, processes=1) if grpc_port else None
+    front = FrontendConfig(host="127.0.0.1", grpc_port=grpc_port, http_port=0, processes=1,
+                           cpus=control) if grpc_port else None
     # Triton sets no deadline on a request without a `timeout` parameter; Batchyard's default
     # (30 s) would expire requests of the saturated run, whose queue grows for minutes.
     return NodeConfig(msgspec.structs.replace(base.dispatcher, policy="mcb", metrics_port=metrics_port,
-                                              default_timeout_s=NO_DEADLINE_S),
+                                              default_timeout_s=NO_DEADLINE_S, cpus=control),
                       (model,), workers, front).validate()
 
 
@@ -238,11 +243,12 @@ class Server:
 
 @contextlib.contextmanager
 def batchyard_server(cpus: list, control: set = frozenset()):
-    """``taskset -c <cpus> batchyard up`` with the front door (with ``control``, all but the
-    worker then moved there); stopped with SIGTERM as systemd would."""
+    """``taskset -c <cpus> batchyard up`` with the front door (with ``control``, the dispatcher
+    and the front door pinned there by the config, as a deployment would); stopped with SIGTERM
+    as systemd would."""
     with tempfile.TemporaryDirectory(prefix="by-vs-node-") as d:
         port, mport = free_port(), free_port()
-        node = minilm_node(d, cpus, grpc_port=port, metrics_port=mport)
+        node = minilm_node(d, cpus, grpc_port=port, metrics_port=mport, control=tuple(sorted(control)))
         cfg = Path(d) / "node.toml"
         cfg.write_text(to_toml(node))
         # The worker pins itself to its config's cpus, which must be in the mask it inherits.
@@ -252,8 +258,6 @@ def batchyard_server(cpus: list, control: set = frozenset()):
         try:
             url = f"127.0.0.1:{port}"
             wait_model_ready(url, "minilm", proc)
-            if control:
-                move_control(proc.pid, set(control))
             yield Server("batchyard", url, "minilm", f"http://127.0.0.1:{mport}/metrics", pinning(proc.pid), proc.pid), node
         finally:
             proc.send_signal(signal.SIGTERM)
