@@ -41,6 +41,16 @@ KNOT_EFFECTIVE = 30  # samples a knot's estimate is worth, for its standard erro
 # Background work (low priority while urgent requests arrive) gives up this much throughput per
 # item for short batches: an urgent request that arrives behind one waits for it (not preemptible).
 COMPACT_TOLERANCE = 0.10
+# A knot not measured in this many of the curve's samples is stale: it no longer counts as
+# evidence for the batch cap (so the max batch is tried again when a full one is queued), and its
+# next sample starts it afresh (``probe_size``, ``_refit_fresh``). Without this a curve could lock
+# for good: on an H100 host's Xeon core, MiniLM batches of ~30 measured during a slow spell at
+# 14 ms an item against 12.7 ms for a batch of 1 left a cap of 1 and a fit with no launch (MCB
+# then serves one request at a time); only size 1 was sent after that, no other size was measured
+# again, and with ~1,000 requests queued the worker ran batches of 1 (56 req/s served of 107
+# offered) where a batch of 16 serves 133 items/s. A cap that is right costs a re-probe of
+# EFFICIENT_MIN_COUNT batches every STALE_SAMPLES: ~1 % of them at the worse size.
+STALE_SAMPLES = 256
 # The caps move slowly: look at them again every this many samples (and at every new size), not
 # at every batch (they scan every measured size: 12 % of a simulated MCB run, seeds 50 % load).
 CAP_REFRESH = 16
@@ -69,6 +79,7 @@ class CostCurve:
     _knots: dict = field(default_factory=dict)
     _sizes: list = field(default_factory=list)
     _caps: dict = field(default_factory=dict)  # max_b -> efficient_batch, -max_b -> compact_batch, until the next sample
+    _seen: dict = field(default_factory=dict)  # batch size -> the sample count at its knot's last sample
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float]], **kw) -> "CostCurve":
@@ -78,6 +89,7 @@ class CostCurve:
             c._set_knot(b, t, EFFICIENT_MIN_COUNT)  # a calibration point is a median of several runs
         c.launch_s, c.per_item_s, c.r2 = least_squares(points)
         c.samples = len(points)
+        c._seen = {b: c.samples for b, _ in points}
         c.mode = "linear" if fit_error(points, c.launch_s, c.per_item_s) <= LINEAR_MAX_ERROR else "piecewise"
         return c
 
@@ -91,7 +103,8 @@ class CostCurve:
         one (time per item within ``EFFICIENT_TOLERANCE`` of the minimum): the cost-aware cap that
         keeps a saturated worker at its throughput limit. It reads the per-size knots (measured
         times, whatever the prediction mode), counting a size measured at least
-        ``EFFICIENT_MIN_COUNT`` times; without such evidence it is ``max_b``. T is piecewise
+        ``EFFICIENT_MIN_COUNT`` times, the last within ``STALE_SAMPLES``; with fewer than two
+        such sizes it is ``max_b`` (which then gets measured again). T is piecewise
         linear between measured sizes, so T(B)/B is monotone on each piece and the measured
         sizes (plus ``max_b``) are the only candidates."""
         cap = self._caps.get(max_b)
@@ -101,9 +114,27 @@ class CostCurve:
 
     def unproven(self, b: int) -> bool:
         """Whether size ``b`` has fewer than ``EFFICIENT_MIN_COUNT`` measurements (calibration
-        points count as that many)."""
+        points count as that many), or none in the last ``STALE_SAMPLES``."""
         k = self._knots.get(b)
-        return k is None or k[1] < EFFICIENT_MIN_COUNT
+        return k is None or k[1] < EFFICIENT_MIN_COUNT or self.stale(b)
+
+    def probe_size(self, room: int) -> int:
+        """A batch size to measure again now (0: none): the smallest size above the one
+        measured of late whose knot is stale, at most ``room``, while every sample of the last
+        ``STALE_SAMPLES`` was of that one size. The linear fit's slope then rests on the stale
+        knots alone (one size cannot tell launch from per-item time), and a policy that trusts
+        it keeps sending that size: after a slow spell that made big batches look dear, a fit
+        with no launch sent one request at a time for good, however long the queue (see
+        ``STALE_SAMPLES``). One batch of the probed size refreshes its knot and the fit."""
+        probe = self._caps.get("probe")
+        if probe is None:
+            fresh = [b for b in self._sizes if not self.stale(b)]
+            probe = self._caps["probe"] = [b for b in self._sizes if b > fresh[0]] if len(fresh) == 1 else []
+        return next((b for b in probe if b <= room), 0)
+
+    def stale(self, b: int) -> bool:
+        """Whether size ``b``'s knot was last measured more than ``STALE_SAMPLES`` samples ago."""
+        return self.samples - self._seen.get(b, 0) > STALE_SAMPLES
 
     def compact_batch(self, max_b: int) -> int:
         """The smallest batch size whose predicted time per item is within ``COMPACT_TOLERANCE``
@@ -144,11 +175,15 @@ class CostCurve:
         if self.samples >= MIN_SAMPLES_FOR_OUTLIERS and seconds > OUTLIER_FACTOR * self.predict(b) + 1e-4:
             self.outliers += 1
             return False
+        predicted = self.predict(b)
         self.samples += 1
         self._rls(b, seconds)
         k = self._knots.get(b)
-        if k is None:
-            self._set_knot(b, seconds)
+        restarted = k is not None and self.samples - 1 - self._seen.get(b, 0) > STALE_SAMPLES
+        # A stale size measured again where the fit did not expect it: the fit is stale too.
+        refit = restarted and abs(seconds - predicted) > LINEAR_MAX_ERROR * predicted
+        if k is None or restarted:
+            self._set_knot(b, seconds)  # new, or stale: what it measured may be another machine's speed
         else:
             est, n, spread, drift = k
             if n >= 4 and est > 0:
@@ -170,11 +205,26 @@ class CostCurve:
                 est += (seconds - est) / (n + 1)
                 dev = abs(seconds - est) / est if est > 0 else 0.0
             self._knots[b] = (est, n + 1, spread + (dev - spread) / min(n, KNOT_MEMORY), drift)
+        self._seen[b] = self.samples
+        if refit:
+            self._refit_fresh()
         if self.samples % CAP_REFRESH == 0:
             self._caps.clear()
         return True
 
     # ------------------------------------------------------------------ internals
+    def _refit_fresh(self) -> None:
+        """A stale size measured again, more than LINEAR_MAX_ERROR off the fit's prediction:
+        the fit's memory of that size is as old as its knot. Restart the fit from the knots
+        measured within STALE_SAMPLES (when two sizes or more are), with the covariance of a
+        new curve, so the samples to come move it freely. One sample of a size the fit last saw
+        long ago barely moved it otherwise: RLS had weighed hundreds of samples of one size
+        since."""
+        fresh = [(b, self._knots[b][0]) for b in self._sizes if not self.stale(b)]
+        if len(fresh) >= 2:
+            self.launch_s, self.per_item_s, _ = least_squares(fresh)
+            self._p = [P_INITIAL, 0.0, P_INITIAL]
+
     def _rls(self, b: int, y: float) -> None:
         lam = self.forgetting
         p00, p01, p11 = self._p

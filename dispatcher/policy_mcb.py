@@ -313,6 +313,11 @@ class MarginalCost(PerModelPolicy):
                             waited = True
                         d.wake_at = min(d.wake_at, t_flip, now + slack)
                         continue
+                # 7a. A fit fed by one batch size alone for STALE_SAMPLES rests its slope on
+                #     stale knots: with a backlog (a max batch of w's queued beyond this pass's
+                #     held head), measure one of those sizes again (CostCurve.probe_size).
+                if left - held >= w.models[model]:
+                    queued = max(queued, state.cost(model, w.path).probe_size(min(cap, left - held)))
                 # 7. Send now, past the held head.
                 reqs = send_behind(state, d, w, q, queued, min(held, left - queued), now)
                 left -= sum(r.items for r in reqs)

@@ -261,3 +261,40 @@ def test_held_out_scenarios_are_reproducible_within_their_ranges_and_at_the_load
         rate = len(t.arrivals) / (t.arrivals[-1] - t.arrivals[0])
         assert rate == pytest.approx(0.5 * gpu_capacity(gpu), rel=0.15), what
     assert random_scenarios(8, seed=4)["random-4-0"][3] != drawn["random-3-0"][3]
+
+
+def test_a_cap_locked_by_a_slow_spell_is_lifted_once_its_evidence_is_stale():
+    """Knots learned while big batches ran slowly (14 ms an item, a shared or throttled core) and
+    a batch of 1 measured later at 12.7 ms cap the worker at 1; only size 1 was sent after that,
+    the big sizes were never measured again, and a worker with thousands queued ran batches of 1
+    for good (live on an H100 host's Xeon core: 56 req/s served of 107 offered, where B=16 serves
+    133 items/s). Now a knot unmeasured for STALE_SAMPLES samples is no evidence: the max batch
+    is tried again, measured fast, and kept."""
+    from batchyard.core import RequestCore
+    from batchyard.cost_model import STALE_SAMPLES, CostCurve
+    from batchyard.policy import make_policy
+    from batchyard.state import WorkerState
+
+    def t(b):  # the core now: 5.2 ms + 7.5 ms an item (12.7 ms alone, 245 ms for 32)
+        return 0.0052 + 0.0075 * b
+
+    core = RequestCore(make_policy("mcb"), lambda *_: None)
+    curve = core.state.costs[("m", "cpu")] = CostCurve(launch_s=0.0052, per_item_s=0.0075)
+    for _ in range(5):  # the slow spell
+        for b in (8, 16, 30, 32):
+            curve.observe(b, 0.014 * b)
+    for _ in range(5):
+        curve.observe(1, t(1))
+    core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
+    for i in range(20_000):
+        core.admit("m", 1, 2, 1e6, 0.0, req_id=i + 1)
+    assert core.state.batch_cap("m", core.state.workers["amx0"]) == 1  # locked
+    now, sizes = 0.0, []
+    for _ in range(STALE_SAMPLES + 100):
+        (batch,) = core.decide(now)
+        now += t(batch.items)
+        for r in core.complete(batch.batch_id, t(batch.items), now).requests:
+            core.finish(r)
+        sizes.append(batch.items)
+    assert set(sizes[:STALE_SAMPLES - 20]) == {1}  # the lock holds while the evidence is recent
+    assert sizes[-50:] == [32] * 50  # then the max is measured again, and kept
