@@ -44,11 +44,12 @@ COMPACT_TOLERANCE = 0.10
 # A knot not measured in this many of the curve's samples is stale: it no longer counts as
 # evidence for the batch cap (so the max batch is tried again when a full one is queued), and its
 # next sample starts it afresh (``probe_size``, ``_refit_fresh``). Without this a curve could lock
-# for good: on an H100 host's Xeon core, MiniLM batches of ~30 measured during a slow spell at
-# 14 ms an item against 12.7 ms for a batch of 1 left a cap of 1 and a fit with no launch (MCB
-# then serves one request at a time); only size 1 was sent after that, no other size was measured
-# again, and with ~1,000 requests queued the worker ran batches of 1 (56 req/s served of 107
-# offered) where a batch of 16 serves 133 items/s. A cap that is right costs a re-probe of
+# for good. Big batches measured during a slow spell (MiniLM batches of ~30 ran 12-14 ms an item
+# under load on an H100 host's Xeon core) beside a batch of 1 at 12.7 ms leave a cap of 1 and a
+# fit with no launch (MCB then serves one request at a time); only size 1 is sent after that and
+# no other size is measured again. That is the likeliest reading of a live run there that ran
+# batches of 1 with ~1,000 requests queued (56 req/s served of 107 offered; B=16 serves 133
+# items/s); its curve was not captured. A cap that is right costs a re-probe of
 # EFFICIENT_MIN_COUNT batches every STALE_SAMPLES: ~1 % of them at the worse size.
 STALE_SAMPLES = 256
 # The caps move slowly: look at them again every this many samples (and at every new size), not

@@ -265,11 +265,12 @@ def test_held_out_scenarios_are_reproducible_within_their_ranges_and_at_the_load
 
 def test_a_cap_locked_by_a_slow_spell_is_lifted_once_its_evidence_is_stale():
     """Knots learned while big batches ran slowly (14 ms an item, a shared or throttled core) and
-    a batch of 1 measured later at 12.7 ms cap the worker at 1; only size 1 was sent after that,
-    the big sizes were never measured again, and a worker with thousands queued ran batches of 1
-    for good (live on an H100 host's Xeon core: 56 req/s served of 107 offered, where B=16 serves
-    133 items/s). Now a knot unmeasured for STALE_SAMPLES samples is no evidence: the max batch
-    is tried again, measured fast, and kept."""
+    a batch of 1 measured later at 12.7 ms leave a cap of 1 and a fit with no launch: MCB sent one
+    request at a time, no other size was measured again, and a worker with thousands queued ran
+    batches of 1 for good (a live run on an H100 host's Xeon core did that: 56 req/s served of
+    107 offered, where B=16 serves 133 items/s). Now a knot unmeasured for STALE_SAMPLES samples
+    is no evidence: a stale size is probed, the fit restarts from fresh knots, and the max batch
+    is tried, measured fast, and kept."""
     from batchyard.core import RequestCore
     from batchyard.cost_model import STALE_SAMPLES, CostCurve
     from batchyard.policy import make_policy
