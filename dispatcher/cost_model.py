@@ -176,13 +176,12 @@ class CostCurve:
         if self.samples >= MIN_SAMPLES_FOR_OUTLIERS and seconds > OUTLIER_FACTOR * self.predict(b) + 1e-4:
             self.outliers += 1
             return False
-        predicted = self.predict(b)
+        k = self._knots.get(b)
+        restarted = k is not None and self.stale(b)
+        # A stale size measured again where the fit did not expect it: the fit is stale too.
+        refit = restarted and abs(seconds - self.predict(b)) > LINEAR_MAX_ERROR * self.predict(b)
         self.samples += 1
         self._rls(b, seconds)
-        k = self._knots.get(b)
-        restarted = k is not None and self.samples - 1 - self._seen.get(b, 0) > STALE_SAMPLES
-        # A stale size measured again where the fit did not expect it: the fit is stale too.
-        refit = restarted and abs(seconds - predicted) > LINEAR_MAX_ERROR * predicted
         if k is None or restarted:
             self._set_knot(b, seconds)  # new, or stale: what it measured may be another machine's speed
         else:
