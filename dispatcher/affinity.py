@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Optional
 
 
 def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
@@ -23,3 +25,15 @@ def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
             except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
                 pass
     return sorted(os.sched_getaffinity(0))
+
+
+def pin_node_process(cpus: tuple[int, ...], table: str, log: logging.Logger) -> Optional[list[int]]:
+    """``pin_cpus`` for the dispatcher or a front door (``table``: the config table that names
+    ``cpus``), before it starts threads, which inherit the mask. None, said in one line, when a
+    cpu is online but outside the mask the process was started with (systemd's CPUAffinity):
+    the caller exits EX_CONFIG."""
+    try:
+        return pin_cpus(cpus)
+    except ValueError as e:
+        log.error("[%s] cpus: %s", table, e)
+        return None

@@ -350,22 +350,21 @@ class NodeConfig(_Table):
         pinned to a cpu the host lacks is one line at start, not a restart loop."""
         online = _online_cpus()
         nodes = _numa_nodes()
+
+        def check_online(where: str, cpus: tuple[int, ...]) -> None:
+            missing = sorted(set(cpus) - online) if online else []
+            if missing:
+                raise ConfigError(f"{where}cpus: cpu {missing[0]} is not online on this host "
+                                  f"(online: {_ranges(online)})")
+
         if control or workers is None:
-            tables = [("[dispatcher]", self.dispatcher.cpus)]
+            check_online("[dispatcher] ", self.dispatcher.cpus)
             if self.frontend is not None:
-                tables.append(("[frontend]", self.frontend.cpus))
-            for table, cpus in tables:
-                missing = sorted(set(cpus) - online) if online else []
-                if missing:
-                    raise ConfigError(f"{table} cpus: cpu {missing[0]} is not online on this host "
-                                      f"(online: {_ranges(online)})")
+                check_online("[frontend] ", self.frontend.cpus)
         for i, w in enumerate(self.workers):
             if workers is not None and w.name not in workers:
                 continue
-            missing = sorted(set(w.cpus) - online) if online else []
-            if missing:
-                raise ConfigError(f"{_item('workers', i, w.name)}: cpus: cpu {missing[0]} is not online on this "
-                                  f"host (online: {_ranges(online)})")
+            check_online(f"{_item('workers', i, w.name)}: ", w.cpus)
             if w.numa_node is not None and nodes and w.numa_node not in nodes:
                 raise ConfigError(f"{_item('workers', i, w.name)}: numa_node: node {w.numa_node} does not exist "
                                   f"on this host (nodes: {_ranges(nodes)})")

@@ -21,14 +21,12 @@ def run_dispatcher(node: NodeConfig) -> int:
     bounded drain (0), or after a broken invariant (EXIT_BROKEN_INVARIANT)."""
     import uvloop
 
-    from .affinity import pin_cpus
+    from .affinity import pin_node_process
     from .proctitle import set_title
 
     set_title("batchyard::dispatcher")
-    try:
-        cpus = pin_cpus(node.dispatcher.cpus)  # before ZeroMQ's I/O thread starts: it inherits the mask
-    except ValueError as e:  # online, but outside the mask this process was started with (systemd's CPUAffinity)
-        log.error("[dispatcher] cpus: %s", e)
+    cpus = pin_node_process(node.dispatcher.cpus, "dispatcher", log)  # before ZeroMQ's I/O thread starts
+    if cpus is None:
         return EX_CONFIG
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -72,12 +72,9 @@ def run_frontend(node: NodeConfig) -> int:
     if node.frontend is None:
         log.error("the config has no [frontend] table: nothing to serve")
         return EX_CONFIG
-    from .affinity import pin_cpus
+    from .affinity import pin_node_process
 
-    try:
-        pin_cpus(node.frontend.cpus)  # before gRPC's and ZeroMQ's threads start: they inherit the mask
-    except ValueError as e:  # online, but outside the mask this process was started with (systemd's CPUAffinity)
-        log.error("[frontend] cpus: %s", e)
+    if pin_node_process(node.frontend.cpus, "frontend", log) is None:  # before gRPC's and ZeroMQ's threads start
         return EX_CONFIG
     import uvloop
 

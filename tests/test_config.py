@@ -3,6 +3,7 @@ the shipped examples load, and a written config reads back equal."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -286,6 +287,21 @@ def test_a_dispatcher_or_front_door_on_a_cpu_the_host_lacks_is_refused_at_start(
     assert r.stderr.strip().endswith(want), r.stderr
     assert load_error(tmp_path, text.replace("4096", "-1")).endswith(f"[{table}] cpus[{0 if table == 'dispatcher' else 1}]: "
                                                                      "expected int >= 0, got -1")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores, one kept out of the process's mask")
+@pytest.mark.parametrize("table", ["dispatcher", "frontend"])
+def test_a_dispatcher_or_front_door_on_a_cpu_outside_its_mask_exits_78_in_one_line(tmp_path, table):
+    """Online, so the config check passes, but outside the mask it was started with (systemd's
+    CPUAffinity, taskset): the process says which and exits 78 before it binds anything."""
+    mine = sorted(os.sched_getaffinity(0))
+    path = tmp_path / "node.toml"
+    path.write_text(NODE.replace("max_queue = 100", f"max_queue = 100\ncpus = [{mine[1]}]") if table == "dispatcher"
+                    else NODE + f"\n[frontend]\ncpus = [{mine[1]}]\n")
+    r = subprocess.run(["taskset", "-c", str(mine[0]), sys.executable, "-m", "batchyard.cli", table, "--config",
+                        str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
+    assert f"[{table}] cpus: cpus [{mine[1]}] are not available to this process (have [{mine[0]}])" in r.stderr
 
 
 def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_path):
