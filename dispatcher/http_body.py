@@ -23,6 +23,10 @@ from .kserve_common import KServeError, invalid
 INFLATING = 2
 # The application's longest wait for the next bytes of a body ([frontend] idle_timeout_s).
 BODY_STALL_S = web.AppKey("body_stall_s", float)
+# After that first wait, a body must keep arriving at this average rate: a client that sends a
+# byte just before each stall would otherwise hold its connection and descriptor for ever.
+# Apache's mod_reqtimeout has the same rule and this default (body=...,MinRate=500).
+MIN_BODY_RATE = 500.0  # bytes/s
 _inflating: asyncio.Semaphore | None = None
 # HTTP's deflate is zlib-wrapped, but some clients send it raw; gzip has its own header.
 _WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
@@ -57,17 +61,27 @@ async def read_body(request: web.Request, limit: int = 0) -> bytes:
 
 async def _read_raw(request: web.Request) -> bytes:
     """The body as sent, as ``request.read()`` reads it (up to ``client_max_size``, 413 past it),
-    but waiting at most the application's BODY_STALL_S for each next chunk: a body that stalls
-    answers 408 (it held its descriptor for as long as the client kept it open). aiohttp then
-    reads what is left of the body for its lingering time, and closes the connection."""
+    but waiting at most the application's BODY_STALL_S for each next chunk, and no longer than
+    that plus one second per MIN_BODY_RATE bytes received for the whole body: a body that stalls
+    or trickles answers 408 (it held its descriptor for as long as the client kept sending).
+    aiohttp then reads what is left of the body for its lingering time, and closes the
+    connection."""
     stall = request.app.get(BODY_STALL_S)
     cap = request.client_max_size
     body = bytearray()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     while True:
+        by_rate = started + stall + len(body) / MIN_BODY_RATE - loop.time()
         try:
-            async with asyncio.timeout(stall):
+            async with asyncio.timeout(min(stall, max(by_rate, 0.0))):
                 chunk = await request.content.readany()
         except TimeoutError:
+            if by_rate < stall:
+                raise KServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"the request body arrives too slowly: {len(body)} bytes in "
+                                  f"{loop.time() - started:.1f} s (at least {MIN_BODY_RATE:g} bytes/s "
+                                  f"after the first {stall:g} s)") from None
             raise KServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"the request body stalled: no bytes for {stall:g} s ({len(body)} received)") from None
         if not chunk:

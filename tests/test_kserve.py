@@ -1291,7 +1291,8 @@ def test_readiness_follows_the_models_last_worker(front_door):
 def test_connections_that_send_nothing_of_a_request_are_closed_and_others_served():
     """[frontend] idle_timeout_s: a connection that sends nothing, one whose headers never end,
     and one whose body stalls are closed after it (the last with a 408 that says so); each held
-    a descriptor for aiohttp's hour before. Clients that keep sending are served meanwhile."""
+    a descriptor for aiohttp's hour before. A body that trickles is answered 408 too. Clients
+    that keep sending are served meanwhile."""
     with _node_with_front_door(idle_timeout_s=0.5) as fd:
         host, port = fd.http_url.split(":")
         head = b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
@@ -1311,6 +1312,24 @@ def test_connections_that_send_nothing_of_a_request_are_closed_and_others_served
                 answers.append(got)
         assert answers[:2] == [b"", b""]
         assert answers[2].startswith(b"HTTP/1.1 408") and b"the request body stalled" in answers[2], answers[2]
+
+        # A body that trickles (a byte every 50 ms, never a 0.5 s stall) is cut off too, once it
+        # falls below MIN_BODY_RATE after the first idle_timeout_s; before, it was never answered.
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(head.replace(b"Content-Length: 200", b"Content-Length: 100000"))
+            c.settimeout(0.05)  # the pace of the trickle: one byte per wait for the answer
+            got = b""
+            for _ in range(600):  # 30 s of trickling at most, far past the ~0.5 s it may take
+                try:
+                    chunk = c.recv(65536)
+                except TimeoutError:
+                    c.sendall(b" ")
+                    continue
+                if not chunk:
+                    break
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 408") and b"the request body arrives too slowly" in got, got
+        np.testing.assert_array_equal(h.infer("sum", [_http_input(X)]).as_numpy("y"), fd.sdk("sum", X))
 
 
 def test_a_body_past_max_request_bytes_is_refused_413():
