@@ -218,8 +218,9 @@ class FrontendConfig(_Table):
     # the node has a registered worker; false: while any has.
     strict_readiness: bool = True
     # An HTTP connection that sends nothing of a request for this long is closed: idle between
-    # requests, its headers unfinished, or its body stalled (that request answers 408). Without
-    # it a client that opened connections and sent nothing held a descriptor each for an hour.
+    # requests, its headers unfinished, or its body stalled (that request answers 408); so is a
+    # gRPC connection with no call in flight. Without it a client that opened connections and
+    # sent nothing held a descriptor each for an hour (HTTP) or for ever (gRPC).
     idle_timeout_s: PositiveFloat = 75.0
     # CPU affinity of every front-door process (its loop, gRPC's and ZeroMQ's threads); empty =
     # as inherited. A request costs a front door ~1.5 ms of CPU in Python's gRPC: on a worker's

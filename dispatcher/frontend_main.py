@@ -48,7 +48,7 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 
-            grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes)
+            grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes, fe.idle_timeout_s)
         watchdog = announce_ready(asyncio.get_running_loop())
         log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(), fe.host,
                  fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend,

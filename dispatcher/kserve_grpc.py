@@ -301,12 +301,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(e.code, e.message)
 
 
-async def start_grpc(core: KServeCore, host: str, port: int,
-                     max_message_bytes: int = (1 << 31) - 1) -> grpc.aio.Server:
+async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = (1 << 31) - 1,
+                     idle_timeout_s: float = 75.0) -> grpc.aio.Server:
     """A started grpc.aio server on host:port, sharing the port with this node's other front-door
-    processes (SO_REUSEPORT: the kernel spreads connections over them)."""
+    processes (SO_REUSEPORT: the kernel spreads connections over them). ``idle_timeout_s``: a
+    connection with no call in flight for that long is closed (GOAWAY; a client's channel opens
+    a new one at its next call), as an idle HTTP connection is. gRPC's default keeps it for ever:
+    a client that opened connections and stopped calling held a descriptor each."""
     opts = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)]
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
     server = grpc.aio.server(options=opts)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core), server)
     if server.add_insecure_port(f"{host}:{port}") == 0:

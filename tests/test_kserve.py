@@ -1291,8 +1291,11 @@ def test_readiness_follows_the_models_last_worker(front_door):
 def test_connections_that_send_nothing_of_a_request_are_closed_and_others_served():
     """[frontend] idle_timeout_s: a connection that sends nothing, one whose headers never end,
     and one whose body stalls are closed after it (the last with a 408 that says so); each held
-    a descriptor for aiohttp's hour before. A body that trickles is answered 408 too. Clients
-    that keep sending are served meanwhile."""
+    a descriptor for aiohttp's hour before. A body that trickles is answered 408 too, and an
+    idle gRPC connection is closed. Clients that keep sending are served meanwhile."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
     with _node_with_front_door(idle_timeout_s=0.5) as fd:
         host, port = fd.http_url.split(":")
         head = b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
@@ -1330,6 +1333,17 @@ def test_connections_that_send_nothing_of_a_request_are_closed_and_others_served
                 got += chunk
         assert got.startswith(b"HTTP/1.1 408") and b"the request body arrives too slowly" in got, got
         np.testing.assert_array_equal(h.infer("sum", [_http_input(X)]).as_numpy("y"), fd.sdk("sum", X))
+
+        # A gRPC connection with no call in flight is closed too (GOAWAY: the channel goes idle),
+        # and the channel's next call opens a new one; gRPC's default kept it for ever.
+        states: queue.Queue = queue.Queue()
+        with grpc.insecure_channel(fd.grpc_url) as ch:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+            assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=30).live
+            ch.subscribe(states.put)
+            while (state := states.get(timeout=30)) != grpc.ChannelConnectivity.IDLE:  # 30 s: a hang fails
+                assert state != grpc.ChannelConnectivity.SHUTDOWN
+            assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=30).live
 
 
 def test_a_body_past_max_request_bytes_is_refused_413():
