@@ -183,9 +183,11 @@ def _share_before_next_launch(state: SchedulerState, model: str, ws: list[Worker
 
 
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
-    """When to look again at items waiting for busy ``w``: when it frees, or, if it is overdue,
-    after the time its batch would take (never ``now``: that would spin the live timer)."""
-    return w.busy_until if w.busy_until > now else now + state.cost(model, w.path).predict(items)
+    """When to look again at items waiting for busy ``w``: when it is expected to free (for an
+    overdue worker, once its overrun has doubled: ``SchedulerState.start_time``), else after the
+    time their batch would take (never ``now``: that would spin the live timer)."""
+    t = state.start_time(w, now)
+    return t if t > now else now + state.cost(model, w.path).predict(items)
 
 
 class MarginalCost(PerModelPolicy):

@@ -37,6 +37,26 @@ def paths(decision):
     return [(d.worker.path, len(d.requests)) for d in decision.dispatches]
 
 
+def test_a_worker_running_past_its_prediction_is_not_waited_for_as_if_it_ended_now():
+    # A node's start with no profile (`batchyard demo`): both curves are the prior's (0.11 ms for
+    # one item). The CPU's first request, sent at 18 ms, runs MiniLM for 250 ms; the GPU's first
+    # batch has come back (1.6 ms). At 32 ms a request arrives. Taken to end "now", the overdue
+    # CPU looked free and 15x faster than the GPU: the request was held for it, and so was every
+    # one until its batch ended (demo: p99 207 ms; 7 ms past the first second).
+    st = SchedulerState()
+    cpu, gpu = WorkerState("cpu0", "cpu", {"m": 32}), WorkerState("gpu0", "gpu", {"m": 32})
+    st.add_worker(cpu)
+    st.add_worker(gpu)
+    st.cost("m", "gpu").observe(1, 1.6 * MS)
+    st.on_dispatch(cpu, "m", 1, 0.018)
+    st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=60.0)
+    st.queue("m").push(Request(0, "m", 1, 1, 0.032, math.inf))
+    d = MarginalCost().decide(st, 0.032)
+    assert paths(d) == [("gpu", 1)]
+    # Its expected end moves out as it overruns: as long again as the overrun so far.
+    assert st.start_time(cpu, 0.032) == pytest.approx(0.032 + (0.032 - cpu.busy_until))
+
+
 def test_small_queue_goes_to_cpu_at_once():
     st = seeds_state(n_queued=1, lam_per_s=2000)
     d = MarginalCost().decide(st, 1.0)
