@@ -245,8 +245,10 @@ class SchedulerState:
         request meanwhile waited for it beside a free GPU (`batchyard demo`: p99 207 ms, 7 ms
         past the first second). The estimate doubles the overrun at each look, so the requests
         held for such a worker go elsewhere once another is clearly sooner."""
-        if w.inflight == 0 or w.busy_until >= now:
-            return max(now, w.busy_until) if w.inflight else now
+        if w.inflight == 0:
+            return now
+        if w.busy_until >= now:
+            return w.busy_until
         return now + (now - w.busy_until)
 
     def finish_time(self, w: WorkerState, model: str, items: int, now: float) -> float:
