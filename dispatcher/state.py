@@ -256,7 +256,7 @@ class SchedulerState:
         return self.start_time(w, now) + self.cost(model, w.path).predict(items)
 
     def on_dispatch(self, w: WorkerState, model: str, items: int, now: float) -> None:
-        w.busy_until = max(now, w.busy_until) + self.cost(model, w.path).predict(items)
+        w.busy_until = self.start_time(w, now) + self.cost(model, w.path).predict(items)
         w.inflight += 1
 
     def on_complete(self, w: WorkerState, model: str, items: int, compute_s: Optional[float],
