@@ -10,6 +10,7 @@ core's limit, measured directly first; placements alternate within each round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -39,13 +40,10 @@ def main(argv=None) -> None:
         for frac in [float(x) for x in a.fractions.split(",")]:
             rate = round(frac * limit["limit_items_per_s"], 1)
             for label, control in (("same", set()), ("split", {a.control_cpu})):
-                with V.on_cpus({a.worker_cpu, a.control_cpu, a.load_cpu}):  # `up` starts from here
-                    server = V.batchyard_server([a.worker_cpu], control)
-                    srv, _ = server.__enter__()
-                try:
+                with contextlib.ExitStack() as stack:
+                    with V.on_cpus({a.worker_cpu, a.control_cpu, a.load_cpu}):  # `up` starts from here
+                        srv, _ = stack.enter_context(V.batchyard_server([a.worker_cpu], control))
                     res = V.measure(srv, rate, plan, label, None)
-                finally:
-                    server.__exit__(None, None, None)
                 s = res["report"].summary
                 rows.append({"round": r, "fraction": frac, "rate": rate, "placement": label, "pinning": srv.pinning,
                              "stable": res["report"].stable,

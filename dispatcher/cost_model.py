@@ -79,7 +79,9 @@ class CostCurve:
     # mean |sample / estimate - 1| (0: calibrated); drift: recent mean of (sample / estimate - 1)
     _knots: dict = field(default_factory=dict)
     _sizes: list = field(default_factory=list)
-    _caps: dict = field(default_factory=dict)  # max_b -> efficient_batch, -max_b -> compact_batch, until the next sample
+    # max_b -> efficient_batch, -max_b -> compact_batch, "probe" -> probe_size's candidates; until
+    # the next CAP_REFRESH (or a new knot)
+    _caps: dict = field(default_factory=dict)
     _seen: dict = field(default_factory=dict)  # batch size -> the sample count at its knot's last sample
 
     @classmethod
