@@ -7,8 +7,9 @@ import math
 import pytest
 
 from batchyard.bench.sim_report import AMX4_MINILM, H200_MINILM  # measured: bench/results/gpu_h200.md
-from batchyard.cost_model import ArrivalRate, CostCurve
+from batchyard.cost_model import OUTLIER_FACTOR, ArrivalRate, CostCurve
 from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible, plan
+from batchyard.policy_mcb import amortises_launch
 from batchyard.state import Request, SchedulerState, WorkerState
 
 MS = 1e-3
@@ -374,3 +375,38 @@ def test_multi_item_request_is_never_stranded_with_workers_idle():
     d = MarginalCost().decide(st, 1.0)
     assert [len(x.requests) for x in d.dispatches] == [1]
     assert st.queue("m").requests == 0
+
+
+def test_a_size_that_takes_what_its_knot_says_is_learnt_though_the_line_says_less():
+    # Live on one AMX core past saturation (MiniLM): the backlog's big batches (their knots
+    # below, measured there) fitted a line with a negative launch, T(1) = 1.9 ms, so the plan
+    # sent one request at a time; each took the 16 ms size 1 had always taken, and each was
+    # rejected as an outlier of the line: the curve never moved again (batches of 1 for good).
+    c = CostCurve()
+    for _ in range(10):
+        c.observe(1, 16e-3)
+    for _ in range(200):
+        for b, t in ((14, 117.3e-3), (18, 163.8e-3), (32, 290.3e-3)):
+            c.observe(b, t)
+    assert c.predict(1) * OUTLIER_FACTOR < 16e-3  # the line of the lock
+    for _ in range(20):
+        assert c.observe(1, 16e-3)
+    assert c.outliers == 0
+    assert c.predict(1) == pytest.approx(16e-3, rel=0.1)
+    assert amortises_launch(c)  # batches pay again: the plan grows them
+
+
+def test_a_device_that_turns_several_times_slower_is_learnt():
+    # Rejected one by one, a device 4x slower than its curve would never be learnt: every
+    # sample it sends is an outlier. Slow batches in a row are the device, not GC pauses.
+    c = CostCurve()
+    for _ in range(50):
+        for b in (1, 8):
+            c.observe(b, 1e-3 + 1e-4 * b)
+    assert not c.observe(1, 4 * 1.1e-3) and not c.observe(8, 4 * 1.8e-3)
+    for _ in range(40):
+        for b in (1, 8):
+            c.observe(b, 4 * (1e-3 + 1e-4 * b))
+    assert c.predict(1) == pytest.approx(4.4e-3, rel=0.1)
+    assert c.predict(8) == pytest.approx(7.2e-3, rel=0.1)
+    assert not c.observe(8, 0.5)  # a lone GC pause is still one
