@@ -5,8 +5,8 @@
   factor (what B1/B2 and the reports use);
 - per-batch-size knots (running means of clipped samples, with their spread), interpolated
   piecewise-linearly. The MLP's curve on AMX is flat up to B~16 and then rises, which a single
-  line fits badly; where the profile says the line is poor (``mode = "piecewise"``) predictions
-  come from the knots.
+  line fits badly; where the profile, or later the knots, say the line is poor (``mode =
+  "piecewise"``) predictions come from the knots.
 Outliers (first call at a new shape, GC pauses: measured up to 30x) are rejected once a curve
 has enough data: a sample more than ``OUTLIER_FACTOR`` x what its size is expected to take (the
 prediction, or the size's own measured knot if that is longer) is counted, not learned, unless
@@ -26,6 +26,13 @@ MIN_SAMPLES_FOR_OUTLIERS = 8
 # would never be learnt: every sample it sends is rejected, so the curve never moves.
 OUTLIER_RUN = 3
 LINEAR_MAX_ERROR = 0.10  # a line that misses a measured point by more than 10 % is not used
+# ... and once learnt online, one that misses a proven knot by more than this plus LINE_Z of the
+# knot's standard errors: knots are noisy, and the check runs every CAP_REFRESH samples for good
+# (a line is given up once). Simulated, 40 curves of 1 ms + 0.5 ms·B learnt over 1,200 batches:
+# at 10 % jitter 2 gave their line up (8 at 10 % + 2 errors), at 20 % 5; a MiniLM AMX core's
+# curve with 10 % jitter went piecewise in 20 runs of 20.
+LINE_POOR = 0.20
+LINE_Z = 3.0
 # A batch size whose time per item is within this of the best measured one counts as efficient;
 # beyond the largest such size the curve has shown batches get slower per item (cache spills:
 # MiniLM on an EPYC core, 928 ms at B=32 against 2 x 370 ms at B=16).
@@ -53,9 +60,10 @@ COMPACT_TOLERANCE = 0.10
 # for good. Big batches measured during a slow spell (MiniLM batches of ~30 ran 12-14 ms an item
 # under load on an H100 host's Xeon core) beside a batch of 1 at 12.7 ms leave a cap of 1 and a
 # fit with no launch (MCB then serves one request at a time); only size 1 is sent after that and
-# no other size is measured again. That is the likeliest reading of a live run there that ran
-# batches of 1 with ~1,000 requests queued (56 req/s served of 107 offered; B=16 serves 133
-# items/s); its curve was not captured. A cap that is right costs a re-probe of
+# no other size is measured again. A live run there ran batches of 1 with ~1,000 requests queued
+# (56 req/s served of 107 offered; B=16 serves 133 items/s); its curve was not captured. The same
+# symptom on another AMX core, captured, was a second lock: the samples of size 1 were rejected as
+# outliers of the line, so none counted (``observe``). A cap that is right costs a re-probe of
 # EFFICIENT_MIN_COUNT batches every STALE_SAMPLES: ~1 % of them at the worse size.
 STALE_SAMPLES = 256
 # The caps move slowly: look at them again every this many samples (and at every new size), not
@@ -234,10 +242,29 @@ class CostCurve:
         if refit:
             self._refit_fresh()
         if self.samples % CAP_REFRESH == 0:
+            if self.mode == "linear" and not self._line_fits_knots():
+                self.mode = "piecewise"
             self._caps.clear()
         return True
 
     # ------------------------------------------------------------------ internals
+    def _line_fits_knots(self) -> bool:
+        """Whether the fitted line predicts every proven knot within LINE_POOR, plus LINE_Z
+        standard errors of the knot (noise alone must not condemn a line). A curve
+        learnt online starts linear, as a profile whose points a line fits does; where the
+        knots show the line is poor, it predicts from them from then on. Live on one AMX core
+        (MiniLM, no profile) the line fitted to the batches of a run, launch 9.1 ms and 9.6 ms
+        an item, put B=8 at 86 ms and B=12 at 125 where they took 59 and 84: batching looked
+        to save half what it does, and MCB's batches stayed short (5.9 items at 80 % load;
+        p99 755 ms against 144 for Triton's dynamic batcher at 50 ms)."""
+        for b in self._sizes:
+            t = self._knots[b][0]
+            if self.unproven(b) or t <= 0:
+                continue
+            if abs(self.launch_s + self.per_item_s * b - t) > (LINE_POOR + LINE_Z * self._relative_error(b)) * t:
+                return False
+        return True
+
     def _refit_fresh(self) -> None:
         """A stale size measured again, more than LINEAR_MAX_ERROR off the fit's prediction:
         the fit's memory of that size is as old as its knot. Restart the fit from the knots
