@@ -254,9 +254,8 @@ class CostCurve:
         learnt online starts linear, as a profile whose points a line fits does; where the
         knots show the line is poor, it predicts from them from then on. Live on one AMX core
         (MiniLM, no profile) the line fitted to the batches of a run, launch 9.1 ms and 9.6 ms
-        an item, put B=8 at 86 ms and B=12 at 125 where they took 59 and 84: batching looked
-        to save half what it does, and MCB's batches stayed short (5.9 items at 80 % load;
-        p99 755 ms against 144 for Triton's dynamic batcher at 50 ms)."""
+        an item, put B=1 at 19 ms and B=8 at 86 where they took 22 and 59: batching looked
+        to save far less than it does."""
         for b in self._sizes:
             t = self._knots[b][0]
             if self.unproven(b) or t <= 0:
