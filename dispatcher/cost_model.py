@@ -198,10 +198,9 @@ class CostCurve:
         sent one request at a time; each took 16 ms, as size 1's knot said, and each was
         rejected as an outlier of the line, so the line never moved (16,943 rejected, batches
         of 1.0, 53 req/s served of 170 offered on a core that serves 189 at B=16)."""
-        expected = self.predict(b)
+        predicted = self.predict(b)
         k = self._knots.get(b)
-        if k is not None and k[0] > expected:
-            expected = k[0]
+        expected = max(predicted, k[0]) if k is not None else predicted
         run_ends = False
         if self.samples >= MIN_SAMPLES_FOR_OUTLIERS and seconds > OUTLIER_FACTOR * expected + 1e-4:
             run = self._outliers_in_row[b] = self._outliers_in_row.get(b, 0) + 1
@@ -212,7 +211,7 @@ class CostCurve:
         self._outliers_in_row.pop(b, None)
         restarted = k is not None and (run_ends or self.stale(b))
         # A stale size measured again where the fit did not expect it: the fit is stale too.
-        refit = restarted and abs(seconds - self.predict(b)) > LINEAR_MAX_ERROR * self.predict(b)
+        refit = restarted and abs(seconds - predicted) > LINEAR_MAX_ERROR * predicted
         self.samples += 1
         self._rls(b, seconds)
         if k is None or restarted:
