@@ -93,7 +93,8 @@ class CostCurve:
     # mean |sample / estimate - 1| (0: calibrated); drift: recent mean of (sample / estimate - 1)
     _knots: dict = field(default_factory=dict)
     _sizes: list = field(default_factory=list)
-    # max_b -> efficient_batch, -max_b -> compact_batch, "probe" -> probe_size's candidates; until
+    # max_b -> efficient_batch, -max_b -> compact_batch, "probe" -> probe_size's candidates,
+    # ("trial", max_b) -> trial_size; until
     # the next CAP_REFRESH (or a new knot)
     _caps: dict = field(default_factory=dict)
     _seen: dict = field(default_factory=dict)  # batch size -> the sample count at its knot's last sample
@@ -166,7 +167,54 @@ class CostCurve:
         return cap
 
     def _efficient_batch(self, max_b: int) -> int:
-        sizes = [b for b in self._sizes if b <= max_b and not self.unproven(b)]
+        return self._cap_among([b for b in self._sizes if b <= max_b and not self.unproven(b)], max_b)
+
+    def trial_size(self, max_b: int) -> int:
+        """A batch size to send a saturated worker now, to learn what the cap cannot see (0:
+        none). The cap reads proven sizes only, and a saturated worker sends nothing but the
+        cap (or its max): a better size that is unproven stays so. Live on one AMX core past
+        saturation (MiniLM) only B=32 stayed fresh, 16's knot (5.6 ms an item against 32's
+        6.8) went stale, and batches of 32 ran for good at 60 % of the core's limit; simulated
+        at 200 req/s, a 16 measured once beside a proven 10 kept batches at 10 (6.2 ms an item
+        against 16's 5.4); simulated at 280 req/s from the start, nothing but 32 was ever sent.
+
+        1. An unproven size whose estimate says the cap is elsewhere is sent until proven
+           (``EFFICIENT_MIN_COUNT`` fresh batches), the best-looking first.
+        2. Else a gap wider than a factor of 2 on either side of the best proven size (a
+           calibration's powers of two have none) is halved, one batch at a time: each probe is
+           a knot after it (at most log2(max_b) probes a side, once), and one that looks better
+           is then proven by rule 1. Time per item is unimodal in B on the cores measured (a
+           launch amortised, then cache spills), so the best size ends within a factor of 2."""
+        key = ("trial", max_b)
+        trial = self._caps.get(key)
+        if trial is None:
+            trial = self._caps[key] = self._trial_size(max_b)
+        return trial
+
+    def _trial_size(self, max_b: int) -> int:
+        sizes = [b for b in self._sizes if b <= max_b]
+        proven = [b for b in sizes if not self.unproven(b)]
+        if not proven:
+            return 0
+        cap = self.efficient_batch(max_b)
+        per_item = {b: self._knots[b][0] / b for b in proven}
+        best = min(per_item.values())
+        trials = [b for b in sizes if b not in per_item and self._knots[b][0] > 0
+                  and (self._knots[b][0] / b < best or b > cap) and self._cap_among(proven + [b], max_b) != cap]
+        if trials:
+            return min(trials, key=lambda b: self._knots[b][0] / b)
+        b_star = min(per_item, key=per_item.get)
+        i = bisect.bisect_left(sizes, b_star)
+        below = sizes[i - 1] if i > 0 else 0
+        if b_star > max(2 * below, 1):
+            return (below + b_star) // 2
+        if i + 1 < len(sizes) and sizes[i + 1] > 2 * b_star:
+            return (b_star + sizes[i + 1]) // 2
+        return 0
+
+    def _cap_among(self, sizes: list[int], max_b: int) -> int:
+        """The cap that ``sizes`` (at most ``max_b``) say: the largest size within the tolerance
+        of the best time per item; ``max_b`` with fewer than two sizes."""
         if len(sizes) < 2:
             return max_b
         per_item = {b: self._knots[b][0] / b for b in sizes}
@@ -237,6 +285,8 @@ class CostCurve:
                 est += (seconds - est) / (n + 1)
                 dev = abs(seconds - est) / est if est > 0 else 0.0
             self._knots[b] = (est, n + 1, spread + (dev - spread) / min(n, KNOT_MEMORY), drift)
+            if n + 1 == EFFICIENT_MIN_COUNT:
+                self._caps.clear()  # a size just proven: the cap may move now, not at the next refresh
         self._seen[b] = self.samples
         if refit:
             self._refit_fresh()

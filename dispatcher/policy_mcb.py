@@ -315,11 +315,15 @@ class MarginalCost(PerModelPolicy):
                             waited = True
                         d.wake_at = min(d.wake_at, t_flip, now + slack)
                         continue
-                # 7a. A fit fed by one batch size alone for STALE_SAMPLES rests its slope on
-                #     stale knots: with a backlog (a max batch of w's queued beyond this pass's
-                #     held head), measure one of those sizes again (CostCurve.probe_size).
+                # 7a. With a backlog (a max batch of w's queued beyond this pass's held head),
+                #     send a size the curve must measure, whatever the plan's own predictions
+                #     say: one the batch cap cannot see yet (CostCurve.trial_size, which
+                #     batch_cap already made the cap), or, for a fit fed by one batch size alone
+                #     for STALE_SAMPLES (its slope rests on stale knots), one of those sizes.
                 if left - held >= w.models[model]:
-                    queued = max(queued, state.cost(model, w.path).probe_size(min(cap, left - held)))
+                    curve = state.cost(model, w.path)
+                    trial = 0 if background else min(curve.trial_size(w.models[model]), cap)
+                    queued = max(queued, trial or curve.probe_size(min(cap, left - held)))
                 # 7. Send now, past the held head.
                 reqs = send_behind(state, d, w, q, queued, min(held, left - queued), now)
                 left -= sum(r.items for r in reqs)

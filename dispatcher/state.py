@@ -203,11 +203,12 @@ class SchedulerState:
         cap = curve.efficient_batch(max_b)
         if background:
             return min(cap, curve.compact_batch(cap))
+        q = self.queues.get(model)
+        if q is None or q.items < max_b:
+            return cap
         if cap < max_b and curve.unproven(max_b):
-            q = self.queues.get(model)
-            if q is not None and q.items >= max_b:
-                return max_b
-        return cap
+            return max_b
+        return curve.trial_size(max_b) or cap  # saturated: learn what the cap cannot see
 
     def arrival(self, model: str) -> ArrivalRate:
         a = self.arrivals.get(model)

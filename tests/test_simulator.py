@@ -130,7 +130,8 @@ def test_cost_aware_cap_keeps_a_saturated_worker_at_its_limit():
 
     limit = 16 / 0.370
     mcb, sizes = completions_per_s("mcb")
-    assert sizes.max() == 16
+    assert np.bincount(sizes).argmax() == 16
+    assert (np.bincount(sizes)[17:] <= 1).all()  # the sizes above, probed once each (CostCurve.trial_size)
     assert mcb >= 0.95 * limit
     greedy, _ = completions_per_s("greedy")
     assert greedy < 0.85 * limit  # the fixed cap of 32 loses the rest
@@ -210,8 +211,91 @@ def test_a_saturated_worker_tries_its_max_batch_before_the_cap_keeps_it_out():
         core, curve = saturated_core(40)
         for _ in range(EFFICIENT_MIN_COUNT):
             curve.observe(32, t(32) * (1.3 if slow else 1.0))
-        # measured now: a fast max stays, a slow one is capped
-        assert core.state.batch_cap("m", core.state.workers["amx0"]) == want
+        # measured now: a fast max stays, a slow one is capped (what is sent next may be a
+        # probe between the knots, CostCurve.trial_size)
+        assert curve.efficient_batch(32) == want
+        assert not curve.unproven(32)
+
+
+# MiniLM on one AMX core (bench/results/vs_triton_amx, measured alone): B=16 serves 186 items/s,
+# B=32 143.
+AMX_MINILM = ((1, 0.0136), (2, 0.0178), (4, 0.029), (8, 0.049), (16, 0.0862), (32, 0.2233))
+
+
+@pytest.mark.parametrize("rate", [200.0, 280.0])
+def test_a_worker_saturated_from_its_first_batch_finds_its_best_batch_size(rate):
+    """A node with no profile, saturated from the start, sends nothing but its max batch: no
+    smaller size is ever measured, so the cap has nothing to prefer, and live on an AMX core
+    (curve above, max 32) batches of 32 ran for good at 60 % of the limit. Probing halves the
+    gap below the best size and proves what looks better: simulated, 77 % of the limit before
+    (both rates), over 90 % after."""
+    from batchyard.cost_model import CostCurve
+
+    cpu = Device("amx0", "cpu", 0.0, 0.0, max_batch=32, points=AMX_MINILM, jitter=0.1)
+    trace = poisson(rate, int(rate * 60), seed=1)
+    trace = type(trace)(trace.name, trace.arrivals, trace.priority, np.full(len(trace), 1e4))
+    calls = []
+
+    class Unprofiled(Device):  # the policy's curve starts from the prior; the device keeps its points
+        def curve(self):
+            calls.append(1)
+            return CostCurve() if len(calls) == 1 else super().curve()
+
+    res = simulate("mcb", trace, [Unprofiled(*[getattr(cpu, f) for f in cpu.__dataclass_fields__])], seed=1)
+    done = trace.arrivals + res.latency
+    served = ((done >= 20.0) & (done < 50.0)).sum() / 30.0
+    assert served >= 0.9 * 16 / 0.0862
+
+
+def test_trial_size_proves_what_the_cap_cannot_see():
+    from batchyard.cost_model import EFFICIENT_MIN_COUNT, STALE_SAMPLES, CostCurve
+
+    t = dict(AMX_MINILM)
+    c = CostCurve()
+    for _ in range(EFFICIENT_MIN_COUNT):
+        for b in (16, 32):
+            c.observe(b, t[b])
+    assert c.efficient_batch(32) == 16 and c.trial_size(32) == 8  # the gap below 16 is halved
+    for _ in range(STALE_SAMPLES + 1):
+        c.observe(32, t[32])  # past saturation, the max alone (as before this rule)
+    assert c.unproven(16) and c.efficient_batch(32) == 32
+    assert c.trial_size(32) == 16  # 16's old knot says the cap belongs there: measured again
+    for _ in range(EFFICIENT_MIN_COUNT):
+        c.observe(16, t[16])
+    assert c.efficient_batch(32) == 16
+
+    c = CostCurve()  # 16 measured once beside a proven 10 (simulated at 200 req/s): proven too
+    for _ in range(EFFICIENT_MIN_COUNT):
+        for b, seconds in ((6, 0.0444), (10, 0.0621), (32, t[32])):
+            c.observe(b, seconds)
+    assert c.efficient_batch(32) == 10 and c.trial_size(32) == 21  # the gap above 10 is halved
+    c.observe(16, t[16])
+    assert c.efficient_batch(32) == 10 and c.trial_size(32) == 16
+    for _ in range(EFFICIENT_MIN_COUNT - 1):
+        c.observe(16, t[16])
+    assert c.efficient_batch(32) == 16 and c.trial_size(32) == 0
+
+
+def test_a_saturated_worker_is_sent_its_trial_size_only_with_a_full_max_batch_queued():
+    from batchyard.core import RequestCore
+    from batchyard.cost_model import EFFICIENT_MIN_COUNT, CostCurve
+    from batchyard.policy import make_policy
+    from batchyard.state import WorkerState
+
+    core = RequestCore(make_policy("mcb"), lambda *_: None)
+    curve = core.state.costs[("m", "cpu")] = CostCurve()
+    for _ in range(EFFICIENT_MIN_COUNT):
+        curve.observe(32, AMX_MINILM[-1][1])
+        curve.observe(16, AMX_MINILM[-2][1])
+    w = WorkerState("amx0", "cpu", {"m": 32})
+    core.add_worker(w, 0.0)
+    for i in range(20):
+        core.admit("m", 1, 2, 60.0, 0.0, req_id=i + 1)
+    assert core.state.batch_cap("m", w) == 16  # moderate queue: the proven cap, no probing
+    for i in range(20, 40):
+        core.admit("m", 1, 2, 60.0, 0.0, req_id=i + 1)
+    (batch,) = core.decide(0.0)
+    assert len(batch.requests) == 8  # a full max batch queued: the gap below 16 is probed
 
 
 def test_a_knot_follows_a_change_of_speed_but_not_one_slow_batch():
@@ -270,7 +354,8 @@ def test_a_cap_locked_by_a_slow_spell_is_lifted_once_its_evidence_is_stale():
     batches of 1 for good (a live run on an H100 host's Xeon core did that: 56 req/s served of
     107 offered, where B=16 serves 133 items/s). Now a knot unmeasured for STALE_SAMPLES samples
     is no evidence: a stale size is probed, the fit restarts from fresh knots, and the max batch
-    is tried, measured fast, and kept."""
+    is tried, measured fast, and kept; and a gap of more than a factor of 2 above the best size
+    is probed at once."""
     from batchyard.core import RequestCore
     from batchyard.cost_model import STALE_SAMPLES, CostCurve
     from batchyard.policy import make_policy
@@ -289,7 +374,7 @@ def test_a_cap_locked_by_a_slow_spell_is_lifted_once_its_evidence_is_stale():
     core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
     for i in range(20_000):
         core.admit("m", 1, 2, 1e6, 0.0, req_id=i + 1)
-    assert core.state.batch_cap("m", core.state.workers["amx0"]) == 1  # locked
+    assert core.state.cost("m", "cpu").efficient_batch(32) == 1  # locked
     now, sizes = 0.0, []
     for _ in range(STALE_SAMPLES + 100):
         (batch,) = core.decide(now)
@@ -297,5 +382,7 @@ def test_a_cap_locked_by_a_slow_spell_is_lifted_once_its_evidence_is_stale():
         for r in core.complete(batch.batch_id, t(batch.items), now).requests:
             core.finish(r)
         sizes.append(batch.items)
-    assert set(sizes[:STALE_SAMPLES - 20]) == {1}  # the lock holds while the evidence is recent
-    assert sizes[-50:] == [32] * 50  # then the max is measured again, and kept
+    # The lock held while the evidence was recent (STALE_SAMPLES batches of 1); now the gap
+    # above 1 is probed at once (CostCurve.trial_size): 4 serves items faster, and is proven.
+    assert sizes[:3] == [4] * 3 and sizes.count(1) <= 3
+    assert sizes[-50:] == [32] * 50  # the stale knots' sizes measured again: the max, kept
