@@ -180,10 +180,13 @@ def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int 
                 control: tuple = ()) -> NodeConfig:
     """demo_config's model and AMX worker, one worker per server core, policy mcb, the front door;
     the dispatcher and the front door on ``control`` ([dispatcher] / [frontend] cpus; empty: as
-    inherited)."""
+    inherited, on the workers' cores, and then the workers run at nice 10)."""
     base = demo_config(run_dir, "mcb")
     amx = base.workers[0]
-    workers = tuple(msgspec.structs.replace(amx, name=f"amx{c}", cpus=(c,)) for c in cpus)
+    # Sharing its core with the dispatcher and the front door, a worker runs nice: they take an
+    # arrival or a completion at once, not after the model's timeslice (WorkerConfig.nice).
+    nice = 0 if set(control).isdisjoint(cpus) and control else 10
+    workers = tuple(msgspec.structs.replace(amx, name=f"amx{c}", cpus=(c,), nice=nice) for c in cpus)
     model = msgspec.structs.replace(base.models[0], max_batch=MAX_BATCH)
     front = FrontendConfig(host="127.0.0.1", grpc_port=grpc_port, http_port=0, processes=1,
                            cpus=control) if grpc_port else None

@@ -158,6 +158,9 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
     # inf passed; per_item_us = inf then failed every request INTERNAL
     (edited("launch_us = 100.0", "launch_us = inf"),
      "node.toml: [[workers]] #4 (name 'sim0'): sim.launch_us: expected float <= 1000000000.0, got inf"),
+    (edited("cpus = [1]", "cpus = [1]\nnice = 20"), "node.toml: [[workers]] #2 (name 'amx1'): nice: expected int <= 19, got 20"),
+    # a lower niceness than inherited needs privilege: refused in the file, not by EPERM at start
+    (edited("cpus = [1]", "cpus = [1]\nnice = -5"), "node.toml: [[workers]] #2 (name 'amx1'): nice: expected int >= 0, got -5"),
     (edited("max_queue = 100", "drain_timeout_s = inf"),
      "node.toml: [dispatcher] drain_timeout_s: expected float <= 1000000000.0, got inf"),
     # "$" let a trailing newline through

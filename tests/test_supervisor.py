@@ -23,7 +23,8 @@ import pytest
 import zmq
 
 from batchyard import sd_notify, supervisor
-from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+from batchyard.client import Client
+from batchyard.config import DispatcherConfig, NodeConfig, WorkerConfig, to_toml
 from batchyard.errors import DeadlineExceeded
 from batchyard.supervisor import NodeNotReady, Supervisor
 
@@ -300,3 +301,22 @@ def test_a_worker_whose_batch_never_comes_back_is_started_again(start_node):
         back = c.status(min_registrations=st.registrations + 1, wait=30)
     assert back.registrations > st.registrations, "the hung worker was not started again"
     assert [w.name for w in back.workers] == ["w0"] and back.workers[0].pid != st.workers[0].pid
+
+
+def test_a_worker_runs_every_thread_at_its_configured_niceness(start_node):
+    """[[workers]] nice: the worker's threads (the executor's and ZeroMQ's, started after it is
+    set) run at that niceness, so a dispatcher sharing its core takes arrivals before the
+    model's timeslice ends; the dispatcher stays at the niceness it inherited."""
+    import psutil
+
+    nice_worker = WorkerConfig(name="sim0", kind="sim", models=("sum",), nice=7)
+    node = start_node([nice_worker], models=(SUM_MODEL,))
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    procs = {" ".join(p.cmdline()): p for p in psutil.Process(node.up.pid).children(recursive=True)}
+    worker = next(p for title, p in procs.items() if "sim-worker" in title)
+    dispatcher = next(p for title, p in procs.items() if "::dispatcher" in title)
+    threads = [os.getpriority(os.PRIO_PROCESS, t.id) for t in worker.threads()]
+    assert len(threads) >= 2 and set(threads) == {max(7, mine)}
+    assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in dispatcher.threads()} == {mine}
+    with Client(node.address) as c:  # and it serves
+        assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 2)

@@ -24,11 +24,12 @@ def run_worker(node: NodeConfig, name: str) -> int:
     set_title(f"batchyard::{title}[{name}]")
     from batchyard.affinity import pin_cpus
 
-    from .pinning import bind_numa_node
+    from .pinning import bind_numa_node, lower_priority
 
     cpus = pin_cpus(wcfg.cpus)
     numa_note = bind_numa_node(wcfg.numa_node)
-    log.info("worker %s pid %d: cpus %s; %s", name, os.getpid(), cpus, numa_note)
+    nice = lower_priority(wcfg.nice)  # before the executor and ZeroMQ start their threads
+    log.info("worker %s pid %d: cpus %s; %s; nice %d", name, os.getpid(), cpus, numa_note, nice)
     if wcfg.kind == "vllm":  # an LLM engine serving LlmJobs, not a tensor executor
         from .llm_worker import serve_llm
 

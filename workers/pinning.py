@@ -1,4 +1,4 @@
-"""CPU affinity (``batchyard.affinity.pin_cpus``) and NUMA memory binding for a worker process.
+"""CPU affinity (``batchyard.affinity.pin_cpus``), NUMA memory binding and niceness for a worker process.
 
 Must run *before* torch is imported: oneDNN/OpenMP size their thread pools from the affinity
 mask they see at import (measured: pinned before import, the worker came up single-threaded).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger("batchyard.worker")
 
@@ -34,3 +35,19 @@ def bind_numa_node(node: int | None) -> str:
         raise OSError(ctypes.get_errno(), f"numa_run_on_node({node}) failed")
     numa.numa_set_preferred(node)  # membind without libnuma's bitmask structs
     return f"numa: running on and preferring memory of node {node} (of {max_node + 1})"
+
+
+def lower_priority(nice: int) -> int:
+    """Raise the niceness of this process's every thread to ``nice`` (never lower it: that needs
+    privilege). On Linux a nice value is per thread, and a thread takes its creator's: threads
+    started before this (OpenBLAS's pool, which numpy starts at import) are set one by one, as
+    ``pin_cpus`` does for affinity. Returns the niceness now in force."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+                pass
+        current = nice
+    return current
