@@ -197,7 +197,9 @@ class SchedulerState:
         load stop short of it, and judged by extrapolation from a slow knot it never gets tried.
         Live on one EPYC core the cap kept a saturated MiniLM worker at B=15 with no knot at 32,
         where 32 served 47.8 items/s and 16 43.4 (bench/results/vs_triton_slo). A max batch that
-        is slower per item costs a few batches once, then the knots cap it as before."""
+        is slower per item costs a few batches once, then the knots cap it as before. Else, with
+        a whole max batch queued, the cap is the curve's trial size when it names one
+        (``CostCurve.trial_size``: a size the cap cannot see yet, which MCB then sends)."""
         max_b = w.models[model]
         curve = self.cost(model, w.path)
         cap = curve.efficient_batch(max_b)
