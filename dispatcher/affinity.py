@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 
 def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
@@ -19,12 +19,19 @@ def pin_cpus(cpus: tuple[int, ...]) -> list[int]:
         # this (OpenBLAS's pool, which numpy starts at import; ZeroMQ's I/O thread) kept every
         # core of the mask the process inherited: seen on a worker started with two cores and
         # pinned to one.
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
-                pass
+        each_thread(lambda tid: os.sched_setaffinity(tid, cpus))
     return sorted(os.sched_getaffinity(0))
+
+
+def each_thread(apply: Callable[[int], object]) -> None:
+    """``apply(tid)`` for every thread of this process (affinity and niceness are per thread on
+    Linux, and a thread takes its creator's only when it starts); one that ends meanwhile is
+    skipped."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            apply(int(tid))
+        except (ProcessLookupError, FileNotFoundError):
+            pass
 
 
 def pin_node_process(cpus: tuple[int, ...], table: str, log: logging.Logger) -> Optional[list[int]]:

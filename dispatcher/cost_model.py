@@ -198,12 +198,12 @@ class CostCurve:
             return 0
         cap = self.efficient_batch(max_b)
         per_item = {b: self._knots[b][0] / b for b in proven}
-        best = min(per_item.values())
+        b_star = min(per_item, key=per_item.get)
+        best = per_item[b_star]
         trials = [b for b in sizes if b not in per_item and self._knots[b][0] > 0
                   and (self._knots[b][0] / b < best or b > cap) and self._cap_among(proven + [b], max_b) != cap]
         if trials:
             return min(trials, key=lambda b: self._knots[b][0] / b)
-        b_star = min(per_item, key=per_item.get)
         i = bisect.bisect_left(sizes, b_star)
         below = sizes[i - 1] if i > 0 else 0
         if b_star > max(2 * below, 1):

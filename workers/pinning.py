@@ -13,6 +13,8 @@ import ctypes.util
 import logging
 import os
 
+from batchyard.affinity import each_thread
+
 log = logging.getLogger("batchyard.worker")
 
 
@@ -43,11 +45,7 @@ def lower_priority(nice: int) -> int:
     started before this (OpenBLAS's pool, which numpy starts at import) are set one by one, as
     ``pin_cpus`` does for affinity. Returns the niceness now in force."""
     current = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice > current:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
-                pass
-        current = nice
-    return current
+    if nice <= current:
+        return current
+    each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
+    return nice
