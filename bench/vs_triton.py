@@ -173,6 +173,25 @@ def pinning(pid: int) -> dict:
     return out
 
 
+def tree_cpu_s(pid: int) -> dict:
+    """{process name: CPU seconds, user + system} of ``pid`` and its descendants, summed by name
+    (Batchyard's process titles, ``tritonserver``, ``triton_python_backend_stub``)."""
+    root = psutil.Process(pid)
+    out: dict = {}
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+            t = p.cpu_times()
+            out[p.name()] = out.get(p.name(), 0.0) + t.user + t.system
+    return out
+
+
+def cpu_shares(before: dict, after: dict, wall_s: float) -> dict:
+    """{process name: the fraction of one core it used} between two ``tree_cpu_s`` snapshots
+    ``wall_s`` apart; the ones that used none are left out."""
+    shares = {name: (cpu - before.get(name, 0.0)) / wall_s for name, cpu in after.items()}
+    return {name: round(share, 4) for name, share in shares.items() if share > 0}
+
+
 NO_DEADLINE_S = 3600.0
 
 
@@ -343,6 +362,7 @@ def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Pat
     spec = LoadSpec(rate=rate, slo_ms=plan.slo_ms, warmup_s=plan.warmup_s, window_s=plan.window_s,
                     windows=plan.windows, stability=plan.stability, processes=1, seed=7)
     before = scrape(server.metrics_url)
+    cpu0, t0 = tree_cpu_s(server.pid), time.perf_counter()
     if plan.load_tool == "perf_analyzer":
         pa = perf_analyzer.run_rate(server.url, server.model, rate, window_s=plan.window_s,
                                     trials=plan.windows + 2, stability=plan.stability, input_data=input_data)
@@ -350,11 +370,19 @@ def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Pat
     else:
         rep = analyse(run_load(server.url, server.model, spec, target="triton", inputs="minilm"), spec,
                       server.name, label)
+    # Where the server core went meanwhile (a run's window and its warm-up; the backlog a
+    # saturated run leaves is served after this, while the next run waits for it).
+    rep.summary["cpu_share"] = cpu_shares(cpu0, tree_cpu_s(server.pid), time.perf_counter() - t0)
     after = scrape(server.metrics_url)
-    batches, items = (counter(after, name) - counter(before, name) for name in ("nv_inference_exec_count",
-                                                                                "nv_inference_count"))
+    batches, items, compute_us = (counter(after, name) - counter(before, name) for name in (
+        "nv_inference_exec_count", "nv_inference_count", "nv_inference_compute_infer_duration_us"))
     rep.summary["mean_batch"] = items / batches if batches else float("nan")
-    print(table([rep]) + f"\n  mean batch {rep.summary['mean_batch']:.1f}", flush=True)
+    # Both servers add a batch's compute time to each of its requests' counters (Triton's own
+    # definition), so their sum over requests / items is the B-weighted mean of T(B)/B: the
+    # model's time per item under this load, to set beside the limit measured alone.
+    rep.summary["compute_ms_per_item"] = compute_us / 1e3 / items / rep.summary["mean_batch"] if batches else float("nan")
+    print(table([rep]) + f"\n  mean batch {rep.summary['mean_batch']:.1f}, compute "
+          f"{rep.summary['compute_ms_per_item']:.2f} ms an item, core shares {rep.summary['cpu_share']}", flush=True)
     return {"server": server.name, "rate": rate, "report": rep}
 
 
@@ -471,6 +499,29 @@ def summarise_results(res: dict) -> dict:
                       "saturated_fraction_batchyard": sat["batchyard"]["throughput_rps"] / limit}}
 
 
+def where_the_core_went(res: dict, lim: dict, lim2: dict) -> list:
+    """The saturated runs, one row each: the model's compute time per item under the load (beside
+    the limit's, measured alone) and each server process's share of the core."""
+    sat = res["plan"]["saturate"]
+    runs = [r for r in res["runs"] if r["rate"] == sat and "cpu_share" in _s(r)]
+    if not runs:
+        return []
+    alone = [lim["curve"][lim["best_b"]]["ms"] / lim["best_b"], lim2["curve"][lim2["best_b"]]["ms"] / lim2["best_b"]]
+    lines = [f"## Where the server core went at saturation ({sat:g}/s offered)", "",
+             f"Per run: each process's CPU time over the run's wall time (`psutil`, warm-up and windows; 1.0 is "
+             f"the whole core), and the model's compute time per item under this load (each server's "
+             f"`nv_inference_compute_infer_duration_us / nv_inference_count / mean batch`, the batch-weighted "
+             f"mean of T(B)/B) against {alone[0]:.2f} / {alone[1]:.2f} ms at B={lim['best_b']} / {lim2['best_b']} "
+             f"measured alone before / after the runs.", "",
+             "| server | round | served/s | mean B | compute ms an item | core share by process |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        sm = _s(r)
+        shares = ", ".join(f"{n} {v:.2f}" for n, v in sorted(sm["cpu_share"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {r['server']} | {r['round'] + 1} | {sm['throughput_rps']:.1f} | {sm['mean_batch']:.1f} | "
+                     f"{sm['compute_ms_per_item']:.2f} | {shares} (sum {sum(sm['cpu_share'].values()):.2f}) |")
+    return lines
+
+
 def render(res: dict, summ: dict, command: str) -> str:
     plan, lim, lim2 = res["plan"], res["limit"], res["limit_after"]
     f = lambda x: f"{x:.1f}"  # noqa: E731
@@ -533,6 +584,7 @@ def render(res: dict, summ: dict, command: str) -> str:
               f"{f(summ['rows'][-1]['triton']['mean_batch'])}; the core's best B was {lim['best_b']} before and "
               f"{lim2['best_b']} after the runs (B=1: {f(lim['curve'][1]['items_per_s'])} / "
               f"{f(lim2['curve'][1]['items_per_s'])} items/s).", "",
+              *where_the_core_went(res, lim, lim2), "",
               "Batchyard's learned curves and decisions at the end: `" + json.dumps(res["batchyard_status"]) + "`", "",
               "Process pinning seen (`psutil` cpu_affinity of each server's process tree): `"
               + json.dumps(res["pinning"]) + "`", "",

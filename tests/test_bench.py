@@ -156,3 +156,40 @@ def test_vs_triton_reports_the_median_of_interleaved_rounds_and_picks_tritons_de
     assert summ["max_under_slo"] == {"batchyard": 10.0, "triton": 11.0}
     text = render(res, summ, "python -m batchyard.bench.vs_triton")
     assert "| 10 | 200.0 (100.0–300.0) [10.0/s, B 2.0] | 155.0 (150.0–160.0)" in text
+    assert "Where the server core went" not in text  # runs from before the harness measured it
+
+
+def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
+    """Each saturated run's row: every process's share of the core (the difference of two CPU
+    snapshots over the wall time, largest first) and the model's compute time per item, beside
+    the limit's time per item at its best batch size measured alone."""
+    from batchyard.bench.harness import Report
+    from batchyard.bench.vs_triton import cpu_shares, render, summarise_results
+
+    before = {"batchyard::frontend": 1.0, "batchyard::dispatcher": 2.0, "batchyard::amx-worker[amx1]": 3.0,
+              "batchyard::up": 0.5}
+    after = {"batchyard::frontend": 2.0, "batchyard::dispatcher": 2.5, "batchyard::amx-worker[amx1]": 10.0,
+             "batchyard::up": 0.5}
+    shares = cpu_shares(before, after, wall_s=10.0)
+    assert shares == {"batchyard::frontend": 0.1, "batchyard::dispatcher": 0.05, "batchyard::amx-worker[amx1]": 0.7}
+    assert cpu_shares({}, {"tritonserver": 3.0}, wall_s=10.0) == {"tritonserver": 0.3}  # it started meanwhile
+
+    def run(server, rate, share, compute):
+        summary = {"p50_ms": 10.0, "p99_ms": 20.0, "throughput_rps": 100.0, "mean_batch": 14.0, "errors": {}}
+        if share is not None:
+            summary.update(cpu_share=share, compute_ms_per_item=compute)
+        return {"server": server, "rate": rate, "round": 0, "report": Report(server, "", rate, stable=True,
+                                                                              summary=summary)}
+    runs = [run("batchyard", 10, None, None), run("triton 0 us", 10, None, None),
+            run("batchyard", 30, shares, 7.9), run("triton 0 us", 30, {"tritonserver": 0.05,
+                                                                         "triton_python_backend_stub": 0.9}, 7.5)]
+    curve = {1: {"ms": 50.0, "items_per_s": 20.0}, 16: {"ms": 112.0, "items_per_s": 142.9}}
+    limit = {"curve": curve, "best_b": 16, "limit_items_per_s": 142.9}
+    res = {"plan": {"loads": [10], "saturate": 30, "slo_ms": 1000.0, "delays_us": [0], "rounds": 1},
+           "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
+           "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+    text = render(res, summarise_results(res), "python -m batchyard.bench.vs_triton")
+    assert "against 7.00 / 7.00 ms at B=16 / 16 measured alone" in text
+    assert ("| batchyard | 1 | 100.0 | 14.0 | 7.90 | batchyard::amx-worker[amx1] 0.70, batchyard::frontend 0.10, "
+            "batchyard::dispatcher 0.05 (sum 0.85) |") in text
+    assert "| triton 0 us | 1 | 100.0 | 14.0 | 7.50 | triton_python_backend_stub 0.90, tritonserver 0.05 (sum 0.95) |" in text
