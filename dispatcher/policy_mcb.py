@@ -222,9 +222,14 @@ class MarginalCost(PerModelPolicy):
             # 1. Eligible workers (reservation for urgent traffic).
             ws = self._eligible(state, model, q, all_ws, now, d)
             if not any(w.free for w in ws):
-                # Nothing can be sent; the queue waits for a completion (the plan would only
-                # say which busy worker each item waits for).
-                d.wake_at = min(d.wake_at, min(_due(state, model, w, 1, now) for w in ws))
+                # Nothing can be sent; the queue waits for a completion, which decides again
+                # (the plan would only say which busy worker each item waits for). No wake-up:
+                # one at a busy worker's predicted end found it still busy, and so did the ones
+                # its doubling overrun set after it (SchedulerState.start_time): live on one
+                # core at 70 req/s, the dispatcher woke 2.3 times a request, 1.4 of them its
+                # timer's. A worker that never answers is the heartbeats' to find, a suspended
+                # one's return and a deadline are RequestCore.next_wake's, and a reservation's
+                # lapse is _eligible's wake-up.
                 return
             # 2. Urgent items go out on their own: padding their batch with low items would
             #    make them wait for the low items' compute.
