@@ -123,7 +123,7 @@ def test_a_queue_waiting_on_busy_workers_only_sets_no_wake_up():
     # Every worker busy, one of them past its predicted end: nothing can be sent before a
     # completion, which decides again. A wake-up at a busy worker's predicted end (and, once it
     # is overdue, at its doubling overrun) only found it still busy: live at 70 req/s on one
-    # core the dispatcher woke 2.3 times a request, 1.4 of them for its timer.
+    # core the dispatcher woke 2.3 times a request (1.5 without them).
     st = seeds_state(n_queued=5, lam_per_s=5_000, gpu_busy_until=1.0 + 0.1 * MS)
     cpu = st.workers["cpu0"]
     cpu.inflight, cpu.busy_until = 1, 1.0 - 0.01 * MS  # overdue
