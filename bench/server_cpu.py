@@ -12,38 +12,23 @@ the requests served in them (the server's ``nv_inference_count``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import tempfile
 import time
 from pathlib import Path
-
-import psutil
 
 from . import perf_analyzer
 from . import vs_triton as V
 from .harness import scrape
 
 
-def cpu_seconds(procs: list) -> dict:
-    """{process name: user + system seconds}, summed over processes of one name (two workers)."""
-    out: dict = {}
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            out[p.name()] = out.get(p.name(), 0.0) + t.user + t.system
-    return out
-
-
 def measure(server: V.Server, rate: float, input_data: Path) -> dict:
-    root = psutil.Process(server.pid)
-    procs = [root, *root.children(recursive=True)]
     perf_analyzer.run_rate(server.url, server.model, rate, window_s=5, trials=2, stability=0.5,
                            input_data=input_data)  # warm-up: every shape the run will see
-    before, m0, t0 = cpu_seconds(procs), scrape(server.metrics_url), time.monotonic()
+    before, m0, t0 = V.tree_cpu_s(server.pid), scrape(server.metrics_url), time.monotonic()
     pa = perf_analyzer.run_rate(server.url, server.model, rate, window_s=10, trials=3, stability=0.5,
                                 input_data=input_data)
-    after, m1, elapsed = cpu_seconds(procs), scrape(server.metrics_url), time.monotonic() - t0
+    after, m1, elapsed = V.tree_cpu_s(server.pid), scrape(server.metrics_url), time.monotonic() - t0
     n, batches = (V.counter(m1, k) - V.counter(m0, k) for k in ("nv_inference_count", "nv_inference_exec_count"))
     per = {name: s - before.get(name, 0.0) for name, s in after.items()}
     return {"requests": n, "seconds": elapsed, "mean_batch": n / batches if batches else float("nan"),

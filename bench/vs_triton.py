@@ -149,12 +149,17 @@ def on_cpus(cpus: set):
 MODEL_PROCESSES = ("amx-worker[", "triton_python_backend_stub")
 
 
+def process_tree(pid: int) -> list:
+    """``pid``'s process and every descendant of it (psutil)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def move_control(pid: int, cpus: set) -> None:
     """Every thread of ``pid``'s tree, but the model processes', onto ``cpus``. Threads, not
     processes: an affinity set through a pid binds only the thread of that id, and the threads a
     server started before now (gRPC's, ZeroMQ's I/O thread) would stay where they were."""
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
+    for p in process_tree(pid):
         with contextlib.suppress(psutil.Error):
             if any(m in " ".join(p.cmdline()) for m in MODEL_PROCESSES):
                 continue
@@ -165,9 +170,8 @@ def move_control(pid: int, cpus: set) -> None:
 
 def pinning(pid: int) -> dict:
     """{process name: its CPUs} for ``pid`` and its descendants: shows the taskset took."""
-    root = psutil.Process(pid)
     out = {}
-    for p in [root, *root.children(recursive=True)]:
+    for p in process_tree(pid):
         with contextlib.suppress(psutil.Error):
             out.setdefault(p.name(), sorted({c for c in p.cpu_affinity()}))
     return out
@@ -176,9 +180,8 @@ def pinning(pid: int) -> dict:
 def tree_cpu_s(pid: int) -> dict:
     """{process name: CPU seconds, user + system} of ``pid`` and its descendants, summed by name
     (Batchyard's process titles, ``tritonserver``, ``triton_python_backend_stub``)."""
-    root = psutil.Process(pid)
     out: dict = {}
-    for p in [root, *root.children(recursive=True)]:
+    for p in process_tree(pid):
         with contextlib.suppress(psutil.Error):  # one that ended meanwhile
             t = p.cpu_times()
             out[p.name()] = out.get(p.name(), 0.0) + t.user + t.system
