@@ -14,7 +14,7 @@ from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
                            CodecAccess, Generation, InferResult, Pending, closed_error, connection_lost, lost_error,
                            no_reply_error, open_dealer)
-from .zmq_frames import EVENTS, NOBLOCK, POLLIN, send_parts
+from .zmq_frames import NOBLOCK, send_parts, waiting
 
 
 class AsyncClient(CodecAccess):
@@ -76,12 +76,8 @@ class AsyncClient(CodecAccess):
             self._codec.fail_lost(rids, lambda: lost_error(self.address, why))
 
     def _drain(self) -> None:
-        while not self.closed:
-            try:
-                frames = self.sock.recv_multipart(NOBLOCK)
-            except zmq.Again:
-                return
-            self._codec.on_reply(frames)
+        while not self.closed and waiting(self.sock):  # not a zmq.Again per drain (zmq_frames.waiting)
+            self._codec.on_reply(self.sock.recv_multipart(NOBLOCK))
 
     def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
         if self.closed:
@@ -113,7 +109,7 @@ class AsyncClient(CodecAccess):
         had just arrived unread until the next request, and an idle front door has none: the
         request it belonged to was answered only by its local timeout."""
         send_parts(self.sock, frames)
-        if self.sock.getsockopt(EVENTS) & POLLIN:
+        if waiting(self.sock):
             self.loop.call_soon(self._drain)
 
     def _on_local_timeout(self, rid: int) -> None:

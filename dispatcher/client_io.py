@@ -24,6 +24,7 @@ import zmq
 from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, closed_error, connection_lost, lost_error,
                            no_reply_error)
 from .errors import InvalidArgument, Unavailable
+from .zmq_frames import waiting
 
 log = logging.getLogger("batchyard.client")
 
@@ -185,11 +186,8 @@ class SocketThread:
         # compete with the rest of the drain for the GIL, and they send their next requests
         # close together, which is what lets the dispatcher batch them.
         replies = []
-        while True:
-            try:
-                replies.append(self._sock.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
+        while waiting(self._sock):  # not a zmq.Again per drain (zmq_frames.waiting)
+            replies.append(self._sock.recv_multipart(zmq.NOBLOCK))
         for frames in replies:
             self._codec.on_reply(frames)
 

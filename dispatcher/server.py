@@ -229,9 +229,8 @@ class Dispatcher:
     def _recv_from_workers(self, now: float) -> None:
         sock = self.backend
         for _ in range(MAX_DRAIN):
-            try:
-                frames = recv_parts(sock)
-            except zmq.Again:
+            frames = recv_parts(sock)
+            if frames is None:
                 return
             try:
                 self._on_worker_message(frames, now)
@@ -357,9 +356,8 @@ class Dispatcher:
     def _recv_from_clients(self, now: float) -> None:
         sock = self.frontend
         for _ in range(MAX_DRAIN):
-            try:
-                frames = recv_parts(sock)
-            except zmq.Again:
+            frames = recv_parts(sock)
+            if frames is None:
                 return
             if not self._first_arrival:
                 self._first_arrival = _now()

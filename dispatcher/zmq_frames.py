@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import zmq
 
 # Plain ints: pyzmq's send_multipart/recv_multipart combine enum flags per frame, and that
@@ -12,8 +14,20 @@ POLLIN = int(zmq.POLLIN)
 EVENTS = int(zmq.EVENTS)
 
 
-def recv_parts(sock: zmq.Socket) -> list:
-    """One multipart message as zmq.Frame objects, non-blocking (raises zmq.Again)."""
+def waiting(sock: zmq.Socket) -> bool:
+    """Whether a message can be received now. Draining loops ask this before each receive
+    rather than catch the zmq.Again of one that finds nothing: building that exception cost
+    more than the question (5.9 against 2.4 us, hot), and on a node at 30 req/s, where every
+    message meets cold caches, Again's constructor alone was 5.5 % of the dispatcher's main
+    thread (py-spy --native). Asking ZMQ_EVENTS also consumes the FD's edge, as the failed
+    receive did, so a loop that ends on False leaves nothing unread behind the edge."""
+    return bool(sock.getsockopt(EVENTS) & POLLIN)
+
+
+def recv_parts(sock: zmq.Socket) -> Optional[list]:
+    """One multipart message as zmq.Frame objects, or None when none is waiting."""
+    if not waiting(sock):
+        return None
     frame = sock.recv(NOBLOCK, copy=False)
     parts = [frame]
     while frame.more:
