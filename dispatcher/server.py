@@ -48,7 +48,7 @@ from .shm_grants import ShmGrants
 from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
 from .validation import RequestInvalid, registration_problem, validate_infer
-from .zmq_frames import EVENTS, POLLIN, recv_parts, send_parts
+from .zmq_frames import recv_parts, send_parts, waiting
 
 log = logging.getLogger("batchyard.dispatcher")
 
@@ -215,7 +215,7 @@ class Dispatcher:
         self._arm(min(wake, self._drain_deadline) if core.draining else wake)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
-        if (self.frontend.getsockopt(EVENTS) | self.backend.getsockopt(EVENTS)) & POLLIN:
+        if waiting(self.frontend) or waiting(self.backend):
             self.loop.call_soon(self._step)
 
     def _arm(self, when: float) -> None:
