@@ -99,14 +99,14 @@ def minilm_input_data(path: Path) -> Path:
 
 
 def run_rate(url: str, model: str, rate: float, *, window_s: float, trials: int, stability: float,
-             input_data: Path | None = None) -> dict:
-    """perf_analyzer at ``rate`` req/s, Poisson, async gRPC: it measures windows of ``window_s``
+             input_data: Path | None = None, protocol: str = "grpc") -> dict:
+    """perf_analyzer at ``rate`` req/s, Poisson, async, over ``protocol`` (grpc or http): it measures windows of ``window_s``
     until the last 3 agree within ``stability`` (p99 and throughput) or ``trials`` run out, and
     reports the 3 merged. Unstable runs are kept too (perf_analyzer writes no result for them):
     throughput = mean of the last 3 windows, p99 = their largest, p50 unknown."""
     with tempfile.TemporaryDirectory(prefix="by-pa-") as d:
         out = Path(d) / "result.csv"
-        args = ["-m", model, "-u", url, "-i", "grpc", "--async", "--request-rate-range", f"{rate:g}",
+        args = ["-m", model, "-u", url, "-i", protocol, "--async", "--request-rate-range", f"{rate:g}",
                 "--request-distribution", "poisson", "--measurement-interval", str(int(window_s * 1000)),
                 "--max-trials", str(trials), "-s", f"{stability * 100:g}", "--percentile", "99", "-v",
                 "-f", str(out)] + (["--input-data", str(input_data)] if input_data else [])

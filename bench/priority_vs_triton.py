@@ -46,8 +46,8 @@ from batchyard.workers.triton_local import TritonLocal
 
 from .harness import LATENCY_US, PRIORITY, SENT, STATUS, LoadSpec, done_times, run_load, scrape
 from .report import percentiles_ms
-from .vs_triton import (BATCHED_EXECUTE, MAX_BATCH, READY_TIMEOUT_S, Server, batchyard_server, counter, on_cpus,
-                        physical_limit, pinning)
+from .vs_triton import (BATCHED_EXECUTE, MAX_BATCH, READY_TIMEOUT_S, Server, batchyard_server, counter, cpu_shares,
+                        on_cpus, physical_limit, pinning, tree_cpu_s)
 
 CLASSES = ("high", "normal", "low")
 DEFAULT_TIMEOUT_US = 30_000_000  # Triton's queue timeout for requests without their own = Batchyard's default_timeout_s
@@ -115,7 +115,7 @@ def triton_server(name: str, levels: int, delay_us: int, cpus: list):
             tl.start(READY_TIMEOUT_S)
         try:
             cfg = (Path(d) / "model_amx" / "config.pbtxt").read_text()
-            yield Server(name, tl.grpc_url, "model_amx", f"http://127.0.0.1:{tl.metrics_port}/metrics",
+            yield Server(name, tl.grpc_url, f"127.0.0.1:{tl.http_port}", "model_amx", f"http://127.0.0.1:{tl.metrics_port}/metrics",
                          pinning(tl.proc.pid), tl.proc.pid), cfg[cfg.index("dynamic_batching {"):], None
         finally:
             tl.close()
@@ -160,12 +160,16 @@ def measure(srv: Server, plan: Plan, which: str) -> dict:
                     warmup_s=plan.warmup_s, window_s=plan.window_s, windows=1, stable_windows=1, processes=1,
                     seed=plan.seed, schedule_policy=True)
     before, load0, t0 = scrape(srv.metrics_url), os.getloadavg()[0], time.monotonic()
+    cpu0 = tree_cpu_s(srv.pid)
     rows = run_load(srv.url, srv.model, spec, target="triton", inputs="minilm")
+    # Where the server's core went over the run (warm-up and window): under the flood, what
+    # each request costs the server's own processes is taken from the model's share.
+    shares = cpu_shares(cpu0, tree_cpu_s(srv.pid), time.monotonic() - t0)
     after = scrape(srv.metrics_url)
     batches, items = (counter(after, n) - counter(before, n) for n in ("nv_inference_exec_count", "nv_inference_count"))
     out = {"server": srv.name, "which": which, "rates": list(rates), "wall_s": time.monotonic() - t0,
            "loadavg_1m": [load0, os.getloadavg()[0]], "batches": batches,
-           "mean_batch": items / batches if batches else float("nan"),
+           "mean_batch": items / batches if batches else float("nan"), "cpu_share": shares,
            "classes": class_stats(rows, plan.warmup_s, plan.warmup_s + plan.window_s)}
     print(f"  {srv.name:12s} {which:5s} mean B {out['mean_batch']:4.1f}  " + "  ".join(
         f"{k}: {v['served']} ok p50 {v['p50_ms']:.0f} p99 {v['p99_ms']:.0f} ms, {v['completions_per_s']:.2f}/s, "
@@ -276,7 +280,16 @@ def render(res: dict, rows: list[dict], command: str) -> str:
               "timeout (30 s server default). batches, served items / batch: from the server's "
               "`nv_inference_exec_count` and `nv_inference_count` over the whole flood run (warm-up and drain "
               "included); Triton counts every item it ran, Batchyard only the items served, so an item that "
-              "expired in flight is in a batch but not in the count.", "", "Server configurations:", ""]
+              "expired in flight is in a batch but not in the count.", ""]
+    shares = [(r["server"], r["cpu_share"]) for r in res["runs"] if r["which"] == "flood" and "cpu_share" in r]
+    if shares:
+        lines += ["Where the server core went during each flood run (its warm-up and window; each process's CPU "
+                  "time over the wall time, `psutil`, by process title):", ""]
+        lines += [f"- {name}: " + ", ".join(f"{p} {v:.2f}" for p, v in sorted(sh.items(), key=lambda kv: -kv[1]))
+                  + f" (sum {sum(sh.values()):.2f})"
+                  for name, sh in shares]
+        lines += [""]
+    lines += ["Server configurations:", ""]
     for name, cfg in res["configs"].items():
         lines += [f"- {name}:", "", "```", cfg.strip(), "```", ""]
     if "batchyard_status" in res:

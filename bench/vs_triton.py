@@ -62,7 +62,7 @@ LOAD_TOOLS = {
     "harness": "`batchyard bench`'s triton target (tritonclient gRPC aio, one generator process, open-loop "
                "Poisson, tokenized sentences)",
     "perf_analyzer": "Triton's perf_analyzer from the tritonclient wheel (`--async --request-rate-range R "
-                     "--request-distribution poisson`, gRPC, the demo's tokenized sentences as `--input-data`; "
+                     "--request-distribution poisson`, over the protocol named below, the demo's tokenized sentences as `--input-data`; "
                      "windows repeated until the last 3 agree within the stability bound, those 3 merged; "
                      "an unstable run reports the mean throughput and the largest p99 of its last 3 windows "
                      "and no p50)"}
@@ -103,6 +103,7 @@ class Plan:
     stability: float
     reps: int
     load_tool: str = "harness"  # or "perf_analyzer" (Triton's own, from the tritonclient wheel)
+    protocol: str = "grpc"  # perf_analyzer's -i: both servers' KServe v2 gRPC or HTTP endpoint
     rounds: int = 1  # every (server, load) is measured once per round; the report takes medians
 
 
@@ -115,7 +116,7 @@ def make_plan(args) -> Plan:
                 saturate_fraction=1.5, delays_us=[int(x) for x in delays.split(",")], slo_ms=args.slo_ms,
                 warmup_s=5.0, window_s=10.0 if quick else 20.0, windows=3 if quick else 5,
                 stability=0.25 if quick else 0.15, reps=3 if quick else 7, load_tool=args.load_tool,
-                rounds=args.rounds or (1 if quick else 2))
+                protocol=args.protocol, rounds=args.rounds or (1 if quick else 2))
 
 
 def offered_loads(plan: Plan, limit: float) -> None:
@@ -199,7 +200,7 @@ NO_DEADLINE_S = 3600.0
 
 
 def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int = 0,
-                control: tuple = ()) -> NodeConfig:
+                control: tuple = (), http_port: int = 0) -> NodeConfig:
     """demo_config's model and AMX worker, one worker per server core, policy mcb, the front door;
     the dispatcher and the front door on ``control`` ([dispatcher] / [frontend] cpus; empty: as
     inherited, on the workers' cores, and then the workers run at nice 10)."""
@@ -210,7 +211,7 @@ def minilm_node(run_dir: str, cpus: list, grpc_port: int = 0, metrics_port: int 
     nice = 0 if set(control).isdisjoint(cpus) and control else 10
     workers = tuple(msgspec.structs.replace(amx, name=f"amx{c}", cpus=(c,), nice=nice) for c in cpus)
     model = msgspec.structs.replace(base.models[0], max_batch=MAX_BATCH)
-    front = FrontendConfig(host="127.0.0.1", grpc_port=grpc_port, http_port=0, processes=1,
+    front = FrontendConfig(host="127.0.0.1", grpc_port=grpc_port, http_port=http_port, processes=1,
                            cpus=control) if grpc_port else None
     # Triton sets no deadline on a request without a `timeout` parameter; Batchyard's default
     # (30 s) would expire requests of the saturated run, whose queue grows for minutes.
@@ -260,6 +261,7 @@ def physical_limit(cpu: int, reps: int) -> dict:
 class Server:
     name: str
     url: str  # KServe v2 gRPC
+    http_url: str  # KServe v2 HTTP/REST
     model: str
     metrics_url: str
     pinning: dict
@@ -272,8 +274,8 @@ def batchyard_server(cpus: list, control: set = frozenset()):
     and the front door pinned there by the config, as a deployment would); stopped with SIGTERM
     as systemd would."""
     with tempfile.TemporaryDirectory(prefix="by-vs-node-") as d:
-        port, mport = free_port(), free_port()
-        node = minilm_node(d, cpus, grpc_port=port, metrics_port=mport, control=tuple(sorted(control)))
+        port, hport, mport = free_port(), free_port(), free_port()
+        node = minilm_node(d, cpus, grpc_port=port, metrics_port=mport, control=tuple(sorted(control)), http_port=hport)
         cfg = Path(d) / "node.toml"
         cfg.write_text(to_toml(node))
         # The worker pins itself to its config's cpus, which must be in the mask it inherits.
@@ -283,7 +285,8 @@ def batchyard_server(cpus: list, control: set = frozenset()):
         try:
             url = f"127.0.0.1:{port}"
             wait_model_ready(url, "minilm", proc)
-            yield Server("batchyard", url, "minilm", f"http://127.0.0.1:{mport}/metrics", pinning(proc.pid), proc.pid), node
+            yield Server("batchyard", url, f"127.0.0.1:{hport}", "minilm", f"http://127.0.0.1:{mport}/metrics",
+                         pinning(proc.pid), proc.pid), node
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -334,7 +337,7 @@ def triton_server(delay_us: int, cpus: list, control: set = frozenset()):
         if control:
             move_control(tl.proc.pid, set(control))
         try:
-            yield Server(f"triton {delay_us} us", tl.grpc_url, "model_amx",
+            yield Server(f"triton {delay_us} us", tl.grpc_url, f"127.0.0.1:{tl.http_port}", "model_amx",
                          f"http://127.0.0.1:{tl.metrics_port}/metrics", pinning(tl.proc.pid), tl.proc.pid)
         finally:
             tl.close()
@@ -367,8 +370,9 @@ def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Pat
     before = scrape(server.metrics_url)
     cpu0, t0 = tree_cpu_s(server.pid), time.perf_counter()
     if plan.load_tool == "perf_analyzer":
-        pa = perf_analyzer.run_rate(server.url, server.model, rate, window_s=plan.window_s,
-                                    trials=plan.windows + 2, stability=plan.stability, input_data=input_data)
+        url = server.http_url if plan.protocol == "http" else server.url
+        pa = perf_analyzer.run_rate(url, server.model, rate, window_s=plan.window_s, trials=plan.windows + 2,
+                                    stability=plan.stability, input_data=input_data, protocol=plan.protocol)
         rep = Report(server.name, label, rate, stable=pa["stable"], summary=pa["summary"])
     else:
         rep = analyse(run_load(server.url, server.model, spec, target="triton", inputs="minilm"), spec,
@@ -539,7 +543,9 @@ def render(res: dict, summ: dict, command: str) -> str:
              + (". The numbers are **indicative**: other processes ran on the cores during the runs."
                 if max(res['loadavg_start'][0], res['loadavg_end'][0]) > 1.5 else
                 " (1-minute averages; the bench's own server and generator count in them)."), "",
-             "Same load tool for both: " + LOAD_TOOLS[plan.get("load_tool", "harness")] + "; latencies are "
+             "Same load tool for both: " + LOAD_TOOLS[plan.get("load_tool", "harness")]
+             + ("; protocol: KServe v2 " + ("HTTP/REST (binary tensor data)" if plan.get("protocol") == "http" else "gRPC")
+                if plan.get("load_tool") == "perf_analyzer" else "") + "; latencies are "
              "client-observed; throughput = completions/s in the measured windows; mean batch from each server's "
              "own `nv_inference_count / nv_inference_exec_count` over the whole run.", "",
              "## Physical limit of the core (one thread, AMX worker driven directly)", "",
@@ -614,10 +620,14 @@ def main(argv=None) -> None:
                     "process (Batchyard's worker, Triton's python stub); may be the load cpu")
     ap.add_argument("--load-tool", choices=sorted(LOAD_TOOLS), default="harness",
                     help="the load generator for both servers (perf_analyzer: Triton's own)")
+    ap.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                    help="the KServe v2 endpoint both servers are driven through (http: --load-tool perf_analyzer)")
     ap.add_argument("--rounds", type=int, default=0, help="measure every (server, load) this many times, "
                     "interleaved; the report takes medians (default 1 with --quick, else 2)")
     ap.add_argument("--out", default="bench/results/vs_triton")
     args = ap.parse_args(argv)
+    if args.protocol == "http" and args.load_tool != "perf_analyzer":
+        ap.error("--protocol http needs --load-tool perf_analyzer (the harness's triton target speaks gRPC)")
     if args.two_workers:
         args.server_cpus = "1,2"
     plan = make_plan(args)

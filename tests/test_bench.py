@@ -193,3 +193,36 @@ def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
     assert ("| batchyard | 1 | 100.0 | 14.0 | 7.90 | batchyard::amx-worker[amx1] 0.70, batchyard::frontend 0.10, "
             "batchyard::dispatcher 0.05 (sum 0.85) |") in text
     assert "| triton 0 us | 1 | 100.0 | 14.0 | 7.50 | triton_python_backend_stub 0.90, tritonserver 0.05 (sum 0.95) |" in text
+
+
+def test_vs_triton_over_http_drives_both_servers_through_their_http_endpoints(monkeypatch):
+    """``--protocol http``: perf_analyzer gets each server's KServe v2 HTTP address and ``-i http``
+    (a gRPC address there fails every request), and the report names the protocol; without
+    perf_analyzer the option is refused, since the harness speaks gRPC only."""
+    from batchyard.bench import perf_analyzer, vs_triton
+    from batchyard.bench.vs_triton import Plan, Server, measure
+
+    calls = []
+
+    def run_rate(url, model, rate, **kw):
+        calls.append((url, model, kw["protocol"]))
+        return {"summary": {"p50_ms": 1.0, "p99_ms": 2.0, "p90_ms": 1.5, "p999_ms": 3.0, "throughput_rps": rate,
+                            "goodput_rps": rate, "errors": {}},
+                "stable": True}
+    monkeypatch.setattr(perf_analyzer, "run_rate", run_rate)
+    monkeypatch.setattr(vs_triton, "scrape", lambda url: [])
+    monkeypatch.setattr(vs_triton, "tree_cpu_s", lambda pid: {})
+    plan = Plan(loads=[5.0], load_fractions=[], saturate=0, saturate_fraction=1.5, delays_us=[0], slo_ms=1000.0,
+                warmup_s=1.0, window_s=1.0, windows=1, stability=0.2, reps=1, load_tool="perf_analyzer",
+                protocol="http")
+    by = Server("batchyard", "127.0.0.1:1001", "127.0.0.1:1002", "minilm", "http://127.0.0.1:1003/metrics", {}, 1)
+    tri = Server("triton 0 us", "127.0.0.1:2001", "127.0.0.1:2002", "model_amx", "http://127.0.0.1:2003/metrics", {}, 2)
+    for s in (by, tri):
+        measure(s, 5.0, plan, s.name, None)
+    assert calls == [("127.0.0.1:1002", "minilm", "http"), ("127.0.0.1:2002", "model_amx", "http")]
+    plan.protocol = "grpc"
+    measure(by, 5.0, plan, by.name, None)
+    assert calls[-1] == ("127.0.0.1:1001", "minilm", "grpc")
+
+    with pytest.raises(SystemExit):
+        vs_triton.main(["--protocol", "http"])  # the default load tool, the harness: refused before any server starts
