@@ -544,7 +544,8 @@ def render(res: dict, summ: dict, command: str) -> str:
                 if max(res['loadavg_start'][0], res['loadavg_end'][0]) > 1.5 else
                 " (1-minute averages; the bench's own server and generator count in them)."), "",
              "Same load tool for both: " + LOAD_TOOLS[plan.get("load_tool", "harness")]
-             + ("; protocol: KServe v2 " + ("HTTP/REST (binary tensor data)" if plan.get("protocol") == "http" else "gRPC")
+             + ("; protocol: KServe v2 "
+                + ("HTTP/REST (binary tensor data)" if plan.get("protocol") == "http" else "gRPC")
                 if plan.get("load_tool") == "perf_analyzer" else "") + "; latencies are "
              "client-observed; throughput = completions/s in the measured windows; mean batch from each server's "
              "own `nv_inference_count / nv_inference_exec_count` over the whole run.", "",
