@@ -50,17 +50,16 @@ def added_item_cost(state: SchedulerState, model: str, w: WorkerState) -> float:
     return c.predict(2) - c.predict(1)
 
 
-def adds_items_dearer(state: SchedulerState, model: str, w: WorkerState, ws: list[WorkerState]) -> bool:
-    """Whether another of ``ws`` that batches (amortises a launch) adds an item to its batch more
-    cheaply than ``w`` does, ``T(2) - T(1)`` beyond AMORTISES (a CPU with a launch beside a GPU).
-    Step 6b sizes such a worker's batch when it amortises a launch (``_share_before_next_launch``):
-    the arrivals it leaves alone join the other's next batch. A worker with no launch (a CPU at
-    T linear through 0) has no batch for them to join: beside such CPUs, cheaper per added item
-    than the GPU, sizing the GPU by them left it idle while a burst queued for the CPUs
-    (SIMULATED, held-out seed 6, scenario 7 at 90 %: MCB's p50 0.294 ms against escape:1's 0.077)."""
+def adds_items_dearer(state: SchedulerState, model: str, w: WorkerState, batching: list[WorkerState]) -> bool:
+    """Whether another of ``batching`` (the workers that amortise a launch) adds an item to its
+    batch more cheaply than ``w`` does, ``T(2) - T(1)`` beyond AMORTISES (a CPU with a launch
+    beside a GPU). Step 6b sizes such a worker's batch (``_share_before_next_launch``): the
+    arrivals it leaves alone join the other's next batch. A worker with no launch (a CPU at T
+    linear through 0) has no batch for them to join, so it is no peer: beside such CPUs, cheaper
+    per added item than the GPU, sizing the GPU by them left it idle while a burst queued for the
+    CPUs (SIMULATED, held-out seed 6, scenario 7 at 90 %: MCB's p50 0.294 ms against escape:1's 0.077)."""
     mine = added_item_cost(state, model, w)
-    return any(mine > added_item_cost(state, model, x) * (1 + AMORTISES)
-               for x in ws if x is not w and amortises_launch(state.cost(model, x.path)))
+    return any(mine > added_item_cost(state, model, x) * (1 + AMORTISES) for x in batching if x is not w)
 
 
 def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: float,
@@ -174,13 +173,12 @@ def wait_saving(state: SchedulerState, model: str, w: WorkerState, ws: list[Work
     return saving, gap
 
 
-def _share_before_next_launch(state: SchedulerState, model: str, ws: list[WorkerState], b: int, chunks: list,
-                              lam: float, now: float, background: bool) -> dict:
+def _share_before_next_launch(state: SchedulerState, model: str, ws: list[WorkerState], batching: list[WorkerState],
+                              b: int, chunks: list, lam: float, now: float, background: bool) -> dict:
     """Each worker's first batch (by id) in a plan of the ``b`` queued items plus the
-    arrivals expected before the worker that adds items most cheaply (the GPU) can start its
-    next batch: ``lambda * (its start - now)``, none while it is free. ``chunks`` is the plan of
-    the queue alone, reused when no arrival is expected. (Step 6b.)"""
-    batching = [x for x in ws if amortises_launch(state.cost(model, x.path))]  # adds_items_dearer's peers
+    arrivals expected before the worker of ``batching`` that adds items most cheaply (the GPU)
+    can start its next batch: ``lambda * (its start - now)``, none while it is free. ``chunks``
+    is the plan of the queue alone, reused when no arrival is expected. (Step 6b.)"""
     cheapest = min(batching, key=lambda x: added_item_cost(state, model, x))
     joining = int(lam * (state.start_time(cheapest, now) - now))
     if joining > 0:
@@ -260,9 +258,10 @@ class MarginalCost(PerModelPolicy):
             lam = state.arrival(model).rate(now)
             # The free workers step 6b sizes, and their shares, planned before anything is sent
             # (a send makes the GPU busy) and only where such a worker is free.
-            sized = {id(w) for w in ws if w.free and amortises_launch(state.cost(model, w.path))
-                     and adds_items_dearer(state, model, w, ws)}
-            share = _share_before_next_launch(state, model, ws, b, chunks, lam, now, background) if sized else {}
+            batching = [w for w in ws if amortises_launch(state.cost(model, w.path))]
+            sized = {id(w) for w in batching if w.free and adds_items_dearer(state, model, w, batching)}
+            share = (_share_before_next_launch(state, model, ws, batching, b, chunks, lam, now, background)
+                     if sized else {})
             extra = 0
             room = sum(state.batch_cap(model, w, background) for w in ws)  # a plan never holds more than this
             for _ in range(FUTURE_ROUNDS):
