@@ -101,9 +101,10 @@ def minilm_input_data(path: Path) -> Path:
 def run_rate(url: str, model: str, rate: float, *, window_s: float, trials: int, stability: float,
              input_data: Path | None = None, protocol: str = "grpc") -> dict:
     """perf_analyzer at ``rate`` req/s, Poisson, async, over ``protocol`` (grpc or http): it
-    measures windows of ``window_s`` until the last 3 agree within ``stability`` (p99 and throughput) or ``trials`` run out, and
-    reports the 3 merged. Unstable runs are kept too (perf_analyzer writes no result for them):
-    throughput = mean of the last 3 windows, p99 = their largest, p50 unknown."""
+    measures windows of ``window_s`` until the last 3 agree within ``stability`` (p99 and
+    throughput) or ``trials`` run out, and reports the 3 merged. Unstable runs are kept too
+    (perf_analyzer writes no result for them): throughput = mean of the last 3 windows, p99 =
+    their largest, p50 unknown."""
     with tempfile.TemporaryDirectory(prefix="by-pa-") as d:
         out = Path(d) / "result.csv"
         args = ["-m", model, "-u", url, "-i", protocol, "--async", "--request-rate-range", f"{rate:g}",

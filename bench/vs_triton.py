@@ -62,7 +62,8 @@ LOAD_TOOLS = {
     "harness": "`batchyard bench`'s triton target (tritonclient gRPC aio, one generator process, open-loop "
                "Poisson, tokenized sentences)",
     "perf_analyzer": "Triton's perf_analyzer from the tritonclient wheel (`--async --request-rate-range R "
-                     "--request-distribution poisson`, over the protocol named below, the demo's tokenized sentences as `--input-data`; "
+                     "--request-distribution poisson`, over the protocol named below, the demo's tokenized sentences "
+                     "as `--input-data`; "
                      "windows repeated until the last 3 agree within the stability bound, those 3 merged; "
                      "an unstable run reports the mean throughput and the largest p99 of its last 3 windows "
                      "and no p50)"}
