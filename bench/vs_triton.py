@@ -197,6 +197,15 @@ def cpu_shares(before: dict, after: dict, wall_s: float) -> dict:
     return {name: round(share, 4) for name, share in shares.items() if share > 0}
 
 
+def model_core_ms_per_item(before: dict, after: dict, items: float) -> float:
+    """CPU ms the model processes (MODEL_PROCESSES) spent per item they ran, between two
+    ``tree_cpu_s`` snapshots. Not the servers' compute counters: both add a batch's time to each
+    of its requests, so their time per item, over batches of varied sizes, weighs the large
+    batches up."""
+    used = sum(cpu - before.get(name, 0.0) for name, cpu in after.items() if any(m in name for m in MODEL_PROCESSES))
+    return used * 1e3 / items if items else float("nan")
+
+
 NO_DEADLINE_S = 3600.0
 
 
@@ -380,17 +389,15 @@ def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Pat
                       server.name, label)
     # Where the server core went meanwhile (a run's window and its warm-up; the backlog a
     # saturated run leaves is served after this, while the next run waits for it).
-    rep.summary["cpu_share"] = cpu_shares(cpu0, tree_cpu_s(server.pid), time.perf_counter() - t0)
+    cpu1 = tree_cpu_s(server.pid)
+    rep.summary["cpu_share"] = cpu_shares(cpu0, cpu1, time.perf_counter() - t0)
     after = scrape(server.metrics_url)
-    batches, items, compute_us = (counter(after, name) - counter(before, name) for name in (
-        "nv_inference_exec_count", "nv_inference_count", "nv_inference_compute_infer_duration_us"))
+    batches, items = (counter(after, name) - counter(before, name)
+                      for name in ("nv_inference_exec_count", "nv_inference_count"))
     rep.summary["mean_batch"] = items / batches if batches else float("nan")
-    # Both servers add a batch's compute time to each of its requests' counters (Triton's own
-    # definition), so their sum over requests / items is the B-weighted mean of T(B)/B: the
-    # model's time per item under this load, to set beside the limit measured alone.
-    rep.summary["compute_ms_per_item"] = compute_us / 1e3 / items / rep.summary["mean_batch"] if batches else float("nan")
-    print(table([rep]) + f"\n  mean batch {rep.summary['mean_batch']:.1f}, compute "
-          f"{rep.summary['compute_ms_per_item']:.2f} ms an item, core shares {rep.summary['cpu_share']}", flush=True)
+    rep.summary["model_core_ms_per_item"] = model_core_ms_per_item(cpu0, cpu1, items)
+    print(table([rep]) + f"\n  mean batch {rep.summary['mean_batch']:.1f}, model core "
+          f"{rep.summary['model_core_ms_per_item']:.2f} ms an item, core shares {rep.summary['cpu_share']}", flush=True)
     return {"server": server.name, "rate": rate, "report": rep}
 
 
@@ -503,13 +510,14 @@ def summarise_results(res: dict) -> dict:
             "limit_items_per_s": limit,
             "goals": {"p99_at_or_below_triton_every_load": all(r["batchyard"]["p99_ms"] <= r["triton"]["p99_ms"]
                                                                 for r in rows[:-1]),
-                      "max_under_slo_ratio": by_max / tri_max if tri_max else float("nan"),
+                      # None: Triton kept p99 under the SLO at no offered load, so there is no ratio.
+                      "max_under_slo_ratio": by_max / tri_max if tri_max else None,
                       "saturated_fraction_batchyard": sat["batchyard"]["throughput_rps"] / limit}}
 
 
 def where_the_core_went(res: dict, lim: dict, lim2: dict) -> list:
-    """The saturated runs, one row each: the model's compute time per item under the load (beside
-    the limit's, measured alone) and each server process's share of the core."""
+    """The saturated runs, one row each: the model processes' CPU time per item under the load
+    (beside the limit's time per item, measured alone) and each server process's share of the core."""
     sat = res["plan"]["saturate"]
     runs = [r for r in res["runs"] if r["rate"] == sat and "cpu_share" in _s(r)]
     if not runs:
@@ -517,16 +525,16 @@ def where_the_core_went(res: dict, lim: dict, lim2: dict) -> list:
     alone = [lim["curve"][lim["best_b"]]["ms"] / lim["best_b"], lim2["curve"][lim2["best_b"]]["ms"] / lim2["best_b"]]
     lines = [f"## Where the server core went at saturation ({sat:g}/s offered)", "",
              f"Per run: each process's CPU time over the run's wall time (`psutil`, warm-up and windows; 1.0 is "
-             f"the whole core), and the model's compute time per item under this load (each server's "
-             f"`nv_inference_compute_infer_duration_us / nv_inference_count / mean batch`, the batch-weighted "
-             f"mean of T(B)/B) against {alone[0]:.2f} / {alone[1]:.2f} ms at B={lim['best_b']} / {lim2['best_b']} "
-             f"measured alone before / after the runs.", "",
-             "| server | round | served/s | mean B | compute ms an item | core share by process |", "|---|---|---|---|---|---|"]
+             f"the whole core), and the model processes' CPU time per item they ran under this load (their CPU "
+             f"seconds over `nv_inference_count`) against T(B)/B = {alone[0]:.2f} / {alone[1]:.2f} ms at "
+             f"B={lim['best_b']} / {lim2['best_b']} measured alone before / after the runs.", "",
+             "| server | round | served/s | mean B | model core ms an item | core share by process |",
+             "|---|---|---|---|---|---|"]
     for r in runs:
         sm = _s(r)
         shares = ", ".join(f"{n} {v:.2f}" for n, v in sorted(sm["cpu_share"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {r['server']} | {r['round'] + 1} | {sm['throughput_rps']:.1f} | {sm['mean_batch']:.1f} | "
-                     f"{sm['compute_ms_per_item']:.2f} | {shares} (sum {sum(sm['cpu_share'].values()):.2f}) |")
+                     f"{sm['model_core_ms_per_item']:.2f} | {shares} (sum {sum(sm['cpu_share'].values()):.2f}) |")
     return lines
 
 
@@ -584,10 +592,12 @@ def render(res: dict, summ: dict, command: str) -> str:
                                                    for c in cells) + " |")
     g, m, sf = summ["goals"], summ["max_under_slo"], summ["saturated_fraction"]
     lim_all = summ["limit_items_per_s"]
+    ratio = (f"ratio **{g['max_under_slo_ratio']:.2f}×**" if g["max_under_slo_ratio"] is not None
+             else "**no ratio**: Triton's p99 was over the SLO at every offered load")
     lines += ["", "## Against the goals of issue 12", "",
               f"- p99 at or below Triton's best at every offered load: **{'yes' if g['p99_at_or_below_triton_every_load'] else 'no'}**.",
               f"- Max throughput with p99 ≤ {plan['slo_ms']:.0f} ms (over the offered loads, no errors): Batchyard "
-              f"{f(m['batchyard'])}/s, Triton {f(m['triton'])}/s, ratio **{g['max_under_slo_ratio']:.2f}×** (goal ≥ 1.2×; "
+              f"{f(m['batchyard'])}/s, Triton {f(m['triton'])}/s, {ratio} (goal ≥ 1.2×; "
               f"the loads are coarse, so this is a lower bound of each).",
               f"- Saturated throughput at {plan['saturate']:g}/s offered, as a fraction of the measured limit "
               f"({f(lim_all)}/s): Batchyard **{sf['batchyard']:.0%}**, Triton {sf['triton']:.0%} (goal ≥ 95 %).",

@@ -159,12 +159,44 @@ def test_vs_triton_reports_the_median_of_interleaved_rounds_and_picks_tritons_de
     assert "Where the server core went" not in text  # runs from before the harness measured it
 
 
+def test_vs_triton_says_there_is_no_ratio_when_triton_met_the_slo_at_no_load():
+    """Triton's p99 over the SLO at every load: the goal's ratio is undefined, and the report says
+    why instead of printing 'nan×' (the two-worker run on an H200 host's cores did)."""
+    from batchyard.bench.harness import Report
+    from batchyard.bench.vs_triton import render, summarise_results
+
+    def run(server, rate, p99):
+        summary = {"p50_ms": p99 / 2, "p99_ms": p99, "throughput_rps": rate * 0.9, "mean_batch": 2.0, "errors": {}}
+        return {"server": server, "rate": rate, "round": 0, "report": Report(server, "", rate, stable=True,
+                                                                              summary=summary)}
+    runs = [run("batchyard", 10, 400.0), run("triton 0 us", 10, 755.0),
+            run("batchyard", 30, 9000.0), run("triton 0 us", 30, 8000.0)]
+    limit = {"curve": {1: {"ms": 50.0, "items_per_s": 20.0}}, "best_b": 1, "limit_items_per_s": 20.0}
+    res = {"plan": {"loads": [10], "saturate": 30, "slo_ms": 500.0, "delays_us": [0], "rounds": 1},
+           "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
+           "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+    summ = summarise_results(res)
+    assert summ["max_under_slo"] == {"batchyard": 9.0, "triton": 0.0}
+    assert summ["goals"]["max_under_slo_ratio"] is None
+    text = render(res, summ, "python -m batchyard.bench.vs_triton")
+    assert "Batchyard 9.0/s, Triton 0.0/s, **no ratio**: Triton's p99 was over the SLO at every offered load" in text
+    assert "nan" not in text
+
+
 def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
     """Each saturated run's row: every process's share of the core (the difference of two CPU
-    snapshots over the wall time, largest first) and the model's compute time per item, beside
-    the limit's time per item at its best batch size measured alone."""
+    snapshots over the wall time, largest first) and the model processes' CPU time per item they
+    ran, beside the limit's time per item at its best batch size measured alone."""
     from batchyard.bench.harness import Report
-    from batchyard.bench.vs_triton import cpu_shares, render, summarise_results
+    from batchyard.bench.vs_triton import cpu_shares, model_core_ms_per_item, render, summarise_results
+
+    # Only the model processes count (two workers, or Triton's stubs summed under one name), not
+    # the front door, the dispatcher or tritonserver: 1.7 CPU s over 160 items.
+    by0 = {"batchyard::amx-worker[amx1]": 1.0, "batchyard::amx-worker[amx2]": 2.0, "batchyard::frontend": 0.0}
+    by1 = {"batchyard::amx-worker[amx1]": 1.85, "batchyard::amx-worker[amx2]": 2.85, "batchyard::frontend": 0.2}
+    assert model_core_ms_per_item(by0, by1, 160) == pytest.approx(1.7e3 / 160)
+    assert model_core_ms_per_item({}, {"triton_python_backend_stub": 1.9, "tritonserver": 0.04}, 175) == \
+        pytest.approx(1.9e3 / 175)
 
     before = {"batchyard::frontend": 1.0, "batchyard::dispatcher": 2.0, "batchyard::amx-worker[amx1]": 3.0,
               "batchyard::up": 0.5}
@@ -177,7 +209,7 @@ def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
     def run(server, rate, share, compute):
         summary = {"p50_ms": 10.0, "p99_ms": 20.0, "throughput_rps": 100.0, "mean_batch": 14.0, "errors": {}}
         if share is not None:
-            summary.update(cpu_share=share, compute_ms_per_item=compute)
+            summary.update(cpu_share=share, model_core_ms_per_item=compute)
         return {"server": server, "rate": rate, "round": 0, "report": Report(server, "", rate, stable=True,
                                                                               summary=summary)}
     runs = [run("batchyard", 10, None, None), run("triton 0 us", 10, None, None),
@@ -189,7 +221,7 @@ def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
            "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
            "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
     text = render(res, summarise_results(res), "python -m batchyard.bench.vs_triton")
-    assert "against 7.00 / 7.00 ms at B=16 / 16 measured alone" in text
+    assert "against T(B)/B = 7.00 / 7.00 ms at B=16 / 16 measured alone" in text
     assert ("| batchyard | 1 | 100.0 | 14.0 | 7.90 | batchyard::amx-worker[amx1] 0.70, batchyard::frontend 0.10, "
             "batchyard::dispatcher 0.05 (sum 0.85) |") in text
     assert "| triton 0 us | 1 | 100.0 | 14.0 | 7.50 | triton_python_backend_stub 0.90, tritonserver 0.05 (sum 0.95) |" in text
