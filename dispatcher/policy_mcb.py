@@ -256,8 +256,9 @@ class MarginalCost(PerModelPolicy):
             chunks, end = plan(state, model, ws, b, now, background)
             own_finish = max(c[0] for c in chunks) if chunks else now
             lam = state.arrival(model).rate(now)
-            # The free workers step 6b sizes, and their shares, planned before anything is sent
-            # (a send makes the GPU busy) and only where such a worker is free.
+            # The workers that amortise a launch (steps 6a and 6b); the free ones 6b sizes, and
+            # their shares, planned before anything is sent (a send makes the GPU busy) and only
+            # where such a worker is free.
             batching = [w for w in ws if amortises_launch(state.cost(model, w.path))]
             sized = {id(w) for w in batching if w.free and adds_items_dearer(state, model, w, batching)}
             share = (_share_before_next_launch(state, model, ws, batching, b, chunks, lam, now, background)
@@ -306,7 +307,7 @@ class MarginalCost(PerModelPolicy):
                     queued = min(queued, share.get(id(w), 0))
                     if queued <= 0:
                         continue
-                elif amortises_launch(state.cost(model, w.path)):
+                elif w in batching:
                     # 6a. A launch-heavy worker also takes what no other worker's first
                     #     batch holds (up to its cap): those items would otherwise wait for
                     #     a later decision, and under a burst its next launch is the
