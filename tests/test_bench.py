@@ -128,26 +128,37 @@ def test_triton_schedule_policy_sends_priority_and_server_timeout_only_when_aske
     assert status(RuntimeError("Deadline Exceeded")) == 14
 
 
+def _vs_run(server, rate, summary, rnd=0):
+    """One vs_triton run as run_all records it: ``summary`` is its report's."""
+    from batchyard.bench.harness import Report
+
+    return {"server": server, "rate": rate, "round": rnd, "report": Report(server, "", rate, stable=True,
+                                                                          summary=summary)}
+
+
+def _vs_results(runs, loads, saturate, slo_ms, delays_us, rounds=1, limit=None):
+    """vs_triton's results around ``runs``: one server core, a limit of 20 items/s at B=1 unless given."""
+    limit = limit or {"curve": {1: {"ms": 50.0, "items_per_s": 20.0}}, "best_b": 1, "limit_items_per_s": 20.0}
+    return {"plan": {"loads": loads, "saturate": saturate, "slo_ms": slo_ms, "delays_us": delays_us, "rounds": rounds},
+            "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
+            "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+
+
 def test_vs_triton_reports_the_median_of_interleaved_rounds_and_picks_tritons_delay_by_it():
     """Two rounds of two loads on Batchyard and two Triton delays: each row is the median over the
     rounds (not the last round, not the best), and Triton's best delay per load is the one with
     the lowest median p99 — a setting lucky in one round only is not picked for it."""
-    from batchyard.bench.harness import Report
     from batchyard.bench.vs_triton import render, summarise_results
 
     def run(server, rate, rnd, p99, tput):
         summary = {"p50_ms": p99 / 2, "p99_ms": p99, "throughput_rps": tput, "mean_batch": 2.0, "errors": {}}
-        return {"server": server, "rate": rate, "round": rnd, "report": Report(server, "", rate, stable=True,
-                                                                                  summary=summary)}
+        return _vs_run(server, rate, summary, rnd)
     p99 = {("batchyard", 10): (100, 300), ("triton 0 us", 10): (150, 160), ("triton 50000 us", 10): (60, 400),
            ("batchyard", 30): (900, 1200), ("triton 0 us", 30): (2000, 2100), ("triton 50000 us", 30): (2500, 1900)}
     tput = {10: 10.0, 30: 25.0}
     runs = [run(s, rate, rnd, p99[(s, rate)][rnd], tput[rate] + (s == "triton 0 us")) for rnd in (0, 1)
             for (s, rate) in p99]
-    limit = {"curve": {1: {"ms": 50.0, "items_per_s": 20.0}}, "best_b": 1, "limit_items_per_s": 20.0}
-    res = {"plan": {"loads": [10], "saturate": 30, "slo_ms": 1000.0, "delays_us": [0, 50000], "rounds": 2},
-           "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
-           "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+    res = _vs_results(runs, loads=[10], saturate=30, slo_ms=1000.0, delays_us=[0, 50000], rounds=2)
     summ = summarise_results(res)
     light, saturated = summ["rows"]
     assert light["batchyard"]["p99_ms"] == 200 and (light["batchyard"]["p99_min"], light["batchyard"]["p99_max"]) == (100, 300)
@@ -162,19 +173,14 @@ def test_vs_triton_reports_the_median_of_interleaved_rounds_and_picks_tritons_de
 def test_vs_triton_says_there_is_no_ratio_when_triton_met_the_slo_at_no_load():
     """Triton's p99 over the SLO at every load: the goal's ratio is undefined, and the report says
     why instead of printing 'nan×' (the two-worker run on an H200 host's cores did)."""
-    from batchyard.bench.harness import Report
     from batchyard.bench.vs_triton import render, summarise_results
 
     def run(server, rate, p99):
-        summary = {"p50_ms": p99 / 2, "p99_ms": p99, "throughput_rps": rate * 0.9, "mean_batch": 2.0, "errors": {}}
-        return {"server": server, "rate": rate, "round": 0, "report": Report(server, "", rate, stable=True,
-                                                                              summary=summary)}
+        return _vs_run(server, rate, {"p50_ms": p99 / 2, "p99_ms": p99, "throughput_rps": rate * 0.9,
+                                      "mean_batch": 2.0, "errors": {}})
     runs = [run("batchyard", 10, 400.0), run("triton 0 us", 10, 755.0),
             run("batchyard", 30, 9000.0), run("triton 0 us", 30, 8000.0)]
-    limit = {"curve": {1: {"ms": 50.0, "items_per_s": 20.0}}, "best_b": 1, "limit_items_per_s": 20.0}
-    res = {"plan": {"loads": [10], "saturate": 30, "slo_ms": 500.0, "delays_us": [0], "rounds": 1},
-           "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
-           "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+    res = _vs_results(runs, loads=[10], saturate=30, slo_ms=500.0, delays_us=[0])
     summ = summarise_results(res)
     assert summ["max_under_slo"] == {"batchyard": 9.0, "triton": 0.0}
     assert summ["goals"]["max_under_slo_ratio"] is None
@@ -187,7 +193,6 @@ def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
     """Each saturated run's row: every process's share of the core (the difference of two CPU
     snapshots over the wall time, largest first) and the model processes' CPU time per item they
     ran, beside the limit's time per item at its best batch size measured alone."""
-    from batchyard.bench.harness import Report
     from batchyard.bench.vs_triton import cpu_shares, model_core_ms_per_item, render, summarise_results
 
     # Only the model processes count (two workers, or Triton's stubs summed under one name), not
@@ -210,16 +215,13 @@ def test_vs_triton_says_where_the_server_core_went_in_each_saturated_run():
         summary = {"p50_ms": 10.0, "p99_ms": 20.0, "throughput_rps": 100.0, "mean_batch": 14.0, "errors": {}}
         if share is not None:
             summary.update(cpu_share=share, model_core_ms_per_item=compute)
-        return {"server": server, "rate": rate, "round": 0, "report": Report(server, "", rate, stable=True,
-                                                                              summary=summary)}
+        return _vs_run(server, rate, summary)
     runs = [run("batchyard", 10, None, None), run("triton 0 us", 10, None, None),
             run("batchyard", 30, shares, 7.9), run("triton 0 us", 30, {"tritonserver": 0.05,
                                                                          "triton_python_backend_stub": 0.9}, 7.5)]
     curve = {1: {"ms": 50.0, "items_per_s": 20.0}, 16: {"ms": 112.0, "items_per_s": 142.9}}
     limit = {"curve": curve, "best_b": 16, "limit_items_per_s": 142.9}
-    res = {"plan": {"loads": [10], "saturate": 30, "slo_ms": 1000.0, "delays_us": [0], "rounds": 1},
-           "runs": runs, "limit": limit, "limit_after": limit, "server_cpus": [1], "load_cpu": [0],
-           "loadavg_start": (1.0,), "loadavg_end": (1.0,), "batchyard_status": {}, "pinning": {}}
+    res = _vs_results(runs, loads=[10], saturate=30, slo_ms=1000.0, delays_us=[0], limit=limit)
     text = render(res, summarise_results(res), "python -m batchyard.bench.vs_triton")
     assert "against T(B)/B = 7.00 / 7.00 ms at B=16 / 16 measured alone" in text
     assert ("| batchyard | 1 | 100.0 | 14.0 | 7.90 | batchyard::amx-worker[amx1] 0.70, batchyard::frontend 0.10, "
