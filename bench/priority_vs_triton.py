@@ -115,8 +115,9 @@ def triton_server(name: str, levels: int, delay_us: int, cpus: list):
             tl.start(READY_TIMEOUT_S)
         try:
             cfg = (Path(d) / "model_amx" / "config.pbtxt").read_text()
-            yield Server(name, tl.grpc_url, f"127.0.0.1:{tl.http_port}", "model_amx",
-                         f"http://127.0.0.1:{tl.metrics_port}/metrics", pinning(tl.proc.pid), tl.proc.pid), cfg[cfg.index("dynamic_batching {"):], None
+            server = Server(name, tl.grpc_url, f"127.0.0.1:{tl.http_port}", "model_amx",
+                            f"http://127.0.0.1:{tl.metrics_port}/metrics", pinning(tl.proc.pid), tl.proc.pid)
+            yield server, cfg[cfg.index("dynamic_batching {"):], None
         finally:
             tl.close()
 
