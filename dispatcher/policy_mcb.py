@@ -15,6 +15,11 @@ from .state import ModelQueue, SchedulerState, WorkerState
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
 RESERVE_BLOCKING = 0.01
 AMORTISES = 0.01  # T(1) above the next item's added time by more than this: a launch to amortise
+# A launch-heavy batch whose launch is at most this share of its time has amortised it: see plan().
+AMORTISED_SHARE = 0.05
+# A queue (with its expected arrivals) above this many times the workers' max batches is a
+# backlog: there, batches grow until full, for throughput (plan()).
+BACKLOG_BATCHES = 2
 FUTURE_ROUNDS = 4  # fixed-point steps for the arrivals expected while the plan runs
 # Share of the lambda*H arrivals expected over the plan's horizon H that the plan counts beside
 # the queue (step 3 in docs/policy.md says why it lies between 1/2 and 1, and how 0.7 was chosen).
@@ -72,13 +77,18 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
     Greedy by marginal cost. Worker w's plan is batches back to back; its last batch holds k
     items and starts at s, so it finishes at ``F = s + T_w(k)``. One more item can
     - join that batch (if below max batch): the sum rises by ``(k+1)*(s + T_w(k+1)) - k*F``, or
-    - open a new batch after it, only where batches amortise nothing (``T_w(1) <=
-      T_w(k+1) - T_w(k)``, within AMORTISES): the sum rises by ``F + T_w(1)``.
+    - open a new batch after it, where batches amortise nothing (``T_w(1) <=
+      T_w(k+1) - T_w(k)``, within AMORTISES), or where the batch has amortised its launch
+      already (at most AMORTISED_SHARE of ``T_w(k)``) and no backlog is planned (``n`` at most
+      BACKLOG_BATCHES times the workers' max batches): the sum rises by ``F + T_w(1)``.
     Each item goes to the cheapest (worker, option). A worker with no launch cost (T linear
     through 0) thus serves one request at a time, back to back — a batch would only make its
     first request wait for its last — while a launch-heavy one gets one batch, grown while it
     is the cheapest place for the next item (a second batch behind it would be joined by new
-    arrivals before it starts). At most ``sum of max batches`` items are planned.
+    arrivals before it starts). A small launch (a CPU's 13 us beside 84 us an item) is
+    amortised by a few items: past them, growing the batch only makes its first items wait for
+    its last, as on a CPU without one; under a backlog, the launches saved are throughput the
+    queue needs. At most ``sum of max batches`` items are planned.
     Also returns the plan's end: when every worker is done with its planned (or current) work.
     """
     m = len(ws)
@@ -89,6 +99,7 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
     fin = list(s)  # its finish (== start while empty)
     first = [0] * m  # items in the first batch (frozen once a second one opens)
     opened = [False] * m
+    backlog = n > BACKLOG_BATCHES * sum(cap)
 
     def best(i: int) -> tuple[float, bool]:
         if k[i] == 0:
@@ -97,12 +108,18 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
         join = (k[i] + 1) * (s[i] + curve[i].predict(k[i] + 1)) - k[i] * fin[i]
         # amortises_launch(curve[i], k[i]), inline: this is the plan's inner loop, and the call
         # alone made a 100-item plan 5 % slower (142 -> 150 us).
-        if curve[i].predict(1) > grow * (1 + AMORTISES):
+        new = fin[i] + curve[i].predict(1)
+        launch = curve[i].predict(1) - grow
+        if launch > grow * AMORTISES:
             # A batch here amortises a launch: one batch, grown (a second one would be joined
             # by arrivals before it starts). Once it is full, the next item's place here is the
             # batch after it: a slow worker must not look free of competition to the overflow.
-            return (join, False) if k[i] < cap[i] else (fin[i] + curve[i].predict(1), True)
-        new = fin[i] + curve[i].predict(1)
+            # Once the launch is at most AMORTISED_SHARE of the batch's time (k items), the
+            # batch behind it may open where that is cheaper, as below — but not in a backlog.
+            if k[i] >= cap[i]:
+                return new, True
+            amortised = not backlog and launch * (1 - AMORTISED_SHARE) <= AMORTISED_SHARE * grow * k[i]
+            return (new, True) if amortised and new < join else (join, False)
         return (join, False) if join <= new and k[i] < cap[i] else (new, True)
 
     heap = [(best(i)[0], i) for i in range(m) if cap[i] > 0]
