@@ -106,21 +106,21 @@ def plan(state: SchedulerState, model: str, ws: list[WorkerState], n: int, now: 
             return s[i] + curve[i].predict(1), False
         grow = curve[i].predict(k[i] + 1) - curve[i].predict(k[i])
         join = (k[i] + 1) * (s[i] + curve[i].predict(k[i] + 1)) - k[i] * fin[i]
+        new = fin[i] + curve[i].predict(1)
+        if k[i] >= cap[i]:
+            # Full: the next item's place here is the batch after it (a slow worker must not
+            # look free of competition to a full GPU batch's overflow).
+            return new, True
+        # The batch behind may open where that is cheaper once this one has nothing left to
+        # amortise: at once on a worker with no launch; for a launch, once it is at most
+        # AMORTISED_SHARE of the batch's time, and not in a backlog. Before that, one batch,
+        # grown (a second one would be joined by arrivals before it starts).
         # amortises_launch(curve[i], k[i]), inline: this is the plan's inner loop, and the call
         # alone made a 100-item plan 5 % slower (142 -> 150 us).
-        new = fin[i] + curve[i].predict(1)
         launch = curve[i].predict(1) - grow
-        if launch > grow * AMORTISES:
-            # A batch here amortises a launch: one batch, grown (a second one would be joined
-            # by arrivals before it starts). Once it is full, the next item's place here is the
-            # batch after it: a slow worker must not look free of competition to the overflow.
-            # Once the launch is at most AMORTISED_SHARE of the batch's time (k items), the
-            # batch behind it may open where that is cheaper, as below — but not in a backlog.
-            if k[i] >= cap[i]:
-                return new, True
-            amortised = not backlog and launch * (1 - AMORTISED_SHARE) <= AMORTISED_SHARE * grow * k[i]
-            return (new, True) if amortised and new < join else (join, False)
-        return (join, False) if join <= new and k[i] < cap[i] else (new, True)
+        opens = launch <= grow * AMORTISES or (
+            not backlog and launch * (1 - AMORTISED_SHARE) <= AMORTISED_SHARE * grow * k[i])
+        return (new, True) if opens and new < join else (join, False)
 
     heap = [(best(i)[0], i) for i in range(m) if cap[i] > 0]
     heapq.heapify(heap)
