@@ -18,6 +18,9 @@ from .transport import node_client_keys
 
 log = logging.getLogger("batchyard.frontend")
 STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls in flight may finish
+# How often a front door closes the segments of regions another process of the node unregistered
+# (ShmRegions.sweep): a bound on how long a client's unlinked memory stays allocated.
+SHM_SWEEP_S = 1.0
 
 
 async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
@@ -33,6 +36,17 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
     core = KServeCore(client, ShmRegions(registry_dir(fe.host, fe.grpc_port, fe.http_port)),
                       default_timeout_s=node.dispatcher.default_timeout_s, strict_readiness=fe.strict_readiness)
     grpc_server = http_runner = watchdog = None
+    loop = asyncio.get_running_loop()
+
+    def sweep_regions() -> None:
+        nonlocal sweeper
+        try:
+            core.shm.sweep()
+        except OSError:
+            log.exception("shared-memory regions could not be swept")
+        sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
+
+    sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
     try:
         # HTTP first: a client that sees the gRPC port ready finds HTTP ready too (tests wait so).
         if fe.http_port:
@@ -49,12 +63,13 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
             from .kserve_grpc import start_grpc
 
             grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes, fe.idle_timeout_s)
-        watchdog = announce_ready(asyncio.get_running_loop())
+        watchdog = announce_ready(loop)
         log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(), fe.host,
                  fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend,
                  sorted(os.sched_getaffinity(0)))
         await stop.wait()
     finally:
+        sweeper.cancel()
         if watchdog is not None:
             watchdog.close()
         if grpc_server is not None:

@@ -48,7 +48,15 @@ class KServeError(Exception):
             grpc.StatusCode.DEADLINE_EXCEEDED: 408,  # an HTTP body that stalled (http_body)
             grpc.StatusCode.INTERNAL: 500}
 
+    # A message is cut past this many characters: gRPC sends it in a trailer of at most 16 KiB,
+    # percent-encoded (a character up to 12 bytes), and a message echoing a long name the client
+    # chose (a region, key, input, datatype or version) reached the client as RESOURCE_EXHAUSTED
+    # instead of the error.
+    MAX_MESSAGE = 1000
+
     def __init__(self, code: grpc.StatusCode, message: str):
+        if len(message) > self.MAX_MESSAGE:
+            message = message[:self.MAX_MESSAGE] + "..."
         super().__init__(message)
         self.code = code
         self.message = message
@@ -129,14 +137,16 @@ def as_kserve(e: Exception, what: str = "inference request") -> KServeError:
 def parse_version(version: str) -> int:
     """A model version string as Triton reads it (``GetModelVersionFromString``, with
     ``std::stol``): "" is the latest (-1); leading blanks and a leading integer count ("01" is
-    1); no integer, or a negative one, is INVALID_ARG."""
+    1); no integer, one past a signed 64-bit integer, or a negative one, is INVALID_ARG."""
     if not version:
         return -1
-    m = re.match(r"\s*([+-]?\d+)", version)
-    if m is None:
-        raise invalid(f"failed to get model version from specified version string '{version}' (details: stol), "
-                      "version should be an integral value > 0")
-    v = int(m.group(1))
+    m = re.match(r"\s*([+-]?)0*(\d+)", version)
+    # Digits counted before int() reads them: past 4300 of them, int() raised ValueError, which
+    # the metadata, config, ready and statistics calls answered as an internal error.
+    v = int(m[1] + m[2]) if m is not None and len(m[2]) <= 19 else None
+    if v is None or not -(1 << 63) <= v < 1 << 63:
+        raise invalid(f"failed to get model version from specified version string '{_shown(version)}' "
+                      "(details: stol), version should be an integral value > 0")
     if v < 0:
         raise invalid(f"invalid model version specified '{version}' , version should be an integral value > 0")
     return v
@@ -226,13 +236,44 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
     dt = _NP_DTYPES.get(datatype) or np.dtype(np_dtype(datatype, f"input '{name}'"))
     try:
         parsed = np.asarray(data)
+        if parsed.size and dt.kind in "iu" and parsed.dtype.kind not in "iub":
+            parsed = _json_integers(data, parsed, dt)
         if parsed.size and parsed.dtype.kind not in _JSON_KINDS.get(dt.kind, ""):
             raise ValueError(f"got {_json_kind(parsed)}")
+        # Triton reads unsigned tensors' values as JSON unsigned integers and signed ones as int64,
+        # and refuses what does not read so; within those, it narrows as astype does. astype
+        # alone wrapped -1 to 255 in a UINT8 tensor and 2**63 to its lowest value in an INT64 one.
+        if parsed.size and dt.kind == "u" and parsed.dtype.kind == "i" and parsed.min() < 0:
+            raise ValueError(_NOT_UNSIGNED)
+        if parsed.size and dt.kind == "i" and parsed.dtype.kind == "u":  # a value past int64
+            raise ValueError(_NOT_SIGNED)
         arr = parsed.astype(dt, copy=False)
     except (TypeError, ValueError, OverflowError) as e:
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
     check_element_count(name, shape, arr.size)
     return arr.reshape(shape)
+
+
+_NOT_UNSIGNED = "attempt to access JSON non-unsigned-integer as unsigned-integer"  # Triton's words
+_NOT_SIGNED = "attempt to access JSON non-signed-integer as signed-integer"
+
+
+def _json_integers(data, parsed: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """Integers numpy read as floats or objects: the ones past int64 beside smaller ones (a
+    UINT64 tensor's 2**64-1 beside 1, which Triton takes). Returned as uint64 when all are in its
+    range; a value past int64 in a signed tensor, or negative in an unsigned one, is Triton's
+    error; anything but integers is returned as it is, for the caller's check."""
+    if parsed.dtype.kind not in "fO":
+        return parsed
+    values = np.asarray(data, dtype=object).ravel()
+    if values.size != parsed.size or not all(type(v) is int for v in values):
+        return parsed
+    low, high = min(values), max(values)
+    if dt.kind == "i" or low < 0:
+        raise ValueError(_NOT_SIGNED if dt.kind == "i" else _NOT_UNSIGNED)
+    if high > UINT64_MAX:
+        raise ValueError(_NOT_UNSIGNED)
+    return np.array(values.tolist(), dtype=np.uint64).reshape(parsed.shape)
 
 
 def _json_kind(parsed: np.ndarray) -> str:

@@ -24,6 +24,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             check_element_count, check_input, check_new_input, cuda_shm_refused, cuda_shm_status,
                             invalid, model_config, model_control_refused, model_metadata, np_dtype, output_nbytes,
                             tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_shm import OutputRegion, close_outputs
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -180,14 +181,19 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request):
             try:
-                return service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+                out = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
                 if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
                     log.exception("stream request for model %r failed", request.model_name)
                     e = KServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
-                return service_pb2.ModelStreamInferResponse(
+                out = service_pb2.ModelStreamInferResponse(
                     error_message=as_kserve(e).message,
-                    infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
+                    infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id,
+                                                                  model_version=request.model_version))
+            # Triton marks every stream response so; a model that is not decoupled answers once.
+            # Streaming clients (PyTriton's among them) wait for it to end a request.
+            out.infer_response.parameters["triton_final_response"].bool_param = True
+            return out
 
         async def read():
             try:
@@ -230,6 +236,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                                   f"({len(request.raw_input_contents)} given for {len(request.inputs)} inputs)")
                 inputs[t.name] = tensor_from_bytes(t.name, t.datatype, shape, data)
             else:
+                # The datatype first: BYTES (no typed field here) in bytes_contents was "of type
+                # 'BYTES', expected datatype 'BYTES'".
+                np_dtype(t.datatype, f"input '{t.name}'")
                 field = _CONTENTS.get(t.datatype, "")
                 check_contents_field(t, field, request.model_name)
                 values = getattr(t.contents, field) if field else []
@@ -239,44 +248,52 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 check_element_count(t.name, shape, len(values))
                 inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
         wanted = self._requested_outputs(request, spec, inputs)
-        left = context.time_remaining()
-        priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
-        timeout = uint_param(request.parameters, "timeout", ("int64_param",))
-        _, out = await self.core.infer(request.model_name, inputs, priority=priority, timeout=timeout_s(timeout, left))
-        resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-        for name, region in wanted:
-            arr = out[name]
-            o = resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
-            if region is not None:
-                shm.write(*region, arr, name)
-                o.parameters["shared_memory_region"].string_param = region[0]
-                o.parameters["shared_memory_offset"].int64_param = region[1]
-                o.parameters["shared_memory_byte_size"].int64_param = arr.nbytes
-                resp.raw_output_contents.append(b"")  # keeps later outputs at their index
-            else:
-                resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
-        return resp
+        try:
+            left = context.time_remaining()
+            priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
+            timeout = uint_param(request.parameters, "timeout", ("int64_param",))
+            _, out = await self.core.infer(request.model_name, inputs, priority=priority,
+                                           timeout=timeout_s(timeout, left))
+            resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+            for name, region in wanted:
+                arr = out[name]
+                o = resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
+                if region is not None:
+                    region.write(arr, name)
+                    o.parameters["shared_memory_region"].string_param = region.name
+                    o.parameters["shared_memory_offset"].int64_param = region.offset
+                    o.parameters["shared_memory_byte_size"].int64_param = arr.nbytes
+                    resp.raw_output_contents.append(b"")  # keeps later outputs at their index
+                else:
+                    resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
+            return resp
+        finally:
+            close_outputs(wanted)
 
-    def _requested_outputs(self, request, spec, inputs: dict) -> list[tuple[str, Optional[tuple]]]:
-        """(name, shm region or None) per output to return; all of the model's when none named.
-        An output named twice is returned once, as its first mention asks (Triton 2.51 answers
-        it once; this returned it twice)."""
+    def _requested_outputs(self, request, spec, inputs: dict) -> list[tuple[str, Optional[OutputRegion]]]:
+        """(name, its shm region or None) per output to return; all of the model's when none
+        named. The regions are held until ``close_outputs``. An output named twice is returned
+        once, as its first mention asks (Triton 2.51 answers it once; this returned it twice)."""
         if not request.outputs:
             return [(t.name, None) for t in spec.outputs]
         names = {t.name for t in spec.outputs}
         wanted, seen = [], set()
-        for o in request.outputs:
-            if o.name not in names:
-                raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
-            if "classification" in o.parameters:  # tritonclient's class_count
-                raise invalid(f"output '{o.name}': classification is not supported")
-            if o.name in seen:
-                continue
-            seen.add(o.name)
-            region = _shm_param(o.parameters)
-            if region is not None:
-                self.core.shm.check_output(*region, o.name, output_nbytes(spec, o.name, inputs))
-            wanted.append((o.name, region))
+        try:
+            for o in request.outputs:
+                if o.name not in names:
+                    raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
+                if "classification" in o.parameters:  # tritonclient's class_count
+                    raise invalid(f"output '{o.name}': classification is not supported")
+                if o.name in seen:
+                    continue
+                seen.add(o.name)
+                region = _shm_param(o.parameters)
+                if region is not None:
+                    region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs))
+                wanted.append((o.name, region))
+        except BaseException:
+            close_outputs(wanted)
+            raise
         return wanted
 
     # ---------------------------------------------------------------- errors

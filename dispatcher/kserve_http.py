@@ -27,6 +27,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             batch_input_bytes, check_new_input, cuda_shm_refused, cuda_shm_status, invalid,
                             model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
+from .kserve_shm import close_outputs
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_JSON_BYTES = 64 << 20  # Triton's --http-max-input-size default, which bounds the JSON part only
@@ -177,7 +178,7 @@ def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
             raise invalid(f"request JSON size of {n} bytes exceeds the maximum allowed input size of "
                           f"{MAX_JSON_BYTES} bytes (send large tensors as binary data)")
         header = decode_json(body[:n])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: json's, for JSON nested past its depth
         raise invalid(f"failed to parse the request JSON buffer: {e}") from None
     if not isinstance(header, dict):
         raise invalid("the request body must be a JSON object")
@@ -254,8 +255,8 @@ class KServeHttp:
         try:
             body, _ = _split(request, await read_body(request, MAX_JSON_BYTES)) if request.can_read_body else ({}, b"")
             return web.json_response(await self.core.repository_index(_bool(body, "ready", False)))
-        except KServeError as e:
-            return _error(e)
+        except (KServeError, *MALFORMED) as e:
+            return _error(as_kserve(e, "repository index request"))
 
     async def model_control(self, request):
         return _error(model_control_refused(request.match_info["model"]))
@@ -318,25 +319,28 @@ class KServeHttp:
             params = _field(header, "parameters", dict, {})
             inputs = self._inputs(spec, header, binary)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
-        rid = _field(header, "id", str, "")
-        _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
-                                       timeout=timeout_s(_uint(params, "timeout")))
-        outputs, chunks, finite = [], [], True
-        for name, binary_out, region in wanted:
-            arr = out[name]
-            o = {"name": name, "datatype": NP_TO_KSERVE[dtype_name(arr.dtype)], "shape": list(arr.shape)}
-            if region is not None:
-                # As Triton: name, datatype and shape only. tritonclient's C++ HTTP client (and so
-                # perf_analyzer) reads any output "parameters" as binary data and requires
-                # binary_data_size in them.
-                self.core.shm.write(*region, arr, name)
-            elif binary_out:
-                chunks.append(np.ascontiguousarray(arr).tobytes())
-                o["parameters"] = {"binary_data_size": len(chunks[-1])}
-            else:
-                o["data"] = arr.reshape(-1).tolist()
-                finite = finite and (arr.dtype.kind != "f" or bool(np.isfinite(arr).all()))
-            outputs.append(o)
+        try:
+            rid = _field(header, "id", str, "")
+            _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
+                                           timeout=timeout_s(_uint(params, "timeout")))
+            outputs, chunks, finite = [], [], True
+            for name, binary_out, region in wanted:
+                arr = out[name]
+                o = {"name": name, "datatype": NP_TO_KSERVE[dtype_name(arr.dtype)], "shape": list(arr.shape)}
+                if region is not None:
+                    # As Triton: name, datatype and shape only. tritonclient's C++ HTTP client (and
+                    # so perf_analyzer) reads any output "parameters" as binary data and requires
+                    # binary_data_size in them.
+                    region.write(arr, name)
+                elif binary_out:
+                    chunks.append(np.ascontiguousarray(arr).tobytes())
+                    o["parameters"] = {"binary_data_size": len(chunks[-1])}
+                else:
+                    o["data"] = arr.reshape(-1).tolist()
+                    finite = finite and (arr.dtype.kind != "f" or bool(np.isfinite(arr).all()))
+                outputs.append(o)
+        finally:
+            close_outputs(wanted)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}
         if rid:  # Triton leaves an empty id out
             reply["id"] = rid
@@ -392,19 +396,23 @@ class KServeHttp:
             return [(t.name, binary_default, None) for t in spec.outputs]
         names = {t.name for t in spec.outputs}
         wanted, seen = [], set()
-        for o in _field(header, "outputs", list):
-            name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
-            if name not in names:
-                raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
-            if "classification" in op:
-                raise invalid(f"output '{name}': classification is not supported")
-            if name in seen:
-                continue
-            seen.add(name)
-            region = _shm(op)
-            if region is not None:
-                self.core.shm.check_output(*region, name, output_nbytes(spec, name, inputs))
-            wanted.append((name, _bool(op, "binary_data", False), region))
+        try:
+            for o in _field(header, "outputs", list):
+                name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
+                if name not in names:
+                    raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
+                if "classification" in op:
+                    raise invalid(f"output '{name}': classification is not supported")
+                if name in seen:
+                    continue
+                seen.add(name)
+                region = _shm(op)
+                if region is not None:  # held until close_outputs
+                    region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs))
+                wanted.append((name, _bool(op, "binary_data", False), region))
+        except BaseException:
+            close_outputs(wanted)
+            raise
         return wanted
 
 

@@ -50,6 +50,42 @@ class Region:
     entry_ino: int = 0  # the registry entry this region was opened from
 
 
+@dataclass
+class OutputRegion:
+    """Where one request's output goes: its region as registered when the request was read, held
+    (a duplicate of the segment's fd) until the reply is written, then ``close``d. Looked up by
+    name after the inference instead, an output whose region was unregistered meanwhile was lost,
+    and one whose name another client had registered since went into that client's memory.
+    Triton too holds a request's regions while it runs (2.53 and later defer an unregister until
+    they finish)."""
+
+    name: str
+    offset: int  # within the region, as the request gave it (the reply says it back)
+    byte_size: int
+    fd: int
+    start: int  # in the segment
+
+    def write(self, arr: np.ndarray, tensor: str) -> None:
+        if arr.nbytes > self.byte_size:
+            raise _too_small(tensor, self.byte_size, arr.nbytes)
+        size = os.fstat(self.fd).st_size
+        if self.start + arr.nbytes > size:  # shrunk since: a write would grow the client's file
+            raise _shrunk(self.name, self.start, arr.nbytes, size)
+        os.pwrite(self.fd, np.ascontiguousarray(arr).tobytes(), self.start)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def close_outputs(regions) -> None:
+    """Close the output regions of a request's (name, ..., region or None) list."""
+    for entry in regions:
+        if entry[-1] is not None:
+            entry[-1].close()
+
+
 def registry_dir(host: str, grpc_port: int, http_port: int) -> str:
     """The registry of the front doors serving these ports: one per node and user. It lives in
     /dev/shm, which every front-door unit shares (each unit's /tmp is private)."""
@@ -196,8 +232,23 @@ class ShmRegions:
             os.close(r.fd)
             r.fd = -1
 
+    def sweep(self) -> None:
+        """Close the segments of regions unregistered (or registered anew) through another
+        process of the node: until then this process's fd kept the client's memory allocated after
+        the client unlinked it. Run at every registry call and from the front door's timer."""
+        if self.dir is None:
+            return
+        for name, r in list(self.local.items()):
+            try:
+                ino = os.stat(_entry(name), dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                ino = 0
+            if ino != r.entry_ino:
+                self._drop_local(name)
+
     # ------------------------------------------------------------ the extension's calls
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.sweep()
         registered = self._registered()
         if any(r.name == name for r in registered):
             raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
@@ -213,6 +264,7 @@ class ShmRegions:
 
     def unregister(self, name: str = "") -> None:
         """One region, or all when ``name`` is empty; an unknown name is not an error (Triton)."""
+        self.sweep()
         names = [name] if name else [r.name for r in self._registered()] + list(self.local)
         for n in names:
             if self.dir is not None:
@@ -220,6 +272,7 @@ class ShmRegions:
             self._drop_local(n)
 
     def status(self, name: str = "") -> list[Region]:
+        self.sweep()
         regions = self._registered()
         if not name:
             return regions
@@ -258,13 +311,15 @@ class ShmRegions:
                           f"(offset {offset} + {nbytes} bytes > its {r.byte_size} bytes)")
         return r, r.offset + offset
 
-    def check_output(self, name: str, offset: int, byte_size: int, tensor: str, nbytes: Optional[int]) -> None:
-        """Fail now, before the inference runs, if an output region is not usable or cannot hold
-        the ``nbytes`` of the output (None: not known yet). Too small a region is Triton's
-        INTERNAL with its message (its allocator finds out after the run; here the run is spared)."""
+    def output(self, name: str, offset: int, byte_size: int, tensor: str, nbytes: Optional[int]) -> OutputRegion:
+        """The region an output goes to, held from now until ``close``; fails now, before the
+        inference runs, if it is not usable or cannot hold the ``nbytes`` of the output (None:
+        not known yet). Too small a region is Triton's INTERNAL with its message (its allocator
+        finds out after the run; here the run is spared)."""
         if nbytes is not None and nbytes > byte_size:
             raise _too_small(tensor, byte_size, nbytes)
-        self._range(name, offset, byte_size)
+        r, start = self._range(name, offset, byte_size)
+        return OutputRegion(name, offset, byte_size, os.dup(r.fd), start)
 
     def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str,
              spec) -> np.ndarray:
@@ -280,15 +335,6 @@ class ShmRegions:
         if got < byte_size:
             raise _shrunk(name, start, byte_size, os.fstat(r.fd).st_size)
         return np.frombuffer(buf, dtype=dt).reshape(shape)
-
-    def write(self, name: str, offset: int, byte_size: int, arr: np.ndarray, tensor: str) -> None:
-        if arr.nbytes > byte_size:
-            raise _too_small(tensor, byte_size, arr.nbytes)
-        r, start = self._range(name, offset, arr.nbytes)
-        size = os.fstat(r.fd).st_size
-        if start + arr.nbytes > size:  # shrunk since: a write would grow the client's file
-            raise _shrunk(name, start, arr.nbytes, size)
-        os.pwrite(r.fd, np.ascontiguousarray(arr).tobytes(), start)
 
     def close(self) -> None:
         """Unmap this process's regions. The registrations stay while another front door of the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import importlib.util
 import json
 import os
@@ -36,7 +37,7 @@ from tritonclient.utils import InferenceServerException
 from batchyard import protocol as P
 from batchyard.client import Client
 from batchyard.config import DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, TensorConfig, to_toml
-from batchyard.kserve_common import KServeCore
+from batchyard.kserve_common import KServeCore, KServeError, tensor_from_list
 from batchyard.kserve_shm import ShmRegions
 
 from conftest import ROOT, SUM_MODEL, Node, sim_worker
@@ -269,6 +270,28 @@ def test_a_reply_with_a_nan_output_says_nan_as_triton(front_door):
     assert np.isnan(h.infer("sum", [_http_input(x, binary=False)]).as_numpy("y")).all()
 
 
+@pytest.mark.parametrize("datatype, data, want", [
+    ("UINT8", [-1, 2], "non-unsigned-integer as unsigned-integer"),
+    ("UINT64", [-1, 2**64 - 1], "non-unsigned-integer as unsigned-integer"),
+    ("UINT64", [2**64, 1], "non-unsigned-integer as unsigned-integer"),
+    ("INT64", [2**63, 1], "non-signed-integer as signed-integer"),
+    ("INT32", [2**63, 2**64 - 1], "non-signed-integer as signed-integer"),
+    ("UINT64", [2**64 - 1, 1], [2**64 - 1, 1]),
+    ("INT8", [300, -1], [44, -1]),  # within int64 Triton narrows, as astype does
+])
+def test_json_integers_a_tensor_cannot_hold_are_tritons_error_not_wrapped(datatype, data, want):
+    """Triton reads an unsigned tensor's JSON values as unsigned integers and a signed one's as
+    int64, refusing what does not read so: -1 in a UINT8 tensor was served as 255, and 2**63 in
+    an INT64 one as its lowest value. A UINT64 of 2**64-1 beside a small value, which Triton takes,
+    was refused."""
+    if isinstance(want, str):
+        with pytest.raises(KServeError, match=want) as e:
+            tensor_from_list("x", datatype, [1, 2], data)
+        assert e.value.code.name == "INVALID_ARGUMENT"
+    else:
+        assert tensor_from_list("x", datatype, [1, 2], data).tolist() == [want]
+
+
 @pytest.mark.parametrize("raw", [b'"\\ud800"', b"1e400", b"[NaN, -Infinity]", b'{"a": 1, "a": 2}', b"{}x", b"", b"[1,"])
 def test_request_json_edge_cases_read_or_fail_as_json_loads(raw):
     from batchyard.kserve_http import decode_json
@@ -311,6 +334,42 @@ def test_a_long_unknown_model_name_is_not_found_over_grpc(front_door):
     assert e.value.status() == "StatusCode.NOT_FOUND" and "..." in e.value.message(), e.value
 
 
+def test_errors_naming_any_long_string_the_client_chose_keep_their_code_over_grpc(front_door):
+    """A region, key, input, output, datatype or version of 20,000 characters, echoed whole in the
+    error, made the gRPC trailer too big: the client saw RESOURCE_EXHAUSTED instead."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    n = "n" * 20_000
+
+    def infer(**tensor):
+        r = service_pb2.ModelInferRequest(model_name="sum")
+        t = r.inputs.add(**({"name": "x", "datatype": "FP32", "shape": [3, 4]} | tensor))
+        r.raw_input_contents.append(X.tobytes())
+        return t, r
+
+    with_output = infer()[1]
+    with_output.outputs.add(name=n)
+    region_input, with_region = infer()
+    region_input.parameters["shared_memory_region"].string_param = n
+    region_input.parameters["shared_memory_byte_size"].int64_param = X.nbytes
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        for call, request, code in (
+                (stub.SystemSharedMemoryStatus, service_pb2.SystemSharedMemoryStatusRequest(name=n), "NOT_FOUND"),
+                (stub.SystemSharedMemoryRegister, service_pb2.SystemSharedMemoryRegisterRequest(
+                    name="long_key", key=n, byte_size=8), "INVALID_ARGUMENT"),
+                (stub.ModelInfer, infer(name=n)[1], "INVALID_ARGUMENT"),
+                (stub.ModelInfer, with_output, "INVALID_ARGUMENT"),
+                (stub.ModelInfer, with_region, "NOT_FOUND"),
+                (stub.ModelInfer, infer(datatype="FP32" + n)[1], "INVALID_ARGUMENT"),
+                (stub.ModelMetadata, service_pb2.ModelMetadataRequest(name="sum", version="9" * 20_000),
+                 "INVALID_ARGUMENT")):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=30)
+            assert e.value.code().name == code, (call, e.value.code(), e.value.details()[:200])
+
+
 def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front_door):
     """An offset of inf raised OverflowError, which no handler caught: the stream ended with
     UNKNOWN and the requests after it got no answer."""
@@ -342,11 +401,14 @@ def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front
 
 
 def test_stream_infer_answers_every_request_of_the_stream(front_door):
-    """start_stream / async_stream_infer: each request answered once, by its id; a bad one
-    answers with its error and the stream goes on."""
-    got, done = {}, threading.Event()
+    """start_stream / async_stream_infer: each request answered once, by its id, marked final as
+    Triton marks it (streaming clients wait for the mark); a bad one answers with its error and
+    the stream goes on."""
+    got, done, final = {}, threading.Event(), []
 
     def callback(result, error):
+        if result is not None:
+            final.append(result.get_response().parameters["triton_final_response"].bool_param)
         rid = result.get_response().id if result is not None else None
         got[rid if error is None else f"error {len(got)}"] = error.message() if error else result.as_numpy("y")
         if len(got) == 4:
@@ -368,6 +430,7 @@ def test_stream_infer_answers_every_request_of_the_stream(front_door):
     np.testing.assert_array_equal(c.infer("sum", [_grpc_input(X)]).as_numpy("y"), want)
     np.testing.assert_array_equal(got.pop("a"), want)
     np.testing.assert_array_equal(got.pop("d"), want)
+    assert final == [True, True]
     assert sorted(got.values()) == ["Request for unknown model: 'nope' is not found",
                                     "Request for unknown model: 'sum' version 7 is not found"]
 
@@ -447,6 +510,32 @@ def test_version_strings_are_read_as_triton_reads_them(front_door):
         with pytest.raises(InferenceServerException, match="Not Found") as e:
             h.get_model_metadata("sum", version)
         assert e.value.status() == "404"
+    # Past a signed 64-bit integer std::stol fails: INVALID_ARG. Past 4300 digits Python's int()
+    # raised, and the metadata, config, ready and statistics calls answered 500.
+    for version in ("9" * 20, "9" * 5000):
+        with pytest.raises(InferenceServerException, match="failed to get model version") as e:
+            g.get_model_metadata("sum", version)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        for call in (h.get_model_metadata, h.get_model_config, h.get_inference_statistics):
+            with pytest.raises(InferenceServerException, match="failed to get model version") as e:
+                call("sum", version)
+            assert e.value.status() == "400"
+    assert list(g.get_model_metadata("sum", "0" * 30 + "1").versions) == ["1"]  # leading zeros count for nothing
+
+
+def test_json_nested_past_the_parsers_depth_is_a_bad_request_on_every_path(front_door):
+    """On the repository index such a body was a 500 (RecursionError)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/v2/repository/index", "/v2/models/sum/infer", "/v2/systemsharedmemory/region/deep/register"):
+        host, port = front_door.http_url.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("POST", path, deep, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+        finally:
+            conn.close()
+        assert resp.status == 400 and "JSON" in body["error"], (path, resp.status, body)
 
 
 def test_server_metadata_lists_every_extension_served(front_door):
@@ -617,6 +706,64 @@ def test_one_segment_under_two_names_and_an_output_region_too_small(front_door, 
         c.unregister_system_shared_memory()
         seg.close()
         seg.unlink()
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_an_output_region_unregistered_in_flight_takes_the_output_and_no_other_region_does(front_door, proto):
+    """While a request runs, another client unregisters its output region and registers its own
+    segment under that name. The output lands in the region the request named, as Triton holds a
+    request's regions while it runs; the front door looked the name up again after the inference,
+    and wrote the output into the other client's memory."""
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    a, b = mod.InferenceServerClient(url), mod.InferenceServerClient(url)
+    tag = f"by_kserve_{os.getpid()}_{proto}_inflight"
+    segs = {n: shared_memory.SharedMemory(f"{tag}_{n}", create=True, size=64) for n in ("in", "out", "other")}
+    try:
+        np.ndarray(X.shape, X.dtype, buffer=segs["in"].buf)[...] = X
+        segs["other"].buf[:] = b"\xaa" * 64
+        a.register_system_shared_memory("inflight_in", f"/{tag}_in", X.nbytes)
+        a.register_system_shared_memory("inflight_out", f"/{tag}_out", 24)
+        i = mod.InferInput("x", [3, 4], "FP32")
+        i.set_shared_memory("inflight_in", X.nbytes)
+        o = mod.InferRequestedOutput("y")
+        o.set_shared_memory("inflight_out", 24)
+        done: queue.Queue = queue.Queue()
+        with Client(front_door.node.address) as c:
+            if proto == "grpc":
+                a.async_infer("slow", [i], outputs=[o], callback=lambda result, error: done.put(error))
+            else:  # tritonclient.http's calls run on gevent, which this wait would not let run
+                threading.Thread(target=lambda: done.put(_http_post(front_door, "slow", {
+                    "inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "parameters": {
+                        "shared_memory_region": "inflight_in", "shared_memory_byte_size": X.nbytes}}],
+                    "outputs": [{"name": "y", "parameters": {"shared_memory_region": "inflight_out",
+                                                             "shared_memory_byte_size": 24}}]}))).start()
+            give_up = time.monotonic() + 30  # the wait ends in ms; this only keeps a broken run from hanging
+            while not any(w.inflight for w in c.status().workers if w.name == "slow0"):
+                assert time.monotonic() < give_up
+        b.unregister_system_shared_memory("inflight_out")
+        b.register_system_shared_memory("inflight_out", f"/{tag}_other", 64)
+        assert done.get(timeout=30) in (None, 200)
+        assert bytes(segs["other"].buf) == b"\xaa" * 64
+        np.testing.assert_array_equal(np.frombuffer(bytes(segs["out"].buf[:24]), np.float32).reshape(3, 2),
+                                      front_door.sdk("slow", X))
+    finally:
+        a.unregister_system_shared_memory()
+        for seg in segs.values():
+            seg.close()
+            seg.unlink()
+
+
+def _http_post(front_door, model: str, body: dict) -> int:
+    """POST an infer request's JSON with the standard library (thread-safe); the HTTP status."""
+    host, port = front_door.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", f"/v2/models/{model}/infer", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
 
 
 def test_a_region_registered_once_serves_every_connection(front_door):
@@ -825,6 +972,14 @@ def test_typed_contents_in_another_types_field_are_tritons_error(front_door):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == ("unexpected explicit tensor data for input tensor 'x' for model 'sum' of type "
                                  "'INT32', expected datatype 'FP32'")
+    # Strings in bytes_contents: the datatype is the error (it said "of type 'BYTES', expected 'BYTES'").
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    req.inputs.add(name="x", datatype="BYTES", shape=[1, 1]).contents.bytes_contents.append(b"a")
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "datatype 'BYTES' is not supported (strings are not supported by Batchyard)" in e.value.details()
 
 
 def test_a_parameter_of_the_wrong_type_is_an_invalid_argument(front_door):

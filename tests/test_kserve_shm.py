@@ -46,7 +46,9 @@ def test_a_region_registered_in_one_process_serves_in_another(registry, segment)
     a.register("in", segment.name, 0, 64)
     got = b.read("in", 0, 16, "FP32", [1, 4], "x", SPEC)
     np.testing.assert_array_equal(got, [[0, 1, 2, 3]])
-    b.write("in", 16, 16, np.full(4, 7.0, np.float32), "y")
+    out = b.output("in", 16, 16, "y", 16)
+    out.write(np.full(4, 7.0, np.float32), "y")
+    out.close()
     np.testing.assert_array_equal(a.read("in", 16, 16, "FP32", [1, 4], "x", SPEC), [[7, 7, 7, 7]])
     assert [r.name for r in b.status()] == ["in"]
 
@@ -90,6 +92,56 @@ def test_unregister_anywhere_ends_the_region_everywhere(registry, segment):
         b.read("in", 16, 16, "FP32", [1, 4], "x", SPEC)
 
 
+def test_an_output_goes_where_its_region_was_when_the_request_came(registry, segment):
+    """An output region unregistered while its request runs, and its name registered again by
+    another client over another segment: the output lands in the first segment, and nothing in the
+    second (written by name after the inference, it went into the other client's memory)."""
+    other = shared_memory.SharedMemory(f"kshm_other_{os.getpid()}", create=True, size=64)
+    try:
+        other.buf[:] = b"\xaa" * 64
+        a, b = registry(), registry()
+        a.register("out", segment.name, 0, 64)
+        out = a.output("out", 16, 16, "y", 16)  # as the request is read
+        b.unregister("out")
+        b.register("out", other.name, 0, 64)
+        out.write(np.full(4, 7.0, np.float32), "y")  # as the reply is written
+        out.close()
+        np.testing.assert_array_equal(np.ndarray((16,), np.float32, buffer=segment.buf)[4:8], [7, 7, 7, 7])
+        assert bytes(other.buf) == b"\xaa" * 64
+    finally:
+        other.close()
+        other.unlink()
+
+
+def _fds_on(path: str) -> int:
+    """This process's open fds on ``path``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == path
+        except OSError:
+            pass
+    return n
+
+
+def test_a_region_unregistered_elsewhere_lets_go_of_its_segment(registry, segment):
+    """A region unregistered through one front-door process: another that had opened its segment
+    closes it at its next registry call or sweep, instead of holding the client's memory after the
+    client unlinked it (it closed it only if a request named the region again)."""
+    path = f"/dev/shm/{segment.name}"
+    a, b, c = registry(), registry(), registry()
+    a.register("in", segment.name, 0, 64)
+    b.read("in", 0, 16, "FP32", [1, 4], "x", SPEC)
+    c.read("in", 0, 16, "FP32", [1, 4], "x", SPEC)
+    held = _fds_on(path)
+    a.unregister("in")
+    assert _fds_on(path) == held - 1
+    b.status()
+    assert _fds_on(path) == held - 2
+    c.sweep()  # the front door's timer
+    assert _fds_on(path) == held - 3
+
+
 def test_a_restarted_front_door_starts_with_no_regions(registry, segment, tmp_path):
     a = registry()
     a.register("in", segment.name, 0, 64)
@@ -116,12 +168,14 @@ def test_a_segment_shrunk_under_a_region_is_an_error_not_a_crash(registry, segme
     a = registry()
     a.register("in", segment.name, 0, 64)
     np.testing.assert_array_equal(a.read("in", 32, 16, "FP32", [1, 4], "x", SPEC), [[8, 9, 10, 11]])
+    out = a.output("in", 32, 16, "y", 16)
     os.truncate(f"/dev/shm/{segment.name}", 16)
     for call in (lambda: a.read("in", 32, 16, "FP32", [1, 4], "x", SPEC),
-                 lambda: a.write("in", 32, 16, np.zeros(4, np.float32), "y")):
+                 lambda: out.write(np.zeros(4, np.float32), "y")):
         with pytest.raises(KServeError) as e:
             call()
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "now 16 bytes long" in e.value.message
+    out.close()
     assert os.stat(f"/dev/shm/{segment.name}").st_size == 16  # the write did not grow it back
     np.testing.assert_array_equal(a.read("in", 0, 16, "FP32", [1, 4], "x", SPEC), [[0, 1, 2, 3]])
 
