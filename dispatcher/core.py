@@ -235,8 +235,8 @@ class RequestCore:
     def finish(self, req: Request) -> bool:
         """``req``'s result is being delivered. False if it already ended (expired,
         cancelled, or failed over): then its result must be dropped."""
-        if req.state == DONE or self.requests.pop(req.seq, None) is None:
-            return False
+        if req.state != INFLIGHT or self.requests.pop(req.seq, None) is None:
+            return False  # ended, or queued again (retry_elsewhere): not this result's to deliver
         req.state = DONE
         self._forget_client_id(req)
         return True
@@ -303,6 +303,10 @@ class RequestCore:
         w.last_seen = now
         self.state.add_worker(w)
         self.registrations += 1
+        # A worker registering again with a smaller max batch may leave queued requests no worker
+        # takes (worker_lost's check ran with none left, and passed): they waited for their deadline.
+        for model in w.models:
+            self._fail_too_big(model, f"worker {w.name} registered with a max batch of {w.models[model]}")
 
     def heartbeat(self, name: str, now: float) -> bool:
         """False when the worker is unknown (declared dead): it must register again."""

@@ -5,6 +5,8 @@ Each one is a ``PerModelPolicy``; see batchyard.policy for the config names.
 
 from __future__ import annotations
 
+import math
+
 from .policy_core import Decision, PerModelPolicy, send
 from .state import ModelQueue, SchedulerState, WorkerState
 
@@ -71,9 +73,12 @@ class TimeWindow(PerModelPolicy):
                                              or now >= q.oldest_arrival() + self.max_delay_s):
                 if not send(state, d, w, q, self.max_batch, now):
                     break
-        # Only a free worker makes the clock matter; otherwise a completion wakes us.
-        if q.requests and any(w.free for w in targets):
-            d.wake_at = min(d.wake_at, max(now, q.oldest_arrival() + self.max_delay_s))
+        # Only a free worker makes the clock matter; otherwise a completion wakes us. So does
+        # one after a delay already run out: what is left is what no free worker takes (more
+        # items than its max batch), and a wake-up now would only repeat this decision.
+        due = q.oldest_arrival() + self.max_delay_s if q.requests else math.inf
+        if due > now and any(w.free for w in targets):
+            d.wake_at = min(d.wake_at, due)
 
 
 class FixedBatch(TimeWindow):
@@ -156,7 +161,9 @@ class ThreeSegment(PerModelPolicy):
                 free = [w for w in cpus if w.free]
                 if not free:
                     break
-                if not send(state, d, free[0], q, b, now, "dispatched-cpu"):
+                # The first free worker that takes anything (one of a smaller max batch than the
+                # head request takes nothing; stopping there stranded the head beside another).
+                if not any(send(state, d, w, q, b, now, "dispatched-cpu") for w in free):
                     break
                 continue
             free = [w for w in gpus if w.free]
@@ -169,5 +176,5 @@ class ThreeSegment(PerModelPolicy):
                     d.count("waited")
                     d.wake_at = min(d.wake_at, t_flip)
                     break
-            if not send(state, d, free[0], q, b, now, "dispatched-gpu"):
+            if not any(send(state, d, w, q, b, now, "dispatched-gpu") for w in free):
                 break

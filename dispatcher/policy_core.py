@@ -73,6 +73,10 @@ def take_batch(q: ModelQueue, max_items: int, cap: int, max_requests: Optional[i
             out = q.take(head.items, newest_low_first)
         elif head is not None:  # only a worker of a bigger max batch takes the head: it waits for one
             out = q.take_fitting(room, cap, max_requests)
+            if not out:
+                # The first request this worker takes is past ``max_items`` but within its cap: it
+                # goes alone, as such a head does (taking none stranded it beside a free worker).
+                out = q.take_fitting(cap, cap, 1)
     return out
 
 

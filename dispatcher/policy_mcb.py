@@ -9,7 +9,7 @@ import math
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import wait_pays
-from .policy_core import Decision, PerModelPolicy, aging_period, send, servers_for
+from .policy_core import Decision, PerModelPolicy, aging_period, head_request, send, servers_for
 from .state import ModelQueue, SchedulerState, WorkerState
 
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
@@ -358,8 +358,29 @@ class MarginalCost(PerModelPolicy):
                 idx.discard(reqs)
                 idx.discard([r for r, _ in d.late])
                 sent = sent or bool(reqs)
-            if not sent:
+            if not sent and not self._send_head_alone(state, model, q, ws, chunks, idx, now, d):
                 return  # 8. what is left waits: on a busy worker or on the marginal rule
+
+    @staticmethod
+    def _send_head_alone(state: SchedulerState, model: str, q: ModelQueue, ws: list[WorkerState], chunks: list,
+                         idx: DeadlineIndex, now: float, d: Decision) -> bool:
+        """8b. The plan splits items freely; requests are whole. A head request of more items than
+        the max batch of every worker the plan gave work to (a GPU of max batch 2 beside a CPU of 8,
+        and 3 items) is taken by none of them: it goes alone to the free worker that takes it and
+        finishes it soonest (it waited beside that worker until its deadline). False if none is
+        free, or the plan has a worker for it."""
+        head = head_request(q)
+        if head is None or any(x.models[model] >= head.items for _, x, _ in chunks):
+            return False
+        fits = [x for x in ws if x.free and x.models[model] >= head.items]
+        if not fits:
+            return False  # one that is busy decides again when it completes
+        x = min(fits, key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(head.items))
+        late = len(d.late)
+        reqs = send(state, d, x, q, head.items, now)
+        idx.discard(reqs)
+        idx.discard([r for r, _ in d.late])
+        return bool(reqs) or len(d.late) > late  # else the pass would plan the same again
 
     @staticmethod
     def _eligible(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState], now: float,

@@ -212,17 +212,20 @@ class Dispatcher:
         if core.status_waiters:
             self._answer_status_waiters(now)
         wake = min(core.next_wake(), self.llm.core.next_wake(), self._next_housekeeping)
-        self._arm(min(wake, self._drain_deadline) if core.draining else wake)
+        self._arm(min(wake, self._drain_deadline) if core.draining else wake, now)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
         if waiting(self.frontend) or waiting(self.backend):
             self.loop.call_soon(self._step)
 
-    def _arm(self, when: float) -> None:
+    def _arm(self, when: float, decided_at: float) -> None:
         # Only move the timer earlier; a spurious later wake-up is harmless and saves a syscall.
-        # An instant already past would only repeat the decision just made: completions and
-        # arrivals wake the loop by themselves.
-        if when < self.timer.armed_at and when > _now():
+        # An instant no later than the decision's would only repeat it: completions and arrivals
+        # wake the loop by themselves. One after it is armed even if the step has outlasted it
+        # (the timerfd then fires at once): compared with the clock read after the step, a wait
+        # of 100 us that a 120 us step had passed was dropped, and with it every other wake-up
+        # (deadlines, long polls, housekeeping), until some message came.
+        if decided_at < when < self.timer.armed_at:
             self.timer.arm(when)
 
     # ------------------------------------------------------------------ 1. workers
@@ -326,7 +329,7 @@ class Dispatcher:
                 status, message, outputs = res.status, res.message, res.outputs
                 out_frames = frames[pos:pos + res.n_frames]
                 pos += res.n_frames
-            req = by_seq.get(res.seq)
+            req = by_seq.pop(res.seq, None)  # a second result for one request (a broken worker) is dropped
             if req is None:
                 continue
             if status == Status.UNAVAILABLE and self.core.retry_elsewhere(req, w, now):

@@ -430,3 +430,91 @@ def test_a_batch_that_never_comes_back_does_not_hold_its_worker_for_good():
     (again,) = core.decide(11.3)
     assert again.worker.name == "gpu0"
     assert core.complete(batch.batch_id, 0.01, 11.4, worker="gpu0") is None  # the old answer, if it comes
+
+
+# ---------------------------------------------------------------- workers of different max batches
+# Workers may register different max batches; a request only some of them take must go to one
+# of those (or wait for one that is busy), never sit beside a free one until its deadline.
+
+def _sent(core, now):
+    return [(b.worker.name, [r.req_id for r in b.requests]) for b in core.decide(now)]
+
+
+def test_mcb_sends_a_request_its_plan_gave_to_a_worker_too_small_for_it_to_one_that_takes_it():
+    """A lone 3-item request, a free GPU of max batch 2 (the plan's cheaper place for its items)
+    and a free CPU of 8: nothing was sent and no wake-up set, at every decision until its deadline."""
+    from batchyard.cost_model import CostCurve
+
+    ends = Ends()
+    core = RequestCore(make_policy("mcb"), ends.on_fail)
+    gpu = CostCurve(launch_s=0.0, per_item_s=1e-5)
+    gpu.samples = 100
+    core.state.costs[("m", "gpu")] = gpu
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 2}), 0.0)
+    core.admit("m", 3, 1, 0.1, 0.0, client=b"c", req_id=1)
+    assert _sent(core, 0.0) == [("cpu0", [1])]
+
+
+def test_a_worker_passing_over_a_head_too_big_for_it_takes_the_next_request_alone():
+    """take_batch: the head (3 items) is past this worker's max batch of 2; the next request (2
+    items) is past the 1 item the policy asked for, but within the max batch: it goes alone, as
+    such a head does (nothing was taken, and under MCB it waited for its deadline)."""
+    from batchyard.policy_core import take_batch
+    from batchyard.state import ModelQueue, Request
+
+    q = ModelQueue("m")
+    q.push(Request(1, "m", 3, 1, 0.0, 1.0))
+    q.push(Request(2, "m", 2, 1, 0.0, 1.0))
+    assert [r.seq for r in take_batch(q, 1, 2)] == [2]
+    assert [r.seq for cls in q.by_priority for r in cls] == [1]
+
+
+def test_a_worker_back_with_a_smaller_max_batch_fails_the_requests_no_worker_takes_now():
+    """A worker restarts with max batch 4 while a 5-item request waits: no worker can take it.
+    It is failed then, as it would be had the worker left, instead of waiting for its deadline;
+    a request that fits is served."""
+    for policy in ("greedy", "mcb"):
+        ends = Ends()
+        core = RequestCore(make_policy(policy), ends.on_fail)
+        core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+        core.admit("m", 1, 1, 30.0, 0.0, client=b"c", req_id=1)
+        core.decide(0.0)  # cpu0 busy with request 1
+        core.admit("m", 5, 1, 30.0, 0.0, client=b"c", req_id=2)
+        core.add_worker(WorkerState("cpu0", "cpu", {"m": 4}), 0.001)  # restarted: request 1 queued again
+        assert ends.failed.get(2) == Status.UNAVAILABLE, policy
+        core.admit("m", 2, 1, 30.0, 0.001, client=b"c", req_id=3)
+        (first,) = core.decide(0.001)  # request 1, back from the lost worker, runs alone
+        assert [r.req_id for r in first.requests] == [1], policy
+        core.complete(first.batch_id, 1e-3, 0.002)
+        assert _sent(core, 0.002) == [("cpu0", [3])], policy
+
+
+def test_three_segment_tries_every_free_worker_of_its_path():
+    """Only the first free GPU was tried: one of max batch 2 could not take a 5-item request, and
+    a free one of 16 beside it was left idle with no wake-up."""
+    ends = Ends()
+    core = RequestCore(make_policy("three-segment"), ends.on_fail)
+    core.add_worker(WorkerState("gpu-small", "gpu", {"m": 2}), 0.0)
+    core.add_worker(WorkerState("gpu-big", "gpu", {"m": 16}), 0.0)
+    core.admit("m", 5, 1, 1.0, 0.0, client=b"c", req_id=1)
+    assert _sent(core, 0.0) == [("gpu-big", [1])]
+
+
+def test_a_result_for_a_request_already_queued_again_is_not_delivered():
+    """A broken worker answers one request twice, UNAVAILABLE then OK: the first result queues
+    it again for another worker; the second must not deliver it (the client got OK, then the
+    request ran again and was answered a second time)."""
+    ends = Ends()
+    core = make_core(ends)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    req = core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=1)
+    (batch,) = core.decide(0.0)
+    core.complete(batch.batch_id, 1e-3, 0.001)
+    assert core.retry_elsewhere(req, batch.worker, 0.001)
+    assert core.finish(req) is False
+    (again,) = core.decide(0.001)
+    assert again.requests == [req]
+    core.complete(again.batch_id, 1e-3, 0.002)
+    ends.finish(core, req)
+    assert ends.finished == {1} and not ends.twice

@@ -25,16 +25,19 @@ def states(draw):
         st.costs[("m", path)] = c
     n_workers = draw(st_.integers(1, 5))
     for i in range(n_workers):
-        w = WorkerState(f"w{i}", draw(st_.sampled_from(["gpu", "cpu"])), {"m": draw(st_.integers(4, 64))})
+        # Max batches as small as 2 beside requests of up to 8 items: workers may register
+        # different max batches, and a request only some of them take must not be stranded.
+        w = WorkerState(f"w{i}", draw(st_.sampled_from(["gpu", "cpu"])), {"m": draw(st_.integers(2, 64))})
         if draw(st_.booleans()):
             w.inflight, w.busy_until = 1, NOW + draw(st_.floats(-0.1, 2.0)) * MS
         st.add_worker(w)
     st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=draw(st_.floats(0, 100_000)))
     st.arrivals["m"]._t = NOW
     q = st.queue("m")
+    largest = max(w.models["m"] for w in st.workers.values())  # admission refuses larger requests
     for seq in range(draw(st_.integers(1, 40))):
         deadline = NOW + draw(st_.floats(0.05, 10.0)) * MS if draw(st_.booleans()) else math.inf
-        q.push(Request(seq, "m", draw(st_.integers(1, 4)), draw(st_.integers(0, 2)),
+        q.push(Request(seq, "m", min(draw(st_.integers(1, 8)), largest), draw(st_.integers(0, 2)),
                        NOW - draw(st_.floats(0, 1.0)) * MS, deadline))
     return st
 
@@ -49,7 +52,10 @@ def test_no_request_is_stranded(policy, state):
     q = state.queue("m")
     if q.requests == 0:
         return
-    assert d.wake_at < math.inf or not any(w.free for w in state.serving["m"]), (
-        f"{q.requests} requests queued, free workers {[w.name for w in state.serving['m'] if w.free]}, "
-        f"no wake-up; dispatched {[(x.worker.name, len(x.requests)) for x in d.dispatches]}")
+    free = [w for w in state.serving["m"] if w.free]
+    takers = [(r.seq, r.items, [w.name for w in free if w.models["m"] >= r.items])
+              for cls in q.by_priority for r in cls]
+    assert d.wake_at < math.inf or not any(names for _, _, names in takers), (
+        f"queued (seq, items, free workers that take it): {takers}, no wake-up; "
+        f"dispatched {[(x.worker.name, len(x.requests)) for x in d.dispatches]}")
     assert d.wake_at > NOW  # a wake-up at or before now would spin the live dispatcher's timer
