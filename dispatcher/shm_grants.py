@@ -45,6 +45,13 @@ def file_id(st: os.stat_result) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
+def peer_uid(peer: str) -> Optional[int]:
+    """The uid in ZeroMQ's "Peer-Address" of an ipc connection ("host:uid:gid:pid", from
+    SO_PEERCRED); None for a peer without credentials (tcp, inproc)."""
+    parts = peer.split(":")
+    return int(parts[1]) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
+
+
 class ShmGrants:
     """Connections are keyed by ``conn``: (routing identity, peer credentials), see above."""
 
@@ -85,6 +92,13 @@ class ShmGrants:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return f"segment {segment!r} is not a regular file"
+            uid = peer_uid(conn[1])
+            if uid is not None and st.st_uid != uid:
+                # The challenge at offset 0 proves only that *someone* wrote it there: a worker of
+                # the node copying this client's tensor into its own region did, for a client of
+                # another uid that could not open that region (and read other clients' batches
+                # through the grant). A client references its own user's memory only.
+                return f"segment {segment!r} belongs to uid {st.st_uid}, not to this connection's uid {uid}"
             got = os.pread(fd, CHALLENGE_BYTES, 0)
         except OSError as e:
             return f"cannot read segment {segment!r}: {e.strerror}"

@@ -278,3 +278,25 @@ def test_only_a_segment_no_one_but_the_workers_user_can_shrink_is_mapped(files):
         os.chown(path, 65534, -1)
         os.chmod(path, 0o600)
         assert not SegmentCache.maps(os.stat(path))
+
+
+def test_a_segment_of_another_user_is_not_granted_though_it_holds_the_challenge(files):
+    """The challenge at offset 0 proves only that someone wrote it: the Triton worker copied a
+    client's tensor to offset 0 of its own region, and a client of another uid, which could not
+    open that region, got a grant for it and read other clients' batches through it. A grant now
+    needs the segment to be the connection's own user's (the kernel's SO_PEERCRED uid)."""
+    from batchyard.shm_grants import ShmGrants, peer_uid
+
+    segment = files()
+    me, other = os.getuid(), os.getuid() + 1
+    grants = ShmGrants()
+    for uid, granted in ((other, False), (me, True)):
+        conn = (b"\0" + secrets.token_bytes(4), f"localhost:{uid}:0:{os.getpid()}")
+        challenge, why = grants.challenge(conn, segment)
+        write_challenge(segment, challenge)
+        why = grants.prove(conn, segment)
+        assert (why == "") == granted, why
+        if not granted:
+            assert f"belongs to uid {me}, not to this connection's uid {other}" in why
+    assert peer_uid("localhost:1000:1000:42") == 1000
+    assert peer_uid("127.0.0.1") is None and peer_uid("fe80::1:2:3:4") is None

@@ -469,3 +469,20 @@ def test_sigterm_during_start_up_stops_the_server(triton_local_proc):
     proc.send_signal(signal.SIGTERM)  # model loading takes seconds: the server is not ready yet
     assert proc.wait(timeout=60) == 0
     assert not _group_alive(server)
+
+
+def test_no_tensor_byte_lands_in_the_first_bytes_of_a_region():
+    """A client proves a segment is its own by writing the dispatcher's challenge at offset 0
+    (shm_grants): a tensor copied to offset 0 of the worker's region (or an output there) made
+    that proof for the worker's region, for any client whose tensor it was."""
+    from batchyard.workers.triton_executor import REGION_GUARD
+
+    ex = _fake_executor(_ThreadedTriton(answer=False), inflight=1)
+    try:
+        slot = ex._free[0]
+        _, inputs, outputs, layout, _ = ex._prepare("tri", {"x": np.full((64, 1024), 7.0, np.float32)}, slot)
+        assert bytes(slot.inp.seg.mm[:REGION_GUARD]) == bytes(REGION_GUARD)
+        assert np.frombuffer(slot.inp.seg.mm, np.float32, 4, REGION_GUARD).tolist() == [7.0] * 4
+        assert min(off for _, _, off in layout) >= REGION_GUARD
+    finally:
+        ex.close()

@@ -60,6 +60,13 @@ def _channel_args(extra=None) -> list[tuple]:
     return list(args.items())
 
 
+# The first bytes of every region the executor registers stay unwritten. A client proves it may
+# reference a segment by writing the dispatcher's challenge at offset 0 (shm_grants); tensors
+# copied there from its request (or echoed to an output there by the model) let a client of the
+# node's uid obtain a grant for this worker's region, and read other clients' batches through it.
+REGION_GUARD = 64
+
+
 class _Slot:
     """One in-flight batch's input and output regions (registered with Triton)."""
 
@@ -188,6 +195,9 @@ class TritonExecutor:
         return ", ".join(f"{m.name} ({m.state or 'not loaded'})" for m in models) or "no models"
 
     def _make_slots(self, in_bytes: int, out_bytes: int) -> None:
+        """Slots for a batch of ``in_bytes`` of inputs and ``out_bytes`` of outputs (each region
+        REGION_GUARD bytes more)."""
+        in_bytes, out_bytes = REGION_GUARD + in_bytes, REGION_GUARD + out_bytes
         if self._slots and self._slots[0].inp.size >= in_bytes and self._slots[0].out.size >= out_bytes:
             return
         self._drop_slots()
@@ -251,7 +261,7 @@ class TritonExecutor:
         n = next(iter(inputs.values())).shape[0]
         g = self.grpc
         t_inputs, t_outputs, out_layout = [], [], []
-        off = 0
+        off = REGION_GUARD
         for t in spec.inputs:
             arr = np.ascontiguousarray(inputs[t.name])
             inp = g.InferInput(rename.get(t.name, t.name), list(arr.shape), TRITON_DTYPE[t.dtype])
@@ -262,7 +272,7 @@ class TritonExecutor:
             else:
                 inp.set_data_from_numpy(arr)
             t_inputs.append(inp)
-        off = 0
+        off = REGION_GUARD
         for t in spec.outputs:
             nbytes = n * item_nbytes(t)
             tname = rename.get(t.name, t.name)
