@@ -37,7 +37,6 @@ from .client_async import AsyncClient
 from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, SETUP_TIMEOUT_S,
                            ClientCodec, CodecAccess, Generation, InferResult, Pending, closed_error, open_dealer)
 from .client_io import SocketThread
-from .shm import ShmError
 
 __all__ = ["Client", "AsyncClient", "InferFuture", "InferResult", "DEFAULT_TIMEOUT_S", "DEFAULT_SHM_THRESHOLD",
            "REPLY_GRACE_S", "PRIORITIES"]
@@ -120,12 +119,7 @@ class Client(CodecAccess):
             raise closed_error()
         if self._codec.needs_spec(model):  # a call's own steps wait no longer than the call may
             self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout or SETUP_TIMEOUT_S))
-        try:
-            rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
-        except ShmError:
-            if self.closed:  # closed by another thread meanwhile: say so, not "pool is closed"
-                raise closed_error() from None
-            raise
+        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
                 self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))

@@ -25,9 +25,9 @@ import zmq
 
 from . import protocol as P
 from .client_pool import Region, ShmPool
-from .errors import Cancelled, DeadlineExceeded, InvalidArgument, error_for
+from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, error_for
 from .protocol import Status
-from .shm import reap_orphans
+from .shm import ShmError, reap_orphans
 from .validation import item_nbytes
 
 _DTYPE_NAMES: dict = {}
@@ -61,6 +61,12 @@ def checked_timeout(timeout: Optional[float]) -> float:
     return timeout
 
 
+def timeout_us(timeout: float) -> int:
+    """A checked timeout on the wire, in whole microseconds, at least 1: 0 there means "the
+    dispatcher's default", and a timeout under 1 us became that (30 s)."""
+    return max(1, math.ceil(timeout * 1e6))
+
+
 def checked_priority(priority) -> int:
     """A class name ("high", "normal", "low") or its number (0, 1, 2), or InvalidArgument."""
     if isinstance(priority, str):
@@ -75,6 +81,16 @@ def checked_priority(priority) -> int:
 
 
 PRIORITIES = {name: level for level, name in enumerate(P.PRIORITY_NAMES)}  # "high" -> 0, ...
+
+
+class Borrowed:
+    """An ``alloc_array`` array a request sends by reference, in the request's list of regions:
+    held, not freed, until the reply or the release (its own finalizer frees its region)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
 
 
 def closed_error() -> Cancelled:
@@ -153,19 +169,24 @@ class ClientCodec:
         to infer(): it is sent by reference, with no copy."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize  # shape may be a bare int here
-        region = self.pool.alloc(nbytes)
-        arr = np.frombuffer(self.pool.view(region), dtype=dtype).reshape(shape)
-        addr = arr.__array_interface__["data"][0]
+        try:
+            region = self.pool.alloc(nbytes)
+        except ShmError as e:  # a full /dev/shm
+            raise Overloaded(f"shared memory for an array of {nbytes} bytes: {e}") from None
+        base = np.frombuffer(self.pool.view(region), dtype=dtype)
+        addr = base.__array_interface__["data"][0]
         self._array_regions[addr] = region
-        weakref.finalize(arr, self._release_array, addr, region)
-        return arr
+        # On the buffer's own array, which every view of it (a slice, .T, .ravel()) keeps alive:
+        # on the reshaped array, the region went back to the pool while a slice still used it.
+        weakref.finalize(base, self._release_array, addr, region)
+        return base.reshape(shape)
 
     def _release_array(self, addr: int, region: Region) -> None:
         self._array_regions.pop(addr, None)
         self.free(region)
 
-    def free(self, region: Region) -> None:
-        if self._pool is not None:
+    def free(self, region) -> None:
+        if self._pool is not None and type(region) is Region:  # a Borrowed array is only let go
             self._pool.free(region)
 
     def close_pool(self) -> None:
@@ -189,49 +210,63 @@ class ClientCodec:
         rid = self.next_id()
         refs, frames, regions, used = [], [], [], set()
         n_items = 0
-        for name, value in inputs.items():
-            try:
-                arr = np.asarray(value)
-            except ValueError as e:  # a ragged nested list
-                raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
-            if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
-                arr = arr.astype(arr.dtype.newbyteorder("="))
-            n_items = arr.shape[0] if arr.ndim else 0
-            dtype = dtype_name(arr.dtype)
-            if dtype not in P.DTYPES:
-                # Refused here, not by the dispatcher: an array of this kind (datetime64, object)
-                # may have no buffer to send, and a frame that fails to send killed the sync
-                # client's I/O thread, failing every later call of every thread sharing it.
-                raise InvalidArgument(f"input {name!r}: dtype '{dtype}' is not a tensor type Batchyard carries; "
-                                      f"one of {sorted(P.DTYPES)}")
-            # Only arrays from alloc_array have a region; most callers never make one.
-            region = (self._array_regions.get(arr.__array_interface__["data"][0])
-                      if self._array_regions and arr.nbytes else None)
-            if not (region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous):
-                region = None  # not an alloc_array array: copy it into the pool if it is big
-                if arr.nbytes >= self.shm_threshold:
-                    region = self.pool.alloc(arr.nbytes)
-                    regions.append(region)
-                    np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
-            if region is not None:
-                used.add(region.segment)
-                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
-                                        shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
-            else:
-                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape), frame=len(frames)))
-                frames.append(np.ascontiguousarray(arr))
         outputs, out_refs = {}, {}
-        spec = self.specs.get(model)
-        if spec is not None and n_items:
-            for t in spec.outputs:
-                nbytes = n_items * item_nbytes(t)
-                if nbytes >= self.shm_threshold:
-                    region = self.pool.alloc(nbytes)
-                    outputs[t.name] = region
+        try:
+            for name, value in inputs.items():
+                try:
+                    arr = np.asarray(value)
+                except ValueError as e:  # a ragged nested list
+                    raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
+                if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
+                    arr = arr.astype(arr.dtype.newbyteorder("="))
+                n_items = arr.shape[0] if arr.ndim else 0
+                dtype = dtype_name(arr.dtype)
+                if dtype not in P.DTYPES:
+                    # Refused here, not by the dispatcher: an array of this kind (datetime64, object)
+                    # may have no buffer to send, and a frame that fails to send killed the sync
+                    # client's I/O thread, failing every later call of every thread sharing it.
+                    raise InvalidArgument(f"input {name!r}: dtype '{dtype}' is not a tensor type Batchyard carries; "
+                                          f"one of {sorted(P.DTYPES)}")
+                # Only arrays from alloc_array have a region; most callers never make one.
+                region = (self._array_regions.get(arr.__array_interface__["data"][0])
+                          if self._array_regions and arr.nbytes else None)
+                if not (region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous):
+                    region = None  # not an alloc_array array: copy it into the pool if it is big
+                    if arr.nbytes >= self.shm_threshold:
+                        region = self.pool.alloc(arr.nbytes)
+                        regions.append(region)
+                        np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
+                elif region is not None:
+                    # Sent by reference: the array is held with the request's regions until its
+                    # reply or release, or dropped by the caller, it went back to the pool while the
+                    # worker still read it (and the next alloc_array's data was read instead).
+                    regions.append(Borrowed(arr))
+                if region is not None:
                     used.add(region.segment)
-                    out_refs[t.name] = P.ShmRef(region.segment, region.offset, region.nbytes)
+                    refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
+                                            shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
+                else:
+                    refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape), frame=len(frames)))
+                    frames.append(np.ascontiguousarray(arr))
+            spec = self.specs.get(model)
+            if spec is not None and n_items:
+                for t in spec.outputs:
+                    nbytes = n_items * item_nbytes(t)
+                    if nbytes >= self.shm_threshold:
+                        region = self.pool.alloc(nbytes)
+                        outputs[t.name] = region
+                        used.add(region.segment)
+                        out_refs[t.name] = P.ShmRef(region.segment, region.offset, region.nbytes)
+        except BaseException as e:
+            # Refused half-way (a later input's dtype, a full /dev/shm): what was allocated for the
+            # earlier ones goes back, or each refused call leaked it (and the pool grew a segment).
+            for region in (*regions, *outputs.values()):
+                self.free(region)
+            if isinstance(e, ShmError):  # a full /dev/shm: this host's, typed as the SDK's errors are
+                raise Overloaded(f"shared memory for the request: {e}") from None
+            raise
         header = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, inputs=refs,
-                                         priority=priority, timeout_us=int(timeout * 1e6),
+                                         priority=priority, timeout_us=timeout_us(timeout),
                                          outputs=out_refs))
         return rid, [header, *frames], regions, outputs, timeout, used - self.granted
 
@@ -263,7 +298,7 @@ class ClientCodec:
             raise InvalidArgument(f"max_tokens must be an integer in 1..{P.MAX_NEW_TOKENS}, got {max_tokens!r:.40}")
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
-                                priority=prio, timeout_us=int(timeout * 1e6), route=route)
+                                priority=prio, timeout_us=timeout_us(timeout), route=route)
         return rid, [P.encode(msg)], timeout
 
     def encode_model_info(self, model: str) -> tuple[int, list]:
@@ -330,9 +365,9 @@ class ClientCodec:
         for ref in msg.outputs:
             if ref.shm is not None:
                 region = regions.pop(ref.name)
-                arr = np.frombuffer(self.pool.view(region), dtype=ref.dtype, count=math.prod(ref.shape))
-                arr = arr.reshape(ref.shape)
-                weakref.finalize(arr, self.free, region)
+                base = np.frombuffer(self.pool.view(region), dtype=ref.dtype, count=math.prod(ref.shape))
+                weakref.finalize(base, self.free, region)  # every view of the output keeps it (alloc_array)
+                arr = base.reshape(ref.shape)
             else:
                 arr = np.frombuffer(frames[ref.frame], dtype=ref.dtype).reshape(ref.shape)
             out[ref.name] = arr
@@ -371,6 +406,9 @@ class ClientCodec:
         LOST_GRACE_S: replies the dispatcher sent just before it went (a drained batch's) may
         still be on their way through ZeroMQ, which reports the disconnection first."""
         self.granted.clear()
+        # A restarted dispatcher may serve a model of another shape: asked again, not sized from
+        # the old spec (outputs' shm regions too small for the new one were refused).
+        self.specs.clear()
         return set(self.pending)
 
     def fail_lost(self, rids: set[int], error_factory: Callable[[], BaseException]) -> None:

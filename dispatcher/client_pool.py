@@ -11,7 +11,8 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from .shm import ALIGN, Segment, ShmError
+from .errors import Cancelled
+from .shm import ALIGN, Segment
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,8 @@ class ShmPool:
     def alloc(self, nbytes: int) -> Region:
         size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         with self._lock:
-            if self._closed:
-                raise ShmError("shared-memory pool is closed")
+            if self._closed:  # the client's: its alloc_array and requests after close() get its error
+                raise Cancelled("client closed")
             for name, free in self._free.items():
                 for i, (off, sz) in enumerate(free):
                     if sz >= size:

@@ -81,7 +81,13 @@ class Segment:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "alive": held until close() or this process ends
-            os.ftruncate(fd, size)
+            # Allocated now, not on first touch: a sparse segment of a full /dev/shm (Docker's is
+            # 64 MiB, the default pool) made the worker writing an output into it die of SIGBUS.
+            # ENOSPC here is this client's error instead.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise ShmError(f"cannot allocate {size} bytes of shared memory in {SHM_DIR}: {e.strerror}") from None
             # Pre-fault now so the first tensor written does not pay for page faults.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             os.rename(tmp, _path(name))  # the lock is on the inode: it comes along
@@ -190,7 +196,10 @@ class SegmentCache:
         fd = self.get(name, file_id).fd
         want, done = len(out), 0
         while done < want:
-            n = os.preadv(fd, [out[done:]], offset + done)
+            try:
+                n = os.preadv(fd, [out[done:]], offset + done)
+            except OSError as e:
+                raise ShmError(f"cannot read segment {name!r}: {e.strerror}") from None
             if n == 0:
                 size = os.fstat(fd).st_size
                 raise ShmError(f"shared-memory range [{offset}, {offset + want}) is outside "
@@ -207,7 +216,10 @@ class SegmentCache:
         fd = self.get(name, file_id).fd
         done = 0
         while done < len(data):
-            done += os.pwrite(fd, data[done:], offset + done)
+            try:
+                done += os.pwrite(fd, data[done:], offset + done)
+            except OSError as e:  # ENOSPC: a client's sparse file in a full /dev/shm
+                raise ShmError(f"cannot write segment {name!r}: {e.strerror}") from None
 
     def forget(self, name: str) -> None:
         seg = self._lru.pop(name, None)
@@ -223,11 +235,16 @@ class SegmentCache:
 def _orphaned(path: str, now: float, grace_s: float) -> bool:
     """True when nobody holds the segment's owner lock (and it is past its grace period)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Non-blocking: opening a FIFO (anyone may make one in /dev/shm) waits for a writer, and
+        # this runs on the dispatcher's one thread and in every new client.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        if grace_s and now - os.fstat(fd).st_ctime < grace_s:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if grace_s and now - st.st_ctime < grace_s:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -530,3 +530,93 @@ def test_a_brief_status_has_what_readiness_needs_and_nothing_costly(start_node):
     assert brief.models == full.models and brief.registrations == full.registrations >= 1
     assert full.curves and full.decision_lateness and full.decisions
     assert not (brief.curves or brief.decision_lateness or brief.decisions or brief.arrival_rate)
+
+
+# ---------------------------------------------------------------- the SDK's pool, and what it lends
+def test_a_slice_kept_of_a_shared_memory_output_is_not_overwritten_by_the_next_request(start_node):
+    """The region went back to the pool when the array infer() returned was collected, though
+    a slice of it (whose base is the buffer's own array, not that one) was still held: the next
+    request's output was written into the caller's slice."""
+    import gc
+
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        x = np.zeros((1, 256, 1024), np.float32)
+        x[0, 0, :3] = 1
+        first = c.infer("big", {"x": x})["y"][0]  # only a slice is kept
+        want = first.copy()
+        gc.collect()
+        x[0, 0, :7] = 1
+        second = c.infer("big", {"x": x})["y"]
+        assert not np.array_equal(second[0], want)  # the two outputs differ...
+        np.testing.assert_array_equal(first, want)  # ...and the slice still holds the first
+
+
+def test_an_alloc_array_input_dropped_while_its_request_runs_is_not_lent_again(start_node):
+    """The caller's array was its only reference: collected, its region went back to the pool
+    while the request was queued, the next alloc_array got it, and the worker read that one's
+    data as this request's input."""
+    import gc
+
+    node = start_node([sim_worker(launch_us=300_000.0)])
+    with node.client() as c:
+        c.model_info("sum")
+
+        def ones():
+            a = c.alloc_array((1, 4), "float32")
+            a[...] = 1.0
+            return a
+
+        busy = c.submit("sum", {"x": np.zeros((1, 4), np.float32)})  # keeps the one worker busy
+        dropped = c.submit("sum", {"x": ones()})
+        gc.collect()
+        other = c.alloc_array((1, 4), "float32")
+        other[...] = 100.0
+        later = c.submit("sum", {"x": other})
+        assert busy.result(30)["y"].tolist() == [[0.0, 0.0]]
+        assert dropped.result(30)["y"].tolist() == [[4.0, 4.0]]
+        assert later.result(30)["y"].tolist() == [[400.0, 400.0]]
+
+
+def test_a_request_refused_by_the_sdk_gives_back_the_memory_it_took(start_node):
+    """A 16 MiB input copied into the pool, then a second input of no tensor type: refused, and
+    its region was never freed (four refused calls filled the 64 MiB segment, and each one after
+    grew the pool by another)."""
+    node = start_node([sim_worker()])
+    with node.client() as c:
+        c.infer("sum", {"x": np.ones((1, 4), np.float32)})
+        big = np.ones(4 << 20, np.float32)
+        for _ in range(2):  # the first makes the pool's segment
+            with pytest.raises(InvalidArgument, match="not a tensor type"):
+                c.infer("sum", {"a": big, "b": np.array([object()])})
+        segments = set(c.pool.segment_names())
+        for _ in range(5):
+            with pytest.raises(InvalidArgument, match="not a tensor type"):
+                c.infer("sum", {"a": big, "b": np.array([object()])})
+        assert set(c.pool.segment_names()) == segments
+
+
+def test_after_close_every_call_raises_the_sdks_cancelled(start_node):
+    """alloc_array and AsyncClient.infer raised the pool's internal ShmError ("pool is closed")."""
+    node = start_node([sim_worker()])
+    c = node.client()
+    c.infer("big", {"x": np.ones((1, 256, 1024), np.float32)})  # the pool exists
+    c.close()
+    with pytest.raises(Cancelled, match="client closed"):
+        c.alloc_array((4,), "float32")
+
+    async def run():
+        a = AsyncClient(node.address)
+        await a.infer("big", {"x": np.ones((1, 256, 1024), np.float32)})
+        a.close()
+        with pytest.raises(Cancelled, match="client closed"):
+            await a.infer("big", {"x": np.ones((1, 256, 1024), np.float32)})
+
+    asyncio.run(run())
+
+
+def test_a_timeout_under_a_microsecond_is_not_the_nodes_default():
+    """It went on the wire as 0 us, which the dispatcher reads as its default (30 s)."""
+    from batchyard.client_codec import timeout_us
+
+    assert timeout_us(1e-7) == 1 and timeout_us(0.001) == 1000 and timeout_us(2.5) == 2_500_000

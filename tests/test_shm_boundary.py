@@ -300,3 +300,60 @@ def test_a_segment_of_another_user_is_not_granted_though_it_holds_the_challenge(
             assert f"belongs to uid {me}, not to this connection's uid {other}" in why
     assert peer_uid("localhost:1000:1000:42") == 1000
     assert peer_uid("127.0.0.1") is None and peer_uid("fe80::1:2:3:4") is None
+
+
+def test_a_fifo_named_as_a_segment_does_not_stop_the_orphan_sweep(tmp_path):
+    """Anyone may make a FIFO in /dev/shm: opened to see if its owner lived, it held the sweep
+    (every new client, and the dispatcher's one thread) until someone wrote to it."""
+    from batchyard.shm import reap_orphans
+
+    fifo = tmp_path / "batchyard_1_deadbeef0001"
+    os.mkfifo(fifo)
+    done = subprocess.run([sys.executable, "-c", "import sys; from batchyard.shm import reap_orphans; "
+                           "print(reap_orphans(sys.argv[1]))", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done
+    assert fifo.exists() and reap_orphans(str(tmp_path)) == []
+
+
+def test_a_failing_write_or_a_full_dev_shm_is_a_typed_error(monkeypatch, files):
+    """ENOSPC writing a client's sparse segment escaped as OSError and killed the worker; a
+    client's own segment is allocated when made (a sparse one made the worker die of SIGBUS when
+    /dev/shm was full), and a full /dev/shm is then its ShmError."""
+    import errno
+
+    from batchyard.shm import Segment, SegmentCache, ShmError
+
+    cache, name = SegmentCache(), files()
+    try:
+        def full(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(SegmentCache, "maps", staticmethod(lambda st: False))  # read and written by offset
+        monkeypatch.setattr(os, "pwrite", full)
+        with pytest.raises(ShmError, match="No space left"):
+            cache.write(name, 64, b"\0" * 16)
+        monkeypatch.setattr(os, "preadv", full)
+        with pytest.raises(ShmError, match="No space left"):
+            cache.read_into(name, 64, bytearray(16))
+    finally:
+        cache.close()
+    seg = Segment.create(1 << 20)
+    try:
+        assert os.fstat(seg.lock_fd).st_blocks * 512 >= 1 << 20  # allocated, not sparse
+    finally:
+        seg.close()
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ShmError, match="cannot allocate"):
+        Segment.create(1 << 20)
+
+
+def test_a_lost_connection_forgets_the_model_specs():
+    """A restarted dispatcher may serve a model of another shape: the old spec sized the output
+    regions, too small for the new one, and every request was refused until a new client."""
+    from batchyard.client_codec import ClientCodec
+
+    codec = ClientCodec("ipc:///nowhere")
+    codec.specs["m"] = object()
+    codec.lost_connection()
+    assert codec.needs_spec("m")
