@@ -83,7 +83,8 @@ def _run_keygen(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="batchyard", description="Batchyard inference dispatcher")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", type=str.upper,
+                    choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("dispatcher", help="run the dispatcher process of a node")
     p.add_argument("--config", required=True)

@@ -284,6 +284,8 @@ class NodeConfig(_Table):
         if d.max_message_bytes and d.max_message_bytes <= d.max_inline_bytes:
             raise ConfigError(f"[dispatcher] max_message_bytes ({d.max_message_bytes}) must exceed "
                               f"max_inline_bytes ({d.max_inline_bytes})")
+        for key in ("frontend", "backend"):
+            _check_address(f"[dispatcher] {key}", getattr(d, key))
         # Things on the host the dispatcher needs at start: named here, not by its traceback.
         for key in ("profile", "curve_secret_key"):
             path = getattr(d, key)
@@ -355,6 +357,9 @@ class NodeConfig(_Table):
         door's cpus. Not part of ``validate``: a config may be written and checked on another
         host than the one it runs on. The processes that start workers call it, so a worker
         pinned to a cpu the host lacks is one line at start, not a restart loop."""
+        unknown = sorted(set(workers or ()) - {w.name for w in self.workers})
+        if unknown:  # `batchyard worker --name` (a traceback and exit 1, restarted by systemd for ever)
+            raise ConfigError(f"no [[workers]] entry named {unknown[0]!r}; have {[w.name for w in self.workers]}")
         online = _online_cpus()
         nodes = _numa_nodes()
 
@@ -375,19 +380,33 @@ class NodeConfig(_Table):
             if w.numa_node is not None and nodes and w.numa_node not in nodes:
                 raise ConfigError(f"{_item('workers', i, w.name)}: numa_node: node {w.numa_node} does not exist "
                                   f"on this host (nodes: {_ranges(nodes)})")
+        if control or workers is None:
+            d = self.dispatcher
+            for key in ("frontend", "backend"):  # the folders the dispatcher binds its ipc files in
+                _check_ipc_folder(f"[dispatcher] {key}", getattr(d, key))
+            listeners = [("[dispatcher] metrics_host", d.metrics_host)] if d.metrics_port else []
+            if self.frontend is not None:
+                listeners.append(("[frontend] host", self.frontend.host))
+            for key, host in listeners:
+                _check_listen_host(key, host)
         return self
 
     def _check_worker(self, where: str, w: WorkerConfig) -> None:
-        if w.kind == "vllm":
-            self._check_vllm_worker(where, w)
-            return
-        if w.vllm is not None:
-            raise ConfigError(f"{where}: vllm is set but kind is {w.kind!r}; it is for kind \"vllm\"")
+        # Tables for another kind first, for every kind: a vllm worker's sim or triton table was
+        # taken and ignored.
         for table, default, kinds in (("sim", SimConfig(), ("sim",)), ("triton", TritonConfig(), ("triton",)),
                                       ("cuda", CudaConfig(), ("cuda", "tensorrt"))):
             if w.kind not in kinds and getattr(w, table) != default:  # it would be ignored
                 raise ConfigError(f"{where}: {table} is set but kind is {w.kind!r}; it is for kind "
                                   + " or ".join(f'"{k}"' for k in kinds))
+        if len(set(w.models)) != len(w.models):
+            twice = next(m for m in w.models if w.models.count(m) > 1)
+            raise ConfigError(f"{where}: models: {twice!r} is listed twice")
+        if w.kind == "vllm":
+            self._check_vllm_worker(where, w)
+            return
+        if w.vllm is not None:
+            raise ConfigError(f"{where}: vllm is set but kind is {w.kind!r}; it is for kind \"vllm\"")
         names = [m.name for m in self.models]
         if not w.models:
             raise ConfigError(f"{where}: models is empty; name at least one of {names}")
@@ -395,6 +414,11 @@ class NodeConfig(_Table):
             if m not in names:
                 raise ConfigError(f"{where}: models: {m!r} is not a [[models]] name{_did_you_mean(m, names)}")
         served = list(w.models)
+        for m in w.models:  # each model is warmed at every size: none may be past its max batch
+            too_big = [b for b in w.warmup_sizes if b > self.model(m).max_batch]
+            if too_big:
+                raise ConfigError(f"{where}: warmup_sizes: {too_big[0]} is above model {m!r}'s max_batch "
+                                  f"({self.model(m).max_batch})")
         if w.kind in _BUILDS_MODEL:
             for m in w.models:
                 if not self.model(m).factory:
@@ -424,6 +448,44 @@ class NodeConfig(_Table):
         if w.models[0] not in names:
             raise ConfigError(f"{where}: models: {w.models[0]!r} is not an [[llm_models]] name"
                               f"{_did_you_mean(w.models[0], names)}")
+
+
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, less its terminating NUL)
+
+
+def _check_address(key: str, address: str) -> None:
+    """tcp://HOST:PORT with a port of 0-65535 (or *), or ipc://PATH short enough for a unix
+    socket. Unchecked, port 70000 was bound as 4464 (70000 mod 65536), and "tcp://127.0.0.1" or
+    a path past 107 bytes stopped the node at start with a ZeroMQ error that named no key."""
+    scheme, _, rest = address.partition("://")
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if not (sep and host and (port == "*" or (port.isdigit() and int(port) <= 65535))):
+            raise ConfigError(f"{key}: {address!r} is not tcp://HOST:PORT with a port of 0-65535 (or *)")
+    elif not rest.startswith("@") and len(rest.encode()) > UNIX_PATH_MAX:  # "@": abstract, no file
+        raise ConfigError(f"{key}: the ipc path of {address!r} is {len(rest.encode())} bytes; a unix socket's "
+                          f"path has at most {UNIX_PATH_MAX}")
+
+
+def _check_ipc_folder(key: str, address: str) -> None:
+    scheme, _, path = address.partition("://")
+    if scheme == "ipc" and not path.startswith("@"):
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{key}: no folder {folder!r} for the socket {address!r}")
+
+
+def _check_listen_host(key: str, host: str) -> None:
+    """A host to listen on: a wildcard, an address, or a name this host resolves (a typo such as
+    "localhsot" stopped the process at start with socket.gaierror)."""
+    import socket
+
+    if host in ("", "*"):
+        return
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"{key}: cannot listen on {host!r}: {e}") from None
 
 
 def _check_ports_apart(ports: list[tuple[str, str, int]]) -> None:

@@ -110,8 +110,9 @@ class Dispatcher:
         # The ZAP handler first: a CURVE handshake that raced a missing handler would pass.
         # (It runs on the event loop that run_dispatcher set; nothing runs before loop start.)
         self.authenticator = transport.start_authenticator(self.ctx, cfg)
-        transport.bind(self.frontend, cfg.frontend, cfg, frontend=True)
-        transport.bind(self.backend, cfg.backend, cfg, frontend=False)
+        self._socket_files: list = []  # the ipc endpoints' files, removed at close
+        self._socket_files.append(transport.bind(self.frontend, cfg.frontend, cfg, frontend=True))
+        self._socket_files.append(transport.bind(self.backend, cfg.backend, cfg, frontend=False))
         self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
@@ -159,6 +160,8 @@ class Dispatcher:
             self.authenticator.stop()
         self.frontend.close(linger=500)
         self.backend.close(linger=500)
+        for bound in self._socket_files:  # a clean stop leaves no socket files behind
+            transport.remove_socket_file(bound)
         self.timer.close()
         if self.stopped is not None and not self.stopped.done():
             self.stopped.set_result(None)

@@ -45,7 +45,8 @@ def write_keypair(folder: str, name: str) -> tuple[str, str]:
     return public, secret
 
 
-def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) -> None:
+def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) -> Optional[tuple]:
+    """Bind ``sock``; returns the socket file of an ipc endpoint, for ``remove_socket_file``."""
     if address.startswith("tcp://") and cfg.curve_secret_key:
         public, secret = read_keypair(cfg.curve_secret_key)
         sock.curve_secretkey = secret
@@ -60,6 +61,23 @@ def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) 
             os.chmod(path, int(cfg.ipc_mode, 8))
             if cfg.ipc_group:
                 os.chown(path, -1, grp.getgrnam(cfg.ipc_group).gr_gid)
+            st = os.stat(path)
+            return (path, st.st_dev, st.st_ino)
+    return None
+
+
+def remove_socket_file(bound: Optional[tuple]) -> None:
+    """Unlink an ipc endpoint's file once its socket is closed (libzmq leaves it behind), if it
+    is still the one this process bound: a dispatcher started on that path since keeps its own."""
+    if bound is None:
+        return
+    path, dev, ino = bound
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def start_authenticator(ctx: zmq.Context, cfg: DispatcherConfig) -> Optional[object]:

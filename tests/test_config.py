@@ -299,8 +299,9 @@ def test_a_dispatcher_or_front_door_on_a_cpu_outside_its_mask_exits_78_in_one_li
     CPUAffinity, taskset): the process says which and exits 78 before it binds anything."""
     mine = sorted(os.sched_getaffinity(0))
     path = tmp_path / "node.toml"
-    path.write_text(NODE.replace("max_queue = 100", f"max_queue = 100\ncpus = [{mine[1]}]") if table == "dispatcher"
-                    else NODE + f"\n[frontend]\ncpus = [{mine[1]}]\n")
+    node = NODE.replace("/tmp/by-test", str(tmp_path))  # a folder its sockets could be bound in
+    path.write_text(node.replace("max_queue = 100", f"max_queue = 100\ncpus = [{mine[1]}]") if table == "dispatcher"
+                    else node + f"\n[frontend]\ncpus = [{mine[1]}]\n")
     r = subprocess.run(["taskset", "-c", str(mine[0]), sys.executable, "-m", "batchyard.cli", table, "--config",
                         str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
@@ -326,3 +327,69 @@ def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_p
     if _numa_nodes():
         with pytest.raises(ConfigError, match=r"numa_node: node 4096 does not exist on this host \(nodes: 0"):
             load_config(path).check_host(("amx1",))
+
+
+@pytest.mark.parametrize("text,message", [
+    # accepted, then: bound as port 4464 (70000 mod 65536), or a ZeroMQ error at start naming no key
+    (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://127.0.0.1:70000"'),
+     "node.toml: [dispatcher] frontend: 'tcp://127.0.0.1:70000' is not tcp://HOST:PORT with a port of 0-65535"),
+    (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://127.0.0.1"'),
+     "node.toml: [dispatcher] frontend: 'tcp://127.0.0.1' is not tcp://HOST:PORT"),
+    (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "tcp://127.0.0.1:http"'),
+     "node.toml: [dispatcher] backend: 'tcp://127.0.0.1:http' is not tcp://HOST:PORT"),
+    (edited('backend = "ipc:///tmp/by-test/be"', f'backend = "ipc:///tmp/{"b" * 120}"'),
+     "node.toml: [dispatcher] backend: the ipc path of"),
+    # taken and ignored
+    (NODE + LLM + VLLM_WORKER + "\n[workers.sim]\nlaunch_us = 5.0\n",
+     "node.toml: [[workers]] #5 (name 'v0'): sim is set but kind is 'vllm'; it is for kind \"sim\""),
+    (edited('models = ["sum"]\ncpus = [1]', 'models = ["sum", "sum"]\ncpus = [1]'),
+     "node.toml: [[workers]] #2 (name 'amx1'): models: 'sum' is listed twice"),
+    (edited('models = ["sum"]\ncpus = [1]', 'models = ["sum"]\ncpus = [1]\nwarmup_sizes = [1, 32]'),
+     "node.toml: [[workers]] #2 (name 'amx1'): warmup_sizes: 32 is above model 'sum''s max_batch (16)"),
+])
+def test_endpoints_and_worker_tables_a_typo_would_break_are_refused(tmp_path, text, message):
+    assert load_error(tmp_path, text).startswith(message)
+
+
+def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
+    """A metrics_host typo, and an ipc socket in a folder that does not exist, stopped the
+    dispatcher at start with its traceback (exit 1, which systemd restarts)."""
+    path = tmp_path / "node.toml"
+    path.write_text(edited("max_queue = 100", 'metrics_port = 9100\nmetrics_host = "localhsot.invalid"')
+                    .replace("/tmp/by-test", str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"\[dispatcher\] metrics_host: cannot listen on 'localhsot.invalid'"):
+        load_config(path).check_host(control=True)
+    path.write_text(edited('frontend = "ipc:///tmp/by-test/fe"', f'frontend = "ipc://{tmp_path}/none/fe"'))
+    with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: no folder '.*/none' for the socket"):
+        load_config(path).check_host(control=True)
+    load_config(path).check_host(("amx0",))  # a worker binds nothing: its folder may come later
+
+
+@pytest.mark.parametrize("case", ["unknown name", "factory typo", "cpu outside the mask"])
+def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
+    """Each was a traceback and exit 1, which neither `up` nor systemd treats as final: restarted
+    for ever."""
+    text, name, prefix = NODE.replace("/tmp/by-test", str(tmp_path)), "sim0", []
+    if case == "unknown name":
+        name, want = "sim9", "no [[workers]] entry named 'sim9'; have ['amx0', 'amx1', 'gpu0', 'sim0']"
+    elif case == "factory typo":
+        text, name = text.replace("models:mlp", "models:mlpp"), "amx0"
+        want = "[[models]] 'sum': cannot load model factory 'batchyard.workers.models:mlpp'"
+    else:
+        mine = sorted(os.sched_getaffinity(0))
+        if len(mine) < 2:
+            pytest.skip("needs two cores, one kept out of the process's mask")
+        text = text.replace("cpus = [0]", f"cpus = [{mine[1]}]")
+        name, prefix = "amx0", ["taskset", "-c", str(mine[0])]
+        want = f"[[workers]] 'amx0': cpus [{mine[1]}] are not available to this process (have [{mine[0]}])"
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    r = subprocess.run([*prefix, sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name",
+                        name], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 78 and "Traceback" not in r.stderr and want in r.stderr, r.stderr
+
+
+def test_a_log_level_typo_is_a_usage_error():
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "--log-level", "DEBG", "status", "--address",
+                        "ipc:///nowhere"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice: 'DEBG'" in r.stderr, r.stderr

@@ -96,6 +96,7 @@ def test_up_stops_cleanly_on_sigterm(run_dir):
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+        assert sorted(os.listdir(run_dir)) == ["node.toml"]  # its ipc socket files were left behind
     finally:
         if up.poll() is None:
             up.kill()
@@ -197,3 +198,84 @@ def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_is_served(star
                 outcomes.append(type(e).__name__)
         assert outcomes == [[[2.0 * i, 2.0 * i]] if i != 2 else "Unavailable" for i in range(6)], outcomes
         assert c.infer("poison", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[2.0, 2.0]]
+
+
+# ---------------------------------------------------------------- processes that must end, and what they leave
+def _worker_cli(run_dir, workers=None, name="w0"):
+    """A node config in ``run_dir`` and the argv of `batchyard worker` for ``name``."""
+    from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      models=(SUM_MODEL,), workers=tuple(workers or [sim_worker(name, ("sum",))])).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(node))
+    return node, [sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name", name]
+
+
+@pytest.mark.parametrize("ending", ["rejected", "stopped"])
+def test_a_worker_that_never_registered_exits(run_dir, ending):
+    """Its heartbeat socket, opened but never started, kept ZeroMQ's context from closing: a worker
+    the dispatcher rejected (exit 2 due), or one stopped before the dispatcher answered (exit 0
+    due), stayed up for ever, and `up` had to kill it."""
+    import zmq
+
+    from batchyard import protocol as P
+
+    node, argv = _worker_cli(run_dir)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(node.dispatcher.backend)  # the dispatcher's part, played here
+    w = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        assert router.poll(120_000), "the worker never asked to register"
+        identity, frame = router.recv_multipart()
+        assert type(P.worker_message_decoder.decode(frame)) is P.Register
+        if ending == "rejected":
+            router.send_multipart([identity, P.encode(P.RegisterRejected(worker="w0", message="spec differs"))])
+        else:
+            w.send_signal(signal.SIGTERM)
+        assert w.wait(timeout=60) == (2 if ending == "rejected" else 0)
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+        router.close()
+        ctx.term()
+
+
+def test_a_worker_that_dies_ends_the_harness_wait_with_its_exit_code(run_dir):
+    """`batchyard calibrate` drives workers through this harness: a worker killed mid-batch left
+    it waiting for the answer for good, and one that died before registering for 300 s."""
+    from batchyard.workers.harness import DirectWorker
+
+    node, _ = _worker_cli(run_dir, [sim_worker("w0", ("sum",), launch_us=60e6)])
+    with DirectWorker(node, "w0") as dw:
+        dw.wait_registered(120)
+        request = dw.zeros_request("sum", 1)
+        dw.proc.kill()
+        with pytest.raises(RuntimeError, match=r"worker w0 exited with -9 before it answered batch 1"):
+            dw.run("sum", [request])
+    node, _ = _worker_cli(run_dir, [WorkerConfig(name="w0", kind="amx", models=("sum",), cpus=(4096,))])
+    with DirectWorker(node, "w0") as dw:
+        with pytest.raises(RuntimeError, match=r"worker w0 exited with 78 before it registered"):
+            dw.wait_registered(120)
+
+
+def test_a_worker_with_cpus_and_a_numa_node_keeps_every_thread_on_its_cpus(run_dir):
+    """Bound to the NUMA node after its pinning, the worker's main thread (and every thread it
+    started after: ZeroMQ's, the model's) ran on the whole node."""
+    from batchyard.workers.harness import DirectWorker
+
+    if not os.path.exists("/sys/devices/system/node/node0"):
+        pytest.skip("no NUMA node 0 here")
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    import msgspec
+
+    node, _ = _worker_cli(run_dir, [msgspec.structs.replace(sim_worker("w0", ("sum",)), cpus=(cpu,), numa_node=0)])
+    with DirectWorker(node, "w0") as dw:
+        dw.wait_registered(120)
+        masks = {}
+        for tid in os.listdir(f"/proc/{dw.proc.pid}/task"):
+            masks[tid] = os.sched_getaffinity(int(tid))
+    assert masks and all(m == {cpu} for m in masks.values()), masks

@@ -6,6 +6,7 @@ by the benchmark that measures what the dispatcher adds (bench/dispatch_bench.py
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,15 +37,29 @@ class DirectWorker:
         self.sock.bind(backend)
         self.proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "--log-level", log_level, "worker",
                                       "--config", str(cfg), "--name", worker])
+        # Readable once the worker exits: every wait below ends then, instead of waiting for a
+        # message a dead worker will never send (calibrate hung for good on a worker killed mid-batch).
+        self._exited = os.pidfd_open(self.proc.pid)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self._exited, zmq.POLLIN)
         self.identity = None
         self.spec: dict[str, P.ModelSpec] = {}
         self.path = ""
         self._batch = 0
 
+    def _wait(self, timeout_s: float, what: str) -> None:
+        """Until a message from the worker is waiting; RuntimeError if it exits first."""
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self.sock in events:
+            return
+        if self._exited in events:
+            raise RuntimeError(f"worker {self.name} exited with {self.proc.wait()} before it {what}")
+        raise TimeoutError(f"worker {self.name} did not {what} within {timeout_s:.0f} s")
+
     def wait_registered(self, timeout_s: float = 300.0) -> None:
         while self.identity is None:
-            if not self.sock.poll(int(timeout_s * 1000)):
-                raise TimeoutError(f"worker {self.name} did not register within {timeout_s:.0f} s")
+            self._wait(timeout_s, "registered")
             frames = self.sock.recv_multipart()
             msg = P.worker_message_decoder.decode(frames[1])
             if type(msg) is P.Register:
@@ -53,13 +68,14 @@ class DirectWorker:
                 self.path = msg.path
                 self.sock.send_multipart([self.identity, P.encode(P.Registered(worker=self.name))])
 
-    def run(self, model: str, requests: list[list]) -> tuple[P.BatchDone, list]:
+    def run(self, model: str, requests: list[list], timeout_s: float = 600.0) -> tuple[P.BatchDone, list]:
         """Send one batch made of ``requests`` (each [header, *payload frames]); return the reply."""
         self._batch += 1
         header = P.Batch(batch_id=self._batch, model=model, seqs=list(range(len(requests))),
                          n_frames=[len(r) - 1 for r in requests])
         self.sock.send_multipart([self.identity, P.encode(header), *[f for r in requests for f in r]], copy=False)
         while True:
+            self._wait(timeout_s, f"answered batch {self._batch}")
             frames = self.sock.recv_multipart(copy=False)
             msg = P.worker_message_decoder.decode(frames[1].buffer)
             if type(msg) is P.BatchDone and msg.batch_id == self._batch:
@@ -86,6 +102,7 @@ class DirectWorker:
             self.proc.wait()
         self.sock.close(linger=0)
         self.ctx.term()
+        os.close(self._exited)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):

@@ -1,6 +1,6 @@
 """Worker process entry point: ``batchyard worker --config FILE --name NAME``.
 
-Order matters: pin CPUs and bind NUMA memory, *then* import torch (through the executor),
+Order matters: bind NUMA memory and pin CPUs, *then* import torch (through the executor),
 load and warm every model, and only then register with the dispatcher.
 """
 
@@ -26,8 +26,14 @@ def run_worker(node: NodeConfig, name: str) -> int:
 
     from .pinning import bind_numa_node, lower_priority
 
-    cpus = pin_cpus(wcfg.cpus)
-    numa_note = bind_numa_node(wcfg.numa_node)
+    try:
+        # NUMA first: numa_run_on_node sets the thread's mask to the whole node, and bound after
+        # pin_cpus it widened the pinning of every thread started later (ZeroMQ's, torch's).
+        numa_note = bind_numa_node(wcfg.numa_node)
+        cpus = pin_cpus(wcfg.cpus)
+    except (ValueError, OSError) as e:  # cpus outside the mask systemd or taskset gave the process
+        log.error("[[workers]] %r: %s", name, e)
+        return EX_CONFIG
     nice = lower_priority(wcfg.nice)  # before the executor and ZeroMQ start their threads
     log.info("worker %s pid %d: cpus %s; %s; nice %d", name, os.getpid(), cpus, numa_note, nice)
     if wcfg.kind == "vllm":  # an LLM engine serving LlmJobs, not a tensor executor
@@ -43,7 +49,10 @@ def run_worker(node: NodeConfig, name: str) -> int:
         for model in wcfg.models:
             mcfg = node.model(model)
             spec = mcfg.spec()
-            executor.load(spec, mcfg.factory)
+            try:
+                executor.load(spec, mcfg.factory)
+            except ValueError as e:  # load_factory: no such module or attribute, a typo in the config
+                raise CannotStart(f"[[models]] {model!r}: {e}") from None
             specs[model] = spec
     except CannotStart as e:
         log.error("worker %s cannot start: %s", name, e)

@@ -176,6 +176,11 @@ class WorkerRuntime:
             hb.stop.set()
             if hb.is_alive():
                 hb.join(timeout=2)
+            elif hb.ident is None:
+                # Never started (the worker was not registered yet): its socket is still open,
+                # and ctx.term() below waited for it for ever (a rejected worker, or one stopped
+                # before the dispatcher answered, never exited).
+                hb.sock.close()
             sock.close(linger=500)
             self.cache.close()
             close = getattr(self.executor, "close", None)
