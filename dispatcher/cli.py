@@ -51,7 +51,7 @@ def _run_frontend(args) -> int:
 def _run_up(args) -> int:
     from .supervisor import run_up
 
-    return run_up(args.config, load_node(args.config, workers=None), args.log_level.upper())
+    return run_up(args.config, load_node(args.config, workers=None, control=True), args.log_level.upper())
 
 
 def _run_status(args) -> int:

@@ -380,7 +380,7 @@ class NodeConfig(_Table):
             if w.numa_node is not None and nodes and w.numa_node not in nodes:
                 raise ConfigError(f"{_item('workers', i, w.name)}: numa_node: node {w.numa_node} does not exist "
                                   f"on this host (nodes: {_ranges(nodes)})")
-        if control or workers is None:
+        if control:  # not for calibrate (workers=None): it binds its own endpoints
             d = self.dispatcher
             for key in ("frontend", "backend"):  # the folders the dispatcher binds its ipc files in
                 _check_ipc_folder(f"[dispatcher] {key}", getattr(d, key))

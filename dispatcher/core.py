@@ -294,6 +294,10 @@ class RequestCore:
 
     # ------------------------------------------------------------------ workers
     def add_worker(self, w: WorkerState, now: float) -> None:
+        # Too-big requests are failed only where a worker of the model registered before: a queue
+        # that built up with no worker at all (starting) waits for each of them to register.
+        served = {m for m in w.models if self.state.largest_batch.get(m, 0)} | (
+            set(w.models) if w.name in self.state.workers else set())
         if w.name in self.state.workers:
             # Same name registering again: the old process is gone (restart) or reconnected.
             self.worker_lost(w.name, "worker re-registered", now)
@@ -305,7 +309,7 @@ class RequestCore:
         self.registrations += 1
         # A worker registering again with a smaller max batch may leave queued requests no worker
         # takes (worker_lost's check ran with none left, and passed): they waited for their deadline.
-        for model in w.models:
+        for model in sorted(served):
             self._fail_too_big(model, f"worker {w.name} registered with a max batch of {w.models[model]}")
 
     def heartbeat(self, name: str, now: float) -> bool:

@@ -406,10 +406,10 @@ class KServeHttp:
                 if name in seen:
                     continue
                 seen.add(name)
-                region = _shm(op)
-                if region is not None:  # held until close_outputs
+                region, binary = _shm(op), _bool(op, "binary_data", False)
+                if region is not None:  # held until close_outputs: nothing may raise before it is in wanted
                     region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs))
-                wanted.append((name, _bool(op, "binary_data", False), region))
+                wanted.append((name, binary, region))
         except BaseException:
             close_outputs(wanted)
             raise

@@ -490,6 +490,18 @@ def test_a_worker_back_with_a_smaller_max_batch_fails_the_requests_no_worker_tak
         assert _sent(core, 0.002) == [("cpu0", [3])], policy
 
 
+def test_requests_queued_before_any_worker_wait_for_every_worker_to_register():
+    """Queued while no worker was up (starting): a smaller worker registering first must not fail
+    what a bigger one registering next takes."""
+    ends = Ends()
+    core = RequestCore(make_policy("mcb"), ends.on_fail)
+    core.admit("m", 5, 1, 30.0, 0.0, client=b"c", req_id=1)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 2}), 0.001)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.002)
+    assert not ends.failed
+    assert _sent(core, 0.002) == [("gpu0", [1])]
+
+
 def test_three_segment_tries_every_free_worker_of_its_path():
     """Only the first free GPU was tried: one of max batch 2 could not take a 5-item request, and
     a free one of 16 beside it was left idle with no wake-up."""

@@ -766,6 +766,30 @@ def _http_post(front_door, model: str, body: dict) -> int:
         conn.close()
 
 
+def test_an_http_request_refused_after_its_output_region_was_taken_leaks_no_fd(front_door):
+    """The output region is held (a duplicate fd) as the request is read; an output parameter
+    refused after that (binary_data "yes") left the fd open, and with it the client's memory."""
+    c = thttp.InferenceServerClient(front_door.http_url)
+    tag = f"by_kserve_{os.getpid()}_fdleak"
+    seg = shared_memory.SharedMemory(tag, create=True, size=64)
+    fronts = [p for p in psutil.Process(front_door.node.up.pid).children(recursive=True)
+              if "frontend" in " ".join(p.cmdline())]
+    try:
+        c.register_system_shared_memory("fdleak_out", f"/{tag}", 64)
+        body = {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}],
+                "outputs": [{"name": "y", "parameters": {"shared_memory_region": "fdleak_out",
+                                                         "shared_memory_byte_size": 24, "binary_data": "yes"}}]}
+        assert _http_post(front_door, "sum", body) == 400
+        before = sum(p.num_fds() for p in fronts)
+        for _ in range(40):
+            assert _http_post(front_door, "sum", body) == 400
+        assert sum(p.num_fds() for p in fronts) < before + 10
+    finally:
+        c.unregister_system_shared_memory()
+        seg.close()
+        seg.unlink()
+
+
 def test_a_region_registered_once_serves_every_connection(front_door):
     """Two front-door processes share the port: fresh connections land on either, and each must
     find the region registered through the first one (Triton's registry is server-wide)."""
