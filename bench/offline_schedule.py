@@ -172,7 +172,8 @@ def point(args) -> dict:
 def markdown(rep: dict) -> str:
     L = ["# Offline schedule vs MCB — SIMULATED devices", "",
          f"First {rep['n']:,} arrivals of each trace of `sim_report` (same scenarios, loads and seeds). "
-         f"Reproduce: `python -m batchyard.bench.offline_schedule --requests {rep['n']}` ({rep['wall_s']:.0f} s "
+         f"Reproduce: `python -m batchyard.bench.offline_schedule --requests {rep['n']}"
+         f"{' --trace-seeds legacy' if rep.get('trace_seeds', 'legacy') == 'legacy' else ''}` ({rep['wall_s']:.0f} s "
          "on 2 cores).", "",
          "- **searched**: the best FIFO-block schedule a beam search finds knowing the whole trace "
          f"(beam {BEAM}, weights {', '.join(str(w) for w in WEIGHTS)}; `bench/offline_schedule.py` says how). "
@@ -202,17 +203,22 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--requests", type=int, default=5000, help="arrivals per point (the head of sim_report's trace)")
     ap.add_argument("--full", type=int, default=100_000, help="the sim_report trace length whose head is taken")
+    ap.add_argument("--trace-seeds", choices=("named", "legacy"), default="named",
+                    help="sim_report's trace seeds (legacy: those of the results committed up to 88925ac)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--merge", action="store_true",
                     help="replace only these scenarios' rows in the report already in --out (same --requests)")
     args = ap.parse_args(argv)
+    from . import sim_report
+
+    sim_report.TRACE_SEEDS = args.trace_seeds  # before the pool forks
     t0 = time.perf_counter()
     tasks = [(s, load, args.requests, args.full) for s in args.scenarios.split(",") for load in SCENARIOS[s][2]]
     with Pool(args.jobs) as pool:
         rows = pool.map(point, tasks, chunksize=1)
     out = Path(args.out)
-    rep = {"simulated": True, "n": args.requests, "rows": rows, "wall_s": 0.0}
+    rep = {"simulated": True, "n": args.requests, "trace_seeds": args.trace_seeds, "rows": rows, "wall_s": 0.0}
     if args.merge:
         from .sim_report import merged
 

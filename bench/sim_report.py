@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import zlib
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -201,9 +202,27 @@ def _cut(trace, n):
     return Trace(trace.name, trace.arrivals[:n], trace.priority[:n], trace.timeout[:n])
 
 
+# How a trace's seed follows from (scenario, load). "named": a hash of both. "legacy": the seeds
+# of every result committed up to 88925ac, int(load * 100) + 7 * len(name): names of one length
+# shared them, so three of the report's held-out scenarios replayed the arrivals of scenarios the
+# rule was tuned on, and every random scenario of every --random-seed drew from two seeds per load
+# (its Poisson arrivals a rescaled copy of seed 1's). --trace-seeds legacy reproduces those files.
+TRACE_SEEDS = "named"
+
+
+def trace_seed(scen: str, load: float) -> int:
+    if TRACE_SEEDS == "legacy":
+        return int(load * 100) + 7 * len(scen)
+    return zlib.crc32(f"{scen}|{load:.2f}".encode())
+
+
 def scenario_trace(scen: str, load: float, n: int):
     """The report's trace of ``n`` arrivals for (scenario, load): its seed is fixed by both."""
-    return SCENARIOS[scen][1](load, n, int(load * 100) + 7 * len(scen))
+    return SCENARIOS[scen][1](load, n, trace_seed(scen, load))
+
+
+def _seeds_flag(rep: dict) -> str:
+    return " --trace-seeds legacy" if rep.get("trace_seeds", "legacy") == "legacy" else ""
 
 
 def point(args) -> dict:
@@ -304,7 +323,8 @@ def markdown(rep: dict) -> str:
          f"Seeds' devices: GPU {GPU.launch_s * 1e3:.2f} ms + {GPU.per_item_s * 1e3:.2f} ms·B (max batch {GPU.max_batch}); "
          f"2 AMX workers at {DEVICES[1].per_item_s * 1e3:.2f} ms·B. Load = offered rate / GPU-only capacity "
          f"({GPU_CAPACITY:,.0f} req/s). Policies are the real objects of `batchyard.policy`. "
-         f"Reproduce: `python -m batchyard.bench.sim_report --requests {rep['n']}` ({rep['n']:,} arrivals per point).", "",
+         f"Reproduce: `python -m batchyard.bench.sim_report --requests {rep['n']}{_seeds_flag(rep)}` "
+         f"({rep['n']:,} arrivals per point).", "",
          f"Baselines: {', '.join(BASELINES)}, and the best of {len(GRID)} window/fixed settings feeding every "
          f"worker ({GRID[0]} … {GRID[-1]}), ranked by p99 on the first {rep['n_tune']:,} arrivals of the same "
          f"trace, the best {TUNED_KEPT} re-run on the whole trace. \"best\" = the baseline with the lowest p99. "
@@ -351,7 +371,8 @@ def random_markdown(rep: dict) -> str:
          f"Load = offered rate / that scenario's GPU-only capacity. Baselines, bar and interval as in sim_report.md. "
          f"Reproduce: "
          f"`python -m batchyard.bench.sim_report --random {len(rep['scenarios'])} --random-seed {rep['seed']} "
-         f"--requests {rep['n']}` ({rep['n']:,} arrivals per point). Latencies of tens of ms mean the devices "
+         f"--requests {rep['n']}{_seeds_flag(rep)}` ({rep['n']:,} arrivals per point). Latencies of tens of ms "
+         f"mean the devices "
          f"cannot keep up for part of the trace (a step to up to 2x the mean rate at a 90 % load): every "
          f"policy's queue grows there.", "", summary(rep["rows"]), "",
          "| scenario | load | MCB p50 | MCB p99 | best baseline | its p50 | its p99 | p99 ratio | its 95% interval | "
@@ -373,6 +394,9 @@ def merged(path: Path, rows: list[dict], n: int) -> dict:
     rep = json.loads(path.read_text())
     if rep["n"] != n:
         raise SystemExit(f"{path} was run with --requests {rep['n']}, not {n}: cannot merge")
+    if rep.get("trace_seeds", "legacy") != TRACE_SEEDS:
+        raise SystemExit(f"{path} was run with --trace-seeds {rep.get('trace_seeds', 'legacy')}, not "
+                         f"{TRACE_SEEDS}: cannot merge")
     done = {r["scenario"] for r in rows}
     rep["rows"] = in_order([r for r in rep["rows"] if r["scenario"] not in done] + rows)
     return rep
@@ -390,7 +414,11 @@ def main(argv=None) -> None:
     ap.add_argument("--random", type=int, default=0, metavar="K",
                     help="instead, K scenarios drawn at random (held out); writes sim_random.md/.json")
     ap.add_argument("--random-seed", type=int, default=1)
+    ap.add_argument("--trace-seeds", choices=("named", "legacy"), default="named",
+                    help="legacy: the trace seeds of the results committed up to 88925ac (see TRACE_SEEDS)")
     args = ap.parse_args(argv)
+    global TRACE_SEEDS
+    TRACE_SEEDS = args.trace_seeds  # before the pool forks: its workers draw the traces
     if args.random:
         drawn = random_scenarios(args.random, args.random_seed)
         SCENARIOS.update(drawn)  # before the pool forks: its workers look scenarios up by name
@@ -406,8 +434,8 @@ def main(argv=None) -> None:
         rows = pool.map(point, tasks, chunksize=1)
     if args.random:
         rep = {"simulated": True, "n": n, "n_tune": n_tune, "seed": args.random_seed, "grid": GRID,
-               "scenarios": {name: SCENARIOS[name][3] for name in drawn}, "rows": in_order(rows),
-               "wall_s": time.perf_counter() - t0}
+               "trace_seeds": TRACE_SEEDS, "scenarios": {name: SCENARIOS[name][3] for name in drawn},
+               "rows": in_order(rows), "wall_s": time.perf_counter() - t0}
         (out / "sim_random.json").write_text(json.dumps(rep, indent=1, default=float))
         (out / "sim_random.md").write_text(random_markdown(rep))
         print(random_markdown(rep))
@@ -416,7 +444,8 @@ def main(argv=None) -> None:
         rep = merged(out / "sim_report.json", rows, n)
     else:
         rep = {"simulated": True, "n": n, "n_tune": n_tune, "gpu_capacity_rps": GPU_CAPACITY, "grid": GRID,
-               "rows": in_order(rows), "priority_flood": priority_flood(min(n, 50_000) // 2)}
+               "trace_seeds": TRACE_SEEDS, "rows": in_order(rows),
+               "priority_flood": priority_flood(min(n, 50_000) // 2)}
     rep["plots"] = plots(rep["rows"], out)
     rep["wall_s"] = rep.get("wall_s", 0.0) + time.perf_counter() - t0
     (out / "sim_report.json").write_text(json.dumps(rep, indent=1, default=float))

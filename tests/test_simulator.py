@@ -385,3 +385,15 @@ def test_a_cap_locked_by_a_slow_spell_is_lifted_once_its_evidence_is_stale():
     # above 1 is probed at once (CostCurve.trial_size): 4 serves items faster, and is proven.
     assert sizes[:3] == [4] * 3 and sizes.count(1) <= 3
     assert sizes[-50:] == [32] * 50  # the stale knots' sizes measured again: the max, kept
+
+
+def test_every_scenario_and_load_draws_its_own_arrivals():
+    """The trace seed was int(load * 100) + 7 * len(name): names of one length shared arrivals,
+    so held-out scenarios replayed the traces of scenarios the rule was tuned on, and every random
+    seed's scenarios drew from two seeds per load."""
+    from batchyard.bench import sim_report as S
+
+    names = list(S.SCENARIOS) + list(S.random_scenarios(24, 1)) + list(S.random_scenarios(24, 9))
+    seeds = [S.trace_seed(n, load) for n in names for load in (0.3, 0.6, 0.9)]
+    assert len(set(seeds)) == len(seeds)
+    assert S.trace_seed("3-cpu", 0.3) != S.trace_seed("seeds", 0.3)
