@@ -44,7 +44,7 @@ from batchyard.deploy import asset
 from batchyard.workers.precision import resolve
 from batchyard.workers.triton_local import TritonLocal
 
-from .harness import LATENCY_US, PRIORITY, SENT, STATUS, LoadSpec, done_times, run_load, scrape
+from .harness import PRIORITY, SENT, STATUS, LoadSpec, done_times, latency_us, run_load, scrape
 from .report import percentiles_ms
 from .vs_triton import (BATCHED_EXECUTE, MAX_BATCH, READY_TIMEOUT_S, Server, batchyard_server, counter, cpu_shares,
                         on_cpus, physical_limit, pinning, tree_cpu_s)
@@ -145,7 +145,7 @@ def class_stats(rows: np.ndarray, lo: float, hi: float) -> dict:
         if not (rows[:, PRIORITY] == c).any():
             continue
         ok = m & (status == 0)
-        pct = percentiles_ms(rows[ok, LATENCY_US], (50, 99))
+        pct = percentiles_ms(latency_us(rows)[ok], (50, 99))
         sent = ((rows[:, SENT] >= lo) & (rows[:, SENT] < hi) & (rows[:, PRIORITY] == c)).sum()
         out[name] = {"served": int(ok.sum()), "completions_per_s": float(ok.sum() / span),
                      "sent_per_s": float(sent / span), "p50_ms": pct[50], "p99_ms": pct[99],

@@ -436,7 +436,8 @@ def run_all(plan: Plan, args) -> dict:
                 for r in rates:
                     k, turn = turn % len(servers), turn + 1
                     for srv in servers[k:] + servers[:k]:
-                        wait_idle(srv)
+                        for other in servers:  # every server's backlog: all share the server cores
+                            wait_idle(other)
                         run = measure(srv, r, plan, f"{srv.name} @{r:g} round {rnd + 1}", data)
                         out["runs"].append(run | {"round": rnd})
             from batchyard.client import Client
