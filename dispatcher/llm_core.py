@@ -113,9 +113,19 @@ class LlmCore:
 
     def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0) -> list:
         """Register (or re-register) an engine; returns what its re-registration failed."""
-        lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
+        known = self.workers.get(name)
+        if known is not None and known.pid == pid and known.identity == identity:
+            # The same process registering again (its retry crossed the answer, or it waited out
+            # an engine step longer than its retry period): no restart, its jobs are running. Lost,
+            # they failed and their answers were dropped.
+            known.last_seen = now
+            return []
+        lost = self.worker_lost(name, "worker re-registered", now) if known is not None else []
         self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid)
-        self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode)
+        # Its calibration replaces what it sent before: appended at every registration, a worker's
+        # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
+        self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode,
+                                                                          source=name)
         self.cpu_queue.setdefault(engine.model, [])
         return lost
 
@@ -274,6 +284,18 @@ class LlmCore:
                     queue.remove(r)
                 self.on_fail(r, Status.DEADLINE_EXCEEDED, f"deadline passed after {now - r.arrival:.3f} s "
                                                           f"(route {r.route})")
+
+    def cancel(self, client: bytes, req_id: int) -> bool:
+        """Cancel a request still waiting for a CPU prefill (one whose job runs goes on); it is
+        answered CANCELLED. A client's cancel reached only the tensor core: the request ran."""
+        for queue in self.cpu_queue.values():
+            for r in queue:
+                if r.client == client and r.req_id == req_id and not r.done:
+                    queue.remove(r)
+                    self._end(r)
+                    self.on_fail(r, Status.CANCELLED, "cancelled by the client while queued")
+                    return True
+        return False
 
     def _end(self, r: LlmRequest) -> bool:
         if r.done:

@@ -25,15 +25,15 @@ class LinearFit:
     def __init__(self, n_features: int, fallback: tuple[float, ...]):
         self.n = n_features
         self.coef = np.array(fallback, dtype=float)
-        self.seed: list[tuple[tuple[float, ...], float]] = []
+        self.seed: dict[str, list[tuple[tuple[float, ...], float]]] = {}  # by the worker that measured them
         self.recent: deque = deque(maxlen=ONLINE_WINDOW)
         self._since_fit = 0
         self.samples = 0
 
-    def add(self, x: tuple[float, ...], y: float, calibration: bool = False) -> None:
+    def add(self, x: tuple[float, ...], y: float, calibration: bool = False, source: str = "") -> None:
         if not (y > 0 and np.isfinite(y)):
             return
-        (self.seed if calibration else self.recent).append((tuple(x), float(y)))
+        (self.seed.setdefault(source, []) if calibration else self.recent).append((tuple(x), float(y)))
         self.samples += 1
         self._since_fit += 1
         if calibration or self._since_fit >= REFIT_EVERY:
@@ -41,7 +41,7 @@ class LinearFit:
 
     def refit(self) -> None:
         self._since_fit = 0
-        rows = self.seed + list(self.recent)
+        rows = [row for rows in self.seed.values() for row in rows] + list(self.recent)
         if len(rows) < 2:
             if rows:  # one sample: keep the shape, scale to it
                 x, y = rows[0]
@@ -102,13 +102,18 @@ class LearnedCurves:
         self.gpu_decode = LinearFit(2, (4e-3, 1e-4))
         self.kv = LinearFit(2, (1e-3, 1e-6))
 
-    def seed_engine(self, role: str, prefill, decode) -> None:
+    def seed_engine(self, role: str, prefill, decode, source: str = "") -> None:
+        """The calibration of engine ``source``, replacing any it sent before."""
         target = self.cpu_prefill if role == "prefill-cpu" else self.gpu_prefill
+        for fit in (self.cpu_prefill, self.gpu_prefill, self.gpu_decode):
+            fit.seed.pop(source, None)
         for s in prefill:
-            target.add(prefill_features(s.prompts), s.seconds, calibration=True)
+            target.add(prefill_features(s.prompts), s.seconds, calibration=True, source=source)
         if role == "gpu":
             for streams, seconds in decode:
-                self.gpu_decode.add((1.0, float(streams)), seconds, calibration=True)
+                self.gpu_decode.add((1.0, float(streams)), seconds, calibration=True, source=source)
+        for fit in (self.cpu_prefill, self.gpu_prefill, self.gpu_decode):
+            fit.refit()  # also where its new calibration added nothing
 
     def prefill(self, role: str) -> PrefillCurve:
         return PrefillCurve(*map(float, (self.cpu_prefill if role == "prefill-cpu" else self.gpu_prefill).coef))

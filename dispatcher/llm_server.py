@@ -33,11 +33,14 @@ class LlmDesk:
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
+        known = self.core.workers.get(msg.worker)
+        again = known is not None and known.pid == msg.pid and known.identity == identity
         self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid)
         e = msg.llm
-        log.info("LLM worker %s registered: pid %d, model %s, role %s%s, %d prefill and %d decode calibration "
-                 "samples", msg.worker, msg.pid, e.model, e.role, " (CPU stand-in)" if e.stand_in else "",
-                 len(e.prefill), len(e.decode))
+        if not again:  # a retry of a registration already taken (they queue while the dispatcher is down)
+            log.info("LLM worker %s registered: pid %d, model %s, role %s%s, %d prefill and %d decode calibration "
+                     "samples", msg.worker, msg.pid, e.model, e.role, " (CPU stand-in)" if e.stand_in else "",
+                     len(e.prefill), len(e.decode))
         self._send_worker(identity, P.encode(P.Registered(worker=msg.worker)))
 
     def on_done(self, msg: P.LlmDone, now: float) -> None:
@@ -58,9 +61,17 @@ class LlmDesk:
         return True
 
     # ------------------------------------------------------------------ out
-    def decide(self, now: float) -> None:
+    def decide(self, now: float) -> int:
+        """Send the jobs decided now; -> how many workers turned out to be gone."""
+        gone = 0
         for send in self.core.decide(now):
-            self._send_worker(send.worker.identity, P.encode(send.job))
+            if not self._send_worker(send.worker.identity, P.encode(send.job)) and self.lost(
+                    send.worker.name, "unreachable", now):
+                # Its connection is gone (ROUTER_MANDATORY): out of rotation now. The job was
+                # dropped unsaid, and routing kept choosing the worker until its heartbeats were
+                # missed (worker_dead_after_s), each request sent there failing only then.
+                gone += 1
+        return gone
 
     def housekeeping(self, now: float) -> int:
         """Take silent workers out of rotation; -> how many."""

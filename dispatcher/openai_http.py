@@ -26,7 +26,10 @@ from .protocol import MAX_TOKEN_ID, Status
 
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
          Status.OVERLOADED: 429, Status.UNAVAILABLE: 503, Status.CANCELLED: 499}
-_UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None}
+# Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
+# with the very text the caller asked to stop at.
+_UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None,
+                "presence_penalty": 0, "frequency_penalty": 0}
 
 
 class OpenAiError(Exception):
@@ -159,5 +162,6 @@ def _check_supported(body: dict) -> None:
         if body.get(key, 1) not in (1, None):
             raise OpenAiError(400, f"{key} must be 1, got {body[key]!r}", param=key)
     for key, default in _UNSUPPORTED.items():
-        if body.get(key, default) not in (default, None, False):
+        value = body.get(key, default)
+        if value not in (default, None, False) and value != [] and value != {}:
             raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)

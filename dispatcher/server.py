@@ -204,7 +204,7 @@ class Dispatcher:
         core = self.core
         for batch in core.decide(now):
             self._send_to_worker(batch, now)
-        self.llm.decide(now)
+        self.core.departures += self.llm.decide(now)  # the long poll's cursor counts every worker
         if core.draining and ((not core.batches and not self.llm.busy()) or now >= self._drain_deadline):
             core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
             self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
@@ -398,7 +398,8 @@ class Dispatcher:
         elif type(msg) is P.GenerateRequest:
             self.llm.on_generate(msg, identity, now, self._unknown_model)
         elif type(msg) is P.CancelRequest:
-            self.core.cancel(identity, msg.id)
+            if not self.core.cancel(identity, msg.id):
+                self.llm.core.cancel(identity, msg.id)
         elif type(msg) is P.ShmRegisterRequest or type(msg) is P.ShmUnregisterRequest:
             self._on_shm_register(msg, identity, transport.connection(frames))
         elif type(msg) is P.ModelInfoRequest:
@@ -477,11 +478,13 @@ class Dispatcher:
             log.warning("worker %s unreachable (%s)", batch.worker.name, e)
             self._worker_lost(batch.worker.name, f"unreachable: {e}", now)
 
-    def _send_worker(self, identity: bytes, header: bytes) -> None:
+    def _send_worker(self, identity: bytes, header: bytes) -> bool:
+        """False when the worker's connection is gone (ROUTER_MANDATORY)."""
         try:
             send_parts(self.backend, [identity, header])
         except zmq.ZMQError:
-            pass
+            return False
+        return True
 
     # ------------------------------------------------------------------ 5. housekeeping
     def _housekeeping(self, now: float) -> None:

@@ -194,3 +194,59 @@ def test_an_answer_from_another_worker_leaves_the_job_to_its_own():
     assert h.core.complete(stray, h.now) == []
     [f] = h.done(send)
     assert f.request.req_id == rid and not h.failed
+
+
+def test_the_same_worker_registering_again_keeps_its_jobs_and_its_calibration_once():
+    """A registration retry of a live worker (sent while an engine step outlasted the retry
+    period, or queued while the dispatcher was down) was taken for a restart: its running
+    requests failed UNAVAILABLE and their answers were dropped, and its calibration samples were
+    added again each time (1000 registrations: 2000 seed rows, outweighing what was learnt)."""
+    h = Harness()
+    rid, _ = h.submit(64)
+    [send] = h.jobs()
+    for _ in range(50):
+        assert h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, h.now) == []
+    assert not h.failed
+    [f] = h.done(send)
+    assert f.request.req_id == rid
+    h.core.add_worker("gpu0", b"gpu0-restarted", GPU_ENGINE, h.now, pid=2)  # a real restart re-seeds
+    assert sum(len(rows) for rows in h.core.curves["m"].gpu_prefill.seed.values()) == len(GPU_ENGINE.prefill)
+
+
+def test_a_generate_request_cancelled_while_waiting_for_a_cpu_prefill_does_not_run():
+    """The client's cancel reached only the tensor requests: a cancelled generate request ran."""
+    h = Harness()
+    running, _ = h.submit(40, route=PREFILL_CPU)
+    h.jobs()
+    queued, _ = h.submit(40, route=PREFILL_CPU)
+    assert h.core.cancel(b"client", queued)
+    assert h.failed == [(queued, Status.CANCELLED, "cancelled by the client while queued")]
+    assert not h.core.cancel(b"client", queued) and not h.core.cancel(b"client", running)
+    assert h.jobs() == []
+
+
+def test_a_worker_whose_connection_is_gone_leaves_rotation_at_the_first_job_sent_there():
+    """The send's failure was swallowed: the job was lost unsaid, and routing kept choosing the
+    worker until its heartbeats were missed (about 10 s), each request sent there failing then."""
+    from batchyard.llm_server import LlmDesk
+
+    replies = []
+    desk = LlmDesk(lambda identity, header: identity != b"gpu0", lambda c, h: replies.append(h), 30.0, 1.0, 10.0)
+    desk.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+    msg = P.GenerateRequest(v=1, id=1, model="m", prompt=[7] * 64, max_tokens=4, timeout_us=30_000_000)
+    desk.on_generate(msg, b"client", 0.0, lambda m: "")
+    assert desk.decide(0.0) == 1
+    assert "gpu0" not in desk.core.workers and len(replies) == 1
+
+
+@pytest.mark.parametrize("key, value", [("stop", ["("]), ("stop", "\n"), ("logit_bias", {"6": -100}),
+                                        ("presence_penalty", 0.5), ("frequency_penalty", -1.0)])
+def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key, value):
+    """Taken and ignored, a stop sequence answered 200 with the very text asked to stop at."""
+    from batchyard.openai_http import OpenAiError, _check_supported
+
+    with pytest.raises(OpenAiError) as e:
+        _check_supported({key: value})
+    assert e.value.status == 400 and e.value.param == key
+    _check_supported({key: {"stop": None, "logit_bias": {}, "presence_penalty": 0,
+                            "frequency_penalty": 0.0}[key]})  # the defaults pass
