@@ -172,7 +172,7 @@ def point(args) -> dict:
 def markdown(rep: dict) -> str:
     L = ["# Offline schedule vs MCB — SIMULATED devices", "",
          f"First {rep['n']:,} arrivals of each trace of `sim_report` (same scenarios, loads and seeds). "
-         f"Reproduce: `python -m batchyard.bench.offline_schedule --requests {rep['n']}"
+         f"Reproduce: `python -m batchyard.bench.offline_schedule --requests {rep['n']} --full {rep.get('full', 100_000)}"
          f"{' --trace-seeds legacy' if rep.get('trace_seeds', 'legacy') == 'legacy' else ''}` ({rep['wall_s']:.0f} s "
          "on 2 cores).", "",
          "- **searched**: the best FIFO-block schedule a beam search finds knowing the whole trace "
@@ -202,7 +202,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--requests", type=int, default=5000, help="arrivals per point (the head of sim_report's trace)")
-    ap.add_argument("--full", type=int, default=100_000, help="the sim_report trace length whose head is taken")
+    ap.add_argument("--full", type=int, default=200_000,
+                    help="the sim_report trace length whose head is taken (the report's --requests: the step "
+                         "scenarios' traces depend on their length; the committed results used 100000)")
     ap.add_argument("--trace-seeds", choices=("named", "legacy"), default="named",
                     help="sim_report's trace seeds (legacy: those of the results committed up to 88925ac)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -218,7 +220,8 @@ def main(argv=None) -> None:
     with Pool(args.jobs) as pool:
         rows = pool.map(point, tasks, chunksize=1)
     out = Path(args.out)
-    rep = {"simulated": True, "n": args.requests, "trace_seeds": args.trace_seeds, "rows": rows, "wall_s": 0.0}
+    rep = {"simulated": True, "n": args.requests, "full": args.full, "trace_seeds": args.trace_seeds, "rows": rows,
+           "wall_s": 0.0}
     if args.merge:
         from .sim_report import merged
 
