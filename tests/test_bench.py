@@ -342,5 +342,8 @@ def test_vs_triton_measures_no_server_while_another_still_serves_a_backlog(monke
     args = argparse.Namespace(quick=True, loads="", load_fractions="0.5", saturate=0.0, delays_us="0,50000",
                               slo_ms=500, load_tool="harness", protocol="grpc", rounds=1, server_cpus=str(mine[1]),
                               load_cpu=str(mine[0]), control_cpus="")
-    V.run_all(V.make_plan(args), args)
+    try:
+        V.run_all(V.make_plan(args), args)
+    finally:
+        os.sched_setaffinity(0, mine)  # run_all pins this process to the load cpu
     assert len(overlaps) == 6 and all(not busy for _, busy in overlaps), overlaps
