@@ -60,7 +60,8 @@ from .report import table, write_outputs
 SIZES = (1, 2, 4, 8, 16, 32)
 LOAD_TOOLS = {
     "harness": "`batchyard bench`'s triton target (tritonclient gRPC aio, one generator process, open-loop "
-               "Poisson, tokenized sentences)",
+               "Poisson, tokenized sentences; latency from each request's scheduled instant, so a generator "
+               "that falls behind adds its lag)",
     "perf_analyzer": "Triton's perf_analyzer from the tritonclient wheel (`--async --request-rate-range R "
                      "--request-distribution poisson`, over the protocol named below, the demo's tokenized sentences "
                      "as `--input-data`; "
