@@ -209,54 +209,10 @@ class ClientCodec:
             raise InvalidArgument(f"inputs must be a dict of input name -> array, got {type(inputs).__name__}")
         rid = self.next_id()
         refs, frames, regions, used = [], [], [], set()
-        n_items = 0
         outputs, out_refs = {}, {}
         try:
-            for name, value in inputs.items():
-                try:
-                    arr = np.asarray(value)
-                except ValueError as e:  # a ragged nested list
-                    raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
-                if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
-                    arr = arr.astype(arr.dtype.newbyteorder("="))
-                n_items = arr.shape[0] if arr.ndim else 0
-                dtype = dtype_name(arr.dtype)
-                if dtype not in P.DTYPES:
-                    # Refused here, not by the dispatcher: an array of this kind (datetime64, object)
-                    # may have no buffer to send, and a frame that fails to send killed the sync
-                    # client's I/O thread, failing every later call of every thread sharing it.
-                    raise InvalidArgument(f"input {name!r}: dtype '{dtype}' is not a tensor type Batchyard carries; "
-                                          f"one of {sorted(P.DTYPES)}")
-                # Only arrays from alloc_array have a region; most callers never make one.
-                region = (self._array_regions.get(arr.__array_interface__["data"][0])
-                          if self._array_regions and arr.nbytes else None)
-                if not (region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous):
-                    region = None  # not an alloc_array array: copy it into the pool if it is big
-                    if arr.nbytes >= self.shm_threshold:
-                        region = self.pool.alloc(arr.nbytes)
-                        regions.append(region)
-                        np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
-                elif region is not None:
-                    # Sent by reference: the array is held with the request's regions until its
-                    # reply or release, or dropped by the caller, it went back to the pool while the
-                    # worker still read it (and the next alloc_array's data was read instead).
-                    regions.append(Borrowed(arr))
-                if region is not None:
-                    used.add(region.segment)
-                    refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
-                                            shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
-                else:
-                    refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape), frame=len(frames)))
-                    frames.append(np.ascontiguousarray(arr))
-            spec = self.specs.get(model)
-            if spec is not None and n_items:
-                for t in spec.outputs:
-                    nbytes = n_items * item_nbytes(t)
-                    if nbytes >= self.shm_threshold:
-                        region = self.pool.alloc(nbytes)
-                        outputs[t.name] = region
-                        used.add(region.segment)
-                        out_refs[t.name] = P.ShmRef(region.segment, region.offset, region.nbytes)
+            n_items = self._input_refs(inputs, refs, frames, regions, used)
+            self._output_regions(model, n_items, outputs, out_refs, used)
         except BaseException as e:
             # Refused half-way (a later input's dtype, a full /dev/shm): what was allocated for the
             # earlier ones goes back, or each refused call leaked it (and the pool grew a segment).
@@ -269,6 +225,61 @@ class ClientCodec:
                                          priority=priority, timeout_us=timeout_us(timeout),
                                          outputs=out_refs))
         return rid, [header, *frames], regions, outputs, timeout, used - self.granted
+
+    def _input_refs(self, inputs: Mapping, refs: list, frames: list, regions: list, used: set) -> int:
+        """Each input as a reference to shared memory (the pool's, or an ``alloc_array``'s) or to
+        a frame, appended to ``refs`` and ``frames``; what it takes of the pool to ``regions``, the
+        segments it names to ``used``. -> the items of the request."""
+        n_items = 0
+        for name, value in inputs.items():
+            try:
+                arr = np.asarray(value)
+            except ValueError as e:  # a ragged nested list
+                raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
+            if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
+                arr = arr.astype(arr.dtype.newbyteorder("="))
+            n_items = arr.shape[0] if arr.ndim else 0
+            dtype = dtype_name(arr.dtype)
+            if dtype not in P.DTYPES:
+                # Refused here, not by the dispatcher: an array of this kind (datetime64, object)
+                # may have no buffer to send, and a frame that fails to send killed the sync
+                # client's I/O thread, failing every later call of every thread sharing it.
+                raise InvalidArgument(f"input {name!r}: dtype '{dtype}' is not a tensor type Batchyard carries; "
+                                      f"one of {sorted(P.DTYPES)}")
+            # Only arrays from alloc_array have a region; most callers never make one.
+            region = (self._array_regions.get(arr.__array_interface__["data"][0])
+                      if self._array_regions and arr.nbytes else None)
+            if not (region is not None and region.nbytes == arr.nbytes and arr.flags.c_contiguous):
+                region = None  # not an alloc_array array: copy it into the pool if it is big
+                if arr.nbytes >= self.shm_threshold:
+                    region = self.pool.alloc(arr.nbytes)
+                    regions.append(region)
+                    np.frombuffer(self.pool.view(region), dtype=arr.dtype).reshape(arr.shape)[...] = arr
+            elif region is not None:
+                # Sent by reference: the array is held with the request's regions until its
+                # reply or release, or dropped by the caller, it went back to the pool while the
+                # worker still read it (and the next alloc_array's data was read instead).
+                regions.append(Borrowed(arr))
+            if region is not None:
+                used.add(region.segment)
+                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape),
+                                        shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
+            else:
+                refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape), frame=len(frames)))
+                frames.append(np.ascontiguousarray(arr))
+        return n_items
+
+    def _output_regions(self, model: str, n_items: int, outputs: dict, out_refs: dict, used: set) -> None:
+        """Pool regions for the outputs big enough for shared memory, as the model's spec sizes them."""
+        spec = self.specs.get(model)
+        if spec is not None and n_items:
+            for t in spec.outputs:
+                nbytes = n_items * item_nbytes(t)
+                if nbytes >= self.shm_threshold:
+                    region = self.pool.alloc(nbytes)
+                    outputs[t.name] = region
+                    used.add(region.segment)
+                    out_refs[t.name] = P.ShmRef(region.segment, region.offset, region.nbytes)
 
     def encode_shm_register(self, segment: str, proved: bool) -> tuple[int, list]:
         rid = self.next_id()

@@ -296,9 +296,9 @@ class RequestCore:
     def add_worker(self, w: WorkerState, now: float) -> None:
         # Too-big requests are failed only where a worker of the model registered before: a queue
         # that built up with no worker at all (starting) waits for each of them to register.
-        served = {m for m in w.models if self.state.largest_batch.get(m, 0)} | (
-            set(w.models) if w.name in self.state.workers else set())
-        if w.name in self.state.workers:
+        again = w.name in self.state.workers
+        served = set(w.models) if again else {m for m in w.models if self.state.largest_batch.get(m, 0)}
+        if again:
             # Same name registering again: the old process is gone (restart) or reconnected.
             self.worker_lost(w.name, "worker re-registered", now)
         self.suspended.pop(w.name, None)

@@ -239,12 +239,15 @@ class ShmRegions:
         if self.dir is None:
             return
         for name, r in list(self.local.items()):
-            try:
-                ino = os.stat(_entry(name), dir_fd=self._dir_fd, follow_symlinks=False).st_ino
-            except FileNotFoundError:
-                ino = 0
-            if ino != r.entry_ino:
+            if self._entry_ino(name) != r.entry_ino:
                 self._drop_local(name)
+
+    def _entry_ino(self, name: str) -> int:
+        """The inode of the registry entry of region ``name``; 0 when it is not registered."""
+        try:
+            return os.stat(_entry(name), dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            return 0
 
     # ------------------------------------------------------------ the extension's calls
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -287,9 +290,8 @@ class ShmRegions:
         r = self.local.get(name)
         if self.dir is None:
             return r
-        try:
-            ino = os.stat(_entry(name), dir_fd=self._dir_fd, follow_symlinks=False).st_ino
-        except FileNotFoundError:
+        ino = self._entry_ino(name)
+        if not ino:
             self._drop_local(name)
             return None
         if r is not None and r.entry_ino == ino:

@@ -113,14 +113,13 @@ class LlmCore:
 
     def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0) -> list:
         """Register (or re-register) an engine; returns what its re-registration failed."""
-        known = self.workers.get(name)
-        if known is not None and known.pid == pid and known.identity == identity:
+        if self.is_retry(name, pid, identity):
             # The same process registering again (its retry crossed the answer, or it waited out
             # an engine step longer than its retry period): no restart, its jobs are running. Lost,
             # they failed and their answers were dropped.
-            known.last_seen = now
+            self.workers[name].last_seen = now
             return []
-        lost = self.worker_lost(name, "worker re-registered", now) if known is not None else []
+        lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
         self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
         # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
@@ -128,6 +127,11 @@ class LlmCore:
                                                                           source=name)
         self.cpu_queue.setdefault(engine.model, [])
         return lost
+
+    def is_retry(self, name: str, pid: int, identity: bytes) -> bool:
+        """Whether a registration comes from the process already registered under ``name``."""
+        w = self.workers.get(name)
+        return w is not None and w.pid == pid and w.identity == identity
 
     def heartbeat(self, name: str, now: float) -> bool:
         w = self.workers.get(name)

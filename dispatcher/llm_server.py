@@ -33,8 +33,7 @@ class LlmDesk:
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
-        known = self.core.workers.get(msg.worker)
-        again = known is not None and known.pid == msg.pid and known.identity == identity
+        again = self.core.is_retry(msg.worker, msg.pid, identity)
         self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid)
         e = msg.llm
         if not again:  # a retry of a registration already taken (they queue while the dispatcher is down)

@@ -137,6 +137,15 @@ def _http_input(x, dtype="FP32", binary=True):
     return i
 
 
+def _shm_io(mod, region_in: str, region_out: str, out_bytes: int = 24):
+    """The input x of X and the output y of ``mod`` (tritonclient.grpc or .http), in these regions."""
+    i = mod.InferInput("x", [3, 4], "FP32")
+    i.set_shared_memory(region_in, X.nbytes)
+    o = mod.InferRequestedOutput("y")
+    o.set_shared_memory(region_out, out_bytes)
+    return i, o
+
+
 # ---------------------------------------------------------------- the calls a Triton user makes
 def test_grpc_metadata_config_and_infer_equal_the_sdk(front_door):
     c = tgrpc.InferenceServerClient(front_door.grpc_url)
@@ -652,10 +661,7 @@ def test_shm_register_infer_unregister(front_door, proto):
         np.ndarray(X.shape, X.dtype, buffer=shm_in.buf)[...] = X
         c.register_system_shared_memory("in", f"/{tag}_in", X.nbytes)
         c.register_system_shared_memory("out", f"/{tag}_out", 24)
-        i = mod.InferInput("x", [3, 4], "FP32")
-        i.set_shared_memory("in", X.nbytes)
-        o = mod.InferRequestedOutput("y")
-        o.set_shared_memory("out", 24)
+        i, o = _shm_io(mod, "in", "out")
         result = c.infer("sum", [i], outputs=[o])
         np.testing.assert_array_equal(np.ndarray((3, 2), np.float32, buffer=shm_out.buf), front_door.sdk("sum", X))
         if proto == "http":  # as Triton's: tritonclient's C++ client takes any parameters for binary data
@@ -688,10 +694,7 @@ def test_one_segment_under_two_names_and_an_output_region_too_small(front_door, 
         np.ndarray(X.shape, X.dtype, buffer=seg.buf)[...] = X
         c.register_system_shared_memory("in", f"/{tag}", X.nbytes, 0)
         c.register_system_shared_memory("out", f"/{tag}", 64, 64)
-        i = mod.InferInput("x", [3, 4], "FP32")
-        i.set_shared_memory("in", X.nbytes)
-        o = mod.InferRequestedOutput("y")
-        o.set_shared_memory("out", 24)
+        i, o = _shm_io(mod, "in", "out")
         c.infer("sum", [i], outputs=[o])
         np.testing.assert_array_equal(np.ndarray((3, 2), np.float32, buffer=seg.buf, offset=64),
                                       front_door.sdk("sum", X))
@@ -723,10 +726,7 @@ def test_an_output_region_unregistered_in_flight_takes_the_output_and_no_other_r
         segs["other"].buf[:] = b"\xaa" * 64
         a.register_system_shared_memory("inflight_in", f"/{tag}_in", X.nbytes)
         a.register_system_shared_memory("inflight_out", f"/{tag}_out", 24)
-        i = mod.InferInput("x", [3, 4], "FP32")
-        i.set_shared_memory("inflight_in", X.nbytes)
-        o = mod.InferRequestedOutput("y")
-        o.set_shared_memory("inflight_out", 24)
+        i, o = _shm_io(mod, "inflight_in", "inflight_out")
         done: queue.Queue = queue.Queue()
         with Client(front_door.node.address) as c:
             if proto == "grpc":
