@@ -365,11 +365,17 @@ IDLE_TIMEOUT_S = 900.0  # a saturated run's backlog: minutes of queue on a slow 
 
 
 def wait_idle(server: Server) -> None:
-    """Until ``server`` has nothing queued or running (its ``nv_inference_pending_request_count``
-    is 0): the backlog of a saturated run would otherwise be served on the core the next
-    measurement, of this server or another, runs on."""
+    """Until ``server`` has nothing queued or running (its ``nv_inference_pending_request_count``,
+    queued only, as Triton's, and Batchyard's ``batchyard_inflight_request_count`` are 0): the
+    backlog of a saturated run would otherwise be served on the core the next measurement, of
+    this server or another, runs on."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while sample_total(scrape(server.metrics_url), "nv_inference_pending_request_count") > 0:
+
+    def busy(samples) -> float:
+        return (sample_total(samples, "nv_inference_pending_request_count")
+                + sample_total(samples, "batchyard_inflight_request_count"))
+
+    while busy(scrape(server.metrics_url)) > 0:
         if time.monotonic() > deadline:
             raise SystemExit(f"vs_triton: {server.name} still busy {IDLE_TIMEOUT_S:.0f} s after a run")
         time.sleep(0.5)  # another process tree's queue: nothing to wait on but its metrics

@@ -441,7 +441,13 @@ class RequestCore:
         self.batches.clear()
 
     def pending_by_model(self) -> dict[str, int]:
+        """Requests queued and not yet in a batch, per model: Triton's pending count, which a
+        request leaves when its backend starts it (an autoscaler reads it as the backlog)."""
+        return {m: q.requests for m, q in self.state.queues.items()}
+
+    def in_flight_by_model(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.requests.values():
-            out[r.model] = out.get(r.model, 0) + 1
+            if r.state == INFLIGHT:
+                out[r.model] = out.get(r.model, 0) + 1
         return out

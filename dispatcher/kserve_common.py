@@ -462,6 +462,10 @@ class KServeCore:
             c[S.FAIL] += 1
             c[S.FAIL_NS] += time.perf_counter_ns() - t0
             raise from_batchyard(e, model) from None
+        except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
+            c[S.FAIL] += 1
+            c[S.FAIL_NS] += time.perf_counter_ns() - t0
+            raise
         c[S.SUCCESS] += 1
         c[S.SUCCESS_NS] += time.perf_counter_ns() - t0
         items = next(iter(inputs.values())).shape[0]

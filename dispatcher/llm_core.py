@@ -49,6 +49,7 @@ class LlmRequest:
     pred_gpu: float = 0.0
     prefill_worker: str = ""
     done: bool = False
+    priority: int = P.PRIORITY_NORMAL  # as asked: metrics are labelled by it (routing ignores it)
 
 
 @dataclass(eq=False)
@@ -187,7 +188,7 @@ class LlmCore:
             return Status.UNAVAILABLE, f"route 'prefill-cpu' asked, but no prefill-cpu instance of {model!r} is up"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
         r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
-                       seq=next(self._ids))
+                       seq=next(self._ids), priority=msg.priority)
         self.requests[r.seq] = r
         heapq.heappush(self._deadlines, (r.deadline, r.seq))
         try:

@@ -13,6 +13,7 @@ from typing import Callable
 
 from . import protocol as P
 from .llm_core import LlmCore, LlmRequest
+from .metrics import Metrics
 from .protocol import Status
 
 log = logging.getLogger("batchyard.dispatcher")
@@ -20,9 +21,11 @@ log = logging.getLogger("batchyard.dispatcher")
 
 class LlmDesk:
     def __init__(self, send_worker: Callable[[bytes, bytes], None], reply: Callable[[bytes, bytes], None],
-                 default_timeout_s: float, interference_weight: float, worker_dead_after_s: float):
+                 default_timeout_s: float, interference_weight: float, worker_dead_after_s: float,
+                 metrics: Metrics | None = None):
         self._send_worker = send_worker
         self._reply = reply
+        self.metrics = metrics if metrics is not None else Metrics()
         self.core = LlmCore(self._on_fail, default_timeout_s=default_timeout_s,
                             interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s)
 
@@ -30,6 +33,10 @@ class LlmDesk:
     def on_generate(self, msg: P.GenerateRequest, identity: bytes, now: float, unknown: Callable[[str], str]) -> None:
         why = self.core.admit(msg, identity, now)
         if why is not None:
+            if why[0] == Status.UNKNOWN_MODEL:
+                self.metrics.unknown_model()  # as the tensor path: no series under a client's name
+            else:
+                self.metrics.request_failed(msg.model, why[0])
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
@@ -45,6 +52,10 @@ class LlmDesk:
     def on_done(self, msg: P.LlmDone, now: float) -> None:
         for f in self.core.complete(msg, now):
             r = f.request
+            # Triton's families, one inference per request; its queue and compute times are not
+            # told apart (a request's prefill and decode interleave with others'), so all of its
+            # time counts as compute.
+            self.metrics.request_ok(r.model, f.timing.route, r.priority, 1, 0, f.timing.total_us, f.timing.total_us)
             self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
                                                            tokens=f.tokens, timing=f.timing)))
 
@@ -86,7 +97,19 @@ class LlmDesk:
     def busy(self) -> bool:
         return bool(self.core.jobs)
 
+    def pending(self) -> dict[str, int]:
+        """Requests waiting for a CPU prefill, per model (the rest are in an engine)."""
+        return {m: len(q) for m, q in self.core.cpu_queue.items()}
+
+    def in_flight(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.core.requests.values():
+            out[r.model] = out.get(r.model, 0) + 1
+        pending = self.pending()
+        return {m: n - pending.get(m, 0) for m, n in out.items()}
+
     def _on_fail(self, r: LlmRequest, status: Status, message: str) -> None:
+        self.metrics.request_failed(r.model, status)
         self._reply(r.client, _error(r.req_id, status, message))
 
 

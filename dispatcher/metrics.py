@@ -19,6 +19,8 @@ Batchyard's status name, which says more. nv_inference_compute_input_duration_us
 and ..._output_... are 0: a batch's input and output copies count in its compute time (as in the
 front door's statistics), and a Triton dashboard that adds the three still finds all three.
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
+batchyard_unknown_model_requests_total (no model label: the names are the clients'),
+batchyard_inflight_request_count{model} (beside Triton's pending count, which excludes them),
 batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_arrival_rate{model}.
 
 prometheus_client is imported by ``serve_metrics`` (at start-up) or the first ``render``, never at
@@ -60,10 +62,11 @@ def status_name(status: int) -> str:
 
 class ScrapeState(NamedTuple):
     """What the dispatcher knows only at scrape time (computed by it, not counted here)."""
-    pending: dict  # model -> requests queued or in flight
+    pending: dict  # model -> requests queued, not yet in a batch (Triton's meaning)
     decisions: dict  # reason -> policy decisions
     curves: dict  # "model/path" -> {"launch_us", "per_item_us", ...}
     rates: dict  # model -> estimated arrival rate, requests/s
+    in_flight: dict  # model -> requests given to a worker and not yet answered
 
 
 class Metrics:
@@ -72,6 +75,7 @@ class Metrics:
         self.failures: dict[tuple[str, int], int] = {}  # (model, status) -> n
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
         self.latency: dict[str, list] = {}  # model -> bucket counts (+Inf last), then [sum]
+        self.unknown_model_requests = 0  # one number: names asked for are the client's, without end
         self._collector = DispatcherCollector(self)
         self._registry = None  # a private CollectorRegistry, made at the first render
 
@@ -97,12 +101,16 @@ class Metrics:
         key = (model, int(status))
         self.failures[key] = self.failures.get(key, 0) + 1
 
+    def unknown_model(self) -> None:
+        self.unknown_model_requests += 1
+
     def batch_done(self, model: str, path: str) -> None:
         key = (model, path)
         self.exec_count[key] = self.exec_count.get(key, 0) + 1
 
     # ---------------------------------------------------------------- exposition
-    def render(self, pending: dict[str, int], decisions: dict[str, int], curves: dict, rates: dict[str, float]) -> str:
+    def render(self, pending: dict[str, int], decisions: dict[str, int], curves: dict, rates: dict[str, float],
+               in_flight: dict[str, int] | None = None) -> str:
         """The Prometheus text exposition (format 0.0.4) of the counters and the given scrape-time state."""
         from prometheus_client.exposition import generate_latest
 
@@ -112,7 +120,7 @@ class Metrics:
             self._registry = CollectorRegistry()
             self._registry.register(self._collector)
         # One thread: the state set here is the state the collector reads during generate_latest.
-        self._collector.scrape = ScrapeState(pending, decisions, curves, rates)
+        self._collector.scrape = ScrapeState(pending, decisions, curves, rates, in_flight or {})
         return generate_latest(self._registry).decode()
 
 
@@ -127,7 +135,7 @@ class DispatcherCollector:
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.scrape = ScrapeState({}, {}, {}, {})
+        self.scrape = ScrapeState({}, {}, {}, {}, {})
 
     def collect(self) -> Iterator:
         from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
@@ -156,8 +164,10 @@ class DispatcherCollector:
         for (model, path), n in sorted(m.exec_count.items()):
             fam.add_metric((model, VERSION, path), n)
         yield fam
-        yield gauge("nv_inference_pending_request_count", "Requests queued or in flight",
+        yield gauge("nv_inference_pending_request_count", "Requests queued, not yet given to a worker",
                      ("model", "version"), (((k, VERSION), n) for k, n in sorted(s.pending.items())))
+        yield gauge("batchyard_inflight_request_count", "Requests given to a worker and not yet answered",
+                     ("model",), (((k,), n) for k, n in sorted(s.in_flight.items())))
 
         fam = HistogramMetricFamily("batchyard_request_latency_seconds", "Arrival-to-reply latency in the dispatcher",
                                     labels=("model",))
@@ -169,11 +179,14 @@ class DispatcherCollector:
                 buckets.append((le, cum))
             fam.add_metric((model,), buckets, sum_value=h[-1] / 1e6)
         yield fam
+        yield CounterMetricFamily("batchyard_unknown_model_requests",
+                                  "Requests for a model this dispatcher does not serve",
+                                  value=m.unknown_model_requests)
         fam = CounterMetricFamily("batchyard_decisions", "Policy decisions by reason", labels=("reason",))
         for reason, n in sorted(s.decisions.items()):
             fam.add_metric((reason,), n)
         yield fam
-        curves = sorted((tuple(k.split("/", 1)), v) for k, v in s.curves.items())
+        curves = sorted((tuple(k.rsplit("/", 1)), v) for k, v in s.curves.items())  # a model may hold "/"
         yield gauge("batchyard_cost_launch_us", "Learned launch cost of T(B) = launch + per_item*B",
                      ("model", "path"), ((k, v["launch_us"]) for k, v in curves))
         yield gauge("batchyard_cost_per_item_us", "Learned per-item cost of T(B)",

@@ -117,7 +117,7 @@ class Dispatcher:
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
         self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
-                           cfg.worker_dead_after_s)
+                           cfg.worker_dead_after_s, self.metrics)
 
     @property
     def policy(self):
@@ -343,7 +343,7 @@ class Dispatcher:
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
                               worker=msg.worker, simulated=simulated)
             if status == Status.OK:
-                metrics.request_ok(req.model, path, req.priority, req.items, timing.queue_us, timing.compute_us,
+                metrics.request_ok(req.model, path, req.asked_priority, req.items, timing.queue_us, timing.compute_us,
                                    timing.total_us)
             else:
                 metrics.request_failed(req.model, status)
@@ -434,7 +434,11 @@ class Dispatcher:
     def _on_infer(self, msg: P.InferRequest, identity: bytes, raw: bytes, frames: list, now: float) -> None:
         spec = self.specs.get(msg.model)
         if spec is None:
-            self._reject(identity, msg, Status.UNKNOWN_MODEL, self._unknown_model(msg.model))
+            # Not counted under the name asked for: as in Triton, a model it does not serve has no
+            # series, and any client could otherwise add series without end (each scrape renders
+            # them all on this thread).
+            self.metrics.unknown_model()
+            self._reply(identity, P.error_reply(msg.id, Status.UNKNOWN_MODEL, self._unknown_model(msg.model)))
             return
         files = None
         if msg.outputs or any(ref.shm is not None for ref in msg.inputs):

@@ -19,7 +19,7 @@ N_PRIORITIES = 3
 
 
 class Request:
-    __slots__ = ("seq", "model", "items", "priority", "arrival", "deadline", "state",
+    __slots__ = ("seq", "model", "items", "priority", "asked_priority", "arrival", "deadline", "state",
                  "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
                  "shm_files", "suspect")
 
@@ -29,7 +29,8 @@ class Request:
         self.seq = seq
         self.model = model
         self.items = items
-        self.priority = priority
+        self.priority = priority  # its class now: aging moves it up
+        self.asked_priority = priority  # the class the client asked for, which metrics are labelled by
         self.arrival = arrival
         self.deadline = deadline
         self.state = QUEUED

@@ -44,8 +44,8 @@ def status_reply(d, rid: int, brief: bool = False) -> P.StatusReply:
 
 def render_metrics(d) -> str:
     now = time.monotonic()
-    pending = {m: 0 for m in d.specs}
-    pending.update(d.core.pending_by_model())
+    pending = {m: 0 for m in d.specs} | d.core.pending_by_model() | d.llm.pending()
+    in_flight = {m: 0 for m in pending} | d.core.in_flight_by_model() | d.llm.in_flight()
     return d.metrics.render(pending, d.core.decisions,
                             {f"{m}/{p}": c.describe() for (m, p), c in d.state.costs.items()},
-                            {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs})
+                            {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs}, in_flight)

@@ -835,6 +835,36 @@ def test_statistics_count_the_whole_node_whichever_process_answers(front_door):
     assert after[0] - before[0] == 12 * len(X)
 
 
+def test_a_request_the_client_cancels_counts_as_a_failure(front_door):
+    """Triton counts a cancelled request in inference_stats.fail; a gRPC call the client cancelled
+    mid-run was counted neither a success nor a failure."""
+    def fails() -> int:
+        st = tgrpc.InferenceServerClient(front_door.grpc_url).get_inference_statistics("slow", as_json=True)
+        return int(st["model_stats"][0]["inference_stats"].get("fail", {}).get("count", 0))
+
+    async def cancel_one():
+        g = tgrpc_aio.InferenceServerClient(front_door.grpc_url)
+        try:
+            with Client(front_door.node.address) as c:
+                busy = lambda: [w.inflight for w in c.status().workers if w.name == "slow0"] != [0]  # noqa: E731
+                while busy():  # an earlier test's request (each look a round trip): not the one to cancel
+                    pass
+                t = asyncio.ensure_future(g.infer("slow", [_grpc_input(X)]))
+                while not busy():  # each look a round trip to the dispatcher: until the call runs
+                    await asyncio.wait([t], timeout=0)
+                t.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await t
+            # Behind the cancel on the same connection: by its answer the cancel was handled.
+            return (await g.infer("slow", [_grpc_input(X)])).as_numpy("y")
+        finally:
+            await g.close()
+
+    before = fails()
+    np.testing.assert_array_equal(asyncio.run(cancel_one()), front_door.sdk("slow", X))
+    assert fails() == before + 1
+
+
 def test_execution_count_counts_batches_not_requests(front_door):
     """perf_analyzer's "Execution count" and a dashboard's inference_count / execution_count read
     the mean batch, as with Triton. Eight requests at once to `slow` (a 300 ms launch) share

@@ -250,3 +250,35 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key,
     assert e.value.status == 400 and e.value.param == key
     _check_supported({key: {"stop": None, "logit_bias": {}, "presence_penalty": 0,
                             "frequency_penalty": 0.0}[key]})  # the defaults pass
+
+
+def test_generate_requests_are_counted_in_the_metrics_as_tensor_requests_are():
+    """Triton's families had no sample for an LLM model, however many requests it served or
+    failed; a request for a model not served added a series under the client's name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batchyard.bench.harness import sample_total as total
+    from batchyard.llm_server import LlmDesk
+    from batchyard.metrics import Metrics
+
+    metrics, sent = Metrics(), []
+    desk = LlmDesk(lambda identity, header: sent.append(header) or True, lambda c, h: None, 30.0, 1.0, 10.0, metrics)
+    desk.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+    for rid in (1, 2):
+        desk.on_generate(P.GenerateRequest(v=1, id=rid, model="m", prompt=[7] * 64, max_tokens=2, priority=2,
+                                           timeout_us=1_000_000), b"client", 0.0, lambda m: "")
+    desk.on_generate(P.GenerateRequest(v=1, id=3, model="ghost", prompt=[7], max_tokens=2), b"client", 0.0,
+                     lambda m: "unknown")
+    desk.decide(0.0)
+    first = next(iter(desk.core.jobs.values()))
+    desk.on_done(P.LlmDone(job_id=first.job_id, worker="gpu0", compute_s=0.01,
+                           results=[P.LlmResult(seq=r.seq, status=0, tokens=[1, 1], first_token_s=0.001)
+                                    for r in first.requests]), 0.5)
+    desk.decide(2.0)  # the other passed its deadline
+    samples = [s for fam in text_string_to_metric_families(metrics.render(
+        desk.pending(), {}, {}, {}, desk.in_flight())) for s in fam.samples]
+    assert total(samples, "nv_inference_request_success", model="m", priority="low", path="gpu") == 1
+    assert total(samples, "nv_inference_count", model="m") == 1
+    assert total(samples, "nv_inference_request_failure", model="m", reason="REJECTED") == 1
+    assert total(samples, "batchyard_unknown_model_requests_total") == 1
+    assert not [s for s in samples if s.labels.get("model") == "ghost"]

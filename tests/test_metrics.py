@@ -43,8 +43,10 @@ def test_metrics_count_a_known_load(start_node):
                 c.infer("sum", {"x": np.ones((1, 4), np.float64)})
         with pytest.raises(UnknownModel):  # the SDK asks model_info first: not an inference failure
             c.infer("ghost", {"x": np.ones((1, 4), np.float32)})
-        # an infer for an unknown model, sent raw, is one
-        assert raw_roundtrip(node.address, [header(model="ghost"), X1]).status == 5
+        # an infer for an unknown model, sent raw, is counted, but under no model's name: as in
+        # Triton, a model not served has no series, and each name a client sends made one for good
+        for ghost in ("ghost", "ghost2"):
+            assert raw_roundtrip(node.address, [header(model=ghost), X1]).status == 5
         with pytest.raises(DeadlineExceeded):  # 1 us: no path finishes it in time, refused on arrival
             c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=1e-6)
         c.status()  # every reply above has been sent
@@ -55,9 +57,10 @@ def test_metrics_count_a_known_load(start_node):
     assert total(m, "nv_inference_count") == 22  # items
     # Triton's four reasons (a dashboard's {reason="REJECTED"}), Batchyard's status beside them
     assert total(m, "nv_inference_request_failure", reason="OTHER", status="invalid_argument") == 2
-    assert total(m, "nv_inference_request_failure", reason="OTHER", status="unknown_model") == 1
+    assert total(m, "batchyard_unknown_model_requests_total") == 2
+    assert not [x for x in m if x.labels.get("model", "").startswith("ghost")]
     assert total(m, "nv_inference_request_failure", reason="REJECTED", status="deadline_exceeded") == 1
-    assert total(m, "nv_inference_request_failure") == 4
+    assert total(m, "nv_inference_request_failure") == 3
     assert 1 <= total(m, "nv_inference_exec_count") <= 10
     assert total(m, "nv_inference_queue_duration_us") > 0
     assert total(m, "nv_inference_compute_infer_duration_us") > 0
@@ -146,3 +149,41 @@ def test_label_values_are_escaped_and_the_exposition_parses():
     assert total(samples, "batchyard_decisions_total", reason="cpu_now") == 3
     assert total(samples, "batchyard_cost_per_item_us", model=odd, path="cpu") == 50.0
     assert total(samples, "batchyard_arrival_rate", model=odd) == 12.5
+
+
+def test_pending_counts_the_queue_and_in_flight_the_requests_running(start_node):
+    """Triton's pending count leaves out a request its backend has started (an autoscaler reads
+    it as the backlog); it counted the running ones too. Those are Batchyard's own gauge."""
+    port = free_port()
+    node = start_node([sim_worker(launch_us=3_000_000.0)], policy="greedy", metrics_port=port)
+    with node.client() as c:
+        running = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=60)
+        c.status()  # answered after the step that sent it to the (only, free) worker
+        queued = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=60)
+        c.status()
+        m = scrape_port(port)
+        assert total(m, "nv_inference_pending_request_count", model="sum") == 1
+        assert total(m, "batchyard_inflight_request_count", model="sum") == 1
+        for f in (running, queued):
+            f.cancel()
+
+
+def test_the_priority_label_is_the_one_asked_for_not_the_class_aging_raised_it_to(start_node):
+    """Requests sent low that waited long enough to move up a class (aging) were counted as
+    normal or high: a dashboard of the low class missed them."""
+    port = free_port()
+    node = start_node([sim_worker(launch_us=20_000.0, per_item_us=100.0)], metrics_port=port)
+    with node.client() as c:
+        futs = [c.submit("sum", {"x": np.ones((1, 4), np.float32)}, priority="low", timeout=30) for _ in range(400)]
+        for f in futs:
+            f.result()
+        c.status()
+    m = scrape_port(port)
+    assert total(m, "nv_inference_request_success", model="sum") == 400
+    assert total(m, "nv_inference_request_success", model="sum", priority="low") == 400
+
+
+def test_a_model_name_with_a_slash_keeps_it_in_the_curve_labels():
+    text = Metrics().render({}, {}, {"org/bert/gpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {})
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert total(samples, "batchyard_cost_per_item_us", model="org/bert", path="gpu") == 50.0
