@@ -291,6 +291,13 @@ class NodeConfig(_Table):
             path = getattr(d, key)
             if path and not os.path.isfile(path):
                 raise ConfigError(f"[dispatcher] {key}: no file {path!r}")
+        if d.profile:
+            from .cost_model import load_profile
+
+            try:
+                load_profile(d.profile, {m.name for m in self.models})
+            except ValueError as e:
+                raise ConfigError(f"[dispatcher] profile: {e}") from None
         if d.curve_authorized_keys not in ("", "*") and not os.path.isdir(d.curve_authorized_keys):
             raise ConfigError(f"[dispatcher] curve_authorized_keys: no folder {d.curve_authorized_keys!r} "
                               f"(or \"*\" for any client key)")

@@ -250,7 +250,11 @@ class CostCurve:
         k = self._knots.get(b)
         expected = max(predicted, k[0]) if k is not None else predicted
         run_ends = False
-        if self.samples >= MIN_SAMPLES_FOR_OUTLIERS and seconds > OUTLIER_FACTOR * expected + 1e-4:
+        # A calibrated curve judges from its first online sample: a profile has fewer points than
+        # MIN_SAMPLES_FOR_OUTLIERS, and one 30x batch learnt just after it moved T(1) from 1.5 to
+        # 30.5 ms, still 130 % off 128 samples later.
+        calibrated = not math.isnan(self.r2)  # only from_points sets r2
+        if (self.samples >= MIN_SAMPLES_FOR_OUTLIERS or calibrated) and seconds > OUTLIER_FACTOR * expected + 1e-4:
             run = self._outliers_in_row[b] = self._outliers_in_row.get(b, 0) + 1
             if run < OUTLIER_RUN:
                 self.outliers += 1
@@ -390,13 +394,37 @@ def fit_error(points, launch: float, per_item: float) -> float:
     return max((abs(launch + per_item * b - t) / t for b, t in points if t > 0), default=0.0)
 
 
-def load_profile(path: str) -> dict[tuple[str, str], CostCurve]:
-    """Read a calibration profile (``batchyard calibrate``): {model: {path: {"points": [[B, s], ...]}}}."""
-    import json
+def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
+    """Read a calibration profile (``batchyard calibrate``): {"models": {model: {path: {"points":
+    [[B, seconds], ...]}}}}, B >= 1 once each, seconds finite and > 0, path "cpu" or "gpu", and
+    each model one of ``models`` when given. Anything else is a ValueError naming the file and
+    key: a point at B = 0 or a negative time crashed the first decision, and a NaN time (or
+    one in ms, T(1) = 32 s) refused every request as unable to meet its deadline, for good,
+    since nothing dispatched could correct the curve."""
+    import msgspec
 
-    data = json.loads(open(path).read())
-    return {(model, p): CostCurve.from_points([(int(b), float(t)) for b, t in entry["points"]])
-            for model, paths in data["models"].items() for p, entry in paths.items()}
+    from .profile_schema import PathProfile, Profile
+
+    try:
+        data = msgspec.json.decode(open(path, "rb").read(), type=Profile)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ValueError(f"profile {path}: {e}") from None
+    out = {}
+    for model, paths in data.models.items():
+        if models is not None and model not in models:
+            raise ValueError(f"profile {path}: models.{model}: not a model of this config ({sorted(models)})")
+        for p, raw in paths.items():
+            if p not in ("cpu", "gpu"):
+                raise ValueError(f"profile {path}: models.{model}.{p}: a path is \"cpu\" or \"gpu\"")
+            try:
+                entry = msgspec.json.decode(raw, type=PathProfile)
+            except msgspec.ValidationError as e:
+                raise ValueError(f"profile {path}: models.{model}.{p}: {e}") from None
+            sizes = [b for b, _ in entry.points]
+            if len(set(sizes)) != len(sizes):
+                raise ValueError(f"profile {path}: models.{model}.{p}.points: a batch size twice ({sorted(sizes)})")
+            out[(model, p)] = CostCurve.from_points([(b, t) for b, t in entry.points])
+    return out
 
 
 MIN_ELAPSED_S = 100e-6  # the dispatcher's decision granularity

@@ -59,5 +59,8 @@ class DeadlineIndex:
         deadline is dropped: that request is expired, the caller's to remove."""
         h = self._heap
         while h and (h[0][0] <= now or h[0][2] not in self._known):
-            heapq.heappop(h)
+            # Forgotten as well: a queue that never empties (sustained overload) kept every
+            # expired request, and with it the payload its frames hold (451 MiB in 10 s of
+            # 64 KiB requests). Still queued, it is at most walked again by ``sync``.
+            self._known.discard(heapq.heappop(h)[2])
         return h[0][0] if h else math.inf

@@ -328,6 +328,10 @@ class BatchDone(msgspec.Struct, tag="batch_done", tag_field="type"):
     worker: str
     compute_us: int
     results: list[ItemResult]
+    # The first batch of its size this worker process ran, a size its warm-up did not run: its
+    # time includes one-time kernel builds (the first call at a new size measured 25-35 %
+    # slower, once 10x): the dispatcher does not learn from it.
+    first_of_size: bool = False
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", tag_field="type"):

@@ -301,8 +301,11 @@ class Dispatcher:
         self._answer_status_waiters(now)
 
     def _on_batch_done(self, msg: P.BatchDone, frames: list, now: float) -> None:
-        # compute_us 0: nothing ran (the worker rejected every request): nothing to learn.
-        batch = self.core.complete(msg.batch_id, msg.compute_us / 1e6 if msg.compute_us else None, now, msg.worker)
+        # compute_us 0: nothing ran (the worker rejected every request): nothing to learn; nor
+        # from a size's first run in a worker (kernels built): one such cold batch learnt by a
+        # curve with no profile locked it into batches of 1, p99 5x, for good (SIMULATED).
+        learn = msg.compute_us and not msg.first_of_size
+        batch = self.core.complete(msg.batch_id, msg.compute_us / 1e6 if learn else None, now, msg.worker)
         if batch is None:
             return  # from a worker declared dead, for requests already failed over, or not this batch's worker
         w = batch.worker

@@ -394,3 +394,35 @@ def test_a_log_level_typo_is_a_usage_error():
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", "--log-level", "DEBG", "status", "--address",
                         "ipc:///nowhere"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice: 'DEBG'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("profile, message", [
+    ({"models": {"sum": {"cpu": {"points": [[0, 0.01], [2, 0.02]]}}}}, "models.sum.cpu: Expected `int` >= 1 - at `$.points[0][0]`"),
+    ({"models": {"sum": {"cpu": {"points": [[1, -0.01]]}}}}, "Expected `float` > 0"),
+    ({"models": {"sum": {"cpu": {"points": [[1, 1e400]]}}}}, "models.sum.cpu: Number out of range"),
+    ({"models": {"sum": {"cpu": {"points": []}}}}, "Expected `array` of length >= 1"),
+    ({"models": {"sum": {"amx": {"points": [[1, 0.01]]}}}}, "models.sum.amx: a path is \"cpu\" or \"gpu\""),
+    ({"models": {"sum": {"cpu": {"points": [[1, 0.01], [1, 0.02]]}}}}, "models.sum.cpu.points: a batch size twice"),
+    ({"models": {"nosuch": {"cpu": {"points": [[1, 0.01]]}}}}, "models.nosuch: not a model of this config"),
+    ({"points": []}, "Object missing required field `models`"),
+])
+def test_a_profile_that_would_break_the_decisions_is_refused_naming_the_key(tmp_path, profile, message):
+    """Read unchecked, a point at B=0 or a negative time crashed the dispatcher's first decision
+    (a crash loop under systemd), a NaN time refused every request for good, an unknown path
+    or model was ignored, a missing key was a bare KeyError."""
+    import json
+
+    (tmp_path / "p.json").write_text(json.dumps(profile).replace("Infinity", "1e400"))
+    got = load_error(tmp_path, edited("max_queue = 100", f'profile = "{tmp_path}/p.json"'))
+    assert got.startswith(f"node.toml: [dispatcher] profile: profile {tmp_path}/p.json: ") and message in got, got
+
+
+def test_a_profile_that_calibrate_writes_is_taken(tmp_path):
+    import json
+
+    from batchyard.cost_model import CostCurve, load_profile
+
+    pts = [[1, 0.002], [4, 0.005]]
+    (tmp_path / "p.json").write_text(json.dumps({"models": {"sum": {"gpu": {"points": pts,
+                                                                          **CostCurve.from_points(pts).describe()}}}}))
+    assert load_profile(str(tmp_path / "p.json"), {"sum"})[("sum", "gpu")].predict(4) == pytest.approx(0.005)

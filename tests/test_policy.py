@@ -502,3 +502,11 @@ def test_a_device_that_turns_several_times_slower_is_learnt():
     assert c.predict(1) == pytest.approx(4.4e-3, rel=0.1)
     assert c.predict(8) == pytest.approx(7.2e-3, rel=0.1)
     assert not c.observe(8, 0.5)  # a lone GC pause is still one
+
+
+def test_a_calibrated_curve_rejects_an_outlier_from_its_first_online_sample():
+    """A profile has fewer points than the samples an online curve waits for before it judges:
+    one 30x batch right after a six-point calibration moved T(1) from 1.5 to 30.5 ms."""
+    c = CostCurve.from_points([(b, 1e-3 + 0.5e-3 * b) for b in (1, 2, 4, 8, 16, 32)])
+    assert not c.observe(3, 30 * c.predict(3))
+    assert c.predict(1) == pytest.approx(1.5e-3)

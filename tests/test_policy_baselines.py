@@ -76,3 +76,21 @@ def test_deadline_index_follows_pushes_retries_and_dispatches():
     q.push_front(retry)  # a retry goes back to the head of its class
     idx.sync()
     assert idx.tightest(1.0) == 2.0 and idx.tightest(2.5) == math.inf  # passed deadlines drop out
+
+
+def test_deadline_index_forgets_expired_requests_while_the_queue_never_empties():
+    """Under sustained overload the queue never empties: every request that expired or was
+    cancelled out of it stayed in the index for good, with the payload its frames hold."""
+    st = state(0)
+    q = st.queue("m")
+    idx = DeadlineIndex(q)
+    keep = Request(0, "m", 1, 1, 0.0, math.inf)  # the queue is never empty
+    q.push(keep)
+    for i in range(1, 1001):
+        r = Request(i, "m", 1, 1, float(i), i + 0.5)
+        q.push(r)
+        idx.sync()
+        assert idx.tightest(float(i)) == i + 0.5
+        q.remove(r)  # it expires (or is cancelled) out of the queue: not dispatched
+        assert idx.tightest(i + 0.6) == math.inf
+    assert len(idx._known) <= 2

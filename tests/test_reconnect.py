@@ -155,3 +155,38 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
             assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
     finally:
         worker.close()
+
+
+def test_the_dispatcher_does_not_learn_from_a_batch_marked_first_of_its_size(run_dir, processes):
+    """A size's first run in a worker builds kernels (up to 10x its time); learnt, one such batch
+    could lock a curve with no profile into batches of 1 (workers/runtime.py marks it)."""
+    import zmq
+
+    from batchyard import protocol as P
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    start(processes, config, "dispatcher")
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(node.dispatcher.backend)
+    y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
+    try:
+        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu",
+                                        models=[SUM_MODEL.spec()])))
+        assert worker.poll(30_000)
+        worker.recv_multipart()  # registered
+        with Client(node.dispatcher.frontend) as c:
+            for first, learnt in ((True, 0), (False, 1)):
+                fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+                assert worker.poll(30_000)
+                batch = P.to_worker_decoder.decode(worker.recv_multipart()[0])
+                done = P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=2_000_000, first_of_size=first,
+                                   results=[P.ItemResult(seq=batch.seqs[0], status=0, n_frames=1, outputs=y)])
+                worker.send_multipart([P.encode(done), np.full((1, 2), 7, np.float32)])
+                assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
+                assert c.status().curves["sum/cpu"]["samples"] == learnt
+    finally:
+        worker.close()

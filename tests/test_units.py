@@ -391,3 +391,34 @@ def test_patterns_refuse_a_trailing_newline():
                                                                              "nbytes": 4}}]}
     with pytest.raises(P.DecodeError):
         P.client_message_decoder.decode(msgspec.msgpack.encode(ref))
+
+
+def test_a_sizes_first_run_in_a_worker_is_marked_and_not_learnt():
+    """A batch of a size the warm-up did not run builds its kernels in its time (up to 10x):
+    learnt by a curve with no profile, one such batch set the line at launch -8 ms + 9.5 ms*B,
+    and the policy sent one request at a time for good (SIMULATED p99 27 ms against 5)."""
+    import zmq
+
+    from batchyard.workers.runtime import WorkerRuntime
+
+    class Model:
+        path, simulated = "cpu", False
+
+        def run(self, model, inputs):
+            return {"y": np.zeros((len(inputs["x"]), 2), np.float32)}
+
+    spec = SUM_MODEL.spec()
+    rt = WorkerRuntime("w", "ipc:///nonexistent", Model(), {"sum": spec})
+    rt.warmup({"sum": (1, 2)})
+
+    def run(n: int) -> P.BatchDone:
+        heads = [zmq.Frame(P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=i, model="sum", inputs=[
+            P.TensorRef(name="x", dtype="float32", shape=[1, 4], frame=0)]))) for i in range(n)]
+        frames = [f for h in heads for f in (h, zmq.Frame(np.ones((1, 4), np.float32).tobytes()))]
+        reply = rt.run_batch(P.Batch(batch_id=1, model="sum", seqs=list(range(n)), n_frames=[1] * n), frames)
+        return msgspec.msgpack.decode(reply[0], type=P.BatchDone)
+
+    assert [run(n).first_of_size for n in (1, 2, 3, 3, 1)] == [False, False, True, False, False]
+    Model.simulated = True  # a simulated device has no kernels to build: the simulator learns each batch
+    assert not run(5).first_of_size
+
