@@ -44,3 +44,6 @@ def pin_node_process(cpus: tuple[int, ...], table: str, log: logging.Logger) -> 
     except ValueError as e:
         log.error("[%s] cpus: %s", table, e)
         return None
+    except OSError as e:  # sched_setaffinity refused (a seccomp filter, a container's policy)
+        log.error("[%s] cpus: pinning to %s refused: %s", table, list(cpus), e.strerror or e)
+        return None

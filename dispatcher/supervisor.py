@@ -57,7 +57,12 @@ READY_REPLY_S = 5.0
 
 class NodeNotReady(RuntimeError):
     """The node did not become ready: a child exited during start-up, or the readiness polls
-    kept failing until the start timeout."""
+    kept failing until the start timeout. ``exit_code``: `up`'s, EX_CONFIG when a child said
+    the config cannot run on this host (systemd's RestartPreventExitStatus then holds)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _die_with_parent() -> None:
@@ -168,16 +173,20 @@ class Supervisor:
             with contextlib.ExitStack() as stack:
                 c = client if client is not None else stack.enter_context(Client(
                     self.node.dispatcher.frontend, **node_client_keys(self.node.dispatcher, self.node.dispatcher.frontend)))
-                retry_s, last = READY_RETRY_S, "no reply from the dispatcher"
+                retry_s, last, answered = READY_RETRY_S, "no reply from the dispatcher", False
                 while True:
                     self._check_started()
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise NodeNotReady(f"not ready within {timeout:.0f} s: {last}")
                     poll_s = min(READY_POLL_S, left)
+                    # Until the dispatcher first answers, a short wait for the reply: one that
+                    # died starting was noticed only after READY_REPLY_S (5 s) more.
+                    reply_s = READY_REPLY_S if answered else READY_POLL_S
                     try:
                         st = c.status(min_registrations=n, wait=poll_s,
-                                      timeout=min(READY_REPLY_S, max(0.5, left - poll_s)))
+                                      timeout=min(reply_s, max(0.5, left - poll_s)))
+                        answered = True
                     except Exception as e:  # noqa: BLE001 -- every failure of a poll is retried
                         last = f"last readiness poll failed: {type(e).__name__}: {e}"
                         # A back-off, not a hot loop; a child's death (SIGCHLD) ends it at once.
@@ -209,12 +218,15 @@ class Supervisor:
 
     def _check_started(self) -> None:
         if self.dispatcher is not None and self.dispatcher.poll() is not None:
-            raise NodeNotReady(f"the dispatcher exited with {self.dispatcher.returncode} during start-up")
+            code = self.dispatcher.returncode
+            raise NodeNotReady(f"the dispatcher exited with {code} during start-up",
+                               EX_CONFIG if code == EX_CONFIG else 1)
         for name, proc in self.workers.items():
             if proc.poll() is not None:
-                why = ("cannot run on this host as configured" if proc.returncode == EX_CONFIG
-                       else f"exited with {proc.returncode}")
-                raise NodeNotReady(f"worker {name} {why} during start-up (see its log above)")
+                config = proc.returncode == EX_CONFIG
+                why = "cannot run on this host as configured" if config else f"exited with {proc.returncode}"
+                raise NodeNotReady(f"worker {name} {why} during start-up (see its log above)",
+                                   EX_CONFIG if config else 1)
 
     def run_forever(self) -> int:
         """Supervise until SIGTERM/SIGINT. Returns the exit code for the `up` command."""
@@ -331,10 +343,10 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
         sup.start()
         try:
             st = sup.wait_ready(ready_timeout_s)
-        except Exception as e:  # noqa: BLE001 -- one clear line and exit 1, never a traceback
+        except Exception as e:  # noqa: BLE001 -- one clear line and exit 1 (78), never a traceback
             why = str(e) if isinstance(e, NodeNotReady) else f"{type(e).__name__}: {e}"
             log.error("node did not start: %s", why)
-            return 1
+            return e.exit_code if isinstance(e, NodeNotReady) else 1
         log.info("node ready: %d workers, models %s", len(st.workers), st.models)
         print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
         notify(f"READY=1\nSTATUS=ready: {len(st.workers)} workers, clients at {node.dispatcher.frontend}")

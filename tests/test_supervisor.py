@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -85,6 +86,53 @@ def test_up_that_cannot_get_ready_logs_one_line_and_exits_1(monkeypatch, caplog)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].exc_info is None
     assert errors[0].getMessage().startswith("node did not start: not ready within 0 s")
+
+
+@pytest.mark.parametrize("who", ["dispatcher", "worker"])
+def test_up_exits_78_when_a_child_says_the_config_cannot_run_here(run_dir, who):
+    """A child on a cpu outside `up`'s mask (systemd's CPUAffinity, taskset) exits 78, which
+    systemd does not restart (RestartPreventExitStatus=78); `up` said 1 for it, and was
+    restarted every 2 s for good."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two cpus")
+    worker = sim_worker(models=("sum",))
+    if who == "worker":
+        worker = WorkerConfig(name=worker.name, kind="sim", models=worker.models, sim=worker.sim, cpus=(mine[1],))
+    _, up = spawn_up(run_dir, [worker], [SUM_MODEL], {"cpus": (mine[1],)} if who == "dispatcher" else {},
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                     preexec_fn=lambda: os.sched_setaffinity(0, {mine[0]}))
+    try:
+        _, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 78, err.decode()[-2000:]
+    assert b"not available to this process" in err and b"Traceback" not in err
+
+
+def test_pinning_a_node_process_that_the_kernel_refuses_is_a_config_error(monkeypatch, caplog):
+    """A seccomp filter or a container's policy refusing sched_setaffinity was a traceback and
+    exit 1 (restarted for good), not a line and exit 78."""
+    from batchyard.affinity import pin_node_process
+
+    def refuse(*_a):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    assert pin_node_process((sorted(os.sched_getaffinity(0))[0],), "dispatcher", logging.getLogger("t")) is None
+    assert "[dispatcher] cpus: pinning to" in caplog.text and "Operation not permitted" in caplog.text
+
+
+@pytest.mark.parametrize("unit", ["dispatcher", "frontend", "node", "worker"])
+def test_no_unit_denies_the_scheduling_calls_zeromq_makes_at_start(unit):
+    """ZeroMQ's I/O thread calls sched_setscheduler as it starts and aborts when that fails
+    (libzmq src/thread.cpp): the dispatcher and front-door units, which denied @resources
+    (sched_setscheduler, sched_setaffinity), aborted on every start."""
+    text = (Path(ROOT) / "deploy" / "systemd" / f"batchyard-{unit}@.service").read_text()
+    denied = [line for line in text.splitlines() if line.startswith("SystemCallFilter=~")]
+    assert denied and not any("@resources" in line or "sched_set" in line for line in denied)
 
 
 class _Closing:
@@ -320,3 +368,19 @@ def test_a_worker_runs_every_thread_at_its_configured_niceness(start_node):
     assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in dispatcher.threads()} == {mine}
     with Client(node.address) as c:  # and it serves
         assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 2)
+
+
+def test_a_numa_node_binding_keeps_the_worker_within_the_cpus_it_was_given():
+    """numa_run_on_node set the mask to every cpu of the node: a worker under systemd's
+    CPUAffinity (or taskset) with a numa_node ran on all of them."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two cpus")
+    code = ("import os; from batchyard.workers.pinning import bind_numa_node; note = bind_numa_node(0); "
+            "print(sorted(os.sched_getaffinity(0)), note)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: os.sched_setaffinity(0, {mine[0]}))
+    assert r.returncode == 0, r.stderr
+    if "skipped" in r.stdout:
+        pytest.skip(r.stdout)
+    assert r.stdout.startswith(f"[{mine[0]}] numa: running on"), r.stdout

@@ -33,8 +33,15 @@ def bind_numa_node(node: int | None) -> str:
     if not 0 <= node <= max_node:
         raise ValueError(f"numa_node {node} does not exist (host has nodes 0..{max_node})")
     numa.numa_set_strict(1)
+    allowed = os.sched_getaffinity(0)  # what systemd's CPUAffinity or taskset gave the process
     if numa.numa_run_on_node(node) != 0:
         raise OSError(ctypes.get_errno(), f"numa_run_on_node({node}) failed")
+    # numa_run_on_node sets the mask to the whole node, past the one the process was given: a
+    # worker under CPUAffinity=2 ran on every core of its node. Kept within both.
+    within = allowed & os.sched_getaffinity(0)
+    if not within:
+        raise ValueError(f"numa_node {node} has none of the cpus this process may use ({sorted(allowed)})")
+    each_thread(lambda tid: os.sched_setaffinity(tid, within))
     numa.numa_set_preferred(node)  # membind without libnuma's bitmask structs
     return f"numa: running on and preferring memory of node {node} (of {max_node + 1})"
 
