@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 
-from . import sd_notify
+from . import sd_notify, transport
 from .config import NodeConfig
 from .exit_codes import EX_CONFIG
 from .server import Dispatcher
@@ -37,7 +37,11 @@ def run_dispatcher(node: NodeConfig) -> int:
         profile = load_profile(node.dispatcher.profile)
         log.info("cost curves from %s: %s", node.dispatcher.profile,
                  {f"{m}/{p}": c.describe() for (m, p), c in profile.items()})
-    d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
+    try:
+        d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
+    except transport.EndpointInUse as e:
+        log.error("%s", e)
+        return 1
     d.start(loop)
     ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -45,8 +47,31 @@ def write_keypair(folder: str, name: str) -> tuple[str, str]:
     return public, secret
 
 
+class EndpointInUse(RuntimeError):
+    """Another process serves the address this one was to bind."""
+
+
+def refuse_if_served(address: str) -> None:
+    """EndpointInUse when a live process listens on ``address``'s ipc socket file. libzmq
+    unlinks the file and binds anew: a second node on the same config took the first one's
+    clients silently, and removed the file when it stopped, leaving the first unreachable.
+    A file nobody listens on (a node killed hard) is stale and may be bound over."""
+    path = address[len("ipc://"):] if address.startswith("ipc://") else ""
+    if not path or path.startswith("@") or not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:  # ECONNREFUSED: stale
+        return
+    finally:
+        probe.close()
+    raise EndpointInUse(f"{address} is served by another process (a node already running this config?)")
+
+
 def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) -> Optional[tuple]:
-    """Bind ``sock``; returns the socket file of an ipc endpoint, for ``remove_socket_file``."""
+    """Bind ``sock``; returns the socket file of an ipc endpoint, for ``remove_socket_file``.
+    EndpointInUse when another process serves ``address``."""
     if address.startswith("tcp://") and cfg.curve_secret_key:
         public, secret = read_keypair(cfg.curve_secret_key)
         sock.curve_secretkey = secret
@@ -54,7 +79,13 @@ def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) 
         sock.curve_server = True
     if frontend:
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes or cfg.max_inline_bytes + (1 << 20))
-    sock.bind(address)
+    refuse_if_served(address)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise EndpointInUse(f"{address} is served by another process: {e}") from None
+        raise
     if address.startswith("ipc://"):
         path = address[len("ipc://"):]
         if not path.startswith("@"):  # an abstract socket has no file

@@ -384,3 +384,46 @@ def test_a_numa_node_binding_keeps_the_worker_within_the_cpus_it_was_given():
     if "skipped" in r.stdout:
         pytest.skip(r.stdout)
     assert r.stdout.startswith(f"[{mine[0]}] numa: running on"), r.stdout
+
+
+def test_a_second_up_on_a_running_nodes_config_refuses_and_leaves_the_first_serving(start_node, run_dir):
+    """The second node's dispatcher bound over the first's ipc socket files (libzmq unlinks
+    them), its `up` took the first's readiness answer for its own and said ready, clients then
+    reached a dispatcher with no workers, and when it stopped it removed the files: the first
+    node, still running, was unreachable."""
+    first = start_node([sim_worker()])
+    node, second = spawn_up(run_dir, [sim_worker()], first.cfg.models, {"heartbeat_interval_s": 0.1,
+                                                                       "worker_dead_after_s": 0.6},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = second.communicate(timeout=120)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert second.returncode != 0 and b"ready" not in out, (out, err[-2000:])
+    assert b"is served by another process" in err
+    with first.client() as c:
+        assert c.status().dispatcher_pid == first_pid(first)
+        np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
+
+
+def first_pid(node) -> int:
+    import psutil
+
+    [d] = [p for p in psutil.Process(node.up.pid).children() if "dispatcher" in " ".join(p.cmdline())]
+    return d.pid
+
+
+def test_a_worker_asked_to_stop_exits_even_when_its_batch_never_ends():
+    """The stop (SIGTERM, or the parent-death signal when `up` was killed hard) was only read
+    between batches: a worker stuck in one lived on, reparented to pid 1, holding its memory."""
+    code = ("import os, signal, time\n"
+            "from batchyard.workers import runtime\n"
+            "runtime.STOP_GRACE_S = 0.2\n"
+            "rt = runtime.WorkerRuntime('w', 'ipc:///nonexistent', None, {})\n"
+            "signal.signal(signal.SIGTERM, rt.request_stop)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(120)  # a batch that never ends\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr

@@ -91,7 +91,10 @@ class LlmServer:
         self.registered = False
 
     def request_stop(self, *_args) -> None:
+        from .runtime import exit_after_grace
+
         self.stopping = True
+        exit_after_grace()
 
     def serve(self, started: float) -> int:
         from batchyard.transport import secure_worker_socket

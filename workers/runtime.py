@@ -103,6 +103,7 @@ class WorkerRuntime:
 
     def request_stop(self, *_args) -> None:
         self._stop = True
+        exit_after_grace()
 
     def warmup(self, sizes: dict[str, tuple[int, ...]]) -> None:
         """Run every batch size the scheduler may use once: oneDNN builds kernels per shape and
@@ -276,6 +277,18 @@ class WorkerRuntime:
         header = P.encode(P.BatchDone(batch_id=msg.batch_id, worker=self.name, compute_us=compute_us,
                                       results=results, first_of_size=first))
         return [header, *out_frames]
+
+
+# A stop asked (SIGTERM: from `up`, from systemd, or the parent-death signal when `up` was killed
+# hard) is read by the loop between batches; a batch that never ends would keep the process for
+# good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
+STOP_GRACE_S = 15.0
+
+
+def exit_after_grace() -> None:
+    timer = threading.Timer(STOP_GRACE_S, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
 
 
 class CannotStart(RuntimeError):
