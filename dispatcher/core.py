@@ -26,8 +26,14 @@ from .protocol import Status
 from .state import DONE, INFLIGHT, QUEUED, Request, SchedulerState, WorkerState
 
 
-# Status long polls one connection may have held at once; past that each is answered at once.
+# Status long polls one connection may have held at once, and the node all connections
+# together; past either, each is answered at once. Closed connections leave theirs held until
+# they expire: without a node-wide cap, 3000 connections that sent 64 polls each and closed
+# kept 62 MiB and made every registration look through them all (infers waited up to 97 ms).
 MAX_STATUS_WAITERS = 64
+MAX_STATUS_WAITERS_NODE = 4096
+# The longest a status poll is held (a readiness wait is seconds; its timeout could be years).
+MAX_STATUS_WAIT_S = 600.0
 
 
 class Rejected(NamedTuple):
@@ -35,6 +41,11 @@ class Rejected(NamedTuple):
 
     status: Status
     message: str
+
+
+# A batch's compute time is part of the round trip the dispatcher saw; the slack covers
+# clocks read at different instants (and the simulator's float sums).
+COMPUTE_SLACK_S = 1e-3
 
 
 class Batch:
@@ -227,6 +238,11 @@ class RequestCore:
             return None
         del self.batches[batch_id]
         w = batch.worker
+        if compute_s is not None and not 0 < compute_s <= now - batch.sent_at + COMPUTE_SLACK_S:
+            # Not a time this batch could have taken (a broken or hostile worker): learnt, one
+            # compute_us of 2**64-1 set the launch to 2e18 us, and every later request of the
+            # model was refused on arrival, for good (nothing dispatched, nothing to correct it).
+            compute_s = None
         if self.state.workers.get(w.name) is w:
             w.last_seen = now
             self.state.on_complete(w, batch.model, batch.items, compute_s, now)
@@ -344,6 +360,16 @@ class RequestCore:
                     self.hung[b.worker.name] = reason
         return lost
 
+    def undelivered(self, batch: Batch) -> None:
+        """``batch`` never reached its worker: its requests go back to the head of their queues
+        as they were (no retry spent, not suspect)."""
+        if self.batches.pop(batch.batch_id, None) is None:
+            return
+        for req in reversed(batch.requests):
+            if req.state == INFLIGHT:
+                req.state = QUEUED
+                self.state.queue(req.model).push_front(req)
+
     def worker_lost(self, name: str, reason: str, now: float) -> Optional[WorkerState]:
         """Fail over every batch the worker had: each request goes back to the head of its
         queue once if its deadline allows, otherwise it fails UNAVAILABLE. Nothing is left
@@ -390,6 +416,8 @@ class RequestCore:
                           owner: Any = None) -> bool:
         """Hold a status long poll. False (the caller answers it now) when ``owner`` (its
         connection) already holds ``MAX_STATUS_WAITERS`` of them."""
+        if len(self.status_waiters) >= MAX_STATUS_WAITERS_NODE:
+            return False
         if owner is not None:
             held = self._waiters_by_owner.get(owner, 0)
             if held >= MAX_STATUS_WAITERS:

@@ -17,6 +17,7 @@ from .llm_routing import DecodeCurve, KvLink, LlmCurves, PrefillCurve
 
 ONLINE_WINDOW = 64  # recent samples kept per curve
 REFIT_EVERY = 4  # a refit costs ~50 us; prefill completions come a few per second
+MIN_SECONDS = 1e-9  # a sample below this is no measurement
 
 
 class LinearFit:
@@ -31,7 +32,10 @@ class LinearFit:
         self.samples = 0
 
     def add(self, x: tuple[float, ...], y: float, calibration: bool = False, source: str = "") -> None:
-        if not (y > 0 and np.isfinite(y)):
+        # Under a nanosecond is no engine step: 1/y, the row's weight, overflowed (5e-324 s from
+        # a worker's calibration), the fit raised at every refit, and the requests of each job
+        # whose completion refitted were stranded.
+        if not (MIN_SECONDS <= y and np.isfinite(y) and all(np.isfinite(v) for v in x)):
             return
         (self.seed.setdefault(source, []) if calibration else self.recent).append((tuple(x), float(y)))
         self.samples += 1
@@ -53,7 +57,10 @@ class LinearFit:
         y = np.array([r[1] for r in rows], dtype=float)
         # Relative error matters (a 5 ms prefill and a 2 s one): weight rows by 1/y.
         w = 1.0 / y
-        coef = _nonneg_lstsq(X * w[:, None], y * w)
+        try:
+            coef = _nonneg_lstsq(X * w[:, None], y * w)
+        except np.linalg.LinAlgError:  # degenerate rows: keep the coefficients there are
+            coef = None
         if coef is not None:
             self.coef = coef
 

@@ -31,12 +31,13 @@ import math
 import time
 from typing import Optional
 
+import msgspec
 import zmq
 
 from . import protocol as P
 from . import status_report, transport
 from .config import DispatcherConfig
-from .core import Batch, Rejected, RequestCore
+from .core import MAX_STATUS_WAIT_S, Batch, Rejected, RequestCore
 from .cost_model import CostCurve
 from .lateness import Lateness
 from .llm_server import LlmDesk
@@ -202,8 +203,12 @@ class Dispatcher:
             self.lateness.record("arrival", now - self._first_arrival)
             self._first_arrival = 0.0
         core = self.core
-        for batch in core.decide(now):
-            self._send_to_worker(batch, now)
+        batches = core.decide(now)
+        while batches:
+            undelivered = [b for b in batches if not self._send_to_worker(b, now)]
+            # Their requests are queued again and their workers gone: decide again, now, on
+            # the workers left (each round loses a worker, so this ends).
+            batches = core.decide(now) if undelivered else []
         self.core.departures += self.llm.decide(now)  # the long poll's cursor counts every worker
         if core.draining and ((not core.batches and not self.llm.busy()) or now >= self._drain_deadline):
             core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
@@ -252,6 +257,14 @@ class Dispatcher:
             msg = P.worker_message_decoder.decode(frames[1].buffer)
         except P.DecodeError as e:
             log.warning("dropping malformed worker message from %r: %s", identity, e)
+            self._end_batch_of_malformed_message(frames[1].buffer, identity, now)
+            return
+        if type(msg) in (P.BatchDone, P.Heartbeat, P.LlmDone, P.Goodbye) and not self._sent_by(msg.worker, identity):
+            # A worker is its connection, not the name a message gives: anything on the workers'
+            # socket could answer another worker's batch (its client got the forged output, the
+            # real one was dropped) or say goodbye for it.
+            log.warning("dropping %s naming worker %r from connection %r, not that worker's",
+                        type(msg).__name__, msg.worker, identity)
             return
         if type(msg) is P.BatchDone:
             self._on_batch_done(msg, frames, now)
@@ -273,6 +286,27 @@ class Dispatcher:
             self._answer_status_waiters(now)
         else:
             self._on_register(msg, identity, now)
+
+    def _end_batch_of_malformed_message(self, raw, identity: bytes, now: float) -> None:
+        """A batch_done that fails its schema (an output dimension past 2**31, say) still names
+        its batch: its requests are answered INTERNAL now. Dropped whole, they waited for their
+        deadlines, and the worker's slot stayed taken until it was declared hung."""
+        try:
+            head = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            return
+        batch_id = head.get("batch_id") if isinstance(head, dict) and head.get("type") == "batch_done" else None
+        batch = self.core.batches.get(batch_id) if type(batch_id) is int else None
+        if batch is not None and batch.worker.identity == identity:
+            why = f"worker {batch.worker.name} sent a malformed result (it does not decode)"
+            self._on_batch_done(P.BatchDone(batch_id=batch_id, worker=batch.worker.name, compute_us=0, results=[
+                P.ItemResult(seq=r.seq, status=Status.INTERNAL, message=why) for r in batch.requests]), [], now)
+
+    def _sent_by(self, name: str, identity: bytes) -> bool:
+        """Whether a message naming worker ``name`` came over its own connection (or its
+        heartbeat thread's, ``<identity>#hb``); True for a name not registered."""
+        w = self.state.workers.get(name) or self.llm.core.workers.get(name)
+        return w is None or identity in (w.identity, w.identity + b"#hb")
 
     def _on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
         text = registration_problem(msg.models, self.specs)
@@ -420,7 +454,7 @@ class Dispatcher:
             # polls has this one answered now (still after this step's decision).
             token = (identity, msg.id, msg.brief)
             if not self.core.add_status_waiter(token, msg.min_registrations,
-                                               now + min(msg.wait_us / 1e6, P.MAX_TIMEOUT_S), msg.min_departures,
+                                               now + min(msg.wait_us / 1e6, MAX_STATUS_WAIT_S), msg.min_departures,
                                                owner=identity):
                 self.core.add_status_waiter(token, 0, now)
 
@@ -467,7 +501,9 @@ class Dispatcher:
             self._reply(identity, P.encode(status_report.status_reply(self, rid, brief)))
 
     # ------------------------------------------------------------------ 4. workers out
-    def _send_to_worker(self, batch: Batch, now: float) -> None:
+    def _send_to_worker(self, batch: Batch, now: float) -> bool:
+        """False when the worker's connection was gone: the batch never reached it, its
+        requests are queued again as they were and the worker is out of rotation."""
         reqs = batch.requests
         frames: list = [batch.worker.identity, b""]
         seqs, n_frames, files = [], [], {}
@@ -483,7 +519,13 @@ class Dispatcher:
             send_parts(self.backend, frames)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's connection is gone
             log.warning("worker %s unreachable (%s)", batch.worker.name, e)
+            # Not failed over as a batch that ran: that spent the requests' one retry (and made
+            # them suspects), and with two workers gone a request that reached neither was
+            # answered UNAVAILABLE beside a free healthy worker.
+            self.core.undelivered(batch)
             self._worker_lost(batch.worker.name, f"unreachable: {e}", now)
+            return False
+        return True
 
     def _send_worker(self, identity: bytes, header: bytes) -> bool:
         """False when the worker's connection is gone (ROUTER_MANDATORY)."""

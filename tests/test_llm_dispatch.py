@@ -201,7 +201,7 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
     gpu.stop.set()
     gpu.join(timeout=5)
     with zmq.Context.instance().socket(zmq.DEALER) as s:  # the worker says goodbye, as a real one does
-        s.setsockopt(zmq.IDENTITY, b"gpu0-bye")
+        s.setsockopt(zmq.IDENTITY, b"gpu0")  # its own connection is closed: the name is free again
         s.connect(address.replace("/fe", "/be"))
         s.send(P.encode(P.Goodbye(worker="gpu0")))
         with Client(address) as c:

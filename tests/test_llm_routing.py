@@ -85,3 +85,19 @@ def test_simulated_routing_beats_gpu_only_near_gpu_saturation():
     assert routed["ttft_p50_ms"] < gpu_only["ttft_p50_ms"]
     # far below saturation the GPU wins every prompt and routing changes nothing
     assert simulate(sc, "routed", 5, n=200, seed=3)["cpu_share"] == 0
+
+
+def test_a_sample_that_is_no_time_does_not_break_the_fit():
+    """A calibration sample of 5e-324 s: its weight 1/y overflowed, every refit raised, and
+    each job whose completion refitted left its requests stranded."""
+    import numpy as np
+
+    from batchyard.llm_fit import LinearFit
+
+    fit = LinearFit(2, (0.001, 0.0001))
+    fit.add((1.0, 32.0), 5e-324, calibration=True, source="w")
+    fit.add((1.0, float("nan")), 0.01, calibration=True, source="w")
+    for n in (32, 64, 128, 256, 512):
+        fit.add((1.0, float(n)), 0.002 + 0.0001 * n)
+    assert np.isfinite(fit.coef).all()
+    assert fit.predict((1.0, 300.0)) == pytest.approx(0.032, rel=0.05)

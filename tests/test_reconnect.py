@@ -136,7 +136,10 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
             for bad in (P.ItemResult(seq=0, status=0, n_frames=0, outputs=y),  # frame 0 of none
                         P.ItemResult(seq=0, status=0, n_frames=3, outputs=y),  # 3 frames, none sent
                         P.ItemResult(seq=0, status=0, n_frames=-1, outputs=y),
-                        P.ItemResult(seq=0, status=999, n_frames=0)):  # no such status
+                        P.ItemResult(seq=0, status=999, n_frames=0),  # no such status
+                        # past its schema (a dimension over 2**31): the message does not decode
+                        P.ItemResult(seq=0, status=0, n_frames=1, outputs=[
+                            P.TensorRef(name="y", dtype="float32", shape=[2**40, 2], frame=0)])):
                 fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
                 assert worker.poll(30_000)
                 frames = worker.recv_multipart()
@@ -157,7 +160,7 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
         worker.close()
 
 
-def test_the_dispatcher_does_not_learn_from_a_batch_marked_first_of_its_size(run_dir, processes):
+def test_the_dispatcher_learns_only_from_batch_times_it_can_trust(run_dir, processes):
     """A size's first run in a worker builds kernels (up to 10x its time); learnt, one such batch
     could lock a curve with no profile into batches of 1 (workers/runtime.py marks it)."""
     import zmq
@@ -179,14 +182,62 @@ def test_the_dispatcher_does_not_learn_from_a_batch_marked_first_of_its_size(run
         assert worker.poll(30_000)
         worker.recv_multipart()  # registered
         with Client(node.dispatcher.frontend) as c:
-            for first, learnt in ((True, 0), (False, 1)):
+            # A time longer than the round trip the dispatcher saw is no batch's either: one
+            # compute_us of 2**62 made every later request of the model refused on arrival.
+            for compute_us, first, learnt in ((100, True, 0), (2**62, False, 0), (100, False, 1)):
                 fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
                 assert worker.poll(30_000)
                 batch = P.to_worker_decoder.decode(worker.recv_multipart()[0])
-                done = P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=2_000_000, first_of_size=first,
+                done = P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=compute_us, first_of_size=first,
                                    results=[P.ItemResult(seq=batch.seqs[0], status=0, n_frames=1, outputs=y)])
                 worker.send_multipart([P.encode(done), np.full((1, 2), 7, np.float32)])
                 assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
                 assert c.status().curves["sum/cpu"]["samples"] == learnt
     finally:
         worker.close()
+
+
+def test_a_result_or_goodbye_naming_another_worker_is_dropped(run_dir, processes):
+    """Results and goodbyes were taken by the worker name they carry: anything on the workers'
+    socket could answer another worker's batch (its client got the forged output and the real
+    one was dropped) or take it out of rotation."""
+    import zmq
+
+    from batchyard import protocol as P
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    start(processes, config, "dispatcher")
+    socks = []
+    for name in ("w0", "intruder"):
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(node.dispatcher.backend)
+        socks.append(s)
+    worker, intruder = socks
+    y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
+    try:
+        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu",
+                                        models=[SUM_MODEL.spec()])))
+        assert worker.poll(30_000)
+        worker.recv_multipart()  # registered
+        with Client(node.dispatcher.frontend) as c:
+            fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+            assert worker.poll(30_000)
+            batch = P.to_worker_decoder.decode(worker.recv_multipart()[0])
+
+            def done(value):
+                return [P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100, results=[
+                    P.ItemResult(seq=batch.seqs[0], status=0, n_frames=1, outputs=y)])),
+                    np.full((1, 2), value, np.float32)]
+
+            intruder.send_multipart(done(666))
+            intruder.send(P.encode(P.Goodbye(worker="w0")))
+            worker.send_multipart(done(7))
+            assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
+            assert [w.name for w in c.status().workers] == ["w0"]  # still in rotation
+    finally:
+        for s in socks:
+            s.close()
