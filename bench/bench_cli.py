@@ -38,12 +38,12 @@ def spec_from(args, rate: float = 0.0) -> LoadSpec:
 
 
 def measure_ceiling(processes: int, concurrency: int = 256, window: float = 5.0) -> float:
-    from .dispatch_bench import _NodeRun
+    from .noop_paths import NodeRun
 
-    with _NodeRun() as r:
+    with NodeRun() as r:
         spec = LoadSpec(concurrency=concurrency, warmup_s=1.0, window_s=window, windows=1, processes=processes,
                         stable_windows=1)
-        rep = analyse(run_load(r.node.dispatcher.frontend, "noop", spec), spec, "batchyard", "no-op ceiling")
+        rep = analyse(run_load(r.address, "noop", spec), spec, "batchyard", "no-op ceiling")
     return rep.summary["throughput_rps"]
 
 

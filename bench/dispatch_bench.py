@@ -133,7 +133,7 @@ def _load_proc(address: str, inflight: int, duration: float, q) -> None:
                 nonlocal done
                 while time.monotonic() < stop:
                     await c.infer("noop", {"x": X})
-                    done += 1
+                    done += time.monotonic() <= stop  # inside the window only (each lane's last ends after it)
 
             await asyncio.gather(*(lane() for _ in range(inflight)))
             return done
