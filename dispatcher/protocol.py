@@ -436,8 +436,11 @@ def salvage_id(raw: bytes) -> Optional[int]:
     """Best effort: the request id of a header that failed typed decoding, so the error
     reply can still be matched by the client. None when the header is not even a map."""
     try:
-        # raw=True: a header whose strings are not valid UTF-8 still yields its id
-        obj: Any = msgpack.unpackb(raw, raw=True, strict_map_key=False)
+        # raw=True: a header whose strings are not valid UTF-8 still yields its id. The first
+        # object only: bytes after it (two maps in one frame) made unpackb refuse the whole.
+        unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(raw), 1))
+        unpacker.feed(raw)
+        obj: Any = unpacker.unpack()
     except Exception:
         return None
     if isinstance(obj, dict):

@@ -257,7 +257,7 @@ class Dispatcher:
             msg = P.worker_message_decoder.decode(frames[1].buffer)
         except P.DecodeError as e:
             log.warning("dropping malformed worker message from %r: %s", identity, e)
-            self._end_batch_of_malformed_message(frames[1].buffer, identity, now)
+            self._answer_malformed(frames[1].buffer, identity, str(e), now)
             return
         if type(msg) in (P.BatchDone, P.Heartbeat, P.LlmDone, P.Goodbye) and not self._sent_by(msg.worker, identity):
             # A worker is its connection, not the name a message gives: anything on the workers'
@@ -287,13 +287,20 @@ class Dispatcher:
         else:
             self._on_register(msg, identity, now)
 
-    def _end_batch_of_malformed_message(self, raw, identity: bytes, now: float) -> None:
+    def _answer_malformed(self, raw, identity: bytes, why: str, now: float) -> None:
         """A batch_done that fails its schema (an output dimension past 2**31, say) still names
         its batch: its requests are answered INTERNAL now. Dropped whole, they waited for their
-        deadlines, and the worker's slot stayed taken until it was declared hung."""
+        deadlines, and the worker's slot stayed taken until it was declared hung. A registration
+        that fails it is refused in words."""
         try:
             head = msgspec.msgpack.decode(raw)
         except msgspec.DecodeError:
+            return
+        if isinstance(head, dict) and head.get("type") == "register" and type(head.get("worker")) is str:
+            # Answered, as a registration the dispatcher refuses: unanswered, the worker retried
+            # in silence for good (a max_batch of 0, say).
+            self._send_worker(identity, P.encode(P.RegisterRejected(
+                worker=head["worker"][:200], message=f"registration does not decode: {why}"[:1000])))
             return
         batch_id = head.get("batch_id") if isinstance(head, dict) and head.get("type") == "batch_done" else None
         batch = self.core.batches.get(batch_id) if type(batch_id) is int else None

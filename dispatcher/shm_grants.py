@@ -154,14 +154,16 @@ class ShmGrants:
     def sweep(self) -> None:
         """Forget grants for files that no longer exist under their names (their owner unlinked
         them, or something else took the name since)."""
-        for conn in list(self.granted):
+        now_at: dict = {}  # segment -> its file now (None: gone): one stat a name, however many
+        for conn in list(self.granted):  # connections hold it (100,000 grants took 375 ms)
             segs = self.granted[conn]
             for s, f in list(segs.items()):
-                try:
-                    same = file_id(os.stat(os.path.join(self.shm_dir, s), follow_symlinks=False)) == f
-                except OSError:
-                    same = False
-                if not same:
+                if s not in now_at:
+                    try:
+                        now_at[s] = file_id(os.stat(os.path.join(self.shm_dir, s), follow_symlinks=False))
+                    except OSError:
+                        now_at[s] = None
+                if now_at[s] != f:
                     del segs[s]
             if not segs:
                 del self.granted[conn]

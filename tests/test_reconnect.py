@@ -241,3 +241,30 @@ def test_a_result_or_goodbye_naming_another_worker_is_dropped(run_dir, processes
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_registration_that_does_not_decode_is_refused_in_words(run_dir, processes):
+    """A register with a max batch of 0 failed its schema and was dropped unanswered: the worker
+    retried in silence, for good."""
+    import zmq
+
+    from batchyard import protocol as P
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    start(processes, config, "dispatcher")
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(node.dispatcher.backend)
+    try:
+        import msgspec
+
+        bad = msgspec.structs.replace(SUM_MODEL.spec(), max_batch=0)
+        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[bad])))
+        assert worker.poll(30_000), "no answer to the registration"
+        msg = P.to_worker_decoder.decode(worker.recv_multipart()[0])
+        assert type(msg) is P.RegisterRejected and msg.worker == "w0" and "max_batch" in msg.message, msg
+    finally:
+        worker.close()

@@ -357,3 +357,24 @@ def test_a_lost_connection_forgets_the_model_specs():
     codec.specs["m"] = object()
     codec.lost_connection()
     assert codec.needs_spec("m")
+
+
+def test_the_grant_sweep_looks_at_each_segment_once_however_many_connections_hold_it(tmp_path, monkeypatch):
+    """One segment registered over 100,000 connections (which then closed) made each sweep stat
+    it 100,000 times on the dispatcher's thread (375 ms)."""
+    from batchyard import shm_grants
+    from batchyard.shm_grants import ShmGrants, file_id
+
+    (tmp_path / "seg").write_bytes(b"x")
+    (tmp_path / "gone").write_bytes(b"x")
+    g = ShmGrants(str(tmp_path))
+    for i in range(1000):
+        g.granted[(b"\0%d" % i, "")] = {"seg": file_id(os.stat(tmp_path / "seg")),
+                                        "gone": file_id(os.stat(tmp_path / "gone"))}
+    (tmp_path / "gone").unlink()
+    calls = []
+    real = os.stat
+    monkeypatch.setattr(shm_grants.os, "stat", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    g.sweep()
+    assert len(calls) == 2
+    assert all(segs.keys() == {"seg"} for segs in g.granted.values()) and len(g.granted) == 1000

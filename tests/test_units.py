@@ -62,6 +62,8 @@ def test_salvage_id_recovers_id_from_bad_header():
     raw = msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 42, "model": 5})
     assert P.salvage_id(raw) == 42
     assert P.salvage_id(b"\xc1") is None
+    assert P.salvage_id(raw + raw) == 42  # two maps in one frame: the id was lost (nil)
+    assert P.salvage_id(raw + b"\xc1") == 42
 
 
 @pytest.mark.parametrize("req,frames,needle", [
