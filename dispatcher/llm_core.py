@@ -50,6 +50,7 @@ class LlmRequest:
     prefill_worker: str = ""
     done: bool = False
     priority: int = P.PRIORITY_NORMAL  # as asked: metrics are labelled by it (routing ignores it)
+    job_id: int = -1  # the job it is in, while one runs it
 
 
 @dataclass(eq=False)
@@ -80,7 +81,7 @@ class Job:
 @dataclass
 class Send:
     worker: LlmWorker
-    job: P.LlmJob
+    job: P.LlmJob | P.LlmAbort
 
 
 @dataclass
@@ -244,6 +245,8 @@ class LlmCore:
                                   max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq]))
 
     def _start(self, job: Job, msg: P.LlmJob) -> None:
+        for r in job.requests:
+            r.job_id = job.job_id
         self.jobs[job.job_id] = job
         job.worker.jobs[job.job_id] = job
         self._out.append(Send(job.worker, msg))
@@ -289,10 +292,19 @@ class LlmCore:
                     queue.remove(r)
                 self.on_fail(r, Status.DEADLINE_EXCEEDED, f"deadline passed after {now - r.arrival:.3f} s "
                                                           f"(route {r.route})")
+                self._abort(r)
+
+    def _abort(self, r: LlmRequest) -> None:
+        """``r`` was answered while a job runs it: the engine stops it. Left, it decoded to its
+        max_tokens for nobody, holding a slot and KV blocks the requests behind it waited for."""
+        job = self.jobs.get(r.job_id)
+        if job is not None and r in job.requests:
+            self._out.append(Send(job.worker, P.LlmAbort(job_id=job.job_id, seqs=[r.seq])))
 
     def cancel(self, client: bytes, req_id: int) -> bool:
-        """Cancel a request still waiting for a CPU prefill (one whose job runs goes on); it is
-        answered CANCELLED. A client's cancel reached only the tensor core: the request ran."""
+        """Cancel a request: one waiting for a CPU prefill leaves the queue, one a job runs is
+        stopped in its engine; it is answered CANCELLED. A client's cancel reached only the
+        tensor core: the request ran."""
         for queue in self.cpu_queue.values():
             for r in queue:
                 if r.client == client and r.req_id == req_id and not r.done:
@@ -300,6 +312,11 @@ class LlmCore:
                     self._end(r)
                     self.on_fail(r, Status.CANCELLED, "cancelled by the client while queued")
                     return True
+        for r in list(self.requests.values()):
+            if r.client == client and r.req_id == req_id and r.job_id in self.jobs and self._end(r):
+                self.on_fail(r, Status.CANCELLED, "cancelled by the client while it ran")
+                self._abort(r)
+                return True
         return False
 
     def _end(self, r: LlmRequest) -> bool:

@@ -414,7 +414,16 @@ class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True
     order: list[int] = []
 
 
-DispatcherToWorker = Union[Batch, Registered, Reregister, Restart, RegisterRejected, LlmJob]
+class LlmAbort(msgspec.Struct, tag="llm_abort", tag_field="type"):
+    """Stop these requests of job ``job_id`` (their deadline passed, or their client cancelled;
+    the dispatcher has answered them): the engine frees their slots and KV blocks. The job's
+    LlmDone still comes, with these requests CANCELLED."""
+
+    job_id: int
+    seqs: list[int]
+
+
+DispatcherToWorker = Union[Batch, Registered, Reregister, Restart, RegisterRejected, LlmJob, LlmAbort]
 
 
 # ---------------------------------------------------------------- codecs

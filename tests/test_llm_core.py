@@ -115,7 +115,10 @@ def test_a_request_past_its_deadline_fails_once_and_its_late_result_is_dropped()
     rid, _ = h.submit(40, route=PREFILL_CPU, timeout_s=0.5)
     [prefill] = h.jobs()
     h.now = 0.6
-    assert h.jobs() == []
+    # The engine is told to stop it: left, it ran to its max_tokens for nobody, holding a slot
+    # and KV blocks the requests behind it waited for.
+    [abort] = h.jobs()
+    assert abort.worker.name == "cpu0" and abort.job == P.LlmAbort(job_id=prefill.job.job_id, seqs=prefill.job.seqs)
     assert h.failed == [(rid, Status.DEADLINE_EXCEEDED, h.failed[0][2])]
     assert h.done(prefill) == [] and h.jobs() == []  # nothing handed on for a failed request
     assert len(h.failed) == 1 and h.core.next_wake() == float("inf")
@@ -221,8 +224,13 @@ def test_a_generate_request_cancelled_while_waiting_for_a_cpu_prefill_does_not_r
     queued, _ = h.submit(40, route=PREFILL_CPU)
     assert h.core.cancel(b"client", queued)
     assert h.failed == [(queued, Status.CANCELLED, "cancelled by the client while queued")]
-    assert not h.core.cancel(b"client", queued) and not h.core.cancel(b"client", running)
+    assert not h.core.cancel(b"client", queued)
     assert h.jobs() == []
+    # One a job runs is stopped in its engine (it ran on, for nobody).
+    assert h.core.cancel(b"client", running) and not h.core.cancel(b"client", running)
+    assert h.failed[-1] == (running, Status.CANCELLED, "cancelled by the client while it ran")
+    [abort] = h.jobs()
+    assert type(abort.job) is P.LlmAbort and abort.worker.name == "cpu0"
 
 
 def test_a_worker_whose_connection_is_gone_leaves_rotation_at_the_first_job_sent_there():

@@ -14,6 +14,7 @@ import json
 import random
 import shutil
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 
 from batchyard.client import Client
 from batchyard.config import FrontendConfig
+from batchyard.errors import DeadlineExceeded
 
 from conftest import free_port
 
@@ -103,3 +105,18 @@ def test_openai_completions_on_the_front_door(node):
         out = json.loads(r.read())
     assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 6
     assert isinstance(out["choices"][0]["text"], str) and out["batchyard"][0]["stand_in"] is True
+
+
+def test_a_request_past_its_deadline_is_stopped_in_its_engine(node):
+    """Answered DEADLINE_EXCEEDED, the request decoded on to its max_tokens for nobody (seconds
+    here), holding an engine slot and KV blocks; now the dispatcher tells the engine to stop it,
+    and the job ends at once."""
+    cfg, _ = node
+    with Client(cfg.dispatcher.frontend) as c:
+        with pytest.raises(DeadlineExceeded):
+            c.generate("tiny", _prompt(40, seed=7), max_tokens=1900, route="gpu", timeout=1.0)
+        t0 = time.monotonic()
+        # Each look a round trip; its job ends when the engine has let the request go.
+        while [w.inflight for w in c.status().workers if w.name == "llm-gpu"] != [0]:
+            assert time.monotonic() - t0 < 5.0, "the engine kept decoding the expired request"
+        assert len(c.generate("tiny", _prompt(40, seed=8), max_tokens=8, route="gpu", timeout=60)) == 8

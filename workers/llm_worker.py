@@ -173,6 +173,8 @@ class LlmServer:
             return None
         if type(msg) is P.LlmJob:
             self._start_job(msg)
+        elif type(msg) is P.LlmAbort:
+            self._abort(msg)
         elif type(msg) is P.Registered:
             if not self.registered:
                 log.info("worker %s registered %.1f s after start", self.name, time.monotonic() - self.started)
@@ -219,6 +221,15 @@ class LlmServer:
             job.open += 1
         if not job.open:
             self._send_done(job)
+
+    def _abort(self, msg: P.LlmAbort) -> None:
+        """The dispatcher answered these requests already (deadline, cancel): out of the engine
+        now, their slots and KV blocks free for the others; the job ends as it would."""
+        seqs = set(msg.seqs)
+        for rid, req in list(self.reqs.items()):
+            if req.job.msg.job_id == msg.job_id and req.seq in seqs:
+                self.engine.abort_request([rid])
+                self._finish(rid, Status.CANCELLED, "stopped by the dispatcher (its client was answered)")
 
     def _step(self) -> bool:
         """One engine step; False when the engine failed (its state is not to be trusted: every
