@@ -49,9 +49,10 @@ async def read_body(request: web.Request, limit: int = 0) -> bytes:
     if encoding in ("", "identity"):
         return raw
     wbits = _WBITS.get(encoding)
-    if wbits is None:
-        raise invalid(f"the request body cannot be read: unsupported Content-Encoding '{encoding}' "
-                      f"(gzip, deflate or none)")
+    if wbits is None:  # Triton: UNSUPPORTED (501), naming what it takes
+        raise KServeError(grpc.StatusCode.UNIMPLEMENTED, f"the request body cannot be read: unsupported "
+                          f"Content-Encoding '{encoding}' (gzip, deflate or none)",
+                          {"Accept-Encoding": "gzip, deflate"})
     if _inflating is None:
         _inflating = asyncio.Semaphore(INFLATING)
     async with _inflating:

@@ -54,12 +54,13 @@ class KServeError(Exception):
     # instead of the error.
     MAX_MESSAGE = 1000
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, headers: dict | None = None):
         if len(message) > self.MAX_MESSAGE:
             message = message[:self.MAX_MESSAGE] + "..."
         super().__init__(message)
         self.code = code
         self.message = message
+        self.headers = headers or {}  # an HTTP answer's own headers (Accept-Encoding for a 501)
 
     @property
     def http_status(self) -> int:
@@ -68,6 +69,18 @@ class KServeError(Exception):
 
 def invalid(message: str) -> KServeError:
     return KServeError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+# Triton refuses request parameters named so (its http_server.cc and grpc/infer_handler.cc),
+# except the one its own stream clients send.
+RESERVED_PREFIX = "triton_"
+
+
+def check_parameter_names(names, allowed: tuple = ()) -> None:
+    for k in names:
+        if k.startswith(RESERVED_PREFIX) and k not in allowed:
+            raise invalid(f"parameter keys starting with '{RESERVED_PREFIX}' are reserved for Triton usage "
+                          f"and should not be specified ('{k}')")
 
 
 def cuda_shm_refused(name: str) -> KServeError:
@@ -362,8 +375,11 @@ def stats_json(name: str, c) -> dict:
             "execution_count": int(round(c[S.EXEC_PPM] / S.PPM)),
             "inference_stats": {"success": dur(ok, c[S.SUCCESS_NS]), "fail": dur(c[S.FAIL], c[S.FAIL_NS]),
                                 "queue": dur(ok, c[S.QUEUE_NS]), "compute_input": dur(ok, 0),
-                                "compute_infer": dur(ok, c[S.COMPUTE_NS]), "compute_output": dur(ok, 0)},
-            "batch_stats": []}
+                                "compute_infer": dur(ok, c[S.COMPUTE_NS]), "compute_output": dur(ok, 0),
+                                # no response cache: zeros, as Triton writes them (perf_analyzer's
+                                # HTTP parser reads cache_hit without looking for it first)
+                                "cache_hit": dur(0, 0), "cache_miss": dur(0, 0)},
+            "batch_stats": [], "response_stats": {}, "memory_usage": []}
 
 
 # ------------------------------------------------------------------ the core

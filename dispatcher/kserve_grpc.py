@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            check_element_count, check_input, check_new_input, cuda_shm_refused, cuda_shm_status,
+                            check_element_count, check_input, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status,
                             invalid, model_config, model_control_refused, model_metadata, np_dtype, output_nbytes,
                             tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_shm import OutputRegion, close_outputs
@@ -249,6 +249,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
         wanted = self._requested_outputs(request, spec, inputs)
         try:
+            check_parameter_names(request.parameters, ("triton_enable_empty_final_response",))
             left = context.time_remaining()
             priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
             timeout = uint_param(request.parameters, "timeout", ("int64_param",))

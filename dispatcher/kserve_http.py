@@ -24,7 +24,7 @@ from . import __version__
 from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            batch_input_bytes, check_new_input, cuda_shm_refused, cuda_shm_status, invalid,
+                            batch_input_bytes, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_shm import close_outputs
@@ -61,7 +61,7 @@ def encode_json(reply: dict, finite: bool) -> bytes:
 
 
 def _error(e: KServeError) -> web.Response:
-    return web.json_response({"error": e.message}, status=e.http_status)
+    return web.json_response({"error": e.message}, status=e.http_status, headers=e.headers or None)
 
 
 def _version(request: web.Request) -> str:
@@ -317,6 +317,7 @@ class KServeHttp:
         else:
             header, binary = _split(request, body)
             params = _field(header, "parameters", dict, {})
+            check_parameter_names(params)
             inputs = self._inputs(spec, header, binary)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
         try:

@@ -210,6 +210,12 @@ def test_a_body_that_does_not_decompress_is_a_bad_request(front_door):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "cannot be read" in json.loads(e.value.read())["error"]
+    # An encoding it does not take: Triton's UNSUPPORTED, 501, saying which it takes (it was 400)
+    req = urllib.request.Request(f"http://{front_door.http_url}/v2/models/sum/infer", data=b"x",
+                                 headers={"Content-Encoding": "br"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 501 and e.value.headers["Accept-Encoding"] == "gzip, deflate"
 
 
 def test_a_compressed_body_inflates_only_up_to_the_limit():
@@ -833,6 +839,10 @@ def test_statistics_count_the_whole_node_whichever_process_answers(front_door):
     after = [count(fresh()) for _ in range(8)]
     assert len(set(before)) == 1 and len(set(after)) == 1, (before, after)
     assert after[0] - before[0] == 12 * len(X)
+    # Over HTTP the keys Triton always writes are there (perf_analyzer reads cache_hit unchecked)
+    st = thttp.InferenceServerClient(front_door.http_url).get_inference_statistics("sum")["model_stats"][0]
+    assert st["inference_stats"]["cache_hit"] == {"count": 0, "ns": 0} == st["inference_stats"]["cache_miss"]
+    assert st["response_stats"] == {} and st["memory_usage"] == []
 
 
 def test_a_request_the_client_cancels_counts_as_a_failure(front_door):
@@ -1066,6 +1076,8 @@ RAW_CASES = {
     "a priority outside 64 bits": ([_X], {"priority": -1}, {"priority": 2 ** 64},
                                    "invalid value for 'priority', expected value >= 0|"
                                    "parameter 'priority' must be an unsigned 64-bit integer"),
+    "a parameter name Triton reserves": ([_X], {"triton_foo": 1}, {"triton_foo": 1},
+                                         "parameter keys starting with 'triton_' are reserved for Triton usage"),
     "JSON null as FP32 data": ([("x", [3, 4], [None] * 12)], None, {}, "data is not FP32"),
     "JSON true as FP32 data": ([("x", [3, 4], [True] * 12)], None, {}, "data is not FP32"),
 }
