@@ -22,8 +22,10 @@ class AsyncClient(CodecAccess):
 
     def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD,
                  pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None,
-                 curve_server_key: Optional[bytes] = None, curve_keys: Optional[tuple[bytes, bytes]] = None):
-        self._codec = ClientCodec(address, shm_threshold=shm_threshold, pool_bytes=pool_bytes)
+                 curve_server_key: Optional[bytes] = None, curve_keys: Optional[tuple[bytes, bytes]] = None,
+                 shared_memory: Optional[bool] = None):
+        self._codec = ClientCodec(address, shm_threshold=shm_threshold, pool_bytes=pool_bytes,
+                                  shared_memory=shared_memory)
         self.loop = asyncio.get_running_loop()
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()

@@ -51,6 +51,7 @@ SETUP_TIMEOUT_S = 10.0
 # machine): inline ZeroMQ and a pool copy cost about the same up to ~16 KiB; from 64 KiB on
 # the pool wins and the gap grows with size (see docs/protocol.md).
 DEFAULT_SHM_THRESHOLD = 64 << 10
+INLINE_ONLY = 1 << 62  # a threshold no tensor reaches
 
 
 def checked_timeout(timeout: Optional[float]) -> float:
@@ -135,10 +136,15 @@ class Pending:
 
 class ClientCodec:
 
-    def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, pool_bytes: int = 64 << 20):
+    def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, pool_bytes: int = 64 << 20,
+                 shared_memory: Optional[bool] = None):
         reap_orphans()  # a crashed client's segments go as soon as anyone starts
         self.address = address
-        self.shm_threshold = shm_threshold
+        # None: on an ipc endpoint only. A tcp endpoint refuses shared-memory references (unless
+        # its node sets allow_shm_over_tcp: then pass True), and every tensor of 64 KiB or more,
+        # alloc_array's included, was refused PERMISSION_DENIED: over tcp all goes inline.
+        self.shared_memory = not address.startswith("tcp://") if shared_memory is None else shared_memory
+        self.shm_threshold = shm_threshold if self.shared_memory else INLINE_ONLY
         self._pool_bytes = pool_bytes
         self._pool: Optional[ShmPool] = None
         self._pool_lock = threading.Lock()  # two threads' first big tensors must not make two pools
@@ -168,6 +174,8 @@ class ClientCodec:
         """A numpy array living in this client's shared memory. Fill it in place and pass it
         to infer(): it is sent by reference, with no copy."""
         dtype = np.dtype(dtype)
+        if not self.shared_memory:  # sent inline anyway: plain memory
+            return np.empty(shape, dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize  # shape may be a bare int here
         try:
             region = self.pool.alloc(nbytes)

@@ -253,6 +253,9 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
             parsed = _json_integers(data, parsed, dt)
         if parsed.size and parsed.dtype.kind not in _JSON_KINDS.get(dt.kind, ""):
             raise ValueError(f"got {_json_kind(parsed)}")
+        # numpy reads true/false beside numbers as 1/0: [true, 2, 3, 4] ran as FP32 [1, 2, 3, 4]
+        if parsed.size and dt.kind != "b" and parsed.dtype.kind in "iuf" and _holds_bool(data):
+            raise ValueError("got true/false")
         # Triton reads unsigned tensors' values as JSON unsigned integers and signed ones as int64,
         # and refuses what does not read so; within those, it narrows as astype does. astype
         # alone wrapped -1 to 255 in a UINT8 tensor and 2**63 to its lowest value in an INT64 one.
@@ -261,10 +264,26 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
         if parsed.size and dt.kind == "i" and parsed.dtype.kind == "u":  # a value past int64
             raise ValueError(_NOT_SIGNED)
         arr = parsed.astype(dt, copy=False)
+        if arr.size and dt.kind == "f" and not np.isfinite(arr).all():  # 1e39 became inf in FP32
+            raise ValueError(f"a value past {datatype}'s range")
     except (TypeError, ValueError, OverflowError) as e:
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
     check_element_count(name, shape, arr.size)
     return arr.reshape(shape)
+
+
+def _holds_bool(data) -> bool:
+    if type(data) is not list:
+        return type(data) is bool
+    todo = [data]
+    while todo:
+        for v in todo.pop():
+            t = type(v)
+            if t is bool:
+                return True
+            if t is list:
+                todo.append(v)
+    return False
 
 
 _NOT_UNSIGNED = "attempt to access JSON non-unsigned-integer as unsigned-integer"  # Triton's words

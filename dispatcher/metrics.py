@@ -180,7 +180,7 @@ class DispatcherCollector:
             fam.add_metric((model,), buckets, sum_value=h[-1] / 1e6)
         yield fam
         yield CounterMetricFamily("batchyard_unknown_model_requests",
-                                  "Requests for a model this dispatcher does not serve",
+                                  "Inferences and model lookups naming a model this dispatcher does not serve",
                                   value=m.unknown_model_requests)
         fam = CounterMetricFamily("batchyard_decisions", "Policy decisions by reason", labels=("reason",))
         for reason, n in sorted(s.decisions.items()):

@@ -449,6 +449,9 @@ class Dispatcher:
         elif type(msg) is P.ModelInfoRequest:
             spec = self.specs.get(msg.model)
             if spec is None:
+                # The SDK and the front door ask this before an inference: theirs for a model not
+                # served end here, and are counted here.
+                self.metrics.unknown_model()
                 reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.UNKNOWN_MODEL,
                                          message=self._unknown_model(msg.model))
             else:

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import shutil
+import warnings
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -658,18 +659,22 @@ def test_a_request_past_64_mib_is_served(front_door, proto):
 def test_shm_register_infer_unregister(front_door, proto):
     mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
     c = mod.InferenceServerClient(url)
-    # The client's own POSIX regions, as tritonclient.utils.shared_memory makes them (that module
-    # needs pkg_resources, gone from setuptools >= 81, so the standard library makes them here).
+    # The client's own POSIX regions, made by tritonclient.utils.shared_memory, as a Triton user
+    # makes them (it needs pkg_resources: the project venv keeps setuptools < 81 for it; with
+    # 84 the import failed).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "pkg_resources is deprecated"
+        import tritonclient.utils.shared_memory as tshm
     tag = f"by_kserve_{os.getpid()}_{proto}"
-    shm_in = shared_memory.SharedMemory(f"{tag}_in", create=True, size=X.nbytes)
-    shm_out = shared_memory.SharedMemory(f"{tag}_out", create=True, size=24)
+    shm_in = tshm.create_shared_memory_region("in", f"/{tag}_in", X.nbytes)
+    shm_out = tshm.create_shared_memory_region("out", f"/{tag}_out", 24)
     try:
-        np.ndarray(X.shape, X.dtype, buffer=shm_in.buf)[...] = X
+        tshm.set_shared_memory_region(shm_in, [X])
         c.register_system_shared_memory("in", f"/{tag}_in", X.nbytes)
         c.register_system_shared_memory("out", f"/{tag}_out", 24)
         i, o = _shm_io(mod, "in", "out")
         result = c.infer("sum", [i], outputs=[o])
-        np.testing.assert_array_equal(np.ndarray((3, 2), np.float32, buffer=shm_out.buf), front_door.sdk("sum", X))
+        np.testing.assert_array_equal(tshm.get_contents_as_numpy(shm_out, np.float32, [3, 2]), front_door.sdk("sum", X))
         if proto == "http":  # as Triton's: tritonclient's C++ client takes any parameters for binary data
             assert result.get_output("y") == {"name": "y", "datatype": "FP32", "shape": [3, 2]}
         status = c.get_system_shared_memory_status(**({"as_json": True} if proto == "grpc" else {}))
@@ -681,8 +686,7 @@ def test_shm_register_infer_unregister(front_door, proto):
     finally:
         c.unregister_system_shared_memory()
         for region in (shm_in, shm_out):
-            region.close()
-            region.unlink()
+            tshm.destroy_shared_memory_region(region)
 
 
 @pytest.mark.parametrize("proto", ["grpc", "http"])
@@ -1080,6 +1084,9 @@ RAW_CASES = {
                                          "parameter keys starting with 'triton_' are reserved for Triton usage"),
     "JSON null as FP32 data": ([("x", [3, 4], [None] * 12)], None, {}, "data is not FP32"),
     "JSON true as FP32 data": ([("x", [3, 4], [True] * 12)], None, {}, "data is not FP32"),
+    # numpy read these as numbers: 200, the model computing on 1.0 / on infinity
+    "JSON true beside numbers as FP32 data": ([("x", [3, 4], [True] + [2] * 11)], None, {}, "data is not FP32: got true/false"),
+    "FP32 data past FP32's range": ([("x", [3, 4], [1e39] + [2.0] * 11)], None, {}, "data is not FP32: a value past FP32's range"),
 }
 
 

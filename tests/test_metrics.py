@@ -57,7 +57,7 @@ def test_metrics_count_a_known_load(start_node):
     assert total(m, "nv_inference_count") == 22  # items
     # Triton's four reasons (a dashboard's {reason="REJECTED"}), Batchyard's status beside them
     assert total(m, "nv_inference_request_failure", reason="OTHER", status="invalid_argument") == 2
-    assert total(m, "batchyard_unknown_model_requests_total") == 2
+    assert total(m, "batchyard_unknown_model_requests_total") == 3  # the SDK's lookup, and two raw infers
     assert not [x for x in m if x.labels.get("model", "").startswith("ghost")]
     assert total(m, "nv_inference_request_failure", reason="REJECTED", status="deadline_exceeded") == 1
     assert total(m, "nv_inference_request_failure") == 3

@@ -100,6 +100,25 @@ def test_large_tensors_go_through_shared_memory_both_ways(start_node):
         del r, r2, inplace
 
 
+def test_large_tensors_go_inline_to_a_tcp_endpoint(start_node):
+    """A tcp endpoint refuses shared-memory references (a segment names a file on the
+    dispatcher's host): every tensor of 64 KiB or more, alloc_array's too, was refused
+    PERMISSION_DENIED, though the docs said the SDK sends everything inline over tcp."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = start_node([sim_worker()], frontend=f"tcp://127.0.0.1:{port}")
+    with node.client() as c:
+        x = np.random.default_rng(0).integers(0, 3, size=(2, 256, 1024)).astype(np.float32)
+        np.testing.assert_array_equal(c.infer("big", {"x": x})["y"], sim_outputs({"x": x}, BIG)["y"])
+        a = c.alloc_array((1, 256, 1024), np.float32)
+        a[...] = 2.0
+        np.testing.assert_array_equal(c.infer("big", {"x": a})["y"], sim_outputs({"x": a}, BIG)["y"])
+        assert not c.pool.segment_names()  # no shared memory made
+
+
 def test_unknown_model_and_bad_shapes_raise_typed_errors(start_node):
     node = start_node([sim_worker()])
     with node.client() as c:
