@@ -63,8 +63,15 @@ def _run_status(args) -> int:
     from .errors import BatchyardError, InvalidArgument
     from .exit_codes import EX_UNAVAILABLE, EX_USAGE
 
+    address, keys = args.address, {}
+    if args.config:  # the node's own frontend and key pair: a CURVE endpoint admits it
+        from .transport import node_client_keys
+
+        node = load_node(args.config)
+        address = node.dispatcher.frontend
+        keys = node_client_keys(node.dispatcher, address)
     try:
-        with Client(args.address) as c:
+        with Client(address, **keys) as c:
             print(json.dumps(msgspec.to_builtins(c.status(timeout=5.0)), indent=1))
     except BatchyardError as e:  # a malformed address, or no dispatcher there: one line, not a traceback
         print(f"batchyard: {e}", file=sys.stderr)
@@ -96,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.set_defaults(run=_run_up)
     p = sub.add_parser("status", help="a running dispatcher's workers, learned cost curves, lambda and decisions")
-    p.add_argument("--address", required=True, help="the dispatcher's frontend, e.g. tcp://127.0.0.1:7755")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="the dispatcher's frontend, e.g. tcp://127.0.0.1:7755")
+    where.add_argument("--config", help="the node's config: its frontend, with the node's CURVE key if it has one")
     p.set_defaults(run=_run_status)
     p = sub.add_parser("keygen", help="a CURVE key pair for tcp endpoints: NAME.key (public), NAME.key_secret")
     p.add_argument("--out", required=True, help="folder to write the two files into")

@@ -3,10 +3,12 @@ file permissions, oversized frames dropped by ZeroMQ while everyone else is serv
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -137,3 +139,7 @@ def test_workers_and_clients_reach_a_curve_secured_tcp_backend_and_frontend(tcp_
     with dealer(node.address, read_keypair(bob_secret), server_public) as bob:
         assert ready(bob).registrations >= 1
         assert roundtrip(bob, [infer_header(8), X1]).status == P.Status.OK
+    # `batchyard status --config` reaches it with the node's key (--address alone could not)
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--config", f"{run_dir}/node.toml"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["registrations"] >= 1, r.stderr
