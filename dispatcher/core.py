@@ -416,11 +416,9 @@ class RequestCore:
                           owner: Any = None) -> bool:
         """Hold a status long poll. False (the caller answers it now) when ``owner`` (its
         connection) already holds ``MAX_STATUS_WAITERS`` of them."""
-        if len(self.status_waiters) >= MAX_STATUS_WAITERS_NODE:
-            return False
-        if owner is not None:
+        if owner is not None:  # a poll to hold (the caller's fallback, owner None, is due at once)
             held = self._waiters_by_owner.get(owner, 0)
-            if held >= MAX_STATUS_WAITERS:
+            if held >= MAX_STATUS_WAITERS or len(self.status_waiters) >= MAX_STATUS_WAITERS_NODE:
                 return False
             self._waiters_by_owner[owner] = held + 1
         if self.registrations >= min_registrations and self.departures >= min_departures:

@@ -205,10 +205,14 @@ class Dispatcher:
         core = self.core
         batches = core.decide(now)
         while batches:
-            undelivered = [b for b in batches if not self._send_to_worker(b, now)]
+            lost = False
+            for i, b in enumerate(batches):
+                # (one given back at an earlier failed send to its worker in this round is skipped)
+                if b.batch_id in core.batches and not self._send_to_worker(b, now, batches[i + 1:]):
+                    lost = True
             # Their requests are queued again and their workers gone: decide again, now, on
             # the workers left (each round loses a worker, so this ends).
-            batches = core.decide(now) if undelivered else []
+            batches = core.decide(now) if lost else []
         self.core.departures += self.llm.decide(now)  # the long poll's cursor counts every worker
         if core.draining and ((not core.batches and not self.llm.busy()) or now >= self._drain_deadline):
             core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
@@ -511,9 +515,10 @@ class Dispatcher:
             self._reply(identity, P.encode(status_report.status_reply(self, rid, brief)))
 
     # ------------------------------------------------------------------ 4. workers out
-    def _send_to_worker(self, batch: Batch, now: float) -> bool:
+    def _send_to_worker(self, batch: Batch, now: float, unsent: list = ()) -> bool:
         """False when the worker's connection was gone: the batch never reached it, its
-        requests are queued again as they were and the worker is out of rotation."""
+        requests are queued again as they were (with those of ``unsent``, the batches of this
+        round not sent yet, that went to the same worker) and the worker is out of rotation."""
         reqs = batch.requests
         frames: list = [batch.worker.identity, b""]
         seqs, n_frames, files = [], [], {}
@@ -532,7 +537,9 @@ class Dispatcher:
             # Not failed over as a batch that ran: that spent the requests' one retry (and made
             # them suspects), and with two workers gone a request that reached neither was
             # answered UNAVAILABLE beside a free healthy worker.
-            self.core.undelivered(batch)
+            for b in (batch, *unsent):
+                if b.worker is batch.worker:
+                    self.core.undelivered(b)
             self._worker_lost(batch.worker.name, f"unreachable: {e}", now)
             return False
         return True

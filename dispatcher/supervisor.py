@@ -188,10 +188,12 @@ class Supervisor:
                                       timeout=min(reply_s, max(0.5, left - poll_s)))
                         answered = True
                         if self.dispatcher is not None and st.dispatcher_pid != self.dispatcher.pid:
-                            # Another node's dispatcher on this address (this one's then refuses
-                            # to bind it and exits): its registrations are not this node's.
+                            # Another node's dispatcher on this address (this one refuses to
+                            # bind it and exits): its registrations are not this node's.
                             raise NodeNotReady(f"pid {st.dispatcher_pid}, not this node's dispatcher, "
                                                f"answers at {self.node.dispatcher.frontend}")
+                    except NodeNotReady:
+                        raise
                     except Exception as e:  # noqa: BLE001 -- every failure of a poll is retried
                         last = f"last readiness poll failed: {type(e).__name__}: {e}"
                         # A back-off, not a hot loop; a child's death (SIGCHLD) ends it at once.

@@ -419,6 +419,10 @@ def test_the_node_holds_a_bounded_number_of_status_long_polls_across_connections
         for i in range(MAX_STATUS_WAITERS):
             assert core.add_status_waiter((o, i), 10**6, 1e9, owner=o)
     assert not core.add_status_waiter(("new", 0), 10**6, 1e9, owner="new")
+    # ... and the caller's answer-now fallback still is answered (it was refused too: no status
+    # request, readiness probes included, was answered until the held polls expired)
+    assert core.add_status_waiter(("new", 0), 0, 0.0)
+    assert core.due_status_waiters(0.0) == [("new", 0)]
 
 
 def test_a_batch_that_never_comes_back_does_not_hold_its_worker_for_good():

@@ -38,3 +38,26 @@ def test_a_wake_up_the_step_outlasted_is_still_armed(run_dir, monkeypatch):
     finally:
         d.close()
         ctx.term()
+
+
+def test_batches_sent_to_a_gone_worker_spend_no_retry(run_dir):
+    """A worker whose connection is gone, given two batches in one decision (max_inflight 2): the
+    first send failed, and losing the worker failed over the second, never sent, as if it had run:
+    its requests' one retry spent, and each made a suspect that runs alone."""
+    from batchyard.policy import make_policy
+    from batchyard.state import QUEUED, WorkerState
+
+    ctx = zmq.Context()
+    d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                   (SUM_MODEL.spec(),), ctx=ctx)
+    try:
+        d.core.policy = make_policy("greedy")
+        d.core.add_worker(WorkerState("A", "cpu", {"sum": 2}, capacity=2, identity=b"A"), 0.0)  # never connected
+        reqs = [d.core.admit("sum", 1, 1, 30.0, time.monotonic(), b"c", i, [b"header"]) for i in range(4)]
+        d._step_once()
+        assert "A" not in d.state.workers
+        assert all(r.state == QUEUED and r.retries == 0 and not r.suspect for r in reqs)
+        assert d.state.queue("sum").requests == 4
+    finally:
+        d.close()
+        ctx.term()
