@@ -394,7 +394,7 @@ def measure(server: Server, rate: float, plan: Plan, label: str, input_data: Pat
         pa = perf_analyzer.run_rate(url, server.model, rate, window_s=plan.window_s, trials=plan.windows + 2,
                                     stability=plan.stability, input_data=input_data, protocol=plan.protocol)
         rep = Report(server.name, label, rate, stable=pa["stable"], summary=pa["summary"],
-                     schedule_kept=pa["schedule_kept"])
+                     schedule_kept=pa.get("schedule_kept", True))
     else:
         rep = analyse(run_load(server.url, server.model, spec, target="triton", inputs="minilm"), spec,
                       server.name, label)

@@ -264,7 +264,8 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
         if parsed.size and dt.kind == "i" and parsed.dtype.kind == "u":  # a value past int64
             raise ValueError(_NOT_SIGNED)
         arr = parsed.astype(dt, copy=False)
-        if arr.size and dt.kind == "f" and not np.isfinite(arr).all():  # 1e39 became inf in FP32
+        # 1e39 became inf in FP32 (NaN and Infinity, which Triton's JSON reader takes, stay)
+        if arr.size and dt.kind == "f" and arr is not parsed and (np.isinf(arr) & np.isfinite(parsed)).any():
             raise ValueError(f"a value past {datatype}'s range")
     except (TypeError, ValueError, OverflowError) as e:
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
