@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from typing import Optional
 
@@ -45,7 +46,7 @@ from .metrics import Metrics
 from .policy import make_policy
 from .protocol import Status
 from .shm import reap_orphans
-from .shm_grants import ShmGrants
+from .shm_grants import ShmGrants, peer_uid
 from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
 from .validation import RequestInvalid, registration_problem, validate_infer
@@ -284,6 +285,8 @@ class Dispatcher:
                 self.core.departures += 1  # the long poll's cursor counts every worker
             else:
                 self._worker_lost(msg.worker, "worker stopped", now)
+        elif not self._may_register(msg, frames):
+            return
         elif msg.llm is not None:
             self.llm.on_register(msg, identity, now)
             self.core.registrations += 1  # the long poll's cursor counts every worker
@@ -312,6 +315,18 @@ class Dispatcher:
             why = f"worker {batch.worker.name} sent a malformed result (it does not decode)"
             self._on_batch_done(P.BatchDone(batch_id=batch_id, worker=batch.worker.name, compute_us=0, results=[
                 P.ItemResult(seq=r.seq, status=Status.INTERNAL, message=why) for r in batch.requests]), [], now)
+
+    def _may_register(self, msg: P.Register, frames: list) -> bool:
+        """A worker on an ipc backend runs as the node's user (or root): the backend's socket file
+        shares the clients' group (ipc_group), and a client that registered as a worker took other
+        clients' batches (their tensors) and answered them. Refused in words otherwise."""
+        uid = peer_uid(transport.connection(frames)[1])
+        if uid is None or uid in (0, os.getuid()):
+            return True
+        log.warning("refusing worker %r from uid %d: workers run as the node's user", msg.worker, uid)
+        self._send_worker(frames[0].bytes, P.encode(P.RegisterRejected(
+            worker=msg.worker, message=f"a worker connects as the node's user (uid {os.getuid()}), not uid {uid}")))
+        return False
 
     def _sent_by(self, name: str, identity: bytes) -> bool:
         """Whether a message naming worker ``name`` came over its own connection (or its

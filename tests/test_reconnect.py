@@ -268,3 +268,38 @@ def test_a_registration_that_does_not_decode_is_refused_in_words(run_dir, proces
         assert type(msg) is P.RegisterRejected and msg.worker == "w0" and "max_batch" in msg.message, msg
     finally:
         worker.close()
+
+
+def test_a_worker_of_another_user_is_refused(run_dir, processes):
+    """The backend's socket file shares the clients' group (ipc_group): a client that registered
+    as a worker was given other clients' batches, their tensors, and answered them."""
+    import shutil
+
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root to run a process as another user")
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", ipc_mode="0666"),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    os.chmod(run_dir, 0o755)
+    start(processes, config, "dispatcher")
+    with Client(node.dispatcher.frontend) as c:
+        c.status()  # bound
+    code = ("import sys, zmq\n"
+            "from batchyard import protocol as P\n"
+            "from conftest import SUM_MODEL\n"
+            "s = zmq.Context.instance().socket(zmq.DEALER)\n"
+            "s.setsockopt(zmq.LINGER, 0)\n"
+            f"s.connect({node.dispatcher.backend!r})\n"
+            "s.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker='rogue', pid=1, path='cpu', "
+            "models=[SUM_MODEL.spec()])))\n"
+            "assert s.poll(30000), 'no answer'\n"
+            "m = P.to_worker_decoder.decode(s.recv())\n"
+            "print(type(m).__name__, m.message if hasattr(m, 'message') else '')\n")
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(Path(ROOT) / "tests")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("RegisterRejected a worker connects as the node's user"), r.stdout
+    with Client(node.dispatcher.frontend) as c:
+        assert c.status().workers == []
