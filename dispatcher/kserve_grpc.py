@@ -25,6 +25,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             invalid, model_config, model_control_refused, model_metadata, np_dtype, output_nbytes,
                             tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_shm import OutputRegion, close_outputs
+from .tcp_peer import grpc_peer, peer_uid
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -70,6 +71,10 @@ def _shm_param(params) -> Optional[tuple[str, int, int]]:
     return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
 
 
+def _uses_shm(request) -> bool:
+    return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
+
+
 def check_contents_field(t, field: str, model: str) -> None:
     """Typed contents in a field of another datatype than the input's are Triton's error (they
     were ignored, and the input then counted 0 elements)."""
@@ -81,8 +86,14 @@ def check_contents_field(t, field: str, model: str) -> None:
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
-    def __init__(self, core: KServeCore):
+    def __init__(self, core: KServeCore, port: int = 0):
         self.core = core
+        self.port = port  # ours: a client's uid is found by its connection to it (tcp_peer)
+
+    def _uid(self, context) -> Optional[int]:
+        """The client's uid, for its shared-memory regions; None for one not on this host."""
+        host, port = grpc_peer(context.peer())
+        return peer_uid(host, port, self.port) if host else None
 
     # ---------------------------------------------------------------- health and metadata
     async def ServerLive(self, request, context):
@@ -138,15 +149,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # ---------------------------------------------------------------- system shared memory
     async def SystemSharedMemoryRegister(self, request, context):
         await self._sync(context, self.core.shm.register, request.name, request.key, request.offset,
-                         request.byte_size)
+                         request.byte_size, self._uid(context))
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, context):
-        self.core.shm.unregister(request.name)
+        self.core.shm.unregister(request.name, self._uid(context))
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     async def SystemSharedMemoryStatus(self, request, context):
-        regions = await self._sync(context, self.core.shm.status, request.name)
+        regions = await self._sync(context, self.core.shm.status, request.name, self._uid(context))
         out = service_pb2.SystemSharedMemoryStatusResponse()
         for r in regions:
             out.regions[r.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
@@ -218,6 +229,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
         shm = self.core.shm
+        uid = self._uid(context) if _uses_shm(request) else None
         inputs: dict[str, np.ndarray] = {}
         raw = iter(request.raw_input_contents)  # in the order of the inputs not in shared memory
         for t in request.inputs:
@@ -225,7 +237,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             check_new_input(inputs, t.name, shape, request.model_name)
             region = _shm_param(t.parameters)
             if region is not None:
-                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec)
+                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec, uid)
             elif request.raw_input_contents:
                 if t.HasField("contents"):
                     raise invalid(f"contents field must not be specified when using raw_input_contents for "
@@ -247,7 +259,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 check_input(spec, t.name, np_dtype(t.datatype, f"input '{t.name}'"), shape)
                 check_element_count(t.name, shape, len(values))
                 inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
-        wanted = self._requested_outputs(request, spec, inputs)
+        wanted = self._requested_outputs(request, spec, inputs, uid)
         try:
             check_parameter_names(request.parameters, ("triton_enable_empty_final_response",))
             left = context.time_remaining()
@@ -271,7 +283,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             close_outputs(wanted)
 
-    def _requested_outputs(self, request, spec, inputs: dict) -> list[tuple[str, Optional[OutputRegion]]]:
+    def _requested_outputs(self, request, spec, inputs: dict,
+                           uid: Optional[int]) -> list[tuple[str, Optional[OutputRegion]]]:
         """(name, its shm region or None) per output to return; all of the model's when none
         named. The regions are held until ``close_outputs``. An output named twice is returned
         once, as its first mention asks (Triton 2.51 answers it once; this returned it twice)."""
@@ -290,7 +303,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 seen.add(o.name)
                 region = _shm_param(o.parameters)
                 if region is not None:
-                    region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs))
+                    region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs), uid)
                 wanted.append((o.name, region))
         except BaseException:
             close_outputs(wanted)
@@ -330,7 +343,7 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
     server = grpc.aio.server(options=opts)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core), server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port), server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()

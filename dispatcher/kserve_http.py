@@ -28,6 +28,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_shm import close_outputs
+from .tcp_peer import peer_uid
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_JSON_BYTES = 64 << 20  # Triton's --http-max-input-size default, which bounds the JSON part only
@@ -62,6 +63,14 @@ def encode_json(reply: dict, finite: bool) -> bytes:
 
 def _error(e: KServeError) -> web.Response:
     return web.json_response({"error": e.message}, status=e.http_status, headers=e.headers or None)
+
+
+def _client_uid(request: web.Request) -> Optional[int]:
+    """The client's uid, for its shared-memory regions (tcp_peer); None for one not on this host."""
+    peer, ours = request.transport.get_extra_info("peername"), request.transport.get_extra_info("sockname")
+    if not (isinstance(peer, tuple) and isinstance(ours, tuple)):
+        return None
+    return peer_uid(peer[0], peer[1], ours[1])
 
 
 def _version(request: web.Request) -> str:
@@ -269,18 +278,19 @@ class KServeHttp:
                 if required not in body:
                     raise invalid(f"Shared memory register request has no '{required}' field")
             key = _field(body, "key", str)
-            self.core.shm.register(request.match_info["name"], key, _uint(body, "offset"), _uint(body, "byte_size"))
+            self.core.shm.register(request.match_info["name"], key, _uint(body, "offset"), _uint(body, "byte_size"),
+                                   _client_uid(request))
         except (KServeError, *MALFORMED) as e:  # a body of the wrong shape: the client's fault, a 400
             return _error(as_kserve(e, "shared-memory registration"))
         return web.Response()
 
     async def shm_unregister(self, request):
-        self.core.shm.unregister(request.match_info.get("name", ""))
+        self.core.shm.unregister(request.match_info.get("name", ""), _client_uid(request))
         return web.Response()
 
     async def shm_status(self, request):
         try:
-            regions = self.core.shm.status(request.match_info.get("name", ""))
+            regions = self.core.shm.status(request.match_info.get("name", ""), _client_uid(request))
         except KServeError as e:
             return _error(e)
         return web.json_response([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
@@ -318,8 +328,9 @@ class KServeHttp:
             header, binary = _split(request, body)
             params = _field(header, "parameters", dict, {})
             check_parameter_names(params)
-            inputs = self._inputs(spec, header, binary)
-            wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs)
+            inputs = self._inputs(spec, header, binary, request)
+            wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs,
+                                             request)
         try:
             rid = _field(header, "id", str, "")
             _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
@@ -351,7 +362,7 @@ class KServeHttp:
         return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream",
                             headers={HEADER_LENGTH: str(len(text))})
 
-    def _inputs(self, spec, header: dict, binary: memoryview) -> dict[str, np.ndarray]:
+    def _inputs(self, spec, header: dict, binary: memoryview, request: web.Request) -> dict[str, np.ndarray]:
         model, inputs, pos = spec.name, {}, 0
         for t in _field(header, "inputs", list):
             name, datatype, shape = _field(t, "name", str), _field(t, "datatype", str), _shape(t)
@@ -362,7 +373,7 @@ class KServeHttp:
                 region = _shm(tp)
                 if region is None:
                     raise invalid(f"input '{name}': 'shared_memory_region' must name a registered region")
-                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec)
+                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec, _client_uid(request))
             elif source == "binary_data_size":
                 n = _uint(tp, "binary_data_size")
                 if pos + n > len(binary):
@@ -387,7 +398,8 @@ class KServeHttp:
         datatype = NP_TO_KSERVE.get(t.dtype, t.dtype)
         return {t.name: tensor_from_bytes(t.name, datatype, [1, *t.shape], memoryview(body))}
 
-    def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict) -> list:
+    def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict,
+                           request: web.Request) -> list:
         """(name, binary?, shm region or None) per output to return. None named: all of them, binary
         as the request's ``binary_data_output`` says; a named one is binary only if its own
         ``binary_data`` says so (Triton: the request's setting is for outputs not named). An
@@ -409,7 +421,8 @@ class KServeHttp:
                 seen.add(name)
                 region, binary = _shm(op), _bool(op, "binary_data", False)
                 if region is not None:  # held until close_outputs: nothing may raise before it is in wanted
-                    region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs))
+                    region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs),
+                                                  _client_uid(request))
                 wanted.append((name, binary, region))
         except BaseException:
             close_outputs(wanted)

@@ -13,7 +13,11 @@ registered one. The directory is wiped when the first front-door process of the 
 no regions, as Triton does.
 
 Requests name regions, never segments: an infer can read or write only memory a client
-registered here, and tensors reach the dispatcher as copies.
+registered here, and tensors reach the dispatcher as copies. A region is its registering user's
+(the SDK's rule): the segment must belong to the client's uid (tcp_peer.py: a client on this
+host; root may name any), and only clients of that uid see, use or unregister the region. Any
+client could otherwise register any segment the front door can open, another user's tensors,
+and read it back through a model or write outputs over it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from .kserve_common import KServeError, check_byte_size, check_input, invalid, n
 _OWN_SEGMENTS = re.compile(r"batchyard_|by_triton_")
 _SHM_KEY = re.compile(r"/?([A-Za-z0-9_][A-Za-z0-9_.-]{0,199})")  # fullmatch: "$" let a trailing newline in
 SHM_DIR = "/dev/shm"
+# Each region holds an open file in every front-door process that used it: one client registering
+# without end ran the processes out of descriptors (every client's registrations then failed).
+MAX_REGIONS_PER_USER = 1024
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Region:
     byte_size: int
     fd: int = -1  # the segment, open (read and written with pread/pwrite, never mapped)
     entry_ino: int = 0  # the registry entry this region was opened from
+    uid: int = 0  # the user who registered it: only that user's clients (or root's) use it
 
 
 @dataclass
@@ -115,7 +123,11 @@ def _entry(name: str) -> str:
     return "r-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest() + ".json"
 
 
-def _open_segment(name: str, key: str, offset: int, byte_size: int) -> int:
+def _owned_by(uid: Optional[int], region_uid: int) -> bool:
+    return uid is not None and (uid == 0 or uid == region_uid)
+
+
+def _open_segment(name: str, key: str, offset: int, byte_size: int, uid: Optional[int] = 0) -> int:
     """The region's segment as an open fd. Not mapped: a client that shrank its segment made the
     next access to a mapping past the new end a SIGBUS, which killed the front door (and its
     restart dropped every client's registrations); pread and pwrite cannot fault."""
@@ -132,6 +144,12 @@ def _open_segment(name: str, key: str, offset: int, byte_size: int) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
+        if uid is None:
+            raise invalid(f"failed to register shared memory region '{name}': system shared memory is for "
+                          f"clients on this host (their user decides which segments they may name)")
+        if not _owned_by(uid, st.st_uid):
+            raise invalid(f"failed to register shared memory region '{name}': segment '{key}' belongs to uid "
+                          f"{st.st_uid}, not to this client's uid {uid}")
         size = st.st_size
         # A region of no bytes serves nothing; Triton refuses it too (its mmap of 0 bytes fails).
         if offset < 0 or byte_size <= 0 or offset + byte_size > size:
@@ -205,13 +223,14 @@ class ShmRegions:
         with os.fdopen(fd, "rb") as f:
             ino = os.fstat(f.fileno()).st_ino
             d = json.loads(f.read())
-        return Region(d["name"], d["key"], int(d["offset"]), int(d["byte_size"]), None, ino)
+        return Region(d["name"], d["key"], int(d["offset"]), int(d["byte_size"]), None, ino, int(d.get("uid", 0)))
 
     def _publish(self, r: Region) -> None:
         tmp = f".new-{os.getpid()}-{_entry(r.name)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
         with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps({"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}).encode())
+            f.write(json.dumps({"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size,
+                                "uid": r.uid}).encode())
         try:
             os.link(tmp, _entry(r.name), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         except FileExistsError:
@@ -250,12 +269,16 @@ class ShmRegions:
             return 0
 
     # ------------------------------------------------------------ the extension's calls
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, uid: Optional[int] = 0) -> None:
+        """``uid``: the client's (tcp_peer), None for one not on this host; 0, root, names any segment."""
         self.sweep()
         registered = self._registered()
         if any(r.name == name for r in registered):
             raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        region = Region(name, key, offset, byte_size, _open_segment(name, key, offset, byte_size))
+        if sum(r.uid == uid for r in registered) >= MAX_REGIONS_PER_USER:
+            raise invalid(f"failed to register shared memory region '{name}': this user has {MAX_REGIONS_PER_USER} "
+                          f"regions registered already")
+        region = Region(name, key, offset, byte_size, _open_segment(name, key, offset, byte_size, uid), uid=uid)
         if self.dir is not None:
             try:
                 self._publish(region)
@@ -265,18 +288,21 @@ class ShmRegions:
         self._drop_local(name)
         self.local[name] = region
 
-    def unregister(self, name: str = "") -> None:
-        """One region, or all when ``name`` is empty; an unknown name is not an error (Triton)."""
+    def unregister(self, name: str = "", uid: Optional[int] = 0) -> None:
+        """One region, or all when ``name`` is empty: of the regions ``uid`` may use; an unknown
+        name is not an error (Triton)."""
         self.sweep()
-        names = [name] if name else [r.name for r in self._registered()] + list(self.local)
+        mine = [r.name for r in self._registered() if _owned_by(uid, r.uid)]
+        names = ([name] if name in mine else []) if name else mine + [n for n, r in self.local.items()
+                                                                       if _owned_by(uid, r.uid)]
         for n in names:
             if self.dir is not None:
                 self._unlink(_entry(n))
             self._drop_local(n)
 
-    def status(self, name: str = "") -> list[Region]:
+    def status(self, name: str = "", uid: Optional[int] = 0) -> list[Region]:
         self.sweep()
-        regions = self._registered()
+        regions = [r for r in self._registered() if _owned_by(uid, r.uid)]
         if not name:
             return regions
         found = [r for r in regions if r.name == name]
@@ -300,38 +326,39 @@ class ShmRegions:
         entry = self._read(_entry(name))
         if entry is None:
             return None
-        entry.fd = _open_segment(name, entry.key, entry.offset, entry.byte_size)
+        entry.fd = _open_segment(name, entry.key, entry.offset, entry.byte_size, entry.uid)
         self.local[name] = entry
         return entry
 
-    def _range(self, name: str, offset: int, nbytes: int) -> tuple[Region, int]:
+    def _range(self, name: str, offset: int, nbytes: int, uid: Optional[int]) -> tuple[Region, int]:
         r = self._lookup(name)
-        if r is None:
+        if r is None or not _owned_by(uid, r.uid):  # another user's region is not there for this client
             raise KServeError(grpc.StatusCode.NOT_FOUND, f"Unable to find shared memory region: '{name}'")
         if offset < 0 or nbytes < 0 or offset + nbytes > r.byte_size:
             raise invalid(f"Invalid offset + byte size for shared memory region: '{name}' "
                           f"(offset {offset} + {nbytes} bytes > its {r.byte_size} bytes)")
         return r, r.offset + offset
 
-    def output(self, name: str, offset: int, byte_size: int, tensor: str, nbytes: Optional[int]) -> OutputRegion:
+    def output(self, name: str, offset: int, byte_size: int, tensor: str, nbytes: Optional[int],
+               uid: Optional[int] = 0) -> OutputRegion:
         """The region an output goes to, held from now until ``close``; fails now, before the
         inference runs, if it is not usable or cannot hold the ``nbytes`` of the output (None:
         not known yet). Too small a region is Triton's INTERNAL with its message (its allocator
         finds out after the run; here the run is spared)."""
         if nbytes is not None and nbytes > byte_size:
             raise _too_small(tensor, byte_size, nbytes)
-        r, start = self._range(name, offset, byte_size)
+        r, start = self._range(name, offset, byte_size, uid)
         return OutputRegion(name, offset, byte_size, os.dup(r.fd), start)
 
     def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str,
-             spec) -> np.ndarray:
+             spec, uid: Optional[int] = 0) -> np.ndarray:
         """A copy of the tensor in the region: the client may reuse its memory as soon as the
         reply comes, and the region may be unregistered while the request is queued. The
         declaration is checked against the model ``spec`` and ``byte_size`` against it first, so
         that no more is read than one batch of the model takes."""
         check_input(spec, tensor, np_dtype(datatype, f"input '{tensor}'"), shape)
         dt = check_byte_size(tensor, datatype, shape, byte_size)
-        r, start = self._range(name, offset, byte_size)
+        r, start = self._range(name, offset, byte_size, uid)
         buf = bytearray(byte_size)
         got = os.preadv(r.fd, [buf], start)
         if got < byte_size:

@@ -689,6 +689,54 @@ def test_shm_register_infer_unregister(front_door, proto):
             tshm.destroy_shared_memory_region(region)
 
 
+def test_a_client_of_another_user_cannot_name_reach_or_drop_a_users_memory(front_door):
+    """Any client could register any segment the front door can open (another user's tensors),
+    then read it back through a model or write outputs over it; and use, list or unregister other
+    users' regions by name. Now a region is its user's (the segment must be the client's own)."""
+    import shutil
+
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root to run a client as another user")
+    tag = f"by_kserve_victim_{os.getpid()}"
+    mine = shared_memory.SharedMemory(tag, create=True, size=X.nbytes)
+    c = thttp.InferenceServerClient(front_door.http_url)
+    try:
+        np.ndarray(X.shape, X.dtype, buffer=mine.buf)[...] = X
+        c.register_system_shared_memory("victim_in", f"/{tag}", X.nbytes)
+        code = f"""
+import json, urllib.request, urllib.error
+def post(path, body=None):
+    req = urllib.request.Request("http://{front_door.http_url}" + path, method="POST" if body is not None else "GET",
+                                 data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+print(json.dumps([
+    post("/v2/systemsharedmemory/region/evil/register", {{"key": "/{tag}", "offset": 0, "byte_size": {X.nbytes}}}),
+    post("/v2/models/sum/infer", {{"inputs": [{{"name": "x", "shape": [3, 4], "datatype": "FP32", "parameters":
+          {{"shared_memory_region": "victim_in", "shared_memory_byte_size": {X.nbytes}}}}}]}}),
+    post("/v2/systemsharedmemory/status"),
+    post("/v2/systemsharedmemory/unregister", {{}}),
+]))
+"""
+        r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c",
+                            code], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        register, infer, status, unregister = json.loads(r.stdout)
+        assert register[0] == 400 and "belongs to uid 0, not to this client's uid 65534" in register[1], register
+        assert infer[0] == 404 and "Unable to find shared memory region: 'victim_in'" in infer[1], infer
+        assert status == [200, "[]"] and unregister[0] == 200
+        assert [r["name"] for r in c.get_system_shared_memory_status()] == ["victim_in"]  # still there, still mine
+        out = c.infer("sum", [_shm_io(thttp, "victim_in", "unused")[0]]).as_numpy("y")
+        np.testing.assert_array_equal(out, front_door.sdk("sum", X))
+    finally:
+        c.unregister_system_shared_memory()
+        mine.close()
+        mine.unlink()
+
+
 @pytest.mark.parametrize("proto", ["grpc", "http"])
 def test_one_segment_under_two_names_and_an_output_region_too_small(front_door, proto):
     """Triton refuses only a second use of a name: one segment may be registered as an input half

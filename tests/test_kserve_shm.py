@@ -245,3 +245,18 @@ def test_statistics_of_a_model_with_a_long_or_non_ascii_name(tmp_path):
         os.close(fd)
     assert sorted(totals) == sorted(names)
     assert all(totals[n][SUCCESS] == 2 and totals[n][ITEMS] == 5 for n in names)
+
+
+def test_one_user_registers_a_bounded_number_of_regions(registry, segment, monkeypatch):
+    """Each region holds a descriptor in every front-door process that used it: a client
+    registering without end ran them out (every client's registrations then failed, 500)."""
+    from batchyard import kserve_shm
+
+    monkeypatch.setattr(kserve_shm, "MAX_REGIONS_PER_USER", 3)
+    a = registry()
+    for i in range(3):
+        a.register(f"r{i}", segment.name, 0, 64, uid=0)
+    with pytest.raises(KServeError, match="has 3 regions registered already"):
+        a.register("r3", segment.name, 0, 64, uid=0)
+    a.unregister("r0")
+    a.register("r3", segment.name, 0, 64, uid=0)
