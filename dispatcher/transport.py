@@ -69,6 +69,12 @@ def refuse_if_served(address: str) -> None:
     raise EndpointInUse(f"{address} is served by another process (a node already running this config?)")
 
 
+# The backend's ZAP domain: the ZAP handler admits there the node's own key alone. One domain for
+# both sockets admitted every authorized client key on the backend too, and a client registered as
+# a worker was given other clients' batches.
+BACKEND_ZAP_DOMAIN = "batchyard-backend"
+
+
 def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) -> Optional[tuple]:
     """Bind ``sock``; returns the socket file of an ipc endpoint, for ``remove_socket_file``.
     EndpointInUse when another process serves ``address``."""
@@ -77,6 +83,8 @@ def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) 
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
+        if not frontend:
+            sock.zap_domain = BACKEND_ZAP_DOMAIN.encode()
     if frontend:
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes or cfg.max_inline_bytes + (1 << 20))
     refuse_if_served(address)
@@ -125,11 +133,14 @@ def start_authenticator(ctx: zmq.Context, cfg: DispatcherConfig) -> Optional[obj
 
     class Keys:
         def callback(self, domain: str, key: bytes) -> bool:
+            if domain == BACKEND_ZAP_DOMAIN:  # workers: the node's own key only
+                return key == own_public
             return allowed is None or key in allowed  # key: z85, as load_certificates gives them
 
     auth = AsyncioAuthenticator(ctx, log=log)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=Keys())
+    for domain in ("*", BACKEND_ZAP_DOMAIN):  # "*": the frontend's (no domain set)
+        auth.configure_curve_callback(domain=domain, credentials_provider=Keys())
     return auth
 
 

@@ -139,6 +139,13 @@ def test_workers_and_clients_reach_a_curve_secured_tcp_backend_and_frontend(tcp_
     with dealer(node.address, read_keypair(bob_secret), server_public) as bob:
         assert ready(bob).registrations >= 1
         assert roundtrip(bob, [infer_header(8), X1]).status == P.Status.OK
+    # A client's authorized key does not open the backend: registered as a worker, a client was
+    # given other clients' batches (the handshake now never completes)
+    with dealer(node.cfg.dispatcher.backend, read_keypair(bob_secret), server_public) as rogue:
+        register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="rogue", pid=1, path="cpu",
+                                       models=[SUM_MODEL.spec()]))
+        rogue.send(register)
+        assert not rogue.poll(1500)
     # `batchyard status --config` reaches it with the node's key (--address alone could not)
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--config", f"{run_dir}/node.toml"],
                        capture_output=True, text=True, timeout=60)
