@@ -37,6 +37,37 @@ def start(procs, config: Path, *args) -> subprocess.Popen:
     return p
 
 
+def dispatcher_alone(procs, run_dir, **dispatcher) -> NodeConfig:
+    """A dispatcher of the `sum` model and no worker, on ipc endpoints in ``run_dir``, started."""
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **dispatcher),
+                      (SUM_MODEL,), ()).validate()
+    config = Path(run_dir) / "node.toml"
+    config.write_text(to_toml(node))
+    start(procs, config, "dispatcher")
+    return node
+
+
+def bare_worker(node: NodeConfig):
+    """A DEALER on the backend that the test drives as a worker, message by message."""
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node.dispatcher.backend)
+    return s
+
+
+def registered_worker(node: NodeConfig, name: str = "w0"):
+    """A bare worker that has registered (a cpu worker of `sum`) and been answered."""
+    from batchyard import protocol as P
+
+    s = bare_worker(node)
+    s.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=name, pid=4242, path="cpu", models=[SUM_MODEL.spec()])))
+    assert s.poll(30_000)
+    assert type(P.to_worker_decoder.decode(s.recv_multipart()[0])) is P.Registered
+    return s
+
+
 def test_a_dead_dispatcher_fails_requests_in_flight_fast_and_the_client_reconnects(run_dir, processes):
     node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
                                        heartbeat_interval_s=0.1, worker_dead_after_s=2.0),
@@ -73,11 +104,7 @@ def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, proces
 
     from batchyard import protocol as P
 
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      (SUM_MODEL,), ()).validate()
-    config = Path(run_dir) / "node.toml"
-    config.write_text(to_toml(node))
-    start(processes, config, "dispatcher")
+    node = dispatcher_alone(processes, run_dir)
     spec = SUM_MODEL.spec()
     register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[spec]))
     worker = zmq.Context.instance().socket(zmq.DEALER)
@@ -113,20 +140,12 @@ def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, proces
 def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(run_dir, processes):
     """A worker's result that names a frame it did not send was forwarded as OK: the SDK's I/O
     thread died indexing it, and the caller's infer(timeout=...) never returned."""
-    import zmq
-
     from batchyard import protocol as P
     from batchyard.errors import InternalError
 
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      (SUM_MODEL,), ()).validate()
-    config = Path(run_dir) / "node.toml"
-    config.write_text(to_toml(node))
-    start(processes, config, "dispatcher")
+    node = dispatcher_alone(processes, run_dir)
     register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[SUM_MODEL.spec()]))
-    worker = zmq.Context.instance().socket(zmq.DEALER)
-    worker.setsockopt(zmq.LINGER, 0)
-    worker.connect(node.dispatcher.backend)
+    worker = bare_worker(node)
     y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
     try:
         worker.send(register)
@@ -163,24 +182,12 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
 def test_the_dispatcher_learns_only_from_batch_times_it_can_trust(run_dir, processes):
     """A size's first run in a worker builds kernels (up to 10x its time); learnt, one such batch
     could lock a curve with no profile into batches of 1 (workers/runtime.py marks it)."""
-    import zmq
-
     from batchyard import protocol as P
 
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      (SUM_MODEL,), ()).validate()
-    config = Path(run_dir) / "node.toml"
-    config.write_text(to_toml(node))
-    start(processes, config, "dispatcher")
-    worker = zmq.Context.instance().socket(zmq.DEALER)
-    worker.setsockopt(zmq.LINGER, 0)
-    worker.connect(node.dispatcher.backend)
+    node = dispatcher_alone(processes, run_dir)
+    worker = registered_worker(node)
     y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
     try:
-        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu",
-                                        models=[SUM_MODEL.spec()])))
-        assert worker.poll(30_000)
-        worker.recv_multipart()  # registered
         with Client(node.dispatcher.frontend) as c:
             # A time longer than the round trip the dispatcher saw is no batch's either: one
             # compute_us of 2**62 made every later request of the model refused on arrival.
@@ -201,28 +208,12 @@ def test_a_result_or_goodbye_naming_another_worker_is_dropped(run_dir, processes
     """Results and goodbyes were taken by the worker name they carry: anything on the workers'
     socket could answer another worker's batch (its client got the forged output and the real
     one was dropped) or take it out of rotation."""
-    import zmq
-
     from batchyard import protocol as P
 
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      (SUM_MODEL,), ()).validate()
-    config = Path(run_dir) / "node.toml"
-    config.write_text(to_toml(node))
-    start(processes, config, "dispatcher")
-    socks = []
-    for name in ("w0", "intruder"):
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(node.dispatcher.backend)
-        socks.append(s)
-    worker, intruder = socks
+    node = dispatcher_alone(processes, run_dir)
+    socks = worker, intruder = registered_worker(node), bare_worker(node)
     y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
     try:
-        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu",
-                                        models=[SUM_MODEL.spec()])))
-        assert worker.poll(30_000)
-        worker.recv_multipart()  # registered
         with Client(node.dispatcher.frontend) as c:
             fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
             assert worker.poll(30_000)
@@ -246,18 +237,10 @@ def test_a_result_or_goodbye_naming_another_worker_is_dropped(run_dir, processes
 def test_a_registration_that_does_not_decode_is_refused_in_words(run_dir, processes):
     """A register with a max batch of 0 failed its schema and was dropped unanswered: the worker
     retried in silence, for good."""
-    import zmq
-
     from batchyard import protocol as P
 
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      (SUM_MODEL,), ()).validate()
-    config = Path(run_dir) / "node.toml"
-    config.write_text(to_toml(node))
-    start(processes, config, "dispatcher")
-    worker = zmq.Context.instance().socket(zmq.DEALER)
-    worker.setsockopt(zmq.LINGER, 0)
-    worker.connect(node.dispatcher.backend)
+    node = dispatcher_alone(processes, run_dir)
+    worker = bare_worker(node)
     try:
         import msgspec
 
@@ -277,12 +260,8 @@ def test_a_worker_of_another_user_is_refused(run_dir, processes):
 
     if os.getuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root to run a process as another user")
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", ipc_mode="0666"),
-                      (SUM_MODEL,), ()).validate()
-    config = Path(run_dir) / "node.toml"
-    config.write_text(to_toml(node))
     os.chmod(run_dir, 0o755)
-    start(processes, config, "dispatcher")
+    node = dispatcher_alone(processes, run_dir, ipc_mode="0666")
     with Client(node.dispatcher.frontend) as c:
         c.status()  # bound
     code = ("import sys, zmq\n"

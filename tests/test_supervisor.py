@@ -102,12 +102,7 @@ def test_up_exits_78_when_a_child_says_the_config_cannot_run_here(run_dir, who):
     _, up = spawn_up(run_dir, [worker], [SUM_MODEL], {"cpus": (mine[1],)} if who == "dispatcher" else {},
                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                      preexec_fn=lambda: os.sched_setaffinity(0, {mine[0]}))
-    try:
-        _, err = up.communicate(timeout=120)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    _, err = _ended(up)
     assert up.returncode == 78, err.decode()[-2000:]
     assert b"not available to this process" in err and b"Traceback" not in err
 
@@ -133,6 +128,16 @@ def test_no_unit_denies_the_scheduling_calls_zeromq_makes_at_start(unit):
     text = (Path(ROOT) / "deploy" / "systemd" / f"batchyard-{unit}@.service").read_text()
     denied = [line for line in text.splitlines() if line.startswith("SystemCallFilter=~")]
     assert denied and not any("@resources" in line or "sched_set" in line for line in denied)
+
+
+def _ended(proc: subprocess.Popen) -> tuple[bytes, bytes]:
+    """``proc``'s output once it has exited by itself (killed if it has not within 120 s)."""
+    try:
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 class _Closing:
@@ -395,12 +400,7 @@ def test_a_second_up_on_a_running_nodes_config_refuses_and_leaves_the_first_serv
     node, second = spawn_up(run_dir, [sim_worker()], first.cfg.models, {"heartbeat_interval_s": 0.1,
                                                                        "worker_dead_after_s": 0.6},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = second.communicate(timeout=120)
-    finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
+    out, err = _ended(second)
     assert second.returncode != 0 and b"ready" not in out, (out, err[-2000:])
     assert b"not this node's dispatcher" in err or b"is served by another process" in err, err[-2000:]
     # A second dispatcher alone (systemd's unit, say) refuses the endpoint in one line
