@@ -208,8 +208,18 @@ class Dispatcher:
         while batches:
             lost = False
             for i, b in enumerate(batches):
-                # (one given back at an earlier failed send to its worker in this round is skipped)
-                if b.batch_id in core.batches and not self._send_to_worker(b, now, batches[i + 1:]):
+                if b.batch_id not in core.batches:  # given back at an earlier failed send to its worker
+                    continue
+                why = self._send_to_worker(b)
+                if why:
+                    # It never reached the worker, nor did this round's later batches for it: their
+                    # requests go back as they were. Failed over as batches that ran, they spent
+                    # their one retry (and became suspects): with two workers gone, a request that
+                    # reached neither was answered UNAVAILABLE beside a free healthy worker.
+                    for later in (b, *batches[i + 1:]):
+                        if later.worker is b.worker:
+                            core.undelivered(later)
+                    self._worker_lost(b.worker.name, f"unreachable: {why}", now)
                     lost = True
             # Their requests are queued again and their workers gone: decide again, now, on
             # the workers left (each round loses a worker, so this ends).
@@ -332,7 +342,8 @@ class Dispatcher:
         """Whether a message naming worker ``name`` came over its own connection (or its
         heartbeat thread's, ``<identity>#hb``); True for a name not registered."""
         w = self.state.workers.get(name) or self.llm.core.workers.get(name)
-        return w is None or identity in (w.identity, w.identity + b"#hb")
+        # (the plain comparison first: results, on the hot path, come over the worker's own)
+        return w is None or identity == w.identity or identity == w.identity + b"#hb"
 
     def _on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
         text = registration_problem(msg.models, self.specs)
@@ -530,10 +541,8 @@ class Dispatcher:
             self._reply(identity, P.encode(status_report.status_reply(self, rid, brief)))
 
     # ------------------------------------------------------------------ 4. workers out
-    def _send_to_worker(self, batch: Batch, now: float, unsent: list = ()) -> bool:
-        """False when the worker's connection was gone: the batch never reached it, its
-        requests are queued again as they were (with those of ``unsent``, the batches of this
-        round not sent yet, that went to the same worker) and the worker is out of rotation."""
+    def _send_to_worker(self, batch: Batch) -> str:
+        """Send ``batch``; "" when sent, else why not (the worker's connection is gone)."""
         reqs = batch.requests
         frames: list = [batch.worker.identity, b""]
         seqs, n_frames, files = [], [], {}
@@ -549,15 +558,8 @@ class Dispatcher:
             send_parts(self.backend, frames)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's connection is gone
             log.warning("worker %s unreachable (%s)", batch.worker.name, e)
-            # Not failed over as a batch that ran: that spent the requests' one retry (and made
-            # them suspects), and with two workers gone a request that reached neither was
-            # answered UNAVAILABLE beside a free healthy worker.
-            for b in (batch, *unsent):
-                if b.worker is batch.worker:
-                    self.core.undelivered(b)
-            self._worker_lost(batch.worker.name, f"unreachable: {e}", now)
-            return False
-        return True
+            return str(e) or "unreachable"
+        return ""
 
     def _send_worker(self, identity: bytes, header: bytes) -> bool:
         """False when the worker's connection is gone (ROUTER_MANDATORY)."""
