@@ -73,6 +73,13 @@ def _client_uid(request: web.Request) -> Optional[int]:
     return peer_uid(peer[0], peer[1], ours[1])
 
 
+def _uses_shm(header: dict) -> bool:
+    """Whether a request names a shared-memory region (malformed parts are for the parse to refuse)."""
+    return any(isinstance(t, dict) and isinstance(t.get("parameters"), dict)
+               and "shared_memory_region" in t["parameters"]
+               for key in ("inputs", "outputs") if isinstance(header.get(key), list) for t in header[key])
+
+
 def _version(request: web.Request) -> str:
     return request.match_info.get("version", "")
 
@@ -328,9 +335,9 @@ class KServeHttp:
             header, binary = _split(request, body)
             params = _field(header, "parameters", dict, {})
             check_parameter_names(params)
-            inputs = self._inputs(spec, header, binary, request)
-            wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs,
-                                             request)
+            uid = _client_uid(request) if _uses_shm(header) else None
+            inputs = self._inputs(spec, header, binary, uid)
+            wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs, uid)
         try:
             rid = _field(header, "id", str, "")
             _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
@@ -362,7 +369,7 @@ class KServeHttp:
         return web.Response(body=b"".join([text, *chunks]), content_type="application/octet-stream",
                             headers={HEADER_LENGTH: str(len(text))})
 
-    def _inputs(self, spec, header: dict, binary: memoryview, request: web.Request) -> dict[str, np.ndarray]:
+    def _inputs(self, spec, header: dict, binary: memoryview, uid: Optional[int]) -> dict[str, np.ndarray]:
         model, inputs, pos = spec.name, {}, 0
         for t in _field(header, "inputs", list):
             name, datatype, shape = _field(t, "name", str), _field(t, "datatype", str), _shape(t)
@@ -373,7 +380,7 @@ class KServeHttp:
                 region = _shm(tp)
                 if region is None:
                     raise invalid(f"input '{name}': 'shared_memory_region' must name a registered region")
-                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec, _client_uid(request))
+                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec, uid)
             elif source == "binary_data_size":
                 n = _uint(tp, "binary_data_size")
                 if pos + n > len(binary):
@@ -399,7 +406,7 @@ class KServeHttp:
         return {t.name: tensor_from_bytes(t.name, datatype, [1, *t.shape], memoryview(body))}
 
     def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict,
-                           request: web.Request) -> list:
+                           uid: Optional[int]) -> list:
         """(name, binary?, shm region or None) per output to return. None named: all of them, binary
         as the request's ``binary_data_output`` says; a named one is binary only if its own
         ``binary_data`` says so (Triton: the request's setting is for outputs not named). An
@@ -421,8 +428,7 @@ class KServeHttp:
                 seen.add(name)
                 region, binary = _shm(op), _bool(op, "binary_data", False)
                 if region is not None:  # held until close_outputs: nothing may raise before it is in wanted
-                    region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs),
-                                                  _client_uid(request))
+                    region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs), uid)
                 wanted.append((name, binary, region))
         except BaseException:
             close_outputs(wanted)

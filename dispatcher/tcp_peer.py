@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 TABLES = ("/proc/net/tcp6", "/proc/net/tcp")
-CACHE_S = 1.0  # a connection's uid, kept this long (a request may ask twice; ports are reused later)
+CACHE_S = 1.0  # a connection's uid, kept this long (its requests follow one another; ports are reused later)
 CACHE_MAX = 4096
 _cache: dict[tuple, tuple[float, Optional[int]]] = {}
 
