@@ -422,12 +422,12 @@ def first_pid(node) -> int:
 def test_a_worker_asked_to_stop_exits_even_when_its_batch_never_ends():
     """The stop (SIGTERM, or the parent-death signal when `up` was killed hard) was only read
     between batches: a worker stuck in one lived on, reparented to pid 1, holding its memory."""
-    code = ("import os, signal, time\n"
+    code = ("import os, signal, threading\n"
             "from batchyard.workers import runtime\n"
             "runtime.STOP_GRACE_S = 0.2\n"
             "rt = runtime.WorkerRuntime('w', 'ipc:///nonexistent', None, {})\n"
             "signal.signal(signal.SIGTERM, rt.request_stop)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
-            "time.sleep(120)  # a batch that never ends\n")
+            "threading.Event().wait()  # a batch that never ends\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr
