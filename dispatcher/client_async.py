@@ -164,8 +164,11 @@ class AsyncClient(CodecAccess):
         try:
             return await fut
         except asyncio.CancelledError:
+            # As infer's: withdrawn from the dispatcher too, which stops it in its engine. Only
+            # forgotten here, it decoded to its max_tokens for nobody (an HTTP client that hung up).
             if not self.closed:
                 self._codec.expire_local(rid)
+                self._send_frames([self._codec.encode_cancel(rid)])
             raise
 
     async def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:

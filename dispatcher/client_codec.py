@@ -309,6 +309,10 @@ class ClientCodec:
                                   f"got {prompt!r:.80}") from None
         if not tokens or not all(0 <= t <= P.MAX_TOKEN_ID for t in tokens):
             raise InvalidArgument(f"prompt must be one or more token ids in [0, 2**31), got {prompt!r:.80}")
+        if len(tokens) > P.MAX_PROMPT_TOKENS:
+            # Sent, a message past the dispatcher's frame limit closed this client's connection,
+            # and every other request in flight on it lost its reply.
+            raise InvalidArgument(f"prompt of {len(tokens)} tokens; a request takes at most {P.MAX_PROMPT_TOKENS}")
         try:
             n = operator.index(max_tokens)
         except TypeError:

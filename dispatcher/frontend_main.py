@@ -56,7 +56,8 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
             if node.llm_models:  # the LLM mode's OpenAI-compatible completions, on the same port
                 from .openai_http import OpenAiCompletions
 
-                extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models}).routes()
+                extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
+                                          node.dispatcher.default_timeout_s).routes()
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
                                            idle_timeout_s=fe.idle_timeout_s)
         if fe.grpc_port:

@@ -108,6 +108,7 @@ class LlmCore:
         self.decisions = {PREFILL_CPU: 0, GPU: 0}
         self.draining = False
         self._out: list = []  # jobs started since the last decide()
+        self.hung: dict[str, str] = {}  # worker -> why it was declared hung: told to restart at its next heartbeat
 
     # ------------------------------------------------------------------ workers
     def models(self) -> set:
@@ -122,6 +123,7 @@ class LlmCore:
             self.workers[name].last_seen = now
             return []
         lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
+        self.hung.pop(name, None)
         self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
         # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
@@ -163,8 +165,20 @@ class LlmCore:
         return failed
 
     def check_liveness(self, now: float) -> list:
-        silent = [w.name for w in self.workers.values() if now - w.last_seen > self.worker_dead_after_s]
-        return [(n, self.worker_lost(n, "silent past worker_dead_after_s", now)) for n in silent]
+        """Take out of rotation the workers silent past ``worker_dead_after_s``, and those holding
+        a job whose every request has ended, its last deadline that long ago (``hung``). An engine
+        heartbeats from a thread of its own: one stuck in a step kept beating, stayed in rotation,
+        and every request routed to it ran out its deadline."""
+        dead_before = now - self.worker_dead_after_s
+        lost = [(w.name, "silent past worker_dead_after_s") for w in self.workers.values() if w.last_seen < dead_before]
+        for job in self.jobs.values():
+            if (all(r.done for r in job.requests) and max(r.deadline for r in job.requests) < dead_before
+                    and job.worker.name not in self.hung):
+                reason = (f"{job.kind} job {job.job_id} sent {now - job.sent_at:.1f} s ago never came back, "
+                          f"{self.worker_dead_after_s:.1f} s past its last request's deadline")
+                self.hung[job.worker.name] = reason
+                lost.append((job.worker.name, reason))
+        return [(name, reason, self.worker_lost(name, reason, now)) for name, reason in dict(lost).items()]
 
     def _instances(self, model: str, role: str) -> list:
         return [w for w in self.workers.values() if w.engine.model == model and w.role == role]

@@ -84,10 +84,10 @@ class LlmDesk:
         return gone
 
     def housekeeping(self, now: float) -> int:
-        """Take silent workers out of rotation; -> how many."""
+        """Take silent and hung workers out of rotation; -> how many."""
         lost = self.core.check_liveness(now)
-        for name, _failed in lost:
-            log.warning("LLM worker %s out of rotation: silent past worker_dead_after_s", name)
+        for name, reason, _failed in lost:
+            log.warning("LLM worker %s out of rotation: %s", name, reason)
         return len(lost)
 
     def worker_infos(self) -> list:

@@ -12,6 +12,7 @@ instances, TTFT, KV tokens moved and ``stand_in`` (the "gpu" instance is a CPU e
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -22,10 +23,17 @@ from aiohttp import web
 from . import errors
 from .http_body import read_body
 from .kserve_common import KServeError
-from .protocol import MAX_TOKEN_ID, Status
+from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
          Status.OVERLOADED: 429, Status.UNAVAILABLE: 503, Status.CANCELLED: 499}
+# The error body's "type", by HTTP status.
+_KIND = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 499: "request_cancelled",
+         503: "service_unavailable_error", 504: "timeout_error"}
+# A text prompt longer than this is refused before it is tokenized: tokenizing 16 MB of text took
+# 14 s of the front door's CPU, and a prompt this long is past MAX_PROMPT_TOKENS at any tokenizer's
+# usual 3-6 characters a token.
+MAX_PROMPT_CHARS = 32 * MAX_PROMPT_TOKENS
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
 _UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None,
@@ -43,9 +51,10 @@ class OpenAiError(Exception):
 
 
 class OpenAiCompletions:
-    def __init__(self, client, models: dict[str, str]):
+    def __init__(self, client, models: dict[str, str], default_timeout_s: float = 30.0):
         self.client = client  # batchyard AsyncClient
         self.models = models  # LLM model name -> model folder (tokenizer.json inside)
+        self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
         self._ids = itertools.count(1)
 
@@ -63,8 +72,8 @@ class OpenAiCompletions:
         except OpenAiError as e:
             return e.response()
         except errors.BatchyardError as e:
-            return OpenAiError(_HTTP.get(e.status, 500), str(e), "server_error" if e.status >= 13 else
-                               "invalid_request_error").response()
+            status = _HTTP.get(e.status, 500)
+            return OpenAiError(status, str(e), _KIND.get(status, "server_error")).response()
 
     async def _completions(self, request) -> web.Response:
         try:
@@ -83,14 +92,24 @@ class OpenAiCompletions:
         max_tokens = body.get("max_tokens", 16)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise OpenAiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
-        prompts = self._prompts(model, body.get("prompt"))
         timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not 0 < timeout <= 86400):
             raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
+        route = _route(body)
+        prompts = await self._prompts(model, body.get("prompt"))
+        # A list of prompts runs at once, under the one deadline of the request (one after
+        # another, each had the whole timeout and none was batched with the others).
+        tasks = [asyncio.ensure_future(self.client.generate(model, ids, max_tokens, route=route,
+                                                            timeout=timeout or self.default_timeout_s))
+                 for ids in prompts]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # one failed, or the client hung up: the others stop in their engines
+                t.cancel()
         choices, usage_in, usage_out, timings = [], 0, 0, []
-        for i, ids in enumerate(prompts):
-            out = await self.client.generate(model, ids, max_tokens, timeout=timeout, route=_route(body))
+        for i, (ids, out) in enumerate(zip(prompts, outs)):
             choices.append({"index": i, "text": self._decode(model, list(out)), "logprobs": None,
                             "finish_reason": "length"})
             usage_in, usage_out = usage_in + len(ids), usage_out + len(out)
@@ -104,18 +123,24 @@ class OpenAiCompletions:
             "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out},
             "batchyard": timings})
 
-    def _prompts(self, model: str, prompt) -> list[list[int]]:
+    async def _prompts(self, model: str, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self._encode(model, prompt)]
-        if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self._encode(model, p) for p in prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p)
-                                                       for p in prompt):
-            return prompt
-        raise OpenAiError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of "
-                               "lists of token ids", param="prompt")
+            prompts = await self._encode(model, [prompt])
+        elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = await self._encode(model, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p)
+                                                         for p in prompt):
+            prompts = prompt
+        else:
+            raise OpenAiError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list "
+                                   "of lists of token ids", param="prompt")
+        for ids in prompts:
+            if len(ids) > MAX_PROMPT_TOKENS:
+                raise OpenAiError(400, f"the prompt has {len(ids)} tokens; a request takes at most {MAX_PROMPT_TOKENS}",
+                                  param="prompt")
+        return prompts
 
     def _tokenizer(self, model: str):
         tok = self._tokenizers.get(model)
@@ -129,11 +154,21 @@ class OpenAiCompletions:
             tok = self._tokenizers[model] = Tokenizer.from_file(str(path))
         return tok
 
-    def _encode(self, model: str, text: str) -> list[int]:
-        ids = self._tokenizer(model).encode(text).ids
-        if not ids:
+    async def _encode(self, model: str, texts: list[str]) -> list[list[int]]:
+        longest = max(map(len, texts))
+        if longest > MAX_PROMPT_CHARS:
+            raise OpenAiError(400, f"a prompt of {longest} characters; a request takes at most {MAX_PROMPT_CHARS}",
+                              param="prompt")
+        tok = self._tokenizer(model)
+        try:
+            # encode_batch, on a thread: it lets go of the GIL (encode holds it), so the front
+            # door's other clients are served while a long prompt is tokenized.
+            encodings = await asyncio.to_thread(tok.encode_batch, texts)
+        except Exception as e:  # a lone surrogate, which no tokenizer takes
+            raise OpenAiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+        if any(not e.ids for e in encodings):
             raise OpenAiError(400, "the prompt is empty after tokenization", param="prompt")
-        return ids
+        return [e.ids for e in encodings]
 
     def _decode(self, model: str, ids: list[int]) -> str:
         try:

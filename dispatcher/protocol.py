@@ -161,6 +161,7 @@ class ShmUnregisterRequest(msgspec.Struct, tag="shm_unregister", tag_field="type
 
 
 MAX_TOKEN_ID = 2**31 - 1
+MAX_PROMPT_TOKENS = 1 << 17  # a generate request's prompt, in tokens
 MAX_NEW_TOKENS = 1 << 16  # the most tokens one generate request may ask for
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
@@ -174,7 +175,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_def
     v: int
     id: U64
     model: Name
-    prompt: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=1 << 17)]
+    prompt: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 16
     priority: Priority = PRIORITY_NORMAL
     timeout_us: NonNeg = 0

@@ -285,7 +285,7 @@ class Dispatcher:
             self._on_batch_done(msg, frames, now)
         elif type(msg) is P.Heartbeat:
             if not self.core.heartbeat(msg.worker, now) and not self.llm.heartbeat(msg.worker, now):
-                hung = self.core.hung.get(msg.worker)
+                hung = self.core.hung.get(msg.worker) or self.llm.core.hung.get(msg.worker)
                 self._send_worker(identity, P.encode(P.Reregister(worker=msg.worker) if hung is None
                                                      else P.Restart(worker=msg.worker, reason=hung)))
         elif type(msg) is P.LlmDone:

@@ -292,3 +292,41 @@ def test_generate_requests_are_counted_in_the_metrics_as_tensor_requests_are():
     assert total(samples, "nv_inference_request_failure", model="m", reason="REJECTED") == 1
     assert total(samples, "batchyard_unknown_model_requests_total") == 1
     assert not [s for s in samples if s.labels.get("model") == "ghost"]
+
+
+def test_an_engine_stuck_past_its_requests_deadlines_is_declared_hung_and_told_to_restart():
+    # Its heartbeats come from a thread of their own and kept coming: the stuck engine stayed in
+    # rotation and every request routed to it ran out its deadline.
+    h = Harness(cpu=False, worker_dead_after_s=10.0)
+    rid, _ = h.submit(64, timeout_s=2.0)
+    [send] = h.jobs()
+    for t in (1.0, 5.0, 11.0, 11.9):
+        h.now = t
+        h.core.heartbeat("gpu0", t)
+        h.jobs()  # the deadline passes at 2 s: answered, the abort sent, never acknowledged
+        assert h.core.check_liveness(t) == []
+    assert [f[:2] for f in h.failed] == [(rid, Status.DEADLINE_EXCEEDED)]
+    h.now = 12.1
+    h.core.heartbeat("gpu0", h.now)
+    [(name, reason, failed)] = h.core.check_liveness(h.now)
+    assert name == "gpu0" and "never came back" in reason and failed == []
+    assert "gpu0" in h.core.hung and "gpu0" not in h.core.workers
+    # a fresh process of it registers: in rotation again, no restart asked any more
+    h.core.add_worker("gpu0", b"gpu0-new", GPU_ENGINE, h.now, pid=2)
+    assert "gpu0" not in h.core.hung
+    _, why = h.submit(64)
+    assert why is None and [s.worker.name for s in h.jobs()] == ["gpu0"]
+
+
+def test_an_engine_that_acknowledges_its_aborts_stays_in_rotation():
+    h = Harness(cpu=False, worker_dead_after_s=10.0)
+    h.submit(64, timeout_s=2.0)
+    [send] = h.jobs()
+    h.now = 2.5
+    [abort] = h.jobs()
+    assert type(abort.job) is P.LlmAbort
+    h.core.complete(P.LlmDone(job_id=send.job.job_id, worker="gpu0", compute_s=2.5, results=[
+        P.LlmResult(seq=send.job.seqs[0], status=int(Status.CANCELLED))]), h.now)
+    h.now = 30.0
+    h.core.heartbeat("gpu0", h.now)
+    assert h.core.check_liveness(h.now) == [] and "gpu0" in h.core.workers

@@ -27,6 +27,8 @@ from batchyard.config import DispatcherConfig, FrontendConfig, LlmModelConfig, N
 from conftest import ROOT, free_port
 
 BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
+HOLD_TOKEN = 4094  # ... or hold it, unanswered, until the dispatcher aborts it
+DEFAULT_TIMEOUT_S = 5.0  # the node's default_timeout_s
 
 
 def expected(prompt, n):
@@ -44,6 +46,10 @@ class ScriptedEngine(threading.Thread):
                                   prefill=[P.PrefillSample([32], 0.004), P.PrefillSample([256], 0.03)],
                                   decode=[(1, 0.004), (4, 0.005)] if role == "gpu" else [])
         self.jobs: list = []
+        self.held: list = []  # jobs held for HOLD_TOKEN, until aborted
+        self.held_any = threading.Event()
+        self.aborts: list = []
+        self.aborted = threading.Event()
         self.registered = threading.Event()
         self.stop = threading.Event()
         self.say_goodbye = False  # on stopping, as a real worker does, on its own connection
@@ -63,9 +69,18 @@ class ScriptedEngine(threading.Thread):
                 msg = P.to_worker_decoder.decode(sock.recv())
                 if type(msg) is P.Registered:
                     self.registered.set()
+                elif type(msg) is P.LlmJob and any(HOLD_TOKEN in p for p in msg.prompts):
+                    self.jobs.append(msg)
+                    self.held.append(msg)
+                    self.held_any.set()
                 elif type(msg) is P.LlmJob:
                     self.jobs.append(msg)
                     sock.send(P.encode(self._answer(msg)))
+                elif type(msg) is P.LlmAbort:  # as a vLLM worker: out of the engine, the job ends
+                    self.aborts.append(msg)
+                    self.aborted.set()
+                    sock.send(P.encode(P.LlmDone(job_id=msg.job_id, worker=self.name_, compute_s=0.001, results=[
+                        P.LlmResult(seq=s, status=int(P.Status.CANCELLED), message="aborted") for s in msg.seqs])))
         finally:
             if self.say_goodbye:
                 sock.send(P.encode(P.Goodbye(worker=self.name_)))
@@ -111,7 +126,8 @@ def llm_node(run_dir):
     a tokenizer, and two scripted engines registered as its prefill-cpu and gpu instances."""
     _tokenizer(Path(run_dir))
     port, grpc_port = free_port(), free_port()
-    cfg = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+    cfg = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
+                                                 default_timeout_s=DEFAULT_TIMEOUT_S),
                      llm_models=(LlmModelConfig(name="tiny", path=run_dir),),
                      frontend=FrontendConfig(grpc_port=grpc_port, http_port=port)).validate()
     path = Path(run_dir) / "node.toml"
@@ -275,3 +291,61 @@ def test_fuzzed_completions_get_openai_errors_never_a_500(llm_node, batch):
         assert status in (200, 400, 404, 429, 503, 504), (status, out, body)
         if status != 200:
             assert isinstance(out["error"]["message"], str) and isinstance(out["error"]["type"], str), out
+
+
+def _raw_post(url: str, body: dict):
+    """An HTTP request on a socket of its own, the reply not read: the caller may hang up."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((u.hostname, u.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return s
+
+
+def test_a_client_that_hangs_up_mid_generation_has_its_generation_stopped_in_the_engine(llm_node):
+    # Before, the front door only forgot the request: it decoded to max_tokens for nobody,
+    # holding a slot and KV blocks.
+    _, engines, url = llm_node
+    gpu = engines["gpu0"]
+    sock = _raw_post(url, {"model": "tiny", "prompt": [HOLD_TOKEN, 1], "max_tokens": 300, "batchyard_route": "gpu"})
+    assert gpu.held_any.wait(30)
+    sock.close()
+    assert gpu.aborted.wait(30)
+    [held] = gpu.held
+    assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+    assert status == 200 and out["batchyard"][0]["token_ids"] == expected([1, 2], 2)
+
+
+def test_a_list_of_prompts_runs_at_once_under_the_nodes_default_timeout(llm_node):
+    # One after another, each prompt waited for the last and had the whole timeout; without a
+    # "timeout" the SDK's 30 s applied, not the node's default_timeout_s.
+    _, engines, url = llm_node
+    gpu = engines["gpu0"]
+    status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[HOLD_TOKEN, 1], [HOLD_TOKEN, 2]],
+                                                  "max_tokens": 4, "batchyard_route": "gpu"})
+    assert status == 504 and err["error"]["type"] == "timeout_error", err
+    assert f"after {DEFAULT_TIMEOUT_S:.1f}" in err["error"]["message"] or "deadline" in err["error"]["message"]
+    assert sorted(j.prompts[0][1] for j in gpu.held) == [1, 2]  # both in the engine before the deadline
+    assert gpu.aborted.wait(30)
+
+
+def test_prompts_too_long_for_a_request_get_a_400_and_others_are_served(llm_node):
+    # Sent, a prompt past the dispatcher's frame limit closed the front door's connection to it:
+    # every other request in flight there lost its reply. A huge text held the front door's
+    # loop while it was tokenized.
+    _, _, url = llm_node
+    for prompt, word in (([1] * (P.MAX_PROMPT_TOKENS + 1), "at most 131072"),
+                         ("the cache " * (P.MAX_PROMPT_TOKENS * 4), "characters"),
+                         ("a\ud800b", "cannot be tokenized")):
+        status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert status == 400 and word in err["error"]["message"] and err["error"]["param"] == "prompt", err
+    with Client(llm_node[0]) as c:
+        with pytest.raises(InvalidArgument, match="at most 131072"):
+            c.generate("tiny", [1] * (P.MAX_PROMPT_TOKENS + 1))
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves", "max_tokens": 2})
+    assert status == 200, out
