@@ -32,9 +32,15 @@ from conftest import ROOT, TRITON_DENSE_MODEL as TRI, sim_worker, spawn_up  # no
 REPO = ROOT / "deploy" / "triton" / "cpu"
 
 
+TEST_MODELS = ROOT / "tests" / "triton_models"
+
+
 @pytest.fixture(scope="module")
-def triton():
-    tl = TritonLocal(REPO, models=["dense_amx"]).start(ready_timeout_s=120)
+def triton(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "dense_amx").symlink_to(REPO / "dense_amx")
+    (repo / "misbehaving").symlink_to(TEST_MODELS / "misbehaving")
+    tl = TritonLocal(repo, models=["dense_amx", "misbehaving"]).start(ready_timeout_s=120)
     yield tl
     tl.close()
 
@@ -484,5 +490,30 @@ def test_no_tensor_byte_lands_in_the_first_bytes_of_a_region():
         assert bytes(slot.inp.seg.mm[:REGION_GUARD]) == bytes(REGION_GUARD)
         assert np.frombuffer(slot.inp.seg.mm, np.float32, 4, REGION_GUARD).tolist() == [7.0] * 4
         assert min(off for _, _, off in layout) >= REGION_GUARD
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("shm", ["system", "none"])
+def test_a_batch_triton_fails_fails_alone_and_a_short_output_is_never_read_as_whole(triton, shm):
+    # Every error of Triton's counted as an outage: one bad input took the worker out of rotation
+    # for its back-off, failing the good batches after it UNAVAILABLE. And an output shorter
+    # than the spec, read from shared memory, came back OK with the previous batch's bytes.
+    spec = ModelConfig(name="m", factory="", max_batch=8, inputs=(TensorConfig("x", "float32", (16,)),),
+                       outputs=(TensorConfig("y", "float32", (16,)),)).spec()
+    ex = TritonExecutor(triton.grpc_url, {"m": "misbehaving"}, inflight=2, shm=shm)
+    try:
+        ex.load(spec)
+        good = np.arange(32, dtype=np.float32).reshape(2, 16)
+        np.testing.assert_array_equal(ex.run("m", {"x": good})["y"], good * 2)
+        with pytest.raises(RuntimeError, match="negative input") as e:
+            ex.run("m", {"x": -np.ones((2, 16), np.float32)})
+        assert not isinstance(e.value, ExecutorUnavailable)
+        np.testing.assert_array_equal(ex.run("m", {"x": good + 1})["y"], (good + 1) * 2)
+        short = np.full((2, 16), 999.0, np.float32)
+        if shm == "system":
+            with pytest.raises(RuntimeError, match=r"'y' is FP32 \[2, 8\]; the spec says FP32 \[2, 16\]"):
+                ex.run("m", {"x": short})
+        np.testing.assert_array_equal(ex.run("m", {"x": good})["y"], good * 2)
     finally:
         ex.close()

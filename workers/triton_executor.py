@@ -44,6 +44,10 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.2, 5.0
 START_RETRY_MIN_S, START_RETRY_MAX_S = 0.5, 5.0
 # Statuses that mean "Triton is not there (yet)", not "Triton said no".
 UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+# What says that Triton, not the batch, failed: unreachable, or a call cut by a channel that was
+# closed (CANCELLED) or broke (UNKNOWN). An error of any other status is Triton's answer about
+# this batch (the model raised, an output did not fit): that batch fails, and only that batch.
+DOWN = (*UNREACHABLE, "StatusCode.CANCELLED", "StatusCode.UNKNOWN", None)
 # gRPC's reconnect back-off must not add to ours (see the module docstring); a channel of its own
 # (no shared subchannel) so that a fresh client really opens a fresh connection.
 RECONNECT_ARGS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -65,6 +69,11 @@ def _channel_args(extra=None) -> list[tuple]:
 # copied there from its request (or echoed to an output there by the model) let a client of the
 # node's uid obtain a grant for this worker's region, and read other clients' batches through it.
 REGION_GUARD = 64
+
+
+class TritonModelError(RuntimeError):
+    """Triton answered a batch with an error of the model's (or an output unlike the spec): the
+    batch's requests fail INTERNAL with its message; Triton is not down."""
 
 
 class _Slot:
@@ -244,6 +253,17 @@ class TritonExecutor:
             except Exception as e:
                 raise self._mark_down(e, self._gen) from None
 
+    def _failure(self, err, gen: int) -> Exception:
+        """What a batch whose call to Triton failed with ``err`` gets: a model error when Triton
+        answered with one; otherwise Triton counts as down. Every error counted as an outage, one
+        bad input took the worker out of rotation for its back-off (the dispatcher's breaker too),
+        and the reconnect after it cancelled the healthy batches in flight."""
+        status = err.status() if callable(getattr(err, "status", None)) else None
+        if status in DOWN:
+            return self._mark_down(err, gen)
+        msg = err.message() if callable(getattr(err, "message", None)) else str(err)
+        return TritonModelError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
+
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
         """Record a failure of client ``gen``; returns the error the batch gets."""
         msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
@@ -288,7 +308,15 @@ class TritonExecutor:
         out = {}
         for t, tname, off in out_layout:
             if slot is not None:
-                # With outputs in shared memory, the region holds the data (not result.as_numpy).
+                # With outputs in shared memory, the region holds the data (not result.as_numpy),
+                # as many bytes as the spec's shape: an output Triton says is of another shape or
+                # type left the rest of them the previous batch's, another client's output.
+                told = result.get_output(tname)
+                got = (told.datatype, list(told.shape)) if told is not None else ("missing", [])
+                want = (TRITON_DTYPE[t.dtype], [n, *t.shape])
+                if got != want:
+                    raise TritonModelError(f"Triton's output {tname!r} is {got[0]} {got[1]}; the spec says "
+                                           f"{want[0]} {want[1]}")
                 out[t.name] = slot.out.read(off, t.dtype, (n, *t.shape))
             else:
                 out[t.name] = result.as_numpy(tname)
@@ -304,7 +332,7 @@ class TritonExecutor:
             try:
                 res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
             except Exception as e:
-                raise self._mark_down(e, gen) from None
+                raise self._failure(e, gen) from None
             self._backoff = self.backoff_min_s
             return self._read(res, layout, n, slot)
         finally:
@@ -332,7 +360,7 @@ class TritonExecutor:
             us = int((time.perf_counter() - t0) * 1e6)
             try:
                 if error is not None:
-                    outcome, us = self._mark_down(error, gen), 0
+                    outcome, us = self._failure(error, gen), 0
                 else:
                     self._backoff = self.backoff_min_s
                     outcome = self._read(result, layout, n, slot)  # a copy: the slot is free after it
@@ -348,7 +376,7 @@ class TritonExecutor:
             self.client.async_infer(name, ti, callback, outputs=to, client_timeout=self.timeout_s)
         except Exception as e:
             self._give_slot(slot)
-            done(self._mark_down(e, gen), 0)
+            done(self._failure(e, gen), 0)
 
     def _take_slot(self) -> _Slot | None:
         if not self.use_shm:
