@@ -424,3 +424,76 @@ def test_a_sizes_first_run_in_a_worker_is_marked_and_not_learnt():
     Model.simulated = True  # a simulated device has no kernels to build: the simulator learns each batch
     assert not run(5).first_of_size
 
+
+
+def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its_goodbye(run_dir, monkeypatch):
+    """SIGTERM with a batch in an asynchronous executor (Triton's): the worker said goodbye and
+    left without its reply, and the dispatcher ran the requests again (one that had spent its
+    retry failed UNAVAILABLE). Here the test plays the dispatcher."""
+    import logging
+    import threading
+
+    import zmq
+
+    from batchyard.workers import runtime
+
+    monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)  # no hard exit of the test process
+
+    class AsyncModel:
+        path, simulated = "gpu", True
+        held: list = []
+
+        def submit(self, model, inputs, done):
+            self.held.append(lambda: done({"y": inputs["x"] * 2}, 1000))
+            submitted.set()
+
+    submitted, waiting = threading.Event(), threading.Event()
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting for 1 batch(es) in flight" in record.getMessage():
+                waiting.set()
+
+    handler, logger = Waiting(), logging.getLogger(runtime.log.name)
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    backend = f"ipc://{run_dir}/be"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(backend)
+    rt = runtime.WorkerRuntime("w", backend, AsyncModel(), {"sum": SPEC}, heartbeat_interval_s=60.0)
+    seen: list = []
+
+    def dispatcher():
+        def recv():  # the worker's own messages (not its heartbeat socket's)
+            while True:
+                assert router.poll(30_000)
+                identity, *frames = router.recv_multipart()
+                if identity == b"w":
+                    return P.worker_message_decoder.decode(frames[0])
+
+        try:
+            assert type(recv()) is P.Register
+            router.send_multipart([b"w", P.encode(P.Registered(worker="w"))])
+            head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=1, model="sum", inputs=[
+                P.TensorRef(name="x", dtype="float32", shape=[1, 4], frame=0)]))
+            router.send_multipart([b"w", P.encode(P.Batch(batch_id=7, model="sum", seqs=[0], n_frames=[1])), head,
+                                   np.ones((1, 4), np.float32).tobytes()])
+            assert submitted.wait(30)
+            rt.request_stop()  # SIGTERM, the batch in the executor
+            os.write(rt._wake_w, b"x")
+            assert waiting.wait(30), "the worker left without waiting for its batch"
+            AsyncModel.held.pop()()
+            seen.extend(type(recv()).__name__ for _ in range(2))
+        finally:
+            rt.request_stop()  # the loop sees it at its next poll
+
+    t = threading.Thread(target=dispatcher)
+    t.start()
+    try:
+        assert rt.serve() == 0
+    finally:
+        t.join(timeout=60)
+        logger.removeHandler(handler)
+        router.close()
+    assert seen == ["BatchDone", "Goodbye"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -99,6 +100,7 @@ class WorkerRuntime:
         # Completions of asynchronous executors (k batches in flight): appended on their
         # threads, drained by the loop, which a byte on this pipe wakes.
         self._completed: collections.deque = collections.deque()
+        self._in_executor = 0  # batches an asynchronous executor holds, not yet completed
         self._wake_r, self._wake_w = os.pipe()
 
     def request_stop(self, *_args) -> None:
@@ -150,8 +152,7 @@ class WorkerRuntime:
                 events = dict(poller.poll(200))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
-                while self._completed:  # batches an asynchronous executor finished
-                    sock.send_multipart(self._finish(*self._completed.popleft()), copy=False)
+                self._send_completed(sock)
                 if sock not in events:
                     continue
                 frames = sock.recv_multipart(copy=False)
@@ -173,6 +174,8 @@ class WorkerRuntime:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
                     break
+            if self._in_executor:
+                self._finish_in_flight(sock)
         finally:
             if registered:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
@@ -193,6 +196,22 @@ class WorkerRuntime:
             os.close(self._wake_w)
             ctx.term()
         return rc
+
+    def _send_completed(self, sock) -> None:
+        while self._completed:  # batches an asynchronous executor finished
+            self._in_executor -= 1
+            sock.send_multipart(self._finish(*self._completed.popleft()), copy=False)
+
+    def _finish_in_flight(self, sock) -> None:
+        """Stopping with batches in an asynchronous executor (Triton): their replies go out
+        before the goodbye. Gone without them, the dispatcher ran their requests again, and one
+        that had spent its retry failed UNAVAILABLE. exit_after_grace bounds the wait."""
+        log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
+        deadline = time.monotonic() + STOP_GRACE_S - 1.0
+        while self._in_executor and time.monotonic() < deadline:
+            if select.select([self._wake_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                os.read(self._wake_r, 4096)
+            self._send_completed(sock)
 
     def run_batch(self, msg: P.Batch, frames: list) -> list | None:
         """Run one batch. Returns the reply frames, or None when an asynchronous executor
@@ -221,6 +240,7 @@ class WorkerRuntime:
                 self._completed.append((msg, items, spec, raw, compute_us, None, first))
                 os.write(self._wake_w, b"x")
 
+            self._in_executor += 1
             submit(msg.model, inputs, done)
             return None
         t0 = time.perf_counter()
