@@ -16,6 +16,7 @@ import difflib
 import itertools
 import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Optional
@@ -391,6 +392,7 @@ class NodeConfig(_Table):
             d = self.dispatcher
             for key in ("frontend", "backend"):  # the folders the dispatcher binds its ipc files in
                 _check_ipc_folder(f"[dispatcher] {key}", getattr(d, key))
+                _check_tcp_bindable(f"[dispatcher] {key}", getattr(d, key))
             listeners = [("[dispatcher] metrics_host", d.metrics_host)] if d.metrics_port else []
             if self.frontend is not None:
                 listeners.append(("[frontend] host", self.frontend.host))
@@ -461,14 +463,17 @@ UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, less its termina
 
 
 def _check_address(key: str, address: str) -> None:
-    """tcp://HOST:PORT with a port of 0-65535 (or *), or ipc://PATH short enough for a unix
-    socket. Unchecked, port 70000 was bound as 4464 (70000 mod 65536), and "tcp://127.0.0.1" or
-    a path past 107 bytes stopped the node at start with a ZeroMQ error that named no key."""
+    """tcp://HOST:PORT with a port of 1-65535, or ipc://PATH short enough for a unix socket.
+    Unchecked, port 70000 was bound as 4464 (70000 mod 65536), and "tcp://127.0.0.1" or a path
+    past 107 bytes stopped the node at start with a ZeroMQ error that named no key. The same
+    address is bound by the dispatcher and connected to by workers and clients, so neither a
+    wildcard host nor port (* or 0: any port) can be connected to: a worker never registered."""
     scheme, _, rest = address.partition("://")
     if scheme == "tcp":
         host, sep, port = rest.rpartition(":")
-        if not (sep and host and (port == "*" or (port.isdigit() and int(port) <= 65535))):
-            raise ConfigError(f"{key}: {address!r} is not tcp://HOST:PORT with a port of 0-65535 (or *)")
+        if not (sep and host and host != "*" and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"{key}: {address!r} is not tcp://HOST:PORT with a host to connect to and a port "
+                              "of 1-65535")
     elif not rest.startswith("@") and len(rest.encode()) > UNIX_PATH_MAX:  # "@": abstract, no file
         raise ConfigError(f"{key}: the ipc path of {address!r} is {len(rest.encode())} bytes; a unix socket's "
                           f"path has at most {UNIX_PATH_MAX}")
@@ -480,6 +485,32 @@ def _check_ipc_folder(key: str, address: str) -> None:
         folder = os.path.dirname(path) or "."
         if not os.path.isdir(folder):
             raise ConfigError(f"{key}: no folder {folder!r} for the socket {address!r}")
+        if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+            # Bound over, it was deleted: a typo naming the config file removed the config.
+            raise ConfigError(f"{key}: {path!r} exists and is not a socket; a socket cannot be bound there")
+
+
+def _check_tcp_bindable(key: str, address: str) -> None:
+    """A tcp endpoint's host is one of this host's addresses (a typo, or another machine's
+    address, stopped the dispatcher at start with ZeroMQ's traceback, exit 1: restarted for
+    ever). IPv6 hosts are refused: the node's sockets speak IPv4 (ZeroMQ's default)."""
+    import socket
+
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp":
+        return
+    host = rest.rpartition(":")[0]
+    if host.startswith("[") or ":" in host:
+        raise ConfigError(f"{key}: {address!r}: IPv6 hosts are not supported; use an IPv4 address or a name")
+    try:
+        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((addr, 0))  # any port: whether the address is this host's
+        finally:
+            probe.close()
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"{key}: cannot listen on {host!r} ({address!r}): {e}") from None
 
 
 def _check_listen_host(key: str, host: str) -> None:
@@ -701,9 +732,11 @@ def _same_endpoint(a: str, b: str) -> bool:
 
 def load_config(path: str | Path) -> NodeConfig:
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8
+        raise ConfigError(f"{path}: not UTF-8 (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     return parse_config(data, source=str(path))

@@ -17,6 +17,7 @@ import grp
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -57,8 +58,10 @@ def refuse_if_served(address: str) -> None:
     clients silently, and removed the file when it stopped, leaving the first unreachable.
     A file nobody listens on (a node killed hard) is stale and may be bound over."""
     path = address[len("ipc://"):] if address.startswith("ipc://") else ""
-    if not path or path.startswith("@") or not os.path.exists(path):
+    if not path or path.startswith("@") or not os.path.lexists(path):
         return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):  # libzmq would delete it to bind
+        raise EndpointInUse(f"{address}: {path} exists and is not a socket; not replacing it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)

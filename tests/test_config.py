@@ -4,6 +4,7 @@ the shipped examples load, and a written config reads back equal."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -332,7 +333,15 @@ def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_p
 @pytest.mark.parametrize("text,message", [
     # accepted, then: bound as port 4464 (70000 mod 65536), or a ZeroMQ error at start naming no key
     (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://127.0.0.1:70000"'),
-     "node.toml: [dispatcher] frontend: 'tcp://127.0.0.1:70000' is not tcp://HOST:PORT with a port of 0-65535"),
+     "node.toml: [dispatcher] frontend: 'tcp://127.0.0.1:70000' is not tcp://HOST:PORT with a host to connect to and "
+     "a port of 1-65535"),
+    # bound, but no worker or client can connect to them
+    (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "tcp://127.0.0.1:0"'),
+     "node.toml: [dispatcher] backend: 'tcp://127.0.0.1:0' is not tcp://HOST:PORT with a host to connect to"),
+    (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "tcp://*:7757"'),
+     "node.toml: [dispatcher] backend: 'tcp://*:7757' is not tcp://HOST:PORT with a host to connect to"),
+    (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://127.0.0.1:*"'),
+     "node.toml: [dispatcher] frontend: 'tcp://127.0.0.1:*' is not tcp://HOST:PORT with a host to connect to"),
     (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://127.0.0.1"'),
      "node.toml: [dispatcher] frontend: 'tcp://127.0.0.1' is not tcp://HOST:PORT"),
     (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "tcp://127.0.0.1:http"'),
@@ -362,8 +371,29 @@ def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
     path.write_text(edited('frontend = "ipc:///tmp/by-test/fe"', f'frontend = "ipc://{tmp_path}/none/fe"'))
     with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: no folder '.*/none' for the socket"):
         load_config(path).check_host(control=True)
+    for host, why in (("localhsot.invalid", "cannot listen on 'localhsot.invalid'"),
+                      ("192.0.2.1", "cannot listen on '192.0.2.1'"),  # TEST-NET-1: not this host's
+                      ("[::1]", "'tcp://[::1]:7757': IPv6 hosts are not supported")):
+        path.write_text(edited('backend = "ipc:///tmp/by-test/be"', f'backend = "tcp://{host}:7757"')
+                        .replace("/tmp/by-test", str(tmp_path)))
+        with pytest.raises(ConfigError, match=r"\[dispatcher\] backend: " + re.escape(why)):
+            load_config(path).check_host(control=True)
     load_config(path).check_host(("amx0",))  # a worker binds nothing: its folder may come later
     load_config(path).check_host()  # nor does calibrate (every worker, its own endpoints)
+    # A file where the socket goes was deleted to bind it (a typo naming the config removed it).
+    victim = tmp_path / "node-notes.txt"
+    victim.write_text("kept")
+    path.write_text(edited('frontend = "ipc:///tmp/by-test/fe"', f'frontend = "ipc://{victim}"'))
+    with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: '.*node-notes.txt' exists and is not a socket"):
+        load_config(path).check_host(control=True)
+    from batchyard.transport import EndpointInUse, refuse_if_served
+
+    with pytest.raises(EndpointInUse, match="exists and is not a socket"):
+        refuse_if_served(f"ipc://{victim}")
+    assert victim.read_text() == "kept"
+    path.write_bytes(NODE.replace("/tmp/by-test", str(tmp_path)).encode() + "# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="node.toml: not UTF-8"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("case", ["unknown name", "factory typo", "cpu outside the mask"])
