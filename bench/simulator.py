@@ -127,7 +127,8 @@ def simulate(policy, trace: Trace, devices: list[Device], seed: int = 0, learn: 
                     met[r.req_id] = t_done <= r.deadline
                     path_of[r.req_id] = 1 if batch.worker.path == "gpu" else 0
         while i < n and arr[i] <= now:
-            got = core.admit(MODEL, 1, int(prio[i]), float(tout[i]), float(arr[i]), req_id=i)
+            # admit's 0 is the node's default timeout; a trace's 0 is a deadline at arrival
+            got = core.admit(MODEL, 1, int(prio[i]), float(tout[i]) or 1e-9, float(arr[i]), req_id=i)
             if type(got) is Rejected:
                 status[i] = 1 if got.status in (Status.DEADLINE_EXCEEDED, Status.OVERLOADED) else 2
             i += 1

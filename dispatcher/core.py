@@ -111,6 +111,8 @@ class RequestCore:
         ``timeout_s`` 0 means the node's default."""
         if self.draining:
             return Rejected(Status.UNAVAILABLE, "dispatcher is shutting down")
+        if items < 1:  # validation refuses them first; a policy dividing by the items must never see one
+            return Rejected(Status.INVALID_ARGUMENT, f"a request of {items} items of {model!r}")
         q = self.state.queue(model)
         if q.requests >= self.max_queue:
             return Rejected(Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)")
@@ -211,7 +213,9 @@ class RequestCore:
                 r.batch_id = batch.batch_id
             self.batches[batch.batch_id] = batch
             out.append(batch)
-        self.wake_at = decision.wake_at
+        # A wake-up no later than this decision would only repeat it, and no timer arms it;
+        # kept, it hid every deadline and long poll from next_wake().
+        self.wake_at = decision.wake_at if decision.wake_at > now else math.inf
         return out
 
     def next_wake(self) -> float:

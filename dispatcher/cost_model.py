@@ -336,9 +336,18 @@ class CostCurve:
         px0, px1 = p00 * x0 + p01 * x1, p01 * x0 + p11 * x1
         denom = lam + x0 * px0 + x1 * px1
         k0, k1 = px0 / denom, px1 / denom
-        err = y - (self.launch_s * x0 + self.per_item_s * x1)
-        self.launch_s += k0 * err
-        self.per_item_s += k1 * err
+        before = self.launch_s * x0 + self.per_item_s * x1
+        err = y - before
+        launch, per_item = self.launch_s + k0 * err, self.per_item_s + k1 * err
+        if per_item < 0 < before and self.per_item_s > 0:
+            # Samples of one size cannot tell launch from per-item time, and RLS splits each
+            # error between them: on batches of 1 from a device faster than the prior, the
+            # per-item time went negative and T(B) read 0 for B >= 4 (8 items were admitted
+            # within 30 us on a device that needs 120). The line keeps its shape instead,
+            # scaled to the sample.
+            scale = y / before
+            launch, per_item = self.launch_s * scale, self.per_item_s * scale
+        self.launch_s, self.per_item_s = launch, per_item
         p = [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p11 - k1 * px1) / lam]
         trace = p[0] + p[2]
         if trace > P_TRACE_MAX:

@@ -137,8 +137,11 @@ def wait_pays(state: SchedulerState, model: str, b: int, saving: float, now: flo
     t_flip = rate.time_when_rate_is(1.0 / gap, now)
     if ski_rental:
         t_flip = min(t_flip, rate.last + saving / b)
-        if t_flip <= now:
-            return False, now
+    if t_flip <= now:
+        # The wait is over. Woken at t_flip, rounding could still say "wait" with t_flip ==
+        # now: a wake-up at the decision's own instant, which nothing arms, and the queue
+        # waited for the next arrival, for good after the last one.
+        return False, now
     return True, t_flip
 
 
@@ -177,4 +180,7 @@ class ThreeSegment(PerModelPolicy):
                     d.wake_at = min(d.wake_at, t_flip)
                     break
             if not any(send(state, d, w, q, b, now, "dispatched-gpu") for w in free):
-                break
+                # A head no free GPU takes (more items than its max batch): a free CPU that
+                # takes it, rather than wait beside it until its deadline.
+                if not any(send(state, d, w, q, b, now, "dispatched-cpu") for w in cpus if w.free):
+                    break

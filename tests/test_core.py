@@ -569,3 +569,67 @@ def test_a_batch_that_never_reached_its_worker_spends_no_retry():
     assert core.complete(batch.batch_id, 0.001, 0.001) is batch
     ends.finish(core, req)
     assert ends.finished == {1}
+
+
+def test_three_segment_woken_at_its_break_even_instant_sends_rather_than_waits_again():
+    """Woken at t_flip, rounding still said "wait" with the wake-up at the decision's own
+    instant, which no timer arms: the queue stayed beside an idle worker until its deadline."""
+    ends = Ends()
+    core = RequestCore(make_policy("three-segment"), ends.on_fail)
+    core.add_worker(WorkerState("w0", "cpu", {"m": 1}), 0.0)
+    core.add_worker(WorkerState("w1", "cpu", {"m": 3}), 0.0)
+    inflight, now = {}, 0.0
+    for i in range(3):
+        core.admit("m", 1, 0, 0.0, now, client=b"c", req_id=i)
+        for b in core.decide(now):
+            inflight[b.batch_id] = now + 1e-7
+    served = 0
+    while True:  # the simulator's and the live loop's: completions, then the core's next wake-up
+        wake = core.next_wake()
+        t = min([*inflight.values(), wake if wake > now else math.inf])
+        assert t < 1.0, f"{core.state.queue('m').requests} queued, nothing due before the deadline"
+        now = t
+        for bid in [b for b, t_done in inflight.items() if t_done <= now]:
+            del inflight[bid]
+            for r in core.complete(bid, None, now).requests:
+                served += core.finish(r)
+        for b in core.decide(now):
+            inflight[b.batch_id] = now + 1e-7
+        assert core.wake_at > now  # never a wake-up at the decision's own instant
+        if served == 3:
+            break
+    assert ends.failed == {}
+
+
+def test_three_segment_sends_a_head_no_gpu_takes_to_a_free_cpu_that_does():
+    ends = Ends()
+    core = RequestCore(make_policy("three-segment"), ends.on_fail)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
+    core.admit("m", 16, 1, 1.0, 0.0, client=b"c", req_id=1)
+    assert _sent(core, 0.0) == [("amx0", [1])]
+
+
+def test_a_request_of_no_items_is_refused_not_queued():
+    core = RequestCore(make_policy("three-segment"), Ends().on_fail)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    got = core.admit("m", 0, 1, 1.0, 0.0, client=b"c", req_id=1)
+    assert type(got) is Rejected and got.status == Status.INVALID_ARGUMENT
+    assert core.decide(0.0) == []
+
+
+def test_a_policys_wake_up_at_the_decisions_instant_hides_no_deadline():
+    """Such a wake-up repeats the decision and no timer arms it; kept as the core's, it was the
+    earliest instant next_wake() gave, and the deadlines behind it were never armed."""
+    from batchyard.policy_core import Decision
+
+    class WakesAtOnce:
+        name = "wakes-at-once"
+
+        def decide(self, state, now):
+            return Decision(wake_at=now)
+
+    core = RequestCore(WakesAtOnce(), Ends().on_fail)
+    core.admit("m", 1, 1, 0.5, 0.0, client=b"c", req_id=1)
+    core.decide(0.1)
+    assert 0.1 < core.next_wake() <= 0.5

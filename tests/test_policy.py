@@ -510,3 +510,15 @@ def test_a_calibrated_curve_rejects_an_outlier_from_its_first_online_sample():
     c = CostCurve.from_points([(b, 1e-3 + 0.5e-3 * b) for b in (1, 2, 4, 8, 16, 32)])
     assert not c.observe(3, 30 * c.predict(3))
     assert c.predict(1) == pytest.approx(1.5e-3)
+
+
+def test_batches_of_one_size_never_teach_a_negative_time_per_item():
+    # One size cannot tell launch from per-item time, and RLS split each error between them:
+    # batches of 1 from a device faster than the prior drove the per-item time negative, T(B)
+    # read 0 for B >= 4, and 8 items were admitted within 30 us on a device that needs 120.
+    c = CostCurve()
+    for _ in range(200):
+        c.observe(1, 50e-6)
+    assert c.per_item_s > 0
+    assert c.predict(1) == pytest.approx(50e-6, rel=0.05)
+    assert all(c.predict(b + 1) > c.predict(b) for b in range(1, 64))

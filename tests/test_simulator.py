@@ -64,6 +64,13 @@ def test_deadlines_reject_infeasible_and_count_goodput():
     assert s["goodput_rps"] <= s["throughput_rps"]
 
 
+def test_a_trace_timeout_of_zero_is_a_deadline_at_arrival_not_the_default():
+    # Passed on as 0, the core read it as "the node's default" (30 s) and served every request.
+    tr = with_classes(poisson(1_000, 50, seed=3), probs=(0, 0, 1.0), timeouts=(0, 0, 0))
+    s = simulate("greedy", tr, [GPU]).summary()
+    assert s["served"] == 0 and s["rejected"] + s["expired"] == 50
+
+
 def test_high_priority_is_shielded_from_a_low_flood():
     hi = poisson(2000, 1500, seed=4)
     hi.priority[:] = 0
