@@ -35,8 +35,10 @@ import zmq
 from . import protocol as P
 from .client_async import AsyncClient
 from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, SETUP_TIMEOUT_S,
-                           ClientCodec, CodecAccess, Generation, InferResult, Pending, closed_error, open_dealer)
+                           ClientCodec, CodecAccess, Generation, InferResult, Pending, checked_timeout, open_dealer,
+                           time_left)
 from .client_io import SocketThread
+from .errors import InvalidArgument
 
 __all__ = ["Client", "AsyncClient", "InferFuture", "InferResult", "DEFAULT_TIMEOUT_S", "DEFAULT_SHM_THRESHOLD",
            "REPLY_GRACE_S", "PRIORITIES"]
@@ -64,6 +66,15 @@ class InferFuture(Future):
             self.set_exception(value)
         else:
             self.set_result(value)
+
+    def result(self, timeout: Optional[float] = None):
+        if not self.done() and self._client._io.on_io_thread():
+            # Only this thread can settle the future: waiting here waited for ever, and held
+            # every other request of the client with it.
+            raise InvalidArgument("a blocking call (result(), infer, model_info, a model's first submit) from a "
+                                  "done-callback, which runs on the client's I/O thread, would wait for ever: "
+                                  "make it from another thread")
+        return super().result(timeout)
 
     def cancel(self) -> bool:
         """Ask the dispatcher to drop this request if it is still queued; the future then
@@ -118,10 +129,15 @@ class Client(CodecAccess):
         """Send a request and return its future at once. ``timeout`` (s) is the request's
         deadline at the dispatcher (default DEFAULT_TIMEOUT_S)."""
         if self.closed:
-            raise closed_error()
-        if self._codec.needs_spec(model):  # a call's own steps wait no longer than the call may
-            self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout or SETUP_TIMEOUT_S))
-        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
+            raise self._io.closed_error()
+        # One deadline for the call: the set-up steps (the model's spec, a new segment's grant)
+        # take from it, and the request gets what is left (each step had the whole timeout,
+        # and a slow dispatcher made infer(timeout=2) take 8.5 s).
+        deadline = time.monotonic() + checked_timeout(timeout)
+        if self._codec.needs_spec(model):
+            self.model_info(model, timeout=min(SETUP_TIMEOUT_S, time_left(deadline, model)))
+        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority,
+                                                                                time_left(deadline, model))
         if need:
             try:
                 self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
@@ -153,7 +169,7 @@ class Client(CodecAccess):
         ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
         or "gpu"; empty lets the dispatcher choose."""
         if self.closed:
-            raise closed_error()
+            raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route)
         return self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S)
 

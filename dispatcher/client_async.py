@@ -6,14 +6,15 @@ decoding and the shared-memory pool are the ones ``Client`` uses (dispatcher/cli
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Optional
 
 import zmq
 
 from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
-                           CodecAccess, Generation, InferResult, Pending, closed_error, connection_lost, lost_error,
-                           no_reply_error, open_dealer)
+                           CodecAccess, Generation, InferResult, Pending, checked_timeout, closed_error,
+                           connection_lost, lost_error, no_reply_error, open_dealer, time_left)
 from .zmq_frames import NOBLOCK, send_parts, waiting
 
 
@@ -122,9 +123,11 @@ class AsyncClient(CodecAccess):
 
     async def infer(self, model: str, inputs: dict, *, priority="normal",
                     timeout: Optional[float] = None) -> InferResult:
-        if self._codec.needs_spec(model):  # a call's own steps wait no longer than the call may
-            await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout or SETUP_TIMEOUT_S))
-        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
+        deadline = time.monotonic() + checked_timeout(timeout)  # one for the call: see Client.submit
+        if self._codec.needs_spec(model):
+            await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, time_left(deadline, model)))
+        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority,
+                                                                                time_left(deadline, model))
         if need:
             try:
                 await self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))

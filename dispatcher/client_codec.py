@@ -16,6 +16,7 @@ import math
 import numbers
 import operator
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Callable, Optional
@@ -60,6 +61,15 @@ def checked_timeout(timeout: Optional[float]) -> float:
     if not 0 < timeout <= P.MAX_TIMEOUT_S:
         raise InvalidArgument(f"timeout must be > 0 and at most {P.MAX_TIMEOUT_S:g} seconds, got {timeout}")
     return timeout
+
+
+def time_left(deadline: float, model: str) -> float:
+    """What a call's ``deadline`` (monotonic) leaves; DeadlineExceeded once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"timeout passed while setting up the request for {model!r} (its spec, or the "
+                               "grant of a shared-memory segment): the dispatcher answers slowly")
+    return left
 
 
 def timeout_us(timeout: float) -> int:
@@ -173,10 +183,19 @@ class ClientCodec:
     def alloc_array(self, shape, dtype) -> np.ndarray:
         """A numpy array living in this client's shared memory. Fill it in place and pass it
         to infer(): it is sent by reference, with no copy."""
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+            dims = (operator.index(shape),) if isinstance(shape, numbers.Integral) else tuple(map(operator.index, shape))
+        except TypeError as e:
+            raise InvalidArgument(f"alloc_array({shape!r}, {dtype!r}): {e}") from None
+        # Checked before the pool is: numpy refused an object dtype only after the region was
+        # taken, and the region was never given back; a negative dimension made an empty array.
+        if dtype.name not in P.DTYPES or dtype.hasobject or any(d < 0 for d in dims):
+            raise InvalidArgument(f"alloc_array: shape {list(dims)} of {dtype} is not a tensor a model takes "
+                                  f"(dtypes: {', '.join(sorted(P.DTYPES))}; dimensions >= 0)")
         if not self.shared_memory:  # sent inline anyway: plain memory
-            return np.empty(shape, dtype)
-        nbytes = int(np.prod(shape)) * dtype.itemsize  # shape may be a bare int here
+            return np.empty(dims, dtype)
+        nbytes = math.prod(dims) * dtype.itemsize
         try:
             region = self.pool.alloc(nbytes)
         except ShmError as e:  # a full /dev/shm
@@ -187,7 +206,7 @@ class ClientCodec:
         # On the buffer's own array, which every view of it (a slice, .T, .ravel()) keeps alive:
         # on the reshaped array, the region went back to the pool while a slice still used it.
         weakref.finalize(base, self._release_array, addr, region)
-        return base.reshape(shape)
+        return base.reshape(dims)
 
     def _release_array(self, addr: int, region: Region) -> None:
         self._array_regions.pop(addr, None)

@@ -17,13 +17,14 @@ import math
 import os
 import threading
 import time
+import weakref
 from typing import Callable
 
 import zmq
 
 from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, closed_error, connection_lost, lost_error,
                            no_reply_error)
-from .errors import InvalidArgument, Unavailable
+from .errors import Cancelled, InvalidArgument, Unavailable
 from .zmq_frames import waiting
 
 log = logging.getLogger("batchyard.client")
@@ -50,6 +51,25 @@ class _Wakeup:
         os.close(self.fd)
 
 
+_OPEN: "weakref.WeakSet[SocketThread]" = weakref.WeakSet()  # every client's, for a fork's child
+
+
+def _forked_off_all() -> None:
+    for t in list(_OPEN):
+        t._forked_off()
+
+
+def _watch_forks(t: "SocketThread") -> None:
+    global _fork_hook
+    if not _fork_hook:  # at the first client, not at import
+        os.register_at_fork(after_in_child=_forked_off_all)
+        _fork_hook = True
+    _OPEN.add(t)
+
+
+_fork_hook = False
+
+
 class SocketThread:
     """Owns ``sock`` (and ``ctx`` when ``own_ctx``) from start to close; see the module doc."""
 
@@ -69,6 +89,7 @@ class SocketThread:
         # marker and nobody writes to the eventfd after the thread closed it.
         self._lock = threading.Lock()
         self._closing = False
+        self._forked = False
         self._wakeup = _Wakeup()
         # True from a set() until the I/O thread takes the inbox: the requests submitted in
         # between ride on that one wake-up instead of a system call each.
@@ -76,18 +97,36 @@ class SocketThread:
         # A daemon: a Client nobody closed must not keep the interpreter from exiting.
         self._thread = threading.Thread(target=self._run, name=f"batchyard-client {codec.address}", daemon=True)
         self._thread.start()  # also the memory barrier that hands the socket to the new thread
+        _watch_forks(self)
 
     # ---------------------------------------------------------------- any thread
     @property
     def closing(self) -> bool:
         return self._closing
 
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _forked_off(self) -> None:
+        """In the child of a fork: the I/O thread did not come along, and nothing would ever
+        answer (a call waited for ever, its timeout included). The client is closed there;
+        its socket and memory stay the parent's."""
+        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        self._closing = self._forked = True
+
     def send(self, pend: Pending, rid: int, frames: list, deadline: float) -> None:
         """Queue a request; raises Cancelled("client closed") if the client is closed."""
         if not self._post((_SEND, rid, pend, frames, deadline)):
-            for region in (*pend.regions, *pend.outputs.values()):
-                self._codec.free(region)
-            raise closed_error()
+            if not self._forked:
+                for region in (*pend.regions, *pend.outputs.values()):
+                    self._codec.free(region)
+            raise self.closed_error()
+
+    def closed_error(self) -> Cancelled:
+        if self._forked:
+            return Cancelled("client closed: it was made in the parent of this forked process; make a new Client "
+                             "here")
+        return closed_error()
 
     def cancel(self, rid: int) -> None:
         self._post((_CANCEL, rid, None, None, None))

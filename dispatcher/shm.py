@@ -73,6 +73,7 @@ class Segment:
         self.lock_fd = lock_fd  # the owner's open fd, holding its shared flock
         self.fd = fd  # an attached segment's open fd
         self.file_id = file_id  # (st_dev, st_ino) of the file mapped
+        self.pid = os.getpid()  # the owner's process: a forked child's exit must not unlink it
 
     @classmethod
     def create(cls, size: int) -> "Segment":
@@ -131,7 +132,7 @@ class Segment:
             # A numpy view still points into the mapping; the OS unmaps it at exit. The
             # segment's *name* is what leaks across processes, and unlink handles that.
             pass
-        if self.owner:
+        if self.owner and os.getpid() == self.pid:
             try:
                 os.unlink(_path(self.name))
             except FileNotFoundError:

@@ -144,3 +144,119 @@ def test_a_client_never_closed_does_not_hold_up_interpreter_exit(run_dir):
     assert proc.returncode == 0, proc.stderr
     seg = proc.stdout.strip()
     assert seg and not os.path.exists(os.path.join("/dev/shm", seg))  # and its memory went with it
+
+
+def test_a_blocking_call_from_a_done_callback_fails_at_once_and_the_client_keeps_serving(start_node):
+    # A model's first submit waits for its spec, which only the I/O thread (the one running
+    # done-callbacks) can deliver: the callback waited for ever, and with it every request of
+    # every thread sharing the client.
+    node = start_node([sim_worker("sim0")])
+    seen = []
+    with node.client() as c:
+        first = c.submit("sum", {"x": ONE})
+        first.add_done_callback(lambda f: seen.append(_raised(lambda: c.infer("big", {"x": np.ones((1, 256, 1024),
+                                                                                                   np.float32)}))))
+        first.result(timeout=60)
+        np.testing.assert_array_equal(c.infer("sum", {"x": ONE}, timeout=30)["y"], sim_outputs({"x": ONE}, SUM)["y"])
+    assert len(seen) == 1 and type(seen[0]).__name__ == "InvalidArgument" and "done-callback" in str(seen[0])
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+    return None
+
+
+FORKED_CHILD = """
+import os, sys
+import numpy as np
+from batchyard.client import Client
+c = Client(sys.argv[1])
+x = np.ones((1, 256, 1024), np.float32)
+assert c.infer("big", {"x": x}, timeout=30)["y"].shape == (1, 256, 1024)
+segments = c._codec.pool.segment_names()
+pid = os.fork()
+if pid == 0:  # the child: a clear error, then a normal exit (its atexit handlers run)
+    try:
+        c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=1)
+    except Exception as e:
+        print("child:", type(e).__name__, e, flush=True)
+    sys.exit(0)
+assert os.waitpid(pid, 0)[1] == 0
+print("segments left:", all(os.path.exists("/dev/shm/" + s) for s in segments))
+assert c.infer("big", {"x": x}, timeout=30)["y"].shape == (1, 256, 1024)
+print("parent served")
+c.close()
+"""
+
+
+def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_node):
+    # The child had no I/O thread: a call waited for ever, its timeout included. Its normal
+    # exit unlinked the parent's shared memory, whose big requests then failed for good.
+    node = start_node([sim_worker("sim0")])
+    proc = subprocess.run([sys.executable, "-c", FORKED_CHILD, node.address], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("child: Cancelled") and "made in the parent of this forked process" in lines[0], proc.stdout
+    assert lines[1:] == ["segments left: True", "parent served"], proc.stdout
+
+
+def test_a_calls_set_up_steps_take_from_its_timeout(run_dir):
+    # Each step (the model's spec, a segment's grant) had the whole timeout, and the request
+    # then had it again: against a slow dispatcher infer(timeout=2) took 8.5 s.
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.client import Client
+    from batchyard.errors import InvalidArgument, Overloaded
+
+    address = f"ipc://{run_dir}/slow"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    asked: list = []
+
+    def slow_dispatcher():
+        while len(asked) < 1:
+            if not router.poll(30_000):
+                return
+            peer, raw = router.recv_multipart()[:2]
+            msg = P.client_message_decoder.decode(raw)
+            if type(msg) is P.ModelInfoRequest:
+                time.sleep(0.5)  # a slow dispatcher, not a synchronisation
+                router.send_multipart([peer, P.encode(P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=0,
+                                                                        spec=SUM))])
+            elif type(msg) is P.InferRequest:
+                asked.append(msg.timeout_us)
+                router.send_multipart([peer, P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=msg.id,
+                                                                    status=int(P.Status.OVERLOADED), message="busy"))])
+
+    t = threading.Thread(target=slow_dispatcher)
+    t.start()
+    try:
+        with Client(address) as c:
+            with pytest.raises(InvalidArgument, match="timeout must be > 0"):
+                c.infer("sum", {"x": ONE}, timeout=-1)  # refused before any step (it waited for the spec)
+            with pytest.raises(Overloaded):
+                c.infer("sum", {"x": ONE}, timeout=2.0)
+    finally:
+        t.join(timeout=60)
+        router.close()
+    assert asked and asked[0] <= 1.5e6  # what the 0.5 s spent on the spec left
+
+
+def test_alloc_array_refuses_what_no_model_takes_before_taking_memory(run_dir):
+    # An object dtype was refused by numpy only after the pool's region was taken, never given
+    # back (48 MiB held after 6 calls); a negative dimension made an empty array.
+    from batchyard.client import Client
+    from batchyard.errors import InvalidArgument
+
+    with Client(f"ipc://{run_dir}/nobody-home") as c:
+        for shape, dtype in (((1 << 20,), object), ((-5,), np.float32), ((2, 2), "U8"), ("x", np.float32)):
+            with pytest.raises(InvalidArgument, match="alloc_array"):
+                c.alloc_array(shape, dtype)
+        assert c._codec.pool.segment_names() == []  # no memory taken for any of them
+        assert c.alloc_array((3, 4), np.float32).shape == (3, 4)
