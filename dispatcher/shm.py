@@ -160,6 +160,8 @@ class SegmentCache:
                 self._lru.move_to_end(name)
                 return seg
             self.forget(name)  # the name now stands for another file (its owner made it again)
+        else:
+            self.drop_unlinked()  # a new client's segment: room made first by the ones gone
         seg = Segment.attach(name, file_id)
         self._lru[name] = seg
         while len(self._lru) > self.capacity:
@@ -226,6 +228,15 @@ class SegmentCache:
         seg = self._lru.pop(name, None)
         if seg is not None:
             seg.close()
+
+    def drop_unlinked(self) -> int:
+        """Close the segments their clients have unlinked (closed or gone): held open here, each
+        kept its memory allocated until 32 newer ones pushed it out (2 GiB of /dev/shm per
+        worker at the 64 MiB pool). Returns how many."""
+        gone = [name for name, seg in self._lru.items() if seg.fd >= 0 and os.fstat(seg.fd).st_nlink == 0]
+        for name in gone:
+            self.forget(name)
+        return len(gone)
 
     def close(self) -> None:
         for seg in self._lru.values():

@@ -1,4 +1,4 @@
-"""A model for tests/test_failures.py: it kills its worker process on an input holding NaN (a
+"""Models for tests/test_failures.py: one kills its worker process on an input holding NaN (a
 crash in native code, which no exception handler sees)."""
 
 import os
@@ -16,3 +16,16 @@ class Poisoned(nn.Module):
 
 def model(spec=None) -> nn.Module:
     return Poisoned()
+
+
+class SmallBatchesOnly(nn.Module):
+    """Raises on a batch of 4 items or more (tests/test_failures.py, calibrate)."""
+
+    def forward(self, x):
+        if len(x) >= 4:
+            raise RuntimeError("batch too big for this model")
+        return {"y": x[:, :2] * 2}
+
+
+def small_batches_only(spec=None) -> nn.Module:
+    return SmallBatchesOnly()

@@ -279,3 +279,23 @@ def test_a_worker_with_cpus_and_a_numa_node_keeps_every_thread_on_its_cpus(run_d
         for tid in os.listdir(f"/proc/{dw.proc.pid}/task"):
             masks[tid] = os.sched_getaffinity(int(tid))
     assert masks and all(m == {cpu} for m in masks.values()), masks
+
+
+def test_calibrate_stops_at_a_failed_batch_and_writes_no_profile(run_dir):
+    # A failed batch reports 0 us, and was taken as a measurement: the profile, written with
+    # exit 0, put T(4) at 0 ms, and the dispatcher refused the file.
+    from batchyard.workers.calibrate import CalibrationFailed, calibrate
+
+    model = ModelConfig(name="small", factory="tests.poison_model:small_batches_only", max_batch=8,
+                        inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    from batchyard.config import DispatcherConfig, NodeConfig
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (model,),
+                      (WorkerConfig(name="w0", kind="amx", models=("small",), threads=1, warmup_sizes=(1,)),)).validate()
+    out = Path(run_dir) / "profile.json"
+    with pytest.raises(CalibrationFailed, match=r"w0 small B=4: the batch failed: .*batch too big for this model"):
+        calibrate(node, out, sizes=[1, 4], reps=2, log=lambda *_: None)
+    assert not out.exists()
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "calibrate", "--config", "x.toml", "--out", str(out),
+                        "--sizes", "0,a"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--sizes" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -18,6 +18,21 @@ from batchyard.config import NodeConfig
 from batchyard.cost_model import CostCurve
 
 
+class CalibrationFailed(RuntimeError):
+    """A batch of the calibration failed: no profile is written."""
+
+
+def _measured(worker: str, model: str, b: int, done) -> int:
+    """The batch's compute time in us; CalibrationFailed when it did not run. A failed batch
+    reports 0 us, and was taken as a measurement: the profile, written with exit 0, put
+    T(4) at 0 ms, and the dispatcher then refused it."""
+    bad = next((r for r in done.results if r.status != 0), None)
+    if bad is not None or done.compute_us <= 0:
+        why = bad.message if bad is not None else "it reported no compute time"
+        raise CalibrationFailed(f"{worker} {model} B={b}: the batch failed: {why}")
+    return done.compute_us
+
+
 def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None, reps: int = 5,
               workers: list[str] | None = None, log=print) -> dict:
     from .harness import DirectWorker
@@ -32,10 +47,14 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
             for model in w.models:
                 spec = dw.spec[model]
                 bs = [b for b in (sizes or powers_of_two(spec.max_batch)) if b <= spec.max_batch]
+                if not bs:
+                    raise CalibrationFailed(f"{w.name} {model}: no batch size of {sizes} is within its max_batch "
+                                            f"({spec.max_batch})")
                 for b in bs:
                     req = dw.zeros_request(model, b)
-                    dw.run(model, [req])  # warm-up at this shape
-                    t = statistics.median(dw.run(model, [req])[0].compute_us for _ in range(reps)) / 1e6
+                    _measured(w.name, model, b, dw.run(model, [req])[0])  # warm-up at this shape
+                    t = statistics.median(_measured(w.name, model, b, dw.run(model, [req])[0])
+                                          for _ in range(reps)) / 1e6
                     points.setdefault(model, {}).setdefault(dw.path, []).append((b, t))
                     log(f"{w.name} {model} [{dw.path}] B={b:<4d} {t * 1e3:8.3f} ms")
     profile: dict = {"models": {}}

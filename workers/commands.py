@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _run_worker(args) -> int:
@@ -19,9 +20,35 @@ def _run_calibrate(args) -> int:
 
     from .calibrate import calibrate
 
-    sizes = [int(x) for x in args.sizes.split(",") if x] or None
-    calibrate(load_node(args.config, workers=tuple(args.worker) if args.worker else None), args.out, sizes=sizes, reps=args.reps, workers=args.worker)
+    from .calibrate import CalibrationFailed
+
+    try:
+        calibrate(load_node(args.config, workers=tuple(args.worker) if args.worker else None), args.out,
+                  sizes=args.sizes or None, reps=args.reps, workers=args.worker)
+    except CalibrationFailed as e:
+        print(f"batchyard calibrate: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes are >= 1: {text!r}")
+    return sizes
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return n
 
 
 def _run_triton_local(args) -> int:
@@ -40,8 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure T(B) on each worker of a node; write a cost-curve profile")
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True, help="profile JSON to write (name it in [dispatcher] profile)")
-    p.add_argument("--sizes", default="", help="comma-separated batch sizes (default: powers of two)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sizes", type=_sizes, default=[], help="comma-separated batch sizes (default: powers of two)")
+    p.add_argument("--reps", type=_positive, default=5)
     p.add_argument("--worker", action="append", help="only these workers (repeatable)")
     p.set_defaults(run=_run_calibrate)
     p = sub.add_parser("triton-local", help="run nvidia-pytriton's tritonserver on a model repository until SIGTERM")

@@ -138,7 +138,7 @@ class WorkerRuntime:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         registered = False
-        next_register = 0.0
+        next_register = next_sweep = 0.0
         rc = 0
         try:
             while not self._stop:
@@ -161,6 +161,9 @@ class WorkerRuntime:
                     out = self.run_batch(msg, frames[1:])
                     if out is not None:
                         sock.send_multipart(out, copy=False)
+                    if now >= next_sweep:  # at most once a second: an fstat per segment held
+                        next_sweep = now + 1.0
+                        self.cache.drop_unlinked()
                 elif type(msg) is P.Registered:
                     if not registered:
                         log.info("worker %s registered with the dispatcher", self.name)
