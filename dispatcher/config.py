@@ -296,12 +296,21 @@ class NodeConfig(_Table):
             from .cost_model import load_profile
 
             try:
-                load_profile(d.profile, {m.name for m in self.models})
+                curves = load_profile(d.profile, {m.name for m in self.models})
             except ValueError as e:
                 raise ConfigError(f"[dispatcher] profile: {e}") from None
+            for model in sorted({m for m, _ in curves}):
+                # One item slower than the default timeout on every path: every request without
+                # a timeout of its own was refused on arrival, for good (a profile in ms, read as s).
+                fastest = min(c.predict(1) for (m, _), c in curves.items() if m == model)
+                if fastest >= d.default_timeout_s:
+                    raise ConfigError(f"[dispatcher] profile: profile {d.profile}: models.{model}: one item takes "
+                                      f"{fastest:g} s on its fastest path, past default_timeout_s "
+                                      f"({d.default_timeout_s:g} s): are its times in seconds?")
         if d.curve_authorized_keys not in ("", "*") and not os.path.isdir(d.curve_authorized_keys):
             raise ConfigError(f"[dispatcher] curve_authorized_keys: no folder {d.curve_authorized_keys!r} "
                               f"(or \"*\" for any client key)")
+        _check_curve_keys(d)
         if d.ipc_group:
             import grp
 
@@ -385,6 +394,8 @@ class NodeConfig(_Table):
             if workers is not None and w.name not in workers:
                 continue
             check_online(f"{_item('workers', i, w.name)}: ", w.cpus)
+            if w.vllm is not None:
+                self._check_vllm_host(_item('workers', i, w.name), w)
             if w.numa_node is not None and nodes and w.numa_node not in nodes:
                 raise ConfigError(f"{_item('workers', i, w.name)}: numa_node: node {w.numa_node} does not exist "
                                   f"on this host (nodes: {_ranges(nodes)})")
@@ -408,6 +419,19 @@ class NodeConfig(_Table):
             if w.kind not in kinds and getattr(w, table) != default:  # it would be ignored
                 raise ConfigError(f"{where}: {table} is set but kind is {w.kind!r}; it is for kind "
                                   + " or ".join(f'"{k}"' for k in kinds))
+        # Keys of one kind set on another, taken and ignored: precision = "fp32" on a cuda worker
+        # ran it in bf16 (its precision is cuda.precision).
+        for key, default, kinds, instead in (("precision", "auto", ("amx",), {"cuda": "cuda.precision",
+                                                                               "tensorrt": "cuda.precision"}),
+                                             ("threads", 1, ("amx",), {}),
+                                             ("max_inflight", 1, ("amx", "sim", "cuda", "tensorrt"),
+                                              {"triton": "triton.inflight", "vllm": "vllm.max_num_seqs"})):
+            if w.kind not in kinds and getattr(w, key) != default:
+                hint = f"; kind {w.kind!r} takes {instead[w.kind]}" if w.kind in instead else ""
+                raise ConfigError(f"{where}: {key} is set but kind is {w.kind!r}; it is for kind "
+                                  + " or ".join(f'"{k}"' for k in kinds) + hint)
+        if w.kind == "cuda" and w.cuda.onnx:
+            raise ConfigError(f"{where}: cuda.onnx is set but kind is 'cuda'; it is for kind \"tensorrt\"")
         if len(set(w.models)) != len(w.models):
             twice = next(m for m in w.models if w.models.count(m) > 1)
             raise ConfigError(f"{where}: models: {twice!r} is listed twice")
@@ -447,6 +471,15 @@ class NodeConfig(_Table):
                     raise ConfigError(f"{where}: cuda.onnx has no ONNX file for model {m!r}; a tensorrt "
                                       f"worker builds its engine from one")
 
+
+    def _check_vllm_host(self, where: str, w: WorkerConfig) -> None:
+        """Its interpreter and its model's folder exist (a missing one was Popen's traceback in `up`)."""
+        python = w.vllm.python
+        if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise ConfigError(f"{where}: vllm.python: {python!r} is not an executable file")
+        for m in self.llm_models:
+            if m.name in w.models and not os.path.isdir(m.path):
+                raise ConfigError(f"[[llm_models]] {m.name!r}: path: no folder {m.path!r}")
 
     def _check_vllm_worker(self, where: str, w: WorkerConfig) -> None:
         names = [m.name for m in self.llm_models]
@@ -488,6 +521,27 @@ def _check_ipc_folder(key: str, address: str) -> None:
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
             # Bound over, it was deleted: a typo naming the config file removed the config.
             raise ConfigError(f"{key}: {path!r} exists and is not a socket; a socket cannot be bound there")
+
+
+def _check_curve_keys(d: "DispatcherConfig") -> None:
+    """The key files hold keys: a public key given as the secret one, or a stray file among the
+    authorized keys, stopped the dispatcher at start with pyzmq's traceback (exit 1, restarted
+    for ever)."""
+    if not d.curve_secret_key:
+        return
+    import zmq.auth
+
+    from .transport import read_keypair
+
+    try:
+        read_keypair(d.curve_secret_key)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"[dispatcher] curve_secret_key: {e}") from None
+    if d.curve_authorized_keys not in ("", "*"):
+        try:
+            zmq.auth.load_certificates(d.curve_authorized_keys)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"[dispatcher] curve_authorized_keys: {d.curve_authorized_keys!r}: {e}") from None
 
 
 def _check_tcp_bindable(key: str, address: str) -> None:

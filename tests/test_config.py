@@ -435,6 +435,9 @@ def test_a_log_level_typo_is_a_usage_error():
     ({"models": {"sum": {"cpu": {"points": [[1, 0.01], [1, 0.02]]}}}}, "models.sum.cpu.points: a batch size twice"),
     ({"models": {"nosuch": {"cpu": {"points": [[1, 0.01]]}}}}, "models.nosuch: not a model of this config"),
     ({"points": []}, "Object missing required field `models`"),
+    # times in ms read as s: every request without a timeout of its own was refused on arrival
+    ({"models": {"sum": {"cpu": {"points": [[1, 32.0], [4, 40.0]]}}}}, "models.sum: one item takes 32 s on its "
+                                                                       "fastest path, past default_timeout_s (30 s)"),
 ])
 def test_a_profile_that_would_break_the_decisions_is_refused_naming_the_key(tmp_path, profile, message):
     """Read unchecked, a point at B=0 or a negative time crashed the dispatcher's first decision
@@ -456,3 +459,52 @@ def test_a_profile_that_calibrate_writes_is_taken(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps({"models": {"sum": {"gpu": {"points": pts,
                                                                           **CostCurve.from_points(pts).describe()}}}}))
     assert load_profile(str(tmp_path / "p.json"), {"sum"})[("sum", "gpu")].predict(4) == pytest.approx(0.005)
+
+
+def test_curve_key_files_that_hold_no_usable_key_are_named_at_load(tmp_path):
+    # A public key given as the secret one, or a stray file among the authorized keys, stopped
+    # the dispatcher at start with pyzmq's traceback.
+    from batchyard.transport import write_keypair
+
+    public, secret = write_keypair(str(tmp_path / "keys"), "n0")
+    auth = tmp_path / "clients"
+    auth.mkdir()
+    (auth / "stray.key").write_text("not a key\n")
+    for key_file, authorized, message in (
+            (public, "*", "curve_secret_key: .*has no secret key"),
+            (secret, str(auth), "curve_authorized_keys: .*clients"),
+    ):
+        text = edited("max_queue = 100", f'curve_secret_key = "{key_file}"\ncurve_authorized_keys = "{authorized}"')
+        assert re.match(r"node\.toml: \[dispatcher\] " + message, load_error(tmp_path, text))
+    (auth / "stray.key").unlink()
+    path = tmp_path / "node.toml"
+    path.write_text(edited("max_queue = 100", f'curve_secret_key = "{secret}"\ncurve_authorized_keys = "{auth}"'))
+    load_config(path)
+
+
+def test_a_vllm_workers_interpreter_and_model_folder_are_checked_at_start(tmp_path):
+    # A missing one was Popen's FileNotFoundError traceback in `batchyard up`.
+    path = tmp_path / "node.toml"
+    path.write_text(NODE + LLM + VLLM_WORKER.replace('role = "gpu"', 'role = "gpu"\npython = "/nonexistent/python"'))
+    with pytest.raises(ConfigError, match=r"\[\[workers\]\] #\d+ \(name 'v0'\): vllm.python: '/nonexistent/python' is "
+                                          r"not an executable file"):
+        load_config(path).check_host(("v0",))
+    path.write_text(NODE + LLM + VLLM_WORKER.replace('role = "gpu"', f'role = "gpu"\npython = "{sys.executable}"'))
+    with pytest.raises(ConfigError, match=r"\[\[llm_models\]\] 'l': path: no folder '/models/l'"):
+        load_config(path).check_host(("v0",))
+    path.write_text((NODE + LLM + VLLM_WORKER).replace("/models/l", str(tmp_path)))
+    load_config(path).check_host(("v0",))
+
+
+@pytest.mark.parametrize("kind, extra, message", [
+    ("cuda", 'precision = "fp32"', "precision is set but kind is 'cuda'; it is for kind \"amx\"; kind 'cuda' takes "
+                                   "cuda.precision"),
+    ("sim", "threads = 8", "threads is set but kind is 'sim'; it is for kind \"amx\""),
+    ("triton", "max_inflight = 16", "max_inflight is set but kind is 'triton'; it is for kind \"amx\" or \"sim\" or "
+                                    "\"cuda\" or \"tensorrt\"; kind 'triton' takes triton.inflight"),
+])
+def test_a_worker_key_of_another_kind_is_refused_not_ignored(tmp_path, kind, extra, message):
+    # Taken and ignored: a cuda worker asked for fp32 ran bf16, a triton worker asked for 16
+    # batches in flight had 2.
+    text = f'\n[[workers]]\nname = "x0"\nkind = "{kind}"\nmodels = ["sum"]\n{extra}\n'
+    assert message in load_error(tmp_path, NODE + text)
