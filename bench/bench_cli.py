@@ -16,23 +16,27 @@ def _targets(args, address):
         return
     import msgspec
 
-    from batchyard.config import NodeConfig, load_config
+    from batchyard.config import ConfigError, load_config
     from batchyard.supervisor import running_node
 
     if not args.config:
         raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
-    base = load_config(args.config)
+    try:
+        base = load_config(args.config)
+    except ConfigError as e:  # one line, as every command's (it was the traceback)
+        raise SystemExit(f"bench: {e}") from None
     for policy in args.compare:
         disp = msgspec.structs.replace(base.dispatcher, policy=policy)
-        with running_node(NodeConfig(disp, base.models, base.workers).validate()):
+        # The whole node but its policy (a copy of three of its tables dropped [frontend] and
+        # [[llm_models]]).
+        with running_node(msgspec.structs.replace(base, dispatcher=disp).validate()):
             yield policy, disp.frontend
 
 
 def spec_from(args, rate: float = 0.0) -> LoadSpec:
-    floats = lambda s: tuple(float(x) for x in s.split(","))
     return LoadSpec(concurrency=args.concurrency, rate=rate or args.request_rate, distribution=args.distribution,
                     intervals_file=args.request_intervals, profile=args.profile,
-                    priority_mix=floats(args.priority_mix), deadlines_ms=floats(args.deadlines_ms), slo_ms=args.slo_ms,
+                    priority_mix=args.priority_mix, deadlines_ms=args.deadlines_ms, slo_ms=args.slo_ms,
                     warmup_s=args.warmup, window_s=args.window, windows=args.windows, stability=args.stability,
                     processes=args.processes, seed=args.seed)
 
@@ -56,7 +60,7 @@ def main(args) -> int:
     address = args.triton_url if args.target == "triton" else args.address
     if not address and not args.compare:
         raise SystemExit("bench: give --address, --compare with --config, or --target triton --triton-url")
-    rates = [float(x) for x in args.sweep_rates.split(",") if x] or [args.request_rate]
+    rates = list(args.sweep_rates) or [args.request_rate]
     if not args.concurrency and not any(rates) and not args.request_intervals and not args.profile:
         raise SystemExit("bench: choose a load: --concurrency, --request-rate, --sweep-rates, "
                          "--request-intervals or --profile")

@@ -18,6 +18,44 @@ def _run_demo(args) -> int:
     return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
 
 
+def _numbers(count: int = 0, positive: bool = False):
+    """An argparse type: comma-separated non-negative numbers (``count`` of them when given).
+    A bad one was a ValueError traceback from inside the harness."""
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+        if any(not v >= 0 or v == float("inf") or (positive and v == 0) for v in values):
+            raise argparse.ArgumentTypeError(f"numbers {'>' if positive else '>='} 0 only: {text!r}")
+        if count and len(values) != count:
+            raise argparse.ArgumentTypeError(f"{count} numbers (high,normal,low), got {text!r}")
+        return values
+    return parse
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"an integer >= {low}, got {text!r}")
+        return n
+    return parse
+
+
+def _policy(text: str) -> str:
+    from batchyard.policy import make_policy
+
+    try:
+        make_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="dispatcher frontend, e.g. tcp://127.0.0.1:7755")
     p.add_argument("--model", default="minilm")
@@ -26,23 +64,23 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="batchyard", choices=["batchyard", "triton"])
     p.add_argument("--triton-url", default="127.0.0.1:8001")
     g = p.add_argument_group("load (as perf_analyzer)")
-    g.add_argument("--concurrency", type=int, default=0, help="closed loop with N requests in flight")
+    g.add_argument("--concurrency", type=_at_least(0), default=0, help="closed loop with N requests in flight")
     g.add_argument("--request-rate", type=float, default=0.0)
     g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
     g.add_argument("--request-intervals", default="", help="file of inter-request intervals (s)")
     g.add_argument("--profile", default="", help="step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH")
-    g.add_argument("--sweep-rates", default="", help="comma-separated rates: one run each (p99 vs load)")
-    g.add_argument("--priority-mix", default="0,1,0", help="fractions high,normal,low")
-    g.add_argument("--deadlines-ms", default="0,0,0", help="per class; 0 = dispatcher default")
+    g.add_argument("--sweep-rates", type=_numbers(positive=True), default=(), help="comma-separated rates: one run each (p99 vs load)")
+    g.add_argument("--priority-mix", type=_numbers(3), default=(0.0, 1.0, 0.0), help="fractions high,normal,low")
+    g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0), help="per class; 0 = dispatcher default")
     g.add_argument("--slo-ms", type=float, default=0.0, help="goodput counts only replies within this latency")
-    g.add_argument("--processes", type=int, default=2)
+    g.add_argument("--processes", type=_at_least(1), default=2)
     g.add_argument("--warmup", type=float, default=2.0)
     g.add_argument("--window", type=float, default=5.0)
-    g.add_argument("--windows", type=int, default=3)
+    g.add_argument("--windows", type=_at_least(1), default=3)
     g.add_argument("--stability", type=float, default=0.15)
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
-    p.add_argument("--compare", action="append", default=[], metavar="POLICY",
+    p.add_argument("--compare", action="append", type=_policy, default=[], metavar="POLICY",
                    help="repeatable: start the node of --config once per policy and replay the same seeded load")
     p.add_argument("--config", default="", help="node config for --compare")
     p.add_argument("--out", default="", help="folder for bench.json, bench.md and plots")
@@ -57,6 +95,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
-    p.add_argument("--policy", default="mcb")
+    p.add_argument("--policy", type=_policy, default="mcb")
     p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")
     p.set_defaults(run=_run_demo)

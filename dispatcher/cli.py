@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 from importlib.metadata import entry_points
 
@@ -82,6 +84,18 @@ def _run_status(args) -> int:
 def _run_keygen(args) -> int:
     from .transport import write_keypair
 
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.name):
+        print(f"batchyard keygen: --name {args.name!r}: letters, digits, '_', '.' and '-' only", file=sys.stderr)
+        return 64
+    secret_file = os.path.join(args.out, f"{args.name}.key_secret")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"batchyard keygen: --out {args.out!r} is not a folder", file=sys.stderr)
+        return 64
+    if os.path.exists(secret_file) and not args.force:
+        # Replaced, the node's secret key was gone for good, and every client that trusted its
+        # public key was locked out.
+        print(f"batchyard keygen: {secret_file} exists; --force replaces it", file=sys.stderr)
+        return 73  # EX_CANTCREAT
     public, secret = write_keypair(args.out, args.name)
     print(f"public key (share it; put clients' in [dispatcher] curve_authorized_keys): {public}")
     print(f"secret key (keep it; mode 0600): {secret}")
@@ -110,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="a CURVE key pair for tcp endpoints: NAME.key (public), NAME.key_secret")
     p.add_argument("--out", required=True, help="folder to write the two files into")
     p.add_argument("--name", required=True, help="e.g. the node or the client's name")
+    p.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
     p.set_defaults(run=_run_keygen)
     for ep in sorted(entry_points(group="batchyard.commands"), key=lambda e: e.name):
         ep.load()(sub)

@@ -110,6 +110,23 @@ def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
     assert "cannot reach a dispatcher serving 'sum'" in r.stderr + r.stdout
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--compare", "mbc", "--config", "x.toml"], "argument --compare: unknown policy 'mbc'"),
+    (["bench", "--compare", "mcb", "--config", "/nonexistent.toml", "--concurrency", "1"],
+     "bench: /nonexistent.toml: cannot read config"),
+    (["bench", "--address", "ipc:///x", "--priority-mix", "a,b"], "argument --priority-mix: not comma-separated"),
+    (["bench", "--address", "ipc:///x", "--priority-mix", "1,1"], "argument --priority-mix: 3 numbers"),
+    (["bench", "--address", "ipc:///x", "--sweep-rates", "x"], "argument --sweep-rates: not comma-separated"),
+    (["bench", "--address", "ipc:///x", "--processes", "0"], "argument --processes: an integer >= 1"),
+    (["demo", "--policy", "mbc"], "argument --policy: unknown policy 'mbc'"),
+])
+def test_bench_and_demo_arguments_that_cannot_work_are_one_line(argv, message):
+    # Each was a traceback from inside the harness (or the node it started), after the node was up.
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
     from batchyard.config import DispatcherConfig, NodeConfig, to_toml
 
@@ -414,3 +431,24 @@ def test_the_load_generators_ceiling_is_measured():
     from batchyard.bench.bench_cli import measure_ceiling
 
     assert measure_ceiling(1, concurrency=8, window=0.5) > 0
+
+
+def test_keygen_keeps_an_existing_secret_key_and_names_stay_in_the_folder(tmp_path):
+    # Run again, it replaced the node's secret key silently (every client trusting the old public
+    # key locked out); a --name with "../" wrote outside --out; a file as --out was a traceback.
+    def keygen(*argv):
+        return subprocess.run([sys.executable, "-m", "batchyard.cli", "keygen", *argv], capture_output=True,
+                              text=True, cwd=ROOT, timeout=60)
+
+    keys = tmp_path / "keys"
+    assert keygen("--out", str(keys), "--name", "n0").returncode == 0
+    secret = (keys / "n0.key_secret").read_bytes()
+    r = keygen("--out", str(keys), "--name", "n0")
+    assert r.returncode == 73 and "exists; --force replaces it" in r.stderr
+    assert (keys / "n0.key_secret").read_bytes() == secret
+    assert keygen("--out", str(keys), "--name", "n0", "--force").returncode == 0
+    assert (keys / "n0.key_secret").read_bytes() != secret
+    r = keygen("--out", str(keys), "--name", "../escape")
+    assert r.returncode == 64 and not (tmp_path / "escape.key").exists()
+    r = keygen("--out", str(keys / "n0.key"), "--name", "x")
+    assert r.returncode == 64 and "is not a folder" in r.stderr and "Traceback" not in r.stderr
