@@ -350,7 +350,21 @@ class NodeConfig(_Table):
             raise ConfigError(f"[frontend] grpc_port ({f.grpc_port}) and http_port ({f.http_port}) must differ, "
                               f"and at least one be set")
         _check_ports_apart(self._tcp_ports())
+        self._check_triton_urls()
         return self
+
+    def _check_triton_urls(self) -> None:
+        """A Triton worker's url on one of the node's own ports (both default to 8001: the front
+        door's gRPC port and Triton's) talked to the node itself, and crashed."""
+        local = ("127.0.0.1", "localhost", "0.0.0.0", "", "*", "::1", "[::1]", "::")
+        ours = {port: key for key, host, port in self._tcp_ports()}
+        for i, w in enumerate(self.workers):
+            if w.kind != "triton":
+                continue
+            host, _, port = w.triton.url.rpartition(":")
+            if host in local and port.isdigit() and int(port) in ours:
+                raise ConfigError(f"{_item('workers', i, w.name)}: triton.url {w.triton.url!r} is this node's own "
+                                  f"{ours[int(port)]}; point it at the Triton server")
 
     def _tcp_ports(self) -> list[tuple[str, str, int]]:
         """(key, host, port) of every TCP port the node listens on."""

@@ -274,7 +274,7 @@ def test_the_triton_example_is_shipped():
 def test_a_dispatcher_or_front_door_on_a_cpu_the_host_lacks_is_refused_at_start(tmp_path, table):
     path = tmp_path / "node.toml"
     text = NODE.replace("max_queue = 100", "max_queue = 100\ncpus = [4096]") if table == "dispatcher" else \
-        NODE + "\n[frontend]\ncpus = [0, 4096]\n"
+        NODE + "\n[frontend]\ngrpc_port = 9001\ncpus = [0, 4096]\n"
     path.write_text(text)
     cfg = load_config(path)
     assert (cfg.dispatcher.cpus if table == "dispatcher" else cfg.frontend.cpus)[-1] == 4096
@@ -302,7 +302,7 @@ def test_a_dispatcher_or_front_door_on_a_cpu_outside_its_mask_exits_78_in_one_li
     path = tmp_path / "node.toml"
     node = NODE.replace("/tmp/by-test", str(tmp_path))  # a folder its sockets could be bound in
     path.write_text(node.replace("max_queue = 100", f"max_queue = 100\ncpus = [{mine[1]}]") if table == "dispatcher"
-                    else node + f"\n[frontend]\ncpus = [{mine[1]}]\n")
+                    else node + f"\n[frontend]\ngrpc_port = 9001\ncpus = [{mine[1]}]\n")
     r = subprocess.run(["taskset", "-c", str(mine[0]), sys.executable, "-m", "batchyard.cli", table, "--config",
                         str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
@@ -508,3 +508,13 @@ def test_a_worker_key_of_another_kind_is_refused_not_ignored(tmp_path, kind, ext
     # batches in flight had 2.
     text = f'\n[[workers]]\nname = "x0"\nkind = "{kind}"\nmodels = ["sum"]\n{extra}\n'
     assert message in load_error(tmp_path, NODE + text)
+
+
+def test_a_triton_url_on_the_nodes_own_port_is_refused(tmp_path):
+    # The front door's gRPC port and Triton's both default to 8001: the worker talked to the
+    # node itself and crashed.
+    assert ("[[workers]] #3 (name 'gpu0'): triton.url '127.0.0.1:8001' is this node's own [frontend] grpc_port"
+            in load_error(tmp_path, NODE + "\n[frontend]\n"))
+    load_config_text = NODE + "\n[frontend]\ngrpc_port = 9001\n"
+    (tmp_path / "ok.toml").write_text(load_config_text)
+    load_config(tmp_path / "ok.toml")
