@@ -40,3 +40,34 @@ def test_stale_kv_entries_are_swept_fresh_ones_kept(tmp_path):
     os.utime(old, (past, past))
     assert sweep_stale(tmp_path, older_than_s=600) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+
+
+def test_a_worker_sweeps_stale_kv_while_it_serves_and_a_stop_before_registering_ends_it(tmp_path, monkeypatch):
+    # KV a prefill stored for a request that ended meanwhile is never loaded, so never removed
+    # by the decode instance; it was swept only at the next start. And stopped before the
+    # dispatcher answered, the worker's unstarted heartbeat socket kept ZeroMQ's context from
+    # closing: it hung until the stop grace killed it.
+    from batchyard.config import DispatcherConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig
+    from batchyard.workers import llm_worker, runtime
+
+    monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)
+    swept = []
+
+    class IdleEngine:
+        def has_unfinished_requests(self):
+            return False
+
+    def sweep(root):
+        swept.append(root)
+        server.request_stop()
+        return 0
+
+    monkeypatch.setattr(llm_worker, "sweep_stale", sweep)
+    monkeypatch.setattr(llm_worker, "KV_SWEEP_S", 0.0)
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
+                      llm_models=(LlmModelConfig(name="tiny", path=str(tmp_path)),),
+                      workers=(WorkerConfig(name="v0", kind="vllm", models=("tiny",), vllm=VllmConfig(role="prefill-cpu")),))
+    engine = P.LlmEngine(model="tiny", role="prefill-cpu", block_size=32, max_model_len=512, max_num_seqs=8)
+    server = llm_worker.LlmServer(node, node.workers[0], IdleEngine(), tmp_path, engine, vocab=4096)
+    assert server.serve(time.monotonic()) == 0
+    assert swept == [tmp_path]

@@ -34,10 +34,11 @@ from batchyard.protocol import Status
 from batchyard.sd_notify import notify
 
 from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, kv_entry, kv_root, prepare_kv_dir,
-                         sampling_kwargs, set_env)
+                         sampling_kwargs, set_env, sweep_stale)
 
 log = logging.getLogger("batchyard.worker")
 REGISTER_RETRY_S = 2.0
+KV_SWEEP_S = 60.0  # how often a worker removes KV entries past llm_engine.KV_STALE_S
 
 
 class _Stop(BaseException):
@@ -128,6 +129,10 @@ class LlmServer:
             hb.stop.set()
             if hb.is_alive():
                 hb.join(timeout=2)
+            elif hb.ident is None:
+                # Never started (stopped before the dispatcher answered): its socket is still
+                # open, and ctx.term() below waited for it until the stop grace killed us.
+                hb.sock.close()
             sock.close(linger=500)
             ctx.term()
             os.close(wake_r)
@@ -139,6 +144,7 @@ class LlmServer:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
         next_register = 0.0
+        next_sweep = time.monotonic() + KV_SWEEP_S
         while not self.stopping:
             if self.hb.reregister.is_set():
                 self.hb.reregister.clear()
@@ -147,8 +153,17 @@ class LlmServer:
             if not self.registered and now >= next_register:
                 self.sock.send(self.register)
                 next_register = now + REGISTER_RETRY_S
+            if now >= next_sweep:
+                # KV a prefill stored for a request that ended meanwhile (its deadline, a cancel)
+                # is never loaded, so never removed by the decode instance: swept here, not only
+                # at the next start.
+                next_sweep = now + KV_SWEEP_S
+                removed = sweep_stale(self.root)
+                if removed:
+                    log.info("worker %s removed %d stale KV entries", self.name, removed)
             busy = self.engine.has_unfinished_requests()
-            timeout = 0 if busy else None if self.registered else max(0.0, next_register - now) * 1000
+            wait = next_sweep - now if self.registered else min(next_sweep, next_register) - now
+            timeout = 0 if busy else max(0.0, wait) * 1000
             events = dict(poller.poll(timeout))
             if self.wake_r in events:
                 while _drain(self.wake_r):
