@@ -213,7 +213,7 @@ def simulate(sc: Scenario, mode: str, rate: float, n: int = 1500, seed: int = 1,
                 x.path = PREFILL_CPU
             else:
                 load = PathLoad(cpu.backlog_s(now), gpu.backlog_s(now), gpu.streams() + in_flight_kv)
-                x.path = choose_route(x.prompt, load, c, interference_weight).path
+                x.path = choose_route(x.prompt, load, c, interference_weight, KV_BLOCK).path
             x.left = x.output
             (cpu if x.path == PREFILL_CPU else gpu).queue.append(x)
         elif kind == "kv":
@@ -294,7 +294,8 @@ def _markdown(results: dict, n: int, seed: int) -> str:
              "`routed`: earlier predicted TTFT; `routed+interference`: plus 1 x (running streams x GPU prefill time).", ""]
     for name, res in results.items():
         lines += [f"## {name}", "", res["about"], "",
-                  "Crossover (shortest prompt sent to the GPU; shorter ones go to the CPU) for an idle CPU:", "",
+                  "Crossover (shortest prompt sent to the GPU; shorter ones go to the CPU, except those of at most "
+                  "one KV block (32 tokens): none of their KV would move) for an idle CPU:", "",
                   "| GPU backlog ms | GPU running streams | crossover tokens | with interference |", "|---|---|---|---|"]
         lines += [f"| {x['gpu_backlog_ms']} | {x['gpu_running']} | {x['crossover_tokens']} | {x['crossover_tokens_interference']} |"
                   for x in res["crossover"]]

@@ -230,7 +230,8 @@ class LlmCore:
 
     def _route(self, r: LlmRequest, now: float) -> None:
         load = self.load(r.model, now)
-        choice = choose_route(len(r.prompt), load, self.routing_curves(r.model), self.interference_weight)
+        block = min(w.engine.block_size for w in self._instances(r.model, GPU))
+        choice = choose_route(len(r.prompt), load, self.routing_curves(r.model), self.interference_weight, block)
         r.pred_cpu, r.pred_gpu = choice.ttft_cpu_s, choice.ttft_gpu_s
         r.route = r.forced or choice.path
         self.decisions[r.route] += 1

@@ -104,14 +104,25 @@ def predict_ttft_gpu(tokens: int, load: PathLoad, curves: LlmCurves) -> float:
     return load.gpu_backlog_s + curves.gpu_prefill.time(tokens) + curves.gpu_decode.step(load.gpu_running)
 
 
-def choose_route(tokens: int, load: PathLoad, curves: LlmCurves, interference_weight: float = 0.0) -> RouteChoice:
+def moved_tokens(n_prompt: int, block_size: int) -> int:
+    """Prompt tokens whose KV moves: whole blocks only, and never the last token (the decode
+    engine must compute at least one to get the first token's logits)."""
+    return max(0, (n_prompt - 1) // block_size * block_size)
+
+
+def choose_route(tokens: int, load: PathLoad, curves: LlmCurves, interference_weight: float = 0.0,
+                 block_size: int = 0) -> RouteChoice:
     """The option with the earlier predicted TTFT; with ``interference_weight`` > 0 the gpu option
-    is also charged ``weight × running streams × its prefill time`` (each running stream waits)."""
+    is also charged ``weight × running streams × its prefill time`` (each running stream waits).
+    With ``block_size``, a prompt of which no whole block would move goes to the GPU: prefilled
+    on the CPU, its KV stayed there and the GPU computed the whole prompt again."""
     ttft_cpu = predict_ttft_cpu(tokens, load, curves)
     ttft_gpu = predict_ttft_gpu(tokens, load, curves)
     stall = load.gpu_running * curves.gpu_prefill.time(tokens)
     # ties go to the GPU: it is the path that needs no KV move
     path = PREFILL_CPU if ttft_cpu < ttft_gpu + interference_weight * stall else GPU
+    if block_size and not moved_tokens(tokens, block_size):
+        path = GPU
     return RouteChoice(path, ttft_cpu, ttft_gpu, stall)
 
 

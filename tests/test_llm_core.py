@@ -330,3 +330,18 @@ def test_an_engine_that_acknowledges_its_aborts_stays_in_rotation():
     h.now = 30.0
     h.core.heartbeat("gpu0", h.now)
     assert h.core.check_liveness(h.now) == [] and "gpu0" in h.core.workers
+
+
+def test_a_prompt_with_no_whole_block_to_move_is_prefilled_on_the_gpu_even_when_it_is_busy():
+    # Prefilled on the CPU, no KV moved (only whole blocks do, never the last token): the GPU
+    # computed the whole prompt again, after the CPU's work and the hand-off.
+    h = Harness()
+    for _ in range(8):
+        h.submit(1500, route=GPU)
+    h.jobs()
+    _, why = h.submit(48)  # one whole block moves: the busy GPU's queue is worth skipping
+    assert why is None and [s.job.kind for s in h.jobs()] == ["prefill"]
+    for n in (20, 32, 33):
+        h.submit(n)
+    assert [s.worker.name for s in h.jobs()] == ["gpu0", "gpu0"]
+    assert [len(r.prompt) for r in h.core.cpu_queue["m"]] == [33]  # behind the CPU's job in hand

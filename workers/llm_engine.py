@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 
 from batchyard import protocol as P
+from batchyard.llm_routing import moved_tokens
 
 log = logging.getLogger("batchyard.worker")
 KV_STALE_S = 600.0  # KV entries older than this at start belong to requests long gone
@@ -48,10 +49,6 @@ def kv_root(backend: str, model_name: str, kv_dir: str = "") -> Path:
     return Path(tempfile.gettempdir()) / f"batchyard-kv-{zlib.crc32(backend.encode()):08x}-{model_name}"
 
 
-def moved_tokens(n_prompt: int, block_size: int) -> int:
-    """Prompt tokens whose KV moves: whole blocks only, and never the last token (the decode
-    engine must compute at least one to get the first token's logits)."""
-    return max(0, (n_prompt - 1) // block_size * block_size)
 
 
 def check_job(job: P.LlmJob, max_model_len: int, vocab: int) -> list[str]:
