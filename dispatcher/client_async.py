@@ -83,10 +83,15 @@ class AsyncClient(CodecAccess):
             self._codec.on_reply(self.sock.recv_multipart(NOBLOCK))
 
     def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
-        if self.closed:
+        if self.closed or self.loop.is_closed():
             for region in (*regions, *outputs.values()):
                 self._codec.free(region)
-            raise closed_error()
+            if self.closed:
+                raise closed_error()
+            # Used again after its loop ended (a second asyncio.run): each call left its request
+            # pending and its memory taken before the loop's own error.
+            raise RuntimeError("this AsyncClient's event loop is closed: an AsyncClient serves the loop it was "
+                               "made in; make one in this loop")
         fut = self.loop.create_future()
 
         def resolve(value, fut=fut, rid=rid):

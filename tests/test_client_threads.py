@@ -260,3 +260,30 @@ def test_alloc_array_refuses_what_no_model_takes_before_taking_memory(run_dir):
                 c.alloc_array(shape, dtype)
         assert c._codec.pool.segment_names() == []  # no memory taken for any of them
         assert c.alloc_array((3, 4), np.float32).shape == (3, 4)
+
+
+def test_an_async_client_used_after_its_loop_ended_says_so_and_keeps_nothing(start_node):
+    # A second asyncio.run with the first run's client: RuntimeError('Event loop is closed')
+    # after the request was put in pending and its memory taken, never given back.
+    import asyncio
+
+    from batchyard.client import AsyncClient
+
+    node = start_node([sim_worker("sim0")])
+    holder = {}
+
+    async def first():
+        holder["c"] = AsyncClient(node.address)
+        await holder["c"].infer("sum", {"x": ONE}, timeout=30)
+
+    async def second():
+        await holder["c"].infer("big", {"x": np.ones((1, 256, 1024), np.float32)}, timeout=30)
+
+    asyncio.run(first())
+    c = holder["c"]
+    held = c._codec.pool.segment_names()
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="event loop is closed: an AsyncClient serves the loop it was made in"):
+            asyncio.run(second())
+    assert not c._codec.pending and c._codec.pool.segment_names() == held
+    c.close()
