@@ -160,6 +160,7 @@ class RequestCore:
     def expire(self, now: float) -> None:
         """Fail every request whose deadline has passed, queued or in flight."""
         heap = self.deadlines
+        leaving: dict[str, list] = {}  # model -> expired queued requests, out of their queues in one pass
         while heap and heap[0][0] <= now:
             _, seq = heapq.heappop(heap)
             req = self.requests.get(seq)
@@ -173,7 +174,7 @@ class RequestCore:
                     if hopeless > now:
                         heapq.heappush(heap, (hopeless, seq))
                         continue
-                    self.state.queue(req.model).remove(req)
+                    leaving.setdefault(req.model, []).append(req)
                     fastest = self._fastest(req.model, req.items)
                     self.fail(req, Status.DEADLINE_EXCEEDED,
                               f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} ms "
@@ -183,12 +184,14 @@ class RequestCore:
                     heapq.heappush(heap, (req.deadline, seq))
                 continue
             if req.state == QUEUED:
-                self.state.queue(req.model).remove(req)
+                leaving.setdefault(req.model, []).append(req)
                 where = "in queue"
             else:
                 where = "while its batch was running"
             self.fail(req, Status.DEADLINE_EXCEEDED,
                       f"deadline passed {where} after {(now - req.arrival) * 1e3:.1f} ms")
+        for model, reqs in leaving.items():
+            self.state.queue(model).remove_many(reqs)
 
     def decide(self, now: float) -> list[Batch]:
         """Expire, then run the policy: the batches to send now. Sets ``wake_at``."""

@@ -83,6 +83,26 @@ class ModelQueue:
         self.class_items[req.priority] -= req.items
         return True
 
+    def remove_many(self, reqs: list[Request]) -> None:
+        """Remove ``reqs`` (all queued here): one pass over each class they are in, not a scan
+        per request. A thousand requests expiring behind ten thousand patient ones of their class
+        took 117 ms of the decision loop removed one by one."""
+        if len(reqs) <= 4:  # the usual few, near the head: deque.remove stops early
+            for req in reqs:
+                self.remove(req)
+            return
+        gone = {id(r) for r in reqs}
+        for prio in {r.priority for r in reqs}:
+            dq = self.by_priority[prio]
+            kept = [r for r in dq if id(r) not in gone]
+            removed = [r for r in dq if id(r) in gone]
+            dq.clear()
+            dq.extend(kept)
+            self.requests -= len(removed)
+            n = sum(r.items for r in removed)
+            self.items -= n
+            self.class_items[prio] -= n
+
     def promote_aged(self, now: float, age_s: float) -> int:
         """Aging: a request that waited ``age_s`` in its class moves up one class, so a low
         request's wait is bounded however much high-priority work keeps arriving."""
