@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from .policy_core import Decision, PerModelPolicy, send
+from .policy_core import Decision, PerModelPolicy, head_request, send
 from .state import ModelQueue, SchedulerState, WorkerState
 
 FIXED_MAX_WAIT_S = 0.1
@@ -31,6 +31,16 @@ class Greedy(PerModelPolicy):
             while q.requests and w.free:
                 if not send(state, d, w, q, w.models[model], now):
                     break
+        if self.gpu_only and q.requests:
+            # A head no GPU ever takes (more items than any GPU's max batch) goes, alone, to a
+            # free worker that takes it: it waited beside one until its deadline.
+            largest = max((w.models[model] for w in workers), default=0)
+            head = head_request(q)
+            for w in state.serving.get(model, ()):
+                if head is None or head.items <= largest:
+                    break
+                if w.free and w.models[model] >= head.items and send(state, d, w, q, head.items, now, max_requests=1):
+                    head = head_request(q)
 
 
 class GpuOnly(Greedy):

@@ -651,3 +651,13 @@ def test_many_requests_expiring_behind_patient_ones_leave_the_queue_in_order():
     left = [r.req_id for dq in q.by_priority for r in dq]  # (aged into the high class meanwhile, in order)
     assert left == [i for i in range(60) if i % 4]
     assert q.requests == 45 and q.items == sum(1 + i % 3 for i in range(60) if i % 4) == sum(q.class_items)
+
+
+def test_gpu_only_sends_a_head_no_gpu_takes_to_a_worker_that_does():
+    ends = Ends()
+    core = RequestCore(make_policy("gpu-only"), ends.on_fail)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
+    core.admit("m", 16, 1, 1.0, 0.0, client=b"c", req_id=1)
+    core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=2)
+    assert sorted(_sent(core, 0.0)) == [("amx0", [1]), ("gpu0", [2])]
