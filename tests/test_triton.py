@@ -381,6 +381,32 @@ def test_the_first_call_after_triton_is_back_succeeds():
         tl.close()
 
 
+def test_a_triton_restarted_while_the_worker_was_idle_gets_its_regions_again():
+    # gRPC reconnected by itself, and the new Triton knew none of the worker's regions: every
+    # batch failed "Unable to find shared memory region", taken as the model's error, for good.
+    tl = TritonLocal(REPO, models=["dense_amx"]).start(ready_timeout_s=120)
+    tl2 = None
+    ex = TritonExecutor(tl.grpc_url, {"tri": "dense_amx"}, shm="system", backoff_s=(0.0, 0.0))
+    try:
+        ex.load(TRI.spec())
+        x = np.ones((2, 1024), np.float32)
+        ex.run("tri", {"x": x})
+        tl.kill()
+        tl2 = _restart(tl)  # no call meanwhile
+        outcomes = []
+        for _ in range(3):
+            try:
+                ex.run("tri", {"x": x})
+                outcomes.append("ok")
+            except ExecutorUnavailable:
+                outcomes.append("unavailable")
+        assert "ok" in outcomes[:2] and outcomes[-1] == "ok", outcomes
+    finally:
+        ex.close()
+        if tl2 is not None:
+            tl2.close()
+
+
 def test_during_a_triton_outage_requests_go_to_the_cpu_worker_and_the_gpu_comes_back(start_node):
     tl = TritonLocal(REPO, models=["dense_amx"]).start(ready_timeout_s=120)
     tl2 = None

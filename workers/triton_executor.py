@@ -259,9 +259,13 @@ class TritonExecutor:
         bad input took the worker out of rotation for its back-off (the dispatcher's breaker too),
         and the reconnect after it cancelled the healthy batches in flight."""
         status = err.status() if callable(getattr(err, "status", None)) else None
-        if status in DOWN:
-            return self._mark_down(err, gen)
         msg = err.message() if callable(getattr(err, "message", None)) else str(err)
+        if status in DOWN or self.region_prefix in msg:
+            # A Triton that lost our regions (restarted while this worker was idle, gRPC
+            # reconnected by itself) answers every batch "Unable to find shared memory region":
+            # an outage, so that the reconnect registers them again. As a model error, the
+            # worker failed every batch for good.
+            return self._mark_down(err, gen)
         return TritonModelError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
 
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
