@@ -339,12 +339,13 @@ class CostCurve:
         before = self.launch_s * x0 + self.per_item_s * x1
         err = y - before
         launch, per_item = self.launch_s + k0 * err, self.per_item_s + k1 * err
-        if per_item < 0 < before and self.per_item_s > 0:
+        if per_item < 0 < before and self.per_item_s > 0 and self._sizes in ([], [b]):
             # Samples of one size cannot tell launch from per-item time, and RLS splits each
             # error between them: on batches of 1 from a device faster than the prior, the
             # per-item time went negative and T(B) read 0 for B >= 4 (8 items were admitted
             # within 30 us on a device that needs 120). The line keeps its shape instead,
-            # scaled to the sample.
+            # scaled to the sample. Only while one size is all it has seen: with two, RLS can
+            # tell them apart, and the scaling snapped the line onto each noisy sample.
             scale = y / before
             launch, per_item = self.launch_s * scale, self.per_item_s * scale
         self.launch_s, self.per_item_s = launch, per_item
