@@ -76,6 +76,7 @@ class Job:
     requests: list
     sent_at: float
     running_at_send: int = 0  # gpu: streams already in the engine when this one went in
+    expected_end: float = 0.0  # its worker's predicted busy_until when it was sent
 
 
 @dataclass
@@ -168,12 +169,15 @@ class LlmCore:
         """Take out of rotation the workers silent past ``worker_dead_after_s``, and those holding
         a job whose every request has ended, its last deadline that long ago (``hung``). An engine
         heartbeats from a thread of its own: one stuck in a step kept beating, stayed in rotation,
-        and every request routed to it ran out its deadline."""
+        and every request routed to it ran out its deadline. The job's predicted end counts as a
+        deadline here."""
         dead_before = now - self.worker_dead_after_s
         lost = [(w.name, "silent past worker_dead_after_s") for w in self.workers.values() if w.last_seen < dead_before]
         for job in self.jobs.values():
-            if (all(r.done for r in job.requests) and max(r.deadline for r in job.requests) < dead_before
-                    and job.worker.name not in self.hung):
+            # Not before the job's predicted end either: an engine sees an abort between steps,
+            # and one unchunked prefill step of a long prompt is predicted to take long.
+            if (all(r.done for r in job.requests) and job.worker.name not in self.hung
+                    and max(job.expected_end, *(r.deadline for r in job.requests)) < dead_before):
                 reason = (f"{job.kind} job {job.job_id} sent {now - job.sent_at:.1f} s ago never came back, "
                           f"{self.worker_dead_after_s:.1f} s past its last request's deadline")
                 self.hung[job.worker.name] = reason
@@ -260,6 +264,7 @@ class LlmCore:
                                   max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq]))
 
     def _start(self, job: Job, msg: P.LlmJob) -> None:
+        job.expected_end = job.worker.busy_until
         for r in job.requests:
             r.job_id = job.job_id
         self.jobs[job.job_id] = job

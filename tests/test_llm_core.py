@@ -345,3 +345,23 @@ def test_a_prompt_with_no_whole_block_to_move_is_prefilled_on_the_gpu_even_when_
         h.submit(n)
     assert [s.worker.name for s in h.jobs()] == ["gpu0", "gpu0"]
     assert [len(r.prompt) for r in h.core.cpu_queue["m"]] == [33]  # behind the CPU's job in hand
+
+
+def test_an_engine_in_a_step_predicted_long_is_not_declared_hung_before_it_could_end():
+    # A long prefill on the CPU, predicted to end well after its request's deadline: the abort
+    # is seen only after the step, and the engine was declared hung before it could have ended.
+    h = Harness(worker_dead_after_s=1.0)
+    h.submit(1900, route=PREFILL_CPU, timeout_s=0.05)
+    [prefill] = h.jobs()
+    end = prefill.worker.busy_until
+    assert end > 0.15
+    h.now = 0.1
+    h.jobs()  # the deadline passed: answered, the abort sent
+    for t in (1.06, end + 0.99):
+        h.core.heartbeat("cpu0", t)
+        h.core.heartbeat("gpu0", t)
+        assert h.core.check_liveness(t) == [], t
+    t = end + 1.01
+    h.core.heartbeat("cpu0", t)
+    h.core.heartbeat("gpu0", t)
+    assert [name for name, _, _ in h.core.check_liveness(t)] == ["cpu0"]
