@@ -216,6 +216,15 @@ class ClientCodec:
         if self._pool is not None and type(region) is Region:  # a Borrowed array is only let go
             self._pool.free(region)
 
+    def forked_off(self) -> None:
+        """In a forked child: the pool is the parent's. Closed here without a lock a thread of the
+        parent may have held at the fork (the child's exit hung on it), and never lent again (a
+        child's array and the parent's next one were the same memory)."""
+        self._pool_lock = threading.Lock()
+        self._pool_closed = True
+        if self._pool is not None:
+            self._pool.forked_off()
+
     def close_pool(self) -> None:
         with self._pool_lock:
             self._pool_closed = True

@@ -113,6 +113,7 @@ class SocketThread:
         its socket and memory stay the parent's."""
         self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
         self._closing = self._forked = True
+        self._codec.forked_off()
 
     def send(self, pend: Pending, rid: int, frames: list, deadline: float) -> None:
         """Queue a request; raises Cancelled("client closed") if the client is closed."""

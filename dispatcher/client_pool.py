@@ -80,6 +80,11 @@ class ShmPool:
     def segment_names(self) -> list[str]:
         return list(self._segments)
 
+    def forked_off(self) -> None:
+        """In a forked child (see ClientCodec.forked_off): closed, its memory left to the parent."""
+        self._lock = threading.Lock()
+        self._closed = True
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -177,13 +177,19 @@ c = Client(sys.argv[1])
 x = np.ones((1, 256, 1024), np.float32)
 assert c.infer("big", {"x": x}, timeout=30)["y"].shape == (1, 256, 1024)
 segments = c._codec.pool.segment_names()
+c._codec.pool._lock.acquire()  # as a thread of the parent holding it at the fork
 pid = os.fork()
 if pid == 0:  # the child: a clear error, then a normal exit (its atexit handlers run)
     try:
         c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=1)
     except Exception as e:
         print("child:", type(e).__name__, e, flush=True)
+    try:
+        c.alloc_array((4,), np.float32)  # the parent's memory: never lent here
+    except Exception as e:
+        print("child alloc:", type(e).__name__, flush=True)
     sys.exit(0)
+c._codec.pool._lock.release()
 assert os.waitpid(pid, 0)[1] == 0
 print("segments left:", all(os.path.exists("/dev/shm/" + s) for s in segments))
 assert c.infer("big", {"x": x}, timeout=30)["y"].shape == (1, 256, 1024)
@@ -201,7 +207,7 @@ def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("child: Cancelled") and "made in the parent of this forked process" in lines[0], proc.stdout
-    assert lines[1:] == ["segments left: True", "parent served"], proc.stdout
+    assert lines[1:] == ["child alloc: Cancelled", "segments left: True", "parent served"], proc.stdout
 
 
 def test_a_calls_set_up_steps_take_from_its_timeout(run_dir):
