@@ -68,13 +68,20 @@ class InferFuture(Future):
             self.set_result(value)
 
     def result(self, timeout: Optional[float] = None):
+        self._not_on_io_thread()
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None):
+        self._not_on_io_thread()
+        return super().exception(timeout)
+
+    def _not_on_io_thread(self) -> None:
         if not self.done() and self._client._io.on_io_thread():
             # Only this thread can settle the future: waiting here waited for ever, and held
             # every other request of the client with it.
-            raise InvalidArgument("a blocking call (result(), infer, model_info, a model's first submit) from a "
-                                  "done-callback, which runs on the client's I/O thread, would wait for ever: "
-                                  "make it from another thread")
-        return super().result(timeout)
+            raise InvalidArgument("a blocking call (result(), exception(), infer, model_info, a model's first "
+                                  "submit) from a done-callback, which runs on the client's I/O thread, would wait "
+                                  "for ever: make it from another thread")
 
     def cancel(self) -> bool:
         """Ask the dispatcher to drop this request if it is still queued; the future then
@@ -133,14 +140,17 @@ class Client(CodecAccess):
         # One deadline for the call: the set-up steps (the model's spec, a new segment's grant)
         # take from it, and the request gets what is left (each step had the whole timeout,
         # and a slow dispatcher made infer(timeout=2) take 8.5 s).
-        deadline = time.monotonic() + checked_timeout(timeout)
+        timeout = checked_timeout(timeout)
+        deadline = time.monotonic() + timeout
         if self._codec.needs_spec(model):
-            self.model_info(model, timeout=min(SETUP_TIMEOUT_S, time_left(deadline, model)))
-        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority,
-                                                                                time_left(deadline, model))
+            self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
+            timeout = time_left(deadline, model)
+        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
                 self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
+                timeout = time_left(deadline, model)
+                frames[0] = self._codec.retimed(frames[0], timeout)
             except BaseException:
                 for region in (*regions, *outputs.values()):
                     self._codec.free(region)

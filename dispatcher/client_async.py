@@ -128,14 +128,17 @@ class AsyncClient(CodecAccess):
 
     async def infer(self, model: str, inputs: dict, *, priority="normal",
                     timeout: Optional[float] = None) -> InferResult:
-        deadline = time.monotonic() + checked_timeout(timeout)  # one for the call: see Client.submit
+        timeout = checked_timeout(timeout)
+        deadline = time.monotonic() + timeout  # one for the call: see Client.submit
         if self._codec.needs_spec(model):
-            await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, time_left(deadline, model)))
-        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority,
-                                                                                time_left(deadline, model))
+            await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
+            timeout = time_left(deadline, model)
+        rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
                 await self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
+                timeout = time_left(deadline, model)
+                frames[0] = self._codec.retimed(frames[0], timeout)
             except BaseException:
                 for region in (*regions, *outputs.values()):
                     self._codec.free(region)

@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Callable, Optional
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -261,6 +262,12 @@ class ClientCodec:
                                          priority=priority, timeout_us=timeout_us(timeout),
                                          outputs=out_refs))
         return rid, [header, *frames], regions, outputs, timeout, used - self.granted
+
+    @staticmethod
+    def retimed(header: bytes, timeout: float) -> bytes:
+        """An infer request's header with ``timeout`` (what set-up steps left of the call's)."""
+        msg = P.client_message_decoder.decode(header)
+        return P.encode(msgspec.structs.replace(msg, timeout_us=timeout_us(timeout)))
 
     def _input_refs(self, inputs: Mapping, refs: list, frames: list, regions: list, used: set) -> int:
         """Each input as a reference to shared memory (the pool's, or an ``alloc_array``'s) or to

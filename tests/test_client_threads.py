@@ -156,9 +156,10 @@ def test_a_blocking_call_from_a_done_callback_fails_at_once_and_the_client_keeps
         first = c.submit("sum", {"x": ONE})
         first.add_done_callback(lambda f: seen.append(_raised(lambda: c.infer("big", {"x": np.ones((1, 256, 1024),
                                                                                                    np.float32)}))))
+        first.add_done_callback(lambda f: seen.append(_raised(lambda: c.submit("sum", {"x": ONE}).exception())))
         first.result(timeout=60)
         np.testing.assert_array_equal(c.infer("sum", {"x": ONE}, timeout=30)["y"], sim_outputs({"x": ONE}, SUM)["y"])
-    assert len(seen) == 1 and type(seen[0]).__name__ == "InvalidArgument" and "done-callback" in str(seen[0])
+    assert len(seen) == 2 and all(type(e).__name__ == "InvalidArgument" and "done-callback" in str(e) for e in seen)
 
 
 def _raised(call):
@@ -211,8 +212,8 @@ def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_
 
 
 def test_a_calls_set_up_steps_take_from_its_timeout(run_dir):
-    # Each step (the model's spec, a segment's grant) had the whole timeout, and the request
-    # then had it again: against a slow dispatcher infer(timeout=2) took 8.5 s.
+    # Each step (the model's spec, a segment's two grant steps) had the whole timeout, and the
+    # request then had it again: against a slow dispatcher infer(timeout=2) took 8.5 s.
     import zmq
 
     from batchyard import protocol as P
@@ -226,32 +227,39 @@ def test_a_calls_set_up_steps_take_from_its_timeout(run_dir):
     asked: list = []
 
     def slow_dispatcher():
-        while len(asked) < 1:
+        while len(asked) < 2:
             if not router.poll(30_000):
                 return
             peer, raw = router.recv_multipart()[:2]
             msg = P.client_message_decoder.decode(raw)
             if type(msg) is P.ModelInfoRequest:
                 time.sleep(0.5)  # a slow dispatcher, not a synchronisation
-                router.send_multipart([peer, P.encode(P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=0,
-                                                                        spec=SUM))])
+                reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=0, spec=BIG)
+            elif type(msg) is P.ShmRegisterRequest:
+                time.sleep(0.3)
+                reply = P.ShmReply(v=P.PROTOCOL_VERSION, id=msg.id, status=0, challenge=b"x" * 16)
             elif type(msg) is P.InferRequest:
                 asked.append(msg.timeout_us)
-                router.send_multipart([peer, P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=msg.id,
-                                                                    status=int(P.Status.OVERLOADED), message="busy"))])
+                reply = P.InferReply(v=P.PROTOCOL_VERSION, id=msg.id, status=int(P.Status.OVERLOADED), message="busy")
+            else:
+                continue
+            router.send_multipart([peer, P.encode(reply)])
 
     t = threading.Thread(target=slow_dispatcher)
     t.start()
+    big = np.ones((1, 256, 1024), np.float32)  # through shared memory: its segment is granted first
     try:
         with Client(address) as c:
             with pytest.raises(InvalidArgument, match="timeout must be > 0"):
-                c.infer("sum", {"x": ONE}, timeout=-1)  # refused before any step (it waited for the spec)
+                c.infer("big", {"x": big}, timeout=-1)  # refused before any step (it waited for the spec)
             with pytest.raises(Overloaded):
-                c.infer("sum", {"x": ONE}, timeout=2.0)
+                c.infer("big", {"x": big}, timeout=2.0)
+            with pytest.raises(Overloaded):  # no step left to take: the whole (tiny) timeout is the request's
+                c.infer("big", {"x": big}, timeout=1e-6)
     finally:
         t.join(timeout=60)
         router.close()
-    assert asked and asked[0] <= 1.5e6  # what the 0.5 s spent on the spec left
+    assert asked[0] <= 0.9e6 and asked[1] == 1  # what 0.5 s of spec and 2 x 0.3 s of grant left
 
 
 def test_alloc_array_refuses_what_no_model_takes_before_taking_memory(run_dir):
