@@ -309,6 +309,16 @@ class RequestCore:
         self.state.suspend(worker)
         return backoff
 
+    def leaving(self, name: str) -> bool:
+        """The worker is stopping once its batches in flight are done: no new batch goes to it
+        (the breaker does not bring it back); it stays registered until its goodbye."""
+        w = self.state.workers.get(name)
+        if w is None:
+            return False
+        self.suspended.pop(name, None)
+        self.state.suspend(w)
+        return True
+
     def _resume_due(self, now: float) -> None:
         for name, (until, w) in list(self.suspended.items()):
             if until <= now:

@@ -341,6 +341,13 @@ class Goodbye(msgspec.Struct, tag="goodbye", tag_field="type"):
     worker: Name
 
 
+class Leaving(msgspec.Struct, tag="leaving", tag_field="type"):
+    """A worker stopping with batches still in flight: send it no new batch; its replies and its
+    goodbye follow."""
+
+    worker: Name
+
+
 class LlmResult(msgspec.Struct, omit_defaults=True):
     seq: int
     status: int
@@ -359,7 +366,7 @@ class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
     results: list[LlmResult]
 
 
-WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, LlmDone]
+WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, Leaving, LlmDone]
 
 
 class Batch(msgspec.Struct, tag="batch", tag_field="type"):

@@ -661,3 +661,18 @@ def test_gpu_only_sends_a_head_no_gpu_takes_to_a_worker_that_does():
     core.admit("m", 16, 1, 1.0, 0.0, client=b"c", req_id=1)
     core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=2)
     assert sorted(_sent(core, 0.0)) == [("amx0", [1]), ("gpu0", [2])]
+
+
+def test_a_leaving_worker_gets_no_new_batch_and_its_batch_in_flight_completes():
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)
+    core.add_worker(WorkerState("w0", "gpu", {"m": 8}, capacity=2), 0.0)
+    core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=1)
+    [batch] = core.decide(0.0)
+    assert core.leaving("w0") and not core.leaving("nobody")
+    core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=2)
+    assert core.decide(0.001) == []  # a free slot, but it is stopping
+    done = core.complete(batch.batch_id, 0.001, 0.002)
+    assert [r.req_id for r in done.requests] == [1]
+    core.add_worker(WorkerState("w1", "gpu", {"m": 8}), 0.003)
+    assert _sent(core, 0.003) == [("w1", [2])]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import select
 import signal
 import threading
 import time
@@ -178,7 +177,7 @@ class WorkerRuntime:
                     rc = 2
                     break
             if self._in_executor:
-                self._finish_in_flight(sock)
+                self._finish_in_flight(sock, poller, registered)
         finally:
             if registered:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
@@ -205,16 +204,28 @@ class WorkerRuntime:
             self._in_executor -= 1
             sock.send_multipart(self._finish(*self._completed.popleft()), copy=False)
 
-    def _finish_in_flight(self, sock) -> None:
+    def _finish_in_flight(self, sock, poller, registered: bool) -> None:
         """Stopping with batches in an asynchronous executor (Triton): their replies go out
         before the goodbye. Gone without them, the dispatcher ran their requests again, and one
-        that had spent its retry failed UNAVAILABLE. exit_after_grace bounds the wait."""
+        that had spent its retry failed UNAVAILABLE. The dispatcher is told first (``leaving``)
+        to send no new batch; one it sent before it knew is run too. exit_after_grace bounds
+        the wait."""
         log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
+        if registered:
+            sock.send(P.encode(P.Leaving(worker=self.name)))
         deadline = time.monotonic() + STOP_GRACE_S - 1.0
         while self._in_executor and time.monotonic() < deadline:
-            if select.select([self._wake_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             self._send_completed(sock)
+            while sock in events and sock.poll(0):
+                frames = sock.recv_multipart(copy=False)
+                msg = P.to_worker_decoder.decode(frames[0].buffer)
+                if type(msg) is P.Batch:
+                    out = self.run_batch(msg, frames[1:])
+                    if out is not None:
+                        sock.send_multipart(out, copy=False)
 
     def run_batch(self, msg: P.Batch, frames: list) -> list | None:
         """Run one batch. Returns the reply frames, or None when an asynchronous executor
