@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import zlib
 
 import numpy as np
@@ -255,6 +256,17 @@ def _closed_port() -> int:
 
 
 # ---------------------------------------------------------------- shared-memory slots (finding 5a)
+class _Answer:
+    """An InferResult as the executor reads it with outputs in shared memory: what Triton says
+    each output is (dense_amx's y, [n, 1024] FP32)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def get_output(self, name):
+        return types.SimpleNamespace(datatype="FP32", shape=[self.n, 1024])
+
+
 class _ThreadedTriton:
     """A Triton client stand-in whose async_infer answers on another thread, as gRPC does."""
 
@@ -272,7 +284,7 @@ class _ThreadedTriton:
         if not self.answer:
             self.pending.append(callback)
             return
-        t = threading.Thread(target=callback, args=(object(), None))
+        t = threading.Thread(target=callback, args=(_Answer(inputs[0].shape()[0]), None))
         self.threads.append(t)
         t.start()
 
@@ -321,7 +333,7 @@ def test_more_batches_than_slots_fail_that_batch_unavailable_not_the_worker():
         ex.submit("tri", {"x": np.ones((2, 1024), np.float32)}, lambda o, us: outcomes.append(o))  # no raise
         assert len(outcomes) == 1 and isinstance(outcomes[0], ExecutorUnavailable)
         assert "shared-memory slots of this worker are in use" in str(outcomes[0])
-        client.pending[0](object(), None)
+        client.pending[0](_Answer(2), None)
         assert isinstance(outcomes[1], dict) and len(ex._free) == 1
     finally:
         ex.close()

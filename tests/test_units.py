@@ -430,7 +430,6 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
     """SIGTERM with a batch in an asynchronous executor (Triton's): the worker said goodbye and
     left without its reply, and the dispatcher ran the requests again (one that had spent its
     retry failed UNAVAILABLE). Here the test plays the dispatcher."""
-    import logging
     import threading
 
     import zmq
@@ -447,16 +446,7 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
             self.held.append(lambda: done({"y": inputs["x"] * 2}, 1000))
             submitted.set()
 
-    submitted, waiting = threading.Event(), threading.Event()
-
-    class Waiting(logging.Handler):
-        def emit(self, record):
-            if "waiting for 1 batch(es) in flight" in record.getMessage():
-                waiting.set()
-
-    handler, logger = Waiting(), logging.getLogger(runtime.log.name)
-    logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    submitted = threading.Event()
     backend = f"ipc://{run_dir}/be"
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -482,8 +472,7 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
             assert submitted.wait(30)
             rt.request_stop()  # SIGTERM, the batch in the executor
             os.write(rt._wake_w, b"x")
-            assert waiting.wait(30), "the worker left without waiting for its batch"
-            seen.append(type(recv()).__name__)  # told first: no new batch
+            seen.append(type(recv()).__name__)  # told first: no new batch (it said goodbye here)
             # one sent before the dispatcher knew is run too
             router.send_multipart([b"w", P.encode(P.Batch(batch_id=8, model="sum", seqs=[0], n_frames=[1])), head,
                                    np.ones((1, 4), np.float32).tobytes()])
@@ -502,6 +491,5 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
         assert rt.serve() == 0
     finally:
         t.join(timeout=60)
-        logger.removeHandler(handler)
         router.close()
     assert seen == ["Leaving", "BatchDone", "BatchDone", "Goodbye"]

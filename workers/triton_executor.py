@@ -266,6 +266,10 @@ class TritonExecutor:
             # an outage, so that the reconnect registers them again. As a model error, the
             # worker failed every batch for good.
             return self._mark_down(err, gen)
+        if status == "StatusCode.RESOURCE_EXHAUSTED":
+            # Past the gRPC message limit: this batch cannot go to this worker, another (a CPU
+            # worker, no such limit) may take it; Triton itself is fine.
+            return ExecutorUnavailable(f"Triton at {self.url} refused the batch: {msg}")
         return TritonModelError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
 
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
