@@ -1,4 +1,4 @@
-"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|c|d|e|all]``.
+"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|c|d|e|f|g|all]``.
 
 (a) added latency, one request in flight, no-op worker: client -> dispatcher -> worker minus
     client -> worker directly; the same for pyzmq's C ``zmq.proxy`` and a bare Python uvloop
@@ -10,6 +10,8 @@
 (f) CPU per request at a low Poisson rate (one request at a time, mostly): the dispatcher's
     process against the bare forwarder's, idle CPU subtracted. At this rate every message costs
     a wake-up, which is what a node shares its core with the model for
+(g) one decision's time when 1,000 requests expire behind 1,000 / 10,000 / 100,000 patient ones
+    of their class (the decision code alone, no sockets)
 
 The paths are built in bench/noop_paths.py. Each mode runs ``--runs`` times, alternating the
 paths inside a run; medians are reported, and written to ``--json``. This machine is shared
@@ -362,6 +364,31 @@ def machine() -> dict:
             "python": sys.version.split()[0], "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
 
 
+def bench_g(runs: int = 3) -> dict:
+    from batchyard.core import RequestCore
+    from batchyard.policy import make_policy
+    from batchyard.state import WorkerState
+
+    out = {}
+    for n in (1_000, 10_000, 100_000):
+        times = []
+        for _ in range(runs):
+            core = RequestCore(make_policy("greedy"), lambda r, s, m: None, max_queue=10**9)
+            core.add_worker(WorkerState("g0", "gpu", {"m": 8}), 0.0)
+            w = core.state.workers["g0"]
+            w.inflight, w.busy_until = 1, 0.0  # busy: nothing is dispatched
+            for i in range(n):
+                core.admit("m", 1, 1, 1000.0, 0.0, req_id=i)
+            for i in range(1000):
+                core.admit("m", 1, 1, 0.5, 0.0, req_id=n + i)
+            t0 = time.perf_counter()
+            core.decide(1.0)  # their deadlines have passed
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[str(n)] = {"decide_ms_median": float(np.median(times)), "runs_ms": times}
+        print(f"(g) {n:>7} patient + 1,000 expiring: one decision {np.median(times):.1f} ms (median of {runs})")
+    return out
+
+
 def record(path: str, results: dict) -> None:
     """Merge this invocation's modes into the JSON file, so separate invocations accumulate."""
     p = Path(path)
@@ -374,12 +401,12 @@ def record(path: str, results: dict) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "all"])
+    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "all"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--capacity", type=float, default=0.0, help="(e): routed capacity in req/s (0: measure it)")
     ap.add_argument("--json", default="bench/results/dispatch_bench.json", help="merge results here ('' : don't)")
     args = ap.parse_args(argv)
-    which = {"a", "b", "c", "d", "e", "f"} if "all" in args.which else set(args.which)
+    which = {"a", "b", "c", "d", "e", "f", "g"} if "all" in args.which else set(args.which)
     meta = {"command": "python -m batchyard.bench.dispatch_bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
     load = ", ".join(f"{x:.1f}" for x in meta["loadavg_at_start"])
@@ -403,6 +430,8 @@ def main(argv=None) -> None:
         out["e_lateness"] = bench_lateness(cap, runs=args.runs)
     if "f" in which:
         out["f_cpu_per_request"] = bench_f(runs=args.runs)
+    if "g" in which:
+        out["g_expiry_decision_ms"] = bench_g(runs=args.runs)
     if args.json:
         record(args.json, {k: {"meta": meta, "result": v} for k, v in out.items()})
 
