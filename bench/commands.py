@@ -18,7 +18,7 @@ def _run_demo(args) -> int:
     return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
 
 
-def _numbers(count: int = 0, positive: bool = False):
+def _numbers(count: int = 0, positive: bool = False, positive_sum: bool = False):
     """An argparse type: comma-separated non-negative numbers (``count`` of them when given).
     A bad one was a ValueError traceback from inside the harness."""
     def parse(text: str) -> tuple[float, ...]:
@@ -30,6 +30,8 @@ def _numbers(count: int = 0, positive: bool = False):
             raise argparse.ArgumentTypeError(f"numbers {'>' if positive else '>='} 0 only: {text!r}")
         if count and len(values) != count:
             raise argparse.ArgumentTypeError(f"{count} numbers (high,normal,low), got {text!r}")
+        if positive_sum and not sum(values) > 0:
+            raise argparse.ArgumentTypeError(f"at least one number > 0: {text!r}")
         return values
     return parse
 
@@ -70,7 +72,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-intervals", default="", help="file of inter-request intervals (s)")
     g.add_argument("--profile", default="", help="step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH")
     g.add_argument("--sweep-rates", type=_numbers(positive=True), default=(), help="comma-separated rates: one run each (p99 vs load)")
-    g.add_argument("--priority-mix", type=_numbers(3), default=(0.0, 1.0, 0.0), help="fractions high,normal,low")
+    g.add_argument("--priority-mix", type=_numbers(3, positive_sum=True), default=(0.0, 1.0, 0.0), help="fractions high,normal,low")
     g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0), help="per class; 0 = dispatcher default")
     g.add_argument("--slo-ms", type=float, default=0.0, help="goodput counts only replies within this latency")
     g.add_argument("--processes", type=_at_least(1), default=2)

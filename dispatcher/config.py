@@ -437,7 +437,7 @@ class NodeConfig(_Table):
         # ran it in bf16 (its precision is cuda.precision).
         for key, default, kinds, instead in (("precision", "auto", ("amx",), {"cuda": "cuda.precision",
                                                                                "tensorrt": "cuda.precision"}),
-                                             ("threads", 1, ("amx",), {}),
+                                             ("threads", 1, ("amx", "vllm"), {}),
                                              ("max_inflight", 1, ("amx", "sim", "cuda", "tensorrt"),
                                               {"triton": "triton.inflight", "vllm": "vllm.max_num_seqs"})):
             if w.kind not in kinds and getattr(w, key) != default:
@@ -544,11 +544,14 @@ def _check_curve_keys(d: "DispatcherConfig") -> None:
     if not d.curve_secret_key:
         return
     import zmq.auth
+    from zmq.utils import z85
 
     from .transport import read_keypair
 
     try:
-        read_keypair(d.curve_secret_key)
+        for key in read_keypair(d.curve_secret_key):
+            if len(z85.decode(key)) != 32:  # a truncated key file: ZeroMQ refused it at start
+                raise ValueError(f"{d.curve_secret_key}: a key is not 32 bytes")
     except (ValueError, OSError) as e:
         raise ConfigError(f"[dispatcher] curve_secret_key: {e}") from None
     if d.curve_authorized_keys not in ("", "*"):

@@ -83,6 +83,7 @@ class RequestCore:
         # stuck in the model, so telling them to register again brings nothing back; they are told
         # to exit, and `up` or systemd starts them anew. Cleared when the name registers again.
         self.hung: dict[str, str] = {}
+        self.leaving_workers: set[str] = set()  # said `leaving`: no new batch until they register again
         self.state = SchedulerState()
         self.requests: dict[int, Request] = {}  # seq -> request, queued or in flight
         self.by_client_id: dict[tuple[Any, int], int] = {}  # (client, request id) -> seq, for cancel
@@ -301,8 +302,8 @@ class RequestCore:
         if not unavailable:
             self.backoff.pop(name, None)
             return None
-        if self.state.workers.get(name) is not worker or name in self.suspended:
-            return None
+        if self.state.workers.get(name) is not worker or name in self.suspended or name in self.leaving_workers:
+            return None  # (a leaving worker is out for good: suspended, the breaker brought it back)
         backoff = self.backoff.get(name, self.breaker_backoff_s)
         self.backoff[name] = min(backoff * 2, self.breaker_backoff_max_s)
         self.suspended[name] = (now + backoff, worker)
@@ -316,6 +317,7 @@ class RequestCore:
         if w is None:
             return False
         self.suspended.pop(name, None)
+        self.leaving_workers.add(name)
         self.state.suspend(w)
         return True
 
@@ -337,6 +339,7 @@ class RequestCore:
         self.suspended.pop(w.name, None)
         self.backoff.pop(w.name, None)
         self.hung.pop(w.name, None)
+        self.leaving_workers.discard(w.name)
         w.last_seen = now
         self.state.add_worker(w)
         self.registrations += 1
@@ -398,6 +401,7 @@ class RequestCore:
             return None
         self.departures += 1
         self.suspended.pop(name, None)
+        self.leaving_workers.discard(name)
         # Newest batch and request first: each goes to the head of its queue, so the oldest ends
         # there first, in the order they came (they came back reversed).
         for b in reversed([b for b in self.batches.values() if b.worker is w]):

@@ -390,6 +390,12 @@ class Reregister(msgspec.Struct, tag="reregister", tag_field="type"):
     worker: str
 
 
+class LeavingNoted(msgspec.Struct, tag="leaving_noted", tag_field="type"):
+    """The answer to ``leaving``: every batch sent to the worker was sent before this."""
+
+    worker: str
+
+
 class Restart(msgspec.Struct, tag="restart", tag_field="type"):
     """To a worker's heartbeat socket: a batch of it never came back, so its model is stuck.
     The worker exits (EX_SOFTWARE) and its supervisor starts it again."""
@@ -431,7 +437,8 @@ class LlmAbort(msgspec.Struct, tag="llm_abort", tag_field="type"):
     seqs: list[int]
 
 
-DispatcherToWorker = Union[Batch, Registered, Reregister, Restart, RegisterRejected, LlmJob, LlmAbort]
+DispatcherToWorker = Union[Batch, Registered, Reregister, LeavingNoted, Restart, RegisterRejected, LlmJob,
+                           LlmAbort]
 
 
 # ---------------------------------------------------------------- codecs

@@ -294,6 +294,7 @@ class Dispatcher:
         elif type(msg) is P.Leaving:
             if self.core.leaving(msg.worker):
                 log.info("worker %s is stopping: no new batch goes to it", msg.worker)
+            self._send_worker(identity, P.encode(P.LeavingNoted(worker=msg.worker)))
         elif type(msg) is P.Goodbye:
             if self.llm.lost(msg.worker, "worker stopped", now):
                 self.core.departures += 1  # the long poll's cursor counts every worker

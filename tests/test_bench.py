@@ -116,6 +116,7 @@ def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
      "bench: /nonexistent.toml: cannot read config"),
     (["bench", "--address", "ipc:///x", "--priority-mix", "a,b"], "argument --priority-mix: not comma-separated"),
     (["bench", "--address", "ipc:///x", "--priority-mix", "1,1"], "argument --priority-mix: 3 numbers"),
+    (["bench", "--address", "ipc:///x", "--priority-mix", "0,0,0"], "argument --priority-mix: at least one number > 0"),
     (["bench", "--address", "ipc:///x", "--sweep-rates", "x"], "argument --sweep-rates: not comma-separated"),
     (["bench", "--address", "ipc:///x", "--processes", "0"], "argument --processes: an integer >= 1"),
     (["demo", "--policy", "mbc"], "argument --policy: unknown policy 'mbc'"),

@@ -477,6 +477,10 @@ def test_curve_key_files_that_hold_no_usable_key_are_named_at_load(tmp_path):
         text = edited("max_queue = 100", f'curve_secret_key = "{key_file}"\ncurve_authorized_keys = "{authorized}"')
         assert re.match(r"node\.toml: \[dispatcher\] " + message, load_error(tmp_path, text))
     (auth / "stray.key").unlink()
+    cut = tmp_path / "cut.key_secret"  # a copy that lost the key's tail
+    cut.write_text(re.sub(r'(secret-key = ")([^"]{40})"', lambda m: m[1] + m[2][:30] + '"', open(secret).read()))
+    text = edited("max_queue = 100", f'curve_secret_key = "{cut}"\ncurve_authorized_keys = "*"')
+    assert "curve_secret_key: " in load_error(tmp_path, text) and "not 32 bytes" in load_error(tmp_path, text)
     path = tmp_path / "node.toml"
     path.write_text(edited("max_queue = 100", f'curve_secret_key = "{secret}"\ncurve_authorized_keys = "{auth}"'))
     load_config(path)
@@ -492,8 +496,9 @@ def test_a_vllm_workers_interpreter_and_model_folder_are_checked_at_start(tmp_pa
     path.write_text(NODE + LLM + VLLM_WORKER.replace('role = "gpu"', f'role = "gpu"\npython = "{sys.executable}"'))
     with pytest.raises(ConfigError, match=r"\[\[llm_models\]\] 'l': path: no folder '/models/l'"):
         load_config(path).check_host(("v0",))
-    path.write_text((NODE + LLM + VLLM_WORKER).replace("/models/l", str(tmp_path)))
-    load_config(path).check_host(("v0",))
+    path.write_text((NODE + LLM + VLLM_WORKER.replace('models = ["l"]', 'models = ["l"]\nthreads = 4'))
+                    .replace("/models/l", str(tmp_path)))
+    load_config(path).check_host(("v0",))  # (threads: its engine's intra-op threads, as an amx worker's)
 
 
 @pytest.mark.parametrize("kind, extra, message", [

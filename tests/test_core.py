@@ -670,9 +670,12 @@ def test_a_leaving_worker_gets_no_new_batch_and_its_batch_in_flight_completes():
     core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=1)
     [batch] = core.decide(0.0)
     assert core.leaving("w0") and not core.leaving("nobody")
-    core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=2)
+    core.admit("m", 1, 1, 10.0, 0.0, client=b"c", req_id=2)
     assert core.decide(0.001) == []  # a free slot, but it is stopping
     done = core.complete(batch.batch_id, 0.001, 0.002)
     assert [r.req_id for r in done.requests] == [1]
-    core.add_worker(WorkerState("w1", "gpu", {"m": 8}), 0.003)
-    assert _sent(core, 0.003) == [("w1", [2])]
+    # its batch came back all UNAVAILABLE: the breaker's back-off must not bring it back after
+    assert core.batch_health(done.worker, True, 0.002) is None
+    assert core.decide(5.0) == []
+    core.add_worker(WorkerState("w1", "gpu", {"m": 8}), 5.0)
+    assert _sent(core, 5.0) == [("w1", [2])]

@@ -37,9 +37,17 @@ def test_stale_kv_entries_are_swept_fresh_ones_kept(tmp_path):
     new.mkdir()
     (old / "layer0.safetensors").write_bytes(b"x")
     past = time.time() - 3600
+    os.utime(old / "layer0.safetensors", (past, past))
     os.utime(old, (past, past))
-    assert sweep_stale(tmp_path, older_than_s=600) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+    # Stored again (the same prompt): its files are new, its folder's time is not.
+    rewritten, in_use = tmp_path / "rewritten", tmp_path / "in_use"
+    for entry in (rewritten, in_use):
+        entry.mkdir()
+        (entry / "layer0.safetensors").write_bytes(b"x")
+        os.utime(entry, (past, past))
+    os.utime(in_use / "layer0.safetensors", (past, past))
+    assert sweep_stale(tmp_path, older_than_s=600, keep={str(in_use)}) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in_use", "new", "rewritten"]
 
 
 def test_a_worker_sweeps_stale_kv_while_it_serves_and_a_stop_before_registering_ends_it(tmp_path, monkeypatch):
@@ -57,7 +65,7 @@ def test_a_worker_sweeps_stale_kv_while_it_serves_and_a_stop_before_registering_
         def has_unfinished_requests(self):
             return False
 
-    def sweep(root):
+    def sweep(root, keep=()):
         swept.append(root)
         server.request_stop()
         return 0

@@ -282,3 +282,37 @@ def test_a_worker_of_another_user_is_refused(run_dir, processes):
     assert r.stdout.startswith("RegisterRejected a worker connects as the node's user"), r.stdout
     with Client(node.dispatcher.frontend) as c:
         assert c.status().workers == []
+
+
+def test_a_leaving_worker_is_answered_and_gets_no_new_batch_while_another_serves(run_dir, processes):
+    # Stopping with batches in flight, a worker drained them and left a batch sent meanwhile
+    # unread (retried, its retry spent): the dispatcher now stops sending and says when.
+    from batchyard import protocol as P
+
+    node = dispatcher_alone(processes, run_dir)
+    leaving = registered_worker(node, "w0")
+    y = [P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)]
+
+    def done(sock, b, name):
+        sock.send_multipart([P.encode(P.BatchDone(batch_id=b.batch_id, worker=name, compute_us=100, results=[
+            P.ItemResult(seq=b.seqs[0], status=0, n_frames=1, outputs=y)])), np.ones((1, 2), np.float32)])
+
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            first = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+            assert leaving.poll(30_000)
+            batch = P.to_worker_decoder.decode(leaving.recv_multipart()[0])
+            leaving.send(P.encode(P.Leaving(worker="w0")))
+            assert leaving.poll(30_000)
+            assert type(P.to_worker_decoder.decode(leaving.recv_multipart()[0])) is P.LeavingNoted
+            done(leaving, batch, "w0")
+            assert first.result(timeout=30)["y"].shape == (1, 2)  # its batch in flight still counts
+            other = registered_worker(node, "w1")  # after w0: w0, free, would be tried first
+            second = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+            assert other.poll(30_000)
+            done(other, P.to_worker_decoder.decode(other.recv_multipart()[0]), "w1")
+            assert second.result(timeout=30)["y"].shape == (1, 2)
+            assert not leaving.poll(0)
+            other.close()
+    finally:
+        leaving.close()

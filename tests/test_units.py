@@ -473,15 +473,18 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
             rt.request_stop()  # SIGTERM, the batch in the executor
             os.write(rt._wake_w, b"x")
             seen.append(type(recv()).__name__)  # told first: no new batch (it said goodbye here)
-            # one sent before the dispatcher knew is run too
+            AsyncModel.held.pop()()
+            seen.append(type(recv()).__name__)
+            # One the dispatcher sent before it read `leaving`, arriving after the last completion:
+            # run too, since the worker waits for the dispatcher's answer to `leaving`.
+            submitted.clear()
             router.send_multipart([b"w", P.encode(P.Batch(batch_id=8, model="sum", seqs=[0], n_frames=[1])), head,
                                    np.ones((1, 4), np.float32).tobytes()])
-            while len(AsyncModel.held) < 2:
-                assert submitted.wait(30)
-                submitted.clear()
-            for done in AsyncModel.held:
-                done()
-            seen.extend(type(recv()).__name__ for _ in range(3))
+            assert submitted.wait(30), "the batch sent before the dispatcher knew was never run"
+            AsyncModel.held.pop()()
+            seen.append(type(recv()).__name__)
+            router.send_multipart([b"w", P.encode(P.LeavingNoted(worker="w"))])
+            seen.append(type(recv()).__name__)
         finally:
             rt.request_stop()  # the loop sees it at its next poll
 

@@ -81,13 +81,20 @@ def sampling_kwargs(max_tokens: int, kv: str = "") -> dict:
     return kw
 
 
-def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None) -> int:
-    """Remove KV entries left by requests that never came back for them (a crash, a lost job)."""
+def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:
+    """Remove KV entries left by requests that never came back for them (a crash, a lost job),
+    none written within ``older_than_s`` (by its files' times: a prompt stored again rewrites
+    them, not the folder's) and none of ``keep`` (in use here)."""
     now = time.time() if now is None else now
+    keep = {str(k) for k in keep}
     removed = 0
     for entry in root.iterdir():
         try:
-            if now - entry.stat().st_mtime > older_than_s:
+            if str(entry) in keep:
+                continue
+            newest = max([entry.stat().st_mtime, *(f.stat().st_mtime for f in entry.iterdir())] if entry.is_dir()
+                         else [entry.stat().st_mtime])
+            if now - newest > older_than_s:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
                 removed += 1
         except OSError:

@@ -158,7 +158,7 @@ class LlmServer:
                 # is never loaded, so never removed by the decode instance: swept here, not only
                 # at the next start.
                 next_sweep = now + KV_SWEEP_S
-                removed = sweep_stale(self.root)
+                removed = sweep_stale(self.root, keep=self.kv_users)
                 if removed:
                     log.info("worker %s removed %d stale KV entries", self.name, removed)
             busy = self.engine.has_unfinished_requests()

@@ -211,10 +211,11 @@ class WorkerRuntime:
         to send no new batch; one it sent before it knew is run too. exit_after_grace bounds
         the wait."""
         log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
+        noted = not registered  # the dispatcher's answer to `leaving`: no batch comes after it
         if registered:
             sock.send(P.encode(P.Leaving(worker=self.name)))
         deadline = time.monotonic() + STOP_GRACE_S - 1.0
-        while self._in_executor and time.monotonic() < deadline:
+        while (self._in_executor or not noted) and time.monotonic() < deadline:
             events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
@@ -222,7 +223,9 @@ class WorkerRuntime:
             while sock in events and sock.poll(0):
                 frames = sock.recv_multipart(copy=False)
                 msg = P.to_worker_decoder.decode(frames[0].buffer)
-                if type(msg) is P.Batch:
+                if type(msg) is P.LeavingNoted:
+                    noted = True
+                elif type(msg) is P.Batch:
                     out = self.run_batch(msg, frames[1:])
                     if out is not None:
                         sock.send_multipart(out, copy=False)
