@@ -11,13 +11,11 @@ connection (local port = the peer's port, remote port = ours) lists the uid that
 from __future__ import annotations
 
 import ipaddress
-import time
+import sys
 from typing import Optional
 
 TABLES = ("/proc/net/tcp6", "/proc/net/tcp")
-CACHE_S = 1.0  # a connection's uid, kept this long (its requests follow one another; ports are reused later)
-CACHE_MAX = 4096
-_cache: dict[tuple, tuple[float, Optional[int]]] = {}
+ESTABLISHED = "01"  # the table's state column (include/net/tcp_states.h)
 
 
 def is_local(host: str) -> bool:
@@ -31,34 +29,48 @@ def is_local(host: str) -> bool:
 
 def peer_uid(host: str, port: int, server_port: int) -> Optional[int]:
     """The uid owning the client end of the connection from ``host``:``port`` to our
-    ``server_port``; None for a peer not on this host, or one the table no longer lists."""
+    ``server_port``; None for a peer not on this host, or one the table does not list as one
+    established connection.
+
+    Read at every call (a few hundred lines): a cache by the peer's address and port gave a new
+    connection from that port the last one's uid, and so another user's regions. The client's
+    address must match too, and the connection be established: matched by ports alone, the first
+    line was a closed connection's (TIME_WAIT, listed as uid 0) from another loopback address."""
     if not is_local(host):
         return None
-    key = (host, port, server_port)
-    now = time.monotonic()
-    hit = _cache.get(key)
-    if hit is not None and now - hit[0] < CACHE_S:
-        return hit[1]
-    uid = _lookup(port, server_port)
-    if len(_cache) >= CACHE_MAX:
-        _cache.clear()
-    _cache[key] = (now, uid)
-    return uid
-
-
-def _lookup(port: int, server_port: int) -> Optional[int]:
+    peer = _ip(host)
+    uids = set()
     for table in TABLES:
         try:
             with open(table) as f:
-                next(f)  # the header
-                for line in f:
-                    fields = line.split()
-                    if (int(fields[1].rsplit(":", 1)[1], 16) == port
-                            and int(fields[2].rsplit(":", 1)[1], 16) == server_port):
-                        return int(fields[7])
-        except (OSError, StopIteration, IndexError, ValueError):
+                lines = f.readlines()[1:]  # past the header
+        except OSError:
             continue
-    return None
+        for line in lines:
+            try:
+                fields = line.split()
+                local, remote, state = fields[1], fields[2], fields[3]
+                addr, _, lport = local.rpartition(":")
+                if (state == ESTABLISHED and int(lport, 16) == port
+                        and int(remote.rpartition(":")[2], 16) == server_port and _table_ip(addr) == peer):
+                    uids.add(int(fields[7]))
+            except (IndexError, ValueError):
+                continue
+    return uids.pop() if len(uids) == 1 else None
+
+
+def _ip(host: str):
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def _table_ip(hex_addr: str):
+    """An address as /proc/net/tcp{,6} writes it: 32-bit words in the host's byte order."""
+    raw = bytes.fromhex(hex_addr)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    return getattr(ip, "ipv4_mapped", None) or ip
 
 
 def grpc_peer(peer: str) -> tuple[str, int]:

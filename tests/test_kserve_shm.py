@@ -260,3 +260,31 @@ def test_one_user_registers_a_bounded_number_of_regions(registry, segment, monke
         a.register("r3", segment.name, 0, 64, uid=0)
     a.unregister("r0")
     a.register("r3", segment.name, 0, 64, uid=0)
+
+
+def _tcp_line(local: str, remote: str, state: str, uid: int) -> str:
+    def hexaddr(hostport: str) -> str:
+        host, port = hostport.rsplit(":", 1)
+        return bytes(reversed([int(x) for x in host.split(".")])).hex().upper() + f":{int(port):04X}"
+
+    return f"   0: {hexaddr(local)} {hexaddr(remote)} {state} 00000000:00000000 00:00000000 00000000 {uid:5d} 0 1 1\n"
+
+
+def test_a_clients_uid_is_its_own_established_connections_never_another_ones(tmp_path, monkeypatch):
+    # Matched by ports alone, the first line was taken: a connection the attacker had closed from
+    # 127.0.0.2 with the same port (TIME_WAIT, listed as uid 0) made it root, free to name any
+    # user's segment. And a cache by the peer's port gave a new connection the last one's uid:
+    # another user, from a port just let go, saw and used a victim's regions.
+    from batchyard import tcp_peer
+
+    table = tmp_path / "tcp"
+    monkeypatch.setattr(tcp_peer, "TABLES", (str(table),))
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    server = "127.0.0.1:8001"
+    table.write_text(header + _tcp_line("127.0.0.2:40000", server, "06", 0)
+                     + _tcp_line("127.0.0.1:40000", server, "01", 65534)
+                     + _tcp_line(server, "127.0.0.1:40000", "01", 0))  # the server's own end
+    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001) == 65534
+    assert tcp_peer.peer_uid("127.0.0.2", 40000, 8001) is None  # closed: no uid at all
+    table.write_text(header + _tcp_line("127.0.0.1:40000", server, "01", 1000))  # the port, reused at once
+    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001) == 1000
