@@ -21,9 +21,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            check_element_count, check_input, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status,
-                            invalid, model_config, model_control_refused, model_metadata, np_dtype, output_nbytes,
-                            tensor_from_bytes, tensor_from_list, timeout_s)
+                            check_element_count, check_input, check_input_name, check_new_input, check_parameter_names,
+                            cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
+                            model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import grpc_peer, peer_uid
 
@@ -235,6 +235,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         for t in request.inputs:
             shape = list(t.shape)
             check_new_input(inputs, t.name, shape, request.model_name)
+            check_input_name(spec, t.name)
             region = _shm_param(t.parameters)
             if region is not None:
                 inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec, uid)

@@ -22,16 +22,15 @@ from aiohttp import web
 
 from . import __version__
 from .client_codec import dtype_name
-from .http_body import BODY_STALL_S, read_body
+from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            batch_input_bytes, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
+                            batch_input_bytes, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_shm import close_outputs
 from .tcp_peer import peer_uid
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-MAX_JSON_BYTES = 64 << 20  # Triton's --http-max-input-size default, which bounds the JSON part only
 log = logging.getLogger("batchyard.frontend")
 
 
@@ -374,6 +373,7 @@ class KServeHttp:
         for t in _field(header, "inputs", list):
             name, datatype, shape = _field(t, "name", str), _field(t, "datatype", str), _shape(t)
             check_new_input(inputs, name, shape, model)
+            check_input_name(spec, name)
             tp = _field(t, "parameters", dict, {})
             source = _data_source(name, t, tp)
             if source == "shared_memory_region":

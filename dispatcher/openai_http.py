@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from . import errors
-from .http_body import read_body
+from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import KServeError
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
@@ -34,6 +34,7 @@ _KIND = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_
 # 14 s of the front door's CPU, and a prompt this long is past MAX_PROMPT_TOKENS at any tokenizer's
 # usual 3-6 characters a token.
 MAX_PROMPT_CHARS = 32 * MAX_PROMPT_TOKENS
+MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
 _UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None,
@@ -77,7 +78,8 @@ class OpenAiCompletions:
 
     async def _completions(self, request) -> web.Response:
         try:
-            body = json.loads(await read_body(request))
+            # Bounded as the KServe routes' JSON: unbounded, 1 MB of gzip inflated to 2 GiB.
+            body = json.loads(await read_body(request, MAX_JSON_BYTES))
         except KServeError as e:  # unreadable, stalled (408), or a compressed body that inflates past the limit
             raise OpenAiError(e.http_status, e.message) from None
         except (ValueError, RecursionError) as e:
@@ -124,6 +126,9 @@ class OpenAiCompletions:
             "batchyard": timings})
 
     async def _prompts(self, model: str, prompt) -> list[list[int]]:
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
+            # Each prompt is a request of its own: 100,000 of them held the loop 6 s before one ran.
+            raise OpenAiError(400, f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
         if isinstance(prompt, str):
             prompts = await self._encode(model, [prompt])
         elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):

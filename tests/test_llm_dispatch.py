@@ -349,3 +349,25 @@ def test_prompts_too_long_for_a_request_get_a_400_and_others_are_served(llm_node
             c.generate("tiny", [1] * (P.MAX_PROMPT_TOKENS + 1))
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves", "max_tokens": 2})
     assert status == 200, out
+
+
+def test_completions_bodies_and_prompt_lists_past_their_limits_are_refused_at_once(llm_node):
+    # A 1 MB gzip body inflated to 2 GiB in the front door (12 s, its other clients held 6 s),
+    # and a list of 100,000 prompts held its loop 6 s before any was refused or sent.
+    import gzip
+    import urllib.request
+
+    _, _, url = llm_node
+    bomb = gzip.compress(b'{"model": "tiny", "prompt": "' + b" " * (80 << 20) + b'"}', compresslevel=9)
+    req = urllib.request.Request(url + "/v1/completions", data=bomb, headers={"Content-Type": "application/json",
+                                                                               "Content-Encoding": "gzip"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        status = 200
+    except urllib.error.HTTPError as e:
+        status, body = e.code, json.loads(e.read())
+    assert status == 400 and f"decompresses to more than {64 << 20} bytes" in body["error"]["message"], (status, body)
+    status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[1]] * 1025, "max_tokens": 1})
+    assert status == 400 and "1025 prompts in one request; at most 1024" in err["error"]["message"], err
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[1, 2]] * 3, "max_tokens": 2})
+    assert status == 200 and len(out["choices"]) == 3
