@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import stat
@@ -92,6 +93,9 @@ def close_outputs(regions) -> None:
     for entry in regions:
         if entry[-1] is not None:
             entry[-1].close()
+
+
+log = logging.getLogger("batchyard.frontend")
 
 
 def registry_dir(host: str, grpc_port: int, http_port: int) -> str:
@@ -170,6 +174,17 @@ def _too_small(tensor: str, byte_size: int, nbytes: int) -> KServeError:
     return KServeError(grpc.StatusCode.INTERNAL,
                        f"shared memory size specified with the request for output '{tensor}' ({byte_size} bytes) "
                        f"should be at least {nbytes} bytes to hold the results")
+
+
+def open_registry(directory: str) -> "ShmRegions":
+    """The node's shared registry; this process's own when ``directory`` is not a private folder
+    of this user (anyone may create it first in /dev/shm: the front door then refused to start,
+    restarted for ever). Its regions and statistics then cover the connections it answers."""
+    try:
+        return ShmRegions(directory)
+    except PermissionError as e:
+        log.error("%s: shared-memory regions and statistics are this front-door process's own", e)
+        return ShmRegions(None)
 
 
 class ShmRegions:

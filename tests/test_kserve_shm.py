@@ -161,6 +161,23 @@ def test_another_users_directory_is_refused(tmp_path):
         ShmRegions(str(d))
 
 
+def test_a_front_door_whose_registry_folder_was_taken_serves_with_its_own(tmp_path, segment, caplog):
+    # Anyone may make the folder first in /dev/shm (its name is predictable): the front door
+    # refused to start, and systemd restarted it for ever.
+    from batchyard.kserve_shm import open_registry
+
+    d = tmp_path / "registry"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)  # not a private folder of this user
+    regions = open_registry(str(d))
+    assert regions.dir_fd is None and "this front-door process's own" in caplog.text
+    try:
+        regions.register("r", f"/{segment.name}", 0, 16, uid=os.getuid())
+        assert [r.name for r in regions.status(uid=os.getuid())] == ["r"]
+    finally:
+        regions.close()
+
+
 def test_a_segment_shrunk_under_a_region_is_an_error_not_a_crash(registry, segment):
     """The front door mapped a region's segment once: after its client shrank it, the next
     access past the new end was a SIGBUS that killed the front door (and its restart dropped
