@@ -211,14 +211,23 @@ def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_
     assert lines[1:] == ["child alloc: Cancelled", "segments left: True", "parent served"], proc.stdout
 
 
-def test_a_calls_set_up_steps_take_from_its_timeout(run_dir):
+def test_a_calls_set_up_steps_take_from_its_timeout(run_dir, monkeypatch):
     # Each step (the model's spec, a segment's two grant steps) had the whole timeout, and the
-    # request then had it again: against a slow dispatcher infer(timeout=2) took 8.5 s.
+    # request then had it again: against a slow dispatcher infer(timeout=2) took 8.5 s. The
+    # dispatcher here is slow on the client's clock: each answer moves it on before it is sent.
+    import types
+
     import zmq
 
+    from batchyard import client as client_module, client_codec
     from batchyard import protocol as P
     from batchyard.client import Client
     from batchyard.errors import InvalidArgument, Overloaded
+
+    slow_by = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + slow_by[0])
+    monkeypatch.setattr(client_module, "time", clock)
+    monkeypatch.setattr(client_codec, "time", clock)
 
     address = f"ipc://{run_dir}/slow"
     router = zmq.Context.instance().socket(zmq.ROUTER)
@@ -233,10 +242,10 @@ def test_a_calls_set_up_steps_take_from_its_timeout(run_dir):
             peer, raw = router.recv_multipart()[:2]
             msg = P.client_message_decoder.decode(raw)
             if type(msg) is P.ModelInfoRequest:
-                time.sleep(0.5)  # a slow dispatcher, not a synchronisation
+                slow_by[0] += 0.5
                 reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=0, spec=BIG)
             elif type(msg) is P.ShmRegisterRequest:
-                time.sleep(0.3)
+                slow_by[0] += 0.3
                 reply = P.ShmReply(v=P.PROTOCOL_VERSION, id=msg.id, status=0, challenge=b"x" * 16)
             elif type(msg) is P.InferRequest:
                 asked.append(msg.timeout_us)
