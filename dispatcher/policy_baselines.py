@@ -19,6 +19,19 @@ def gpu_or_all(state: SchedulerState, model: str) -> list[WorkerState]:
     return gpus or list(ws)
 
 
+def send_heads_no_gpu_takes(state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision,
+                            gpu_max: int) -> None:
+    """The GPU-first rules' way out for a head of more items than any GPU takes (``gpu_max``):
+    alone, to a free worker that takes it. Left to the GPU, it waited beside such a worker until
+    its deadline, passed over by every batch the GPU took."""
+    while q.requests:
+        head = head_request(q)
+        if head.items <= gpu_max or not any(send(state, d, w, q, head.items, now, max_requests=1)
+                                            for w in state.serving.get(model, ())
+                                            if w.free and w.models[model] >= head.items):
+            return
+
+
 class Greedy(PerModelPolicy):
     """A free worker takes everything queued for its model, up to its max batch."""
 
@@ -31,16 +44,8 @@ class Greedy(PerModelPolicy):
             while q.requests and w.free:
                 if not send(state, d, w, q, w.models[model], now):
                     break
-        if self.gpu_only and q.requests:
-            # A head no GPU ever takes (more items than any GPU's max batch) goes, alone, to a
-            # free worker that takes it: it waited beside one until its deadline.
-            largest = max((w.models[model] for w in workers), default=0)
-            head = head_request(q)
-            for w in state.serving.get(model, ()):
-                if head is None or head.items <= largest:
-                    break
-                if w.free and w.models[model] >= head.items and send(state, d, w, q, head.items, now, max_requests=1):
-                    head = head_request(q)
+        if self.gpu_only and any(w.path == "gpu" for w in workers):
+            send_heads_no_gpu_takes(state, model, q, now, d, max(w.models[model] for w in workers))
 
 
 class GpuOnly(Greedy):
@@ -169,6 +174,10 @@ class ThreeSegment(PerModelPolicy):
         max_b = max((w.models[model] for w in gpus), default=1)
         b1, b2 = crossover_sizes(state, model, max_b)
         while q.requests:
+            if gpus is not cpus:  # (left to the GPU segments, it waited while a GPU was busy)
+                send_heads_no_gpu_takes(state, model, q, now, d, max_b)
+                if not q.requests:
+                    break
             b = q.items
             if b < b1 and cpus:
                 free = [w for w in cpus if w.free]
@@ -190,7 +199,4 @@ class ThreeSegment(PerModelPolicy):
                     d.wake_at = min(d.wake_at, t_flip)
                     break
             if not any(send(state, d, w, q, b, now, "dispatched-gpu") for w in free):
-                # A head no free GPU takes (more items than its max batch): a free CPU that
-                # takes it, rather than wait beside it until its deadline.
-                if not any(send(state, d, w, q, b, now, "dispatched-cpu") for w in cpus if w.free):
-                    break
+                break

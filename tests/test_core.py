@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from batchyard.core import Rejected, RequestCore
@@ -601,15 +602,24 @@ def test_three_segment_woken_at_its_break_even_instant_sends_rather_than_waits_a
     assert ends.failed == {}
 
 
-def test_three_segment_sends_a_head_no_gpu_takes_to_a_free_cpu_that_does():
+@pytest.mark.parametrize("policy", ["three-segment", "gpu-only"])
+def test_a_head_no_gpu_takes_goes_to_a_free_worker_that_does_whatever_the_gpu_does(policy):
+    # More items than the GPU's max batch: it waited beside the idle CPU until its deadline,
+    # not looked at while the GPU was busy, and passed over by every batch the GPU took.
     ends = Ends()
-    core = RequestCore(make_policy("three-segment"), ends.on_fail)
+    core = RequestCore(make_policy(policy), ends.on_fail)
     core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
     core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
+    gpu = core.state.workers["gpu0"]
+    gpu.inflight, gpu.busy_until = 1, 1.0  # busy
     core.admit("m", 16, 1, 1.0, 0.0, client=b"c", req_id=1)
-    assert _sent(core, 0.0) == [("amx0", [1])]
-
-
+    [batch] = core.decide(0.0)
+    assert (batch.worker.name, [r.req_id for r in batch.requests]) == ("amx0", [1])
+    core.complete(batch.batch_id, 0.001, 0.001)
+    gpu.inflight = 0  # free again
+    core.admit("m", 1, 1, 1.0, 0.001, client=b"c", req_id=2)
+    core.admit("m", 16, 1, 1.0, 0.001, client=b"c", req_id=3)
+    assert sorted(_sent(core, 0.001)) == [("amx0", [3]), ("gpu0", [2])]
 def test_a_request_of_no_items_is_refused_not_queued():
     core = RequestCore(make_policy("three-segment"), Ends().on_fail)
     core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
@@ -651,16 +661,6 @@ def test_many_requests_expiring_behind_patient_ones_leave_the_queue_in_order():
     left = [r.req_id for dq in q.by_priority for r in dq]  # (aged into the high class meanwhile, in order)
     assert left == [i for i in range(60) if i % 4]
     assert q.requests == 45 and q.items == sum(1 + i % 3 for i in range(60) if i % 4) == sum(q.class_items)
-
-
-def test_gpu_only_sends_a_head_no_gpu_takes_to_a_worker_that_does():
-    ends = Ends()
-    core = RequestCore(make_policy("gpu-only"), ends.on_fail)
-    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
-    core.add_worker(WorkerState("amx0", "cpu", {"m": 32}), 0.0)
-    core.admit("m", 16, 1, 1.0, 0.0, client=b"c", req_id=1)
-    core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=2)
-    assert sorted(_sent(core, 0.0)) == [("amx0", [1]), ("gpu0", [2])]
 
 
 def test_a_leaving_worker_gets_no_new_batch_and_its_batch_in_flight_completes():
