@@ -34,11 +34,14 @@ def _targets(args, address):
 
 
 def spec_from(args, rate: float = 0.0) -> LoadSpec:
+    # Stable over 3 windows (LoadSpec's), or over all of fewer: --windows 1 or 2 had no
+    # 3 windows to agree and reported every run unstable.
     return LoadSpec(concurrency=args.concurrency, rate=rate or args.request_rate, distribution=args.distribution,
                     intervals_file=args.request_intervals, profile=args.profile,
                     priority_mix=args.priority_mix, deadlines_ms=args.deadlines_ms, slo_ms=args.slo_ms,
                     warmup_s=args.warmup, window_s=args.window, windows=args.windows, stability=args.stability,
-                    processes=args.processes, seed=args.seed)
+                    stable_windows=min(LoadSpec.stable_windows, args.windows), processes=args.processes,
+                    seed=args.seed)
 
 
 def measure_ceiling(processes: int, concurrency: int = 256, window: float = 5.0) -> float:

@@ -1,8 +1,9 @@
 """What the KServe front door costs (issue 12), on a no-op model (a sim worker with a tiny cost):
 
   latency     one request at a time (low load): p50/p99 of the SDK against the same requests
-              through the front door with tritonclient gRPC and HTTP; the difference is what
-              the front door adds.
+              through the front door with tritonclient gRPC and HTTP, inline and with input and
+              output in system shared memory (grpc-shm, http-shm); the difference is what the
+              front door adds.
   throughput  max completed requests/s through gRPC with 1, 2 and 4 front-door processes on
               one port (SO_REUSEPORT), driven by closed-loop tritonclient.grpc.aio load
               processes holding many requests in flight on several connections each.
@@ -31,8 +32,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import multiprocessing as mp
+import os
 import socket
 import tempfile
 import time
@@ -78,37 +81,58 @@ def latency(n: int) -> None:
         print(f"HTTP not measured: {e}")
         th = None
 
+    from multiprocessing import shared_memory
+
     from batchyard.client import Client
 
-    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+    y_bytes = X.nbytes  # the no-op model's y is x's shape and type
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d, contextlib.ExitStack() as stack:
         node = noop_node(d, 1)
-        with running_node(node):
-            g_url, h_url = f"127.0.0.1:{node.frontend.grpc_port}", f"127.0.0.1:{node.frontend.http_port}"
-            g = tg.InferenceServerClient(g_url)
-            gi = tg.InferInput("x", [1, 16], "FP32")
-            gi.set_data_from_numpy(X)
-            with Client(node.dispatcher.frontend) as c:
-                paths = {"sdk": lambda: c.infer("noop", {"x": X}),
-                         "grpc": lambda: g.infer("noop", [gi])}
-                if th is not None:
-                    h = th.InferenceServerClient(h_url)
-                    hi = th.InferInput("x", [1, 16], "FP32")
-                    hi.set_data_from_numpy(X)
-                    paths["http"] = lambda: h.infer("noop", [hi])
-                times: dict[str, list[float]] = {k: [] for k in paths}
-                for _ in range(50):  # warm-up: connections, spec caches, learned cost curves
-                    for f in paths.values():
-                        f()
-                for _ in range(n):  # interleaved, so a noisy moment hits every path alike
-                    for k, f in paths.items():
-                        t = time.perf_counter()
-                        f()
-                        times[k].append(time.perf_counter() - t)
+        stack.enter_context(running_node(node))
+        g_url, h_url = f"127.0.0.1:{node.frontend.grpc_port}", f"127.0.0.1:{node.frontend.http_port}"
+        g = tg.InferenceServerClient(g_url)
+        gi = tg.InferInput("x", [1, 16], "FP32")
+        gi.set_data_from_numpy(X)
+        # The client's own segment, input then output, registered as a Triton user does.
+        seg = shared_memory.SharedMemory(f"by_kb_{os.getpid()}", create=True, size=X.nbytes + y_bytes)
+        stack.callback(seg.unlink)
+        stack.callback(seg.close)
+        seg.buf[:X.nbytes] = X.tobytes()
+        g.register_system_shared_memory("kb_in", f"/{seg.name}", X.nbytes)
+        g.register_system_shared_memory("kb_out", f"/{seg.name}", y_bytes, X.nbytes)
+        stack.callback(g.unregister_system_shared_memory)
+        gsi = tg.InferInput("x", [1, 16], "FP32")
+        gsi.set_shared_memory("kb_in", X.nbytes)
+        gso = tg.InferRequestedOutput("y")
+        gso.set_shared_memory("kb_out", y_bytes)
+        with Client(node.dispatcher.frontend) as c:
+            paths = {"sdk": lambda: c.infer("noop", {"x": X}),
+                     "grpc": lambda: g.infer("noop", [gi]),
+                     "grpc-shm": lambda: g.infer("noop", [gsi], outputs=[gso])}
+            if th is not None:
+                h = th.InferenceServerClient(h_url)
+                hi = th.InferInput("x", [1, 16], "FP32")
+                hi.set_data_from_numpy(X)
+                hsi = th.InferInput("x", [1, 16], "FP32")
+                hsi.set_shared_memory("kb_in", X.nbytes)
+                hso = th.InferRequestedOutput("y")
+                hso.set_shared_memory("kb_out", y_bytes)
+                paths["http"] = lambda: h.infer("noop", [hi])
+                paths["http-shm"] = lambda: h.infer("noop", [hsi], outputs=[hso])
+            times: dict[str, list[float]] = {k: [] for k in paths}
+            for _ in range(50):  # warm-up: connections, spec caches, learned cost curves
+                for f in paths.values():
+                    f()
+            for _ in range(n):  # interleaved, so a noisy moment hits every path alike
+                for k, f in paths.items():
+                    t = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t)
     sdk50, sdk99 = _pcts(times["sdk"])
     print(f"latency, one request at a time, n={n} per path (us):")
     for k in paths:
         p50, p99 = _pcts(times[k])
-        print(f"  {k:5s} p50 {p50:8.0f}  p99 {p99:8.0f}   added over sdk: p50 {p50 - sdk50:+7.0f}  p99 {p99 - sdk99:+7.0f}")
+        print(f"  {k:8s} p50 {p50:8.0f}  p99 {p99:8.0f}   added over sdk: p50 {p50 - sdk50:+7.0f}  p99 {p99 - sdk99:+7.0f}")
 
 
 def _load_proc(url: str, seconds: float, inflight: int, channels: int, ready, go, q) -> None:

@@ -123,12 +123,16 @@ class RequestCore:
                             f"its workers takes in a batch ({largest})")
         timeout = timeout_s or self.default_timeout_s
         self.state.note_arrival(model, priority, items, now)
+        probe = False
         if not feasible(self.state, model, items, now + timeout, now):
-            return Rejected(Status.DEADLINE_EXCEEDED,
-                            f"no path can finish {items} item(s) of {model!r} within "
-                            f"{timeout * 1e3:.1f} ms (rejected on arrival)")
+            if not self.state.probe_due(model, now):
+                return Rejected(Status.DEADLINE_EXCEEDED,
+                                f"no path can finish {items} item(s) of {model!r} within "
+                                f"{timeout * 1e3:.1f} ms (rejected on arrival)")
+            probe = True
         seq = next(self._seq)
         req = Request(seq, model, items, priority, now, now + timeout, client, req_id, frames)
+        req.probe = probe
         self.requests[seq] = req
         if client is not None:
             self.by_client_id[(client, req_id)] = seq
@@ -144,7 +148,9 @@ class RequestCore:
     def _hopeless_at(self, req: Request) -> float:
         """Queued, a request is hopeless before its deadline: once even the fastest path alone
         would end after it (with the policies' margin for a fast run, LATE_MARGIN); then it is
-        failed at once rather than left to expire."""
+        failed at once rather than left to expire. A probe runs whatever the curves say."""
+        if req.probe:
+            return req.deadline
         return req.deadline - (1 - LATE_MARGIN) * self._fastest(req.model, req.items)
 
     def cancel(self, client: Any, req_id: int) -> bool:
@@ -176,6 +182,7 @@ class RequestCore:
                         heapq.heappush(heap, (hopeless, seq))
                         continue
                     leaving.setdefault(req.model, []).append(req)
+                    self.state.expired(req, now)
                     fastest = self._fastest(req.model, req.items)
                     self.fail(req, Status.DEADLINE_EXCEEDED,
                               f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} ms "
@@ -186,6 +193,7 @@ class RequestCore:
                 continue
             if req.state == QUEUED:
                 leaving.setdefault(req.model, []).append(req)
+                self.state.expired(req, now)
                 where = "in queue"
             else:
                 where = "while its batch was running"
@@ -262,6 +270,7 @@ class RequestCore:
         if req.state != INFLIGHT or self.requests.pop(req.seq, None) is None:
             return False  # ended, or queued again (retry_elsewhere): not this result's to deliver
         req.state = DONE
+        req.frames = None  # its payload: the deadline index may hold the request until its deadline
         self._forget_client_id(req)
         return True
 
@@ -278,6 +287,7 @@ class RequestCore:
             return
         req.answered_in_flight = req.state == INFLIGHT
         req.state = DONE
+        req.frames = None  # as in finish
         self.requests.pop(req.seq, None)
         self._forget_client_id(req)
         self.on_fail(req, status, message)

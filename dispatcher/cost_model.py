@@ -25,6 +25,9 @@ MIN_SAMPLES_FOR_OUTLIERS = 8
 # pause or a first call at a new shape comes alone). Judged one by one, a device that turned 3x slower
 # would never be learnt: every sample it sends is rejected, so the curve never moves.
 OUTLIER_RUN = 3
+# Fast batches of one size this many in a row are no noise either: the knot learnt a slow spell
+# that is over (see observe: only beyond the knot's own spread).
+FAST_RUN = 3
 LINEAR_MAX_ERROR = 0.10  # a line that misses a measured point by more than 10 % is not used
 # ... and once learnt online, one that misses a proven knot by more than this plus LINE_Z of the
 # knot's standard errors: knots are noisy, and the check runs every CAP_REFRESH samples for good
@@ -99,6 +102,7 @@ class CostCurve:
     _caps: dict = field(default_factory=dict)
     _seen: dict = field(default_factory=dict)  # batch size -> the sample count at its knot's last sample
     _outliers_in_row: dict = field(default_factory=dict)  # batch size -> its latest samples rejected in a row
+    _fast_in_row: dict = field(default_factory=dict)  # batch size -> its latest samples OUTLIER_FACTOR x fast, in a row
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float]], **kw) -> "CostCurve":
@@ -261,6 +265,22 @@ class CostCurve:
                 return False
             run_ends = True  # learnt, and this size's knot starts afresh from it
         self._outliers_in_row.pop(b, None)
+        if k is not None and seconds * OUTLIER_FACTOR + 1e-4 < k[0] and seconds < k[0] * (1 - 3 * k[2]):
+            # As fast as that, as many in a row: the knot is what is wrong (a slow spell it
+            # learnt is over), and it starts afresh from this sample. Followed by the clipped
+            # running mean below, 1.25 % a sample, a knot that learnt a 40x spell stayed above the
+            # requests' timeouts for hundreds of batches, and admission refused them meanwhile.
+            # Only beyond 3 of the knot's spreads too: a model whose batches take one of two
+            # times (short and long inputs, 1 and 10 ms) makes runs of the fast one, and its
+            # knot, which averages both, flipped to the fast time (49 % of the time with half
+            # its batches fast); its spread is that wide.
+            if self._fast_in_row.get(b, 0) + 1 >= FAST_RUN:
+                run_ends = True
+                self._fast_in_row.pop(b, None)
+            else:
+                self._fast_in_row[b] = self._fast_in_row.get(b, 0) + 1
+        else:
+            self._fast_in_row.pop(b, None)
         restarted = k is not None and (run_ends or self.stale(b))
         # A stale size measured again where the fit did not expect it: the fit is stale too.
         refit = restarted and abs(seconds - predicted) > LINEAR_MAX_ERROR * predicted
@@ -323,10 +343,19 @@ class CostCurve:
         measured within STALE_SAMPLES (when two sizes or more are), with the covariance of a
         new curve, so the samples to come move it freely. One sample of a size the fit last saw
         long ago barely moved it otherwise: RLS had weighed hundreds of samples of one size
-        since."""
+        since. (A knot a run of outliers restarted, slow or fast, is as new.) With one fresh size,
+        the line keeps its shape, scaled onto that knot, as ``_rls`` does while one size is all it
+        has seen: after a slow spell of batches of 1, the fit stayed at the spell's 150 ms for
+        hundreds of 1 ms batches."""
         fresh = [(b, self._knots[b][0]) for b in self._sizes if not self.stale(b)]
         if len(fresh) >= 2:
             self.launch_s, self.per_item_s, _ = least_squares(fresh)
+            self._p = [P_INITIAL, 0.0, P_INITIAL]
+        elif fresh:
+            (b, t), = fresh
+            before = self.launch_s + self.per_item_s * b
+            if before > 0 and t > 0:
+                self.launch_s, self.per_item_s = self.launch_s * t / before, self.per_item_s * t / before
             self._p = [P_INITIAL, 0.0, P_INITIAL]
 
     def _rls(self, b: int, y: float) -> None:

@@ -6,9 +6,10 @@ tail and retries pushed at its head, so ``sync`` walks each class from both ends
 it meets a request it already knows. ``sync`` must run before aging moves requests between
 classes (an aged request appended behind unseen arrivals would stop the walk early).
 Requests leave the index when the policy dispatches them (``discard``) or when their
-deadline passes; a request cancelled out of the queue stays until its deadline passes (it
-can only make the policy flush early, never late), and everything is forgotten whenever
-the queue is empty.
+deadline passes; a request cancelled out of the queue (or dispatched by another path) stays
+until its deadline passes or the heap holds more such entries than live ones (it can only make
+the policy flush early, never late), and everything is forgotten whenever the queue is empty
+(MCB syncs an empty queue's index too).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class DeadlineIndex:
     def discard(self, reqs: list[Request]) -> None:
         for r in reqs:
             self._known.discard(r)
+        if len(self._heap) > 2 * len(self._known) + 64:
+            # Entries of requests gone below a live one with a nearer deadline never reach the
+            # top: with 1-hour timeouts, every request served stayed, and its payload with it.
+            self._heap = [e for e in self._heap if e[2] in self._known]
+            heapq.heapify(self._heap)
 
     def tightest(self, now: float) -> float:
         """Earliest deadline still ahead among the indexed requests (inf if none). A passed

@@ -17,7 +17,7 @@ from .exit_codes import EX_CONFIG
 from .transport import node_client_keys
 
 log = logging.getLogger("batchyard.frontend")
-STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls in flight may finish
+STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls and HTTP requests in flight may finish
 # How often a front door closes the segments of regions another process of the node unregistered
 # (ShmRegions.sweep): a bound on how long a client's unlinked memory stays allocated.
 SHM_SWEEP_S = 1.0
@@ -73,12 +73,32 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
         sweeper.cancel()
         if watchdog is not None:
             watchdog.close()
-        if grpc_server is not None:
-            await grpc_server.stop(STOP_GRACE_S)
-        if http_runner is not None:
-            await http_runner.cleanup()
+        # Both at once: one after the other took twice the grace.
+        await asyncio.gather(*([grpc_server.stop(STOP_GRACE_S)] if grpc_server is not None else []),
+                             *([stop_http(http_runner)] if http_runner is not None else []))
         client.close()
         core.close()
+
+
+async def stop_http(runner) -> None:
+    """aiohttp's cleanup waits for each request in flight up to the runner's shutdown timeout
+    (60 s: one waiting on a long batch held the stop 28 s). After STOP_GRACE_S the connections
+    still busy are closed, which cancels their handlers (handler_cancellation) and tells their
+    clients; then the cleanup ends at once."""
+    cleanup = asyncio.ensure_future(runner.cleanup())
+    server = runner.server  # taken before cleanup() drops it
+    done, _ = await asyncio.wait({cleanup}, timeout=STOP_GRACE_S)
+    if not done:
+        busy = list(server.connections) if server is not None else []
+        log.warning("closing %d HTTP connections with a request still running after %.0f s", len(busy), STOP_GRACE_S)
+        for conn in busy:
+            conn.force_close()
+        done, _ = await asyncio.wait({cleanup}, timeout=1.0)  # the handlers' cancellation runs
+        if not done:
+            cleanup.cancel()
+            await asyncio.wait({cleanup}, timeout=1.0)
+            return
+    cleanup.result()
 
 
 def run_frontend(node: NodeConfig) -> int:

@@ -314,6 +314,14 @@ def _json_kind(parsed: np.ndarray) -> str:
             "U": "strings"}.get(parsed.dtype.kind, "null, mixed or out-of-range values")
 
 
+def in_model_order(spec, wanted: list) -> list:
+    """The outputs to answer (tuples, the name first) in the order of the model's outputs, as
+    Triton answers them: a client that asked for [w, y] got them so, and one that reads
+    ``outputs[i]`` or ``raw_output_contents[i]`` by position read another output."""
+    order = {t.name: i for i, t in enumerate(spec.outputs)}
+    return sorted(wanted, key=lambda w: order[w[0]])
+
+
 def output_nbytes(spec: P.ModelSpec, name: str, inputs: dict) -> Optional[int]:
     """Bytes of output ``name`` for this request, known before it runs: Batchyard's tensors have a
     fixed shape per item, and the batch is the inputs' first dimension (None without one)."""

@@ -23,9 +23,9 @@ from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             check_element_count, check_input, check_input_name, check_new_input, check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
-                            model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
+                            in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_shm import OutputRegion, close_outputs
-from .tcp_peer import grpc_peer, peer_uid
+from .tcp_peer import bound_address, grpc_peer, peer_uid
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -49,9 +49,11 @@ def param(params, key: str, default=None):
     return getattr(p, which) if which else default
 
 
-def uint_param(params, key: str, kinds: tuple[str, ...]) -> int:
+def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> int:
     """An integer request parameter read as Triton reads it: of one of ``kinds``' types (priority:
-    int64 or uint64; timeout: int64, as tritonclient sends them), not negative; 0 when absent."""
+    int64 or uint64; timeout: int64, as tritonclient sends them), not negative; 0 when absent.
+    ``cast``: a negative value is what Triton's cast to uint64 makes of it (its timeout: -5 is
+    accepted, as about 584,000 years), not an error."""
     if key not in params:
         return 0
     p = params[key]
@@ -60,14 +62,18 @@ def uint_param(params, key: str, kinds: tuple[str, ...]) -> int:
         raise invalid(f"invalid value type for '{key}' parameter, expected {' or '.join(kinds)}.")
     value = getattr(p, which)
     if value < 0:
+        if cast:
+            return value % 2**64
         raise invalid(f"invalid value for '{key}', expected value >= 0.")
     return value
 
 
 def _shm_param(params) -> Optional[tuple[str, int, int]]:
-    region = param(params, "shared_memory_region")
-    if not region:
+    if "shared_memory_region" not in params:
         return None
+    region = param(params, "shared_memory_region")
+    if not region:  # (the tensor's own data was read instead; Triton refuses it)
+        raise invalid("'shared_memory_region' names no region: give a registered region's name")
     return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
 
 
@@ -86,14 +92,16 @@ def check_contents_field(t, field: str, model: str) -> None:
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
-    def __init__(self, core: KServeCore, port: int = 0):
+    def __init__(self, core: KServeCore, port: int = 0, host: str = ""):
         self.core = core
         self.port = port  # ours: a client's uid is found by its connection to it (tcp_peer)
+        # where its clients' connections end (None: any address; then the slow, exact lookup)
+        self.address = bound_address(host)
 
     def _uid(self, context) -> Optional[int]:
         """The client's uid, for its shared-memory regions; None for one not on this host."""
         host, port = grpc_peer(context.peer())
-        return peer_uid(host, port, self.port) if host else None
+        return peer_uid(host, port, self.port, self.address) if host else None
 
     # ---------------------------------------------------------------- health and metadata
     async def ServerLive(self, request, context):
@@ -265,18 +273,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             check_parameter_names(request.parameters, ("triton_enable_empty_final_response",))
             left = context.time_remaining()
             priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
-            timeout = uint_param(request.parameters, "timeout", ("int64_param",))
+            timeout = uint_param(request.parameters, "timeout", ("int64_param",), cast=True)
             _, out = await self.core.infer(request.model_name, inputs, priority=priority,
                                            timeout=timeout_s(timeout, left))
             resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
             for name, region in wanted:
                 arr = out[name]
-                o = resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
+                resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
                 if region is not None:
-                    region.write(arr, name)
-                    o.parameters["shared_memory_region"].string_param = region.name
-                    o.parameters["shared_memory_offset"].int64_param = region.offset
-                    o.parameters["shared_memory_byte_size"].int64_param = arr.nbytes
+                    region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
                     resp.raw_output_contents.append(b"")  # keeps later outputs at their index
                 else:
                     resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
@@ -309,7 +314,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except BaseException:
             close_outputs(wanted)
             raise
-        return wanted
+        return in_model_order(spec, wanted)
 
     # ---------------------------------------------------------------- errors
     @staticmethod
@@ -344,7 +349,7 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
     server = grpc.aio.server(options=opts)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port), server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port, host), server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()

@@ -25,7 +25,7 @@ from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             batch_input_bytes, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
-                            model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
+                            in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_shm import close_outputs
 from .tcp_peer import peer_uid
@@ -69,7 +69,7 @@ def _client_uid(request: web.Request) -> Optional[int]:
     peer, ours = request.transport.get_extra_info("peername"), request.transport.get_extra_info("sockname")
     if not (isinstance(peer, tuple) and isinstance(ours, tuple)):
         return None
-    return peer_uid(peer[0], peer[1], ours[1])
+    return peer_uid(peer[0], peer[1], ours[1], ours[0])
 
 
 def _uses_shm(header: dict) -> bool:
@@ -155,9 +155,11 @@ def _bool(obj: dict, key: str, default: bool) -> bool:
 
 
 def _shm(params: dict) -> Optional[tuple[str, int, int]]:
-    region = params.get("shared_memory_region")
-    if not region:
+    if "shared_memory_region" not in params:
         return None
+    region = params["shared_memory_region"]
+    if not region:  # (as over gRPC)
+        raise invalid("'shared_memory_region' names no region: give a registered region's name")
     return str(region), _uint(params, "shared_memory_offset"), _uint(params, "shared_memory_byte_size")
 
 
@@ -433,7 +435,7 @@ class KServeHttp:
         except BaseException:
             close_outputs(wanted)
             raise
-        return wanted
+        return in_model_order(spec, wanted)
 
 
 async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,

@@ -155,10 +155,11 @@ def _open_segment(name: str, key: str, offset: int, byte_size: int, uid: Optiona
             raise invalid(f"failed to register shared memory region '{name}': segment '{key}' belongs to uid "
                           f"{st.st_uid}, not to this client's uid {uid}")
         size = st.st_size
-        # A region of no bytes serves nothing; Triton refuses it too (its mmap of 0 bytes fails).
+        # A region of no bytes serves nothing. Triton 2.51 refuses both as its own failure,
+        # INTERNAL (HTTP 500) "Invalid shared memory region", and so does this.
         if offset < 0 or byte_size <= 0 or offset + byte_size > size:
-            raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
-                          f"{byte_size} bytes, the segment '{key}' has {size})")
+            raise KServeError(grpc.StatusCode.INTERNAL, f"Invalid shared memory region: '{key}' (region '{name}': "
+                              f"offset {offset} + {byte_size} bytes, the segment has {size})")
     except BaseException:
         os.close(fd)
         raise

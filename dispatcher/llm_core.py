@@ -62,6 +62,7 @@ class LlmWorker:
     jobs: dict = field(default_factory=dict)  # job_id -> Job
     busy_until: float = 0.0  # predicted end of the work sent (prefill: the job; gpu: its prefills)
     pid: int = 0
+    peer: str = ""  # the kernel's credentials of the connection it registered on (transport.connection)
 
     @property
     def role(self) -> str:
@@ -115,7 +116,8 @@ class LlmCore:
     def models(self) -> set:
         return {w.engine.model for w in self.workers.values()}
 
-    def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0) -> list:
+    def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0,
+                   peer: str = "") -> list:
         """Register (or re-register) an engine; returns what its re-registration failed."""
         if self.is_retry(name, pid, identity):
             # The same process registering again (its retry crossed the answer, or it waited out
@@ -125,7 +127,7 @@ class LlmCore:
             return []
         lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
         self.hung.pop(name, None)
-        self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid)
+        self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid, peer=peer)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
         # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
         self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode,

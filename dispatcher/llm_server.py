@@ -39,9 +39,9 @@ class LlmDesk:
                 self.metrics.request_failed(msg.model, why[0])
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
-    def on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
+    def on_register(self, msg: P.Register, identity: bytes, now: float, peer: str = "") -> None:
         again = self.core.is_retry(msg.worker, msg.pid, identity)
-        self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid)
+        self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid, peer=peer)
         e = msg.llm
         if not again:  # a retry of a registration already taken (they queue while the dispatcher is down)
             log.info("LLM worker %s registered: pid %d, model %s, role %s%s, %d prefill and %d decode calibration "

@@ -65,7 +65,7 @@ class ScrapeState(NamedTuple):
     pending: dict  # model -> requests queued, not yet in a batch (Triton's meaning)
     decisions: dict  # reason -> policy decisions
     curves: dict  # "model/path" -> {"launch_us", "per_item_us", ...}
-    rates: dict  # model -> estimated arrival rate, requests/s
+    rates: dict  # model -> estimated arrival rate, items/s (what the policies plan with)
     in_flight: dict  # model -> requests given to a worker and not yet answered
 
 
@@ -103,6 +103,20 @@ class Metrics:
 
     def unknown_model(self) -> None:
         self.unknown_model_requests += 1
+
+    def model_served(self, model: str, path: str = "") -> None:
+        """A model now known (at start), or served on ``path`` (a worker registered): its series
+        exist from now, at 0, as Triton creates a model's counters when it loads. Born at their
+        first increment, a failure series appeared already at its burst's count (14), and
+        Prometheus' rate() and increase() read that burst as 0."""
+        for status in Status:
+            if status not in (Status.OK, Status.UNKNOWN_MODEL):  # (an unknown model has no series)
+                self.failures.setdefault((model, int(status)), 0)
+        self.latency.setdefault(model, [0] * (len(LATENCY_BUCKETS_S) + 2))
+        if path:
+            for prio in range(len(PRIORITY_NAMES)):
+                self.ok.setdefault((model, path, prio), [0, 0, 0, 0, 0])
+            self.exec_count.setdefault((model, path), 0)
 
     def batch_done(self, model: str, path: str) -> None:
         key = (model, path)
@@ -191,7 +205,7 @@ class DispatcherCollector:
                      ("model", "path"), ((k, v["launch_us"]) for k, v in curves))
         yield gauge("batchyard_cost_per_item_us", "Learned per-item cost of T(B)",
                      ("model", "path"), ((k, v["per_item_us"]) for k, v in curves))
-        yield gauge("batchyard_arrival_rate", "Estimated arrival rate lambda(t), requests/s",
+        yield gauge("batchyard_arrival_rate", "Estimated arrival rate lambda(t), items/s (a request of B items counts B)",
                      ("model",), (((k,), r) for k, r in sorted(s.rates.items())))
 
 

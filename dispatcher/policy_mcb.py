@@ -223,12 +223,14 @@ class MarginalCost(PerModelPolicy):
     def decide(self, state: SchedulerState, now: float) -> Decision:
         d = Decision()
         for model, q in state.queues.items():
+            idx = self._deadlines.get(model)
             if q.requests:
-                idx = self._deadlines.get(model)
                 if idx is None or idx.queue is not q:
                     idx = self._deadlines[model] = DeadlineIndex(q)
                 idx.sync()  # before aging moves requests between classes
                 self.decide_model(state, model, q, now, d)
+            elif idx is not None and idx.queue is q:
+                idx.sync()  # empty: forgets every request it held (and their payloads)
         return d
 
     def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:

@@ -235,7 +235,7 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
     models: list[str]
     policy: str = ""
     curves: dict[str, dict[str, Any]] = {}  # "model/path" -> launch_us, per_item_us, mode, samples, ...
-    arrival_rate: dict[str, float] = {}  # model -> lambda(t) now, requests/s
+    arrival_rate: dict[str, float] = {}  # model -> lambda(t) now, items/s
     decisions: dict[str, int] = {}  # reason -> count since start
     # trigger ("timer" | "arrival") -> {"n", "p50_us", "p99_us", "max_us"}: see lateness.py
     decision_lateness: dict[str, dict[str, float]] = {}

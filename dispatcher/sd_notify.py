@@ -19,6 +19,7 @@ log = logging.getLogger("batchyard.sd_notify")
 
 # What systemd set for this process only: a child (a worker started by `up`) must not inherit
 # it, or its READY=1 is refused ("reception only permitted for main PID") and logged each time.
+# `up` gives its dispatcher and front doors a socket and watchdog of its own instead.
 NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
@@ -31,7 +32,9 @@ def notify(message: str, env: Mapping[str, str] = os.environ) -> bool:
     if address[0] == "@":
         address = "\0" + address[1:]  # the Linux abstract namespace
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        # Non-blocking: a receiver that does not read (net.unix.max_dgram_qlen is 10 here) made
+        # sendto block, and an event loop pinging its watchdog froze.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as s:
             s.sendto(message.encode(), address)
     except OSError as e:
         log.warning("sd_notify %r to %s failed: %s", message, env.get("NOTIFY_SOCKET"), e)

@@ -90,6 +90,8 @@ class Dispatcher:
         for (model, path), curve in (profile or {}).items():
             self.state.costs[(model, path)] = curve
         self.metrics = Metrics()
+        for name in self.specs:
+            self.metrics.model_served(name)
         self.lateness = Lateness()
         self._timer_due = 0.0  # the armed instant that woke this step (0: not the timer)
         self._first_arrival = 0.0  # when the first client message of this step was read
@@ -274,8 +276,8 @@ class Dispatcher:
             log.warning("dropping malformed worker message from %r: %s", identity, e)
             self._answer_malformed(frames[1].buffer, identity, str(e), now)
             return
-        if type(msg) in (P.BatchDone, P.Heartbeat, P.LlmDone, P.Goodbye, P.Leaving) and not self._sent_by(msg.worker,
-                                                                                                          identity):
+        if type(msg) in (P.BatchDone, P.Heartbeat, P.LlmDone, P.Goodbye, P.Leaving) and not self._sent_by(
+                msg.worker, identity, frames):
             # A worker is its connection, not the name a message gives: anything on the workers'
             # socket could answer another worker's batch (its client got the forged output, the
             # real one was dropped) or say goodbye for it.
@@ -303,11 +305,11 @@ class Dispatcher:
         elif not self._may_register(msg, frames):
             return
         elif msg.llm is not None:
-            self.llm.on_register(msg, identity, now)
+            self.llm.on_register(msg, identity, now, transport.connection(frames)[1])
             self.core.registrations += 1  # the long poll's cursor counts every worker
             self._answer_status_waiters(now)
         else:
-            self._on_register(msg, identity, now)
+            self._on_register(msg, identity, transport.connection(frames)[1], now)
 
     def _answer_malformed(self, raw, identity: bytes, why: str, now: float) -> None:
         """A batch_done that fails its schema (an output dimension past 2**31, say) still names
@@ -343,21 +345,27 @@ class Dispatcher:
             worker=msg.worker, message=f"a worker connects as the node's user (uid {os.getuid()}), not uid {uid}")))
         return False
 
-    def _sent_by(self, name: str, identity: bytes) -> bool:
+    def _sent_by(self, name: str, identity: bytes, frames: list) -> bool:
         """Whether a message naming worker ``name`` came over its own connection (or its
-        heartbeat thread's, ``<identity>#hb``); True for a name not registered."""
+        heartbeat thread's, ``<identity>#hb``), from the process that registered it (the
+        kernel's credentials, on ipc); True for a name not registered. By routing id alone, a
+        process that connected under a dead worker's name (its routing id, free again) kept its
+        registration alive with heartbeats, took its batches (other clients' tensors), and
+        answered them; ZeroMQ then refused the restarted worker that id."""
         w = self.state.workers.get(name) or self.llm.core.workers.get(name)
+        if w is None:
+            return True
         # (the plain comparison first: results, on the hot path, come over the worker's own)
-        return w is None or identity == w.identity or identity == w.identity + b"#hb"
+        return (identity == w.identity or identity == w.identity + b"#hb") and transport.connection(frames)[1] == w.peer
 
-    def _on_register(self, msg: P.Register, identity: bytes, now: float) -> None:
+    def _on_register(self, msg: P.Register, identity: bytes, peer: str, now: float) -> None:
         text = registration_problem(msg.models, self.specs)
         if text:
             log.error("rejecting worker %s: %s", msg.worker, text)
             self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=text)))
             return
         known = self.state.workers.get(msg.worker)
-        if known is not None and known.pid == msg.pid and known.identity == identity:
+        if known is not None and known.pid == msg.pid and known.identity == identity and known.peer == peer:
             # The same process registering again is no restart: its batches are still running.
             # After a dispatcher restart a worker's heartbeats, sent before its registration was
             # answered, each draw a Reregister; one that lands after the answer made it register
@@ -370,8 +378,10 @@ class Dispatcher:
         for spec in msg.models:
             self.specs.setdefault(spec.name, spec)
         w = WorkerState(name=msg.worker, path=msg.path, models={s.name: s.max_batch for s in msg.models},
-                        capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity)
+                        capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity, peer=peer)
         self.core.add_worker(w, now)
+        for model in w.models:
+            self.metrics.model_served(model, w.path)
         log.info("worker %s registered: pid %d, path %s, models %s", w.name, w.pid, w.path, list(w.models))
         self._send_worker(identity, P.encode(P.Registered(worker=msg.worker)))
         self._answer_status_waiters(now)
@@ -387,7 +397,7 @@ class Dispatcher:
         w = batch.worker
         path, simulated = w.path, w.simulated
         metrics = self.metrics
-        metrics.batch_done(batch.model, path)
+        served = False
         by_seq = {r.seq: r for r in batch.requests}
         finish = self.core.finish
         pos = 2
@@ -422,6 +432,7 @@ class Dispatcher:
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
                               worker=msg.worker, simulated=simulated)
             if status == Status.OK:
+                served = True
                 metrics.request_ok(req.model, path, req.asked_priority, req.items, timing.queue_us, timing.compute_us,
                                    timing.total_us)
             else:
@@ -429,6 +440,12 @@ class Dispatcher:
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=status,
                                            message=message, outputs=outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
+        if served:
+            # As Triton's backends report a batch (nv_inference_exec_count) unless every response
+            # in it failed, so that count / exec_count is the mean batch and the front door's
+            # execution_count agrees (batches that failed whole, or UNAVAILABLE and retried
+            # elsewhere, were counted).
+            metrics.batch_done(batch.model, path)
         if not unavailable:
             self.core.batch_health(w, False, now)
         # A result the worker did not send (a broken worker) must not strand its request.

@@ -267,8 +267,10 @@ def _orphaned(path: str, now: float, grace_s: float) -> bool:
         os.close(fd)  # releases our lock at once
 
 
-def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S) -> list[str]:
-    """Unlink Batchyard segments no live owner holds a lock on. Returns their names."""
+def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S,
+                 pids: set[int] | None = None) -> list[str]:
+    """Unlink Batchyard segments no live owner holds a lock on (only those named after one of
+    ``pids``, when given). Returns their names."""
     reaped = []
     try:
         names = os.listdir(shm_dir)
@@ -281,7 +283,8 @@ def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S) -> list[
             final, grace = name[:-len(_NEW_SUFFIX)], grace_s
         else:
             final, grace = name, 0.0  # locked before it got this name: unlocked means orphaned
-        if _NAME_RE.match(final) and _orphaned(path, now, grace):
+        m = _NAME_RE.match(final)
+        if m and (pids is None or int(m.group(1)) in pids) and _orphaned(path, now, grace):
             try:
                 os.unlink(path)
                 reaped.append(name)

@@ -16,12 +16,15 @@ from .cost_model import ArrivalRate, CostCurve
 
 QUEUED, INFLIGHT, DONE = 0, 1, 2
 N_PRIORITIES = 3
+# A model whose curves learnt nothing for this long may admit one request they call hopeless
+# (SchedulerState.probe_due).
+PROBE_INTERVAL_S = 1.0
 
 
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "asked_priority", "arrival", "deadline", "state",
                  "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
-                 "shm_files", "suspect")
+                 "shm_files", "suspect", "probe")
 
     def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
                  deadline: float, client: Any = None, req_id: int = 0,
@@ -46,6 +49,9 @@ class Request:
         self.shm_files: Optional[dict] = None  # {segment: (st_dev, st_ino)} granted (shm_grants.py)
         # Its batch's worker died while running it: it may be what killed it (policy_core.send).
         self.suspect = False
+        # Admitted although the curves said it could not make its deadline (probe_due): it runs,
+        # and what it measures corrects them; judged by its deadline alone.
+        self.probe = False
 
 
 class ModelQueue:
@@ -121,15 +127,14 @@ class ModelQueue:
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
 
-    def take(self, max_items: int, newest_low_first: bool = False) -> list[Request]:
-        """Pop up to ``max_items`` items, high priority first, FIFO within a class (the low
-        class newest first when ``newest_low_first``). A request is never split; one bigger
-        than what is left ends the batch."""
+    def take(self, max_items: int, newest_first: int = 0) -> list[Request]:
+        """Pop up to ``max_items`` items, high priority first, FIFO within a class (newest first
+        in each class whose bit ``1 << class`` is set in ``newest_first``). A request is never
+        split; one bigger than what is left ends the batch."""
         out: list[Request] = []
         room = max_items
-        last = len(self.by_priority) - 1
         for prio, q in enumerate(self.by_priority):
-            newest = newest_low_first and prio == last
+            newest = newest_first >> prio & 1
             while q and (q[-1] if newest else q[0]).items <= room:
                 req = q.pop() if newest else q.popleft()
                 room -= req.items
@@ -183,6 +188,7 @@ class WorkerState:
     pid: int = 0
     simulated: bool = False
     identity: bytes = b""
+    peer: str = ""  # the kernel's credentials of the connection it registered on (transport.connection)
 
     @property
     def free(self) -> bool:
@@ -200,6 +206,17 @@ class SchedulerState:
     largest_batch: dict[str, int] = field(default_factory=dict)
     costs: dict[tuple[str, str], CostCurve] = field(default_factory=dict)  # (model, path) -> T(B)
     arrivals: dict[str, ArrivalRate] = field(default_factory=dict)  # model -> lambda(t)
+    learned_at: dict[str, float] = field(default_factory=dict)  # model -> when a batch of it last taught a curve
+    probed_at: dict[str, float] = field(default_factory=dict)  # model -> when probe_due last said yes
+    # model -> until when it counts as overloaded: a queued request of it expired (or was shed as
+    # late) at most its own timeout ago (policy_core.congested)
+    overloaded_until: dict[str, float] = field(default_factory=dict)
+
+    def expired(self, r: Request, now: float) -> None:
+        """Queued request ``r`` ends unserved at ``now``, its deadline passed or out of reach."""
+        until = now + (r.deadline - r.arrival)
+        if until > self.overloaded_until.get(r.model, -math.inf):
+            self.overloaded_until[r.model] = until
 
     def cost(self, model: str, path: str) -> CostCurve:
         c = self.costs.get((model, path))
@@ -290,6 +307,20 @@ class SchedulerState:
             w.busy_until = now
         if compute_s is not None:
             self.cost(model, w.path).observe(items, compute_s)
+            self.learned_at[model] = now
+
+    def probe_due(self, model: str, now: float) -> bool:
+        """Whether a request of ``model`` that the curves say cannot make its deadline is admitted
+        all the same, as a probe: once a PROBE_INTERVAL_S in which no batch of the model taught a
+        curve. Refused on a prediction alone, nothing runs and nothing corrects the prediction: a
+        slow spell learnt (a co-located job, a profile in ms read as s) refused every request with
+        a shorter timeout until the dispatcher restarted. A probe that was right costs its worker
+        one batch a PROBE_INTERVAL_S; the request fails DEADLINE_EXCEEDED as it would have."""
+        last = max(self.learned_at.get(model, -math.inf), self.probed_at.get(model, -math.inf))
+        if now - last < PROBE_INTERVAL_S:
+            return False
+        self.probed_at[model] = now
+        return True
 
     def queue(self, model: str) -> ModelQueue:
         q = self.queues.get(model)

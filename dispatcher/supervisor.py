@@ -1,25 +1,35 @@
 """``batchyard up``: start a node's dispatcher and workers, wait until ready, restart workers
-that die, and stop everything cleanly on SIGTERM/SIGINT.
+that die or hang, and stop everything cleanly on SIGTERM/SIGINT/SIGHUP.
 
 Children are plain processes (``python -m batchyard.cli ...``) so that systemd units can run
 exactly the same commands one by one. Each child gets PR_SET_PDEATHSIG so that nothing
 outlives a supervisor that was killed hard. Waiting is on signals (sigtimedwait on SIGCHLD,
-SIGTERM, SIGINT), never a polling loop: `up` learns that a child died from the kernel
+SIGTERM, SIGINT, SIGHUP), never a polling loop: `up` learns that a child died from the kernel
 (SIGCHLD, then waitpid), never from a missing heartbeat, so a starved machine cannot make it
 restart a healthy worker.
 
+A child that hangs without dying is ended by `up` too. A worker: the dispatcher takes one it
+no longer hears out of rotation, and `up` (told by a status long poll, ``LostWorkers``) kills
+it once it has stayed out worker_dead_after_s (LOST_WORKER_GRACE_MIN_S at least) without
+registering again. The dispatcher and the front doors: each gets a socket of `up`'s own as
+NOTIFY_SOCKET, with WATCHDOG_USEC, and pings it from its event loop as it would ping systemd
+(``ChildNotifications``); one silent for that long is aborted (SIGABRT, then SIGKILL). A front door is started again; without its
+dispatcher the node stops and `up` exits 1, for systemd to restart it.
+
 Under systemd (``Type=notify``) `up` sends READY=1 once every worker has registered and
-every front-door process serves its ports, and WATCHDOG=1 from its wait loop; its children do
-not inherit systemd's notification socket. The front-door processes get one of `up`'s own
-instead: each sends READY=1 there once its ports are bound (as it would to systemd), which is
-how `up` knows that a client may connect — not a port probe.
+every front-door process serves its ports (each says READY=1 on `up`'s socket once its
+ports are bound: how `up` knows that a client may connect, not a port probe), and WATCHDOG=1
+from its wait loop. The children's watchdog period is `up`'s own WatchdogSec, or
+CHILD_WATCHDOG_S without one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import logging
+import math
 import os
 import secrets
 import select
@@ -29,6 +39,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -41,8 +52,13 @@ from .transport import node_client_keys
 log = logging.getLogger("batchyard.up")
 FRONTEND_NAME = "frontend#"  # '#' is not allowed in worker names
 _PR_SET_PDEATHSIG = 1
+# SIGHUP too: a closed terminal or a session's end stopped `up` by the default action, leaving
+# its children to PR_SET_PDEATHSIG, with no drain and no cleanup.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 RESTART_BACKOFF_MAX_S = 10.0
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0  # for each group of children in turn: front doors, workers, the dispatcher
+# The dispatcher's stop waits at least its drain_timeout_s plus this (SIGKILL cut a longer drain).
+DRAIN_MARGIN_S = 5.0
 READY_TIMEOUT_S = 300.0  # deploy/systemd/batchyard-node@.service's TimeoutStartSec must exceed it
 # One readiness long poll: answered the moment the n-th worker registers; the cap bounds how
 # late a child that died during start-up is noticed.
@@ -53,6 +69,19 @@ READY_POLL_S = 1.0
 READY_RETRY_S = 0.05
 # How long past its long-poll window one readiness poll may wait for the reply.
 READY_REPLY_S = 5.0
+# A worker out of rotation this long (at least; worker_dead_after_s where longer) without
+# registering again is hung. Not less: on a starved host a healthy worker, dropped for a late
+# heartbeat, registers again only after its batch in progress.
+LOST_WORKER_GRACE_MIN_S = 5.0
+# While every worker is registered, one status long poll waits this long for a departure.
+LOST_POLL_S = 60.0
+# The dispatcher's and front doors' watchdog period without systemd's WatchdogSec (systemd's
+# units use 30 s); never under CHILD_WATCHDOG_MIN_S, which a starved host's loop may need.
+CHILD_WATCHDOG_S = 30.0
+CHILD_WATCHDOG_MIN_S = 2.0
+# After SIGABRT (systemd's watchdog signal, a core dump), how long a hung child has until SIGKILL:
+# a stopped process (SIGSTOP) takes no other signal.
+CHILD_ABORT_GRACE_S = 5.0
 
 
 class NodeNotReady(RuntimeError):
@@ -70,15 +99,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     # A worker restarted from run_forever would inherit the supervisor's blocked signals (the
     # mask survives exec) and ignore SIGTERM: unblock them for the child.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS | {signal.SIGCHLD, signal.SIGIO})
 
 
-class FrontDoorsReady:
-    """The READY=1 datagrams of the front-door processes, on a socket of `up`'s own that they
-    get as NOTIFY_SOCKET (sd_notify's protocol, so the same front door under systemd tells
-    systemd). The kernel stamps each datagram with its sender's pid (SO_PASSCRED), and only
-    the pids of this `up`'s front-door children count: the socket's abstract name is visible
-    to every process of the network namespace."""
+def child_watchdog_s(env=os.environ) -> float:
+    """The watchdog period of `up`'s dispatcher and front doors: `up`'s own under systemd
+    (WatchdogSec=), so a child hung that long is ended by `up` (which goes on pinging systemd),
+    otherwise CHILD_WATCHDOG_S; at least CHILD_WATCHDOG_MIN_S."""
+    interval = watchdog_interval_s(env)
+    return max(CHILD_WATCHDOG_MIN_S, 2 * interval if interval is not None else CHILD_WATCHDOG_S)
+
+
+# fcntl(2), Linux: F_SETOWN_EX with an f_owner_ex of type F_OWNER_TID (the fcntl module lacks them)
+_F_SETOWN_EX, _F_OWNER_TID = 15, 0
+
+
+class ChildNotifications:
+    """The sd_notify datagrams of the dispatcher and the front-door processes, on a socket of
+    `up`'s own that they get as NOTIFY_SOCKET (sd_notify's protocol, so the same process under
+    systemd tells systemd): READY=1 once a front door's ports are bound, WATCHDOG=1 from each
+    event loop. The kernel stamps each datagram with its sender's pid (SO_PASSCRED), and only
+    the pids of this `up`'s children count: the socket's abstract name is visible to every
+    process of the network namespace."""
 
     def __init__(self):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -87,9 +129,14 @@ class FrontDoorsReady:
         self.sock.bind("\0" + name)
         self.address = "@" + name  # NOTIFY_SOCKET's spelling of an abstract name
         self.ready_pids: set[int] = set()
+        # pid -> when its last READY=1 or WATCHDOG=1 was taken: watched from its READY=1 on,
+        # as systemd arms a unit's watchdog once it has started.
+        self.alive_at: dict[int, float] = {}
 
     def receive(self) -> None:
-        """Take every datagram waiting (never blocks); remember the senders that said READY=1."""
+        """Take every datagram waiting (never blocks); remember the senders that said READY=1
+        and when each last said READY=1 or WATCHDOG=1. Taken before each look at the children,
+        so a ping's time is at worst later than it was sent, never earlier."""
         creds = struct.calcsize("3i")
         while True:
             try:
@@ -98,20 +145,132 @@ class FrontDoorsReady:
                 return
             pid = next((struct.unpack("3i", d[:creds])[0] for level, kind, d in anc
                         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
-            if pid is not None and b"READY=1" in data.split(b"\n"):
+            if pid is None:
+                continue
+            lines = data.split(b"\n")
+            if b"READY=1" in lines:
                 self.ready_pids.add(pid)
+                self.alive_at[pid] = time.monotonic()
+            elif b"WATCHDOG=1" in lines and pid in self.alive_at:
+                self.alive_at[pid] = time.monotonic()
 
     def wait(self, seconds: float) -> None:
         """Block until a datagram arrives or ``seconds`` pass, then take what came."""
         select.select([self.sock], [], [], seconds)
         self.receive()
 
+    def raise_sigio(self, on: bool) -> None:
+        """Each datagram that arrives raises SIGIO at the calling thread (O_ASYNC), for a loop
+        that waits on signals there: the socket queues at most net.unix.max_dgram_qlen datagrams
+        (10 by default), and read only when the loop woke for its own reasons, the pings of 11 or
+        more children overflowed it, were dropped, and healthy front doors were aborted as hung.
+        At the thread, not the process: a process-directed SIGIO went to any thread that did not
+        block it (one started before the mask), and the loop never saw it."""
+        if on:
+            owner = struct.pack("ii", _F_OWNER_TID, threading.get_native_id())
+            fcntl.fcntl(self.sock, _F_SETOWN_EX, owner)
+        flags = fcntl.fcntl(self.sock, fcntl.F_GETFL)
+        fcntl.fcntl(self.sock, fcntl.F_SETFL, flags | os.O_ASYNC if on else flags & ~os.O_ASYNC)
+
+    def forget(self, pid: int) -> None:
+        self.ready_pids.discard(pid)
+        self.alive_at.pop(pid, None)
+
     def close(self) -> None:
         self.sock.close()
 
 
+class LostWorkers:
+    """Which of `up`'s workers the dispatcher took out of rotation and has not seen register
+    again, learned from status long polls on a thread of their own (the main thread waits on
+    signals; each answer that finds a worker lost wakes it with a SIGCHLD).
+
+    A hung worker (stopped, or a model holding the GIL) stops heartbeating and the dispatcher
+    drops it, but tells it to exit only in reply to a heartbeat, which it never sends: `up`
+    must end it. A pid counts only once it was seen registered, so a worker still starting
+    (loading, warming up) is never lost; and only on the dispatcher's word, an answer given
+    ``grace_s`` after the pid was first seen out: a dispatcher that does not answer kills nobody."""
+
+    def __init__(self, client, grace_s: float, wake):
+        self.grace_s = grace_s
+        self._client = client
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._pids: set[int] = set()  # the worker children to watch
+        self._restarting = False  # a worker is to be started again: its registration is awaited
+        self._seen: set[int] = set()  # of those, seen registered
+        self._out_since: dict[int, float] = {}  # seen registered, then out of rotation since
+        self._answered_at = -math.inf  # the latest answer
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="up-lost-workers", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def watch(self, pids: set[int], restarting: bool = False) -> None:
+        """The worker children now (a pid restarted away is forgotten); ``restarting``: one is
+        waiting to be started again (the next poll must not be one for departures only, which
+        would miss its registration: a pid never seen registered is never lost)."""
+        with self._lock:
+            self._pids = set(pids)
+            self._restarting = restarting
+            self._seen &= self._pids
+            for pid in set(self._out_since) - self._pids:
+                del self._out_since[pid]
+
+    def update(self, registered: set[int], now: float) -> None:
+        """One answer of the dispatcher: ``registered``, the pids of its workers, at ``now``."""
+        with self._lock:
+            self._answered_at = now
+            for pid in self._pids & registered:
+                self._seen.add(pid)
+                self._out_since.pop(pid, None)
+            for pid in self._seen - registered:
+                self._out_since.setdefault(pid, now)
+
+    def lost(self) -> dict[int, float]:
+        """pid -> seconds out of rotation, of the workers out at least ``grace_s`` by the latest answer."""
+        with self._lock:
+            out = {pid: self._answered_at - t for pid, t in self._out_since.items()}
+        return {pid: s for pid, s in out.items() if s >= self.grace_s}
+
+    def _run(self) -> None:
+        registrations = departures = 0
+        retry_s = READY_RETRY_S
+        while not self._closed.is_set():
+            with self._lock:
+                unsettled = self._restarting or bool(self._pids - self._seen) or bool(self._out_since)
+            try:
+                if unsettled:  # a worker starting, or out: its registration is the news
+                    st = self._client.status(min_registrations=registrations + 1, wait=self.grace_s / 2,
+                                             timeout=READY_REPLY_S, brief=True)
+                else:
+                    st = self._client.status(min_departures=departures + 1, wait=LOST_POLL_S,
+                                             timeout=READY_REPLY_S, brief=True)
+            except Exception as e:  # noqa: BLE001 -- a failed poll is retried; close() ends the thread
+                if self._closed.is_set():
+                    return
+                log.debug("lost-worker poll failed: %s: %s", type(e).__name__, e)
+                self._closed.wait(retry_s)
+                retry_s = min(READY_POLL_S, 2 * retry_s)
+                continue
+            retry_s = READY_RETRY_S
+            registrations, departures = st.registrations, st.departures
+            self.update({w.pid for w in st.workers}, time.monotonic())
+            if self.lost():
+                self._wake()
+
+    def close(self) -> None:
+        """Bounded: closing the client fails the poll in flight at once."""
+        self._closed.set()
+        self._client.close()
+        if self._thread.ident is not None:
+            self._thread.join(READY_REPLY_S)
+
+
 class Supervisor:
-    def __init__(self, config_path: str | Path, node: NodeConfig, log_level: str = "INFO"):
+    def __init__(self, config_path: str | Path, node: NodeConfig, log_level: str = "INFO",
+                 child_watchdog: bool = False):
         self.config_path = str(config_path)
         self.node = node
         self.log_level = log_level
@@ -120,20 +279,36 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         self.given_up: set[str] = set()
         self._last_start: dict[str, float] = {}
-        self._front_doors_ready: Optional[FrontDoorsReady] = None
+        self._notifications: Optional[ChildNotifications] = None
+        # Only where run_forever reads the pings (run_up): running_node's children pinged nobody.
+        self.child_watchdog_s = child_watchdog_s() if child_watchdog else None
+        self._aborted: dict[int, float] = {}  # pid -> when a hung child was sent SIGABRT
+        self._killed: dict[int, float] = {}  # pid -> when it was sent SIGKILL after that
+        self._ended: set[int] = set()  # pids `up` killed for hanging (their exit is no news)
+        self._lost: Optional[LostWorkers] = None
+        self._spawned: set[int] = set()  # every child's pid, for their shared memory at the end
 
     def _spawn(self, *args: str, python: str = "", env: Optional[dict] = None) -> subprocess.Popen:
         cmd = [python or sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
                "--config", self.config_path]
-        return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env() | (env or {}))
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env() | (env or {}))
+        self._spawned.add(proc.pid)
+        return proc
+
+    def _watchdog_env(self) -> dict:
+        """NOTIFY_SOCKET and WATCHDOG_USEC of `up`'s own, for the children with an event loop
+        that pings it (the dispatcher, the front doors)."""
+        env = {"NOTIFY_SOCKET": self._notifications.address}
+        if self.child_watchdog_s is not None:
+            env["WATCHDOG_USEC"] = str(int(self.child_watchdog_s * 1e6))
+        return env
 
     def _front_door_pids(self) -> set[int]:
         return {p.pid for n, p in self.workers.items() if n.startswith(FRONTEND_NAME)}
 
     def start(self) -> None:
-        if self.node.frontend is not None and self.node.frontend.processes:
-            self._front_doors_ready = FrontDoorsReady()
-        self.dispatcher = self._spawn("dispatcher")
+        self._notifications = ChildNotifications()
+        self.dispatcher = self._spawn("dispatcher", env=self._watchdog_env())
         for w in self.node.workers:
             self.start_worker(w.name)
         # Front-door processes are supervised like workers, under names no worker can have.
@@ -143,7 +318,7 @@ class Supervisor:
     def start_worker(self, name: str) -> None:
         front_door = name.startswith(FRONTEND_NAME)
         args = ("frontend",) if front_door else ("worker", "--name", name)
-        env = {"NOTIFY_SOCKET": self._front_doors_ready.address} if front_door and self._front_doors_ready else None
+        env = self._watchdog_env() if front_door and self._notifications is not None else None
         self.workers[name] = self._spawn(*args, python=self._python(name), env=env)
         self._last_start[name] = time.monotonic()
         log.info("started worker %s (pid %d)", name, self.workers[name].pid)
@@ -162,8 +337,6 @@ class Supervisor:
         A poll that fails (DeadlineExceeded from a dispatcher too starved to answer in time,
         Unavailable from one still starting, anything else) is retried until ``timeout``;
         only then NodeNotReady, naming the last failure. ``client``: for tests."""
-        from .client import Client
-
         n = len(self.node.workers)
         deadline = time.monotonic() + timeout
         # SIGCHLD blocked from here (the client's I/O thread inherits the mask): a child's death
@@ -171,10 +344,11 @@ class Supervisor:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
             with contextlib.ExitStack() as stack:
-                c = client if client is not None else stack.enter_context(Client(
-                    self.node.dispatcher.frontend, **node_client_keys(self.node.dispatcher, self.node.dispatcher.frontend)))
+                c = client if client is not None else stack.enter_context(self._client())
                 retry_s, last, answered = READY_RETRY_S, "no reply from the dispatcher", False
                 while True:
+                    if self._notifications is not None:
+                        self._notifications.receive()  # the children's pings: never let the queue fill
                     self._check_started()
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -208,8 +382,8 @@ class Supervisor:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     def _wait_front_doors(self, deadline: float, timeout: float) -> None:
-        ready = self._front_doors_ready
-        if ready is None:
+        ready = self._notifications
+        if ready is None or not self._front_door_pids():
             return
         while True:
             ready.receive()
@@ -236,26 +410,39 @@ class Supervisor:
                                    EX_CONFIG if config else 1)
 
     def run_forever(self) -> int:
-        """Supervise until SIGTERM/SIGINT. Returns the exit code for the `up` command."""
-        sigs = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+        """Supervise until SIGTERM/SIGINT/SIGHUP. Returns the exit code for the `up` command."""
+        sigs = STOP_SIGNALS | {signal.SIGCHLD, signal.SIGIO}
+        # SIGIO: a child's datagram (ChildNotifications.raise_sigio). Its default action ends the
+        # process; a no-op handler where it lands on a thread that does not block it.
+        signal.signal(signal.SIGIO, lambda *_: None)
         signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        self._notifications.raise_sigio(True)
         pending_restart: dict[str, float] = {}
         # systemd's watchdog (WatchdogSec=): pinged from this loop, so a wedged `up` is restarted.
         watchdog_s = watchdog_interval_s()
         next_ping = time.monotonic()
+        # Started with the signals blocked: its threads (and its client's) leave them to this one.
+        main = threading.get_ident()
+        self._lost = LostWorkers(self._client(), max(self.node.dispatcher.worker_dead_after_s, LOST_WORKER_GRACE_MIN_S),
+                                 lambda: signal.pthread_kill(main, signal.SIGCHLD))
+        self._lost.watch(self._worker_pids())  # before its first poll: every worker is awaited
+        self._lost.start()
         try:
             while True:
-                if self._front_doors_ready is not None:
-                    self._front_doors_ready.receive()  # restarted front doors' READY=1: nothing waits for it
+                self._notifications.receive()  # pings; restarted front doors' READY=1: nothing waits for it
                 # Look at the children *before* waiting: a child that died before the mask
                 # above was set sent a SIGCHLD that is gone, but it is still a zombie to poll().
                 if self.dispatcher.poll() is not None:
                     log.error("dispatcher exited with %s; stopping the node", self.dispatcher.returncode)
                     return 1
                 now = time.monotonic()
+                wake_at = self._end_hung(now)
                 for name, proc in list(self.workers.items()):
                     if proc.poll() is None or name in pending_restart or name in self.given_up:
                         continue
+                    self._notifications.forget(proc.pid)
+                    self._aborted.pop(proc.pid, None)
+                    self._killed.pop(proc.pid, None)
                     if proc.returncode == EX_CONFIG:
                         log.error("worker %s cannot run on this host as configured (exit %d, see its log); "
                                   "not restarting it", name, EX_CONFIG)
@@ -266,7 +453,9 @@ class Supervisor:
                     n = self.restarts.get(name, 0)
                     delay = min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** n) if quick else 0.0
                     self.restarts[name] = n + 1 if quick else 0
-                    why = " (the dispatcher declared it hung)" if proc.returncode == EX_SOFTWARE else ""
+                    why = (" (killed by up: hung)" if proc.pid in self._ended else
+                           " (the dispatcher declared it hung)" if proc.returncode == EX_SOFTWARE else "")
+                    self._ended.discard(proc.pid)
                     log.warning("worker %s (pid %d) exited with %s%s; restart in %.1f s",
                                 name, proc.pid, proc.returncode, why, delay)
                     pending_restart[name] = now + delay
@@ -274,36 +463,122 @@ class Supervisor:
                     if at <= now:
                         del pending_restart[name]
                         self.start_worker(name)
-                wake_at = list(pending_restart.values())
+                self._lost.watch(self._worker_pids(pending_restart), restarting=bool(pending_restart))
+                wake_at += list(pending_restart.values())
                 if watchdog_s is not None:
+                    # Pinged while every child is alive or being ended by this loop; a child
+                    # that outlives its SIGKILL (stuck in the kernel) is systemd's to handle.
                     if now >= next_ping:
-                        notify("WATCHDOG=1")
+                        if not self._unkillable(now):
+                            notify("WATCHDOG=1")
                         next_ping = now + watchdog_s
                     wake_at.append(next_ping)
-                if wake_at:
+                if min(wake_at) < math.inf:
                     info = signal.sigtimedwait(sigs, max(0.0, min(wake_at) - time.monotonic()))
                 else:
                     info = signal.sigwaitinfo(sigs)
-                if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
+                if info is not None and info.si_signo in STOP_SIGNALS:
                     log.info("signal %d: stopping", info.si_signo)
                     return 0
         finally:
+            self._notifications.raise_sigio(False)
+            self._lost.close()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
 
+    def _worker_pids(self, leaving=()) -> set[int]:
+        return {p.pid for n, p in self.workers.items() if not n.startswith(FRONTEND_NAME) and n not in leaving}
+
+    def _client(self):
+        from .client import Client
+
+        return Client(self.node.dispatcher.frontend,
+                      **node_client_keys(self.node.dispatcher, self.node.dispatcher.frontend))
+
+    def _end_hung(self, now: float) -> list[float]:
+        """Abort the dispatcher or a front door silent for the watchdog period (SIGKILL once
+        CHILD_ABORT_GRACE_S has passed), and kill a worker the dispatcher has kept out of
+        rotation past its grace; their deaths then come as any other (SIGCHLD). Returns when
+        to look again."""
+        wake_at = [math.inf]
+        watched = [("dispatcher", self.dispatcher), *((n, p) for n, p in self.workers.items()
+                                                      if n.startswith(FRONTEND_NAME))]
+        for name, proc in watched:
+            alive_at = self._notifications.alive_at.get(proc.pid)
+            if alive_at is None or proc.poll() is not None or self.child_watchdog_s is None:
+                continue
+            silent = now - alive_at
+            aborted = self._aborted.get(proc.pid)
+            if silent < self.child_watchdog_s:
+                self._aborted.pop(proc.pid, None)  # it pinged after all
+                wake_at.append(alive_at + self.child_watchdog_s)
+            elif aborted is None:
+                log.error("%s (pid %d) sent no WATCHDOG=1 for %.1f s: hung; aborting it (SIGABRT)",
+                          name, proc.pid, silent)
+                proc.send_signal(signal.SIGABRT)
+                self._aborted[proc.pid] = now
+                self._ended.add(proc.pid)
+                wake_at.append(now + CHILD_ABORT_GRACE_S)
+            elif now - aborted >= CHILD_ABORT_GRACE_S:
+                if proc.pid not in self._killed:
+                    log.error("%s (pid %d) still there %.0f s after SIGABRT; killing it", name, proc.pid, now - aborted)
+                    proc.kill()
+                    self._killed[proc.pid] = now
+                if now < self._killed[proc.pid] + 1.0:  # then _unkillable; its death wakes sooner
+                    wake_at.append(self._killed[proc.pid] + 1.0)
+            else:
+                wake_at.append(aborted + CHILD_ABORT_GRACE_S)
+        for pid, out_s in self._lost.lost().items():
+            name = next((n for n, p in self.workers.items() if p.pid == pid and p.poll() is None), None)
+            if name is not None and pid not in self._ended:
+                log.error("worker %s (pid %d) out of rotation for %.1f s and not registered again "
+                          "(no heartbeat, or a batch that never came back): hung; killing it", name, pid, out_s)
+                self._ended.add(pid)
+                self.workers[name].kill()
+        return wake_at
+
+    def _unkillable(self, now: float) -> bool:
+        """A hung child still there a second after its SIGKILL (stuck in the kernel)."""
+        return any(now - at >= 1.0 for at in self._killed.values())
+
     def stop(self) -> None:
-        """Workers first (they finish their batch), then the dispatcher (it drains)."""
-        procs = list(self.workers.values())
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        _wait_all(procs, STOP_TIMEOUT_S)
+        """Front doors first (their requests in flight finish while the workers and the
+        dispatcher still serve them), then workers (they finish their batch), then the
+        dispatcher (it drains); each group bounded. Then the shared memory of children that
+        were killed, which no process of this node would reap any more."""
+        if self._lost is not None:
+            self._lost.close()
+        front = [p for n, p in self.workers.items() if n.startswith(FRONTEND_NAME)]
+        workers = [p for n, p in self.workers.items() if not n.startswith(FRONTEND_NAME)]
+        _stop_all(front, STOP_TIMEOUT_S)
+        _stop_all(workers, STOP_TIMEOUT_S)
         if self.dispatcher is not None:
-            if self.dispatcher.poll() is None:
-                self.dispatcher.terminate()
-            _wait_all([self.dispatcher], STOP_TIMEOUT_S)
-        if self._front_doors_ready is not None:
-            self._front_doors_ready.close()
-            self._front_doors_ready = None
+            # A drain longer than STOP_TIMEOUT_S was cut by SIGKILL.
+            _stop_all([self.dispatcher], max(STOP_TIMEOUT_S, self.node.dispatcher.drain_timeout_s + DRAIN_MARGIN_S))
+            if self.dispatcher.returncode < 0:  # killed (here, hung, or by anyone): it removed no file
+                _remove_stale_ipc((self.node.dispatcher.frontend, self.node.dispatcher.backend))
+        if self._notifications is not None:
+            self._notifications.close()
+            self._notifications = None
+        self._reap_killed()
+
+    def _reap_killed(self) -> None:
+        """What children killed hard (SIGKILL) left, which no process of the node would reap
+        after its stop: their shared-memory segments nobody holds (a front door's 64 MiB pool;
+        only those named after this node's children), and the front doors' registry folder
+        when none of them is left (the last one out removes it; killed, none did)."""
+        from .shm import reap_orphans
+
+        reaped = reap_orphans(grace_s=0.0, pids=self._spawned)
+        if reaped:
+            log.info("removed %d shared-memory segments of the node's processes killed hard", len(reaped))
+        fe = self.node.frontend
+        if fe is not None and fe.processes:
+            from .kserve_shm import ShmRegions, registry_dir
+
+            path = registry_dir(fe.host, fe.grpc_port, fe.http_port)
+            if os.path.isdir(path):
+                with contextlib.suppress(OSError):
+                    ShmRegions(path).close()  # joins and leaves: the last one out removes it
 
 
 @contextlib.contextmanager
@@ -322,7 +597,11 @@ def running_node(node: NodeConfig, log_level: str = "WARNING", ready_timeout_s: 
             sup.stop()
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+def _stop_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM ``procs``, wait up to ``timeout`` for all, SIGKILL those left."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
@@ -331,6 +610,26 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
             log.warning("pid %d did not stop within %.0f s; killing it", p.pid, timeout)
             p.kill()
             p.wait()
+
+
+def _remove_stale_ipc(endpoints) -> None:
+    """The ipc socket files of a dispatcher that was killed (it removes them when it exits
+    itself): left behind, the next dispatcher's check took them for another's. Only files no
+    process listens on any more: connect() is refused."""
+    for endpoint in endpoints:
+        if not endpoint.startswith("ipc://"):
+            continue
+        path = endpoint[len("ipc://"):]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+            try:
+                s.connect(path)
+                continue  # someone serves it
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                continue  # gone already, or not ours to judge
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
@@ -343,9 +642,9 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
         raise SystemExit(0)  # unwinds out of start-up (e.g. wait_ready) into sup.stop() below
 
     # SIGTERM may come at any moment, also before run_forever takes the signals over.
-    signal.signal(signal.SIGTERM, stop_now)
-    signal.signal(signal.SIGINT, stop_now)
-    sup = Supervisor(config_path, node, log_level)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_now)
+    sup = Supervisor(config_path, node, log_level, child_watchdog=True)
     try:
         sup.start()
         try:
@@ -360,6 +659,6 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
         return sup.run_forever()
     finally:
         notify("STOPPING=1")
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup short
+        for sig in STOP_SIGNALS:  # a second signal must not cut the cleanup short
             signal.signal(sig, signal.SIG_IGN)
         sup.stop()

@@ -4,8 +4,8 @@
   curve_secret_key`` names a key file made by ``batchyard keygen``; client public keys are
   checked by a ZAP handler on the dispatcher's own event loop (no extra thread) against the
   ``*.key`` files in ``curve_authorized_keys`` ("*": any key, encryption only).
-- ipc endpoints: the socket file gets ``ipc_mode`` and ``ipc_group``, so the file system decides
-  who may connect.
+- ipc endpoints: the clients' socket file gets ``ipc_mode`` and ``ipc_group``, so the file
+  system decides who may connect; the workers' one is 0600, the node user's alone.
 - the frontend refuses frames over ``max_message_bytes`` (ZMQ_MAXMSGSIZE): ZeroMQ drops such a
   peer before a byte of it reaches the dispatcher.
 """
@@ -100,9 +100,15 @@ def bind(sock: zmq.Socket, address: str, cfg: DispatcherConfig, frontend: bool) 
     if address.startswith("ipc://"):
         path = address[len("ipc://"):]
         if not path.startswith("@"):  # an abstract socket has no file
-            os.chmod(path, int(cfg.ipc_mode, 8))
-            if cfg.ipc_group:
-                os.chown(path, -1, grp.getgrnam(cfg.ipc_group).gr_gid)
+            if frontend:
+                os.chmod(path, int(cfg.ipc_mode, 8))
+                if cfg.ipc_group:
+                    os.chown(path, -1, grp.getgrnam(cfg.ipc_group).gr_gid)
+            else:
+                # Workers run as the node's user (the dispatcher refuses others' registrations):
+                # the clients' mode and group gave every client a connection here, where one that
+                # took a dead worker's routing id was handed its batches.
+                os.chmod(path, 0o600)
             st = os.stat(path)
             return (path, st.st_dev, st.st_ino)
     return None

@@ -29,3 +29,14 @@ class SmallBatchesOnly(nn.Module):
 
 def small_batches_only(spec=None) -> nn.Module:
     return SmallBatchesOnly()
+
+
+class ReturnsATuple(nn.Module):
+    """Its forward returns a tuple, not the dict of tensors by output name a worker answers from."""
+
+    def forward(self, x):
+        return (x[:, :2],)
+
+
+def returns_a_tuple(spec=None) -> nn.Module:
+    return ReturnsATuple()

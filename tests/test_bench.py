@@ -60,6 +60,46 @@ def test_latency_counts_from_the_schedule_and_a_generator_that_fell_behind_is_fl
     assert rep.summary["p99_ms"] == pytest.approx(2.0) and rep.schedule_kept
 
 
+def _window_rows(spec, rates, p99s_ms):
+    """Rows whose replies arrive evenly through each measured window, ``rates[w]`` a second, the
+    latency 1 ms but for the slowest 2 % at ``p99s_ms[w]`` (the window's p99)."""
+    sent, lat = [], []
+    for w, (rate, p99) in enumerate(zip(rates, p99s_ms)):
+        n = int(rate * spec.window_s)
+        done = spec.warmup_s + w * spec.window_s + (np.arange(n) + 0.5) / rate
+        ms = np.where(np.arange(n) % 50 == 0, p99, 1.0)
+        sent.append(done - ms / 1e3)
+        lat.append(ms * 1e3)
+    return rows_of(np.concatenate(sent), np.concatenate(lat))
+
+
+@pytest.mark.parametrize("rates, p99s_ms, stable", [
+    ((85, 100, 115), (10, 10, 10), False),  # within 15 % of their mean, but max/min 1.35
+    ((100, 100, 100), (10, 10, 12), False),  # the p99 too: 1.2
+    ((95, 100, 105), (10, 10.5, 11), True)])  # 1.105 and 1.1
+def test_windows_are_stable_as_perf_analyzer_says_max_over_min_within_the_bound(rates, p99s_ms, stable):
+    spec = LoadSpec(concurrency=4, warmup_s=1.0, window_s=10.0, windows=3, stability=0.15)
+    rep = analyse(_window_rows(spec, rates, p99s_ms), spec, "batchyard", "x")
+    assert [w["throughput_rps"] for w in rep.windows] == pytest.approx(list(rates))
+    assert rep.stable is stable and rep.used_windows == [0, 1, 2]
+
+
+@pytest.mark.parametrize("windows", [1, 2, 3])
+def test_bench_with_fewer_than_three_windows_can_be_stable(windows):
+    """`batchyard bench --windows 1` or `2` asked for 3 stable windows of 1 or 2: every run "NO"."""
+    import argparse
+
+    from batchyard.bench.bench_cli import spec_from
+    from batchyard.bench.commands import _bench_arguments
+
+    ap = argparse.ArgumentParser()
+    _bench_arguments(ap)
+    spec = spec_from(ap.parse_args(["--address", "tcp://127.0.0.1:1", "--concurrency", "4", "--windows",
+                                    str(windows), "--window", "10", "--warmup", "1"]))
+    rep = analyse(_window_rows(spec, [100] * windows, [10] * windows), spec, "batchyard", "x")
+    assert rep.stable and rep.used_windows == list(range(windows))
+
+
 def test_schedule_modes_have_the_rates_they_say(tmp_path):
     spec = LoadSpec(rate=500.0, distribution="constant", warmup_s=0, window_s=2, windows=1)
     t, prio, _ = schedule(spec)
@@ -166,12 +206,13 @@ def test_triton_schedule_policy_sends_priority_and_server_timeout_only_when_aske
     assert status(RuntimeError("Deadline Exceeded")) == 14
 
 
-def _vs_run(server, rate, summary, rnd=0):
+def _vs_run(server, rate, summary, rnd=0, schedule_kept=True):
     """One vs_triton run as run_all records it: ``summary`` is its report's."""
     from batchyard.bench.harness import Report
 
     return {"server": server, "rate": rate, "round": rnd, "report": Report(server, "", rate, stable=True,
-                                                                          summary=summary)}
+                                                                          summary=summary,
+                                                                          schedule_kept=schedule_kept)}
 
 
 def _vs_results(runs, loads, saturate, slo_ms, delays_us, rounds=1, limit=None):
@@ -371,6 +412,118 @@ def test_vs_triton_measures_no_server_while_another_still_serves_a_backlog(monke
     # Every server of a round gets that round's arrivals, and the rounds differ (all rounds
     # replayed one schedule: their range showed the servers' noise only).
     assert all(len(s) == 1 for s in seeds.values()) and len(set.union(*seeds.values())) == 2, seeds
+
+
+def test_vs_triton_loads_that_failed_requests_or_fell_behind_count_toward_no_goal():
+    """A failed request is in no percentile and a generator behind its schedule did not offer the
+    load: the goals took such a load's p99 at its word, and report.md showed nothing of it."""
+    from batchyard.bench.vs_triton import render, summarise_results
+
+    def run(server, rate, p99, errors=None, kept=True):
+        return _vs_run(server, rate, {"p50_ms": p99 / 2, "p99_ms": p99, "throughput_rps": rate * 0.9,
+                                      "mean_batch": 2.0, "errors": errors or {}}, schedule_kept=kept)
+    runs = [run("batchyard", 10, 100.0, errors={"4": 3}), run("batchyard", 20, 200.0, kept=False),
+            run("batchyard", 30, 9000.0),
+            run("triton 0 us", 10, 50.0, errors={"14": 1}), run("triton 0 us", 20, 300.0),
+            run("triton 0 us", 30, 9000.0),
+            run("triton 50000 us", 10, 150.0), run("triton 50000 us", 20, 400.0),
+            run("triton 50000 us", 30, 9000.0)]
+    res = _vs_results(runs, loads=[10, 20], saturate=30, slo_ms=500.0, delays_us=[0, 50000])
+    summ = summarise_results(res)
+    light, mid, _ = summ["rows"]
+    assert light["triton_delay_us"] == 50000  # not 0 us, whose lower p99 left a failed request out
+    assert light["batchyard"]["schedule_kept"] is True and mid["batchyard"]["schedule_kept"] is False
+    assert light["batchyard"]["errors"] == 3
+    # Batchyard's p99 is below Triton's at both loads, but neither load counts.
+    assert summ["goals"]["p99_at_or_below_triton_every_load"] is False
+    assert summ["goals"]["loads_not_counted"] == [10, 20]
+    assert summ["max_under_slo"] == {"batchyard": 0.0, "triton": 18.0}
+    text = render(res, summ, "python -m batchyard.bench.vs_triton")
+    assert "| 10 | 50.0 | 100.0 † |" in text and "| 20 | 100.0 | 200.0 ‡ |" in text
+    assert "| 10 | 100.0 † [9.0/s, B 2.0] | 50.0 † [9.0/s, B 2.0] | 150.0 [9.0/s, B 2.0] |" in text
+    assert "‡ the load generator fell behind its schedule" in text
+    assert "**no** (not counted: 10/s, 20/s, marked † or ‡ above)" in text
+    # The same p99s, all on schedule and without failures: the goal is met, and nothing is marked.
+    clean = [run(r["server"], r["rate"], r["report"].summary["p99_ms"]) for r in runs
+             if r["server"] != "triton 0 us"]
+    res = _vs_results(clean, loads=[10, 20], saturate=30, slo_ms=500.0, delays_us=[50000])
+    summ = summarise_results(res)
+    assert summ["goals"]["p99_at_or_below_triton_every_load"] is True and summ["goals"]["loads_not_counted"] == []
+    assert summ["max_under_slo"] == {"batchyard": 18.0, "triton": 18.0}
+    text = render(res, summ, "python -m batchyard.bench.vs_triton")
+    assert "†" not in text and "‡" not in text and "at every offered load: **yes**." in text
+
+
+def test_slo_ceiling_sets_the_live_figures_beside_its_own_only_under_the_same_slo(tmp_path, capsys):
+    """Asked for a 2000 ms SLO on a report measured under 1000 ms, it printed the live figures as
+    "measured live under the same SLO" and divided its ceiling by them."""
+    import json
+
+    from batchyard.bench import slo_ceiling
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"limit": {"curve": {"1": {"ms": 50.0}, "2": {"ms": 80.0}}},
+                                  "plan": {"slo_ms": 1000.0, "delays_us": [0]},
+                                  "summary": {"max_under_slo": {"batchyard": 21.8, "triton": 20.0}}}))
+    for slo in (2000, 1000):
+        out = tmp_path / f"out{slo}"
+        slo_ceiling.main(["--report", str(report), "--slo-ms", str(slo), "--requests", "200", "--seeds", "1",
+                          "--out", str(out)])
+        text = (out / "report.md").read_text()
+        if slo == 2000:
+            assert "under the same SLO" not in text and "× Triton's live figure" not in text
+            assert "Measured live under ANOTHER SLO (p99 ≤ 1000 ms, not 2000 ms): Batchyard 21.80/s" in text
+        else:
+            assert "Measured live under the same SLO" in text and "× Triton's live figure" in text
+    capsys.readouterr()
+
+
+def _sim(policy, latency_ms):
+    """A SimResult of ``latency_ms`` a request, NaN for one never served (as simulate leaves it)."""
+    from batchyard.bench.simulator import SimResult
+
+    lat = np.asarray(latency_ms, dtype=np.float64) / 1e3
+    served = ~np.isnan(lat)
+    n = len(lat)
+    return SimResult(policy, "synthetic", lat, np.where(served, 0, 2).astype(np.int8), served,
+                     np.ones(n, np.int8), np.where(served, 1, -1), [1] * int(served.sum()), duration=1.0)
+
+
+@pytest.mark.parametrize("stranded", ["greedy", "mcb"])
+def test_a_schedule_that_left_requests_unserved_is_nobodys_best_and_meets_no_bar(monkeypatch, stranded):
+    """Its p99 is over the requests it served: by leaving its slowest 2 % unserved, a baseline
+    was the best (MCB's bar missed) or MCB met the bar, and the bootstrap dropped those pairs."""
+    from batchyard.bench import sim_report as S
+
+    def latency(policy, n):
+        ms = np.where(np.arange(n) % 50 == 0, 5.0, 1.0)  # every 50th: 5 ms, so p99 5 ms
+        if policy == stranded:
+            return np.where(ms == 5.0, np.nan, 0.9)  # the slow ones never served: p99 0.9 ms
+        return ms if policy == "mcb" else ms * 2  # every baseline slower than MCB
+
+    monkeypatch.setitem(S.SCENARIOS, "synthetic", (S.DEVICES, S._poisson, (0.5,), "synthetic"))
+    monkeypatch.setattr(S, "simulate", lambda policy, trace, devices: _sim(policy, latency(policy, len(trace))))
+    row = S.point(("synthetic", 0.5, 1000, 1000))
+    lo, hi = row["p99_ratio_ci"]
+    if stranded == "greedy":
+        assert row["best"]["policy"] != "greedy" and row["p99_ok"] and row["p50_ok"]
+        assert hi < 1  # MCB's 5 ms against the best's 10
+        assert row["best_schedule_mean_ms"] == pytest.approx(row["mcb"]["mean_ms"])
+    else:
+        assert not row["p99_ok"] and not row["p50_ok"] and hi > 1
+        assert "**missed: 20 unserved**" in S._cells(row)
+        assert row["best_schedule_mean_ms"] == pytest.approx(row["best"]["mean_ms"])
+
+
+def test_the_p99_interval_counts_an_unserved_request_as_never_answered():
+    from batchyard.bench.sim_report import p99_ratio_interval
+
+    b = np.full(5000, 2.0)
+    a = np.where(np.arange(5000) % 50 == 0, np.nan, 1.0)  # 2 % never served: p99 of a is for ever
+    lo, hi = p99_ratio_interval(a, b)
+    assert lo > 1 and hi > 1  # dropped, the pairs left a's p99 1 against 2: "below" at 0.5
+    assert p99_ratio_interval(b, a) == (0.0, 0.0)
+    assert p99_ratio_interval(a, a) == (1.0, 1.0)
 
 
 def test_max_throughput_under_the_slo_needs_every_round_within_it():

@@ -137,6 +137,7 @@ def test_admission_bounds_the_queue_and_refuses_impossible_deadlines():
     ends = Ends()
     core = make_core(ends, max_queue=2)
     core.state.cost("m", "gpu").launch_s = 0.05
+    core.state.learned_at["m"] = 0.0  # as just measured: no probe due (see the probe's test)
     got = core.admit("m", 1, 1, 0.010, 0.0, req_id=1)
     assert type(got) is Rejected and got.status == Status.DEADLINE_EXCEEDED
     core.state.cost("m", "gpu").launch_s = 0.0
@@ -679,3 +680,68 @@ def test_a_leaving_worker_gets_no_new_batch_and_its_batch_in_flight_completes():
     assert core.decide(5.0) == []
     core.add_worker(WorkerState("w1", "gpu", {"m": 8}), 5.0)
     assert _sent(core, 5.0) == [("w1", [2])]
+
+
+def test_a_model_its_curves_call_too_slow_for_every_timeout_is_probed_once_a_second_and_recovers():
+    """Refused on a prediction alone, nothing runs, so nothing corrects the prediction: after a
+    slow spell (or with a profile in ms read as s) every request of a shorter timeout was refused
+    on arrival until the dispatcher restarted. Once a second without a batch to learn from, one
+    such request is admitted and run, whatever the curves say."""
+    ends = Ends()
+    core = make_core(ends)
+    curve = core.state.cost("m", "gpu")
+    for _ in range(20):
+        curve.observe(1, 0.150)  # what the spell taught
+    assert core.admit("m", 1, 1, 0.100, 0.0, req_id=1).probe  # nothing learnt yet: a probe
+    (batch,) = core.decide(0.0)
+    core.complete(batch.batch_id, 0.150, 0.150)  # still slow: learnt, and its request is late
+    now, served = 0.2, []
+    for i in range(2, 400):
+        now += 0.01
+        got = core.admit("m", 1, 1, 0.100, now, req_id=i)
+        if type(got) is Rejected:
+            assert got.status == Status.DEADLINE_EXCEEDED
+            continue
+        (batch,) = core.decide(now)
+        assert batch.requests == [got]  # run, not shed as late
+        core.complete(batch.batch_id, 0.001, now + 0.001)  # the spell is over
+        ends.finish(core, got)
+        served.append(now)
+    # One probe a second until the curve has seen the spell end (three fast batches), then all.
+    assert 1.0 <= served[0] - 0.15 < 1.02 and all(1.0 <= b - a < 1.02 for a, b in zip(served, served[1:3]))
+    assert len(served) == 3 + round((now - served[2]) / 0.01)
+    assert not ends.twice
+
+
+@pytest.mark.parametrize("ending", ["served", "cancelled"])
+def test_a_request_that_ended_holds_no_payload_however_long_its_deadline(ending):
+    """MCB's deadline index held every request until its deadline passed and reached the top of
+    its heap, and each request its payload frames: with 1-hour timeouts (or cancelled requests)
+    the dispatcher held a MiB for each 1 MiB request answered, 1 GiB after 400 cancels."""
+    import weakref
+
+    class Payload(bytearray):
+        pass
+
+    ends = Ends()
+    core = RequestCore(make_policy("mcb"), ends.on_fail)
+    core.add_worker(WorkerState("w", "cpu", {"m": 4}), 0.0)
+    alive, now, rid = [], 0.0, 0
+    for _ in range(500):
+        now += 0.01
+        for timeout in (30.0, 3600.0, 30.0):  # the shorter ones keep a nearer deadline on top
+            rid += 1
+            frames = [b"header", Payload(1024)]
+            alive.append(weakref.ref(frames[1]))
+            core.admit("m", 1, 1, timeout, now, client=b"c", req_id=rid, frames=frames)
+            del frames
+        if ending == "cancelled":
+            assert core.cancel(b"c", rid - 1)
+        for b in core.decide(now):
+            for r in core.complete(b.batch_id, 0.005, now + 0.005, "w").requests:
+                ends.finish(core, r)
+    import gc
+
+    gc.collect()
+    open_payloads = sum(1 for r in core.requests.values() if r.frames is not None)
+    assert sum(ref() is not None for ref in alive) == open_payloads < 10

@@ -201,12 +201,12 @@ def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_is_served(star
 
 
 # ---------------------------------------------------------------- processes that must end, and what they leave
-def _worker_cli(run_dir, workers=None, name="w0"):
+def _worker_cli(run_dir, workers=None, name="w0", models=(SUM_MODEL,)):
     """A node config in ``run_dir`` and the argv of `batchyard worker` for ``name``."""
     from batchyard.config import DispatcherConfig, NodeConfig, to_toml
 
     node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
-                      models=(SUM_MODEL,), workers=tuple(workers or [sim_worker(name, ("sum",))])).validate()
+                      models=tuple(models), workers=tuple(workers or [sim_worker(name, ("sum",))])).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(node))
     return node, [sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name", name]
@@ -281,17 +281,21 @@ def test_a_worker_with_cpus_and_a_numa_node_keeps_every_thread_on_its_cpus(run_d
     assert masks and all(m == {cpu} for m in masks.values()), masks
 
 
+def _poison_worker(run_dir, model: str, factory: str, max_batch: int):
+    """A node config in ``run_dir`` of one AMX worker, w0, of a model of tests/poison_model.py
+    (x float32[4] -> y float32[2]), and the argv of `batchyard worker` for it."""
+    spec = ModelConfig(name=model, factory=f"tests.poison_model:{factory}", max_batch=max_batch,
+                       inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    return _worker_cli(run_dir, [WorkerConfig(name="w0", kind="amx", models=(model,), threads=1, warmup_sizes=(1,))],
+                       models=(spec,))
+
+
 def test_calibrate_stops_at_a_failed_batch_and_writes_no_profile(run_dir):
     # A failed batch reports 0 us, and was taken as a measurement: the profile, written with
     # exit 0, put T(4) at 0 ms, and the dispatcher refused the file.
     from batchyard.workers.calibrate import CalibrationFailed, calibrate
 
-    model = ModelConfig(name="small", factory="tests.poison_model:small_batches_only", max_batch=8,
-                        inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
-    from batchyard.config import DispatcherConfig, NodeConfig
-
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (model,),
-                      (WorkerConfig(name="w0", kind="amx", models=("small",), threads=1, warmup_sizes=(1,)),)).validate()
+    node, _ = _poison_worker(run_dir, "small", "small_batches_only", 8)
     out = Path(run_dir) / "profile.json"
     with pytest.raises(CalibrationFailed, match=r"w0 small B=4: the batch failed: .*batch too big for this model"):
         calibrate(node, out, sizes=[1, 4], reps=2, log=lambda *_: None)
@@ -299,3 +303,31 @@ def test_calibrate_stops_at_a_failed_batch_and_writes_no_profile(run_dir):
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", "calibrate", "--config", "x.toml", "--out", str(out),
                         "--sizes", "0,a"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--sizes" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_calibrate_writes_one_point_a_size_for_two_workers_of_one_path_and_the_node_takes_it(run_dir):
+    # node0.toml's two AMX workers of one model wrote each size twice, one per worker, and the
+    # dispatcher refused the profile calibrate had just written ("a batch size twice").
+    from batchyard.config import DispatcherConfig, NodeConfig
+    from batchyard.cost_model import load_profile
+    from batchyard.workers.calibrate import calibrate
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (SUM_MODEL,),
+                      (sim_worker("s0", ("sum",)), sim_worker("s1", ("sum",)))).validate()
+    out = Path(run_dir) / "profile.json"
+    calibrate(node, out, sizes=[1, 4], reps=2, log=lambda *_: None)
+    import json
+
+    (path, curve), = json.loads(out.read_text())["models"]["sum"].items()  # both workers' path
+    assert [b for b, _ in curve["points"]] == [1, 4]
+    assert load_profile(str(out), {"sum"})[("sum", path)].predict(4) > 0  # refused before: a size twice
+
+
+def test_a_model_whose_forward_returns_no_dict_of_tensors_stops_its_worker_in_one_line(run_dir):
+    # Its warm-up died with "AttributeError: 'tuple' object has no attribute 'items'", exit 1,
+    # and up restarted it for ever: the same code fails the same way at every start.
+    _, argv = _poison_worker(run_dir, "tup", "returns_a_tuple", 2)
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
+    assert "'tup': warm-up at B=1: model 'tup': forward must return a dict of tensors by output name, got tuple" \
+        in r.stderr, r.stderr

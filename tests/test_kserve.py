@@ -675,8 +675,11 @@ def test_shm_register_infer_unregister(front_door, proto):
         i, o = _shm_io(mod, "in", "out")
         result = c.infer("sum", [i], outputs=[o])
         np.testing.assert_array_equal(tshm.get_contents_as_numpy(shm_out, np.float32, [3, 2]), front_door.sdk("sum", X))
-        if proto == "http":  # as Triton's: tritonclient's C++ client takes any parameters for binary data
+        # As Triton 2.51's, over either protocol: the output names no region (gRPC's named it)
+        if proto == "http":  # tritonclient's C++ client takes any parameters for binary data
             assert result.get_output("y") == {"name": "y", "datatype": "FP32", "shape": [3, 2]}
+        else:
+            assert not result.get_output("y").parameters
         status = c.get_system_shared_memory_status(**({"as_json": True} if proto == "grpc" else {}))
         names = set(status["regions"]) if proto == "grpc" else {r["name"] for r in status}
         assert names == {"in", "out"}
@@ -1122,8 +1125,8 @@ RAW_CASES = {
     "an input given twice": ([_X, _X], {}, {}, "input 'x' already exists in request"),
     "a dimension left unspecified": ([("x", [-1, 4], X.ravel().tolist())], {}, {},
                                      r"All input dimensions should be specified for input 'x' for model 'sum', got \[-1, 4\]"),
-    "a timeout outside 64 bits": ([_X], {"timeout": -1}, {"timeout": 2 ** 64},
-                                  "invalid value for 'timeout', expected value >= 0|"
+    # (over gRPC, an int64 timeout of -1 is what Triton 2.51's cast to uint64 makes of it: accepted)
+    "a timeout outside 64 bits": ([_X], None, {"timeout": 2 ** 64},
                                   "parameter 'timeout' must be an unsigned 64-bit integer"),
     "a priority outside 64 bits": ([_X], {"priority": -1}, {"priority": 2 ** 64},
                                    "invalid value for 'priority', expected value >= 0|"
@@ -1343,8 +1346,9 @@ def test_bad_shm_region_is_not_found(front_door):
 
 def test_a_registration_without_key_or_size_or_of_no_bytes_is_refused(front_door):
     """As Triton 2.51: over HTTP a body without ``key`` or ``byte_size`` is a 400 naming the field
-    (a missing size registered a region of 0 bytes); a region of 0 bytes is refused over either
-    protocol, and nothing is registered."""
+    (a missing size registered a region of 0 bytes); a region of 0 bytes, or past its segment's
+    end, is refused over either protocol as Triton refuses it (INTERNAL, 500: this said
+    INVALID_ARGUMENT, 400), and nothing is registered."""
     h = thttp.InferenceServerClient(front_door.http_url)
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     segment = shared_memory.SharedMemory(f"by_kserve_nosize_{os.getpid()}", create=True, size=64)
@@ -1354,12 +1358,14 @@ def test_a_registration_without_key_or_size_or_of_no_bytes_is_refused(front_door
             r = h._post("v2/systemsharedmemory/region/r0/register", json.dumps(body).encode(), None, None)
             assert r.status_code == 400, r.status_code
             assert json.loads(r.read())["error"] == f"Shared memory register request has no '{missing}' field"
-        with pytest.raises(InferenceServerException, match="invalid args") as e:
-            h.register_system_shared_memory("r0", f"/{segment.name}", 0)
-        assert e.value.status() == "400"
-        with pytest.raises(InferenceServerException, match="invalid args") as e:
-            g.register_system_shared_memory("r0", f"/{segment.name}", 0)
-        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        # Triton 2.51 answers a region of no bytes, or past its segment's end, as its own failure
+        for size, offset in ((0, 0), (65, 0), (16, 60)):
+            with pytest.raises(InferenceServerException, match="Invalid shared memory region") as e:
+                h.register_system_shared_memory("r0", f"/{segment.name}", size, offset)
+            assert e.value.status() == "500"
+            with pytest.raises(InferenceServerException, match="Invalid shared memory region") as e:
+                g.register_system_shared_memory("r0", f"/{segment.name}", size, offset)
+            assert e.value.status() == "StatusCode.INTERNAL"
         assert h.get_system_shared_memory_status() == []
     finally:
         segment.close()
@@ -1810,3 +1816,31 @@ def test_an_input_the_model_lacks_is_refused_before_its_data_is_read(front_door)
             service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unexpected inference input 'nope' for model 'sum'" in e.value.details()
+
+
+def test_outputs_come_in_the_models_order_and_protocol_quirks_as_tritons():
+    """Triton 2.51 answers outputs in the model's order: asked for [w, y], the front door answered
+    [w, y], and a client reading ``outputs[i]`` or ``raw_output_contents[i]`` by position read the
+    other output. A negative gRPC ``timeout`` is what Triton's cast to uint64 makes of it (refused
+    here before); a ``shared_memory_region`` of "" is refused (its tensor's own data was read)."""
+    from tritonclient.grpc import service_pb2
+
+    from batchyard.kserve_grpc import KServeServicer, _shm_param, uint_param
+    from batchyard.kserve_http import KServeHttp
+
+    spec = ModelConfig(name="two", max_batch=4, inputs=(TensorConfig("x", "float32", (4,)),),
+                       outputs=(TensorConfig("y", "float32", (2,)), TensorConfig("w", "float32", (1,)))).spec()
+    request = service_pb2.ModelInferRequest(model_name="two")
+    for name in ("w", "y"):
+        request.outputs.add(name=name)
+    servicer = KServeServicer.__new__(KServeServicer)
+    assert [n for n, _ in servicer._requested_outputs(request, spec, {}, None)] == ["y", "w"]
+    http = KServeHttp.__new__(KServeHttp)
+    header = {"outputs": [{"name": "w"}, {"name": "y", "parameters": {"binary_data": True}}]}
+    assert [(n, b) for n, b, _ in http._requested_outputs(header, spec, False, {}, None)] == [("y", True), ("w", False)]
+    params = service_pb2.ModelInferRequest().parameters
+    params["timeout"].int64_param = -5
+    assert uint_param(params, "timeout", ("int64_param",), cast=True) == 2**64 - 5
+    params["shared_memory_region"].string_param = ""
+    with pytest.raises(KServeError, match="names no region"):
+        _shm_param(params)

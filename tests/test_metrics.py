@@ -187,3 +187,42 @@ def test_a_model_name_with_a_slash_keeps_it_in_the_curve_labels():
     text = Metrics().render({}, {}, {"org/bert/gpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {})
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     assert total(samples, "batchyard_cost_per_item_us", model="org/bert", path="gpu") == 50.0
+
+
+def test_a_batch_in_which_every_request_failed_is_no_execution(start_node):
+    # As Triton's backends report a batch only if some response in it succeeded: exec_count
+    # counted failed batches too, so count / exec_count (the mean batch, as the bench and the
+    # docs read it) read 0.8 with every successful batch of one item, and the front door's
+    # ModelStatistics execution_count disagreed with it.
+    from batchyard.config import ModelConfig, TensorConfig, WorkerConfig
+    from batchyard.errors import InternalError
+
+    small = ModelConfig(name="small", factory="tests.poison_model:small_batches_only", max_batch=8,
+                        inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    port = free_port()
+    node = start_node([WorkerConfig(name="w0", kind="amx", models=("small",), threads=1, warmup_sizes=(1,))],
+                      models=(small,), metrics_port=port)
+    with node.client() as c:
+        for _ in range(3):
+            c.infer("small", {"x": np.ones((1, 4), np.float32)})
+        for _ in range(2):
+            with pytest.raises(InternalError):  # the model raises on 4 items or more
+                c.infer("small", {"x": np.ones((4, 4), np.float32)})
+        c.status()
+    m = scrape_port(port)
+    assert total(m, "nv_inference_exec_count", model="small") == 3
+    assert total(m, "nv_inference_count", model="small") == 3
+
+
+def test_a_served_models_series_exist_at_zero_before_its_first_request(start_node):
+    # As Triton creates a model's counters when it loads: born at its first increment, a failure
+    # series appeared already at its burst's count, and rate()/increase() read that burst as 0.
+    port = free_port()
+    start_node([sim_worker()], metrics_port=port)
+    m = scrape_port(port)
+    for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
+        assert [x.value for x in m if x.name == "nv_inference_request_failure" and x.labels["model"] == "sum"
+                and x.labels["reason"] == reason] and total(m, "nv_inference_request_failure", reason=reason) == 0
+    for name in ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count"):
+        assert [x for x in m if x.name == name and x.labels["model"] == "sum"], name
+        assert total(m, name) == 0

@@ -504,6 +504,40 @@ def test_a_device_that_turns_several_times_slower_is_learnt():
     assert not c.observe(8, 0.5)  # a lone GC pause is still one
 
 
+def test_a_slow_spell_learnt_is_unlearnt_within_a_few_batches_once_it_is_over():
+    # A co-located job made batches 40x slower for 20 batches, so the knot learnt them (a run
+    # is the device, not GC). Faster samples then moved it 1.25 % a batch through the clipped
+    # running mean: 3 ms batches were predicted at 118 ms hundreds of batches later, and
+    # admission refused every request of a 100 ms timeout meanwhile.
+    c = CostCurve()
+    for _ in range(400):
+        c.observe(1, 3e-3)
+    for _ in range(20):
+        c.observe(1, 120e-3)
+    assert c.predict(1) > 100e-3
+    for _ in range(3):
+        c.observe(1, 3e-3)
+    assert c.predict(1) == pytest.approx(3e-3, rel=0.1)
+    for _ in range(20):
+        c.observe(1, 3e-3)
+    c.observe(1, 0.5e-3)  # one fast batch alone (a partial failure) moves it little
+    assert c.predict(1) == pytest.approx(3e-3, rel=0.1)
+
+
+def test_a_model_of_two_batch_times_is_predicted_at_their_mean_not_flipped_to_the_fast_one():
+    # Half its batches 1 ms, half 10 ms (short and long inputs): the knot, an average of both,
+    # was restarted at 1 ms by every three fast batches in a row, and predicted so 49 % of the
+    # time (admitting work the worker could not do in time).
+    rng = random.Random(0)
+    c = CostCurve()
+    below = 0
+    for i in range(3000):
+        for b in (1, 8):
+            c.observe(b, (0.001 if rng.random() < 0.5 else 0.010) * (1 + 0.1 * (b - 1)))
+        below += i >= 300 and c.predict(1) < 0.0055 / 2
+    assert below < 0.01 * 2700
+
+
 def test_a_calibrated_curve_rejects_an_outlier_from_its_first_online_sample():
     """A profile has fewer points than the samples an online curve waits for before it judges:
     one 30x batch right after a six-point calibration moved T(1) from 1.5 to 30.5 ms."""

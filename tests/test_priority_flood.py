@@ -104,11 +104,11 @@ def test_a_flooded_low_class_is_served_newest_first():
 
 def test_a_counted_batch_takes_the_flooded_low_class_newest_first_too():
     """take_batch with max_requests (escape:K's CPU share) pops the same end that ``take`` does:
-    it used to ignore newest_low_first and take the oldest low requests."""
+    it used to ignore newest-first and take the oldest low requests."""
     q = ModelQueue("m")
     for i in range(5):
         q.push(Request(seq=i, model="m", items=1, priority=2, arrival=float(i), deadline=math.inf, req_id=i))
-    assert [r.req_id for r in take_batch(q, 8, 8, max_requests=2, newest_low_first=True)] == [4, 3]
+    assert [r.req_id for r in take_batch(q, 8, 8, max_requests=2, newest_first=1 << 2)] == [4, 3]
     assert [r.req_id for r in take_batch(q, 8, 8, max_requests=2)] == [0, 1]
 
 

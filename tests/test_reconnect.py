@@ -254,34 +254,72 @@ def test_a_registration_that_does_not_decode_is_refused_in_words(run_dir, proces
 
 
 def test_a_worker_of_another_user_is_refused(run_dir, processes):
-    """The backend's socket file shares the clients' group (ipc_group): a client that registered
-    as a worker was given other clients' batches, their tensors, and answered them."""
+    """The backend's socket file shared the clients' mode and group (ipc_group): a client that
+    registered as a worker was given other clients' batches, their tensors, and answered them;
+    one that took a dead worker's routing id kept its registration alive. The backend is the
+    node user's alone now, whatever ipc_mode says; a registration of another uid (root's
+    connections pass any mode) is refused in words."""
     import shutil
+    import stat
 
-    if os.getuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root to run a process as another user")
-    os.chmod(run_dir, 0o755)
     node = dispatcher_alone(processes, run_dir, ipc_mode="0666")
     with Client(node.dispatcher.frontend) as c:
         c.status()  # bound
-    code = ("import sys, zmq\n"
-            "from batchyard import protocol as P\n"
-            "from conftest import SUM_MODEL\n"
-            "s = zmq.Context.instance().socket(zmq.DEALER)\n"
-            "s.setsockopt(zmq.LINGER, 0)\n"
-            f"s.connect({node.dispatcher.backend!r})\n"
-            "s.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker='rogue', pid=1, path='cpu', "
-            "models=[SUM_MODEL.spec()])))\n"
-            "assert s.poll(30000), 'no answer'\n"
-            "m = P.to_worker_decoder.decode(s.recv())\n"
-            "print(type(m).__name__, m.message if hasattr(m, 'message') else '')\n")
-    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c", code],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(Path(ROOT) / "tests")})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("RegisterRejected a worker connects as the node's user"), r.stdout
-    with Client(node.dispatcher.frontend) as c:
-        assert c.status().workers == []
+    backend = node.dispatcher.backend[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(backend).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(node.dispatcher.frontend[len("ipc://"):]).st_mode) == 0o666
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        return  # (running as another user needs root)
+    os.chmod(run_dir, 0o755)
+    code = ("import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            f"    s.connect({backend!r})\n"
+            "except PermissionError:\n"
+            "    print('refused')\n")
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-S", "-c",
+                        code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.stdout.strip() == "refused", (r.stdout, r.stderr[-2000:])
+
+
+def test_a_result_from_another_process_under_a_workers_routing_id_is_dropped(run_dir, processes):
+    """A worker was its routing id alone: any process on the backend that took one a worker uses
+    (its heartbeat thread's ``<name>#hb``, or a dead worker's name) answered that worker's batch,
+    and the client got the forged output. Messages count only from the process that registered."""
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.errors import DeadlineExceeded
+
+    node = dispatcher_alone(processes, run_dir)
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.setsockopt(zmq.ROUTING_ID, b"w0")
+    worker.connect(node.dispatcher.backend)
+    try:
+        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=os.getpid(), path="cpu",
+                                        models=[SUM_MODEL.spec()])))
+        assert worker.poll(30_000)
+        assert type(P.to_worker_decoder.decode(worker.recv_multipart()[0])) is P.Registered
+        with Client(node.dispatcher.frontend) as c:
+            pending = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=3)
+            assert worker.poll(30_000)
+            batch = P.to_worker_decoder.decode(worker.recv_multipart()[0])
+            forge = ("import numpy as np, zmq\n"
+                     "from batchyard import protocol as P\n"
+                     "s = zmq.Context.instance().socket(zmq.DEALER)\n"
+                     "s.setsockopt(zmq.ROUTING_ID, b'w0#hb')\n"
+                     f"s.connect({node.dispatcher.backend!r})\n"
+                     "y = [P.TensorRef(name='y', dtype='float32', shape=[1, 2], frame=0)]\n"
+                     f"s.send_multipart([P.encode(P.BatchDone(batch_id={batch.batch_id}, worker='w0', compute_us=100, "
+                     f"results=[P.ItemResult(seq={batch.seqs[0]}, status=0, n_frames=1, outputs=y)])), "
+                     "np.full((1, 2), 666, np.float32)])\n"
+                     "s.close(linger=10000)\n")
+            subprocess.run([sys.executable, "-c", forge], check=True, timeout=60, cwd=ROOT)
+            with pytest.raises(DeadlineExceeded):  # the real worker never answered
+                pending.result(timeout=30)
+    finally:
+        worker.close()
 
 
 def test_a_leaving_worker_is_answered_and_gets_no_new_batch_while_another_serves(run_dir, processes):

@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -261,6 +262,21 @@ def test_notify_reaches_an_abstract_socket():
         assert s.recv(64) == b"READY=1"
 
 
+def test_notify_never_blocks_on_a_receiver_that_does_not_read():
+    """`up` gives its children's event loops a socket of its own to ping: a full queue there
+    (10 datagrams by default) blocked sendto, and froze the loop."""
+    name = f"batchyard-test-full-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind("\0" + name)
+        sent = []
+        t = threading.Thread(target=lambda: sent.extend(sd_notify.notify("WATCHDOG=1", {"NOTIFY_SOCKET": "@" + name})
+                                                         for _ in range(1000)), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "notify blocked on a full socket"
+        assert sent[0] and not sent[-1]
+
+
 def test_notify_outside_systemd_does_nothing():
     assert not sd_notify.notify("READY=1", {})
     assert sd_notify.watchdog_interval_s({}) is None
@@ -289,7 +305,7 @@ def test_the_event_loop_pings_the_watchdog_until_closed(notify_socket):
 def test_front_door_readiness_names_the_sender_the_kernel_saw():
     """`up` counts a front door ready by the pid the kernel stamps on its READY=1, so another
     process that finds the abstract socket cannot speak for a front door."""
-    ready = supervisor.FrontDoorsReady()
+    ready = supervisor.ChildNotifications()
     try:
         assert sd_notify.notify("STATUS=starting", {"NOTIFY_SOCKET": ready.address})
         assert sd_notify.notify("READY=1\nMAINPID=1", {"NOTIFY_SOCKET": ready.address})
@@ -431,3 +447,44 @@ def test_a_worker_asked_to_stop_exits_even_when_its_batch_never_ends():
             "threading.Event().wait()  # a batch that never ends\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr
+
+
+def test_a_childs_ping_wakes_ups_loop_at_once():
+    """up's notification socket holds net.unix.max_dgram_qlen datagrams (10 by default) and was
+    read only when its loop woke for its own reasons: the pings of 11 or more children (front
+    doors and the dispatcher) overflowed it between wakes, were dropped, and up aborted healthy
+    front doors as hung, again every watchdog period. Each datagram now raises SIGIO, which the
+    loop waits on with the other signals, at the loop's own thread: one started earlier, which
+    does not block SIGIO, must not take it (raised at the process, it went there in the full
+    test suite, and the loop waited in vain)."""
+    import signal
+    import socket as so
+
+    from batchyard.supervisor import ChildNotifications
+
+    notes = ChildNotifications()
+    before = signal.signal(signal.SIGIO, lambda *_: None)
+    other_done = threading.Event()
+    other = threading.Thread(target=other_done.wait)  # started before the mask: takes SIGIO
+    other.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGIO})
+    try:
+        notes.raise_sigio(True)
+        # owned by this thread (F_GETOWN_EX: type F_OWNER_TID, its tid), not by the process
+        import fcntl
+
+        owner = struct.unpack("ii", fcntl.fcntl(notes.sock, 16, bytes(8)))
+        assert owner == (0, threading.get_native_id())
+        with so.socket(so.AF_UNIX, so.SOCK_DGRAM) as child:
+            child.sendto(b"READY=1", "\0" + notes.address[1:])
+            info = signal.sigtimedwait({signal.SIGIO}, 10)
+        assert info is not None and info.si_signo == signal.SIGIO
+        notes.receive()
+        assert os.getpid() in notes.ready_pids
+        notes.raise_sigio(False)
+    finally:
+        other_done.set()
+        other.join()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGIO})
+        signal.signal(signal.SIGIO, before)
+        notes.close()

@@ -38,7 +38,10 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
     from .harness import DirectWorker
     from .runtime import powers_of_two
 
-    points: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    # model -> path -> B -> each worker's median: the dispatcher keeps one curve per (model,
+    # path), so workers of one path give one point per size (two AMX workers of node0.toml wrote
+    # every size twice, and the dispatcher refused the profile they made)
+    times: dict[str, dict[str, dict[int, list[float]]]] = {}
     for w in node.workers:
         if workers and w.name not in workers:
             continue
@@ -55,12 +58,12 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
                     _measured(w.name, model, b, dw.run(model, [req])[0])  # warm-up at this shape
                     t = statistics.median(_measured(w.name, model, b, dw.run(model, [req])[0])
                                           for _ in range(reps)) / 1e6
-                    points.setdefault(model, {}).setdefault(dw.path, []).append((b, t))
+                    times.setdefault(model, {}).setdefault(dw.path, {}).setdefault(b, []).append(t)
                     log(f"{w.name} {model} [{dw.path}] B={b:<4d} {t * 1e3:8.3f} ms")
     profile: dict = {"models": {}}
-    for model, by_path in points.items():
-        for path, pts in by_path.items():
-            pts.sort()
+    for model, by_path in times.items():
+        for path, by_size in by_path.items():
+            pts = [(b, statistics.median(ts)) for b, ts in sorted(by_size.items())]
             curve = CostCurve.from_points(pts)
             profile["models"].setdefault(model, {})[path] = {"points": pts, **curve.describe()}
             log(f"{model} [{path}]: T(B) = {curve.launch_s * 1e3:.3f} ms + {curve.per_item_s * 1e3:.4f} ms*B, "

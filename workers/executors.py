@@ -65,7 +65,15 @@ class TorchCpuExecutor:
             tensors[name] = t.to(self.dtype) if t.is_floating_point() else t
         with torch.inference_mode():
             out = self.models[model](**tensors)
+        if not (isinstance(out, dict) and all(isinstance(v, torch.Tensor) for v in out.values())):
+            raise ModelContractError(f"model {model!r}: forward must return a dict of tensors by output name, "
+                                     f"got {type(out).__name__}")
         return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
+
+
+class ModelContractError(TypeError):
+    """A model's forward returned what no batch of it can be answered from (not a dict of
+    tensors): the model's code, not the batch, is wrong."""
 
 
 def sim_outputs(inputs: dict[str, np.ndarray], spec: ModelSpec) -> dict[str, np.ndarray]:

@@ -71,7 +71,13 @@ def run_worker(node: NodeConfig, name: str) -> int:
                        secure=lambda sock: secure_worker_socket(sock, node.dispatcher, node.dispatcher.backend))
     warm = {m: wcfg.warmup_sizes for m in wcfg.models if wcfg.warmup_sizes}
     if wcfg.kind != "sim":  # warm every real path before taking traffic (seed pitfall 2: launch jitter)
-        rt.warmup(warm)
+        try:
+            rt.warmup(warm)
+        except CannotStart as e:  # (a bare traceback and exit 1, restarted for ever)
+            log.error("worker %s cannot start: %s", name, e)
+            if hasattr(executor, "close"):
+                executor.close()
+            return EX_CONFIG
     return rt.serve()
 
 

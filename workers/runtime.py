@@ -114,7 +114,14 @@ class WorkerRuntime:
                 self._sizes_run.add((model, b))
                 inputs = {t.name: np.zeros((b, *t.shape), dtype=t.dtype) for t in spec.inputs}
                 t0 = time.perf_counter()
-                self.executor.run(model, inputs)
+                try:
+                    self.executor.run(model, inputs)
+                except TypeError as e:
+                    from .executors import ModelContractError
+
+                    if isinstance(e, ModelContractError):  # a restart runs the same code: EX_CONFIG
+                        raise CannotStart(f"[[models]] {model!r}: warm-up at B={b}: {e}") from None
+                    raise
                 log.info("warm-up %s B=%d: %.1f ms", model, b, (time.perf_counter() - t0) * 1e3)
 
     def _register_msg(self) -> bytes:

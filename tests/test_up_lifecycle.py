@@ -1,0 +1,365 @@
+"""`batchyard up`'s lifecycle: children that hang without dying, the order and bound of its
+stop, its signals, and what a child killed hard leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from batchyard import supervisor
+from batchyard.client import Client
+from batchyard.config import DispatcherConfig, FrontendConfig, NodeConfig, to_toml
+from batchyard.sd_notify import child_env
+from batchyard.shm import SHM_DIR, live_segments
+
+from conftest import ROOT, SUM_MODEL, free_port, sim_worker
+
+
+# ---------------------------------------------------------------- helpers
+
+def _up(run_dir, workers, frontend=False, env=None, **dkw) -> tuple[NodeConfig, subprocess.Popen]:
+    """A `batchyard up` on private ipc paths (and, with ``frontend``, an HTTP-only front door),
+    stderr piped for its log; returns once it said ready."""
+    dkw.setdefault("heartbeat_interval_s", 0.1)
+    dkw.setdefault("worker_dead_after_s", 0.6)
+    fe = FrontendConfig(grpc_port=0, http_port=free_port()) if frontend else None
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **dkw),
+                      models=(SUM_MODEL,), workers=tuple(workers), frontend=fe).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(node))
+    up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        line = _line_with(up.stdout, b"batchyard up: ready", 180)
+        assert line, f"up did not get ready: {_rest(up)}"
+    except BaseException:
+        _kill(up)
+        raise
+    return node, up
+
+
+def _line_with(stream, text: bytes, timeout: float) -> bytes:
+    """The first line of ``stream`` containing ``text`` within ``timeout`` s, or b"" (EOF, timeout)."""
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    sel.register(stream, selectors.EVENT_READ)
+    try:
+        buf = b""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return b""
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                return b""
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if text in line:
+                    return line
+    finally:
+        sel.close()
+
+
+def _rest(up: subprocess.Popen) -> str:
+    _kill(up)
+    return up.stderr.read().decode(errors="replace")[-3000:]
+
+
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _children(up: subprocess.Popen, title: str) -> list[psutil.Process]:
+    return [p for p in psutil.Process(up.pid).children() if title in " ".join(p.cmdline())]
+
+
+def _stop(up: subprocess.Popen, timeout: float = 60) -> float:
+    """SIGTERM `up`; how long it took to exit."""
+    t0 = time.monotonic()
+    up.send_signal(signal.SIGTERM)
+    try:
+        up.wait(timeout)
+    finally:
+        _kill(up)
+    return time.monotonic() - t0
+
+
+def _http_infer(port: int, timeout: float = 60) -> str:
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]}]}).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/sum/infer", body,
+                                                           {"Content-Type": "application/json"}), timeout=timeout) as r:
+            return "ok" if json.loads(r.read())["outputs"][0]["data"] == [4.0, 4.0] else "wrong"
+    except Exception as e:  # noqa: BLE001 -- the outcome is what the test checks
+        return f"{type(e).__name__}: {e}"
+
+
+def _wait_status(c: Client, ok, timeout: float = 30):
+    """The dispatcher's status once ``ok(status)`` holds (each look is a round trip to it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = c.status()
+        if ok(st):
+            return st
+    raise AssertionError(f"not within {timeout} s: {st}")
+
+
+class _InThread:
+    """``fn()`` on a thread; ``result(timeout)`` waits for it."""
+
+    def __init__(self, fn):
+        self.value, self.done = None, threading.Event()
+
+        def run():
+            try:
+                self.value = fn()
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def result(self, timeout: float):
+        assert self.done.wait(timeout), "the call did not end"
+        return self.value
+
+
+# ---------------------------------------------------------------- hung workers
+
+def test_a_lost_worker_counts_only_once_seen_registered_and_after_its_grace():
+    """A worker starting (never seen registered) is never lost, however long it takes; one the
+    dispatcher dropped is lost once an answer ``grace_s`` later still lacks it; one that
+    registers again is not; and without an answer since, nobody is."""
+    w = supervisor.LostWorkers(client=None, grace_s=5.0, wake=lambda: None)
+    w.watch({10, 11, 12})
+    w.update({10, 11}, now=0.0)  # 12 is still starting
+    w.update({10}, now=1.0)  # 11 out of rotation
+    assert w.lost() == {}
+    w.update({10}, now=5.9)
+    assert w.lost() == {}
+    w.update({10}, now=100.0)
+    assert w.lost() == {11: 99.0}, "12 never registered: starting, not lost"
+    w.update({10, 11}, now=101.0)  # 11 registered again (a late heartbeat on a starved host)
+    assert w.lost() == {}
+    w.update({11}, now=102.0)
+    w.watch({11, 12})  # 10 restarted away: forgotten
+    w.update({11}, now=200.0)
+    assert w.lost() == {}
+
+
+def test_up_kills_and_restarts_a_worker_that_hangs(run_dir):
+    """A stopped worker (SIGSTOP; a model holding the GIL is the same to the dispatcher) sends no
+    heartbeat: the dispatcher dropped it, but tells a worker to exit only in reply to a
+    heartbeat, and `up` learned only of deaths. It stayed stopped, out of rotation, for good."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",))])
+    victim = None
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            st = c.status()
+            victim = st.workers[0].pid
+            os.kill(victim, signal.SIGSTOP)
+            # dropped after worker_dead_after_s (0.6 s), killed LOST_WORKER_GRACE_MIN_S later, started again
+            back = c.status(min_registrations=st.registrations + 1, wait=60)
+            assert back.registrations > st.registrations, "the hung worker was not started again"
+            assert [w.name for w in back.workers] == ["w0"] and back.workers[0].pid != victim
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+        assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+        assert _stop(up) < 30 and up.returncode == 0
+        assert b"hung; killing it" in up.stderr.read()
+    finally:
+        if victim is not None and psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGKILL)
+        _kill(up)
+
+
+# ---------------------------------------------------------------- hung dispatcher and front doors
+
+def test_the_childrens_watchdog_period_is_ups_own_or_an_internal_one():
+    assert supervisor.child_watchdog_s({}) == supervisor.CHILD_WATCHDOG_S
+    assert supervisor.child_watchdog_s({"WATCHDOG_USEC": "4000000"}) == 4.0
+    assert supervisor.child_watchdog_s({"WATCHDOG_USEC": "200000"}) == supervisor.CHILD_WATCHDOG_MIN_S
+
+
+def _fake_systemd(run_dir):
+    """A datagram socket standing in for systemd's, and the environment of an `up` under it
+    with WatchdogSec=2s."""
+    path = os.path.join(run_dir, "notify")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    return s, child_env() | {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}
+
+
+def test_up_ends_a_hung_dispatcher_and_exits_1(run_dir):
+    """A wedged dispatcher (here stopped) under `up`: its own watchdog was off (up stripped
+    WATCHDOG_USEC) and `up` pinged systemd on, so the node stayed down for good."""
+    sock, env = _fake_systemd(run_dir)
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",))], env=env)
+    try:
+        [dispatcher] = _children(up, "::dispatcher")
+        dispatcher.suspend()
+        try:
+            up.wait(60)  # watchdog 2 s, SIGABRT, SIGKILL 5 s later, then the stop
+        except subprocess.TimeoutExpired:
+            pytest.fail("up went on with a hung dispatcher")
+        assert up.returncode == 1
+        err = up.stderr.read()
+        assert b"dispatcher (pid %d) sent no WATCHDOG=1" % dispatcher.pid in err, err[-3000:]
+        assert not os.path.exists(f"{run_dir}/fe") and not os.path.exists(f"{run_dir}/be"), \
+            "a killed dispatcher's ipc socket files were left"
+    finally:
+        sock.close()
+        _kill(up)
+
+
+def test_up_ends_a_hung_front_door_and_starts_another(run_dir):
+    sock, env = _fake_systemd(run_dir)
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",))], frontend=True, env=env)
+    try:
+        [front] = _children(up, "::frontend")
+        front.suspend()
+        # watchdog 2 s, SIGABRT (pending: it is stopped), SIGKILL 5 s later, started again
+        assert _line_with(up.stderr, b"(killed by up: hung)", 60), "the hung front door was not ended"
+        assert _line_with(up.stderr, b"started worker frontend#0", 30), "no new front door"
+        assert not front.is_running()
+        # the new one serves once its ports are bound
+        deadline = time.monotonic() + 60
+        while (out := _http_infer(node.frontend.http_port, timeout=10)) != "ok" and time.monotonic() < deadline:
+            pass
+        assert out == "ok"
+        assert up.poll() is None
+        assert _stop(up) < 30 and up.returncode == 0
+    finally:
+        sock.close()
+        _kill(up)
+
+
+# ---------------------------------------------------------------- stop
+
+def test_front_door_requests_in_flight_are_answered_when_up_stops(run_dir):
+    """`up` stopped workers and front doors together: a request queued behind a batch lost its
+    worker and waited until `up` killed the front door 10 s later (the client got a reset).
+    Front doors stop first now, while the workers and the dispatcher still serve."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=1_000_000.0)], frontend=True,
+                   worker_dead_after_s=30.0)
+    try:
+        port = node.frontend.http_port
+        with Client(node.dispatcher.frontend) as c:
+            first = _InThread(lambda: _http_infer(port))
+            _wait_status(c, lambda st: st.workers[0].inflight > 0)
+            second = _InThread(lambda: _http_infer(port))
+            _wait_status(c, lambda st: st.queued > 0)  # behind the first's batch
+        took = _stop(up)
+        assert (first.result(30), second.result(30)) == ("ok", "ok")
+        assert took < 9, f"the stop took {took:.1f} s"
+        assert up.returncode == 0 and b"killing it" not in up.stderr.read()
+    finally:
+        _kill(up)
+
+
+def test_a_front_door_stops_within_its_grace_with_an_http_request_in_flight(run_dir):
+    """aiohttp waited up to 60 s for a handler: an HTTP request waiting on a long batch held
+    the front door's stop as long (28 s seen). Bounded by STOP_GRACE_S; the client gets an error."""
+    from batchyard.frontend_main import STOP_GRACE_S
+
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=120e6)], frontend=True,
+                   worker_dead_after_s=300.0)
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            call = _InThread(lambda: _http_infer(node.frontend.http_port, timeout=120))
+            _wait_status(c, lambda st: st.workers[0].inflight > 0)
+        [front] = _children(up, "::frontend")
+        t0 = time.monotonic()
+        front.terminate()
+        front.wait(30)
+        took = time.monotonic() - t0
+        assert took < STOP_GRACE_S + 3, f"the front door took {took:.1f} s to stop"
+        assert call.result(10) != "ok"
+    finally:
+        _kill(up)
+
+
+def test_up_waits_for_the_dispatchers_drain(run_dir):
+    """drain_timeout_s above up's 10 s stop bound was cut by SIGKILL: the requests of a batch in
+    flight got no answer, and the dispatcher's ipc socket files were left behind."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=600e6)], drain_timeout_s=12.0,
+                   worker_dead_after_s=300.0)
+    try:
+        [dispatcher] = _children(up, "::dispatcher")
+        with Client(node.dispatcher.frontend) as c:
+            fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=120)
+            _wait_status(c, lambda st: st.workers[0].inflight > 0)
+            _stop(up, timeout=90)  # the worker: 10 s, then the drain: 12 s
+            with pytest.raises(Exception, match="shut down before the batch finished"):
+                fut.result(10)
+        err = up.stderr.read()
+        assert up.returncode == 0 and b"pid %d did not stop" % dispatcher.pid not in err, err[-3000:]
+    finally:
+        _kill(up)
+
+
+def test_sighup_stops_up_like_sigterm(run_dir):
+    """Unhandled, SIGHUP (a closed terminal) ended `up` at once: no drain, and the children
+    left to their parent-death signal."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",))])
+    try:
+        children = psutil.Process(up.pid).children()
+        up.send_signal(signal.SIGHUP)
+        assert up.wait(60) == 0
+        assert b"signal 1: stopping" in up.stderr.read()
+        psutil.wait_procs(children, timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    finally:
+        _kill(up)
+
+
+def test_the_shared_memory_of_a_child_killed_hard_is_reaped_at_the_stop(tmp_path):
+    """A front door killed with SIGKILL left its 64 MiB pool in /dev/shm after the node stopped,
+    and the front doors' registry folder (the last one out removes it; killed, none did): the
+    stop reaps the unheld segments of its children, and only theirs, and the folder."""
+    from batchyard.kserve_shm import ShmRegions, registry_dir
+
+    code = ("import signal; from batchyard.shm import Segment; s = Segment.create(4096); "
+            "print(s.name, flush=True); signal.pause()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=ROOT)
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=ROOT)
+    fe = FrontendConfig(grpc_port=0, http_port=free_port())
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
+                      models=(SUM_MODEL,), workers=(sim_worker(models=("sum",)),), frontend=fe).validate()
+    registry = registry_dir(fe.host, fe.grpc_port, fe.http_port)
+    joined = ShmRegions(registry)  # a front door that joined and never left: as if killed
+    os.close(joined._alive_fd)
+    os.close(joined._dir_fd)
+    try:
+        mine = _line_with(child.stdout, b"batchyard_", 60).decode().strip()
+        theirs = _line_with(other.stdout, b"batchyard_", 60).decode().strip()
+        child.kill()
+        child.wait()
+        assert live_segments(child.pid) == [mine]
+        sup = supervisor.Supervisor(tmp_path / "node.toml", node)
+        sup._spawned = {child.pid, other.pid}
+        sup._reap_killed()
+        assert live_segments(child.pid) == [], "a dead child's segment was left"
+        assert live_segments(other.pid) == [theirs], "a live process's segment was taken"
+        assert not os.path.exists(registry), "the front doors' registry folder was left"
+    finally:
+        for p in (child, other):
+            _kill(p)
+        for name in live_segments(child.pid) + live_segments(other.pid):
+            os.unlink(os.path.join(SHM_DIR, name))
+        if os.path.isdir(registry):
+            ShmRegions(registry).close()
