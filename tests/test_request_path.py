@@ -526,11 +526,14 @@ def test_memory_of_a_request_answered_while_its_batch_runs_is_not_reused_until_r
     """Its deadline passes while the worker runs it: the client gets DEADLINE_EXCEEDED at once,
     but the worker still writes the output region afterwards; that region must not be handed
     out again before the dispatcher's `release`."""
-    node = start_node([sim_worker("slow", launch_us=300_000.0)])
+    # The batch outlives its request's deadline by 1 s: the worker is not hung until 5 s after it.
+    node = start_node([sim_worker("slow", launch_us=2_000_000.0)], worker_dead_after_s=5.0)
     with node.client() as c:
         x = np.full((1, 256, 1024), 111, np.float32)
+        # The timeout must outlast the call's set-up (the model's spec, the grant of the input
+        # segment: more than 0.1 s on a loaded machine) and end inside the batch's 2 s.
         with pytest.raises(DeadlineExceeded, match="while its batch was running"):
-            c.infer("big", {"x": x}, timeout=0.1)
+            c.infer("big", {"x": x}, timeout=1.0)
         fresh = [c.alloc_array((1, 256, 1024), np.float32) for _ in range(3)]
         for a in fresh:
             a[...] = -1
