@@ -118,13 +118,19 @@ def stats_unavailable(model: str, version_given: bool) -> KServeError:
     return invalid(f"requested model '{_shown(model)}' is not available")
 
 
-def from_batchyard(err: BatchyardError, model: str) -> KServeError:
+def from_batchyard(err: BatchyardError, model: str, grpc_deadline: bool = False) -> KServeError:
     """Batchyard's status -> the code Triton gives the same case. Triton reports a request whose
-    timeout expired in its queue, and a full queue, as UNAVAILABLE (HTTP 503)."""
+    ``timeout`` parameter expired in its queue, and a full queue, as UNAVAILABLE (HTTP 503).
+    Where the limit was the gRPC call's own deadline (``grpc_deadline``: sooner than any
+    ``timeout`` parameter), Triton's client gets DEADLINE_EXCEEDED, as gRPC ends the call: answered
+    UNAVAILABLE, retry policies and tritonclient users read it as a passing fault and sent the same
+    call again at once, to be refused again."""
     st = err.status
     if st == P.Status.UNKNOWN_MODEL:
         return unknown_model(model)
     if st == P.Status.DEADLINE_EXCEEDED:
+        if grpc_deadline:
+            return KServeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"Deadline Exceeded: {err.message}")
         return KServeError(grpc.StatusCode.UNAVAILABLE, f"Request timeout expired: {err.message}")
     if st == P.Status.OVERLOADED:
         return KServeError(grpc.StatusCode.UNAVAILABLE, f"Exceeds maximum queue size: {err.message}")
@@ -206,15 +212,16 @@ def priority_class(value: int) -> str:
     return {0: "normal", 1: "high", 2: "normal"}.get(value, "low")
 
 
-def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) -> Optional[float]:
+def timeout_s(timeout_us: Optional[int], grpc_left_s: Optional[float] = None) -> tuple[Optional[float], bool]:
     """Triton's ``timeout`` parameter (microseconds, 0 = none) and a gRPC deadline, whichever is
-    sooner, as Batchyard's timeout in seconds (None: the dispatcher's default)."""
+    sooner, as Batchyard's timeout in seconds (None: the dispatcher's default), and whether the
+    gRPC deadline is the one that limits it."""
     timeout_us = uint64_param(timeout_us, "timeout") if timeout_us else 0
     # Any uint64 is a valid Triton timeout; past Batchyard's longest one it means the same: never.
     t = min(timeout_us / 1e6, P.MAX_TIMEOUT_S) if timeout_us else None
-    if grpc_left_s is not None and grpc_left_s > 0:
-        t = grpc_left_s if t is None else min(t, grpc_left_s)
-    return t
+    if grpc_left_s is not None and grpc_left_s > 0 and (t is None or grpc_left_s < t):
+        return grpc_left_s, True
+    return t, False
 
 
 def check_byte_size(name: str, datatype: str, shape: list[int], nbytes: int) -> np.dtype:
@@ -500,8 +507,9 @@ class KServeCore:
         return [i for i in index if i["state"] == "READY"] if ready_only else index
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], priority: int = 0,
-                    timeout: Optional[float] = None) -> tuple[P.ModelSpec, dict]:
-        """-> (spec, outputs by name) or KServeError with Triton's code."""
+                    timeout: Optional[float] = None, grpc_deadline: bool = False) -> tuple[P.ModelSpec, dict]:
+        """-> (spec, outputs by name) or KServeError with Triton's code (``grpc_deadline``: the
+        timeout is the gRPC call's deadline, ``from_batchyard``)."""
         spec = await self.spec(model)
         check_inputs(spec, inputs)
         c = self.stats.counters(model)
@@ -512,7 +520,7 @@ class KServeCore:
         except BatchyardError as e:
             c[S.FAIL] += 1
             c[S.FAIL_NS] += time.perf_counter_ns() - t0
-            raise from_batchyard(e, model) from None
+            raise from_batchyard(e, model, grpc_deadline) from None
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             c[S.FAIL] += 1
             c[S.FAIL_NS] += time.perf_counter_ns() - t0

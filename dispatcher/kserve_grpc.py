@@ -68,12 +68,15 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
     return value
 
 
-def _shm_param(params) -> Optional[tuple[str, int, int]]:
+def _shm_param(params, tensor: str) -> Optional[tuple[str, int, int]]:
     if "shared_memory_region" not in params:
         return None
     region = param(params, "shared_memory_region")
     if not region:  # (the tensor's own data was read instead; Triton refuses it)
         raise invalid("'shared_memory_region' names no region: give a registered region's name")
+    if "shared_memory_byte_size" not in params:  # Triton 2.51's words; read as 0 bytes it was INTERNAL
+        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' "
+                      f"parameter for tensor '{tensor}'")
     return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
 
 
@@ -244,7 +247,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             shape = list(t.shape)
             check_new_input(inputs, t.name, shape, request.model_name)
             check_input_name(spec, t.name)
-            region = _shm_param(t.parameters)
+            region = _shm_param(t.parameters, t.name)
             if region is not None:
                 inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec, uid)
             elif request.raw_input_contents:
@@ -274,8 +277,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             left = context.time_remaining()
             priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
             timeout = uint_param(request.parameters, "timeout", ("int64_param",), cast=True)
-            _, out = await self.core.infer(request.model_name, inputs, priority=priority,
-                                           timeout=timeout_s(timeout, left))
+            limit, by_deadline = timeout_s(timeout, left)
+            _, out = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
+                                           grpc_deadline=by_deadline)
             resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
             for name, region in wanted:
                 arr = out[name]
@@ -307,7 +311,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if o.name in seen:
                     continue
                 seen.add(o.name)
-                region = _shm_param(o.parameters)
+                region = _shm_param(o.parameters, o.name)
                 if region is not None:
                     region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs), uid)
                 wanted.append((o.name, region))

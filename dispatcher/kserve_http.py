@@ -342,7 +342,7 @@ class KServeHttp:
         try:
             rid = _field(header, "id", str, "")
             _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
-                                           timeout=timeout_s(_uint(params, "timeout")))
+                                           timeout=timeout_s(_uint(params, "timeout"))[0])
             outputs, chunks, finite = [], [], True
             for name, binary_out, region in wanted:
                 arr = out[name]

@@ -360,7 +360,10 @@ class ShmRegions:
         """The region an output goes to, held from now until ``close``; fails now, before the
         inference runs, if it is not usable or cannot hold the ``nbytes`` of the output (None:
         not known yet). Too small a region is Triton's INTERNAL with its message (its allocator
-        finds out after the run; here the run is spared)."""
+        finds out after the run; here the run is spared); one of no bytes at all (over HTTP, no
+        ``shared_memory_byte_size``) is the request's fault, as Triton answers it: INVALID_ARGUMENT."""
+        if byte_size <= 0:
+            raise invalid(f"Invalid offset + byte size for shared memory region: '{name}'")
         if nbytes is not None and nbytes > byte_size:
             raise _too_small(tensor, byte_size, nbytes)
         r, start = self._range(name, offset, byte_size, uid)

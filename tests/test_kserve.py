@@ -25,6 +25,7 @@ import warnings
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import grpc
 import numpy as np
 import psutil
 import pytest
@@ -772,6 +773,36 @@ def test_one_segment_under_two_names_and_an_output_region_too_small(front_door, 
         seg.unlink()
 
 
+def test_an_output_region_named_without_a_byte_size_is_the_requests_fault(front_door):
+    """Triton 2.51: a region named without ``shared_memory_byte_size`` is INVALID_ARGUMENT / 400
+    (gRPC says the key must be given). Read as 0 bytes, it was "too small", INTERNAL / 500: a
+    server fault, which invites retries."""
+    tag = f"by_kserve_nosize_{os.getpid()}"
+    seg = shared_memory.SharedMemory(tag, create=True, size=64)
+    h = thttp.InferenceServerClient(front_door.http_url)
+    try:
+        h.register_system_shared_memory("o_nosize", f"/{tag}", 64)
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+        r = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(front_door.grpc_url))
+        req = service_pb2.ModelInferRequest(model_name="sum")
+        req.inputs.add(name="x", datatype="FP32", shape=list(X.shape))
+        req.raw_input_contents.append(X.tobytes())
+        req.outputs.add(name="y").parameters["shared_memory_region"].string_param = "o_nosize"
+        with pytest.raises(grpc.RpcError) as e:
+            r.ModelInfer(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'shared_memory_byte_size' must be specified" in e.value.details()
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(X.shape), "data": X.ravel().tolist()}],
+                "outputs": [{"name": "y", "parameters": {"shared_memory_region": "o_nosize"}}]}
+        resp = h._post("v2/models/sum/infer", json.dumps(body), None, None)
+        assert resp.status_code == 400, resp.read()
+        assert "Invalid offset + byte size for shared memory region: 'o_nosize'" in json.loads(resp.read())["error"]
+    finally:
+        h.unregister_system_shared_memory()
+        seg.close()
+        seg.unlink()
+
+
 @pytest.mark.parametrize("proto", ["grpc", "http"])
 def test_an_output_region_unregistered_in_flight_takes_the_output_and_no_other_region_does(front_door, proto):
     """While a request runs, another client unregisters its output region and registers its own
@@ -1244,8 +1275,9 @@ def _fuzzed_http_call(draw) -> tuple[str, str, bytes]:
 @given(st.lists(_fuzzed_http_call(), min_size=1, max_size=10))
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_fuzzed_http_api_calls_get_a_json_answer_never_a_500(front_door, batch):
-    """A registration body with a null key or a non-numeric offset was a 500. The one 500 left is
-    Triton's own answer for a key no segment has: INTERNAL "Unable to open shared memory region"."""
+    """A registration body with a null key or a non-numeric offset was a 500. The 500s left are
+    Triton's own answers: for a key no segment has, INTERNAL "Unable to open shared memory region";
+    for a region of 0 bytes or past its segment's end, "Invalid shared memory region"."""
     c = thttp.InferenceServerClient(front_door.http_url)
     segment = shared_memory.SharedMemory(_FUZZ_SEGMENT, create=True, size=64)
     try:
@@ -1253,7 +1285,8 @@ def test_fuzzed_http_api_calls_get_a_json_answer_never_a_500(front_door, batch):
             r = c._post(path, body, None, None) if method == "POST" else c._get(path, None, None)
             out = r.read()
             assert r.status_code in (200, 400, 404, 503) or (
-                r.status_code == 500 and json.loads(out)["error"].startswith("Unable to open shared memory region")), \
+                r.status_code == 500 and json.loads(out)["error"].startswith(
+                    ("Unable to open shared memory region", "Invalid shared memory region"))), \
                 (r.status_code, out[:300], path, body[:200])
             if r.status_code != 200:
                 assert isinstance(json.loads(out)["error"], str)
@@ -1428,8 +1461,20 @@ def test_http_shm_registration_takes_only_unsigned_integers(front_door):
 def test_timeout_parameter_becomes_the_deadline(front_door):
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     with pytest.raises(InferenceServerException, match="Request timeout expired") as e:
-        g.infer("slow", [_grpc_input(X)], timeout=1000)  # 1 ms on a 300 ms model
+        g.infer("slow", [_grpc_input(X)], timeout=1000, client_timeout=30)  # 1 ms on a 300 ms model
     assert e.value.status() == "StatusCode.UNAVAILABLE"
+
+
+@pytest.mark.parametrize("timeout_us, client_timeout_s", [(None, 0.1), (10_000_000, 0.1)])
+def test_a_grpc_deadline_the_model_cannot_meet_is_deadline_exceeded(front_door, timeout_us, client_timeout_s):
+    """Triton 2.51 lets the call's own gRPC deadline run out: DEADLINE_EXCEEDED. Mapped as the
+    ``timeout`` parameter's expiry (UNAVAILABLE), clients and retry policies took a passing fault
+    and retried at once. The ``timeout`` parameter, when it is the sooner limit, stays UNAVAILABLE
+    (test above)."""
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    with pytest.raises(InferenceServerException) as e:
+        g.infer("slow", [_grpc_input(X)], timeout=timeout_us, client_timeout=client_timeout_s)  # a 300 ms model
+    assert e.value.status() == "StatusCode.DEADLINE_EXCEEDED", e.value
 
 
 @pytest.mark.parametrize("given, sent", [(None, 3600.0), (0.25, 0.25)])
@@ -1843,4 +1888,4 @@ def test_outputs_come_in_the_models_order_and_protocol_quirks_as_tritons():
     assert uint_param(params, "timeout", ("int64_param",), cast=True) == 2**64 - 5
     params["shared_memory_region"].string_param = ""
     with pytest.raises(KServeError, match="names no region"):
-        _shm_param(params)
+        _shm_param(params, "x")
