@@ -577,16 +577,19 @@ class Dispatcher:
         frames[1] = P.encode(P.Batch(batch_id=batch.batch_id, model=batch.model, seqs=seqs, n_frames=n_frames,
                                      files=files))
         try:
-            send_parts(self.backend, frames)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's connection is gone
+            send_parts(self.backend, frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the connection is gone; EAGAIN: it reads nothing
             log.warning("worker %s unreachable (%s)", batch.worker.name, e)
             return str(e) or "unreachable"
         return ""
 
     def _send_worker(self, identity: bytes, header: bytes) -> bool:
-        """False when the worker's connection is gone (ROUTER_MANDATORY)."""
+        """False when the worker's connection is gone (ROUTER_MANDATORY) or its queue is full.
+        Never blocks: with ROUTER_MANDATORY a send to a peer whose queue is full waits, and a peer
+        on the workers' socket that sent heartbeats and never read the answers held the
+        dispatcher's one thread for good (no client answered, SIGTERM unheard)."""
         try:
-            send_parts(self.backend, [identity, header])
+            send_parts(self.backend, [identity, header], zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
         return True

@@ -36,8 +36,10 @@ def recv_parts(sock: zmq.Socket) -> Optional[list]:
     return parts
 
 
-def send_parts(sock: zmq.Socket, parts: list) -> None:
+def send_parts(sock: zmq.Socket, parts: list, flags: int = 0) -> None:
+    """Send ``parts`` as one message. With ``flags`` NOBLOCK a full queue raises zmq.Again at the
+    first part (ZeroMQ queues a multipart message whole or not at all)."""
     send = sock.send
     last = len(parts) - 1
     for i, p in enumerate(parts):
-        send(p, SNDMORE if i < last else 0, copy=False)
+        send(p, flags | (SNDMORE if i < last else 0), copy=False)

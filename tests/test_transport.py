@@ -150,3 +150,47 @@ def test_workers_and_clients_reach_a_curve_secured_tcp_backend_and_frontend(tcp_
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--config", f"{run_dir}/node.toml"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["registrations"] >= 1, r.stderr
+
+
+def test_a_peer_on_the_workers_socket_that_never_reads_does_not_hold_the_dispatcher(run_dir):
+    """Heartbeats under a name not registered are answered "register again". A peer that sent them
+    and never read the answers filled its send queue, and with ROUTER_MANDATORY the next answer
+    waited for room: the dispatcher's one thread held for good, no client answered, SIGTERM unheard.
+    (The queue of 100,000 answers is made 10 here, for the pipe this peer opens.)"""
+    import threading
+    import time
+
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.config import DispatcherConfig
+    from batchyard.server import Dispatcher
+
+    from conftest import SUM_MODEL
+
+    ctx = zmq.Context()
+    d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                   (SUM_MODEL.spec(),), ctx=ctx)
+    ghost = ctx.socket(zmq.DEALER)
+    ghost.setsockopt(zmq.LINGER, 0)
+    ghost.setsockopt(zmq.RCVHWM, 1)
+    ghost.setsockopt(zmq.RCVBUF, 4096)
+    ghost.setsockopt(zmq.IDENTITY, b"ghost#hb")
+    try:
+        d.backend.setsockopt(zmq.SNDHWM, 10)  # for pipes made from now on: the ghost's
+        ghost.connect(f"ipc://{run_dir}/be")
+        answer = P.encode(P.Reregister(worker="ghost"))
+        deadline = time.monotonic() + 10
+        while not d._send_worker(b"ghost#hb", answer):  # EHOSTUNREACH until the ghost's handshake is done
+            assert time.monotonic() < deadline, "the ghost never connected"
+        answers = []
+        sender = threading.Thread(target=lambda: answers.extend(
+            d._send_worker(b"ghost#hb", answer) for _ in range(100_000)), daemon=True)
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "a send to a peer that reads nothing blocked the dispatcher"
+        assert answers[0] is True and answers[-1] is False  # the queue filled; the rest were dropped
+    finally:
+        ghost.close()
+        d.close()
+        ctx.term()
