@@ -132,30 +132,81 @@ class ChildNotifications:
         # pid -> when its last READY=1 or WATCHDOG=1 was taken: watched from its READY=1 on,
         # as systemd arms a unit's watchdog once it has started.
         self.alive_at: dict[int, float] = {}
+        self._lock = threading.Lock()  # receive() runs on the start-up reader thread too
+        self._received = threading.Condition(self._lock)
+        self._reader: Optional[threading.Thread] = None
+        self._stop_reader: Optional[tuple[int, int]] = None  # a pipe: its write end ends the reader
 
     def receive(self) -> None:
         """Take every datagram waiting (never blocks); remember the senders that said READY=1
         and when each last said READY=1 or WATCHDOG=1. Taken before each look at the children,
-        so a ping's time is at worst later than it was sent, never earlier."""
+        so a ping's time is at worst later than it was sent, never earlier. A front door sends
+        WATCHDOG=1 only once it serves (``announce_ready``), so one counts as its READY=1 too:
+        that one datagram may have been dropped from a full queue."""
         creds = struct.calcsize("3i")
-        while True:
-            try:
-                data, anc, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(creds))
-            except (BlockingIOError, InterruptedError):
-                return
-            pid = next((struct.unpack("3i", d[:creds])[0] for level, kind, d in anc
-                        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
-            if pid is None:
-                continue
-            lines = data.split(b"\n")
-            if b"READY=1" in lines:
-                self.ready_pids.add(pid)
-                self.alive_at[pid] = time.monotonic()
-            elif b"WATCHDOG=1" in lines and pid in self.alive_at:
-                self.alive_at[pid] = time.monotonic()
+        with self._lock:
+            while True:
+                try:
+                    data, anc, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(creds))
+                except (BlockingIOError, InterruptedError):
+                    self._received.notify_all()
+                    return
+                pid = next((struct.unpack("3i", d[:creds])[0] for level, kind, d in anc
+                            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
+                if pid is None:
+                    continue
+                lines = data.split(b"\n")
+                if b"READY=1" in lines or b"WATCHDOG=1" in lines:
+                    self.ready_pids.add(pid)
+                    self.alive_at[pid] = time.monotonic()
+
+    def ready_among(self, pids: set[int]) -> set[int]:
+        with self._lock:
+            return pids & self.ready_pids
+
+    def read_in_background(self) -> None:
+        """Take the datagrams as they come, on a thread of its own, until ``stop_reading``: during
+        start-up `up` waits on the dispatcher's replies, up to a second at a time, and the
+        socket queues at most net.unix.max_dgram_qlen datagrams (10 by default): five or more
+        front doors, each sending READY=1 and WATCHDOG=1 at once, overflowed it; the dropped
+        READY=1 was never sent again, and `up` gave up on a node whose every port served. The
+        thread is started with every signal blocked: SIGCHLD and the stop signals must reach
+        the main thread, which waits on them."""
+        r, w = os.pipe2(os.O_CLOEXEC)
+        self._stop_reader = (r, w)
+
+        def read() -> None:
+            while True:
+                ready, _, _ = select.select([self.sock, r], [], [])
+                if r in ready:
+                    return
+                self.receive()
+
+        self._reader = threading.Thread(target=read, name="child-notifications", daemon=True)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            self._reader.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def stop_reading(self) -> None:
+        """End the start-up reader (the main loop reads from here on, told by SIGIO)."""
+        if self._reader is None:
+            return
+        r, w = self._stop_reader
+        os.write(w, b"x")
+        self._reader.join()
+        os.close(r)
+        os.close(w)
+        self._reader = self._stop_reader = None
 
     def wait(self, seconds: float) -> None:
-        """Block until a datagram arrives or ``seconds`` pass, then take what came."""
+        """Block until a datagram arrives or ``seconds`` pass, then take what came (or, while the
+        start-up reader runs, until it has taken some)."""
+        if self._reader is not None:
+            with self._received:
+                self._received.wait(seconds)
+            return
         select.select([self.sock], [], [], seconds)
         self.receive()
 
@@ -173,10 +224,12 @@ class ChildNotifications:
         fcntl.fcntl(self.sock, fcntl.F_SETFL, flags | os.O_ASYNC if on else flags & ~os.O_ASYNC)
 
     def forget(self, pid: int) -> None:
-        self.ready_pids.discard(pid)
-        self.alive_at.pop(pid, None)
+        with self._lock:
+            self.ready_pids.discard(pid)
+            self.alive_at.pop(pid, None)
 
     def close(self) -> None:
+        self.stop_reading()
         self.sock.close()
 
 
@@ -291,7 +344,12 @@ class Supervisor:
     def _spawn(self, *args: str, python: str = "", env: Optional[dict] = None) -> subprocess.Popen:
         cmd = [python or sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
                "--config", self.config_path]
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env() | (env or {}))
+        # A session of its own: a terminal's Ctrl-C or hang-up (the foreground process group's
+        # signal) reaches `up` alone, which stops its children in order; sent to all at once,
+        # queued requests failed and a SIGHUP cut the batch in flight. (`up`'s death still ends
+        # them: _die_with_parent.)
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=child_env() | (env or {}),
+                                start_new_session=True)
         self._spawned.add(proc.pid)
         return proc
 
@@ -308,6 +366,7 @@ class Supervisor:
 
     def start(self) -> None:
         self._notifications = ChildNotifications()
+        self._notifications.read_in_background()
         self.dispatcher = self._spawn("dispatcher", env=self._watchdog_env())
         for w in self.node.workers:
             self.start_worker(w.name)
@@ -346,9 +405,8 @@ class Supervisor:
             with contextlib.ExitStack() as stack:
                 c = client if client is not None else stack.enter_context(self._client())
                 retry_s, last, answered = READY_RETRY_S, "no reply from the dispatcher", False
+                wanted = n  # registrations to wait for: every worker's, then the next one's
                 while True:
-                    if self._notifications is not None:
-                        self._notifications.receive()  # the children's pings: never let the queue fill
                     self._check_started()
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -358,7 +416,7 @@ class Supervisor:
                     # died starting was noticed only after READY_REPLY_S (5 s) more.
                     reply_s = READY_REPLY_S if answered else READY_POLL_S
                     try:
-                        st = c.status(min_registrations=n, wait=poll_s,
+                        st = c.status(min_registrations=wanted, wait=poll_s,
                                       timeout=min(reply_s, max(0.5, left - poll_s)))
                         answered = True
                         if self.dispatcher is not None and st.dispatcher_pid != self.dispatcher.pid:
@@ -374,26 +432,37 @@ class Supervisor:
                         signal.sigtimedwait({signal.SIGCHLD}, min(retry_s, max(0.0, deadline - time.monotonic())))
                         retry_s = min(READY_POLL_S, 2 * retry_s)
                         continue
-                    if st.registrations >= n:
+                    missing = self._unregistered(st)
+                    if not missing:
                         self._wait_front_doors(deadline, timeout)
                         return st
-                    last = f"only {st.registrations} of {n} workers registered"
+                    # The count of registrations counts a worker that dropped out and registered
+                    # again twice: `up` said ready with another worker never registered.
+                    wanted = max(n, st.registrations + 1)
+                    last = f"{n - len(missing)} of {n} workers registered (not: {', '.join(sorted(missing))})"
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    def _unregistered(self, st) -> set[str]:
+        """The configured workers the dispatcher does not list as registered by the process `up`
+        started under that name (a worker is listed by the pid it registered from)."""
+        listed = {w.name: w.pid for w in st.workers}
+        return {w.name for w in self.node.workers
+                if w.name not in listed or (w.name in self.workers and listed[w.name] != self.workers[w.name].pid)}
 
     def _wait_front_doors(self, deadline: float, timeout: float) -> None:
         ready = self._notifications
         if ready is None or not self._front_door_pids():
             return
         while True:
-            ready.receive()
             pids = self._front_door_pids()
-            if pids <= ready.ready_pids:
+            serving = ready.ready_among(pids)
+            if serving == pids:
                 return
             self._check_started()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NodeNotReady(f"not ready within {timeout:.0f} s: {len(pids & ready.ready_pids)} of "
+                raise NodeNotReady(f"not ready within {timeout:.0f} s: {len(serving)} of "
                                    f"{len(pids)} front-door processes serving")
             ready.wait(min(READY_POLL_S, left))  # READY_POLL_S: as late as a front door's death is seen
 
@@ -416,6 +485,7 @@ class Supervisor:
         # process; a no-op handler where it lands on a thread that does not block it.
         signal.signal(signal.SIGIO, lambda *_: None)
         signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        self._notifications.stop_reading()  # from here the loop below reads, woken by SIGIO
         self._notifications.raise_sigio(True)
         pending_restart: dict[str, float] = {}
         # systemd's watchdog (WatchdogSec=): pinged from this loop, so a wedged `up` is restarted.

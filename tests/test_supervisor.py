@@ -49,7 +49,8 @@ class LateDispatcher:
         self.polls += 1
         if self.polls <= self.failures:
             raise DeadlineExceeded(f"status poll {self.polls}: no reply in time")
-        return SimpleNamespace(registrations=self.registrations, workers=[], models=[])
+        return SimpleNamespace(registrations=self.registrations, models=[],
+                               workers=[SimpleNamespace(name=f"w{i}", pid=0) for i in range(self.registrations)])
 
 
 def _supervisor(n_workers: int) -> Supervisor:
@@ -67,6 +68,49 @@ def test_readiness_wait_retries_polls_that_time_out():
 def test_readiness_wait_gives_up_at_its_timeout_naming_the_last_failure():
     with pytest.raises(NodeNotReady, match=r"not ready within 0 s: .*DeadlineExceeded"):
         _supervisor(1).wait_ready(timeout=0.3, client=LateDispatcher(failures=10**9, registrations=1))
+
+
+def test_readiness_waits_for_every_worker_by_name_not_for_a_count_of_registrations():
+    """w0 dropped out and registered again while w1 had not registered yet: two registrations,
+    and `up` said ready with w1 missing. It waits for the next registration instead."""
+    asked = []
+
+    class Reregistered:
+        def status(self, min_registrations=0, wait=0.0, timeout=10.0):
+            asked.append(min_registrations)
+            names = ["w0"] if len(asked) == 1 else ["w0", "w1"]
+            return SimpleNamespace(registrations=len(asked) + 1, models=[],
+                                   workers=[SimpleNamespace(name=n, pid=0) for n in names])
+
+    st = _supervisor(2).wait_ready(timeout=60, client=Reregistered())
+    assert [w.name for w in st.workers] == ["w0", "w1"] and asked == [2, 3]
+
+
+def test_child_notifications_are_read_while_up_waits_on_the_dispatcher():
+    """During start-up `up` waits on the dispatcher up to a second at a time, and the socket
+    queues 10 datagrams (net.unix.max_dgram_qlen): five front doors' READY=1 and WATCHDOG=1
+    overflowed it, and a dropped READY=1 is never sent again. Read on a thread of its own, 30
+    datagrams in a row get through without `up`'s main thread reading any; a WATCHDOG=1 counts
+    as ready too (a front door sends it once it serves)."""
+    notes = supervisor.ChildNotifications()
+    notes.read_in_background()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as s:
+            for _ in range(30):
+                deadline = time.monotonic() + 10
+                while True:  # a full queue is EAGAIN at once: sent again until the reader makes room
+                    try:
+                        s.sendto(b"WATCHDOG=1", "\0" + notes.address[1:])
+                        break
+                    except BlockingIOError:
+                        assert time.monotonic() < deadline, "nobody reads the notifications"
+        deadline = time.monotonic() + 10
+        while notes.ready_among({os.getpid()}) != {os.getpid()}:
+            notes.wait(1.0)
+            assert time.monotonic() < deadline
+    finally:
+        notes.close()
+    assert notes._reader is None
 
 
 def test_up_that_cannot_get_ready_logs_one_line_and_exits_1(monkeypatch, caplog):
