@@ -30,9 +30,10 @@ from conftest import ROOT, SUM_MODEL, free_port, sim_worker
 
 # ---------------------------------------------------------------- helpers
 
-def _up(run_dir, workers, frontend=False, env=None, **dkw) -> tuple[NodeConfig, subprocess.Popen]:
+def _up(run_dir, workers, frontend=False, env=None, new_session=False, **dkw) -> tuple[NodeConfig, subprocess.Popen]:
     """A `batchyard up` on private ipc paths (and, with ``frontend``, an HTTP-only front door),
-    stderr piped for its log; returns once it said ready."""
+    stderr piped for its log; returns once it said ready. ``new_session``: `up` leads a process
+    group of its own, as in a terminal (a signal to the group spares the tests)."""
     dkw.setdefault("heartbeat_interval_s", 0.1)
     dkw.setdefault("worker_dead_after_s", 0.6)
     fe = FrontendConfig(grpc_port=0, http_port=free_port()) if frontend else None
@@ -41,7 +42,7 @@ def _up(run_dir, workers, frontend=False, env=None, **dkw) -> tuple[NodeConfig, 
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(node))
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=new_session)
     try:
         line = _line_with(up.stdout, b"batchyard up: ready", 180)
         assert line, f"up did not get ready: {_rest(up)}"
@@ -323,6 +324,27 @@ def test_sighup_stops_up_like_sigterm(run_dir):
         assert b"signal 1: stopping" in up.stderr.read()
         psutil.wait_procs(children, timeout=10)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    finally:
+        _kill(up)
+
+
+def test_ctrl_c_to_ups_process_group_stops_the_node_in_order(run_dir):
+    """A terminal's Ctrl-C goes to the whole foreground process group. The children were in
+    `up`'s: each got SIGINT at once, and a front-door request queued behind the batch in flight
+    failed (503) instead of being served by the ordered stop (as under systemd's default stop;
+    KillMode=mixed in the node unit now)."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=1_000_000.0)], frontend=True,
+                   worker_dead_after_s=30.0, new_session=True)
+    try:
+        port = node.frontend.http_port
+        with Client(node.dispatcher.frontend) as c:
+            first = _InThread(lambda: _http_infer(port))
+            _wait_status(c, lambda st: st.workers[0].inflight > 0)
+            second = _InThread(lambda: _http_infer(port))
+            _wait_status(c, lambda st: st.queued > 0)  # behind the first's batch
+        os.killpg(up.pid, signal.SIGINT)
+        assert (first.result(30), second.result(30)) == ("ok", "ok")
+        assert up.wait(60) == 0
     finally:
         _kill(up)
 
