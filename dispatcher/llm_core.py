@@ -194,13 +194,15 @@ class LlmCore:
         """Returns why it is refused, (status, message), or None when the request is in. An
         unknown model comes back with an empty message: the caller knows every model's name."""
         model = msg.model
+        if model not in self.models():
+            # Before the drain's refusal: refused for the drain, a made-up name was counted as a
+            # failure of that name, a metric series per name a client sent.
+            return Status.UNKNOWN_MODEL, ""
         if self.draining:
             return Status.UNAVAILABLE, "dispatcher is shutting down"
         gpus = self._instances(model, GPU)
         if not gpus:
-            if model in self.models():
-                return Status.UNAVAILABLE, f"no 'gpu' LLM instance of {model!r} is up; the decode runs there"
-            return Status.UNKNOWN_MODEL, ""
+            return Status.UNAVAILABLE, f"no 'gpu' LLM instance of {model!r} is up; the decode runs there"
         limit = min(w.engine.max_model_len for w in gpus)
         if limit and len(msg.prompt) + msg.max_tokens > limit:
             return (Status.INVALID_ARGUMENT, f"prompt of {len(msg.prompt)} tokens + max_tokens {msg.max_tokens} "
@@ -211,6 +213,7 @@ class LlmCore:
         r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
                        seq=next(self._ids), priority=msg.priority)
         self.requests[r.seq] = r
+        self._compact_deadlines()
         heapq.heappush(self._deadlines, (r.deadline, r.seq))
         try:
             self._route(r, now)
@@ -221,13 +224,21 @@ class LlmCore:
             raise
         return None
 
+    def _compact_deadlines(self) -> None:
+        """Drop the deadlines of ended requests once they outnumber the open ones. Below an open
+        request with a later deadline they never reach the heap's top: one long generation kept
+        an entry for every request served after it, until each one's own deadline."""
+        if len(self._deadlines) > 2 * len(self.requests) + 64:
+            self._deadlines = [e for e in self._deadlines if e[1] in self.requests]
+            heapq.heapify(self._deadlines)
+
     def load(self, model: str, now: float) -> PathLoad:
         curves = self.curves[model]
         cpu = self._instances(model, PREFILL_CPU)
         cpu_rest = min((max(0.0, w.busy_until - now) for w in cpu), default=0.0)
         cpu_backlog = backlog_s(cpu_rest, [len(r.prompt) for r in self.cpu_queue[model]], curves.prefill(PREFILL_CPU),
                                 0.0, TOKEN_BUDGET) if cpu else float("inf")
-        gpu = self._pick_gpu(model)
+        gpu = self._pick_gpu(model, now)
         return PathLoad(cpu_backlog_s=cpu_backlog, gpu_backlog_s=max(0.0, gpu.busy_until - now),
                         gpu_running=len(gpu.jobs))
 
@@ -246,8 +257,11 @@ class LlmCore:
         else:
             self._to_gpu(r, now, kv_from="")
 
-    def _pick_gpu(self, model: str) -> LlmWorker:
-        return min(self._instances(model, GPU), key=lambda w: (w.busy_until, len(w.jobs)))
+    def _pick_gpu(self, model: str, now: float) -> LlmWorker:
+        # A busy_until already past means idle now, however long ago it passed: compared as is,
+        # an instance running many streams beat an idle one whose last prefill ended later, and
+        # the streams it runs never broke the tie.
+        return min(self._instances(model, GPU), key=lambda w: (max(now, w.busy_until), len(w.jobs)))
 
     def _to_gpu(self, r: LlmRequest, now: float, kv_from: str) -> None:
         gpus = self._instances(r.model, GPU)
@@ -255,7 +269,7 @@ class LlmCore:
             self._end(r)
             self.on_fail(r, Status.UNAVAILABLE, f"no 'gpu' LLM instance of {r.model!r} is up")
             return
-        w = self._pick_gpu(r.model)
+        w = self._pick_gpu(r.model, now)
         curves = self.curves[r.model]
         step = curves.decode().step(len(w.jobs) + 1)
         first = (curves.kv_link().transfer_s(len(r.prompt)) if kv_from

@@ -28,12 +28,17 @@ from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
          Status.OVERLOADED: 429, Status.UNAVAILABLE: 503, Status.CANCELLED: 499}
 # The error body's "type", by HTTP status.
-_KIND = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 499: "request_cancelled",
-         503: "service_unavailable_error", 504: "timeout_error"}
-# A text prompt longer than this is refused before it is tokenized: tokenizing 16 MB of text took
-# 14 s of the front door's CPU, and a prompt this long is past MAX_PROMPT_TOKENS at any tokenizer's
-# usual 3-6 characters a token.
-MAX_PROMPT_CHARS = 32 * MAX_PROMPT_TOKENS
+# OpenAI's own: a model that does not exist is a 404 invalid_request_error, code model_not_found.
+_KIND = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+         499: "request_cancelled", 503: "service_unavailable_error", 504: "timeout_error"}
+# Text past these is refused before it is tokenized, which costs the front door about 1 s of CPU
+# and 300 MiB a million characters. A prompt: MAX_PROMPT_TOKENS tokens at 8 characters each, twice
+# what usual tokenizers average on prose or code (3-5), so a prompt within the token limit passes,
+# while text of one token a character tokenizes at most 8 times what a request may hold. A request:
+# the same, all of its prompts together (bounded one by one, a list of them tokenized 63 MB).
+CHARS_PER_TOKEN_BOUND = 8
+MAX_PROMPT_CHARS = CHARS_PER_TOKEN_BOUND * MAX_PROMPT_TOKENS
+MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
@@ -42,13 +47,15 @@ _UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None
 
 
 class OpenAiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str = ""):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str = "",
+                 code: str = ""):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def response(self) -> web.Response:
         return web.json_response({"error": {"message": self.message, "type": self.kind,
-                                            "param": self.param or None, "code": None}}, status=self.status)
+                                            "param": self.param or None, "code": self.code or None}},
+                                 status=self.status)
 
 
 class OpenAiCompletions:
@@ -74,7 +81,8 @@ class OpenAiCompletions:
             return e.response()
         except errors.BatchyardError as e:
             status = _HTTP.get(e.status, 500)
-            return OpenAiError(status, str(e), _KIND.get(status, "server_error")).response()
+            code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
+            return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code).response()
 
     async def _completions(self, request) -> web.Response:
         try:
@@ -86,12 +94,14 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or model not in self.models:  # a list or an object is unhashable
+        model = _model(body)
+        if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
-                              "not_found_error", "model")
+                              param="model", code="model_not_found")
         _check_supported(body)
-        max_tokens = body.get("max_tokens", 16)
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:  # null is the default, as OpenAI takes it
+            max_tokens = 16
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise OpenAiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
@@ -160,10 +170,7 @@ class OpenAiCompletions:
         return tok
 
     async def _encode(self, model: str, texts: list[str]) -> list[list[int]]:
-        longest = max(map(len, texts))
-        if longest > MAX_PROMPT_CHARS:
-            raise OpenAiError(400, f"a prompt of {longest} characters; a request takes at most {MAX_PROMPT_CHARS}",
-                              param="prompt")
+        _check_text_length(texts)
         tok = self._tokenizer(model)
         try:
             # encode_batch, on a thread: it lets go of the GIL (encode holds it), so the front
@@ -184,6 +191,27 @@ class OpenAiCompletions:
 
 def _is_token(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str):  # a list or an object is unhashable
+        raise OpenAiError(400, "model is required: the name of a model, a string" if model is None
+                          else f"model must be a string, got {model!r}", param="model")
+    return model
+
+
+def _check_text_length(texts: list[str]) -> None:
+    """Refuse text that cannot fit the token limit before tokenizing it (see MAX_PROMPT_CHARS)."""
+    limit = (f"at most {MAX_PROMPT_CHARS} characters a prompt and {MAX_REQUEST_CHARS} in all a request "
+             f"({CHARS_PER_TOKEN_BOUND} a token of the {MAX_PROMPT_TOKENS} a prompt may have); send token ids, "
+             "or the prompts in several requests")
+    longest = max(map(len, texts))
+    if longest > MAX_PROMPT_CHARS:
+        raise OpenAiError(400, f"a prompt of {longest} characters; {limit}", param="prompt")
+    total = sum(map(len, texts))
+    if total > MAX_REQUEST_CHARS:
+        raise OpenAiError(400, f"{len(texts)} prompts of {total} characters in all; {limit}", param="prompt")
 
 
 def _route(body: dict) -> str:

@@ -365,3 +365,167 @@ def test_an_engine_in_a_step_predicted_long_is_not_declared_hung_before_it_could
     h.core.heartbeat("cpu0", t)
     h.core.heartbeat("gpu0", t)
     assert [name for name, _, _ in h.core.check_liveness(t)] == ["cpu0"]
+
+
+def test_a_new_request_goes_to_the_gpu_instance_running_fewer_streams_when_both_are_idle():
+    # Their predicted prefill ends, both past, were compared as they were: the instance whose
+    # last prefill ended earlier took every new request however many streams it was decoding.
+    h = Harness(cpu=False)
+    h.core.add_worker("gpu1", b"gpu1", GPU_ENGINE, h.now)
+    for _ in range(12):
+        h.submit(64, max_tokens=1900, route=GPU)
+    first = h.jobs()
+    assert {s.worker.name for s in first} == {"gpu0", "gpu1"}
+    h.now = 5.0
+    quiet = first[-1].worker.name
+    for s in first:
+        if s.worker.name == quiet:  # its streams ended early; the other instance's keep decoding
+            h.done(s)
+    busy = "gpu0" if quiet == "gpu1" else "gpu1"
+    streams = len(h.core.workers[busy].jobs)
+    assert streams == 6 and not h.core.workers[quiet].jobs
+    placed = []
+    for _ in range(12):
+        h.now += 0.5
+        h.submit(64, max_tokens=1900, route=GPU)
+        placed += [s.worker.name for s in h.jobs()]
+    assert placed[:streams] == [quiet] * streams  # it catches up, then they take turns
+    assert len(h.core.workers[quiet].jobs) == len(h.core.workers[busy].jobs) == 9
+
+
+def test_requests_served_behind_a_long_open_one_do_not_pile_up_in_the_deadline_heap():
+    # Only ended entries at the heap's top were dropped: behind one long generation with a later
+    # deadline, every request served kept its entry until its own deadline (200,000 of them
+    # held 30 MiB).
+    h = Harness(cpu=False)
+    h.submit(8, max_tokens=1024, timeout_s=3600)
+    h.jobs()
+    for _ in range(2000):
+        h.submit(8, timeout_s=3600)
+        [send] = h.jobs()
+        [_] = h.done(send)
+        h.now += 0.001
+        h.core.next_wake()
+    assert len(h.core.requests) == 1
+    assert len(h.core._deadlines) <= 2 * len(h.core.requests) + 65
+    assert h.core.next_wake() == pytest.approx(3600.0)  # the open one's deadline is kept
+
+
+def test_while_draining_an_unknown_model_is_counted_as_unknown_not_under_its_name():
+    """Refused for the drain first, each name a client sent became a failure series of its own."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batchyard.bench.harness import sample_total as total
+    from batchyard.llm_server import LlmDesk
+    from batchyard.metrics import Metrics
+
+    metrics, replies = Metrics(), []
+    desk = LlmDesk(lambda identity, header: True, lambda c, h: replies.append(h), 30.0, 1.0, 10.0, metrics)
+    desk.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+    desk.core.begin_drain()
+    for rid in range(3):
+        desk.on_generate(P.GenerateRequest(v=1, id=rid, model=f"junk-{rid}", prompt=[7], max_tokens=1), b"client",
+                         0.0, lambda m: f"unknown model {m!r}")
+    desk.on_generate(P.GenerateRequest(v=1, id=9, model="m", prompt=[7], max_tokens=1), b"client", 0.0,
+                     lambda m: "")
+    answers = [P.reply_decoder.decode(r) for r in replies]
+    assert [a.status for a in answers] == [Status.UNKNOWN_MODEL] * 3 + [Status.UNAVAILABLE]
+    assert "junk-0" in answers[0].message and "shutting down" in answers[3].message
+    samples = [s for fam in text_string_to_metric_families(metrics.render(
+        desk.pending(), {}, {}, {}, desk.in_flight())) for s in fam.samples]
+    assert total(samples, "batchyard_unknown_model_requests_total") == 3
+    assert not [s for s in samples if s.labels.get("model", "").startswith("junk")]
+    assert total(samples, "nv_inference_request_failure", model="m") == 1
+
+
+class _Generated(list):
+    timing = P.LlmTiming(ttft_us=1, total_us=2, route="gpu", decode_worker="gpu0")
+
+
+class _FakeClient:
+    """The SDK's AsyncClient as the front door uses it: records what it is asked to generate."""
+
+    def __init__(self):
+        self.asked: list = []
+
+    async def generate(self, model, prompt, max_tokens=16, *, priority="normal", timeout=None, route=""):
+        self.asked.append((model, list(prompt), max_tokens))
+        return _Generated([5] * max_tokens)
+
+
+class _Encoding:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+class _ProseTokenizer:
+    """Stands in for tokenizer.json: 4 characters a token, as prose; records the text handed to it."""
+
+    def __init__(self):
+        self.handed: list = []
+
+    def encode_batch(self, texts):
+        self.handed.append(sum(map(len, texts)))
+        return [_Encoding([1] * max(1, len(t) // 4)) for t in texts]
+
+    def decode(self, ids):
+        return "x" * len(ids)
+
+
+def _openai_calls(bodies: list) -> tuple[list, _FakeClient, _ProseTokenizer]:
+    """Each body POSTed to /v1/completions of a front door serving model "m": [(status, json)]."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from batchyard.http_body import BODY_STALL_S
+    from batchyard.openai_http import OpenAiCompletions
+
+    client, tok = _FakeClient(), _ProseTokenizer()
+    oa = OpenAiCompletions(client, {"m": "/nonexistent"})
+    oa._tokenizers["m"] = tok
+
+    async def run():
+        app = web.Application(client_max_size=1 << 26)
+        app[BODY_STALL_S] = 10.0
+        app.add_routes(oa.routes())
+        out = []
+        async with TestClient(TestServer(app)) as c:
+            for body in bodies:
+                r = await c.post("/v1/completions", json=body)
+                out.append((r.status, await r.json()))
+        return out
+
+    return asyncio.run(run()), client, tok
+
+
+def test_openai_text_past_what_the_token_limit_allows_is_refused_before_it_is_tokenized():
+    # Each prompt was bounded at 32 characters a token, the request not at all: a list of them
+    # handed 63 MB to the tokenizer (GBs of memory, a minute of CPU) before the token limit said no.
+    from batchyard.protocol import MAX_PROMPT_TOKENS
+
+    prose = "a b " * (MAX_PROMPT_TOKENS - 64)  # within the token limit at 4 characters a token
+    many = ["a b " * (MAX_PROMPT_TOKENS * 3 // 4)] * 4  # 3 characters a token each, 12 together
+    outs, client, tok = _openai_calls([{"model": "m", "prompt": prose, "max_tokens": 1},
+                                       {"model": "m", "prompt": "a" * (8 * MAX_PROMPT_TOKENS + 1)},
+                                       {"model": "m", "prompt": many}])
+    assert outs[0][0] == 200 and tok.handed[0] == len(prose) and len(client.asked[0][1]) == len(prose) // 4
+    for status, out in outs[1:]:
+        assert status == 400 and out["error"]["param"] == "prompt", out
+        assert f"{MAX_PROMPT_TOKENS} a prompt may have" in out["error"]["message"]
+    assert "4 prompts" in outs[2][1]["error"]["message"]
+    assert len(tok.handed) == 1  # neither refused text was tokenized
+
+
+def test_openai_statuses_for_a_missing_model_and_a_null_max_tokens_are_openais():
+    outs, client, _ = _openai_calls([{"prompt": [1, 2]}, {"model": 7, "prompt": [1, 2]},
+                                     {"model": "nope", "prompt": [1, 2]},
+                                     {"model": "m", "prompt": [1, 2], "max_tokens": None}])
+    for status, out in outs[:2]:
+        assert status == 400 and out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == "model"
+    assert "required" in outs[0][1]["error"]["message"]
+    status, out = outs[2]
+    assert status == 404 and out["error"]["code"] == "model_not_found" and "nope" in out["error"]["message"]
+    status, out = outs[3]
+    assert status == 200 and client.asked == [("m", [1, 2], 16)] and out["usage"]["completion_tokens"] == 16
