@@ -48,6 +48,31 @@ def _at_least(low: int):
     return parse
 
 
+def _number(low: float, above: bool = False):
+    """An argparse type: a finite number >= ``low`` (> with ``above``). --window -1 was a
+    traceback from inside the harness; nan and inf passed as well."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not (v > low if above else v >= low) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"a number {'>' if above else '>='} {low:g}, got {text!r}")
+        return v
+    return parse
+
+
+def _out_folder(text: str) -> str:
+    """--out: a folder bench.json can be written into, checked before the run (a run of many
+    minutes ended in a traceback when it could not be written)."""
+    from batchyard.cli import output_problem
+
+    why = text and output_problem(text, folder=True)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r}: {why}")
+    return text
+
+
 def _policy(text: str) -> str:
     from batchyard.policy import make_policy
 
@@ -67,25 +92,25 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-url", default="127.0.0.1:8001")
     g = p.add_argument_group("load (as perf_analyzer)")
     g.add_argument("--concurrency", type=_at_least(0), default=0, help="closed loop with N requests in flight")
-    g.add_argument("--request-rate", type=float, default=0.0)
+    g.add_argument("--request-rate", type=_number(0), default=0.0)
     g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
     g.add_argument("--request-intervals", default="", help="file of inter-request intervals (s)")
     g.add_argument("--profile", default="", help="step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH")
     g.add_argument("--sweep-rates", type=_numbers(positive=True), default=(), help="comma-separated rates: one run each (p99 vs load)")
     g.add_argument("--priority-mix", type=_numbers(3, positive_sum=True), default=(0.0, 1.0, 0.0), help="fractions high,normal,low")
     g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0), help="per class; 0 = dispatcher default")
-    g.add_argument("--slo-ms", type=float, default=0.0, help="goodput counts only replies within this latency")
+    g.add_argument("--slo-ms", type=_number(0), default=0.0, help="goodput counts only replies within this latency")
     g.add_argument("--processes", type=_at_least(1), default=2)
-    g.add_argument("--warmup", type=float, default=2.0)
-    g.add_argument("--window", type=float, default=5.0)
+    g.add_argument("--warmup", type=_number(0), default=2.0)
+    g.add_argument("--window", type=_number(0, above=True), default=5.0)
     g.add_argument("--windows", type=_at_least(1), default=3)
-    g.add_argument("--stability", type=float, default=0.15)
+    g.add_argument("--stability", type=_number(0), default=0.15)
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
     p.add_argument("--compare", action="append", type=_policy, default=[], metavar="POLICY",
                    help="repeatable: start the node of --config once per policy and replay the same seeded load")
     p.add_argument("--config", default="", help="node config for --compare")
-    p.add_argument("--out", default="", help="folder for bench.json, bench.md and plots")
+    p.add_argument("--out", type=_out_folder, default="", help="folder for bench.json, bench.md and plots")
     p.add_argument("--measure-ceiling", action="store_true",
                    help="measure this load generator's own ceiling against a no-op worker, then exit")
 

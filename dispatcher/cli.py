@@ -38,6 +38,37 @@ def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = F
         raise SystemExit(EX_CONFIG)
 
 
+def output_problem(path: str, folder: bool = False) -> str | None:
+    """Why a file (with ``folder``, a folder, made with its parents) cannot be written at
+    ``path``, or None. Asked before the work whose result goes there: `calibrate` measured
+    every worker, and `bench` ran its whole load, before failing to write it with a traceback.
+    It tries: permission bits do not say (root passes them on /proc, where nothing is made)."""
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        return "is not a folder" if folder else "is a folder"
+    if folder:  # made with its parents: the nearest folder that exists must take one
+        where = target
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            return f"{str(where)!r} is not a folder"
+    else:
+        where = target.parent
+        if not where.is_dir():
+            return f"no folder {str(where)!r}"
+    try:
+        if not folder and target.exists():
+            open(target, "ab").close()  # appends nothing: the file stays as it is
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".batchyard-probe-", dir=where))
+    except OSError as e:
+        return f"cannot write in {str(where)!r}: {e.strerror or e}"
+    return None
+
+
 def _run_dispatcher(args) -> int:
     from .dispatcher_main import run_dispatcher
 
@@ -91,12 +122,20 @@ def _run_keygen(args) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"batchyard keygen: --out {args.out!r} is not a folder", file=sys.stderr)
         return 64
+    why = output_problem(args.out, folder=True)
+    if why:  # (/proc/x was FileNotFoundError's traceback)
+        print(f"batchyard keygen: --out {args.out!r}: {why}", file=sys.stderr)
+        return 73  # EX_CANTCREAT
     if os.path.exists(secret_file) and not args.force:
         # Replaced, the node's secret key was gone for good, and every client that trusted its
         # public key was locked out.
         print(f"batchyard keygen: {secret_file} exists; --force replaces it", file=sys.stderr)
         return 73  # EX_CANTCREAT
-    public, secret = write_keypair(args.out, args.name)
+    try:
+        public, secret = write_keypair(args.out, args.name)
+    except OSError as e:  # the folder changed since the check (or refused the key files themselves)
+        print(f"batchyard keygen: --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
+        return 73
     print(f"public key (share it; put clients' in [dispatcher] curve_authorized_keys): {public}")
     print(f"secret key (keep it; mode 0600): {secret}")
     return 0

@@ -18,6 +18,7 @@ import os
 import re
 import stat
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -49,6 +50,8 @@ FLOAT_MAX = 1e9
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=FLOAT_MAX)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=FLOAT_MAX)]
+MIN_HEARTBEAT_S = 0.01  # [dispatcher] heartbeat_interval_s
+MIN_DEAD_AFTER_S = 0.5  # [dispatcher] worker_dead_after_s
 Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
 # Empty (a model no worker of this node builds itself) or "package.module:function".
 Factory = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?\Z")]
@@ -106,11 +109,15 @@ class CudaConfig(_Table):
     factory with PyTorch on the GPU; kind "tensorrt" runs an engine built from ONNX."""
 
     device: NonNeg = 0
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # "" is the kind's own: bf16 for cuda, fp16 for tensorrt (CudaConfig.precision_for)
+    precision: Literal["", "bf16", "fp16", "fp32"] = ""
     # cuda: replay each model as CUDA graphs captured at start (batch sizes 1, 2, 4, ... max_batch);
     # false runs PyTorch eagerly, one Python launch per kernel
     graphs: bool = True
     onnx: dict[str, str] = {}  # tensorrt: model -> ONNX file
+
+    def precision_for(self, kind: str) -> str:
+        return self.precision or ("fp16" if kind == "tensorrt" else "bf16")
 
 
 class LlmModelConfig(_Table):
@@ -171,11 +178,15 @@ class DispatcherConfig(_Table):
     # larger payloads must come through shared memory (at most 1 TiB: ZeroMQ's size limit is an int64)
     max_inline_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 4 << 20
     default_timeout_s: TimeoutS = 30.0
-    heartbeat_interval_s: PositiveFloat = 0.2
+    # At least 10 ms: every process of the node wakes this often (a worker's heartbeat, the
+    # dispatcher's housekeeping), and at 1e-9 s a node of one simulated worker spun 72 % of a core.
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=MIN_HEARTBEAT_S, le=FLOAT_MAX)] = 0.2
     # Generous: on a starved host (load average ~10) healthy workers went 1.6 s without being
     # heard. A worker that dies is noticed sooner anyway: `up` or systemd restarts it at once
     # (SIGCHLD) and its re-registration fails its batches over; this bounds only a hung one.
-    worker_dead_after_s: PositiveFloat = 10.0
+    # At least half a second (and two heartbeats, checked in validate): at 1 ms a healthy worker
+    # left rotation and came back many times a second, its batches failed over each time.
+    worker_dead_after_s: Annotated[float, msgspec.Meta(ge=MIN_DEAD_AFTER_S, le=FLOAT_MAX)] = 10.0
     janitor_interval_s: PositiveFloat = 5.0  # sweep orphaned shared memory of dead clients
     drain_timeout_s: NonNegFloat = 5.0  # on SIGTERM, how long in-flight batches may finish
     # Circuit breaker: a worker whose batch comes back all UNAVAILABLE (its backend is down)
@@ -235,6 +246,9 @@ class FrontendConfig(_Table):
     cpus: tuple[NonNeg, ...] = ()
 
 
+# The engines workers/cuda_executors.py's TensorRTExecutor builds (kind "tensorrt").
+TENSORRT_PRECISIONS = ("fp16", "fp32")
+
 # Factory names the workers of these kinds call (workers/main.py); sim, triton and tensorrt don't.
 _BUILDS_MODEL = ("amx", "cuda")
 
@@ -287,6 +301,12 @@ class NodeConfig(_Table):
                               f"max_inline_bytes ({d.max_inline_bytes})")
         for key in ("frontend", "backend"):
             _check_address(f"[dispatcher] {key}", getattr(d, key))
+        if d.backend.startswith("tcp://") and not d.curve_secret_key:
+            # Without CURVE anyone who reached the port registered as a worker, was handed clients'
+            # tensors and answered for the model (docs/protocol.md, "Trust model").
+            raise ConfigError(f"[dispatcher] backend {d.backend!r} is tcp without curve_secret_key: any peer that "
+                              "reaches it could register as a worker, read clients' tensors and answer for the "
+                              "model; name a key (`batchyard keygen`), or use ipc:// for workers on this host")
         # Things on the host the dispatcher needs at start: named here, not by its traceback.
         for key in ("profile", "curve_secret_key"):
             path = getattr(d, key)
@@ -321,9 +341,9 @@ class NodeConfig(_Table):
         if d.breaker_backoff_max_s < d.breaker_backoff_s:
             raise ConfigError(f"[dispatcher] breaker_backoff_max_s ({d.breaker_backoff_max_s}) must not be below "
                               f"breaker_backoff_s ({d.breaker_backoff_s})")
-        if d.heartbeat_interval_s >= d.worker_dead_after_s:
-            raise ConfigError(f"[dispatcher] heartbeat_interval_s ({d.heartbeat_interval_s}) must be below "
-                              f"worker_dead_after_s ({d.worker_dead_after_s})")
+        if d.worker_dead_after_s < 2 * d.heartbeat_interval_s:  # one late heartbeat took a worker out
+            raise ConfigError(f"[dispatcher] worker_dead_after_s ({d.worker_dead_after_s}) must be at least twice "
+                              f"heartbeat_interval_s ({d.heartbeat_interval_s})")
         from .policy import make_policy  # late: only validation needs the policy module
 
         try:
@@ -438,6 +458,8 @@ class NodeConfig(_Table):
         for key, default, kinds, instead in (("precision", "auto", ("amx",), {"cuda": "cuda.precision",
                                                                                "tensorrt": "cuda.precision"}),
                                              ("threads", 1, ("amx", "vllm"), {}),
+                                             # sim starts serving at once; vllm measures vllm.calibrate_tokens
+                                             ("warmup_sizes", (), ("amx", "triton", "cuda", "tensorrt"), {}),
                                              ("max_inflight", 1, ("amx", "sim", "cuda", "tensorrt"),
                                               {"triton": "triton.inflight", "vllm": "vllm.max_num_seqs"})):
             if w.kind not in kinds and getattr(w, key) != default:
@@ -446,6 +468,8 @@ class NodeConfig(_Table):
                                   + " or ".join(f'"{k}"' for k in kinds) + hint)
         if w.kind == "cuda" and w.cuda.onnx:
             raise ConfigError(f"{where}: cuda.onnx is set but kind is 'cuda'; it is for kind \"tensorrt\"")
+        if w.kind == "tensorrt":
+            self._check_tensorrt_cuda(where, w.cuda)
         if len(set(w.models)) != len(w.models):
             twice = next(m for m in w.models if w.models.count(m) > 1)
             raise ConfigError(f"{where}: models: {twice!r} is listed twice")
@@ -485,6 +509,19 @@ class NodeConfig(_Table):
                     raise ConfigError(f"{where}: cuda.onnx has no ONNX file for model {m!r}; a tensorrt "
                                       f"worker builds its engine from one")
 
+
+    @staticmethod
+    def _check_tensorrt_cuda(where: str, cuda: CudaConfig) -> None:
+        """What a TensorRT engine cannot honour (workers/cuda_executors.py builds fp16 or fp32
+        engines, fp16 unless told, and captures no CUDA graphs): precision "bf16" built an fp16
+        engine, and graphs = false was taken and ignored."""
+        default = CudaConfig()
+        if cuda.precision_for("tensorrt") not in TENSORRT_PRECISIONS:
+            raise ConfigError(f"{where}: cuda.precision {cuda.precision!r}: a tensorrt worker builds "
+                              + " or ".join(TENSORRT_PRECISIONS) + " engines; set cuda.precision = "
+                              + " or ".join(f'"{p}"' for p in TENSORRT_PRECISIONS) + " (fp16 when not set)")
+        if cuda.graphs != default.graphs:
+            raise ConfigError(f"{where}: cuda.graphs is set but kind is 'tensorrt'; it is for kind \"cuda\"")
 
     def _check_vllm_host(self, where: str, w: WorkerConfig) -> None:
         """Its interpreter and its model's folder exist (a missing one was Popen's traceback in `up`)."""
@@ -600,14 +637,42 @@ def _check_listen_host(key: str, host: str) -> None:
 def _check_ports_apart(ports: list[tuple[str, str, int]]) -> None:
     """Two listeners on one port: the second process failed to bind at start, after the first
     had started (the metrics port on the front door's HTTP port stopped the node half-way up)."""
-    def host(h: str) -> str:
-        h = h.strip("[]")
-        return "127.0.0.1" if h in ("localhost", "::1") else "*" if h in ("", "*", "0.0.0.0", "::") else h
     for i, (key_a, host_a, port_a) in enumerate(ports):
         for key_b, host_b, port_b in ports[:i]:
-            a, b = host(host_a), host(host_b)
-            if port_a == port_b and (a == b or "*" in (a, b)):
+            if port_a == port_b and _same_host(host_a, host_b):
                 raise ConfigError(f"{key_a} and {key_b} both use port {port_a}; give each its own")
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether two listen hosts take one port: the same address in any spelling ("vm" resolving
+    to 127.0.0.1 passed beside "127.0.0.1", and the second listener failed at start), or a
+    wildcard beside anything."""
+    a, b = _listen_address(a), _listen_address(b)
+    return a == b or "*" in (a, b)
+
+
+def _listen_address(host: str) -> str:
+    """The IPv4 address a listener on ``host`` binds, "*" for a wildcard; a name that does not
+    resolve stays as written (the processes that bind it refuse it, `check_host`). Called only
+    for hosts that share a port, so a valid config costs no lookup; a name is looked up as the
+    listener itself will (/etc/hosts, then DNS)."""
+    import ipaddress
+    import socket
+
+    host = host.strip("[]")
+    if host in ("", "*", "0.0.0.0", "::"):
+        return "*"
+    if host in ("localhost", "::1"):  # loopback in either family: one port as far as a person means it
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))  # an address: no lookup
+    except ValueError:
+        pass
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError, IndexError):
+        return host
+    return "*" if address == "0.0.0.0" else address
 
 
 def _online_cpus() -> set[int]:
@@ -680,7 +745,7 @@ def _explain(err: msgspec.ValidationError, data: dict) -> str:
     """Turn msgspec's "Object contains unknown field `x` - at `$.workers[1]`" into
     "[[workers]] #2 (name 'amx1') unknown key 'x' (did you mean ...?)"."""
     m = _ERROR.match(str(err))
-    msg, steps = m["msg"], [a or b for a, b in _STEP.findall(m["path"] or "")]
+    msg, steps = m["msg"], _keys_named([a or b for a, b in _STEP.findall(m["path"] or "")], data)
     # Split the path into the table a person would look for and the key inside it.
     if steps[:1] in (["models"], ["workers"], ["llm_models"]) and len(steps) > 1 and steps[1].isdigit():
         item = _value_at(data, steps[:2])
@@ -711,19 +776,75 @@ def _explain(err: msgspec.ValidationError, data: dict) -> str:
     if len(steps) == 1 and steps[0] in ("models", "workers", "llm_models") and isinstance(value, dict):
         return f"[{steps[0]}] must be an array of tables: write [[{steps[0]}]] for each"
     text = msg.replace("`", "").replace("Invalid enum value", "Invalid value")
-    text = text[0].lower() + text[1:]
+    text = re.sub(r"\bobject( \| null)?", "table", text[0].lower() + text[1:])  # TOML's word for it
     if ", got" not in text and value is not None and repr(value) not in text:
         text += f", got {value!r}"
     if isinstance(typ, mi.LiteralType) and isinstance(value, str):
         text += _did_you_mean(value, typ.values) or f" (one of {list(typ.values)})"
+    if not inner:  # the table itself: "[dispatcher]: expected table, got int"
+        return f"{where or _dotted(steps)}: {text}"
     # "[dispatcher] max_queue: ..." but "[[workers]] #2 (name 'amx1'): cpus[0]: ..."
     sep = ": " if where.startswith("[[") else " "
     return f"{where + sep if where else ''}{_dotted(inner)}: {text}"
 
 
+class _Key(str):
+    """A key of a dict (triton.models, cuda.onnx) in an error's path, not a field or an index."""
+
+
+def _keys_named(steps: list[str], data) -> list[str]:
+    """The path with each dict key msgspec writes as `[...]` named: the first key whose value
+    does not decode as the dict's values (msgspec decodes in order and stops there). Unnamed,
+    "triton.tensor_names[...]: expected object" did not say which model's entry was wrong."""
+    out, typ = [], NodeConfig
+    for s in steps:
+        if s == "..." and isinstance(data, dict):
+            value_type = _field_type(typ, s)
+            s = next((_Key(k) for k, v in data.items() if not _decodes(v, value_type)), s)
+        out.append(s)
+        typ = _field_type(typ, s)
+        data = _value_at(data, [s])
+    return out
+
+
+def _decodes(value, typ) -> bool:
+    try:
+        msgspec.convert(value, typ)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _field_type(typ, step: str):
+    """The Python type one step (a field name, an index or a key) below ``typ``; None past what
+    a config holds."""
+    while typing.get_origin(typ) is Annotated or _is_optional(typ):
+        typ = typing.get_args(typ)[0]
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        return next((f.type for f in msgspec.structs.fields(typ) if f.encode_name == step), None)
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (tuple, list) and args:
+        return args[0]
+    if origin is dict:
+        return args[1]
+    return None
+
+
+def _is_optional(typ) -> bool:
+    """Optional[X], with X first (the only optional form the config uses)."""
+    args = typing.get_args(typ)
+    return typing.get_origin(typ) is typing.Union and len(args) == 2 and args[1] is type(None)
+
+
 def _dotted(steps: list[str]) -> str:
-    """["triton", "models"] -> "triton.models"; ["inputs", "1", "dtype"] -> "inputs[1].dtype"."""
-    return "".join(f"[{s}]" if s.isdigit() or s == "..." else f".{s}" for s in steps).lstrip(".")
+    """["triton", "models"] -> "triton.models"; ["inputs", "1", "dtype"] -> "inputs[1].dtype";
+    a dict key as TOML writes it: "triton.models.sum", or quoted where it is not a bare key."""
+    def step(s: str) -> str:
+        if isinstance(s, _Key):
+            bare = re.fullmatch(r"[A-Za-z0-9_-]+", s) and not s.isdigit()  # digits alone read as an index
+            return f".{s}" if bare else f"[{s!r}]"
+        return f"[{s}]" if s.isdigit() or s == "..." else f".{s}"
+    return "".join(step(s) for s in steps).lstrip(".")
 
 
 def _header(name: str, value=None) -> str:
@@ -789,16 +910,18 @@ def parse_config(data: dict, source: str = "config") -> NodeConfig:
 
 def _same_endpoint(a: str, b: str) -> bool:
     """Whether two addresses name one socket: "ipc://d//fe" is "ipc://d/fe" (the second bind
-    replaced the first one's socket file, and clients' messages reached the workers' socket)."""
-    def norm(addr: str) -> str:
-        scheme, _, rest = addr.partition("://")
-        if scheme == "ipc":
-            return "ipc://" + os.path.normpath(os.path.abspath(rest))
-        host, _, port = rest.rpartition(":")
-        if host in ("localhost", "127.0.0.1", "[::1]", "::1", "*", "0.0.0.0"):
-            host = "local"  # a wildcard bind takes the port on loopback too
-        return f"{scheme}://{host}:{port}"
-    return norm(a) == norm(b)
+    replaced the first one's socket file, and clients' messages reached the workers' socket),
+    and "tcp://vm:7755" is "tcp://127.0.0.1:7755" where vm resolves to 127.0.0.1."""
+    scheme_a, _, rest_a = a.partition("://")
+    scheme_b, _, rest_b = b.partition("://")
+    if scheme_a != scheme_b:
+        return False
+    if scheme_a == "ipc":
+        return os.path.normpath(os.path.abspath(rest_a)) == os.path.normpath(os.path.abspath(rest_b))
+    host_a, _, port_a = rest_a.rpartition(":")
+    host_b, _, port_b = rest_b.rpartition(":")
+    same_port = int(port_a) == int(port_b) if port_a.isdigit() and port_b.isdigit() else port_a == port_b
+    return same_port and _same_host(host_a, host_b)
 
 
 def load_config(path: str | Path) -> NodeConfig:

@@ -10,7 +10,12 @@ from typing import Annotated
 import msgspec
 
 BatchSize = Annotated[int, msgspec.Meta(ge=1)]
-Seconds = Annotated[float, msgspec.Meta(gt=0)]
+# One batch's compute time. At most an hour: no batch of a served model takes longer (a request
+# waits default_timeout_s, 30 s, by default), so a larger number is a unit slip or a broken
+# file, and 1e300 overflowed the curve's least-squares fit (its squares pass float's range):
+# a traceback at config load and exit 1, which systemd restarts, instead of this key's message.
+MAX_BATCH_SECONDS = 3600.0
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_BATCH_SECONDS)]
 
 
 class PathProfile(msgspec.Struct):

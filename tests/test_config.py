@@ -139,6 +139,16 @@ def test_an_unknown_top_level_table_is_refused_with_a_suggestion(tmp_path, text,
      "node.toml: [[models]] #1 (name 'sum'): inputs[0].dtype: invalid value 'float23' (did you mean 'float32'?)"),
     (edited("[[models]]", "[models]"), "node.toml: [models] must be an array of tables: write [[models]] for each"),
     (edited('frontend = "ipc:///tmp/by-test/fe"\n', ""), "node.toml: [dispatcher] missing required key 'frontend'"),
+    # a table given as a value: "[dispatcher] : expected object, got int", "[[workers]] #1: : ..."
+    ("dispatcher = 5\n" + NODE[NODE.index("[[models]]"):], "node.toml: [dispatcher]: expected table, got int"),
+    ("workers = [1]\n" + NODE[:NODE.index("[[workers]]")], "node.toml: [[workers]] #1: expected table, got int"),
+    # a dict's key was "[...]"
+    (edited('models = { sum = "dense" }', 'models = { sum = 5 }'),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.models.sum: expected str, got int"),
+    (edited('models = { sum = "dense" }', 'models = { sum = "dense" }, tensor_names = { sum = 5 }'),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.tensor_names.sum: expected table, got int"),
+    (edited('models = { sum = "dense" }', 'models = { sum = "dense" }, tensor_names = { sum = { x = "IN0", y = 1 } }'),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.tensor_names.sum.y: expected str, got int"),
 ])
 def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
     assert load_error(tmp_path, text) == message
@@ -167,6 +177,13 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
     # "$" let a trailing newline through
     (edited('name = "amx1"', 'name = "amx1\\n"'), "node.toml: [[workers]] #2 (name 'amx1\\n'): name: expected str matching regex"),
     (edited('frontend = "ipc:', 'frontend = "inproc:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
+    # a node of one simulated worker spun 72 % of a core; a healthy worker left rotation many times a second
+    (edited("max_queue = 100", "heartbeat_interval_s = 1e-9"),
+     "node.toml: [dispatcher] heartbeat_interval_s: expected float >= 0.01, got 1e-09"),
+    (edited("max_queue = 100", "heartbeat_interval_s = 0.01\nworker_dead_after_s = 0.001"),
+     "node.toml: [dispatcher] worker_dead_after_s: expected float >= 0.5, got 0.001"),
+    (edited("max_queue = 100", "heartbeat_interval_s = 0.4\nworker_dead_after_s = 0.6"),
+     "node.toml: [dispatcher] worker_dead_after_s (0.6) must be at least twice heartbeat_interval_s (0.4)"),
 ])
 def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, message):
     assert load_error(tmp_path, text).startswith(message)
@@ -193,7 +210,7 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
      "'ipc:///tmp/by-test//fe')"),
     (edited("max_queue = 100", 'policy = "gredy"'), "node.toml: [dispatcher] policy: unknown policy 'gredy'"),
     (edited("max_queue = 100", "heartbeat_interval_s = 15.0"),
-     "node.toml: [dispatcher] heartbeat_interval_s (15.0) must be below worker_dead_after_s (10.0)"),
+     "node.toml: [dispatcher] worker_dead_after_s (10.0) must be at least twice heartbeat_interval_s (15.0)"),
     (edited('name = "amx1"', 'name = "amx0"'),
      "node.toml: [[workers]] #2 (name 'amx0'): name 'amx0' is already used by [[workers]] #1 (name 'amx0')"),
     (edited('models = ["sum"]\ncpus = [1]', 'models = ["summ"]\ncpus = [1]'),
@@ -371,10 +388,14 @@ def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
     path.write_text(edited('frontend = "ipc:///tmp/by-test/fe"', f'frontend = "ipc://{tmp_path}/none/fe"'))
     with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: no folder '.*/none' for the socket"):
         load_config(path).check_host(control=True)
+    from batchyard.transport import write_keypair
+
+    _, node_key = write_keypair(str(tmp_path / "keys"), "node")  # a tcp backend takes CURVE only
     for host, why in (("localhsot.invalid", "cannot listen on 'localhsot.invalid'"),
                       ("192.0.2.1", "cannot listen on '192.0.2.1'"),  # TEST-NET-1: not this host's
                       ("[::1]", "'tcp://[::1]:7757': IPv6 hosts are not supported")):
-        path.write_text(edited('backend = "ipc:///tmp/by-test/be"', f'backend = "tcp://{host}:7757"')
+        path.write_text(edited('backend = "ipc:///tmp/by-test/be"', f'backend = "tcp://{host}:7757"\n'
+                               f'curve_secret_key = "{node_key}"\ncurve_authorized_keys = "*"')
                         .replace("/tmp/by-test", str(tmp_path)))
         with pytest.raises(ConfigError, match=r"\[dispatcher\] backend: " + re.escape(why)):
             load_config(path).check_host(control=True)
@@ -430,6 +451,9 @@ def test_a_log_level_typo_is_a_usage_error():
     ({"models": {"sum": {"cpu": {"points": [[0, 0.01], [2, 0.02]]}}}}, "models.sum.cpu: Expected `int` >= 1 - at `$.points[0][0]`"),
     ({"models": {"sum": {"cpu": {"points": [[1, -0.01]]}}}}, "Expected `float` > 0"),
     ({"models": {"sum": {"cpu": {"points": [[1, 1e400]]}}}}, "models.sum.cpu: Number out of range"),
+    # finite but huge: the fit's squares overflowed, an OverflowError traceback at load
+    ({"models": {"sum": {"cpu": {"points": [[1, 1e300], [2, 2e300]]}}}},
+     "models.sum.cpu: Expected `float` <= 3600.0 - at `$.points[0][1]`"),
     ({"models": {"sum": {"cpu": {"points": []}}}}, "Expected `array` of length >= 1"),
     ({"models": {"sum": {"amx": {"points": [[1, 0.01]]}}}}, "models.sum.amx: a path is \"cpu\" or \"gpu\""),
     ({"models": {"sum": {"cpu": {"points": [[1, 0.01], [1, 0.02]]}}}}, "models.sum.cpu.points: a batch size twice"),
@@ -507,6 +531,16 @@ def test_a_vllm_workers_interpreter_and_model_folder_are_checked_at_start(tmp_pa
     ("sim", "threads = 8", "threads is set but kind is 'sim'; it is for kind \"amx\""),
     ("triton", "max_inflight = 16", "max_inflight is set but kind is 'triton'; it is for kind \"amx\" or \"sim\" or "
                                     "\"cuda\" or \"tensorrt\"; kind 'triton' takes triton.inflight"),
+    # warm-up never runs on these kinds
+    ("sim", "warmup_sizes = [1, 4]", "warmup_sizes is set but kind is 'sim'; it is for kind \"amx\" or \"triton\" or "
+                                     "\"cuda\" or \"tensorrt\""),
+    ("vllm", "warmup_sizes = [1000]", "warmup_sizes is set but kind is 'vllm'; it is for kind \"amx\""),
+    # a tensorrt worker asked for bf16 built an fp16 engine; one asked for eager replay ignored it
+    ("tensorrt", 'cuda = { precision = "bf16", onnx = { sum = "/m.onnx" } }',
+     "cuda.precision 'bf16': a tensorrt worker builds fp16 or fp32 engines; set "
+     "cuda.precision = \"fp16\" or \"fp32\" (fp16 when not set)"),
+    ("tensorrt", 'cuda = { precision = "fp16", graphs = false, onnx = { sum = "/m.onnx" } }',
+     "cuda.graphs is set but kind is 'tensorrt'; it is for kind \"cuda\""),
 ])
 def test_a_worker_key_of_another_kind_is_refused_not_ignored(tmp_path, kind, extra, message):
     # Taken and ignored: a cuda worker asked for fp32 ran bf16, a triton worker asked for 16
@@ -523,3 +557,118 @@ def test_a_triton_url_on_the_nodes_own_port_is_refused(tmp_path):
     load_config_text = NODE + "\n[frontend]\ngrpc_port = 9001\n"
     (tmp_path / "ok.toml").write_text(load_config_text)
     load_config(tmp_path / "ok.toml")
+
+
+def test_a_tcp_workers_socket_without_curve_is_refused(tmp_path):
+    """Without CURVE anyone who reached a tcp backend registered as a worker, was handed a
+    client's tensor and answered for the model: the client took the forged answer as OK."""
+    assert load_error(tmp_path, edited('backend = "ipc:///tmp/by-test/be"', 'backend = "tcp://127.0.0.1:7757"')) \
+        .startswith("node.toml: [dispatcher] backend 'tcp://127.0.0.1:7757' is tcp without curve_secret_key: any "
+                    "peer that reaches it could register as a worker")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32", ""])
+def test_a_tensorrt_worker_takes_the_precisions_it_builds(tmp_path, precision):
+    path = tmp_path / "node.toml"
+    written = f'precision = "{precision}", ' if precision else ""  # not set: fp16, as it always built
+    path.write_text(NODE + f'\n[[workers]]\nname = "t0"\nkind = "tensorrt"\nmodels = ["sum"]\n'
+                           f'cuda = {{ {written}onnx = {{ sum = "/m.onnx" }} }}\n')
+    assert load_config(path).worker("t0").cuda.precision_for("tensorrt") == (precision or "fp16")
+
+
+def test_the_test_nodes_heartbeat_settings_stay_valid(tmp_path):
+    # tests/conftest.py's start_node: 0.1 s heartbeats, dead after 0.6 s
+    path = tmp_path / "node.toml"
+    path.write_text(edited("max_queue = 100", "heartbeat_interval_s = 0.1\nworker_dead_after_s = 0.6"))
+    assert load_config(path).dispatcher.worker_dead_after_s == 0.6
+
+
+def test_a_port_clash_is_found_whatever_the_hosts_spelling(tmp_path, monkeypatch):
+    """"vm" resolving to 127.0.0.1 beside "127.0.0.1" passed; `up` then started the node and
+    its second listener failed to bind (exit 1). A name is looked up only where ports match."""
+    import socket
+
+    lookups = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kw):
+        lookups.append(host)
+        if host == "node-a.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+        if host == "gone.test":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    text = edited("max_queue = 100", 'metrics_port = 8000\nmetrics_host = "node-a.test"') + '[frontend]\nhost = "127.0.0.1"\n'
+    assert load_error(tmp_path, text) == ("node.toml: [frontend] http_port and [dispatcher] metrics_port both use "
+                                          "port 8000; give each its own")
+    text = edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "tcp://node-a.test:7755"').replace(
+        'backend = "ipc:///tmp/by-test/be"', 'backend = "tcp://127.0.0.1:7755"')
+    assert load_error(tmp_path, text) == ("node.toml: [dispatcher] frontend and backend must differ (both "
+                                          "'tcp://node-a.test:7755' and 'tcp://127.0.0.1:7755')")
+    path = tmp_path / "ok.toml"
+    lookups.clear()
+    path.write_text(edited("max_queue = 100", 'metrics_port = 9100\nmetrics_host = "node-a.test"') + "[frontend]\ngrpc_port = 9001\n")
+    load_config(path)
+    assert lookups == []  # no two listeners on one port: nothing to look up
+    # a name that does not resolve is no clash here (`check_host` names it where it must listen)
+    path.write_text(edited("max_queue = 100", 'metrics_port = 8000\nmetrics_host = "gone.test"')
+                    + '[frontend]\nhost = "127.0.0.1"\ngrpc_port = 9001\n')
+    load_config(path)
+
+
+def test_a_profile_of_huge_times_exits_78_in_one_line(tmp_path):
+    (tmp_path / "p.json").write_text('{"models": {"sum": {"gpu": {"points": [[1, 1e300], [2, 2e300]]}}}}')
+    path = tmp_path / "node.toml"
+    path.write_text(NODE.replace("/tmp/by-test", str(tmp_path)).replace("max_queue = 100",
+                                                                        f'profile = "{tmp_path}/p.json"'))
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "dispatcher", "--config", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith("models.sum.gpu: Expected `float` <= 3600.0 - at `$.points[0][1]`"), r.stderr
+
+
+SIM_NODE = """\
+[dispatcher]
+frontend = "ipc://{d}/fe"
+backend = "ipc://{d}/be"
+
+[[models]]
+name = "m"
+inputs = [{{ name = "x", dtype = "float32", shape = [4] }}]
+outputs = [{{ name = "y", dtype = "float32", shape = [4] }}]
+
+[[workers]]
+name = "s0"
+kind = "sim"
+models = ["m"]
+"""
+
+
+@pytest.mark.parametrize("args, message", [
+    # each was a traceback; calibrate's and bench's after measuring every worker or the whole run
+    (["calibrate", "--config", "{config}", "--out", "/nonexistent/p.json"],
+     "batchyard calibrate: --out '/nonexistent/p.json': no folder '/nonexistent'; nothing measured"),
+    (["calibrate", "--config", "{config}", "--out", "{tmp}"], "batchyard calibrate: --out '{tmp}': is a folder; nothing measured"),
+    (["keygen", "--out", "/proc/x", "--name", "n"],
+     "batchyard keygen: --out '/proc/x': cannot write in '/proc': No such file or directory"),
+    (["bench", "--address", "ipc://{tmp}/fe", "--concurrency", "1", "--out", "/proc/x"],
+     "argument --out: '/proc/x': cannot write in '/proc': No such file or directory"),
+    (["bench", "--address", "ipc://{tmp}/fe", "--concurrency", "1", "--window", "-1"],
+     "argument --window: a number > 0, got '-1'"),
+    (["bench", "--address", "ipc://{tmp}/fe", "--concurrency", "1", "--warmup", "-1"],
+     "argument --warmup: a number >= 0, got '-1'"),
+    (["bench", "--address", "ipc://{tmp}/fe", "--request-rate", "nan"],
+     "argument --request-rate: a number >= 0, got 'nan'"),
+    (["bench", "--address", "ipc://{tmp}/fe", "--concurrency", "1", "--window", "inf"],
+     "argument --window: a number > 0, got 'inf'"),
+])
+def test_a_command_given_an_argument_it_cannot_use_says_which_in_one_line(tmp_path, args, message):
+    config = tmp_path / "node.toml"
+    config.write_text(SIM_NODE.format(d=tmp_path))
+    args = [a.format(config=config, tmp=tmp_path) for a in args]
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(message.format(tmp=tmp_path)), r.stderr
+    assert "B=" not in r.stdout  # calibrate: no worker was measured first

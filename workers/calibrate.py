@@ -35,9 +35,14 @@ def _measured(worker: str, model: str, b: int, done) -> int:
 
 def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None, reps: int = 5,
               workers: list[str] | None = None, log=print) -> dict:
+    from batchyard.cli import output_problem
+
     from .harness import DirectWorker
     from .runtime import powers_of_two
 
+    why = output_problem(str(out))
+    if why:  # before measuring: the profile was lost after every worker had been measured
+        raise CalibrationFailed(f"--out {str(out)!r}: {why}; nothing measured")
     # model -> path -> B -> each worker's median: the dispatcher keeps one curve per (model,
     # path), so workers of one path give one point per size (two AMX workers of node0.toml wrote
     # every size twice, and the dispatcher refused the profile they made)

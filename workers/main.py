@@ -105,11 +105,11 @@ def _make_executor(node: NodeConfig, wcfg):
     if wcfg.kind == "cuda":
         from .cuda_executors import TorchCudaExecutor
 
-        return TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision, graphs=wcfg.cuda.graphs)
+        return TorchCudaExecutor(wcfg.cuda.device, wcfg.cuda.precision_for("cuda"), graphs=wcfg.cuda.graphs)
     if wcfg.kind == "tensorrt":
         from .cuda_executors import TensorRTExecutor
 
-        return TensorRTExecutor(dict(wcfg.cuda.onnx), wcfg.cuda.device, fp16=wcfg.cuda.precision != "fp32")
+        return TensorRTExecutor(dict(wcfg.cuda.onnx), wcfg.cuda.device, fp16=wcfg.cuda.precision_for("tensorrt") == "fp16")
     from .executors import SimulatedExecutor
 
     return SimulatedExecutor(wcfg.sim, seed=zlib.crc32(wcfg.name.encode()))
