@@ -281,11 +281,12 @@ class RequestCore:
         if req.client is not None and self.by_client_id.get(key) == req.seq:
             del self.by_client_id[key]
 
-    def fail(self, req: Request, status: Status, message: str) -> None:
-        """End ``req`` with an error, once (later calls are ignored)."""
+    def fail(self, req: Request, status: Status, message: str, batch_ended: bool = False) -> None:
+        """End ``req`` with an error, once (later calls are ignored). ``batch_ended``: its batch
+        came back, so the answer is not one given while the worker may still touch its memory."""
         if req.state == DONE:
             return
-        req.answered_in_flight = req.state == INFLIGHT
+        req.answered_in_flight = req.state == INFLIGHT and not batch_ended
         req.state = DONE
         req.frames = None  # as in finish
         self.requests.pop(req.seq, None)

@@ -458,7 +458,9 @@ DecodeError = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
 
 def salvage_id(raw: bytes) -> Optional[int]:
     """Best effort: the request id of a header that failed typed decoding, so the error
-    reply can still be matched by the client. None when the header is not even a map."""
+    reply can still be matched by the client. None when the header is not even a map, and for
+    a cancel: its id names the request it withdraws, which gets a result of its own (answered
+    under that id, a malformed cancel gave the request a second result)."""
     try:
         # raw=True: a header whose strings are not valid UTF-8 still yields its id. The first
         # object only: bytes after it (two maps in one frame) made unpackb refuse the whole.
@@ -467,7 +469,7 @@ def salvage_id(raw: bytes) -> Optional[int]:
         obj: Any = unpacker.unpack()
     except Exception:
         return None
-    if isinstance(obj, dict):
+    if isinstance(obj, dict) and obj.get(b"type") != b"cancel":
         rid = obj.get(b"id")
         if type(rid) is int and 0 <= rid < 2**63:  # not a bool: True is an int to isinstance
             return rid

@@ -331,7 +331,7 @@ class Dispatcher:
         if batch is not None and batch.worker.identity == identity:
             why = f"worker {batch.worker.name} sent a malformed result (it does not decode)"
             self._on_batch_done(P.BatchDone(batch_id=batch_id, worker=batch.worker.name, compute_us=0, results=[
-                P.ItemResult(seq=r.seq, status=Status.INTERNAL, message=why) for r in batch.requests]), [], now)
+                P.ItemResult(seq=r.seq, status=Status.INTERNAL, message=why) for r in batch.requests]), [identity, raw], now)
 
     def _may_register(self, msg: P.Register, frames: list) -> bool:
         """A worker on an ipc backend runs as the node's user (or root): the backend's socket file
@@ -448,10 +448,12 @@ class Dispatcher:
             metrics.batch_done(batch.model, path)
         if not unavailable:
             self.core.batch_health(w, False, now)
-        # A result the worker did not send (a broken worker) must not strand its request.
+        # A result the worker did not send (a broken worker) must not strand its request. Its
+        # batch has ended: no "in flight" flag, and no release to follow.
         for req in batch.requests:
             if req.state != QUEUED:  # not the ones just queued again for another worker
-                self.core.fail(req, Status.INTERNAL, f"worker {msg.worker} returned no result for this request")
+                self.core.fail(req, Status.INTERNAL, f"worker {msg.worker} returned no result for this request",
+                               batch_ended=True)
         self._release(batch.requests)
 
     # ------------------------------------------------------------------ 2. clients
@@ -485,7 +487,10 @@ class Dispatcher:
             self._reply(identity, P.error_reply(P.salvage_id(raw), Status.INVALID_ARGUMENT, f"malformed header: {e}"))
             return
         if msg.v != P.PROTOCOL_VERSION:
-            self._reply(identity, P.error_reply(msg.id, Status.INVALID_ARGUMENT,
+            # A cancel's id is the request it names (salvage_id): answered under it, that request
+            # got a second result.
+            rid = None if type(msg) is P.CancelRequest else msg.id
+            self._reply(identity, P.error_reply(rid, Status.INVALID_ARGUMENT,
                                                 f"protocol version {msg.v} not supported; this "
                                                 f"dispatcher speaks {P.PROTOCOL_VERSION}"))
             return

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -152,13 +153,15 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
         assert worker.poll(30_000)
         worker.recv_multipart()  # registered
         with Client(node.dispatcher.frontend) as c:
-            for bad in (P.ItemResult(seq=0, status=0, n_frames=0, outputs=y),  # frame 0 of none
-                        P.ItemResult(seq=0, status=0, n_frames=3, outputs=y),  # 3 frames, none sent
-                        P.ItemResult(seq=0, status=0, n_frames=-1, outputs=y),
-                        P.ItemResult(seq=0, status=999, n_frames=0),  # no such status
-                        # past its schema (a dimension over 2**31): the message does not decode
-                        P.ItemResult(seq=0, status=0, n_frames=1, outputs=[
-                            P.TensorRef(name="y", dtype="float32", shape=[2**40, 2], frame=0)])):
+            for bad, why in ((P.ItemResult(seq=0, status=0, n_frames=0, outputs=y), "names frame 0 of 0"),
+                             (P.ItemResult(seq=0, status=0, n_frames=3, outputs=y), "n_frames 3 with 0 frames left"),
+                             (P.ItemResult(seq=0, status=0, n_frames=-1, outputs=y), "n_frames -1"),
+                             (P.ItemResult(seq=0, status=999, n_frames=0), "unknown status 999"),
+                             # past its schema (a dimension over 2**31): the message does not decode
+                             # (the client was told "n_frames 0 with -2 frames left")
+                             (P.ItemResult(seq=0, status=0, n_frames=1, outputs=[
+                                 P.TensorRef(name="y", dtype="float32", shape=[2**40, 2], frame=0)]),
+                              r"\(it does not decode\)$")):
                 fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
                 assert worker.poll(30_000)
                 frames = worker.recv_multipart()
@@ -166,7 +169,7 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
                 bad.seq = batch.seqs[0]
                 worker.send_multipart([P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100,
                                                             results=[bad]))])
-                with pytest.raises(InternalError, match="malformed result"):
+                with pytest.raises(InternalError, match=why):
                     fut.result(timeout=30)
             fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)  # the client still works
             assert worker.poll(30_000)
@@ -176,6 +179,39 @@ def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(ru
                                                         results=[good])), np.full((1, 2), 7, np.float32)])
             assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
     finally:
+        worker.close()
+
+
+def test_a_request_a_worker_returned_no_result_for_is_failed_as_ended_not_in_flight(run_dir, processes):
+    """Its batch came back without its result: it was answered INTERNAL with in_flight set (the
+    client keeps its memory reserved) and then a release, as if its batch still ran."""
+    import zmq
+
+    from batchyard import protocol as P
+
+    node = dispatcher_alone(processes, run_dir)
+    register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[SUM_MODEL.spec()]))
+    worker = bare_worker(node)
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(node.dispatcher.frontend)
+    try:
+        worker.send(register)
+        assert worker.poll(30_000)
+        worker.recv_multipart()  # registered
+        infer = {"type": "infer", "v": 1, "id": 5, "model": "sum",
+                 "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4], "frame": 0}]}
+        client.send_multipart([msgspec.msgpack.encode(infer), np.ones((1, 4), np.float32)])
+        assert worker.poll(30_000)
+        batch = P.to_worker_decoder.decode(worker.recv_multipart()[0])
+        worker.send_multipart([P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100, results=[]))])
+        assert client.poll(30_000)
+        reply = msgspec.msgpack.decode(client.recv_multipart()[0])
+        assert (reply["id"], reply["status"], reply.get("in_flight", False)) == (5, P.Status.INTERNAL, False), reply
+        assert "returned no result" in reply["message"]
+        assert not client.poll(500)  # no release follows
+    finally:
+        client.close()
         worker.close()
 
 

@@ -430,6 +430,39 @@ def test_queued_request_can_be_cancelled(start_node):
         assert running.result()["y"].tolist() == [[4.0, 4.0]]  # running work is not affected
 
 
+def _wait_inflight(c) -> None:
+    """Until the node's worker runs a batch (each look is a round trip to the dispatcher)."""
+    deadline = time.monotonic() + 30
+    while not c.status().workers[0].inflight:
+        assert time.monotonic() < deadline, "the batch never started"
+
+
+def test_a_malformed_cancel_is_answered_under_no_id_and_its_request_gets_one_result(start_node):
+    """A cancel's id names the request it withdraws: a cancel of another protocol version, or one
+    that did not decode, was answered INVALID_ARGUMENT under that id, and the request, still
+    queued, got its real result after it: two results for one id."""
+    node = start_node([sim_worker("slow", launch_us=300_000.0)])
+    ctx = zmq.Context.instance()
+    with ctx.socket(zmq.DEALER) as s, node.client() as c:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(node.address)
+        s.send_multipart([header(id=9), X1])
+        _wait_inflight(c)  # 9 runs; 10 is queued behind it
+        s.send_multipart([header(id=10), X1])
+        s.send_multipart([msgspec.msgpack.encode({"type": "cancel", "v": 2, "id": 10})])
+        s.send_multipart([msgspec.msgpack.encode({"type": "cancel", "v": "1", "id": 10})])
+        replies = []
+        while len(replies) < 4:
+            assert s.poll(30_000), f"replies so far: {replies}"
+            replies.append(P.reply_decoder.decode(s.recv_multipart()[0]))
+        assert not s.poll(500)  # nothing more comes (a release only where one was answered in flight)
+    by_id = {}
+    for r in replies:
+        by_id.setdefault(r.id, []).append(r)
+    assert [r.status for r in by_id[10]] == [P.Status.OK] and [r.status for r in by_id[9]] == [P.Status.OK]
+    assert [r.status for r in by_id[None]] == [P.Status.INVALID_ARGUMENT] * 2
+
+
 def test_async_cancel_withdraws_the_queued_request(start_node):
     node = start_node([sim_worker("slow", launch_us=300_000.0)])
 
