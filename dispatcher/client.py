@@ -35,10 +35,10 @@ import zmq
 from . import protocol as P
 from .client_async import AsyncClient
 from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, SETUP_TIMEOUT_S,
-                           ClientCodec, CodecAccess, Generation, InferResult, Pending, checked_timeout, open_dealer,
-                           time_left)
+                           ClientCodec, CodecAccess, Generation, InferResult, Pending, checked_timeout, checked_wait,
+                           open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import SocketThread
-from .errors import InvalidArgument
+from .errors import DeadlineExceeded, InvalidArgument
 
 __all__ = ["Client", "AsyncClient", "InferFuture", "InferResult", "DEFAULT_TIMEOUT_S", "DEFAULT_SHM_THRESHOLD",
            "REPLY_GRACE_S", "PRIORITIES"]
@@ -52,7 +52,8 @@ class InferFuture(Future):
     ``as_completed``, ``add_done_callback`` and ``asyncio.wrap_future``), settled by the
     client's I/O thread. ``result(timeout)`` raises TimeoutError if it is not settled within
     ``timeout`` s; the request stays in flight. Done-callbacks run on the I/O thread: keep
-    them short."""
+    them short; a call there that would wait for a reply (``refuse_on_io_thread``) raises
+    InvalidArgument."""
 
     def __init__(self, client: "Client", rid: int, deadline: float):
         super().__init__()
@@ -76,12 +77,8 @@ class InferFuture(Future):
         return super().exception(timeout)
 
     def _not_on_io_thread(self) -> None:
-        if not self.done() and self._client._io.on_io_thread():
-            # Only this thread can settle the future: waiting here waited for ever, and held
-            # every other request of the client with it.
-            raise InvalidArgument("a blocking call (result(), exception(), infer, model_info, a model's first "
-                                  "submit) from a done-callback, which runs on the client's I/O thread, would wait "
-                                  "for ever: make it from another thread")
+        if not self.done():
+            refuse_on_io_thread(self._client._io)
 
     def cancel(self) -> bool:
         """Ask the dispatcher to drop this request if it is still queued; the future then
@@ -91,6 +88,19 @@ class InferFuture(Future):
             return False
         self._client._io.cancel(self.id)
         return True
+
+
+def refuse_on_io_thread(io: SocketThread) -> None:
+    """InvalidArgument if called on the client's I/O thread (from a done-callback), where a call
+    waiting for a reply would wait for ever: only that thread can settle it, and every other
+    request of the client waited with it. Checked before any lock is taken: a callback's submit
+    that needed a segment's grant blocked on the grant lock that another thread held while it
+    waited for its own grant, which the blocked I/O thread could never deliver."""
+    if io.on_io_thread():
+        raise InvalidArgument("a blocking call (result(), exception(), infer, model_info, status, a submit that "
+                              "needs a model's spec or a new shared-memory segment's grant) from a done-callback, "
+                              "which runs on the client's I/O thread, would wait for ever: make it from another "
+                              "thread")
 
 
 class Client(CodecAccess):
@@ -134,7 +144,9 @@ class Client(CodecAccess):
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferFuture:
         """Send a request and return its future at once. ``timeout`` (s) is the request's
-        deadline at the dispatcher (default DEFAULT_TIMEOUT_S)."""
+        deadline at the dispatcher (default DEFAULT_TIMEOUT_S). The inputs are read before this
+        returns (copied; ``alloc_array`` arrays excepted, sent by reference): the caller may
+        refill its arrays right away."""
         if self.closed:
             raise self._io.closed_error()
         # One deadline for the call: the set-up steps (the model's spec, a new segment's grant)
@@ -148,7 +160,7 @@ class Client(CodecAccess):
         rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
-                self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
+                self._register_segments(model, need, deadline)
                 timeout = time_left(deadline, model)
                 frames[0] = self._codec.retimed(frames[0], timeout)
             except BaseException:
@@ -157,17 +169,32 @@ class Client(CodecAccess):
                 raise
         return self._send("infer", rid, frames, regions, outputs, timeout + REPLY_GRACE_S)
 
-    def _register_segments(self, segments: set[str], timeout: float = 10.0) -> None:
+    def _register_segments(self, model: str, segments: set[str], deadline: float) -> None:
         """Prove to the dispatcher that this connection can write each segment (once per
-        segment, so once per 64 MiB of pool; docs/protocol.md, "Trust model")."""
-        with self._grant_lock:  # two threads' first use of a new segment: one registration
-            for seg in sorted(segments - self._codec.granted):
-                rid, frames = self._codec.encode_shm_register(seg, proved=False)
-                challenge = self._send("shm", rid, frames, [], {}, timeout).result()
-                self._codec.answer_challenge(seg, challenge)
-                rid, frames = self._codec.encode_shm_register(seg, proved=True)
-                self._send("shm", rid, frames, [], {}, timeout).result()
-                self._codec.granted.add(seg)
+        segment, so once per 64 MiB of pool; docs/protocol.md, "Trust model"), within the
+        call's ``deadline``: waiting for another thread's registration takes from it (it waited
+        with no limit: infer(timeout=1) took 10.8 s), and so does each step (each had the
+        call's whole timeout again)."""
+        refuse_on_io_thread(self._io)
+        # two threads' first use of a new segment: one registration
+        if not self._grant_lock.acquire(timeout=time_left(deadline, model)):
+            raise setup_timeout_error(model)
+        try:
+            codec, connection = self._codec, self._codec.connection
+            for seg in sorted(segments - codec.granted):
+                challenge = self._grant_step(model, deadline, *codec.encode_shm_register(seg, proved=False))
+                codec.answer_challenge(seg, challenge)
+                self._grant_step(model, deadline, *codec.encode_shm_register(seg, proved=True))
+                codec.add_grant(seg, connection)
+        finally:
+            self._grant_lock.release()
+
+    def _grant_step(self, model: str, deadline: float, rid: int, frames: list) -> bytes:
+        try:
+            return self._send("shm", rid, frames, [], {}, setup_step_timeout(deadline, model)).result()
+        except DeadlineExceeded:
+            time_left(deadline, model)  # the call's own timeout ran out: said so, not "is it running?"
+            raise
 
     def infer(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferResult:
         # No wait limit of our own: the future's deadline (timeout + grace) bounds it.
@@ -187,6 +214,8 @@ class Client(CodecAccess):
         return self.submit_generate(model, prompt, max_tokens, **kw).result()
 
     def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:
+        timeout = checked_timeout(timeout)
+        refuse_on_io_thread(self._io)
         rid, frames = self._codec.encode_model_info(model)
         return self._send("model_info", rid, frames, [], {}, timeout).result()
 
@@ -197,6 +226,8 @@ class Client(CodecAccess):
         stopped, silent, lost) have happened since the dispatcher started. The reply carries
         both counts: wait for the next event with the count + 1. ``brief``: workers, models and
         the counts only (no curves, arrival rates, decisions, lateness), cheap to ask often."""
+        timeout, wait = checked_timeout(timeout), checked_wait(wait)
+        refuse_on_io_thread(self._io)
         rid, frames = self._codec.encode_status(min_registrations, wait, min_departures, brief)
         return self._send("status", rid, frames, [], {}, wait + timeout).result()
 

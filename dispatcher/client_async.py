@@ -13,8 +13,10 @@ import zmq
 
 from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
-                           CodecAccess, Generation, InferResult, Pending, checked_timeout, closed_error,
-                           connection_lost, lost_error, no_reply_error, open_dealer, time_left)
+                           CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
+                           checked_timeout, checked_wait, closed_error, connection_lost, lost_error, no_reply_error,
+                           open_dealer, setup_step_timeout, setup_timeout_error, time_left)
+from .errors import DeadlineExceeded
 from .zmq_frames import NOBLOCK, send_parts, waiting
 
 
@@ -82,16 +84,20 @@ class AsyncClient(CodecAccess):
         while not self.closed and waiting(self.sock):  # not a zmq.Again per drain (zmq_frames.waiting)
             self._codec.on_reply(self.sock.recv_multipart(NOBLOCK))
 
-    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
-        if self.closed or self.loop.is_closed():
-            for region in (*regions, *outputs.values()):
-                self._codec.free(region)
-            if self.closed:
-                raise closed_error()
+    def _refuse_if_unusable(self) -> None:
+        if self.closed:
+            raise closed_error()
+        if self.loop.is_closed():
             # Used again after its loop ended (a second asyncio.run): each call left its request
             # pending and its memory taken before the loop's own error.
             raise RuntimeError("this AsyncClient's event loop is closed: an AsyncClient serves the loop it was "
                                "made in; make one in this loop")
+
+    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
+        if self.closed or self.loop.is_closed():
+            for region in (*regions, *outputs.values()):
+                self._codec.free(region)
+            self._refuse_if_unusable()
         fut = self.loop.create_future()
 
         def resolve(value, fut=fut, rid=rid):
@@ -129,14 +135,42 @@ class AsyncClient(CodecAccess):
     async def infer(self, model: str, inputs: dict, *, priority="normal",
                     timeout: Optional[float] = None) -> InferResult:
         timeout = checked_timeout(timeout)
+        return await self._infer(model, inputs, priority, timeout, time.monotonic() + timeout)
+
+    def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> asyncio.Task:
+        """``infer`` as a Task, started at once. The inputs are read before this returns (as
+        Client.submit's are): the caller may refill its arrays right away; a bad argument raises
+        here. (The Task read them only when it first ran, and a buffer refilled after submit()
+        was what every request sent.)"""
+        self._refuse_if_unusable()
+        priority = checked_priority(priority)
+        timeout = checked_timeout(timeout)
         deadline = time.monotonic() + timeout  # one for the call: see Client.submit
-        if self._codec.needs_spec(model):
-            await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
-            timeout = time_left(deadline, model)
+        encoded = self._codec.encode_inputs(inputs)
+        try:
+            task = self.loop.create_task(self._infer(model, encoded, priority, timeout, deadline))
+        except BaseException:
+            self._codec.release_inputs(encoded)
+            raise
+        # A Task cancelled before it first runs never runs its coroutine's clean-up: its inputs'
+        # pool regions go back here (a no-op once the request took them).
+        task.add_done_callback(lambda _: self._codec.release_inputs(encoded))
+        return task
+
+    async def _infer(self, model: str, inputs, priority, timeout: float, deadline: float) -> InferResult:
+        """``inputs``: a dict (infer), or read already (submit: EncodedInputs)."""
+        try:
+            if self._codec.needs_spec(model):
+                await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
+                timeout = time_left(deadline, model)
+        except BaseException:
+            if type(inputs) is EncodedInputs:
+                self._codec.release_inputs(inputs)
+            raise
         rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:
-                await self._register_segments(need, min(SETUP_TIMEOUT_S, timeout))
+                await self._register_segments(model, need, deadline)
                 timeout = time_left(deadline, model)
                 frames[0] = self._codec.retimed(frames[0], timeout)
             except BaseException:
@@ -153,19 +187,28 @@ class AsyncClient(CodecAccess):
                 self._send_frames([self._codec.encode_cancel(rid)])
             raise
 
-    async def _register_segments(self, segments: set[str], timeout: float = 10.0) -> None:
+    async def _register_segments(self, model: str, segments: set[str], deadline: float) -> None:
         """See Client._register_segments."""
-        async with self._grant_lock:
-            for seg in sorted(segments - self._codec.granted):
-                rid, frames = self._codec.encode_shm_register(seg, proved=False)
-                challenge = await self._send("shm", rid, frames, [], {}, timeout)
-                self._codec.answer_challenge(seg, challenge)
-                rid, frames = self._codec.encode_shm_register(seg, proved=True)
-                await self._send("shm", rid, frames, [], {}, timeout)
-                self._codec.granted.add(seg)
+        try:
+            await asyncio.wait_for(self._grant_lock.acquire(), time_left(deadline, model))
+        except asyncio.TimeoutError:
+            raise setup_timeout_error(model) from None
+        try:
+            codec, connection = self._codec, self._codec.connection
+            for seg in sorted(segments - codec.granted):
+                challenge = await self._grant_step(model, deadline, *codec.encode_shm_register(seg, proved=False))
+                codec.answer_challenge(seg, challenge)
+                await self._grant_step(model, deadline, *codec.encode_shm_register(seg, proved=True))
+                codec.add_grant(seg, connection)
+        finally:
+            self._grant_lock.release()
 
-    def submit(self, model: str, inputs: dict, **kw) -> asyncio.Task:
-        return self.loop.create_task(self.infer(model, inputs, **kw))
+    async def _grant_step(self, model: str, deadline: float, rid: int, frames: list) -> bytes:
+        try:
+            return await self._send("shm", rid, frames, [], {}, setup_step_timeout(deadline, model))
+        except DeadlineExceeded:
+            time_left(deadline, model)  # see Client._grant_step
+            raise
 
     async def generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
                        timeout: Optional[float] = None, route: str = "") -> Generation:
@@ -183,10 +226,13 @@ class AsyncClient(CodecAccess):
             raise
 
     async def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:
+        timeout = checked_timeout(timeout)
         rid, frames = self._codec.encode_model_info(model)
         return await self._send("model_info", rid, frames, [], {}, timeout)
 
     async def status(self, min_registrations: int = 0, wait: float = 0.0, timeout: float = 10.0,
                      min_departures: int = 0, brief: bool = False) -> P.StatusReply:
+        timeout = checked_timeout(timeout)
+        wait = checked_wait(wait)
         rid, frames = self._codec.encode_status(min_registrations, wait, min_departures, brief)
         return await self._send("status", rid, frames, [], {}, wait + timeout)

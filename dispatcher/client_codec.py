@@ -27,7 +27,7 @@ import zmq
 
 from . import protocol as P
 from .client_pool import Region, ShmPool
-from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, error_for
+from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
 from .shm import ShmError, reap_orphans
 from .validation import item_nbytes
@@ -56,21 +56,47 @@ DEFAULT_SHM_THRESHOLD = 64 << 10
 INLINE_ONLY = 1 << 62  # a threshold no tensor reaches
 
 
-def checked_timeout(timeout: Optional[float]) -> float:
+def checked_timeout(timeout: Optional[float], name: str = "timeout") -> float:
     """A request's timeout in seconds (None: DEFAULT_TIMEOUT_S), or InvalidArgument."""
-    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else _seconds(timeout, name)
     if not 0 < timeout <= P.MAX_TIMEOUT_S:
-        raise InvalidArgument(f"timeout must be > 0 and at most {P.MAX_TIMEOUT_S:g} seconds, got {timeout}")
+        raise InvalidArgument(f"{name} must be > 0 and at most {P.MAX_TIMEOUT_S:g} seconds, got {timeout}")
     return timeout
+
+
+def checked_wait(wait) -> float:
+    """A status long poll's ``wait`` in seconds (0: answer at once), or InvalidArgument: nan and
+    inf reached the wire's integer conversion and raised ValueError / OverflowError there."""
+    wait = _seconds(wait, "wait")
+    if not 0 <= wait <= P.MAX_TIMEOUT_S:
+        raise InvalidArgument(f"wait must be >= 0 and at most {P.MAX_TIMEOUT_S:g} seconds, got {wait}")
+    return wait
+
+
+def _seconds(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r:.40}") from None
 
 
 def time_left(deadline: float, model: str) -> float:
     """What a call's ``deadline`` (monotonic) leaves; DeadlineExceeded once it has passed."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise DeadlineExceeded(f"timeout passed while setting up the request for {model!r} (its spec, or the "
-                               "grant of a shared-memory segment): the dispatcher answers slowly")
+        raise setup_timeout_error(model)
     return left
+
+
+def setup_step_timeout(deadline: float, model: str) -> float:
+    """How long one set-up message (a grant step) may wait: what the call's ``deadline`` leaves,
+    at most SETUP_TIMEOUT_S."""
+    return min(SETUP_TIMEOUT_S, time_left(deadline, model))
+
+
+def setup_timeout_error(model: str) -> DeadlineExceeded:
+    return DeadlineExceeded(f"timeout passed while setting up the request for {model!r} (its spec, or the "
+                            "grant of a shared-memory segment): the dispatcher answers slowly")
 
 
 def timeout_us(timeout: float) -> int:
@@ -133,6 +159,36 @@ class Generation(list):
         self.timing = timing
 
 
+class EncodedInputs:
+    """A request's inputs as read at submit: their references, the inline frames (copies), the
+    pool regions they took and the segments those name. Its ``regions`` belong to it until
+    ``encode_infer`` hands them to the request (``take``) or ``release_inputs`` frees them."""
+
+    __slots__ = ("refs", "frames", "regions", "used", "n_items")
+
+    def __init__(self):
+        self.refs: list = []
+        self.frames: list = []
+        self.regions: list = []
+        self.used: set = set()
+        self.n_items = 0
+
+    def take(self) -> list:
+        regions, self.regions = self.regions, []
+        return regions
+
+
+def checked_inputs(inputs) -> Mapping:
+    if not isinstance(inputs, Mapping):
+        raise InvalidArgument(f"inputs must be a dict of input name -> array, got {type(inputs).__name__}")
+    return inputs
+
+
+def refused(e: ShmError) -> Overloaded:
+    """A full /dev/shm: this host's, typed as the SDK's errors are."""
+    return Overloaded(f"shared memory for the request: {e}")
+
+
 class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
@@ -166,6 +222,12 @@ class ClientCodec:
         self._array_regions: dict[int, Region] = {}  # data address -> region, for alloc_array
         self.specs: dict[str, P.ModelSpec] = {}
         self.granted: set[str] = set()  # segments this connection may reference (shm_grants.py)
+        # Counts lost connections. A grant is recorded only if no connection was lost since its
+        # registration began: one answered just before a restart, recorded after the I/O thread
+        # had cleared ``granted``, was kept, and the new dispatcher refused every request naming
+        # that segment (PERMISSION_DENIED) until the next disconnection.
+        self.connection = 0
+        self._grants_lock = threading.Lock()
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -237,31 +299,54 @@ class ClientCodec:
         """The spec (fetched once per model) says which outputs are big enough for shm."""
         return model not in self.specs
 
-    def encode_infer(self, model: str, inputs: dict, priority, timeout: Optional[float]):
+    def encode_infer(self, model: str, inputs, priority, timeout: Optional[float]):
         """-> (id, frames, input regions, output regions by name, timeout in s, segments this
-        connection has no grant for yet: the caller registers those before sending it)."""
-        priority = checked_priority(priority)
-        timeout = checked_timeout(timeout)
-        if not isinstance(inputs, Mapping):
-            raise InvalidArgument(f"inputs must be a dict of input name -> array, got {type(inputs).__name__}")
-        rid = self.next_id()
-        refs, frames, regions, used = [], [], [], set()
+        connection has no grant for yet: the caller registers those before sending it).
+        ``inputs``: a dict, or what ``encode_inputs`` made of one (its regions are then the
+        request's, or freed if this fails)."""
+        encoded = inputs if type(inputs) is EncodedInputs else None
+        regions = encoded.take() if encoded is not None else []
         outputs, out_refs = {}, {}
         try:
-            n_items = self._input_refs(inputs, refs, frames, regions, used)
+            priority = checked_priority(priority)
+            timeout = checked_timeout(timeout)
+            if encoded is None:
+                refs, frames, used = [], [], set()
+                n_items = self._input_refs(checked_inputs(inputs), refs, frames, regions, used)
+            else:
+                refs, frames, used, n_items = encoded.refs, encoded.frames, encoded.used, encoded.n_items
             self._output_regions(model, n_items, outputs, out_refs, used)
         except BaseException as e:
             # Refused half-way (a later input's dtype, a full /dev/shm): what was allocated for the
             # earlier ones goes back, or each refused call leaked it (and the pool grew a segment).
             for region in (*regions, *outputs.values()):
                 self.free(region)
-            if isinstance(e, ShmError):  # a full /dev/shm: this host's, typed as the SDK's errors are
-                raise Overloaded(f"shared memory for the request: {e}") from None
+            if isinstance(e, ShmError):
+                raise refused(e) from None
             raise
+        rid = self.next_id()
         header = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, inputs=refs,
                                          priority=priority, timeout_us=timeout_us(timeout),
                                          outputs=out_refs))
         return rid, [header, *frames], regions, outputs, timeout, used - self.granted
+
+    def encode_inputs(self, inputs) -> EncodedInputs:
+        """Read the inputs now (AsyncClient.submit, before its Task runs): see ``_input_refs``."""
+        encoded = EncodedInputs()
+        try:
+            encoded.n_items = self._input_refs(checked_inputs(inputs), encoded.refs, encoded.frames,
+                                               encoded.regions, encoded.used)
+        except BaseException as e:
+            self.release_inputs(encoded)
+            if isinstance(e, ShmError):
+                raise refused(e) from None
+            raise
+        return encoded
+
+    def release_inputs(self, encoded: EncodedInputs) -> None:
+        """Free what ``encoded`` still holds of the pool (a request that was never sent)."""
+        for region in encoded.take():
+            self.free(region)
 
     @staticmethod
     def retimed(header: bytes, timeout: float) -> bytes:
@@ -272,15 +357,19 @@ class ClientCodec:
     def _input_refs(self, inputs: Mapping, refs: list, frames: list, regions: list, used: set) -> int:
         """Each input as a reference to shared memory (the pool's, or an ``alloc_array``'s) or to
         a frame, appended to ``refs`` and ``frames``; what it takes of the pool to ``regions``, the
-        segments it names to ``used``. -> the items of the request."""
+        segments it names to ``used``. -> the items of the request. The inputs are read here:
+        inline ones are copied, big ones copied into the pool, ``alloc_array`` arrays sent by
+        reference; what the caller writes into its arrays afterwards is not what is sent."""
         n_items = 0
         for name, value in inputs.items():
+            swapped = False
             try:
                 arr = np.asarray(value)
             except ValueError as e:  # a ragged nested list
                 raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
             if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
                 arr = arr.astype(arr.dtype.newbyteorder("="))
+                swapped = True
             n_items = arr.shape[0] if arr.ndim else 0
             dtype = dtype_name(arr.dtype)
             if dtype not in P.DTYPES:
@@ -309,7 +398,12 @@ class ClientCodec:
                                         shm=P.ShmRef(region.segment, region.offset, region.nbytes)))
             else:
                 refs.append(P.TensorRef(name=name, dtype=dtype, shape=list(arr.shape), frame=len(frames)))
-                frames.append(np.ascontiguousarray(arr))
+                # A copy, made now: the I/O thread sends the frame later and without copying, and
+                # a buffer the caller refilled after submit() was sent with its new contents (the
+                # request computed on the next one's data). One copy: an array made here (from a
+                # list, or byte-swapped) is ours already; an ndarray or a buffer is the caller's.
+                ours = swapped or type(value) in (list, tuple)
+                frames.append(np.ascontiguousarray(arr) if ours else arr.copy())
         return n_items
 
     def _output_regions(self, model: str, n_items: int, outputs: dict, out_refs: dict, used: set) -> None:
@@ -330,6 +424,17 @@ class ClientCodec:
 
     def answer_challenge(self, segment: str, challenge: bytes) -> None:
         self.pool.write_header(segment, challenge)
+
+    def add_grant(self, segment: str, connection: int) -> None:
+        """Record ``segment`` as granted by a registration begun on ``connection`` (the value of
+        ``self.connection`` then); Unavailable if that connection has been lost since: the grant
+        was the old dispatcher's, and the new one must be asked again."""
+        with self._grants_lock:  # against lost_connection's clear on the I/O thread
+            if self.connection == connection:
+                self.granted.add(segment)
+                return
+        raise Unavailable(f"lost the connection to the dispatcher ({self.address}) while registering shared "
+                          "memory: the request was not sent")
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
                         route: str = "") -> tuple[int, list, float]:
@@ -365,6 +470,7 @@ class ClientCodec:
 
     def encode_status(self, min_registrations: int, wait: float, min_departures: int = 0,
                       brief: bool = False) -> tuple[int, list]:
+        """``wait``: checked (``checked_wait``) by the caller, which also sizes its own wait by it."""
         rid = self.next_id()
         return rid, [P.encode(P.StatusRequest(v=P.PROTOCOL_VERSION, id=rid, min_registrations=min_registrations,
                                               wait_us=int(wait * 1e6), min_departures=min_departures,
@@ -463,7 +569,9 @@ class ClientCodec:
         are asked for again). Returns the requests in flight on it, to ``fail_lost`` after
         LOST_GRACE_S: replies the dispatcher sent just before it went (a drained batch's) may
         still be on their way through ZeroMQ, which reports the disconnection first."""
-        self.granted.clear()
+        with self._grants_lock:
+            self.connection += 1
+            self.granted.clear()
         # A restarted dispatcher may serve a model of another shape: asked again, not sized from
         # the old spec (outputs' shm regions too small for the new one were refused).
         self.specs.clear()
@@ -555,8 +663,6 @@ def connection_lost(monitor: zmq.Socket) -> str:
 
 
 def lost_error(address: str, why: str) -> BaseException:
-    from .errors import Unavailable
-
     return Unavailable(f"{why} ({address}) with the request in flight")
 
 

@@ -1,0 +1,383 @@
+"""The SDK's edges against a fake dispatcher (no node): what a request sends is what its inputs
+held at submit(), set-up steps (a model's spec, a segment's grant) that cannot finish, or take
+too long, fail the call in its own time, and a grant never outlives its connection."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+import zmq
+
+from batchyard import protocol as P
+from batchyard.client import AsyncClient, Client
+from batchyard.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from batchyard.shm import ALIGN
+
+from conftest import BIG_MODEL, SUM_MODEL
+
+SPECS = {"sum": SUM_MODEL.spec(), "big": BIG_MODEL.spec()}
+ONE = np.ones((1, 4), np.float32)
+BIG_X = np.ones((1, 256, 1024), np.float32)  # 1 MiB: through the client's shared-memory pool
+
+
+class FakeDispatcher:
+    """A dispatcher's ROUTER on ``address``, answered by its own thread: the models' specs, the
+    two steps of a segment's grant (remembered per connection: a request naming a segment its
+    connection never proved gets PERMISSION_DENIED, as from the real one), "sum" echoed (y = x,
+    inline), "big" answered OK with its outputs in the client's memory.
+
+    ``answer(msg)`` runs on that thread before each reply: it may wait, and returning False
+    holds the message until ``answer_held()``. ``stop_after(msg)``: True closes the socket
+    right after that reply (the dispatcher going away)."""
+
+    def __init__(self, address: str, answer=lambda msg: True, stop_after=lambda msg: False):
+        self.address, self._answer, self._stop_after = address, answer, stop_after
+        self.seen: list = []
+        self.held: list = []
+        self._release, self._stop, self._bound = threading.Event(), threading.Event(), threading.Event()
+        self._proved: dict[bytes, set] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._bound.wait(10)
+
+    def answer_held(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.bind(self.address)
+        self._bound.set()
+        try:
+            while not self._stop.is_set():
+                if self._release.is_set():
+                    held, self.held = self.held, []
+                    for ident, msg, frames in held:
+                        self._reply(sock, ident, msg, frames)
+                if not sock.poll(20):
+                    continue
+                ident, *frames = sock.recv_multipart()
+                msg = P.client_message_decoder.decode(frames[0])
+                self.seen.append(msg)
+                if not self._answer(msg):
+                    self.held.append((ident, msg, frames))
+                    continue
+                self._reply(sock, ident, msg, frames)
+                if self._stop_after(msg):
+                    return
+        finally:
+            sock.close(linger=500)  # what was answered still reaches the client
+
+    def _reply(self, sock, ident: bytes, msg, frames: list) -> None:
+        proved = self._proved.setdefault(ident, set())
+        payload = []
+        if type(msg) is P.ModelInfoRequest:
+            reply = P.ModelInfoReply(v=1, id=msg.id, status=0, spec=SPECS[msg.model])
+        elif type(msg) is P.ShmRegisterRequest:
+            if msg.proved:
+                proved.add(msg.segment)
+            reply = P.ShmReply(v=1, id=msg.id, status=0, challenge=b"" if msg.proved else b"c" * 16)
+        elif type(msg) is P.InferRequest:
+            named = {t.shm.segment for t in msg.inputs if t.shm} | {r.segment for r in msg.outputs.values()}
+            if named - proved:
+                reply = P.InferReply(v=1, id=msg.id, status=int(P.Status.PERMISSION_DENIED),
+                                     message=f"segments {sorted(named - proved)} not registered")
+            elif msg.model == "sum":
+                x = msg.inputs[0]
+                reply = P.InferReply(v=1, id=msg.id, status=0, outputs=[P.TensorRef("y", x.dtype, x.shape, frame=0)])
+                payload = [frames[1 + x.frame]]
+            else:
+                reply = P.InferReply(v=1, id=msg.id, status=0,
+                                     outputs=[P.TensorRef(name, "float32", [1, 256, 1024], shm=ref)
+                                              for name, ref in msg.outputs.items()])
+        else:
+            return
+        sock.send_multipart([ident, P.encode(reply), *payload])
+
+
+@pytest.fixture
+def fake(run_dir):
+    started = []
+
+    def start(**kw) -> FakeDispatcher:
+        started.append(FakeDispatcher(f"ipc://{run_dir}/dispatcher", **kw))
+        return started[-1]
+
+    yield start
+    for f in started:
+        f.close()
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+    return None
+
+
+def _pool_in_use(client) -> int:
+    """Bytes of the client's pool handed out and not given back."""
+    pool = client._codec._pool
+    if pool is None:
+        return 0
+    return sum(seg.size for seg in pool._segments.values()) - sum(
+        ALIGN + sum(size for _, size in free) for free in pool._free.values())  # ALIGN: each one's header
+
+
+# ---------------------------------------------------------------- inputs are read at submit()
+
+def test_client_submit_sends_the_inputs_as_they_were_at_submit_not_as_they_are_when_sent(fake):
+    # The I/O thread sends later, without copying: a buffer refilled after submit() returned was
+    # sent with its new contents, and earlier requests computed on later ones' data.
+    callback_added, io_blocked, io_release = threading.Event(), threading.Event(), threading.Event()
+    f = fake(answer=lambda msg: type(msg) is not P.InferRequest or callback_added.wait(10))
+    with Client(f.address) as c:
+        c.model_info("sum")
+        first = c.submit("sum", {"x": ONE})
+        first.add_done_callback(lambda _: (io_blocked.set(), io_release.wait(10)))
+        callback_added.set()
+        assert io_blocked.wait(10)  # the I/O thread is in the callback: nothing is sent meanwhile
+        buf, futs = np.zeros((1, 4), np.float32), []
+        for i in range(5):
+            buf[...] = i
+            futs.append(c.submit("sum", {"x": buf}))
+        strided = np.arange(8, dtype=np.float32).reshape(2, 4)[:, ::2]  # not contiguous: one copy
+        futs.append(c.submit("sum", {"x": strided}))
+        strided[...] = -1
+        io_release.set()
+        got = [f.result(timeout=10)["y"] for f in futs]
+    assert [float(y[0, 0]) for y in got[:5]] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert got[5].tolist() == [[0.0, 2.0], [4.0, 6.0]]
+
+
+def test_async_submit_reads_the_inputs_before_it_returns(fake):
+    # The Task encoded its inputs only when it first ran: five submits of one refilled buffer
+    # all sent the last contents.
+    f = fake()
+
+    async def main():
+        c = AsyncClient(f.address)
+        try:
+            await c.model_info("sum")
+            buf, tasks = np.zeros((1, 4), np.float32), []
+            for i in range(5):
+                buf[...] = i
+                tasks.append(c.submit("sum", {"x": buf}))
+            assert [float((await t)["y"][0, 0]) for t in tasks] == [0.0, 1.0, 2.0, 3.0, 4.0]
+            with pytest.raises(InvalidArgument, match="dtype"):  # from submit itself, as Client.submit's
+                c.submit("sum", {"x": np.array([object()])})
+            cancelled = c.submit("big", {"x": BIG_X})  # cancelled before it ever runs
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            await asyncio.sleep(0)
+            assert _pool_in_use(c) == 0  # its input's region went back
+        finally:
+            c.close()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- set-up steps
+
+def test_a_done_callbacks_submit_that_needs_a_grant_fails_at_once_instead_of_blocking_the_client(fake):
+    # The callback (on the I/O thread) waited for the grant lock, held by a thread waiting for
+    # its grant, which only the blocked I/O thread could deliver: both, and every other request
+    # of the client, waited for ever.
+    grant_asked, callback_added = threading.Event(), threading.Event()
+
+    def answer(msg):
+        if type(msg) is P.ShmRegisterRequest and not msg.proved:
+            grant_asked.set()
+            return False  # held until the callback has run
+        if type(msg) is P.InferRequest and msg.model == "sum":
+            callback_added.wait(10)
+        return True
+
+    f = fake(answer=answer)
+    outcome, callback_done = {}, threading.Event()
+    with Client(f.address) as c:
+        c.model_info("big")
+        a = threading.Thread(target=lambda: outcome.update(a=_raised(lambda: c.infer("big", {"x": BIG_X},
+                                                                                      timeout=20))), daemon=True)
+        a.start()
+        assert grant_asked.wait(10)  # thread A holds the grant lock, waiting for its challenge
+
+        def on_done(_):
+            outcome["callback"] = _raised(lambda: c.submit("big", {"x": BIG_X}, timeout=5))
+            callback_done.set()
+
+        c.submit("sum", {"x": ONE}).add_done_callback(on_done)
+        callback_added.set()
+        assert callback_done.wait(5), "the done-callback's submit is blocked"
+        f.answer_held()
+        a.join(timeout=10)
+        assert c.infer("sum", {"x": ONE}, timeout=5)["y"].tolist() == ONE.tolist()  # the client still serves
+    assert isinstance(outcome["callback"], InvalidArgument) and "done-callback" in str(outcome["callback"])
+    assert outcome["a"] is None  # A's own request went through
+
+
+def test_a_grant_answered_just_before_the_dispatcher_went_away_is_not_kept(fake, monkeypatch):
+    # The I/O thread cleared the grants at the disconnection, then the registering thread added
+    # the old dispatcher's grant back: the restarted one refused every request naming that
+    # segment (PERMISSION_DENIED) until the next disconnection. Here the registering thread is
+    # held after the last grant step until the disconnection has been seen.
+    from batchyard import client as client_module
+
+    old = fake(stop_after=lambda msg: type(msg) is P.ShmRegisterRequest and msg.proved)
+    lost = threading.Event()
+    result = client_module.InferFuture.result
+
+    def result_after_the_loss(self, timeout=None):
+        value = result(self, timeout)
+        if value == b"":  # the grant's last step: answered, and the dispatcher gone right after
+            assert lost.wait(10)
+        return value
+
+    monkeypatch.setattr(client_module.InferFuture, "result", result_after_the_loss)
+    with Client(old.address) as c:
+        lost_connection = c._codec.lost_connection
+        c._codec.lost_connection = lambda: (lost_connection(), lost.set())[0]
+        first = _raised(lambda: c.infer("big", {"x": BIG_X}, timeout=2))
+        old.close()
+        restarted = fake()
+        c.infer("big", {"x": BIG_X}, timeout=5)  # registered again: not PERMISSION_DENIED
+    assert isinstance(first, Unavailable) and "while registering shared memory" in str(first), first
+    assert [type(m).__name__ for m in restarted.seen] == ["ModelInfoRequest", "ShmRegisterRequest",
+                                                          "ShmRegisterRequest", "InferRequest"]
+
+
+def _never_grant(grant_asked: threading.Event):
+    def answer(msg):
+        if type(msg) is P.ShmRegisterRequest:
+            grant_asked.set()
+            return False
+        return True
+    return answer
+
+
+def test_a_call_waiting_for_another_threads_grant_keeps_its_own_timeout(fake):
+    # The grant lock was taken with no limit: infer(timeout=0.3) waited out the other
+    # thread's whole registration.
+    grant_asked = threading.Event()
+    f = fake(answer=_never_grant(grant_asked))
+    outcome = {}
+    with Client(f.address) as c:
+        c.model_info("big")
+        a = threading.Thread(target=lambda: outcome.update(a=_raised(lambda: c.infer("big", {"x": BIG_X},
+                                                                                      timeout=5))))
+        a.start()
+        assert grant_asked.wait(10)  # A holds the grant lock
+        t0 = time.monotonic()
+        error = _raised(lambda: c.infer("big", {"x": BIG_X}, timeout=0.3))
+        took = time.monotonic() - t0
+    a.join(timeout=10)
+    assert took < 1.5, took
+    assert isinstance(error, DeadlineExceeded) and "setting up the request" in str(error), error
+    assert type(outcome["a"]).__name__ == "Cancelled"  # A is answered by close()
+
+
+def test_an_async_call_waiting_for_another_tasks_grant_keeps_its_own_timeout(fake):
+    grant_asked = threading.Event()
+    f = fake(answer=_never_grant(grant_asked))
+
+    async def main():
+        c = AsyncClient(f.address)
+        try:
+            await c.model_info("big")
+            a = asyncio.ensure_future(c.infer("big", {"x": BIG_X}, timeout=5))
+            assert await asyncio.get_running_loop().run_in_executor(None, grant_asked.wait, 10)
+            t0 = time.monotonic()
+            try:
+                await c.infer("big", {"x": BIG_X}, timeout=0.3)
+            except Exception as e:
+                return time.monotonic() - t0, e, a
+        finally:
+            c.close()
+
+    took, error, a = asyncio.run(main())
+    assert took < 1.5, took
+    assert isinstance(error, DeadlineExceeded) and "setting up the request" in str(error), error
+    assert type(a.exception()).__name__ == "Cancelled"
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_each_grant_step_takes_from_what_the_call_has_left(fake, monkeypatch, kind):
+    # Every step of every new segment's grant had the call's whole timeout again: four new
+    # segments against a slow dispatcher made infer(timeout=1) take 3.6 s. The dispatcher here
+    # is slow on the client's clock: each answer moves it on by 0.3 s.
+    from batchyard import client as client_module, client_async, client_codec
+
+    slow_by = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + slow_by[0])
+    for module in (client_module, client_async, client_codec):
+        monkeypatch.setattr(module, "time", clock)
+
+    def answer(msg):
+        if type(msg) is P.ShmRegisterRequest:
+            slow_by[0] += 0.3
+        return True
+
+    f = fake(answer=answer)
+    inputs = {f"x{i}": np.ones((1, 1 << 18), np.float32) for i in range(4)}  # 1 MiB each: a segment each
+    if kind == "Client":
+        with Client(f.address, pool_bytes=1 << 20) as c:
+            c.model_info("sum")
+            error = _raised(lambda: c.infer("sum", inputs, timeout=1.0))
+    else:
+        async def main():
+            c = AsyncClient(f.address, pool_bytes=1 << 20)
+            try:
+                await c.model_info("sum")
+                return await c.infer("sum", inputs, timeout=1.0)
+            except Exception as e:
+                return e
+            finally:
+                c.close()
+
+        error = asyncio.run(main())
+    assert isinstance(error, DeadlineExceeded), error
+    assert slow_by[0] <= 1.0 + 0.3  # it gave up once its second was spent, not after all 8 steps (2.4 s)
+
+
+# ---------------------------------------------------------------- arguments
+
+BAD_WAITS = (math.nan, math.inf, -1.0, "soon")
+
+
+def test_bad_wait_and_timeout_are_refused_naming_the_argument(run_dir):
+    # nan / inf reached the wire's integer conversion (ValueError / OverflowError), and
+    # model_info(timeout=0) ran out at once and asked "is it running?".
+    with Client(f"ipc://{run_dir}/nobody-home") as c:
+        for wait in BAD_WAITS:
+            with pytest.raises(InvalidArgument, match="wait must be"):
+                c.status(wait=wait, timeout=0.2)
+        with pytest.raises(InvalidArgument, match="timeout must be > 0"):
+            c.model_info("sum", timeout=0)
+        with pytest.raises(InvalidArgument, match="timeout must be > 0"):
+            c.status(timeout=math.nan)
+
+
+def test_bad_wait_and_timeout_are_refused_by_the_async_client_too(run_dir):
+    async def main():
+        c = AsyncClient(f"ipc://{run_dir}/nobody-home")
+        try:
+            for wait in BAD_WAITS:
+                with pytest.raises(InvalidArgument, match="wait must be"):
+                    await c.status(wait=wait, timeout=0.2)
+            with pytest.raises(InvalidArgument, match="timeout must be > 0"):
+                await c.model_info("sum", timeout=0)
+        finally:
+            c.close()
+
+    asyncio.run(main())
