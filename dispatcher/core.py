@@ -141,9 +141,10 @@ class RequestCore:
         return req
 
     def _fastest(self, model: str, items: int) -> float:
-        """The time the fastest path serving ``model`` now takes for ``items`` alone (0: none serves it)."""
-        return min((self.state.cost(model, w.path).predict(items) for w in self.state.serving.get(model, ())),
-                   default=0.0)
+        """The time the fastest path serving ``model`` that takes ``items`` in one batch now takes
+        for them alone (0: none serves it)."""
+        return min((self.state.cost(model, w.path).predict(items) for w in self.state.serving.get(model, ())
+                    if w.models[model] >= items), default=0.0)
 
     def _hopeless_at(self, req: Request) -> float:
         """Queued, a request is hopeless before its deadline: once even the fastest path alone

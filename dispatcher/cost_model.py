@@ -111,6 +111,12 @@ class CostCurve:
         for b, t in points:
             c._set_knot(b, t, EFFICIENT_MIN_COUNT)  # a calibration point is a median of several runs
         c.launch_s, c.per_item_s, c.r2 = least_squares(points)
+        if c.launch_s < 0 and points:
+            # No batch takes less than nothing: a line below zero at B=1 (two points at B=2 and
+            # 12 fit one) predicted 0 s there, and MCB asked to decide again at once. The line
+            # through the origin that fits the points best instead.
+            c.launch_s = 0.0
+            c.per_item_s = sum(b * t for b, t in points) / sum(b * b for b, _ in points)
         c.samples = len(points)
         c._seen = {b: c.samples for b, _ in points}
         c.mode = "linear" if fit_error(points, c.launch_s, c.per_item_s) <= LINEAR_MAX_ERROR else "piecewise"

@@ -185,9 +185,10 @@ class ThreeSegment(PerModelPolicy):
                     break
                 # The first free worker that takes anything (one of a smaller max batch than the
                 # head request takes nothing; stopping there stranded the head beside another).
-                if not any(send(state, d, w, q, b, now, "dispatched-cpu") for w in free):
-                    break
-                continue
+                if any(send(state, d, w, q, b, now, "dispatched-cpu") for w in free):
+                    continue
+                # No free CPU takes the head (more items than their max batch): the GPU segment
+                # does. Stopped here, it waited with both workers free and no wake-up set.
             free = [w for w in gpus if w.free]
             if not free:
                 break

@@ -86,13 +86,15 @@ def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_
     newest = congested(state, w, q, now)
     while True:
         reqs = taken = take_batch(q, max_items, w.models[q.model], max_requests, newest)
+        late = len(d.late)
         if reqs and any(r.deadline < math.inf for r in reqs):
             reqs, back = fit_deadlines(state, d, w, q.model, reqs, now)
             for r in reversed(back):
                 q.push_front(r)
         # Nothing taken (the head request is more items than this worker's max batch): nothing
-        # to send it; taking again would spin the dispatcher forever.
-        if reqs or not taken or not q.requests:
+        # to send it; taking again would spin the dispatcher forever. Nothing failed either
+        # (what was taken went back, for another worker): the same again.
+        if reqs or not taken or not q.requests or len(d.late) == late:
             break  # else every request taken was hopeless: take again (the queue is shorter)
     if any(r.suspect for r in reqs) and (len(reqs) > 1 or w.inflight):
         reqs = _isolate_suspects(q, w, reqs)
@@ -182,7 +184,10 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
 
     - A request that cannot end by its deadline even alone is not run (``Decision.late``: the
       caller fails it DEADLINE_EXCEEDED now), unless it is a probe (``SchedulerState.probe_due``). Compute spent on it is lost to everyone else;
-      under a flood of short-timeout work that is most of the compute.
+      under a flood of short-timeout work that is most of the compute. Not on ``w`` alone: if
+      another worker serving the model can still end it in time (``ends_in_time_elsewhere``),
+      it goes back to the queue for that one. Failed for ``w``, a slow GPU a baseline tries
+      first made every request fail beside an idle CPU that would have served each in time.
     - Of the others, the batch keeps the longest prefix (oldest first) that ends by every
       deadline in it; the rest are returned, to go back to the head of the queue, where the
       next batch can still serve them (a request with a tight deadline is served in a short
@@ -194,18 +199,20 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
     def ends(items: int) -> float:
         return start + (1 - LATE_MARGIN) * curve.predict(items)
 
-    kept = []
+    kept, elsewhere = [], []
     for r in reqs:
-        if r.deadline < ends(r.items) and not r.probe:
+        if r.deadline >= ends(r.items) or r.probe:
+            kept.append(r)
+        elif ends_in_time_elsewhere(state, w, model, r, now):
+            elsewhere.append(r)
+        else:
             d.late.append((r, f"would finish after its deadline: {w.path} worker {w.name} predicted to take "
                               f"{curve.predict(r.items) * 1e3:.1f} ms for it alone, "
                               f"{(r.deadline - now) * 1e3:.1f} ms were left"))
             d.count("shed-late")
             state.expired(r, now)
-        else:
-            kept.append(r)
     if not kept:
-        return [], []
+        return [], elsewhere
     items, tightest, fits = 0, math.inf, 0
     for i, r in enumerate(kept, 1):
         items += r.items
@@ -214,7 +221,18 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
         if tightest < ends(items):
             break  # a longer prefix only ends later, against a deadline no later
         fits = i
-    return kept[:fits], kept[fits:]
+    return kept[:fits], kept[fits:] + elsewhere
+
+
+def ends_in_time_elsewhere(state: SchedulerState, w: WorkerState, model: str, r: Request, now: float) -> bool:
+    """Whether a worker serving ``model`` other than ``w``, one that takes ``r`` whole, would end
+    ``r`` alone by its deadline from when it can start (``LATE_MARGIN`` as in fit_deadlines)."""
+    for x in state.serving.get(model, ()):
+        if x is not w and x.models[model] >= r.items:
+            start = state.start_time(x, now)
+            if start + (1 - LATE_MARGIN) * state.cost(model, x.path).predict(r.items) <= r.deadline:
+                return True
+    return False
 
 
 def aging_period(state: SchedulerState, model: str) -> float:
@@ -247,9 +265,11 @@ def feasible(state: SchedulerState, model: str, items: int, deadline: float, now
     if not ws:
         return True  # no worker yet (starting, restarting): let the request wait for one
     for w in ws:  # on the hot path (every arrival): stop at the first worker that can make it
-        if state.finish_time(w, model, items, now) <= deadline:
+        # (one whose max batch is below the request's items never takes it: counted, a request
+        # only a slow worker could take was admitted on a fast one's speed and expired queued)
+        if w.models[model] >= items and state.finish_time(w, model, items, now) <= deadline:
             return True
-    return False
+    return not any(w.models[model] >= items for w in ws)  # none takes it: refused elsewhere, in words
 
 
 class PerModelPolicy:

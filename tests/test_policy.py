@@ -571,3 +571,71 @@ def test_batches_of_many_sizes_keep_the_least_squares_averaging(seed):
         if i >= 300:
             errs.append(abs(c.predict(4) - 2e-3) / 2e-3)
     assert sum(errs) / len(errs) < 0.015
+
+
+# ---------------------------------------------------------------- deadlines beside other workers
+
+def _slow_gpu_fast_cpu(cpu_max_batch: int = 8) -> SchedulerState:
+    st = SchedulerState()
+    st.add_worker(WorkerState("gpu0", "gpu", {"m": 64}))
+    st.add_worker(WorkerState("cpu0", "cpu", {"m": cpu_max_batch}))
+    st.costs[("m", "gpu")] = CostCurve(launch_s=10e-3, per_item_s=1e-6)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.1e-3)
+    return st
+
+
+@pytest.mark.parametrize("policy", ["greedy", "escape:1", "window:200,16", "mcb"])
+def test_a_request_another_free_worker_serves_in_time_is_not_failed_for_the_first_one(policy):
+    """A GPU with a 10 ms launch tried first (greedy, window: registration order; escape: the
+    GPU first), a 5 ms timeout: fit_deadlines failed every request for that GPU, beside an idle
+    CPU that ends each in 0.1 ms (SIMULATED, 2,000 requests at 200/s: 0 served)."""
+    from batchyard.policy import make_policy
+
+    st = _slow_gpu_fast_cpu()
+    st.queue("m").push(Request(1, "m", 1, 1, 0.0, 5e-3))
+    d = make_policy(policy).decide(st, 1e-3)  # (the window's 200 us have run out)
+    assert not d.late
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
+
+
+def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals():
+    """High-priority traffic above URGENT_RATE: MCB keeps the CPU free for it and plans low work
+    on the GPU alone. A low request the GPU cannot end in time was failed late, the reserved CPU
+    idle (SIMULATED: 2,371 of 2,373 low requests failed, CPU 0.6 % busy). Lent where an urgent
+    arrival meets the low batch at most as often as the reservation allows (60/s x 0.1 ms)."""
+    from batchyard.policy_mcb import URGENT_RATE
+
+    st = _slow_gpu_fast_cpu()
+    st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=3 * URGENT_RATE)
+    st.arrivals["m#urgent"]._t = 0.0
+    st.queue("m").push(Request(1, "m", 1, 2, 0.0, 5e-3))  # low, 5 ms
+    d = MarginalCost().decide(st, 0.0)
+    assert not d.late
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
+
+
+def test_three_segment_sends_a_head_no_free_cpu_takes_to_the_gpu():
+    """3 items below B1, and a free CPU of max batch 1: the head went nowhere, no wake-up, both
+    workers free, until more arrivals or its deadline."""
+    st = _slow_gpu_fast_cpu(cpu_max_batch=1)
+    st.costs[("m", "gpu")] = CostCurve(launch_s=0.7e-3, per_item_s=0.0)  # B1 = 8
+    st.queue("m").push(Request(1, "m", 3, 1, 0.0, math.inf))
+    d = ThreeSegment().decide(st, 0.001)
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("gpu0", [1])] or d.wake_at < math.inf
+
+
+def test_admission_counts_only_the_workers_that_take_the_request_whole():
+    """4 items, a 5 ms timeout: the fast CPU takes 1 item a batch, the GPU that takes 4 is busy
+    for 20 ms. Counted on the CPU's speed, the request was admitted and expired queued."""
+    st = _slow_gpu_fast_cpu(cpu_max_batch=1)
+    gpu = st.workers["gpu0"]
+    gpu.inflight, gpu.busy_until = 1, 0.020
+    assert not feasible(st, "m", 4, 5e-3, 0.0)
+    assert feasible(st, "m", 1, 5e-3, 0.0)
+
+
+def test_a_profile_whose_line_is_below_zero_at_one_item_predicts_time_there():
+    """Points at B=2, 12 and 22 on a line through -1 ms: the fit predicted 0 s for one item, and
+    MCB asked to decide again at once."""
+    c = CostCurve.from_points([(2, 1e-3), (12, 11e-3), (22, 21e-3)])
+    assert c.launch_s >= 0 and c.predict(1) > 0
