@@ -380,14 +380,14 @@ class RequestCore:
         for w in list(self.state.workers.values()):
             if w.last_seen < dead_before:
                 reason = f"no heartbeat for {now - w.last_seen:.1f} s"
-                self.worker_lost(w.name, reason, now)
+                self.worker_lost(w.name, reason, now, may_run_on=True)
                 lost.append((w, reason))
         for b in list(self.batches.values()):
             if (self.batches.get(b.batch_id) is b and all(r.state == DONE for r in b.requests)
                     and max(r.deadline for r in b.requests) < dead_before):
                 reason = (f"batch {b.batch_id} sent {now - b.sent_at:.1f} s ago never came back, "
                           f"{self.worker_dead_after_s:.1f} s past its last request's deadline")
-                if self.worker_lost(b.worker.name, reason, now) is not None:
+                if self.worker_lost(b.worker.name, reason, now, may_run_on=True) is not None:
                     lost.append((b.worker, reason))
                     self.hung[b.worker.name] = reason
         return lost
@@ -402,12 +402,18 @@ class RequestCore:
                 req.state = QUEUED
                 self.state.queue(req.model).push_front(req)
 
-    def worker_lost(self, name: str, reason: str, now: float) -> Optional[WorkerState]:
+    def worker_lost(self, name: str, reason: str, now: float, may_run_on: bool = False) -> Optional[WorkerState]:
         """Fail over every batch the worker had: each request goes back to the head of its
         queue once if its deadline allows, otherwise it fails UNAVAILABLE. Nothing is left
         waiting on a worker that is gone. A request that goes back goes as a ``suspect``: it
         runs alone next (``policy_core.send``), so an input that kills the worker kills it once
-        more alone, not the others of its batch again."""
+        more alone, not the others of its batch again.
+
+        ``may_run_on``: the worker is only silent or hung, and may still finish the batch. A
+        request whose outputs go to its client's shared memory is then not run again: answered
+        by another worker, its client took the region back, handed it out again, and the first
+        worker, resumed, wrote its old output over the next request's result. It fails
+        UNAVAILABLE in flight instead, its memory reserved (no release follows)."""
         w = self.state.remove_worker(name)
         if w is None:
             return None
@@ -421,7 +427,8 @@ class RequestCore:
             for req in reversed(b.requests):
                 if req.state != INFLIGHT:
                     continue
-                if req.retries < self.max_retries and req.deadline > now and not self.draining:
+                if (req.retries < self.max_retries and req.deadline > now and not self.draining
+                        and not (may_run_on and req.writes_shm)):
                     req.retries += 1
                     req.state = QUEUED
                     req.suspect = True

@@ -77,7 +77,7 @@ def malformed_result(res: P.ItemResult, frames_left: int) -> str:
 
 class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, models: tuple = (), ctx: Optional[zmq.Context] = None,
-                 profile: Optional[dict[tuple[str, str], CostCurve]] = None):
+                 profile: Optional[dict[tuple[str, str], CostCurve]] = None, llm_models: tuple[str, ...] = ()):
         self.cfg = cfg
         self.core = RequestCore(make_policy(cfg.policy), self._on_fail, max_queue=cfg.max_queue,
                                 default_timeout_s=cfg.default_timeout_s,
@@ -90,7 +90,7 @@ class Dispatcher:
         for (model, path), curve in (profile or {}).items():
             self.state.costs[(model, path)] = curve
         self.metrics = Metrics()
-        for name in self.specs:
+        for name in (*self.specs, *llm_models):  # (an LLM model's route series come at its engine's registration)
             self.metrics.model_served(name)
         self.lateness = Lateness()
         self._timer_due = 0.0  # the armed instant that woke this step (0: not the timer)
@@ -562,6 +562,7 @@ class Dispatcher:
             self._reject(identity, msg, got.status, got.message)
         else:
             got.shm_files = files
+            got.writes_shm = bool(msg.outputs)
 
     def _answer_status_waiters(self, now: float) -> None:
         for identity, rid, brief in self.core.due_status_waiters(now):

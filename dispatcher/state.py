@@ -24,7 +24,7 @@ PROBE_INTERVAL_S = 1.0
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "asked_priority", "arrival", "deadline", "state",
                  "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
-                 "shm_files", "suspect", "probe")
+                 "shm_files", "writes_shm", "suspect", "probe")
 
     def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
                  deadline: float, client: Any = None, req_id: int = 0,
@@ -47,6 +47,7 @@ class Request:
         # until the batch ends, when the client gets a `release` (docs/protocol.md).
         self.answered_in_flight = False
         self.shm_files: Optional[dict] = None  # {segment: (st_dev, st_ino)} granted (shm_grants.py)
+        self.writes_shm = False  # its outputs go to its client's shared memory (RequestCore.worker_lost)
         # Its batch's worker died while running it: it may be what killed it (policy_core.send).
         self.suspect = False
         # Admitted although the curves said it could not make its deadline (probe_due): it runs,

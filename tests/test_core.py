@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from batchyard.core import Rejected, RequestCore
 from batchyard.policy import make_policy
 from batchyard.protocol import Status
-from batchyard.state import WorkerState
+from batchyard.state import QUEUED, WorkerState
 
 
 class Ends:
@@ -745,3 +745,24 @@ def test_a_request_that_ended_holds_no_payload_however_long_its_deadline(ending)
     gc.collect()
     open_payloads = sum(1 for r in core.requests.values() if r.frames is not None)
     assert sum(ref() is not None for ref in alive) == open_payloads < 10
+
+
+def test_a_silent_workers_request_that_writes_client_memory_is_not_run_again_elsewhere():
+    """A worker silent past worker_dead_after_s may only be stalled. Its request retried on
+    another worker was answered normally, its client reused the output region, and the stalled
+    worker, resumed, wrote its old output over the next request's result. A request whose
+    outputs go to shared memory now fails UNAVAILABLE in flight (its memory stays reserved);
+    one with inline outputs is still retried."""
+    ends = Ends()
+    core = make_core(ends, worker_dead_after_s=0.6)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    shm = core.admit("m", 1, 1, 30.0, 0.0, client=b"c", req_id=1)
+    shm.writes_shm = True
+    inline = core.admit("m", 1, 1, 30.0, 0.0, client=b"c", req_id=2)
+    (batch, *_) = core.decide(0.0)
+    assert {r.req_id for r in batch.requests} == {1, 2}
+    core.heartbeat("cpu0", 1.0)
+    (lost,) = core.check_liveness(1.0)  # gpu0 silent since 0.0
+    assert lost[0].name == "gpu0"
+    assert ends.failed == {1: Status.UNAVAILABLE} and shm.answered_in_flight
+    assert inline.state == QUEUED and core.state.queue("m").requests == 1  # queued again for cpu0
