@@ -16,6 +16,7 @@ from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, S
                            CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
                            checked_timeout, checked_wait, closed_error, connection_lost, lost_error, no_reply_error,
                            open_dealer, setup_step_timeout, setup_timeout_error, time_left)
+from .client_io import watch_forks
 from .errors import DeadlineExceeded
 from .zmq_frames import NOBLOCK, send_parts, waiting
 
@@ -40,9 +41,17 @@ class AsyncClient(CodecAccess):
             raise
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._grant_lock = asyncio.Lock()
-        self.closed = False
+        self.closed = self._forked = False
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        watch_forks(self)
+
+    def _forked_off(self) -> None:
+        """In the child of a fork: closed there, its socket, loop and memory left to the parent.
+        Not closed, a child's alloc_array handed out the parent's live memory, and the parent's
+        next array was the same region, the child's data in it (Client did this already)."""
+        self.closed = self._forked = True
+        self._codec.forked_off()
 
     async def __aenter__(self):
         return self
@@ -95,8 +104,9 @@ class AsyncClient(CodecAccess):
 
     def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
         if self.closed or self.loop.is_closed():
-            for region in (*regions, *outputs.values()):
-                self._codec.free(region)
+            if not self._forked:  # (a fork's child frees nothing of the parent's pool)
+                for region in (*regions, *outputs.values()):
+                    self._codec.free(region)
             self._refuse_if_unusable()
         fut = self.loop.create_future()
 

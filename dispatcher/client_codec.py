@@ -15,6 +15,7 @@ import itertools
 import math
 import numbers
 import operator
+import os
 import threading
 import time
 import weakref
@@ -201,6 +202,23 @@ class Pending:
         self.resolve = resolve  # callable(result or exception)
 
 
+def node_opens_my_segments(address: str) -> bool:
+    """Whether the node behind ``address`` can open this process's segments (mode 0600, this
+    uid's): an ipc endpoint whose socket file is this uid's or root's (the dispatcher made it, as
+    the node's user). A client of another uid beside a node of its own user (the systemd units'
+    `batchyard`) had every tensor of 64 KiB or more refused: neither the dispatcher's proof nor a
+    worker can open its segments, and making them group-readable would open them to every other
+    client of the group. Such a client sends inline. An endpoint not there yet: assumed yes."""
+    if address.startswith("tcp://"):
+        return False
+    path = address.removeprefix("ipc://")
+    try:
+        owner = os.stat(path).st_uid
+    except (OSError, ValueError):  # not bound yet, an abstract name
+        return True
+    return owner in (os.getuid(), 0)
+
+
 class ClientCodec:
 
     def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, pool_bytes: int = 64 << 20,
@@ -210,7 +228,7 @@ class ClientCodec:
         # None: on an ipc endpoint only. A tcp endpoint refuses shared-memory references (unless
         # its node sets allow_shm_over_tcp: then pass True), and every tensor of 64 KiB or more,
         # alloc_array's included, was refused PERMISSION_DENIED: over tcp all goes inline.
-        self.shared_memory = not address.startswith("tcp://") if shared_memory is None else shared_memory
+        self.shared_memory = node_opens_my_segments(address) if shared_memory is None else shared_memory
         self.shm_threshold = shm_threshold if self.shared_memory else INLINE_ONLY
         self._pool_bytes = pool_bytes
         self._pool: Optional[ShmPool] = None

@@ -51,7 +51,8 @@ class _Wakeup:
         os.close(self.fd)
 
 
-_OPEN: "weakref.WeakSet[SocketThread]" = weakref.WeakSet()  # every client's, for a fork's child
+# Every client's I/O thread, and every AsyncClient: each has ``_forked_off``, run in a fork's child.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def _forked_off_all() -> None:
@@ -59,7 +60,7 @@ def _forked_off_all() -> None:
         t._forked_off()
 
 
-def _watch_forks(t: "SocketThread") -> None:
+def watch_forks(t) -> None:
     global _fork_hook
     if not _fork_hook:  # at the first client, not at import
         os.register_at_fork(after_in_child=_forked_off_all)
@@ -97,7 +98,7 @@ class SocketThread:
         # A daemon: a Client nobody closed must not keep the interpreter from exiting.
         self._thread = threading.Thread(target=self._run, name=f"batchyard-client {codec.address}", daemon=True)
         self._thread.start()  # also the memory barrier that hands the socket to the new thread
-        _watch_forks(self)
+        watch_forks(self)
 
     # ---------------------------------------------------------------- any thread
     @property

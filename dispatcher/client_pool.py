@@ -68,6 +68,13 @@ class ShmPool:
             if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
                 free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
                 del free[i]
+            seg = self._segments[region.segment]
+            if seg.size > self.segment_bytes and free == [(ALIGN, seg.size - ALIGN)]:
+                # A segment made for one request bigger than segment_bytes, free again: gone.
+                # Kept, each larger request made one more (none fits the next size up): batches
+                # of growing sizes left 20 segments, 112 MiB of /dev/shm, for 6 MiB in use.
+                del self._segments[region.segment], self._free[region.segment]
+                seg.close()
 
     def view(self, region: Region) -> memoryview:
         return memoryview(self._segments[region.segment].mm)[region.offset:region.offset + region.nbytes]

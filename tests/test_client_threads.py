@@ -211,6 +211,41 @@ def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_
     assert lines[1:] == ["child alloc: Cancelled", "segments left: True", "parent served"], proc.stdout
 
 
+ASYNC_FORKED_CHILD = """
+import asyncio, os, sys
+from batchyard.client_async import AsyncClient
+
+async def main():
+    c = AsyncClient(sys.argv[1])
+    c.alloc_array((1024,), "float32")  # the pool is made
+    pid = os.fork()
+    if pid == 0:
+        try:
+            a = c.alloc_array((1024,), "float32")
+            a[:] = 7.0
+            print("child alloc: OK", flush=True)
+        except Exception as e:
+            print("child alloc:", type(e).__name__, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    mine = c.alloc_array((1024,), "float32")
+    print("parent's next array:", "the child's data" if (mine == 7.0).all() else "its own")
+    c.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_forked_childs_async_client_does_not_share_its_parents_memory(run_dir):
+    """A Client closes itself in a fork's child; an AsyncClient did not: the child's alloc_array
+    handed out the parent's live memory, and the parent's next array was the same region, with
+    the child's data in it."""
+    proc = subprocess.run([sys.executable, "-c", ASYNC_FORKED_CHILD, f"ipc://{run_dir}/none"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["child alloc: Cancelled", "parent's next array: its own"], proc.stdout
+
+
 def test_a_calls_set_up_steps_take_from_its_timeout(run_dir, monkeypatch):
     # Each step (the model's spec, a segment's two grant steps) had the whole timeout, and the
     # request then had it again: against a slow dispatcher infer(timeout=2) took 8.5 s. The

@@ -378,3 +378,23 @@ def test_the_grant_sweep_looks_at_each_segment_once_however_many_connections_hol
     g.sweep()
     assert len(calls) == 2
     assert all(segs.keys() == {"seg"} for segs in g.granted.values()) and len(g.granted) == 1000
+
+
+def test_a_client_of_another_user_than_a_non_root_node_sends_inline(tmp_path, monkeypatch):
+    """Its segments are 0600 and its own: neither the dispatcher's proof nor a worker of the
+    node's user can open them, and every tensor of 64 KiB or more was refused. The SDK reads the
+    node's user off the ipc socket file (the dispatcher's own) and sends inline instead."""
+    from batchyard.client_codec import ClientCodec
+
+    sock = tmp_path / "fe"
+    sock.write_bytes(b"")
+    node_uid = os.stat(sock).st_uid
+    if os.getuid() == 0:  # a node of an unprivileged user
+        node_uid = 54321
+        os.chown(sock, node_uid, -1)
+    monkeypatch.setattr(os, "getuid", lambda: 12345)  # a client of another (non-root) user
+    assert ClientCodec(f"ipc://{sock}").shared_memory is False
+    monkeypatch.setattr(os, "getuid", lambda: node_uid)  # the node's own user
+    assert ClientCodec(f"ipc://{sock}").shared_memory is True
+    assert ClientCodec(f"ipc://{tmp_path}/not-bound-yet").shared_memory is True
+    assert ClientCodec(f"ipc://{sock}", shared_memory=True).shared_memory is True  # asked for: as asked

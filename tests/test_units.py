@@ -154,6 +154,23 @@ def test_pool_reuses_and_coalesces_regions():
     assert not set(pool.segment_names()) & set(os.listdir(SHM_DIR))
 
 
+def test_a_segment_made_for_one_oversize_request_goes_when_it_is_free_again():
+    """Requests bigger than a segment, each larger than the last: each got a segment of its own,
+    kept for good and too small for the next (20 segments, 112 MiB of /dev/shm for 6 MiB used)."""
+    pool = ShmPool(segment_bytes=64 << 10)
+    try:
+        keep = pool.alloc(1000)  # the ordinary segment stays
+        for size in range(100 << 10, 400 << 10, 20 << 10):
+            r = pool.alloc(size)
+            assert len(pool.segment_names()) == 2
+            pool.free(r)
+            assert pool.segment_names() == [keep.segment] and not os.path.exists(os.path.join(SHM_DIR, r.segment))
+        pool.free(keep)
+        assert pool.segment_names() == [keep.segment]
+    finally:
+        pool.close()
+
+
 def test_segment_cache_reports_missing_and_out_of_bounds():
     pool = ShmPool(segment_bytes=4096)
     cache = SegmentCache()
