@@ -38,7 +38,8 @@ def run_dispatcher(node: NodeConfig) -> int:
         log.info("cost curves from %s: %s", node.dispatcher.profile,
                  {f"{m}/{p}": c.describe() for (m, p), c in profile.items()})
     try:
-        d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile)
+        d = Dispatcher(node.dispatcher, tuple(m.spec() for m in node.models), profile=profile,
+                       llm_models=tuple(m.name for m in node.llm_models))
     except transport.EndpointInUse as e:
         log.error("%s", e)
         return 1

@@ -43,6 +43,9 @@ class LlmDesk:
         again = self.core.is_retry(msg.worker, msg.pid, identity)
         self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid, peer=peer)
         e = msg.llm
+        # As a tensor worker's registration: the model's series on the route this engine serves
+        # (a route is named as the role of the engine it starts on) exist from now, at 0.
+        self.metrics.model_served(e.model, e.role)
         if not again:  # a retry of a registration already taken (they queue while the dispatcher is down)
             log.info("LLM worker %s registered: pid %d, model %s, role %s%s, %d prefill and %d decode calibration "
                      "samples", msg.worker, msg.pid, e.model, e.role, " (CPU stand-in)" if e.stand_in else "",
@@ -56,6 +59,10 @@ class LlmDesk:
             # told apart (a request's prefill and decode interleave with others'), so all of its
             # time counts as compute.
             self.metrics.request_ok(r.model, f.timing.route, r.priority, 1, 0, f.timing.total_us, f.timing.total_us)
+            # One execution per generate request: a generate job holds one request, and the
+            # engine's batching of its steps with other streams is no batch the dispatcher formed.
+            # So count / exec_count is 1 for an LLM model, and exec_count its generations.
+            self.metrics.batch_done(r.model, f.timing.route)
             self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
                                                            tokens=f.tokens, timing=f.timing)))
 

@@ -1,11 +1,13 @@
 """Prometheus metrics with Triton's names, served from the dispatcher's own event loop.
 
 Hot-path cost is a few list-element increments per reply (no locks: one thread). Nothing is
-rendered until a scrape: then a ``prometheus_client`` collector turns those plain counters, and
-the scrape-time state the dispatcher passes to ``render`` (pending requests, decisions, learned
-curves, lambda), into metric families, and ``generate_latest`` writes the text exposition
-(label values escaped as the format requires). The HTTP server is a minimal asyncio protocol on
-the same loop (GET /metrics), so the decision process gets no extra thread.
+rendered until a scrape: then ``render`` writes those plain counters, and the scrape-time state
+the dispatcher passes to it (pending requests, decisions, learned curves, lambda), as the text
+exposition (format 0.0.4, label values escaped as it requires). A render runs on the
+dispatcher's one thread, so its text is re-used while nothing it shows has changed, and a scrape
+storm gets the last text once rendering has had its share of the thread (RENDER_SHARE). The HTTP
+server is a minimal asyncio protocol on the same loop (GET /metrics), so the decision process
+gets no extra thread.
 
 Names follow Triton where the meaning is the same (dashboards keep working):
 nv_inference_request_success, nv_inference_request_failure{reason}, nv_inference_count,
@@ -21,17 +23,19 @@ front door's statistics), and a Triton dashboard that adds the three still finds
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
 batchyard_unknown_model_requests_total (no model label: the names are the clients'),
 batchyard_inflight_request_count{model} (beside Triton's pending count, which excludes them),
-batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_arrival_rate{model}.
-
-prometheus_client is imported by ``serve_metrics`` (at start-up) or the first ``render``, never at
-import: it costs ~0.1 s, which a dispatcher without metrics should not pay.
+batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_arrival_rate{model};
+LLM mode's decisions in batchyard_decisions_total as reason="llm_<route>" (as `batchyard status`
+shows them) and its curves in batchyard_llm_cost_launch_us / _per_item_us / _per_item_squared_us
+{model,curve}. An LLM model's path label is its request's route (prefill-cpu or gpu).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-from typing import Callable, Iterator, NamedTuple
+import math
+import time
+from typing import Callable, NamedTuple
 
 from .protocol import PRIORITY_NAMES, Status
 
@@ -67,6 +71,15 @@ class ScrapeState(NamedTuple):
     curves: dict  # "model/path" -> {"launch_us", "per_item_us", ...}
     rates: dict  # model -> estimated arrival rate, items/s (what the policies plan with)
     in_flight: dict  # model -> requests given to a worker and not yet answered
+    llm_curves: dict  # LLM model -> llm_fit.LearnedCurves.describe()
+
+
+# At most this share of the dispatcher's time goes to rendering, however often it is scraped: a
+# scrape that comes while the share is spent gets the last text (at most ~10 renders' time old).
+# The credit refills at RENDER_SHARE seconds a second, up to RENDER_CREDIT_S, so scrapes that
+# come seconds apart (Prometheus every 15 s, a test, a person) are always rendered fresh.
+RENDER_SHARE = 0.1
+RENDER_CREDIT_S = 0.05
 
 
 class Metrics:
@@ -76,12 +89,17 @@ class Metrics:
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
         self.latency: dict[str, list] = {}  # model -> bucket counts (+Inf last), then [sum]
         self.unknown_model_requests = 0  # one number: names asked for are the client's, without end
-        self._collector = DispatcherCollector(self)
-        self._registry = None  # a private CollectorRegistry, made at the first render
+        self.changes = 0  # every count adds one: a scrape finding it and its state unchanged re-uses the text
+        self._text = ""
+        self._text_of: tuple | None = None  # (changes, ScrapeState) the text shows
+        self._credit_s = RENDER_CREDIT_S
+        self._credit_at = time.perf_counter()
+        self._labels: dict[tuple, str] = {}  # series key -> its escaped label text (made once)
 
     # ---------------------------------------------------------------- hot path
     def request_ok(self, model: str, path: str, prio: int, items: int, queue_us: int, compute_us: int,
                    total_us: int) -> None:
+        self.changes += 1
         key = (model, path, prio)
         row = self.ok.get(key)
         if row is None:
@@ -98,10 +116,12 @@ class Metrics:
         h[-1] += total_us
 
     def request_failed(self, model: str, status: int) -> None:
+        self.changes += 1
         key = (model, int(status))
         self.failures[key] = self.failures.get(key, 0) + 1
 
     def unknown_model(self) -> None:
+        self.changes += 1
         self.unknown_model_requests += 1
 
     def model_served(self, model: str, path: str = "") -> None:
@@ -109,6 +129,7 @@ class Metrics:
         exist from now, at 0, as Triton creates a model's counters when it loads. Born at their
         first increment, a failure series appeared already at its burst's count (14), and
         Prometheus' rate() and increase() read that burst as 0."""
+        self.changes += 1
         for status in Status:
             if status not in (Status.OK, Status.UNKNOWN_MODEL):  # (an unknown model has no series)
                 self.failures.setdefault((model, int(status)), 0)
@@ -119,94 +140,145 @@ class Metrics:
             self.exec_count.setdefault((model, path), 0)
 
     def batch_done(self, model: str, path: str) -> None:
+        self.changes += 1
         key = (model, path)
         self.exec_count[key] = self.exec_count.get(key, 0) + 1
 
     # ---------------------------------------------------------------- exposition
     def render(self, pending: dict[str, int], decisions: dict[str, int], curves: dict, rates: dict[str, float],
-               in_flight: dict[str, int] | None = None) -> str:
-        """The Prometheus text exposition (format 0.0.4) of the counters and the given scrape-time state."""
-        from prometheus_client.exposition import generate_latest
+               in_flight: dict[str, int] | None = None, llm_curves: dict | None = None) -> str:
+        """The Prometheus text exposition (format 0.0.4) of the counters and the given scrape-time
+        state: the last text again when nothing it shows has changed, or while rendering has had
+        its share of the thread (RENDER_SHARE)."""
+        state = ScrapeState(pending, decisions, curves, rates, in_flight or {}, llm_curves or {})
+        now = time.perf_counter()
+        self._credit_s = min(RENDER_CREDIT_S, self._credit_s + (now - self._credit_at) * RENDER_SHARE)
+        self._credit_at = now
+        if self._text_of is not None and (self._credit_s <= 0 or self._text_of == (self.changes, state)):
+            return self._text
+        self._text = self._write(state)
+        # A copy: a caller that fills the same dicts again must not make the old text look current.
+        self._text_of = (self.changes, ScrapeState(*(dict(part) for part in state)))
+        done = time.perf_counter()
+        self._credit_s -= done - now
+        self._credit_at = done
+        return self._text
 
-        if self._registry is None:
-            from prometheus_client.registry import CollectorRegistry
+    def _label(self, key: tuple, make: Callable[[], str]) -> str:
+        text = self._labels.get(key)
+        if text is None:
+            text = self._labels[key] = make()
+        return text
 
-            self._registry = CollectorRegistry()
-            self._registry.register(self._collector)
-        # One thread: the state set here is the state the collector reads during generate_latest.
-        self._collector.scrape = ScrapeState(pending, decisions, curves, rates, in_flight or {})
-        return generate_latest(self._registry).decode()
-
-
-class DispatcherCollector:
-    """A ``prometheus_client.registry.Collector`` over Metrics' plain counters and the scrape state.
-
-    Triton's cumulative counters are exposed as *untyped* families: prometheus_client writes a
-    counter's samples as ``<name>_total``, which would rename ``nv_inference_request_success`` and
-    break dashboards written for Triton. Untyped keeps the exact names; Prometheus applies rate()
-    to them all the same. Batchyard's own counter is a real counter (``batchyard_decisions_total``).
-    """
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.scrape = ScrapeState({}, {}, {}, {}, {})
-
-    def collect(self) -> Iterator:
-        from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
-                                                    HistogramMetricFamily, UnknownMetricFamily)
-        from prometheus_client.utils import floatToGoString
-
-        def gauge(name: str, help_: str, labels: tuple, rows) -> GaugeMetricFamily:
-            fam = GaugeMetricFamily(name, help_, labels=labels)
-            for key, value in rows:
-                fam.add_metric(key, value)
-            return fam
-
-        m, s = self.metrics, self.scrape
-        ok_rows = sorted(m.ok.items())
+    def _write(self, s: ScrapeState) -> str:
+        """The text, written directly: prometheus_client's generate_latest took ~5 us a sample
+        (validating and escaping each label of each sample), 33 ms a scrape at 100 models. Label
+        texts are escaped once per series, and a sample is one f-string."""
+        out: list[str] = []
+        w = out.append
+        ok_rows = sorted(self.ok.items())
+        ok_labels = [self._label(("ok", *key), lambda key=key: _ok_labels(*key)) for key, _ in ok_rows]
         for name, idx, help_ in _TRITON_OK_FAMILIES:
-            fam = UnknownMetricFamily(name, help_, labels=("model", "version", "path", "priority"))
-            for (model, path, prio), row in ok_rows:
-                fam.add_metric((model, VERSION, path, PRIORITY_NAMES[prio]), 0 if idx is None else row[idx])
-            yield fam
-        fam = UnknownMetricFamily("nv_inference_request_failure", "Failed inference requests by reason",
-                                  labels=("model", "version", "reason", "status"))
-        for (model, status), n in sorted(m.failures.items()):
-            fam.add_metric((model, VERSION, TRITON_REASONS.get(status, "OTHER"), status_name(status)), n)
-        yield fam
-        fam = UnknownMetricFamily("nv_inference_exec_count", "Batches executed", labels=("model", "version", "path"))
-        for (model, path), n in sorted(m.exec_count.items()):
-            fam.add_metric((model, VERSION, path), n)
-        yield fam
-        yield gauge("nv_inference_pending_request_count", "Requests queued, not yet given to a worker",
-                     ("model", "version"), (((k, VERSION), n) for k, n in sorted(s.pending.items())))
-        yield gauge("batchyard_inflight_request_count", "Requests given to a worker and not yet answered",
-                     ("model",), (((k,), n) for k, n in sorted(s.in_flight.items())))
+            w(_head(name, help_, "untyped"))
+            if idx is None:
+                w("".join([f"{name}{{{lab}}} 0\n" for lab in ok_labels]))
+            else:
+                w("".join([f"{name}{{{lab}}} {row[idx]}\n" for lab, (_, row) in zip(ok_labels, ok_rows)]))
+        name = "nv_inference_request_failure"
+        w(_head(name, "Failed inference requests by reason", "untyped"))
+        for (model, status), n in sorted(self.failures.items()):
+            lab = self._label(("fail", model, status), lambda: _failure_labels(model, status))
+            w(f"{name}{{{lab}}} {n}\n")
+        name = "nv_inference_exec_count"
+        w(_head(name, "Batches executed", "untyped"))
+        for (model, path), n in sorted(self.exec_count.items()):
+            w(f'{name}{{model="{_esc(model)}",path="{_esc(path)}",version="{VERSION}"}} {n}\n')
+        _gauge(w, "nv_inference_pending_request_count", "Requests queued, not yet given to a worker",
+               ((f'model="{_esc(k)}",version="{VERSION}"', n) for k, n in sorted(s.pending.items())))
+        _gauge(w, "batchyard_inflight_request_count", "Requests given to a worker and not yet answered",
+               ((f'model="{_esc(k)}"', n) for k, n in sorted(s.in_flight.items())))
 
-        fam = HistogramMetricFamily("batchyard_request_latency_seconds", "Arrival-to-reply latency in the dispatcher",
-                                    labels=("model",))
-        les = [floatToGoString(le) for le in LATENCY_BUCKETS_S] + ["+Inf"]
-        for model, h in sorted(m.latency.items()):
-            cum, buckets = 0, []
-            for le, n in zip(les, h[:-1]):
+        name = "batchyard_request_latency_seconds"
+        w(_head(name, "Arrival-to-reply latency in the dispatcher", "histogram"))
+        for model, h in sorted(self.latency.items()):
+            lab, cum = _esc(model), 0
+            for le, n in zip(_LES, h[:-1]):
                 cum += n
-                buckets.append((le, cum))
-            fam.add_metric((model,), buckets, sum_value=h[-1] / 1e6)
-        yield fam
-        yield CounterMetricFamily("batchyard_unknown_model_requests",
-                                  "Inferences and model lookups naming a model this dispatcher does not serve",
-                                  value=m.unknown_model_requests)
-        fam = CounterMetricFamily("batchyard_decisions", "Policy decisions by reason", labels=("reason",))
+                w(f'{name}_bucket{{le="{le}",model="{lab}"}} {cum}\n')
+            w(f'{name}_count{{model="{lab}"}} {cum}\n{name}_sum{{model="{lab}"}} {_num(h[-1] / 1e6)}\n')
+        name = "batchyard_unknown_model_requests_total"
+        w(_head(name, "Inferences and model lookups naming a model this dispatcher does not serve", "counter"))
+        w(f"{name} {self.unknown_model_requests}\n")
+        name = "batchyard_decisions_total"
+        w(_head(name, "Policy decisions by reason (LLM mode's: llm_<route>)", "counter"))
         for reason, n in sorted(s.decisions.items()):
-            fam.add_metric((reason,), n)
-        yield fam
+            w(f'{name}{{reason="{_esc(reason)}"}} {_num(n)}\n')
+
         curves = sorted((tuple(k.rsplit("/", 1)), v) for k, v in s.curves.items())  # a model may hold "/"
-        yield gauge("batchyard_cost_launch_us", "Learned launch cost of T(B) = launch + per_item*B",
-                     ("model", "path"), ((k, v["launch_us"]) for k, v in curves))
-        yield gauge("batchyard_cost_per_item_us", "Learned per-item cost of T(B)",
-                     ("model", "path"), ((k, v["per_item_us"]) for k, v in curves))
-        yield gauge("batchyard_arrival_rate", "Estimated arrival rate lambda(t), items/s (a request of B items counts B)",
-                     ("model",), (((k,), r) for k, r in sorted(s.rates.items())))
+        curve_labels = [f'model="{_esc(m)}",path="{_esc(p)}"' for (m, p), _ in curves]
+        _gauge(w, "batchyard_cost_launch_us", "Learned launch cost of T(B) = launch + per_item*B",
+               ((lab, v["launch_us"]) for lab, (_, v) in zip(curve_labels, curves)))
+        _gauge(w, "batchyard_cost_per_item_us", "Learned per-item cost of T(B)",
+               ((lab, v["per_item_us"]) for lab, (_, v) in zip(curve_labels, curves)))
+        _gauge(w, "batchyard_arrival_rate", "Estimated arrival rate lambda(t), items/s (a request of B items counts B)",
+               ((f'model="{_esc(k)}"', r) for k, r in sorted(s.rates.items())))
+        self._write_llm_curves(w, s.llm_curves)
+        return "".join(out)
+
+    @staticmethod
+    def _write_llm_curves(w: Callable[[str], None], llm_curves: dict) -> None:
+        """LLM mode's learned curves (llm_fit.LearnedCurves.describe(), seconds) in us, by model
+        and curve: cpu_prefill and gpu_prefill are launch + per_item*tokens +
+        per_item_squared*tokens^2 of a step's prompts, gpu_decode launch + per_item*streams of a
+        step, kv launch + per_item*tokens of a KV move."""
+        rows = [(f'curve="{_esc(c)}",model="{_esc(m)}"', fit["coef"])
+                for m, by_curve in sorted(llm_curves.items()) for c, fit in sorted(by_curve.items())]
+        for name, term, help_ in _LLM_COST_FAMILIES:
+            _gauge(w, name, help_, ((lab, coef[term] * 1e6) for lab, coef in rows if len(coef) > term))
+
+
+_LES = [repr(le) for le in LATENCY_BUCKETS_S] + ["+Inf"]  # as Go writes them: "0.0005", "1.0"
+# (name, coefficient, help) of the LLM curves: coefficient 0 is the constant term, 1 the linear one.
+_LLM_COST_FAMILIES = (
+    ("batchyard_llm_cost_launch_us", 0, "Learned constant cost of an LLM model's curve"),
+    ("batchyard_llm_cost_per_item_us", 1, "Learned cost per prompt token (prefill, kv) or running stream (decode)"),
+    ("batchyard_llm_cost_per_item_squared_us", 2, "Learned cost per prompt token squared of a prefill (attention)"),
+)
+
+
+def _ok_labels(model: str, path: str, prio: int) -> str:
+    return f'model="{_esc(model)}",path="{_esc(path)}",priority="{PRIORITY_NAMES[prio]}",version="{VERSION}"'
+
+
+def _failure_labels(model: str, status: int) -> str:
+    reason = TRITON_REASONS.get(status, "OTHER")
+    return f'model="{_esc(model)}",reason="{reason}",status="{status_name(status)}",version="{VERSION}"'
+
+
+def _esc(value: str) -> str:
+    """A label value as the text format writes it: backslash, double quote and newline escaped."""
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+def _num(value) -> str:
+    if type(value) is int:
+        return str(value)
+    value = float(value)
+    if math.isfinite(value):
+        return repr(value)
+    return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+
+
+def _head(name: str, help_: str, kind: str) -> str:
+    return f"# HELP {name} {help_}\n# TYPE {name} {kind}\n"
+
+
+def _gauge(w: Callable[[str], None], name: str, help_: str, rows) -> None:
+    w(_head(name, help_, "gauge"))
+    for labels, value in rows:
+        w(f"{name}{{{labels}}} {_num(value)}\n")
 
 
 # The endpoint shares the dispatcher's thread and file-descriptor table: a peer that connects and
@@ -214,6 +286,7 @@ class DispatcherCollector:
 # were all kept, each an fd the dispatcher's sockets then lacked.
 METRICS_MAX_CONNECTIONS = 32  # open at once; a new one closes the oldest, so a scrape gets through
 METRICS_IDLE_S = 10.0  # a request not complete by then is dropped
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"  # the text format's, as prometheus_client names it
 
 
 class _MetricsHTTP(asyncio.Protocol):
@@ -243,9 +316,7 @@ class _MetricsHTTP(asyncio.Protocol):
             return
         line = self.buf.split(b"\r\n", 1)[0].split()
         if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-            from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-
-            body, status, ctype = self.render().encode(), b"200 OK", CONTENT_TYPE_PLAIN_0_0_4.encode()
+            body, status, ctype = self.render().encode(), b"200 OK", CONTENT_TYPE
         else:
             body, status, ctype = b"not found; try /metrics\n", b"404 Not Found", b"text/plain"
         self.transport.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
@@ -254,8 +325,5 @@ class _MetricsHTTP(asyncio.Protocol):
 
 
 async def serve_metrics(loop: asyncio.AbstractEventLoop, host: str, port: int, render: Callable[[], str]):
-    # Import now, at start-up: done at the first scrape it would stall the decision loop ~0.1 s.
-    import prometheus_client.exposition  # noqa: F401
-
     open_now: dict = {}
     return await loop.create_server(lambda: _MetricsHTTP(render, open_now), host, port)

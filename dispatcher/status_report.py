@@ -24,6 +24,12 @@ def llm_curves(d) -> dict:
     return {f"{m}/llm": c.describe() for m, c in d.llm.core.curves.items()}
 
 
+def decisions(d) -> dict:
+    """The policy's decisions by reason, then LLM mode's routes as llm_<route>: one set for the
+    status reply and /metrics (the metrics had only the first)."""
+    return dict(d.core.decisions) | {f"llm_{k}": v for k, v in d.llm.core.decisions.items()}
+
+
 def status_reply(d, rid: int, brief: bool = False) -> P.StatusReply:
     workers = [P.WorkerInfo(name=w.name, pid=w.pid, path=w.path, models=list(w.models),
                             inflight=w.inflight, simulated=w.simulated)
@@ -37,15 +43,17 @@ def status_reply(d, rid: int, brief: bool = False) -> P.StatusReply:
         now = time.monotonic()
         reply.curves = curves(d) | llm_curves(d)
         reply.arrival_rate = {m: round(d.state.arrival(m).rate(now), 2) for m in d.specs}
-        reply.decisions = dict(core.decisions) | {f"llm_{k}": v for k, v in d.llm.core.decisions.items()}
+        reply.decisions = decisions(d)
         reply.decision_lateness = d.lateness.quantiles_us()
     return reply
 
 
 def render_metrics(d) -> str:
+    """The /metrics text: the counters, with what `status` shows of decisions and learned curves."""
     now = time.monotonic()
     pending = {m: 0 for m in d.specs} | d.core.pending_by_model() | d.llm.pending()
     in_flight = {m: 0 for m in pending} | d.core.in_flight_by_model() | d.llm.in_flight()
-    return d.metrics.render(pending, d.core.decisions,
+    return d.metrics.render(pending, decisions(d),
                             {f"{m}/{p}": c.describe() for (m, p), c in d.state.costs.items()},
-                            {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs}, in_flight)
+                            {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs}, in_flight,
+                            llm_curves={m: c.describe() for m, c in d.llm.core.curves.items()})

@@ -226,3 +226,143 @@ def test_a_served_models_series_exist_at_zero_before_its_first_request(start_nod
     for name in ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count"):
         assert [x for x in m if x.name == name and x.labels["model"] == "sum"], name
         assert total(m, name) == 0
+
+
+# ---------------------------------------------------------------- LLM mode, front door, scrape cost
+def _parse(text: str) -> list:
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+@pytest.fixture
+def llm_dispatcher(run_dir):
+    """A dispatcher on private ipc paths, driven by calling its LLM desk (no engine process: a
+    job sent is taken as sent)."""
+    import zmq
+
+    from batchyard.config import DispatcherConfig
+    from batchyard.server import Dispatcher
+
+    ctx = zmq.Context()
+    made = []
+
+    def make(**kw):
+        d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (), ctx=ctx,
+                       **kw)
+        d.llm._send_worker = lambda identity, header: True
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+    ctx.term()
+
+
+def _register_gpu_engine(d) -> None:
+    from batchyard import protocol as P
+    from test_llm_core import GPU_ENGINE  # model "m", role "gpu"
+
+    d.llm.on_register(P.Register(v=P.PROTOCOL_VERSION, worker="gpu0", pid=1, path="gpu", models=[], llm=GPU_ENGINE),
+                      b"gpu0", 0.0)
+
+
+def _generate(d, n: int, now: float = 0.0) -> None:
+    """n generate requests for "m", each run to the end by the engine."""
+    from batchyard import protocol as P
+
+    for rid in range(n):
+        d.llm.on_generate(P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model="m", prompt=[7] * 64, max_tokens=2,
+                                            timeout_us=30_000_000), b"client", now, lambda m: "")
+    d.llm.decide(now)
+    for job in list(d.llm.core.jobs.values()):
+        d.llm.on_done(P.LlmDone(job_id=job.job_id, worker="gpu0", compute_s=0.01,
+                                results=[P.LlmResult(seq=r.seq, status=0, tokens=[1, 1], first_token_s=0.001)
+                                         for r in job.requests]), now + 0.05)
+
+
+def test_an_llm_models_series_exist_from_its_engines_registration_and_each_generation_is_an_execution(
+        llm_dispatcher):
+    # Its series were born at its first request (a burst's count read as 0 by rate()), and
+    # nv_inference_exec_count never had one: count / exec_count, the mean batch, was undefined.
+    d = llm_dispatcher()
+    _register_gpu_engine(d)
+    m = _parse(d.render_metrics())
+    for name in ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count"):
+        assert [s for s in m if s.name == name and s.labels["model"] == "m" and s.labels["path"] == "gpu"], name
+        assert total(m, name, model="m") == 0
+    for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
+        assert [s for s in m if s.name == "nv_inference_request_failure" and s.labels["model"] == "m"
+                and s.labels["reason"] == reason]
+    _generate(d, 3)
+    m = _parse(d.render_metrics())
+    assert total(m, "nv_inference_request_success", model="m", path="gpu") == 3
+    assert total(m, "nv_inference_exec_count", model="m", path="gpu") == 3  # one execution a generation
+    assert total(m, "nv_inference_count", model="m") == 3
+
+
+def test_an_llm_model_named_at_start_up_has_its_series_before_any_engine_registers(llm_dispatcher):
+    d = llm_dispatcher(llm_models=("m",))
+    m = _parse(d.render_metrics())
+    assert len([s for s in m if s.name == "nv_inference_request_failure" and s.labels["model"] == "m"]) >= 4
+    assert total(m, "nv_inference_request_failure", model="m") == 0
+
+
+def test_metrics_carry_the_llm_decisions_and_curves_that_status_shows(llm_dispatcher):
+    # `batchyard status` showed the llm_* decision counters and each LLM model's learned curves;
+    # /metrics had neither.
+    from batchyard import status_report
+
+    d = llm_dispatcher()
+    _register_gpu_engine(d)
+    _generate(d, 2)
+    st = status_report.status_reply(d, 1)
+    m = _parse(d.render_metrics())
+    assert st.decisions["llm_gpu"] == 2
+    for reason, n in st.decisions.items():
+        assert total(m, "batchyard_decisions_total", reason=reason) == n, reason
+    llm = {k.rsplit("/", 1)[0]: v for k, v in st.curves.items() if k.endswith("/llm")}
+    assert set(llm) == {"m"}
+    for curve, c in llm["m"].items():
+        assert total(m, "batchyard_llm_cost_launch_us", model="m", curve=curve) == pytest.approx(c["coef"][0] * 1e6)
+        assert total(m, "batchyard_llm_cost_per_item_us", model="m", curve=curve) == pytest.approx(c["coef"][1] * 1e6)
+
+
+def _registry_of(n_models: int) -> tuple:
+    m = Metrics()
+    for i in range(n_models):
+        m.model_served(f"model_{i}")
+        for path in ("cpu", "gpu"):
+            m.model_served(f"model_{i}", path)
+            m.request_ok(f"model_{i}", path, 1, 1, 100, 200, 400)
+            m.batch_done(f"model_{i}", path)
+    names = {f"model_{i}": 0 for i in range(n_models)}
+    curves = {f"{k}/{p}": {"launch_us": 1.0, "per_item_us": 2.0} for k in names for p in ("cpu", "gpu")}
+    return m, (names, {"cpu_now": 1}, curves, names, names)
+
+
+def test_a_scrape_storm_takes_a_bounded_share_of_the_dispatchers_thread():
+    # Each scrape rendered on the dispatcher's one thread (33 ms at 100 models): a scraper in a
+    # loop held it all the time, and every client's round trip waited.
+    import time
+
+    m, state = _registry_of(100)
+    spent, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        for _ in range(200):  # the thread's other work between two scrapes: replies counted
+            m.request_ok("model_0", "cpu", 1, 1, 100, 200, 400)
+        t = time.perf_counter()
+        m.render(*state)
+        spent += time.perf_counter() - t
+    assert spent / (time.perf_counter() - start) < 0.4
+
+
+def test_an_occasional_scrape_shows_every_count_so_far():
+    m, state = _registry_of(100)
+    before = total(_parse(m.render(*state)), "nv_inference_request_success", model="model_7")
+    m.request_ok("model_7", "gpu", 1, 1, 100, 200, 400)
+    m.request_failed("model_7", Status.OVERLOADED)
+    after = _parse(m.render(*state))
+    assert total(after, "nv_inference_request_success", model="model_7") == before + 1
+    assert total(after, "nv_inference_request_failure", model="model_7", reason="REJECTED") == 1
+    state[0]["model_7"] = 5  # a queue grew, no counter moved
+    assert total(_parse(m.render(*state)), "nv_inference_pending_request_count", model="model_7") == 5
