@@ -22,7 +22,7 @@ if importlib.util.find_spec("pytriton") is None:  # found, not imported: tritons
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from batchyard.config import ModelConfig, TensorConfig, TritonConfig, WorkerConfig  # noqa: E402
-from batchyard.errors import Unavailable  # noqa: E402
+from batchyard.errors import InvalidArgument, Unavailable  # noqa: E402
 from batchyard.workers.runtime import ExecutorUnavailable  # noqa: E402
 from batchyard.workers.triton_executor import TritonExecutor  # noqa: E402
 from batchyard.workers.triton_local import ServerExited, TritonLocal, _free_port  # noqa: E402
@@ -530,9 +530,115 @@ def test_a_batch_triton_fails_fails_alone_and_a_short_output_is_never_read_as_wh
         assert not isinstance(e.value, ExecutorUnavailable)
         np.testing.assert_array_equal(ex.run("m", {"x": good + 1})["y"], (good + 1) * 2)
         short = np.full((2, 16), 999.0, np.float32)
-        if shm == "system":
-            with pytest.raises(RuntimeError, match=r"'y' is FP32 \[2, 8\]; the spec says FP32 \[2, 16\]"):
-                ex.run("m", {"x": short})
+        with pytest.raises(RuntimeError, match=r"'y' is FP32 \[2, 8\]; the spec says FP32 \[2, 16\]"):
+            ex.run("m", {"x": short})
         np.testing.assert_array_equal(ex.run("m", {"x": good})["y"], good * 2)
+    finally:
+        ex.close()
+
+
+SMALL = ModelConfig(name="m", factory="", max_batch=8, inputs=(TensorConfig("x", "float32", (16,)),),
+                    outputs=(TensorConfig("y", "float32", (16,)),))
+
+
+def misbehaving_worker(tl, **kw):
+    return WorkerConfig(name="gpu0", kind="triton", models=("m",), warmup_sizes=(1,),
+                        triton=TritonConfig(url=tl.grpc_url, models={"m": "misbehaving"}, **kw))
+
+
+def test_while_triton_reloads_a_model_its_requests_go_to_another_worker(start_node, triton):
+    # Triton answers NOT_FOUND ("has no available versions") for a model it is unloading or
+    # reloading: taken as the model's error, those requests failed INTERNAL, never retried on
+    # the CPU worker serving the same model.
+    cpu = sim_worker("cpu0", models=("m",), launch_us=20000, per_item_us=500)  # slower than Triton
+    node = start_node([misbehaving_worker(triton), cpu], models=(SMALL,), breaker_backoff_max_s=1.0)
+    ctl = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        with node.client() as c:
+            def wave():  # every request answered OK: an INTERNAL raises here
+                futs = [c.submit("m", {"x": np.full((2, 16), i, np.float32)}, timeout=30) for i in range(20)]
+                return {f.result().timing.worker for f in futs}
+
+            assert "gpu0" in wave()
+            ctl.unload_model("misbehaving")
+            while ctl.is_model_ready("misbehaving"):  # unloading ends on Triton's own threads
+                pass
+            try:
+                assert wave() == {"cpu0"}
+            finally:
+                ctl.load_model("misbehaving")
+            deadline = time.monotonic() + 30  # the breaker's back-off (<= 1 s) only: Triton was never down
+            while "gpu0" not in wave():
+                assert time.monotonic() < deadline, "the GPU worker never came back into rotation"
+    finally:
+        ctl.close()
+
+
+def test_one_request_triton_refuses_fails_alone_not_the_requests_batched_with_it(start_node, triton):
+    # The dispatcher's own time window (4 items, or 1 s after the oldest) puts the four in one batch.
+    node = start_node([misbehaving_worker(triton)], models=(SMALL,), policy="window:1000000,4")
+    xs = [np.full((1, 16), i + 1, np.float32) for i in range(4)]
+    xs[2] = -xs[2]  # misbehaving refuses a negative input
+    with node.client() as c:
+        futs = [c.submit("m", {"x": x}, timeout=30) for x in xs]
+        with pytest.raises(InvalidArgument, match="negative input"):
+            futs[2].result()
+        for i in (0, 1, 3):
+            r = futs[i].result()
+            np.testing.assert_array_equal(r["y"], xs[i] * 2)
+            assert r.timing.batch_size == 4
+
+
+OTHER_DTYPE_MODEL = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):  # y = 2x, as float64 when x starts with 64, as int32 with 32
+        out = []
+        for req in requests:
+            x = pb_utils.get_input_tensor_by_name(req, "x").as_numpy()
+            y = (x * 2).astype({64: np.float64, 32: np.int32}.get(int(x[0, 0]), np.float32))
+            out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("y", y)]))
+        return out
+"""
+OTHER_DTYPE_CONFIG = """name: "other_dtype"
+backend: "python"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 16 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+"""
+
+
+@pytest.fixture(scope="module")
+def other_dtype(triton):
+    """A model of the shared Triton whose output is not always the FP32 its config says."""
+    model = triton.repo / "other_dtype"
+    (model / "1").mkdir(parents=True, exist_ok=True)
+    (model / "1" / "model.py").write_text(OTHER_DTYPE_MODEL)
+    (model / "config.pbtxt").write_text(OTHER_DTYPE_CONFIG)
+    ctl = grpcclient.InferenceServerClient(triton.grpc_url)
+    ctl.load_model("other_dtype")
+    yield "other_dtype"
+    ctl.unload_model("other_dtype")
+    ctl.close()
+
+
+@pytest.mark.parametrize("shm", ["system", "none"])
+def test_an_output_of_another_type_than_the_spec_fails_the_batch(triton, other_dtype, shm):
+    # Without shared memory, such an output was cast to the spec's type and returned OK.
+    ex = TritonExecutor(triton.grpc_url, {"m": other_dtype}, inflight=1, shm=shm)
+    try:
+        ex.load(SMALL.spec())
+        x = np.full((2, 16), 0.5, np.float32)
+        np.testing.assert_array_equal(ex.run("m", {"x": x})["y"], x * 2)
+        for first, told in ((64, "FP64"), (32, "INT32")):
+            x[0, 0] = first
+            # (In shared memory, Triton refuses the larger FP64 itself: "... for output 'y' (128 bytes)
+            # should be at least 256 bytes".)
+            unlike_the_spec = rf"output 'y' (is {told} \[2, 16\]; the spec says FP32|\(128 bytes)"
+            with pytest.raises(RuntimeError, match=unlike_the_spec):
+                ex.run("m", {"x": x})
     finally:
         ex.close()

@@ -12,6 +12,7 @@ Under systemd (``Type=notify``) the worker sends READY=1 once it has registered.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import signal
@@ -209,7 +210,10 @@ class WorkerRuntime:
     def _send_completed(self, sock) -> None:
         while self._completed:  # batches an asynchronous executor finished
             self._in_executor -= 1
-            sock.send_multipart(self._finish(*self._completed.popleft()), copy=False)
+            then, raw, compute_us = self._completed.popleft()
+            reply = then(raw, compute_us)
+            if reply is not None:
+                sock.send_multipart(reply, copy=False)
 
     def _finish_in_flight(self, sock, poller, registered: bool) -> None:
         """Stopping with batches in an asynchronous executor (Triton): their replies go out
@@ -257,15 +261,8 @@ class WorkerRuntime:
         n_items = sum(it.items for it in items if it.error is None)  # after assemble's checks
         first = (msg.model, n_items) not in self._sizes_run and not self.executor.simulated
         self._sizes_run.add((msg.model, n_items))
-        submit = getattr(self.executor, "submit", None)
-        if submit is not None:
-            def done(raw, compute_us, msg=msg, items=items, spec=spec, first=first):
-                # Runs on the executor's thread: hand over to the loop, never touch the socket here.
-                self._completed.append((msg, items, spec, raw, compute_us, None, first))
-                os.write(self._wake_w, b"x")
-
-            self._in_executor += 1
-            submit(msg.model, inputs, done)
+        if getattr(self.executor, "submit", None) is not None:
+            self._submit(msg.model, inputs, functools.partial(self._submitted_done, msg, items, spec, first))
             return None
         t0 = time.perf_counter()
         try:
@@ -278,13 +275,62 @@ class WorkerRuntime:
             return self._finish(msg, items, spec, raw, 0, None)
         return self._finish(msg, items, spec, raw, int((time.perf_counter() - t0) * 1e6), None, first)
 
+    def _submit(self, model: str, inputs: dict, then) -> None:
+        """Hand a batch to an asynchronous executor; ``then(raw, compute_us)`` runs on the loop when
+        it completes and returns the reply frames, or None when there is none to send yet."""
+        def done(raw, compute_us):
+            # Runs on the executor's thread: hand over to the loop, never touch the socket here.
+            self._completed.append((then, raw, compute_us))
+            os.write(self._wake_w, b"x")
+
+        self._in_executor += 1
+        self.executor.submit(model, inputs, done)
+
+    def _submitted_done(self, msg: P.Batch, items: list, spec, first: bool, raw, compute_us: int) -> list | None:
+        """A batch the asynchronous executor completed. One the model failed runs again one
+        request at a time, as ``_each_alone`` does for the others: one request Triton refused
+        failed every client's request batched with it."""
+        if isinstance(raw, Exception) and not isinstance(raw, ExecutorUnavailable):
+            good = [it for it in items if it.error is None]
+            if len(good) >= 2:
+                return self._next_alone(_LoneRuns(msg, items, spec, raw, good))
+        return self._finish(msg, items, spec, raw, compute_us, None, first)
+
+    def _next_alone(self, runs: "_LoneRuns") -> list | None:
+        """Submit the next request of ``runs`` alone (one at a time: the failed batch's slot in
+        the executor is the one free for them); with none left, the batch's reply."""
+        while runs.todo:
+            it = runs.todo.pop(0)
+            try:
+                inputs = assemble([it], runs.spec, self.cache)
+            except Exception as e:  # on the loop: raised here, it ended the worker
+                runs.failed.append((it, e))
+                continue
+            self._submit(runs.msg.model, inputs, functools.partial(self._alone_done, runs, it))
+            return None
+        raw = self._alone_outcome(runs.msg.model, runs.spec, runs.good, runs.outs, runs.failed, runs.batch_failure)
+        # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
+        return self._finish(runs.msg, runs.items, runs.spec, raw, 0, None)
+
+    def _alone_done(self, runs: "_LoneRuns", it, raw, compute_us: int) -> list | None:
+        if not isinstance(raw, BaseException):
+            try:
+                runs.outs.append(check_outputs(raw, runs.spec, it.items))
+            except Exception as e:
+                raw = e
+        if isinstance(raw, BaseException):  # this request's own failure (or the backend's)
+            runs.failed.append((it, raw))
+            if isinstance(raw, ExecutorUnavailable):
+                runs.todo.clear()  # then the batch fails as a whole (_alone_outcome): the rest need not run
+        return self._next_alone(runs)
+
     def _each_alone(self, model: str, items: list, spec, batch_failure: Exception):
         """The batch raised: run each of its requests alone, so that only the ones the model fails
         on by themselves fail (INVALID_ARGUMENT, the model's words), not every client whose request
         shared the batch with them (one out-of-vocabulary token id failed them all). Returns the
         outputs of the rest, or ``batch_failure`` when every request fails alone too: then the
-        model, not an input, is at fault. Only for executors that run a batch in the call
-        (``submit`` ones reply later, from their own thread)."""
+        model, not an input, is at fault. For executors that run a batch in the call (``submit``
+        ones reply later, from their own thread: ``_submitted_done``)."""
         good = [it for it in items if it.error is None]
         if len(good) < 2:
             return batch_failure
@@ -295,6 +341,12 @@ class WorkerRuntime:
                 outs.append(check_outputs(self.executor.run(model, inputs), spec, it.items))
             except Exception as e:  # this request's own failure (or the backend's, caught next)
                 failed.append((it, e))
+        return self._alone_outcome(model, spec, good, outs, failed, batch_failure)
+
+    @staticmethod
+    def _alone_outcome(model: str, spec, good: list, outs: list, failed: list, batch_failure: Exception):
+        """What a failed batch whose requests ran alone gets: the outputs of those that ran (the
+        others fail INVALID_ARGUMENT), or ``batch_failure`` when all failed or the backend did."""
         if len(failed) == len(good) or any(isinstance(e, ExecutorUnavailable) for _, e in failed):
             return batch_failure
         for it, e in failed:
@@ -333,6 +385,16 @@ def exit_after_grace() -> None:
     timer = threading.Timer(STOP_GRACE_S, os._exit, (1,))
     timer.daemon = True
     timer.start()
+
+
+class _LoneRuns:
+    """A batch an asynchronous executor failed, its requests being run again one at a time."""
+
+    def __init__(self, msg: P.Batch, items: list, spec, batch_failure: Exception, good: list):
+        self.msg, self.items, self.spec, self.batch_failure = msg, items, spec, batch_failure
+        self.good, self.todo = good, list(good)
+        self.outs: list = []
+        self.failed: list = []
 
 
 class CannotStart(RuntimeError):

@@ -270,6 +270,13 @@ class TritonExecutor:
             # Past the gRPC message limit: this batch cannot go to this worker, another (a CPU
             # worker, no such limit) may take it; Triton itself is fine.
             return ExecutorUnavailable(f"Triton at {self.url} refused the batch: {msg}")
+        if status == "StatusCode.NOT_FOUND":
+            # The model is unloaded or reloading in Triton ("has no available versions"): another
+            # worker serving it may take the batch (as INTERNAL, none did, and the dispatcher's
+            # breaker never reacted). Triton itself answers: not marked down, which failed this
+            # worker's batches of its other models for the back-off, and whose reconnect
+            # cancelled those in flight.
+            return ExecutorUnavailable(f"Triton at {self.url} does not serve the model now: {msg}")
         return TritonModelError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
 
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
@@ -315,16 +322,17 @@ class TritonExecutor:
     def _read(self, result, out_layout, n: int, slot: _Slot | None) -> dict[str, np.ndarray]:
         out = {}
         for t, tname, off in out_layout:
+            # With outputs in shared memory, the region holds the data (not result.as_numpy), as
+            # many bytes as the spec's shape: an output Triton says is of another shape or type
+            # left the rest of them the previous batch's, another client's output. In gRPC bodies
+            # such an output was cast to the spec's type further on and returned OK.
+            told = result.get_output(tname)
+            got = (told.datatype, list(told.shape)) if told is not None else ("missing", [])
+            want = (TRITON_DTYPE[t.dtype], [n, *t.shape])
+            if got != want:
+                raise TritonModelError(f"Triton's output {tname!r} is {got[0]} {got[1]}; the spec says "
+                                       f"{want[0]} {want[1]}")
             if slot is not None:
-                # With outputs in shared memory, the region holds the data (not result.as_numpy),
-                # as many bytes as the spec's shape: an output Triton says is of another shape or
-                # type left the rest of them the previous batch's, another client's output.
-                told = result.get_output(tname)
-                got = (told.datatype, list(told.shape)) if told is not None else ("missing", [])
-                want = (TRITON_DTYPE[t.dtype], [n, *t.shape])
-                if got != want:
-                    raise TritonModelError(f"Triton's output {tname!r} is {got[0]} {got[1]}; the spec says "
-                                           f"{want[0]} {want[1]}")
                 out[t.name] = slot.out.read(off, t.dtype, (n, *t.shape))
             else:
                 out[t.name] = result.as_numpy(tname)
