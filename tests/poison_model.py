@@ -40,3 +40,30 @@ class ReturnsATuple(nn.Module):
 
 def returns_a_tuple(spec=None) -> nn.Module:
     return ReturnsATuple()
+
+
+class RaisesAlways(nn.Module):
+    """Its layer does not fit its spec's 4 input features: every call raises (as PyTorch does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return {"y": self.layer(x)}
+
+
+def raises_always(spec=None) -> nn.Module:
+    return RaisesAlways()
+
+
+class ScalesItsInputInPlace(nn.Module):
+    """Writes into its input (x.mul_), as in-place normalising does."""
+
+    def forward(self, x):
+        x.mul_(100)
+        return {"y": x[:, :2]}
+
+
+def scales_its_input_in_place(spec=None) -> nn.Module:
+    return ScalesItsInputInPlace()

@@ -105,3 +105,19 @@ def test_a_request_the_model_fails_on_fails_alone_not_its_batch(run_dir):
     assert "failed on this request" in done.results[1].message and "IndexError" in done.results[1].message
     assert done.compute_us == 0 and alone.compute_us > 0
     assert len(frames) == 2  # one embedding frame for each good request
+
+
+def test_a_model_that_writes_into_its_input_leaves_the_clients_shared_memory_alone(start_node):
+    """A lone request's input in the client's (mapped) segment reached the model as a writable
+    view: a model that scales its input in place wrote into the client's own buffer."""
+    from batchyard.config import ModelConfig, TensorConfig
+
+    model = ModelConfig(name="inplace", factory="tests.poison_model:scales_its_input_in_place", max_batch=2,
+                        inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    node = start_node([amx_worker("amx0", ("inplace",), (1,), precision="fp32")], models=(model,))
+    with node.client() as c:
+        x = c.alloc_array((1, 4), np.float32)  # in shared memory, sent by reference
+        x[...] = [[6, 3, 3, 3]]
+        got = c.infer("inplace", {"x": x})["y"]
+        assert got.tolist() == [[600.0, 300.0]]
+        assert x.tolist() == [[6.0, 3.0, 3.0, 3.0]]

@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
+from batchyard import protocol as P
 from batchyard.client import Client
 from batchyard.config import ModelConfig, TensorConfig, WorkerConfig
 from batchyard.errors import DeadlineExceeded, Unavailable
@@ -323,11 +325,44 @@ def test_calibrate_writes_one_point_a_size_for_two_workers_of_one_path_and_the_n
     assert load_profile(str(out), {"sum"})[("sum", path)].predict(4) > 0  # refused before: a size twice
 
 
-def test_a_model_whose_forward_returns_no_dict_of_tensors_stops_its_worker_in_one_line(run_dir):
+@pytest.mark.parametrize("factory, says", [
+    ("returns_a_tuple", "model 'tup': forward must return a dict of tensors by output name, got tuple"),
+    # A layer that does not fit the spec: "RuntimeError: mat1 and mat2 shapes cannot be
+    # multiplied", a traceback and exit 1, restarted for ever.
+    ("raises_always", "RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+])
+def test_a_model_that_fails_its_warm_up_stops_its_worker_in_one_line(run_dir, factory, says):
     # Its warm-up died with "AttributeError: 'tuple' object has no attribute 'items'", exit 1,
     # and up restarted it for ever: the same code fails the same way at every start.
-    _, argv = _poison_worker(run_dir, "tup", "returns_a_tuple", 2)
+    _, argv = _poison_worker(run_dir, "tup", factory, 2)
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
-    assert "'tup': warm-up at B=1: model 'tup': forward must return a dict of tensors by output name, got tuple" \
-        in r.stderr, r.stderr
+    assert f"'tup': warm-up at B=1: {says}" in r.stderr, r.stderr
+
+
+def test_a_worker_stopped_with_a_second_batch_queued_answers_both(run_dir):
+    """max_inflight 2: SIGTERM while one batch runs and the next waits in the socket. The worker
+    finished the first and said goodbye holding the second, which the dispatcher then took for
+    a batch it died running (its requests' retry spent, run again alone as suspects)."""
+    from batchyard.workers.harness import DirectWorker
+
+    worker = msgspec.structs.replace(sim_worker("w0", ("sum",), launch_us=1_000_000.0), max_inflight=2)
+    node, _ = _worker_cli(run_dir, [worker])
+    with DirectWorker(node, "w0") as dw:
+        dw.wait_registered(120)
+        req = dw.zeros_request("sum", 1)
+        for batch_id in (1, 2):
+            dw.sock.send_multipart([dw.identity, P.encode(P.Batch(batch_id=batch_id, model="sum", seqs=[0],
+                                                                  n_frames=[len(req) - 1])), *req])
+        dw.proc.send_signal(signal.SIGTERM)  # whether or not it has started the first: both are its
+        told = []
+        while ("Goodbye", None) not in told:
+            assert dw.sock.poll(30_000), told
+            m = P.worker_message_decoder.decode(dw.sock.recv_multipart()[1])
+            if type(m) is P.Leaving:
+                dw.sock.send_multipart([dw.identity, P.encode(P.LeavingNoted(worker="w0"))])
+            if type(m) is not P.Heartbeat:
+                told.append((type(m).__name__, getattr(m, "batch_id", None)))
+        assert dw.proc.wait(30) == 0
+    done = [b for kind, b in told if kind == "BatchDone"]
+    assert sorted(done) == [1, 2], told

@@ -398,3 +398,38 @@ def test_a_client_of_another_user_than_a_non_root_node_sends_inline(tmp_path, mo
     assert ClientCodec(f"ipc://{sock}").shared_memory is True
     assert ClientCodec(f"ipc://{tmp_path}/not-bound-yet").shared_memory is True
     assert ClientCodec(f"ipc://{sock}", shared_memory=True).shared_memory is True  # asked for: as asked
+
+
+def test_an_idle_worker_lets_go_of_a_departed_clients_segments(start_node):
+    """A worker let go of segments whose client was gone only after its next batch: an idle one
+    kept a closed client's pool (64 MiB) allocated, and in Docker's 64 MiB /dev/shm the next
+    client had no room for its own, every big request refused."""
+    import time
+
+    from batchyard.client import Client
+
+    node = start_node([sim_worker()])
+    with node.client() as watcher:
+        worker_pid = watcher.status().workers[0].pid
+
+        def held() -> list:
+            out = []
+            for fd in os.listdir(f"/proc/{worker_pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{worker_pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(SHM_DIR) and "batchyard_" in target:
+                    out.append(target)
+            return out
+
+        with Client(node.address) as c:
+            x = c.alloc_array((1, 256, 1024), np.float32)
+            x[...] = 1
+            c.infer("big", {"x": x})
+            segments = c._codec.pool.segment_names()
+        assert any(s in t for t in held() for s in segments)  # the worker opened the client's segment
+        deadline = time.monotonic() + 10
+        while any(s in t for t in held() for s in segments):  # each look: a round trip to the dispatcher
+            assert time.monotonic() < deadline, f"still held: {held()}"
+            watcher.status()

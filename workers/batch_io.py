@@ -58,8 +58,15 @@ def read_batch(msg: P.Batch, frames: list, cache: SegmentCache) -> list[BatchIte
                         raise ShmError(f"input {ref.name!r}: {shm.nbytes} bytes for shape {ref.shape} of {ref.dtype}")
                     file_id = files.get(shm.segment, ())
                     view = cache.view(shm.segment, shm.offset, shm.nbytes, file_id)
-                    item.arrays[ref.name] = (ShmInput(shm.segment, shm.offset, shm.nbytes, file_id) if view is None
-                                             else np.frombuffer(view, dtype=ref.dtype).reshape(ref.shape))
+                    if view is None:
+                        item.arrays[ref.name] = ShmInput(shm.segment, shm.offset, shm.nbytes, file_id)
+                    else:
+                        # Read-only: a model that changes its input in place (x.mul_()) wrote into
+                        # the client's own buffer when the request ran alone; the executor copies a
+                        # read-only array, as it does a frame's.
+                        arr = np.frombuffer(view, dtype=ref.dtype).reshape(ref.shape)
+                        arr.flags.writeable = False
+                        item.arrays[ref.name] = arr
                 else:
                     item.arrays[ref.name] = np.frombuffer(payload[ref.frame].buffer, dtype=ref.dtype).reshape(ref.shape)
             item.items = req.inputs[0].shape[0]

@@ -117,12 +117,15 @@ class WorkerRuntime:
                 t0 = time.perf_counter()
                 try:
                     self.executor.run(model, inputs)
-                except TypeError as e:
+                except ExecutorUnavailable:
+                    raise  # its backend (Triton) is not up yet: a restart may find it
+                except Exception as e:  # noqa: BLE001 -- a restart runs the same code on the same zeros: EX_CONFIG
+                    # (a model whose layers do not fit its spec raised a traceback and exit 1, which
+                    # systemd restarts for ever)
                     from .executors import ModelContractError
 
-                    if isinstance(e, ModelContractError):  # a restart runs the same code: EX_CONFIG
-                        raise CannotStart(f"[[models]] {model!r}: warm-up at B={b}: {e}") from None
-                    raise
+                    what = str(e) if isinstance(e, ModelContractError) else f"{type(e).__name__}: {e}"
+                    raise CannotStart(f"[[models]] {model!r}: warm-up at B={b}: {what}") from None
                 log.info("warm-up %s B=%d: %.1f ms", model, b, (time.perf_counter() - t0) * 1e3)
 
     def _register_msg(self) -> bytes:
@@ -157,6 +160,11 @@ class WorkerRuntime:
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
                 events = dict(poller.poll(200))
+                if now >= next_sweep:  # at most once a second (an fstat per segment held), idle too:
+                    # swept only after a batch, a departed client's segments stayed held by an idle
+                    # worker, and in a 64 MiB /dev/shm (Docker's) the next client's pool had no room
+                    next_sweep = now + 1.0
+                    self.cache.drop_unlinked()
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
                 self._send_completed(sock)
@@ -168,9 +176,6 @@ class WorkerRuntime:
                     out = self.run_batch(msg, frames[1:])
                     if out is not None:
                         sock.send_multipart(out, copy=False)
-                    if now >= next_sweep:  # at most once a second: an fstat per segment held
-                        next_sweep = now + 1.0
-                        self.cache.drop_unlinked()
                 elif type(msg) is P.Registered:
                     if not registered:
                         log.info("worker %s registered with the dispatcher", self.name)
@@ -184,7 +189,11 @@ class WorkerRuntime:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
                     break
-            if self._in_executor:
+            if self._in_executor or registered:
+                # Registered, a batch the dispatcher sent before it knew of the stop may be in the
+                # socket (max_inflight > 1: one behind the one running): left there, the dispatcher
+                # took it for a batch the worker died running, spent its requests' retry and ran
+                # them as suspects, alone.
                 self._finish_in_flight(sock, poller, registered)
         finally:
             if registered:
@@ -221,7 +230,8 @@ class WorkerRuntime:
         that had spent its retry failed UNAVAILABLE. The dispatcher is told first (``leaving``)
         to send no new batch; one it sent before it knew is run too. exit_after_grace bounds
         the wait."""
-        log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
+        if self._in_executor:
+            log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
         noted = not registered  # the dispatcher's answer to `leaving`: no batch comes after it
         if registered:
             sock.send(P.encode(P.Leaving(worker=self.name)))
