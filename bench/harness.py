@@ -205,10 +205,16 @@ async def _drive(spec: LoadSpec, part: int, t0: float, one) -> None:
         stop = t0 + spec.duration
         lanes = range(part, spec.concurrency, spec.processes)
         counter = iter(range(10**9))
+        # Each request's class and deadline drawn from the mix, as the open loop's schedule does:
+        # every closed-loop request went out normal with no deadline, whatever the options said.
+        rng = np.random.default_rng([spec.seed, part])
+        mix = np.asarray(spec.priority_mix) / sum(spec.priority_mix)
+        timeouts = np.asarray(spec.deadlines_ms, dtype=np.float64) / 1e3
 
         async def lane():
             while time.monotonic() < stop:
-                await one(next(counter), 1, 0.0)
+                prio = int(rng.choice(3, p=mix))
+                await one(next(counter), prio, float(timeouts[prio]))
 
         await asyncio.gather(*(lane() for _ in lanes))
         return

@@ -8,6 +8,7 @@ arrays: exact, with no histogram resolution to reason about. Every summary in be
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,10 +67,24 @@ def table(reports: list[Report]) -> str:
     return "\n".join(lines)
 
 
+def nan_to_null(obj):
+    """``obj`` with every NaN or infinite float as None: JSON has no NaN, and strict parsers
+    (JavaScript's, Go's, serde) refused the files where an empty percentile was a bare NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: nan_to_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [nan_to_null(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return nan_to_null(obj.item())
+    return obj
+
+
 def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "latencies_ms"}
-                                                for r in reports], indent=1, default=float))
+    (out / "bench.json").write_text(json.dumps(nan_to_null([{k: v for k, v in asdict(r).items() if k != "latencies_ms"}
+                                                            for r in reports]), indent=1, default=float, allow_nan=False))
     md = [f"# {title}", "", notes, "", "```", table(reports), "```", "",
           "Latencies in ms, client-observed, of the requests completed in the measured windows (np.percentile, "
           "linear); throughput = completions/s in those windows (as perf_analyzer); goodput = the completions "
