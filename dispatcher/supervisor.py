@@ -708,7 +708,10 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
 
     set_title("batchyard::up")
 
-    def stop_now(_signo, _frame):
+    def stop_now(signo, _frame):
+        # Said as run_forever says it: a signal just after "ready", before run_forever took the
+        # signals over, stopped the node without a word of why.
+        log.info("signal %d: stopping", signo)
         raise SystemExit(0)  # unwinds out of start-up (e.g. wait_ready) into sup.stop() below
 
     # SIGTERM may come at any moment, also before run_forever takes the signals over.
