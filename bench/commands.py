@@ -13,9 +13,22 @@ def _run_bench(args) -> int:
 
 
 def _run_demo(args) -> int:
+    import signal
+    import sys
+
     from .demo import run_demo
 
-    return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
+    def stop(signo, _frame):
+        raise SystemExit(128 + signo)  # unwinds through the demo's clean-up, as Ctrl-C does
+
+    # Without it a SIGTERM (timeout, systemd, kill) ended the demo at once: its node's processes
+    # orphaned and its temporary folders left behind.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
+    except KeyboardInterrupt:  # (a 30-line traceback said no more)
+        print("batchyard demo: interrupted", file=sys.stderr)
+        return 130
 
 
 def _numbers(count: int = 0, positive: bool = False, positive_sum: bool = False):

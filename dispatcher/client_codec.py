@@ -681,6 +681,11 @@ def connection_lost(monitor: zmq.Socket) -> str:
 
 
 def lost_error(address: str, why: str) -> BaseException:
+    if why == _LOST[zmq.EVENT_DISCONNECTED] and address.startswith("tcp://"):
+        # A CURVE endpoint drops a client that offers no key without a word ZeroMQ passes on: the
+        # message said only that the connection was lost, as if the node had died.
+        why += " (if the node uses CURVE: this client needs its keys, curve_server_key and curve_keys; " \
+               "`batchyard status --config` uses the node's own)"
     return Unavailable(f"{why} ({address}) with the request in flight")
 
 

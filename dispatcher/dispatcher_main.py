@@ -43,19 +43,29 @@ def run_dispatcher(node: NodeConfig) -> int:
     except transport.EndpointInUse as e:
         log.error("%s", e)
         return 1
+    metrics_server = None
+    if node.dispatcher.metrics_port:
+        # Bound before the dispatcher starts and says it is ready: a port in use was a traceback,
+        # after READY=1, and the ipc socket files were left behind.
+        from .metrics import serve_metrics
+
+        try:
+            metrics_server = loop.run_until_complete(
+                serve_metrics(loop, node.dispatcher.metrics_host, node.dispatcher.metrics_port, d.render_metrics))
+        except OSError as e:
+            log.error("[dispatcher] metrics_port %d: cannot listen on %s: %s", node.dispatcher.metrics_port,
+                      node.dispatcher.metrics_host, e.strerror or e)
+            d.close()
+            loop.close()
+            d.ctx.term()
+            return 1
+        log.info("metrics at http://%s:%d/metrics", node.dispatcher.metrics_host, node.dispatcher.metrics_port)
     d.start(loop)
     ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, d.begin_shutdown)
     log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s, cpus %s",
              os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name, cpus)
-    metrics_server = None
-    if node.dispatcher.metrics_port:
-        from .metrics import serve_metrics
-
-        metrics_server = loop.run_until_complete(
-            serve_metrics(loop, node.dispatcher.metrics_host, node.dispatcher.metrics_port, d.render_metrics))
-        log.info("metrics at http://%s:%d/metrics", node.dispatcher.metrics_host, node.dispatcher.metrics_port)
     try:
         loop.run_until_complete(d.stopped)
     finally:

@@ -354,7 +354,11 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
             ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
     server = grpc.aio.server(options=opts)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port, host), server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:  # grpcio raises where older ones returned 0: one line, not a traceback
+        raise OSError(f"cannot bind gRPC to {host}:{port}: {e}") from None
+    if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()
     return server

@@ -664,3 +664,46 @@ def test_bench_json_has_no_nan_a_strict_parser_refuses(tmp_path):
     write_outputs([Report("batchyard", "x", 1.0, summary=summary)], tmp_path, "t")
     data = json.loads((tmp_path / "bench.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
     assert data[0]["summary"]["p99_ms"] is None
+
+
+def test_a_demo_stopped_by_sigterm_cleans_up_after_itself():
+    """A SIGTERM (timeout, kill) ended `batchyard demo` at once: its node's processes orphaned and
+    its temporary folders left behind. It unwinds through the clean-up now, as Ctrl-C does."""
+    import os
+    import selectors
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import psutil
+
+    from conftest import ROOT
+
+    tmp = tempfile.mkdtemp(prefix="by-demo-", dir="/tmp")  # the demo's own folders go in here
+    demo = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "demo", "--duration", "120", "--rate", "5"],
+                            cwd=ROOT, env={**os.environ, "TMPDIR": tmp}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(demo.stdout, selectors.EVENT_READ)
+        deadline, out = time.monotonic() + 240, b""
+        while b"ready in" not in out:
+            assert time.monotonic() < deadline and sel.select(deadline - time.monotonic()), out
+            chunk = os.read(demo.stdout.fileno(), 4096)
+            assert chunk, out
+            out += chunk
+        children = psutil.Process(demo.pid).children(recursive=True)
+        assert children
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) == 128 + signal.SIGTERM
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, alive
+        assert [d for d in os.listdir(tmp) if d.startswith(("batchyard-demo-", "by-node-"))] == []  # (torch's cache stays)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

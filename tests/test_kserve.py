@@ -1889,3 +1889,22 @@ def test_outputs_come_in_the_models_order_and_protocol_quirks_as_tritons():
     params["shared_memory_region"].string_param = ""
     with pytest.raises(KServeError, match="names no region"):
         _shm_param(params, "x")
+
+
+def test_a_grpc_port_in_use_stops_the_front_door_in_one_line(tmp_path):
+    """grpcio raises RuntimeError for a port it cannot bind (it used to return 0): a 26-line
+    traceback, where the HTTP port in use was one line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        http_port = _free_port()
+        node = NodeConfig(DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
+                          (SUM_MODEL,), (sim_worker("w0", ("sum",)),),
+                          frontend=FrontendConfig(grpc_port=port, http_port=http_port)).validate()
+        path = tmp_path / "node.toml"
+        path.write_text(to_toml(node))
+        r = subprocess.run([sys.executable, "-m", "batchyard.cli", "frontend", "--config", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"front door cannot start: cannot bind gRPC to 127.0.0.1:{port}" in r.stderr, r.stderr

@@ -366,3 +366,30 @@ def test_an_occasional_scrape_shows_every_count_so_far():
     assert total(after, "nv_inference_request_failure", model="model_7", reason="REJECTED") == 1
     state[0]["model_7"] = 5  # a queue grew, no counter moved
     assert total(_parse(m.render(*state)), "nv_inference_pending_request_count", model="model_7") == 5
+
+
+def test_a_metrics_port_in_use_stops_the_dispatcher_in_one_line_leaving_no_socket_files(run_dir):
+    """Bound after the dispatcher had started (and said READY=1), a metrics port held by another
+    program was a 20-line traceback, and the ipc socket files were left behind."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+
+    from conftest import ROOT, SUM_MODEL
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
+                                           metrics_port=port), (SUM_MODEL,), (sim_worker("w0", ("sum",)),)).validate()
+        path = Path(run_dir) / "node.toml"
+        path.write_text(to_toml(node))
+        r = subprocess.run([sys.executable, "-m", "batchyard.cli", "dispatcher", "--config", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"[dispatcher] metrics_port {port}: cannot listen on 127.0.0.1" in r.stderr, r.stderr
+    assert sorted(os.listdir(run_dir)) == ["node.toml"]

@@ -194,3 +194,13 @@ def test_a_peer_on_the_workers_socket_that_never_reads_does_not_hold_the_dispatc
         ghost.close()
         d.close()
         ctx.term()
+
+
+def test_a_lost_tcp_connection_names_curve_as_a_possible_cause():
+    """A CURVE node drops a client that offers no key with nothing but a disconnection: `batchyard
+    status --address` against one said "lost the connection", as if the node had died."""
+    from batchyard.client_codec import lost_error
+
+    msg = str(lost_error("tcp://127.0.0.1:7755", "lost the connection to the dispatcher"))
+    assert "if the node uses CURVE" in msg and "status --config" in msg
+    assert "CURVE" not in str(lost_error("ipc:///run/batchyard/fe", "lost the connection to the dispatcher"))
