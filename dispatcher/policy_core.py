@@ -84,18 +84,22 @@ def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_
     """Take a batch for ``w`` (see ``take_batch``) that every request in it can finish in before
     its deadline (``fit_deadlines``), reserve the worker, record the dispatch."""
     newest = congested(state, w, q, now)
+    aside: list[Request] = []  # taken, but for another worker that ends them in time (fit_deadlines)
     while True:
         reqs = taken = take_batch(q, max_items, w.models[q.model], max_requests, newest)
-        late = len(d.late)
         if reqs and any(r.deadline < math.inf for r in reqs):
-            reqs, back = fit_deadlines(state, d, w, q.model, reqs, now)
+            reqs, back, elsewhere = fit_deadlines(state, d, w, q.model, reqs, now)
             for r in reversed(back):
                 q.push_front(r)
+            aside += elsewhere
         # Nothing taken (the head request is more items than this worker's max batch): nothing
-        # to send it; taking again would spin the dispatcher forever. Nothing failed either
-        # (what was taken went back, for another worker): the same again.
-        if reqs or not taken or not q.requests or len(d.late) == late:
-            break  # else every request taken was hopeless: take again (the queue is shorter)
+        # to send it; taking again would spin the dispatcher forever.
+        if reqs or not taken or not q.requests:
+            break  # else every request taken was hopeless or set aside: take again (the queue is shorter)
+    # Back at the head, for the worker that can make their deadlines. Put back before taking
+    # again, they were taken again, and this worker, free, sat idle beside requests it could serve.
+    for r in reversed(aside):
+        q.push_front(r)
     if any(r.suspect for r in reqs) and (len(reqs) > 1 or w.inflight):
         reqs = _isolate_suspects(q, w, reqs)
     if reqs:
@@ -177,8 +181,9 @@ def congested(state: SchedulerState, w: WorkerState, q: ModelQueue, now: float) 
 
 
 def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str, reqs: list[Request],
-                  now: float) -> tuple[list[Request], list[Request]]:
-    """The part of a taken batch worth running on ``w``, and the part to put back in the queue. "Ends by" below means: would end by that
+                  now: float) -> tuple[list[Request], list[Request], list[Request]]:
+    """The part of a taken batch worth running on ``w``, the part to put back in the queue, and
+    the part set aside for another worker (below). "Ends by" below means: would end by that
     time even ``LATE_MARGIN`` faster than predicted (cost curves miss by about that much, and MCB
     flushes a batch just as its slack reaches zero: those must go).
 
@@ -212,7 +217,7 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
             d.count("shed-late")
             state.expired(r, now)
     if not kept:
-        return [], elsewhere
+        return [], [], elsewhere
     items, tightest, fits = 0, math.inf, 0
     for i, r in enumerate(kept, 1):
         items += r.items
@@ -221,7 +226,7 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
         if tightest < ends(items):
             break  # a longer prefix only ends later, against a deadline no later
         fits = i
-    return kept[:fits], kept[fits:] + elsewhere
+    return kept[:fits], kept[fits:], elsewhere
 
 
 def ends_in_time_elsewhere(state: SchedulerState, w: WorkerState, model: str, r: Request, now: float) -> bool:

@@ -639,3 +639,20 @@ def test_a_profile_whose_line_is_below_zero_at_one_item_predicts_time_there():
     MCB asked to decide again at once."""
     c = CostCurve.from_points([(2, 1e-3), (12, 11e-3), (22, 21e-3)])
     assert c.launch_s >= 0 and c.predict(1) > 0
+
+
+def test_a_worker_takes_what_it_can_serve_behind_requests_set_aside_for_another():
+    """The head can end in time only on the busy CPU, so it is set aside for it; put back at once,
+    it was taken again, and the free GPU stayed idle beside a request it could serve."""
+    from batchyard.policy import make_policy
+
+    st = _slow_gpu_fast_cpu()
+    st.workers["gpu0"].models["m"] = 1  # one request a batch: the head alone is taken first
+    cpu = st.workers["cpu0"]
+    cpu.inflight, cpu.busy_until = 1, 1e-3  # frees in 1 ms
+    st.queue("m").push(Request(1, "m", 1, 1, 0.0, 5e-3))  # the GPU's 10 ms would miss it; the CPU's not
+    st.queue("m").push(Request(2, "m", 1, 1, 0.0, math.inf))
+    d = make_policy("greedy").decide(st, 0.0)
+    assert not d.late
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("gpu0", [2])]
+    assert [r.seq for r in st.queue("m").by_priority[1]] == [1]  # still at the head, for the CPU
