@@ -135,6 +135,8 @@ class LearnedCurves:
         return LlmCurves(self.prefill("prefill-cpu"), self.prefill("gpu"), self.decode(), self.kv_link())
 
     def describe(self) -> dict:
-        return {name: {"coef": [round(float(v), 9) for v in fit.coef], "samples": fit.samples}
+        # Six significant digits, not nine decimals of a second: a prefill's per-token-squared term
+        # (4e-10 s) read 0 on /metrics and in status.
+        return {name: {"coef": [float(f"{float(v):.6g}") for v in fit.coef], "samples": fit.samples}
                 for name, fit in (("cpu_prefill", self.cpu_prefill), ("gpu_prefill", self.gpu_prefill),
                                   ("gpu_decode", self.gpu_decode), ("kv", self.kv))}

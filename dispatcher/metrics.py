@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import copy
 import math
 import time
 from typing import Callable, NamedTuple
@@ -157,8 +158,9 @@ class Metrics:
         if self._text_of is not None and (self._credit_s <= 0 or self._text_of == (self.changes, state)):
             return self._text
         self._text = self._write(state)
-        # A copy: a caller that fills the same dicts again must not make the old text look current.
-        self._text_of = (self.changes, ScrapeState(*(dict(part) for part in state)))
+        # A copy, nested values too: a caller that fills the same dicts again, or changes a curve's
+        # own dict, must not make the old text look current.
+        self._text_of = (self.changes, copy.deepcopy(state))
         done = time.perf_counter()
         self._credit_s -= done - now
         self._credit_at = done

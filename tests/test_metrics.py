@@ -393,3 +393,27 @@ def test_a_metrics_port_in_use_stops_the_dispatcher_in_one_line_leaving_no_socke
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"[dispatcher] metrics_port {port}: cannot listen on 127.0.0.1" in r.stderr, r.stderr
     assert sorted(os.listdir(run_dir)) == ["node.toml"]
+
+
+def test_an_llm_curves_small_terms_keep_their_digits():
+    """describe() rounded coefficients to nine decimals of a second: a GPU prefill's per-token^2
+    term (4e-10 s) read 0 on /metrics and in status."""
+    from batchyard import protocol as P
+    from batchyard.llm_fit import LearnedCurves
+
+    a, b, c2 = 5e-3, 2.8e-5, 4e-10
+    lc = LearnedCurves()
+    lc.seed_engine("gpu", [P.PrefillSample([n], a + b * n + c2 * n * n) for n in (128, 512, 1024, 2048, 4096, 8192)],
+                   [(1, 0.004), (4, 0.0043)], source="g0")
+    coef = lc.describe()["gpu_prefill"]["coef"]
+    assert coef[2] == pytest.approx(c2, rel=1e-3)
+
+
+def test_a_scrape_shows_a_curve_changed_in_place():
+    """The text is re-used while nothing changed; the state it was made from was copied one level
+    deep, so a curve's own dict changed in place still showed its old value."""
+    m = Metrics()
+    curves = {"m/cpu": {"launch_us": 10.0, "per_item_us": 1.0}}
+    assert 'batchyard_cost_launch_us{model="m",path="cpu"} 10.0' in m.render({}, {}, curves, {})
+    curves["m/cpu"]["launch_us"] = 99.0
+    assert 'batchyard_cost_launch_us{model="m",path="cpu"} 99.0' in m.render({}, {}, curves, {})
