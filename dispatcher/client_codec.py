@@ -258,7 +258,7 @@ class ClientCodec:
                 if self._pool_closed:  # a closed client must not make a new pool nobody frees
                     raise closed_error()
                 if self._pool is None:
-                    self._pool = ShmPool(self._pool_bytes)
+                    self._pool = ShmPool(self._pool_bytes, on_removed=self._forget_grant)
         return self._pool
 
     def alloc_array(self, shape, dtype) -> np.ndarray:
@@ -442,6 +442,11 @@ class ClientCodec:
 
     def answer_challenge(self, segment: str, challenge: bytes) -> None:
         self.pool.write_header(segment, challenge)
+
+    def _forget_grant(self, segment: str) -> None:
+        """A segment the pool removed: its grant goes (kept, the set grew by each one for good)."""
+        with self._grants_lock:
+            self.granted.discard(segment)
 
     def add_grant(self, segment: str, connection: int) -> None:
         """Record ``segment`` as granted by a registration begun on ``connection`` (the value of

@@ -67,3 +67,15 @@ class ScalesItsInputInPlace(nn.Module):
 
 def scales_its_input_in_place(spec=None) -> nn.Module:
     return ScalesItsInputInPlace()
+
+
+class OutOfMemoryOnce(nn.Module):
+    """Its first call finds no memory (a killed predecessor's not yet freed), as
+    torch.cuda.OutOfMemoryError says it."""
+
+    def forward(self, x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def out_of_memory(spec=None) -> nn.Module:
+    return OutOfMemoryOnce()

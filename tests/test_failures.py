@@ -340,6 +340,14 @@ def test_a_model_that_fails_its_warm_up_stops_its_worker_in_one_line(run_dir, fa
     assert f"'tup': warm-up at B=1: {says}" in r.stderr, r.stderr
 
 
+def test_a_worker_out_of_memory_at_its_warm_up_exits_to_be_restarted(run_dir):
+    """Memory a killed predecessor held may not be free yet: exit 1, which up and systemd
+    restart, not 78, which they never do (a model that always fails its warm-up is 78, above)."""
+    _, argv = _poison_worker(run_dir, "oom", "out_of_memory", 2)
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode not in (0, 78) and "OutOfMemoryError" in r.stderr, r.stderr
+
+
 def test_a_worker_stopped_with_a_second_batch_queued_answers_both(run_dir):
     """max_inflight 2: SIGTERM while one batch runs and the next waits in the socket. The worker
     finished the first and said goodbye holding the second, which the dispatcher then took for

@@ -120,6 +120,10 @@ class WorkerRuntime:
                 except ExecutorUnavailable:
                     raise  # its backend (Triton) is not up yet: a restart may find it
                 except Exception as e:  # noqa: BLE001 -- a restart runs the same code on the same zeros: EX_CONFIG
+                    if isinstance(e, MemoryError) or "OutOfMemory" in type(e).__name__:
+                        # Memory a killed predecessor held may not be free yet (a GPU's): a
+                        # restart may find it, so exit 1, restarted, not 78, never restarted.
+                        raise
                     # (a model whose layers do not fit its spec raised a traceback and exit 1, which
                     # systemd restarts for ever)
                     from .executors import ModelContractError
@@ -235,9 +239,15 @@ class WorkerRuntime:
         noted = not registered  # the dispatcher's answer to `leaving`: no batch comes after it
         if registered:
             sock.send(P.encode(P.Leaving(worker=self.name)))
-        deadline = time.monotonic() + STOP_GRACE_S - 1.0
-        while (self._in_executor or not noted) and time.monotonic() < deadline:
-            events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+        start = time.monotonic()
+        deadline = start + STOP_GRACE_S - 1.0
+        # The answer to `leaving` comes within milliseconds from a dispatcher that is there; one
+        # that is gone (stopping beside this worker) never sends it: waited for up to the whole
+        # grace, an idle worker took 15 s to stop. Only batches in the executor are worth that.
+        noted_by = start + max(LEAVING_NOTED_WAIT_S, 3 * self.heartbeat_interval_s)
+        while (self._in_executor or (not noted and time.monotonic() < noted_by)) and time.monotonic() < deadline:
+            until = deadline if self._in_executor else min(deadline, noted_by)
+            events = dict(poller.poll(max(0.0, until - time.monotonic()) * 1000))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             self._send_completed(sock)
@@ -389,6 +399,7 @@ class WorkerRuntime:
 # hard) is read by the loop between batches; a batch that never ends would keep the process for
 # good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
 STOP_GRACE_S = 15.0
+LEAVING_NOTED_WAIT_S = 1.0  # an idle stopping worker's wait for the dispatcher's `leaving_noted`
 
 
 def exit_after_grace() -> None:
