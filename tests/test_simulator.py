@@ -425,3 +425,28 @@ def test_an_overload_with_deadlines_is_served_at_capacity_not_at_half(policy):
     t = poisson(rate, int(0.6 * rate), seed=1)  # the backlog reaches the deadlines after ~0.25 s
     s = simulate(policy, Trace(t.name, t.arrivals, t.priority, np.full(len(t), 0.05)), devices).summary()
     assert s["goodput_rps"] > 0.9 * capacity, s["goodput_rps"] / capacity
+
+
+def test_a_short_slow_spell_does_not_lock_a_saturated_worker_at_its_max_batch():
+    """A core whose best size is 16 (B=32 25 % dearer an item), calibrated, saturated, 4x slower
+    for 10 batches. The knot of 16 learnt during the spell looked no better than the others, and
+    as the best size's neighbour it kept the gap rule from halving: it was never sent again, and
+    the worker ran 32s for good at 34.5 items/s of 43.2."""
+    from collections import Counter
+
+    from batchyard.cost_model import CostCurve
+    from batchyard.state import SchedulerState, WorkerState
+
+    points = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928)]
+    true = CostCurve.from_points(points).predict
+    st = SchedulerState()
+    w = WorkerState("w", "cpu", {"m": 32})
+    st.add_worker(w)
+    st.costs[("m", "cpu")] = curve = CostCurve.from_points(points)
+    st.queue("m").items = 10**6  # a full max batch always queued: each batch is the cap
+    sizes = []
+    for i in range(1500):
+        b = st.batch_cap("m", w)
+        curve.observe(b, true(b) * (4.0 if 100 <= i < 110 else 1.0))
+        sizes.append(b)
+    assert Counter(sizes[-500:]).most_common(1)[0][0] == 16, Counter(sizes[-500:])
