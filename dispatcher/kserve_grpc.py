@@ -159,6 +159,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---------------------------------------------------------------- system shared memory
     async def SystemSharedMemoryRegister(self, request, context):
+        if self.address is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"failed to register shared memory region '{request.name}': this front door's gRPC port is bound "
+                "to every address ([frontend] host), and gRPC does not say which one a connection reached, "
+                "without which the client's user cannot be known; bind one address (127.0.0.1), or use HTTP"))
         await self._sync(context, self.core.shm.register, request.name, request.key, request.offset,
                          request.byte_size, self._uid(context))
         return service_pb2.SystemSharedMemoryRegisterResponse()

@@ -183,7 +183,10 @@ def open_registry(directory: str) -> "ShmRegions":
     restarted for ever). Its regions and statistics then cover the connections it answers."""
     try:
         return ShmRegions(directory)
-    except PermissionError as e:
+    except OSError as e:
+        # Another user's folder (PermissionError), or a file or symlink made there in its place
+        # (NotADirectoryError, ELOOP): not ours to use, and no reason for the node not to start
+        # (a plain file planted under the predictable name stopped every front door).
         log.error("%s: shared-memory regions and statistics are this front-door process's own", e)
         return ShmRegions(None)
 

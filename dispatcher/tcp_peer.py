@@ -46,11 +46,12 @@ def peer_uid(host: str, port: int, server_port: int, server_host: Optional[str] 
     ``server_port`` at ``server_host``, the address the connection arrived at; None for a peer
     not on this host, or one the kernel does not know as one established connection.
 
-    ``server_host`` None: the caller cannot tell (gRPC, bound to every address). Then the
-    tables are read, slowly, and their one connection from the peer's address and port to our
-    port counts, whatever our address: guessed, a connection of another user's from the same
-    local port to another of our addresses (gRPC's client sockets set SO_REUSEADDR) was found
-    as the client's, and that user passed for it.
+    ``server_host`` None: the caller cannot tell (gRPC, bound to every address): None, no uid.
+    The tables' one connection from the peer's address and port to our port, whatever our
+    address, was taken for it, and that is a guess another user can steer: bound to the client's
+    address and port with SO_REUSEADDR, connected to another of our addresses, its own socket
+    half-closed so as not to be listed as established, it left the victim's connection the only
+    one listed, and passed for the victim (its regions unregistered).
 
     Asked at every call: a cache by the peer's address and port gave a new connection from that
     port the last one's uid, and so another user's regions. The client's address must match too,
@@ -58,13 +59,13 @@ def peer_uid(host: str, port: int, server_port: int, server_host: Optional[str] 
     closed connection's (TIME_WAIT, listed as uid 0) from another loopback address."""
     if not is_local(host):
         return None
-    peer = _ip(host)
     if server_host is None:
-        return _table_uid(peer, port, server_port)
+        return None
+    peer, server = _ip(host), _ip(server_host)
     try:
-        return _diag_uid(peer, port, _ip(server_host), server_port)
+        return _diag_uid(peer, port, server, server_port)
     except (OSError, ValueError):  # no netlink here (a sandbox): the tables say the same, slowly
-        return _table_uid(peer, port, server_port)
+        return _table_uid(peer, port, server_port, server)
 
 
 def _diag_uid(local, local_port: int, remote, remote_port: int) -> Optional[int]:
@@ -100,8 +101,8 @@ def _diag_ip(family: int, raw: bytes):
     return getattr(ip, "ipv4_mapped", None) or ip
 
 
-def _table_uid(peer, port: int, server_port: int) -> Optional[int]:
-    """``peer_uid`` from /proc/net/tcp{6,}: the client's address and port, our port."""
+def _table_uid(peer, port: int, server_port: int, server) -> Optional[int]:
+    """``peer_uid`` from /proc/net/tcp{6,}: the client's address and port, our address and port."""
     uids = set()
     for table in TABLES:
         try:
@@ -114,8 +115,9 @@ def _table_uid(peer, port: int, server_port: int) -> Optional[int]:
                 fields = line.split()
                 local, remote, state = fields[1], fields[2], fields[3]
                 addr, _, lport = local.rpartition(":")
-                if (state == ESTABLISHED and int(lport, 16) == port
-                        and int(remote.rpartition(":")[2], 16) == server_port and _table_ip(addr) == peer):
+                raddr, _, rport = remote.rpartition(":")
+                if (state == ESTABLISHED and int(lport, 16) == port and int(rport, 16) == server_port
+                        and _table_ip(addr) == peer and _table_ip(raddr) == server):
                     uids.add(int(fields[7]))
             except (IndexError, ValueError):
                 continue
@@ -138,11 +140,17 @@ def _table_ip(hex_addr: str):
 
 def bound_address(bound: str) -> Optional[str]:
     """The one address a server bound to ``bound`` is reached at, or None when bound to every
-    address (or a name): then only its connection can tell, and gRPC's does not say."""
+    address (or to a name of several): then only its connection can tell, and gRPC's does not say."""
     try:
         ip = ipaddress.ip_address(bound.strip("[]"))
     except ValueError:
-        return None
+        try:
+            found = {info[4][0] for info in socket.getaddrinfo(bound, None, type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            return None
+        if len(found) != 1:
+            return None
+        ip = ipaddress.ip_address(found.pop())
     return None if ip.is_unspecified else str(ip)
 
 

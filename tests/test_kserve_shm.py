@@ -179,6 +179,25 @@ def test_a_front_door_whose_registry_folder_was_taken_serves_with_its_own(tmp_pa
         regions.close()
 
 
+@pytest.mark.parametrize("planted", ["file", "symlink"])
+def test_a_file_planted_where_the_registry_folder_goes_does_not_stop_the_front_door(tmp_path, planted, caplog):
+    """A plain file or a symlink under the registry's predictable name: NotADirectoryError, which
+    only PermissionError was caught for, and no front door of the node started."""
+    from batchyard.kserve_shm import open_registry
+
+    d = tmp_path / "registry"
+    if planted == "file":
+        d.write_bytes(b"")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        d.symlink_to(tmp_path / "elsewhere")
+    regions = open_registry(str(d))
+    try:
+        assert regions.dir_fd is None and "this front-door process's own" in caplog.text
+    finally:
+        regions.close()
+
+
 def test_a_segment_shrunk_under_a_region_is_an_error_not_a_crash(registry, segment):
     """The front door mapped a region's segment once: after its client shrank it, the next
     access past the new end was a SIGBUS that killed the front door (and its restart dropped
@@ -306,10 +325,28 @@ def test_a_clients_uid_is_its_own_established_connections_never_another_ones(tmp
     table.write_text(header + _tcp_line("127.0.0.2:40000", server, "06", 0)
                      + _tcp_line("127.0.0.1:40000", server, "01", 65534)
                      + _tcp_line(server, "127.0.0.1:40000", "01", 0))  # the server's own end
-    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001) == 65534
-    assert tcp_peer.peer_uid("127.0.0.2", 40000, 8001) is None  # closed: no uid at all
+    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001, "127.0.0.1") == 65534
+    assert tcp_peer.peer_uid("127.0.0.2", 40000, 8001, "127.0.0.1") is None  # closed: no uid at all
     table.write_text(header + _tcp_line("127.0.0.1:40000", server, "01", 1000))  # the port, reused at once
-    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001) == 1000
+    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001, "127.0.0.1") == 1000
+    # Our address counts too: the same client port connected to another of our addresses is
+    # another connection (where the tables answer for a refused netlink).
+    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001, "127.0.0.2") is None
+
+
+def test_bound_to_every_address_no_connection_is_guessed_to_be_the_clients(tmp_path, monkeypatch):
+    """gRPC bound to every address does not say which one a connection reached. The tables' one
+    connection from the client's address and port to our port was taken for it, whatever our
+    address: another user, bound to the victim's port with SO_REUSEADDR and connected to another
+    of our addresses, half-closed its own socket (no longer listed as established) and passed
+    for the victim (its regions unregistered). No uid now: the registration is refused."""
+    from batchyard import tcp_peer
+
+    table = tmp_path / "tcp"
+    monkeypatch.setattr(tcp_peer, "TABLES", (str(table),))
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    table.write_text(header + _tcp_line("127.0.0.1:40000", "127.0.0.1:8001", "01", 65534))  # the victim's, alone
+    assert tcp_peer.peer_uid("127.0.0.1", 40000, 8001, None) is None
 
 
 @pytest.mark.parametrize("dual_stack", [False, True])
@@ -414,3 +451,37 @@ def test_bound_to_every_address_a_client_is_not_taken_for_another_user_on_the_sa
                 os.close(wait)
             for c in conns:
                 c.close()
+
+
+def test_a_grpc_front_door_bound_to_every_address_refuses_registrations_in_words(tmp_path):
+    """Its clients' users cannot be known (gRPC does not say which address a connection reached):
+    a registration is refused, saying why and what to do, not as a client "not on this host"."""
+    import asyncio
+
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    from batchyard.kserve_common import KServeCore
+    from batchyard.kserve_grpc import KServeServicer
+    from batchyard.kserve_shm import ShmRegions
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def peer(self):
+            return "ipv4:127.0.0.1:40000"
+
+        async def abort(self, code, message):
+            raise Aborted(code, message)
+
+    core = KServeCore(None, ShmRegions(str(tmp_path / "registry")))
+    try:
+        servicer = KServeServicer(core, 8001, "0.0.0.0")
+        req = service_pb2.SystemSharedMemoryRegisterRequest(name="r", key="/k", offset=0, byte_size=16)
+        with pytest.raises(Aborted) as e:
+            asyncio.run(servicer.SystemSharedMemoryRegister(req, Context()))
+    finally:
+        core.close()
+    code, message = e.value.args
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "bound to every address" in message and "127.0.0.1" in message
