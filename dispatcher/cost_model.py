@@ -40,6 +40,7 @@ LINE_Z = 3.0
 # beyond the largest such size the curve has shown batches get slower per item (cache spills:
 # MiniLM on an EPYC core, 928 ms at B=32 against 2 x 370 ms at B=16).
 EFFICIENT_TOLERANCE = 0.02
+TRIAL_PATIENCE = 8  # batches of other sizes after which _trial_size's rule (3) gives a size up
 EFFICIENT_MIN_COUNT = 3  # one slow batch (a GC pause) must not cap a worker for good
 # Learned knots are noisy: each is a running estimate of jittery batch times, and the best of ~30
 # of them is the luckiest. Read against the bare 2 %, one core's MiniLM curve with 10 % jitter
@@ -103,6 +104,7 @@ class CostCurve:
     _seen: dict = field(default_factory=dict)  # batch size -> the sample count at its knot's last sample
     _outliers_in_row: dict = field(default_factory=dict)  # batch size -> its latest samples rejected in a row
     _fast_in_row: dict = field(default_factory=dict)  # batch size -> its latest samples OUTLIER_FACTOR x fast, in a row
+    _named_since: dict = field(default_factory=dict)  # size _trial_size's rule (3) names -> the samples then
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float]], **kw) -> "CostCurve":
@@ -226,9 +228,14 @@ class CostCurve:
         # it was never sent again. A saturated worker whose best size is 16 ran 32s for good after
         # a 4x spell of 10 batches (34.5 items/s of 43.2), and one saturated from its start stayed
         # at its max where time per item is flat above its best (77 % of its limit).
+        # Given up after TRIAL_PATIENCE batches of other sizes: requests are never split, and one
+        # that requests of 4 items cannot make (15 beside 16) was named for good, the cap held at
+        # it and the batches at 12 (41.0 items/s of 43.2).
         for j in (i - 1, i + 1):
             if 0 <= j < len(sizes) and self.unproven(sizes[j]):
-                return sizes[j]
+                since = self._named_since.setdefault(sizes[j], self.samples)
+                if self.samples - since <= TRIAL_PATIENCE:
+                    return sizes[j]
         return 0
 
     def _cap_among(self, sizes: list[int], max_b: int) -> int:
@@ -265,6 +272,7 @@ class CostCurve:
         sent one request at a time; each took 16 ms, as size 1's knot said, and each was
         rejected as an outlier of the line, so the line never moved (16,943 rejected, batches
         of 1.0, 53 req/s served of 170 offered on a core that serves 189 at B=16)."""
+        self._named_since.pop(b, None)  # measured: rule (3) may name it again, patient again
         predicted = self.predict(b)
         k = self._knots.get(b)
         expected = max(predicted, k[0]) if k is not None else predicted

@@ -16,7 +16,10 @@ AGING_S = 0.05  # a queued request moves up one priority class per aging period 
 # bounds a low request's wait, but must not merge the classes whenever queueing lasts seconds
 # (a 3.5 s MiniLM batch on one core would make every low request high after 0.15 s).
 AGING_BATCHES = 8
-SET_ASIDE_MAX = 64  # requests one send() sets aside for other workers before it stops looking
+# Requests one send() sets aside for other workers before it stops looking: bounds a decision's
+# cost (every queued request set aside in turn: 39 ms at 50,000 queued) while a free worker still
+# finds what it can serve behind a run of them (at 64, 70 urgent requests left a CPU idle).
+SET_ASIDE_MAX = 1024
 LATE_MARGIN = 0.1  # cost curves miss by about this much (see fit_deadlines)
 
 
@@ -95,8 +98,7 @@ def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_
             aside += elsewhere
         # Nothing taken (the head request is more items than this worker's max batch): nothing
         # to send it; taking again would spin the dispatcher forever. Past SET_ASIDE_MAX set aside,
-        # this worker stops looking (with every request one for another worker, a greedy decision
-        # took the whole queue in turn: 39 ms for 50,000 queued).
+        # this worker stops looking.
         if reqs or not taken or not q.requests or len(aside) >= SET_ASIDE_MAX:
             break  # else every request taken was hopeless or set aside: take again (the queue is shorter)
     # Back at the head, for the worker that can make their deadlines. Put back before taking

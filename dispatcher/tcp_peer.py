@@ -19,6 +19,7 @@ import itertools
 import socket
 import struct
 import sys
+import urllib.parse
 from typing import Optional
 
 TABLES = ("/proc/net/tcp6", "/proc/net/tcp")
@@ -141,6 +142,8 @@ def _table_ip(hex_addr: str):
 def bound_address(bound: str) -> Optional[str]:
     """The one address a server bound to ``bound`` is reached at, or None when bound to every
     address (or to a name of several): then only its connection can tell, and gRPC's does not say."""
+    if bound == "localhost":  # gRPC binds it on ::1 and 127.0.0.1 alike, whatever /etc/hosts says
+        return None
     try:
         ip = ipaddress.ip_address(bound.strip("[]"))
     except ValueError:
@@ -162,6 +165,8 @@ def grpc_peer(peer: str) -> tuple[str, int]:
         return "", 0
     host, _, port = rest.rpartition(":")
     try:
-        return host.strip("[]"), int(port)
+        # grpcio writes an IPv6 peer's brackets URL-encoded ("ipv6:%5B::1%5D:46952"): undecoded,
+        # a client on ::1 read as remote, its registrations refused.
+        return urllib.parse.unquote(host).strip("[]"), int(port)
     except ValueError:
         return "", 0

@@ -485,3 +485,14 @@ def test_a_grpc_front_door_bound_to_every_address_refuses_registrations_in_words
         core.close()
     code, message = e.value.args
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bound to every address" in message and "127.0.0.1" in message
+
+
+def test_an_ipv6_grpc_peer_is_read_as_grpcio_writes_it():
+    """grpcio URL-encodes an IPv6 peer's brackets ("ipv6:%5B::1%5D:46952"): read undecoded, a
+    client on ::1 was remote, its registrations refused."""
+    from batchyard import tcp_peer
+
+    assert tcp_peer.grpc_peer("ipv6:%5B::1%5D:46952") == ("::1", 46952)
+    assert tcp_peer.grpc_peer("ipv6:[::1]:46952") == ("::1", 46952)
+    assert tcp_peer.grpc_peer("ipv4:127.0.0.1:5") == ("127.0.0.1", 5)
+    assert tcp_peer.bound_address("localhost") is None  # gRPC binds it on ::1 and 127.0.0.1 alike

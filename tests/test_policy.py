@@ -656,3 +656,25 @@ def test_a_worker_takes_what_it_can_serve_behind_requests_set_aside_for_another(
     assert not d.late
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("gpu0", [2])]
     assert [r.seq for r in st.queue("m").by_priority[1]] == [1]  # still at the head, for the CPU
+
+
+def test_a_free_worker_finds_what_it_can_serve_behind_a_long_run_of_requests_set_aside():
+    """70 urgent requests only the GPU (busy) can end in time, then low ones with loose deadlines:
+    with the set-aside bound at 64 the free CPU took nothing."""
+    from batchyard.policy_core import Decision, send
+
+    st = SchedulerState()
+    st.add_worker(WorkerState("gpu0", "gpu", {"m": 64}))
+    st.add_worker(WorkerState("cpu0", "cpu", {"m": 4}))
+    st.costs[("m", "gpu")] = CostCurve(launch_s=1e-3, per_item_s=1e-6)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=30e-3)  # 30 ms an item: too slow for 20 ms
+    gpu = st.workers["gpu0"]
+    gpu.inflight, gpu.busy_until = 1, 5e-3
+    q = st.queue("m")
+    for seq in range(70):
+        q.push(Request(seq, "m", 1, 0, 0.0, 20e-3))
+    for seq in range(70, 74):
+        q.push(Request(seq, "m", 1, 2, 0.0, 60.0))
+    d = Decision()
+    reqs = send(st, d, st.workers["cpu0"], q, 4, 0.0)
+    assert reqs and all(r.seq >= 70 for r in reqs) and not d.late
