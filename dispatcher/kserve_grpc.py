@@ -360,7 +360,8 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
     server = grpc.aio.server(options=opts)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port, host), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        # An IPv6 address in brackets: "::1:8001" read as one address, on port 443.
+        bound = server.add_insecure_port(f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}")
     except RuntimeError as e:  # grpcio raises where older ones returned 0: one line, not a traceback
         raise OSError(f"cannot bind gRPC to {host}:{port}: {e}") from None
     if bound == 0:

@@ -459,5 +459,5 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False,
                            keepalive_timeout=idle_timeout_s, lingering_time=min(10.0, idle_timeout_s))
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_port=True).start()
+    await web.TCPSite(runner, host.strip("[]"), port, reuse_port=True).start()  # "[::1]" is no host to aiohttp
     return runner

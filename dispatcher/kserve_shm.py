@@ -316,8 +316,30 @@ class ShmRegions:
                                                                        if _owned_by(uid, r.uid)]
         for n in names:
             if self.dir is not None:
-                self._unlink(_entry(n))
+                self._take_if_owned(n, uid)
             self._drop_local(n)
+
+    def _take_if_owned(self, name: str, uid: Optional[int]) -> None:
+        """Remove region ``name``'s entry if it is ``uid``'s, judged on the entry removed: it is moved
+        aside first (a rename, atomic), read there, and put back if another user's. Unlinked by name
+        after a read of the whole registry, it could be another user's by then (unregistered
+        meanwhile through another front-door process, and registered again by that user): one
+        user's unregister took another's region."""
+        entry = _entry(name)
+        aside = f".gone-{os.getpid()}-{entry}"
+        try:
+            os.rename(entry, aside, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return
+        try:
+            r = self._read(aside)
+            if r is not None and not _owned_by(uid, r.uid):
+                try:
+                    os.link(aside, entry, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+                except FileExistsError:  # the name was registered again meanwhile: that one stays
+                    log.warning("shared memory region %r of uid %d was replaced while it was checked", name, r.uid)
+        finally:
+            self._unlink(aside)
 
     def status(self, name: str = "", uid: Optional[int] = 0) -> list[Region]:
         self.sweep()

@@ -1908,3 +1908,35 @@ def test_a_grpc_port_in_use_stops_the_front_door_in_one_line(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"front door cannot start: cannot bind gRPC to 127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_a_front_door_on_an_ipv6_host_serves(tmp_path, host):
+    """gRPC was given "::1:8001" (read as one address, on port 443) and aiohttp "[::1]" (no host
+    to it): a front door on IPv6 never started."""
+    from batchyard.kserve_common import KServeCore
+    from batchyard.kserve_grpc import start_grpc
+    from batchyard.kserve_http import start_http
+    from batchyard.kserve_shm import ShmRegions
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    grpc_port, http_port = _free_port(), _free_port()
+
+    async def serve():
+        core = KServeCore(None, ShmRegions(str(tmp_path / "registry")))
+        server = await start_grpc(core, host, grpc_port)
+        runner = await start_http(core, host, http_port)
+        try:
+            for port in (grpc_port, http_port):
+                _, writer = await asyncio.open_connection("::1", port)  # listening there
+                writer.close()
+        finally:
+            await server.stop(0)
+            await runner.cleanup()
+            core.close()
+
+    asyncio.run(serve())

@@ -496,3 +496,22 @@ def test_an_ipv6_grpc_peer_is_read_as_grpcio_writes_it():
     assert tcp_peer.grpc_peer("ipv6:[::1]:46952") == ("::1", 46952)
     assert tcp_peer.grpc_peer("ipv4:127.0.0.1:5") == ("127.0.0.1", 5)
     assert tcp_peer.bound_address("localhost") is None  # gRPC binds it on ::1 and 127.0.0.1 alike
+
+
+def test_an_unregister_removes_only_the_callers_entry_though_the_name_changed_hands(registry, segment, monkeypatch):
+    """A's unregister read the registry, then unlinked the entry by name: meanwhile the name had
+    been unregistered through another front-door process and registered again by B, and A's
+    unregister took B's region (B's next infer: "Unable to find shared memory region")."""
+    from batchyard.kserve_shm import Region
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a segment of another user")
+    a, b = registry(), registry()
+    os.chown(f"/dev/shm/{segment.name}", 54321, -1)  # B's segment
+    b.register("r", f"/{segment.name}", 0, 16, uid=54321)
+    stale = [Region("r", "/kshm_a", 0, 16, uid=12345)]  # what A read before the name changed hands
+    monkeypatch.setattr(a, "_registered", lambda: stale)
+    a.unregister("r", uid=12345)
+    assert [r.name for r in b.status(uid=54321)] == ["r"]
+    b.unregister("r", uid=54321)
+    assert b.status(uid=54321) == []
