@@ -414,7 +414,13 @@ class MarginalCost(PerModelPolicy):
         # urgent requests alone — as many as it takes for an urgent arrival to find all of them
         # busy with probability <= RESERVE_BLOCKING (Erlang B). The reservation lapses when
         # the urgent rate decays below URGENT_RATE: look again then.
+        lapse = state.arrivals[model + "#urgent"].time_when_rate_is(URGENT_RATE, now)
+        if lapse <= now:
+            # A rate a rounding error above URGENT_RATE lapses now: kept, the reservation set a
+            # wake-up at this instant, which the core drops, and its lapse then woke nothing (a
+            # low request waited beside free workers for the next arrival, or its deadline).
+            return all_ws
         ranked = sorted(all_ws, key=lambda w: state.cost(model, w.path).predict(1))
         offered = lam_u * state.cost(model, ranked[0].path).predict(1)
-        d.wake_at = min(d.wake_at, state.arrivals[model + "#urgent"].time_when_rate_is(URGENT_RATE, now))
+        d.wake_at = min(d.wake_at, lapse)
         return ranked[min(len(all_ws) - 1, servers_for(offered, RESERVE_BLOCKING)):]

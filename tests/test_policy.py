@@ -678,3 +678,24 @@ def test_a_free_worker_finds_what_it_can_serve_behind_a_long_run_of_requests_set
     d = Decision()
     reqs = send(st, d, st.workers["cpu0"], q, 4, 0.0)
     assert reqs and all(r.seq >= 70 for r in reqs) and not d.late
+
+
+def test_an_urgent_reservation_lapsing_now_does_not_ask_for_a_wake_up_now(monkeypatch):
+    """The urgent rate a rounding error above URGENT_RATE: the reservation's lapse is this very
+    instant, and MCB asked to be woken then; the core drops a wake-up at or before now, and the
+    lapse woke nothing: a low request waited beside free workers until the next event."""
+    from batchyard.policy_mcb import URGENT_RATE
+
+    st = SchedulerState()
+    for name in ("cpu0", "cpu1"):
+        st.add_worker(WorkerState(name, "cpu", {"m": 8}))
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.1e-3)
+    now = 10.0
+    st.arrivals["m#urgent"] = urgent = ArrivalRate(tau_s=0.25, initial=URGENT_RATE * (1 + 2e-14))
+    urgent._t = now
+    # As the rounding fell in a random run (rate 20.0000000000004, its decay to 20 solved at now):
+    monkeypatch.setattr(ArrivalRate, "time_when_rate_is", lambda self, target, at: at)
+    st.queue("m").push(Request(1, "m", 1, 2, now, math.inf))
+    d = MarginalCost().decide(st, now)
+    assert d.wake_at > now or d.wake_at == math.inf
+    assert d.dispatches or d.wake_at < math.inf  # and the request is not left with nothing to wake it
