@@ -75,9 +75,9 @@ class ShmPool:
                 del free[i]
             seg = self._segments[region.segment]
             if seg.size > self.segment_bytes and free == [(ALIGN, seg.size - ALIGN)]:
-                self._keep_one_spare()
+                self._keep_largest_spares()
 
-    def _keep_one_spare(self) -> None:
+    def _keep_largest_spares(self) -> None:
         """A segment made for one request bigger than segment_bytes is free again: of those wholly
         free, the SPARE_OVERSIZE largest are kept for the next such requests, the others removed. Kept all, each
         larger request made one more (none fits the next size up): growing sizes left 20 segments,

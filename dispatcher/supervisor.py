@@ -128,9 +128,8 @@ class ChildNotifications:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind("\0" + name)
         self.address = "@" + name  # NOTIFY_SOCKET's spelling of an abstract name
-        self.ready_pids: set[int] = set()
-        # pid -> when its last READY=1 or WATCHDOG=1 was taken: watched from its READY=1 on,
-        # as systemd arms a unit's watchdog once it has started.
+        # pid -> when its last READY=1 or WATCHDOG=1 was taken: the children that said they serve,
+        # watched from then on, as systemd arms a unit's watchdog once it has started.
         self.alive_at: dict[int, float] = {}
         self._lock = threading.Lock()  # receive() runs on the start-up reader thread too
         self._received = threading.Condition(self._lock)
@@ -157,12 +156,11 @@ class ChildNotifications:
                     continue
                 lines = data.split(b"\n")
                 if b"READY=1" in lines or b"WATCHDOG=1" in lines:
-                    self.ready_pids.add(pid)
                     self.alive_at[pid] = time.monotonic()
 
     def ready_among(self, pids: set[int]) -> set[int]:
         with self._lock:
-            return pids & self.ready_pids
+            return pids & self.alive_at.keys()
 
     def read_in_background(self) -> None:
         """Take the datagrams as they come, on a thread of its own, until ``stop_reading``: during
@@ -225,7 +223,6 @@ class ChildNotifications:
 
     def forget(self, pid: int) -> None:
         with self._lock:
-            self.ready_pids.discard(pid)
             self.alive_at.pop(pid, None)
 
     def close(self) -> None:

@@ -354,7 +354,7 @@ def test_front_door_readiness_names_the_sender_the_kernel_saw():
         assert sd_notify.notify("STATUS=starting", {"NOTIFY_SOCKET": ready.address})
         assert sd_notify.notify("READY=1\nMAINPID=1", {"NOTIFY_SOCKET": ready.address})
         ready.wait(10)
-        assert ready.ready_pids == {os.getpid()}
+        assert set(ready.alive_at) == {os.getpid()}
     finally:
         ready.close()
 
@@ -524,7 +524,7 @@ def test_a_childs_ping_wakes_ups_loop_at_once():
             info = signal.sigtimedwait({signal.SIGIO}, 10)
         assert info is not None and info.si_signo == signal.SIGIO
         notes.receive()
-        assert os.getpid() in notes.ready_pids
+        assert os.getpid() in notes.alive_at
         notes.raise_sigio(False)
     finally:
         other_done.set()
