@@ -20,6 +20,7 @@ from batchyard.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from batchyard.shm import ALIGN
 
 from conftest import BIG_MODEL, SUM_MODEL
+from test_client_threads import _raised
 
 SPECS = {"sum": SUM_MODEL.spec(), "big": BIG_MODEL.spec()}
 ONE = np.ones((1, 4), np.float32)
@@ -115,14 +116,6 @@ def fake(run_dir):
     yield start
     for f in started:
         f.close()
-
-
-def _raised(call):
-    try:
-        call()
-    except Exception as e:
-        return e
-    return None
 
 
 def _pool_in_use(client) -> int:

@@ -19,7 +19,7 @@ from batchyard import protocol as P
 from batchyard.shm import SHM_DIR
 
 from conftest import sim_worker
-from test_request_path import header, shm_register
+from test_request_path import _deleted_segments_held, header, shm_register
 
 SEGMENT_BYTES = 64 * 1024
 
@@ -411,25 +411,14 @@ def test_an_idle_worker_lets_go_of_a_departed_clients_segments(start_node):
     node = start_node([sim_worker()])
     with node.client() as watcher:
         worker_pid = watcher.status().workers[0].pid
-
-        def held() -> list:
-            out = []
-            for fd in os.listdir(f"/proc/{worker_pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{worker_pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith(SHM_DIR) and "batchyard_" in target:
-                    out.append(target)
-            return out
-
         with Client(node.address) as c:
             x = c.alloc_array((1, 256, 1024), np.float32)
             x[...] = 1
             c.infer("big", {"x": x})
             segments = c._codec.pool.segment_names()
-        assert any(s in t for t in held() for s in segments)  # the worker opened the client's segment
+        # the worker opened the client's segment, unlinked by its close
+        assert any(s in t for t in _deleted_segments_held(worker_pid) for s in segments)
         deadline = time.monotonic() + 10
-        while any(s in t for t in held() for s in segments):  # each look: a round trip to the dispatcher
-            assert time.monotonic() < deadline, f"still held: {held()}"
+        while any(s in t for t in _deleted_segments_held(worker_pid) for s in segments):  # each look: a round trip
+            assert time.monotonic() < deadline, f"still held: {_deleted_segments_held(worker_pid)}"
             watcher.status()

@@ -427,6 +427,22 @@ def test_an_overload_with_deadlines_is_served_at_capacity_not_at_half(policy):
     assert s["goodput_rps"] > 0.9 * capacity, s["goodput_rps"] / capacity
 
 
+def _saturated_epyc_minilm_worker():
+    """(state, worker, its calibrated curve, the true T(B)) of one worker of max batch 32 on the
+    EPYC MiniLM curve (best per item at 16, B=32 25 % dearer), a full max batch always queued:
+    each batch is the state's cap."""
+    from batchyard.cost_model import CostCurve
+    from batchyard.state import SchedulerState, WorkerState
+
+    points = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928)]
+    st = SchedulerState()
+    w = WorkerState("w", "cpu", {"m": 32})
+    st.add_worker(w)
+    st.costs[("m", "cpu")] = curve = CostCurve.from_points(points)
+    st.queue("m").items = 10**6
+    return st, w, curve, CostCurve.from_points(points).predict
+
+
 def test_a_short_slow_spell_does_not_lock_a_saturated_worker_at_its_max_batch():
     """A core whose best size is 16 (B=32 25 % dearer an item), calibrated, saturated, 4x slower
     for 10 batches. The knot of 16 learnt during the spell looked no better than the others, and
@@ -434,16 +450,7 @@ def test_a_short_slow_spell_does_not_lock_a_saturated_worker_at_its_max_batch():
     the worker ran 32s for good at 34.5 items/s of 43.2."""
     from collections import Counter
 
-    from batchyard.cost_model import CostCurve
-    from batchyard.state import SchedulerState, WorkerState
-
-    points = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928)]
-    true = CostCurve.from_points(points).predict
-    st = SchedulerState()
-    w = WorkerState("w", "cpu", {"m": 32})
-    st.add_worker(w)
-    st.costs[("m", "cpu")] = curve = CostCurve.from_points(points)
-    st.queue("m").items = 10**6  # a full max batch always queued: each batch is the cap
+    st, w, curve, true = _saturated_epyc_minilm_worker()
     sizes = []
     for i in range(1500):
         b = st.batch_cap("m", w)
@@ -458,17 +465,8 @@ def test_a_trial_size_no_batch_can_be_made_of_is_given_up():
     43.2)."""
     from collections import Counter
 
-    from batchyard.cost_model import CostCurve
-    from batchyard.state import SchedulerState, WorkerState
-
-    points = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928)]
-    true = CostCurve.from_points(points).predict
-    st = SchedulerState()
-    w = WorkerState("w", "cpu", {"m": 32})
-    st.add_worker(w)
-    st.costs[("m", "cpu")] = curve = CostCurve.from_points(points)
+    st, w, curve, true = _saturated_epyc_minilm_worker()
     curve.observe(15, true(15))  # measured once, earlier
-    st.queue("m").items = 10**6  # saturated
     sent = []
     for _ in range(1000):
         b = max(4, st.batch_cap("m", w) // 4 * 4)  # whole requests of 4 items, up to the cap

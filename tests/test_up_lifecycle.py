@@ -121,6 +121,18 @@ def _wait_status(c: Client, ok, timeout: float = 30):
     raise AssertionError(f"not within {timeout} s: {st}")
 
 
+def _one_running_one_queued(node) -> tuple["_InThread", "_InThread"]:
+    """Two front-door HTTP requests on threads: the first running on the node's one worker, the
+    second queued behind its batch."""
+    port = node.frontend.http_port
+    with Client(node.dispatcher.frontend) as c:
+        first = _InThread(lambda: _http_infer(port))
+        _wait_status(c, lambda st: st.workers[0].inflight > 0)
+        second = _InThread(lambda: _http_infer(port))
+        _wait_status(c, lambda st: st.queued > 0)  # behind the first's batch
+    return first, second
+
+
 class _InThread:
     """``fn()`` on a thread; ``result(timeout)`` waits for it."""
 
@@ -258,12 +270,7 @@ def test_front_door_requests_in_flight_are_answered_when_up_stops(run_dir):
     node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=1_000_000.0)], frontend=True,
                    worker_dead_after_s=30.0)
     try:
-        port = node.frontend.http_port
-        with Client(node.dispatcher.frontend) as c:
-            first = _InThread(lambda: _http_infer(port))
-            _wait_status(c, lambda st: st.workers[0].inflight > 0)
-            second = _InThread(lambda: _http_infer(port))
-            _wait_status(c, lambda st: st.queued > 0)  # behind the first's batch
+        first, second = _one_running_one_queued(node)
         took = _stop(up)
         assert (first.result(30), second.result(30)) == ("ok", "ok")
         assert took < 9, f"the stop took {took:.1f} s"
@@ -336,12 +343,7 @@ def test_ctrl_c_to_ups_process_group_stops_the_node_in_order(run_dir):
     node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=1_000_000.0)], frontend=True,
                    worker_dead_after_s=30.0, new_session=True)
     try:
-        port = node.frontend.http_port
-        with Client(node.dispatcher.frontend) as c:
-            first = _InThread(lambda: _http_infer(port))
-            _wait_status(c, lambda st: st.workers[0].inflight > 0)
-            second = _InThread(lambda: _http_infer(port))
-            _wait_status(c, lambda st: st.queued > 0)  # behind the first's batch
+        first, second = _one_running_one_queued(node)
         os.killpg(up.pid, signal.SIGINT)
         assert (first.result(30), second.result(30)) == ("ok", "ok")
         assert up.wait(60) == 0
