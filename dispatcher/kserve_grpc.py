@@ -40,15 +40,6 @@ _FIELD_TYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_contents
                "bytes_contents": "BYTES"}
 
 
-def param(params, key: str, default=None):
-    """The value of an InferParameter map entry, whichever of its typed fields is set."""
-    if key not in params:
-        return default
-    p = params[key]
-    which = p.WhichOneof("parameter_choice")
-    return getattr(p, which) if which else default
-
-
 def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> int:
     """An integer request parameter read as Triton reads it: of one of ``kinds``' types (priority:
     int64 or uint64; timeout: int64, as tritonclient sends them), not negative; 0 when absent.
@@ -68,16 +59,45 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
     return value
 
 
-def _shm_param(params, tensor: str) -> Optional[tuple[str, int, int]]:
-    if "shared_memory_region" not in params:
+# A tensor's shared-memory parameters and the one protobuf field each is read from, as Triton
+# 2.51 reads them (ParseSharedMemoryParams): a value in another field is refused. Read from
+# whichever field was set, a bool_param offset of true read as offset 1 and served garbage.
+_SHM_KINDS = {"shared_memory_region": "string_param", "shared_memory_offset": "int64_param",
+              "shared_memory_byte_size": "int64_param"}
+
+
+def _typed_shm_param(params, key: str, tensor: str):
+    """The value of ``params[key]`` from its one allowed field; None when absent."""
+    if key not in params:
         return None
-    region = param(params, "shared_memory_region")
-    if not region:  # (the tensor's own data was read instead; Triton refuses it)
+    p, kind = params[key], _SHM_KINDS[key]
+    if p.WhichOneof("parameter_choice") != kind:
+        raise invalid(f"invalid value type for '{key}' parameter for tensor '{tensor}', expected {kind}.")
+    return getattr(p, kind)
+
+
+def _shm_number(params, key: str, tensor: str, has_region: bool) -> Optional[int]:
+    """A tensor's shared-memory offset or byte size, None when absent. Without a region it is
+    Triton's error (it was ignored, and the tensor's own data read)."""
+    if key in params and not has_region:
+        raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor '{tensor}'")
+    return _typed_shm_param(params, key, tensor)
+
+
+def _shm_param(params, tensor: str) -> Optional[tuple[str, int, int]]:
+    """(region, offset, byte_size) of a tensor in shared memory, None for one that is not, with
+    Triton 2.51's errors in its order."""
+    region = _typed_shm_param(params, "shared_memory_region", tensor)
+    if region == "":  # (the tensor's own data was read instead; Triton refuses it)
         raise invalid("'shared_memory_region' names no region: give a registered region's name")
-    if "shared_memory_byte_size" not in params:  # Triton 2.51's words; read as 0 bytes it was INTERNAL
+    offset = _shm_number(params, "shared_memory_offset", tensor, region is not None)
+    byte_size = _shm_number(params, "shared_memory_byte_size", tensor, region is not None)
+    if region is None:
+        return None
+    if byte_size is None:  # read as 0 bytes it was INTERNAL
         raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' "
                       f"parameter for tensor '{tensor}'")
-    return region, int(param(params, "shared_memory_offset", 0)), int(param(params, "shared_memory_byte_size", 0))
+    return region, offset or 0, byte_size
 
 
 def _uses_shm(request) -> bool:

@@ -139,6 +139,18 @@ def _field(obj, key: str, kind: type, default=_REQUIRED):
     return v
 
 
+def _outputs_named(header: dict) -> list:
+    """The request's ``outputs``: [] when absent or empty (all of the model's, as Triton answers
+    both). Any other value, null and {} among them, is Triton's error ("Unable to parse
+    'outputs'"); read by its truth, {} "" 0 false and null were served as if no output were named."""
+    if "outputs" not in header:
+        return []
+    requested = header["outputs"]
+    if not isinstance(requested, list):
+        raise invalid(f"Unable to parse 'outputs': expected an array, got {_kind_of(requested)}")
+    return requested
+
+
 def _shape(t: dict) -> list[int]:
     shape = _field(t, "shape", list)
     for d in shape:
@@ -413,13 +425,13 @@ class KServeHttp:
         as the request's ``binary_data_output`` says; a named one is binary only if its own
         ``binary_data`` says so (Triton: the request's setting is for outputs not named). An
         output named twice is returned once, as its first mention asks (as Triton 2.51)."""
-        requested = header.get("outputs")
+        requested = _outputs_named(header)
         if not requested:
             return [(t.name, binary_default, None) for t in spec.outputs]
         names = {t.name for t in spec.outputs}
         wanted, seen = [], set()
         try:
-            for o in _field(header, "outputs", list):
+            for o in requested:
                 name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
                 if name not in names:
                     raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")

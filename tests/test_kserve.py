@@ -389,7 +389,8 @@ def test_errors_naming_any_long_string_the_client_chose_keep_their_code_over_grp
 
 def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front_door):
     """An offset of inf raised OverflowError, which no handler caught: the stream ended with
-    UNKNOWN and the requests after it got no answer."""
+    UNKNOWN and the requests after it got no answer. (Such an offset, a double_param, is now
+    refused by its type, as Triton refuses it.)"""
     got, done = [], threading.Event()
 
     def callback(result, error):
@@ -410,7 +411,7 @@ def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front
         c.stop_stream()
     want = front_door.sdk("sum", X)
     np.testing.assert_array_equal(got[0], want)
-    assert "OverflowError" in got[1] and "malformed" in got[1], got[1]
+    assert "invalid value type for 'shared_memory_offset' parameter for tensor 'x'" in got[1], got[1]
     np.testing.assert_array_equal(got[2], want)
     with pytest.raises(InferenceServerException) as e:  # the same as a unary call: INVALID_ARGUMENT
         c.infer("sum", [bad])
@@ -801,6 +802,85 @@ def test_an_output_region_named_without_a_byte_size_is_the_requests_fault(front_
         h.unregister_system_shared_memory()
         seg.close()
         seg.unlink()
+
+
+# gRPC shared-memory parameters of another protobuf type than Triton reads them from, on the
+# input x or the output y: (tensor, its parameters as (field, value), Triton 2.51's message).
+_REGION, _IN_BYTES = ("string_param", "typed"), ("int64_param", X.nbytes)
+WRONGLY_TYPED_SHM_PARAMS = [
+    ("x", {"shared_memory_region": _REGION, "shared_memory_byte_size": _IN_BYTES,
+           "shared_memory_offset": ("bool_param", True)},
+     "invalid value type for 'shared_memory_offset' parameter for tensor 'x', expected int64_param."),
+    ("x", {"shared_memory_region": _REGION, "shared_memory_byte_size": ("string_param", "48")},
+     "invalid value type for 'shared_memory_byte_size' parameter for tensor 'x', expected int64_param."),
+    ("x", {"shared_memory_region": _REGION, "shared_memory_byte_size": ("double_param", 48.9)},
+     "invalid value type for 'shared_memory_byte_size' parameter for tensor 'x', expected int64_param."),
+    ("x", {"shared_memory_region": ("int64_param", 5), "shared_memory_byte_size": _IN_BYTES},
+     "invalid value type for 'shared_memory_region' parameter for tensor 'x', expected string_param."),
+    ("x", {"shared_memory_offset": ("int64_param", 4)},
+     "'shared_memory_offset' can not be specified without 'shared_memory_region' parameter for tensor 'x'"),
+    ("y", {"shared_memory_region": _REGION, "shared_memory_byte_size": ("int64_param", 24),
+           "shared_memory_offset": ("bool_param", True)},
+     "invalid value type for 'shared_memory_offset' parameter for tensor 'y', expected int64_param."),
+    ("y", {"shared_memory_region": ("bool_param", True), "shared_memory_byte_size": ("int64_param", 24)},
+     "invalid value type for 'shared_memory_region' parameter for tensor 'y', expected string_param."),
+]
+
+
+def test_grpc_shm_parameters_of_the_wrong_type_are_tritons_invalid_argument(front_door):
+    """Triton 2.51 reads a region only from string_param, an offset and a byte size only from
+    int64_param, and refuses any other. Read from whichever field was set, an offset of bool true
+    was offset 1 (the model ran on misaligned bytes, status OK), a region of int64 failed with a
+    Python exception's text, and an offset without a region was ignored."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    tag = f"by_kserve_typed_{os.getpid()}"
+    seg = shared_memory.SharedMemory(tag, create=True, size=64)
+    np.ndarray(X.shape, X.dtype, buffer=seg.buf)[...] = X
+    h = thttp.InferenceServerClient(front_door.http_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(front_door.grpc_url))
+
+    def infer(tensor: str, params: dict):
+        req = service_pb2.ModelInferRequest(model_name="sum")
+        x = req.inputs.add(name="x", datatype="FP32", shape=list(X.shape))
+        named = x if tensor == "x" else req.outputs.add(name="y")
+        for key, (field, value) in params.items():
+            setattr(named.parameters[key], field, value)
+        if "shared_memory_region" not in x.parameters:
+            req.raw_input_contents.append(X.tobytes())
+        return stub.ModelInfer(req, timeout=30)
+
+    try:
+        h.register_system_shared_memory("typed", f"/{tag}", 64)
+        served = infer("x", {"shared_memory_region": _REGION, "shared_memory_byte_size": _IN_BYTES})
+        np.testing.assert_array_equal(np.frombuffer(served.raw_output_contents[0], np.float32).reshape(3, 2),
+                                      front_door.sdk("sum", X))
+        for tensor, params, text in WRONGLY_TYPED_SHM_PARAMS:
+            with pytest.raises(grpc.RpcError) as e:
+                infer(tensor, params)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, text), params
+    finally:
+        h.unregister_system_shared_memory()
+        seg.close()
+        seg.unlink()
+
+
+@pytest.mark.parametrize("outputs", [{}, "", 0, False, None, {"name": "y"}, "y", 1])
+def test_http_outputs_that_are_not_an_array_are_a_bad_request(front_door, outputs):
+    """Triton 2.51 refuses an ``outputs`` member that is not an array, null included; only one
+    left out (or []) means all of the model's outputs. {} "" 0 false and null were served as if
+    no output were named."""
+    body = {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}],
+            "outputs": outputs}
+    status, _, answer = _post_infer(front_door, json.dumps(body).encode())
+    assert status == 400 and json.loads(answer)["error"].startswith("Unable to parse 'outputs'"), answer
+
+
+def test_http_outputs_left_out_or_empty_are_all_of_them(front_door):
+    x = {"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}
+    for body in ({"inputs": [x]}, {"inputs": [x], "outputs": []}):
+        status, _, answer = _post_infer(front_door, json.dumps(body).encode())
+        assert status == 200 and [o["name"] for o in json.loads(answer)["outputs"]] == ["y"], answer
 
 
 @pytest.mark.parametrize("proto", ["grpc", "http"])
