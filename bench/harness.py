@@ -424,19 +424,39 @@ def summarise(rows: np.ndarray, span: float, slo_ms: float = 0.0) -> dict:
 
 # ---------------------------------------------------------------- the dispatcher's /metrics
 def scrape(url: str) -> list:
-    """The samples (name, labels, value) of a Prometheus text exposition, read by prometheus_client."""
+    """The samples (name, labels, value) of the Prometheus text exposition at ``url``, named as
+    written (exposition_samples)."""
     import urllib.request
+
+    return exposition_samples(urllib.request.urlopen(url, timeout=10).read().decode())
+
+
+def exposition_samples(text: str) -> list:
+    """The samples (name, labels, value) of a Prometheus text exposition, read by prometheus_client
+    and named as the text writes them, as Prometheus stores them. The parser renames the samples
+    of a counter declared without ``_total`` (Triton's nv_inference_* counters, and the
+    dispatcher's) to OpenMetrics' ``<name>_total``: ``nv_inference_count`` would have matched
+    nothing here, and a dashboard's query by that name everything."""
+    import re
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    bare_counters = set(re.findall(r"^# TYPE (\S+) counter\s*$", text, re.M))
+    out = []
+    for family in text_string_to_metric_families(text):
+        renamed = family.type == "counter" and family.name in bare_counters
+        for s in family.samples:
+            out.append(s._replace(name=family.name) if renamed and s.name == family.name + "_total" else s)
+    return out
 
 
 def sample_total(samples: list, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    """Sum of the samples called ``name`` whose labels include ``labels``. Where none is called
+    ``name``, those called ``<name>_total``: the name prometheus_client's parser, read directly
+    rather than through exposition_samples, gives the samples of a counter declared without it."""
+    called = name if any(s.name == name for s in samples) else f"{name}_total"
     return float(sum(s.value for s in samples
-                     if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())))
+                     if s.name == called and all(s.labels.get(k) == v for k, v in labels.items())))
 
 
 def server_split(before: list, after: list) -> dict:

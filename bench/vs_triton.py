@@ -356,9 +356,9 @@ def triton_server(delay_us: int, cpus: list, control: set = frozenset()):
 
 # ---------------------------------------------------------------- one measurement
 def counter(samples: list, name: str) -> float:
-    """A counter's total: prometheus_client's parser names the samples of a typed counter
-    ``<name>_total`` (Triton's), those of an untyped family just ``<name>`` (Batchyard's)."""
-    return sample_total(samples, name) + sample_total(samples, f"{name}_total")
+    """A counter's total over its samples (``scrape`` names them as the text does: Triton's and
+    Batchyard's counters are both written without ``_total``)."""
+    return sample_total(samples, name)
 
 
 IDLE_TIMEOUT_S = 900.0  # a saturated run's backlog: minutes of queue on a slow core

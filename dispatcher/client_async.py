@@ -21,6 +21,20 @@ from .errors import DeadlineExceeded
 from .zmq_frames import NOBLOCK, send_parts, waiting
 
 
+class _Closed:
+    """What ``AsyncClient.close`` returns: an awaitable with nothing left to do (no event loop
+    needed, so it may be awaited in any loop, or dropped without a never-awaited warning)."""
+
+    __slots__ = ()
+
+    def __await__(self):
+        return
+        yield  # (a generator: awaiting it finishes at once with None)
+
+
+_CLOSED = _Closed()
+
+
 class AsyncClient(CodecAccess):
     """asyncio client: ``await client.infer(...)``; any number in flight from one task or many."""
 
@@ -59,11 +73,16 @@ class AsyncClient(CodecAccess):
     async def __aexit__(self, *exc):
         self.close()
 
-    def close(self) -> None:
+    def close(self) -> _Closed:
         """Fail every request in flight with Cancelled("client closed") and release the socket
-        and the shared-memory pool."""
-        if self.closed:
-            return
+        and the shared-memory pool, at once; ``await client.close()`` works as well (as
+        tritonclient's aio clients are closed), the awaitable returned being already done. An
+        ``async def`` would close nothing when called without ``await``, as callers call it."""
+        if not self.closed:
+            self._close_now()
+        return _CLOSED
+
+    def _close_now(self) -> None:
         self.closed = True
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
         self.loop.remove_reader(self._monitor.getsockopt(zmq.FD))

@@ -9,17 +9,18 @@ storm gets the last text once rendering has had its share of the thread (RENDER_
 server is a minimal asyncio protocol on the same loop (GET /metrics), so the decision process
 gets no extra thread.
 
-Names follow Triton where the meaning is the same (dashboards keep working):
+Names and types follow Triton where the meaning is the same (dashboards keep working):
 nv_inference_request_success, nv_inference_request_failure{reason}, nv_inference_count,
 nv_inference_exec_count, nv_inference_queue_duration_us, nv_inference_compute_infer_duration_us,
-nv_inference_request_duration_us (cumulative, as in Triton), and
-nv_inference_pending_request_count (gauge); labels model and version (always "1", as the front
-door serves every model), and Batchyard's path and priority. A failure's ``reason`` is one of Triton
-2.51's four (REJECTED: queue full or timeout expired; CANCELED; BACKEND: the model or its worker
-failed; OTHER: the request itself, e.g. a wrong shape or an unknown model), and its ``status``
-Batchyard's status name, which says more. nv_inference_compute_input_duration_us
-and ..._output_... are 0: a batch's input and output copies count in its compute time (as in the
-front door's statistics), and a Triton dashboard that adds the three still finds all three.
+nv_inference_request_duration_us (counters, as in Triton: cumulative, named without
+``_total``), and nv_inference_pending_request_count (gauge); labels model and version (always
+"1", as the front door serves every model), and Batchyard's path and priority. A failure's
+``reason`` is one of Triton 2.51's four (REJECTED: queue full or timeout expired; CANCELED;
+BACKEND: the model or its worker failed; OTHER: the request itself, e.g. a wrong shape or an
+unknown model), and its ``status`` Batchyard's status name, which says more.
+nv_inference_compute_input_duration_us and ..._output_... are 0: a batch's input and output
+copies count in its compute time (as in the front door's statistics), and a Triton dashboard
+that adds the three still finds all three.
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
 batchyard_unknown_model_requests_total (no model label: the names are the clients'),
 batchyard_inflight_request_count{model} (beside Triton's pending count, which excludes them),
@@ -49,6 +50,10 @@ TRITON_REASONS = {Status.OVERLOADED: "REJECTED", Status.DEADLINE_EXCEEDED: "REJE
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _OK, _ITEMS, _QUEUE, _COMPUTE, _TOTAL = range(5)
 # Families from the per-(model, path, priority) rows of Metrics.ok: (name, row index, help).
+# Counters, as Triton declares them, under Triton's names without ``_total``: valid in the text
+# format 0.0.4, which is what is served (Prometheus stores them under these names). A parser that
+# reads them as OpenMetrics, prometheus_client's, names their samples ``<name>_total``; the bench's
+# scrape (bench/harness.py: exposition_samples) gives them back their names as written.
 _TRITON_OK_FAMILIES = (
     ("nv_inference_request_success", _OK, "Successful inference requests"),
     ("nv_inference_count", _ITEMS, "Inferences performed (batch items)"),
@@ -181,18 +186,18 @@ class Metrics:
         ok_rows = sorted(self.ok.items())
         ok_labels = [self._label(("ok", *key), lambda key=key: _ok_labels(*key)) for key, _ in ok_rows]
         for name, idx, help_ in _TRITON_OK_FAMILIES:
-            w(_head(name, help_, "untyped"))
+            w(_head(name, help_, "counter"))
             if idx is None:
                 w("".join([f"{name}{{{lab}}} 0\n" for lab in ok_labels]))
             else:
                 w("".join([f"{name}{{{lab}}} {row[idx]}\n" for lab, (_, row) in zip(ok_labels, ok_rows)]))
         name = "nv_inference_request_failure"
-        w(_head(name, "Failed inference requests by reason", "untyped"))
+        w(_head(name, "Failed inference requests by reason", "counter"))
         for (model, status), n in sorted(self.failures.items()):
             lab = self._label(("fail", model, status), lambda: _failure_labels(model, status))
             w(f"{name}{{{lab}}} {n}\n")
         name = "nv_inference_exec_count"
-        w(_head(name, "Batches executed", "untyped"))
+        w(_head(name, "Batches executed", "counter"))
         for (model, path), n in sorted(self.exec_count.items()):
             w(f'{name}{{model="{_esc(model)}",path="{_esc(path)}",version="{VERSION}"}} {n}\n')
         _gauge(w, "nv_inference_pending_request_count", "Requests queued, not yet given to a worker",

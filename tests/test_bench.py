@@ -707,3 +707,39 @@ def test_a_demo_stopped_by_sigterm_cleans_up_after_itself():
             demo.kill()
             demo.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("modes, message", [
+    (["--concurrency", "2", "--sweep-rates", "10,20"], "argument --sweep-rates: not allowed with argument --concurrency"),
+    (["--request-rate", "10", "--profile", "step:100,300"], "argument --profile: not allowed with argument --request-rate"),
+    (["--request-rate", "10", "--sweep-rates", "20,30"], "argument --sweep-rates: not allowed with argument --request-rate"),
+    (["--request-intervals", "iv.txt", "--concurrency", "4"],
+     "argument --request-intervals: not allowed with argument --concurrency"),
+])
+def test_bench_refuses_two_load_modes_instead_of_labelling_a_rate_it_never_ran(tmp_path, modes, message):
+    # --concurrency 2 --sweep-rates 10,20 ran two closed loops of ~640/s labelled "@10/s" and
+    # "@20/s" (in the table, bench.json, bench.md and the plot), and exited 0.
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "bench", "--address", f"ipc://{tmp_path}/nobody",
+                        "--model", "sum", "--out", str(out), *modes], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr == f"batchyard bench: error: {message}\n", r.stderr[-2000:]
+    assert not (out / "bench.json").exists()
+
+
+def test_a_run_is_labelled_with_a_rate_only_when_it_ran_at_that_rate():
+    import argparse
+
+    from batchyard.bench.bench_cli import refuse_mixed_load_modes, run_label, spec_from
+    from batchyard.bench.commands import _bench_arguments
+
+    ap = argparse.ArgumentParser()
+    _bench_arguments(ap)
+    for argv, label in ((["--request-rate", "10", "--distribution", "constant"], "batchyard:sum @10/s"),
+                        (["--concurrency", "2", "--priority-mix", "1,1,1"], "batchyard:sum"),
+                        (["--profile", "step:100,300", "--deadlines-ms", "5,0,0"], "batchyard:sum")):
+        args = ap.parse_args(["--address", "tcp://127.0.0.1:1", "--model", "sum", *argv])
+        refuse_mixed_load_modes(args)  # one mode, with the options that go with any: accepted
+        assert run_label("batchyard", "sum", spec_from(args)) == label
+    # a closed loop is no rate, whatever rate the spec holds besides
+    assert run_label("batchyard", "sum", LoadSpec(concurrency=2, rate=10.0)) == "batchyard:sum"

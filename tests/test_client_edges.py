@@ -9,6 +9,7 @@ import math
 import threading
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -374,3 +375,39 @@ def test_bad_wait_and_timeout_are_refused_by_the_async_client_too(run_dir):
             c.close()
 
     asyncio.run(main())
+
+
+
+@pytest.mark.parametrize("spelling", ["await c.close()", "c.close()", "async with"])
+def test_an_async_client_closes_with_or_without_await_and_as_a_context(fake, spelling):
+    # The README gives AsyncClient "the same calls as coroutines", and tritonclient's aio clients
+    # are closed with ``await client.close()``: that was a TypeError (close returned None), and an
+    # ``async def close`` would have closed nothing for the callers that do not await it.
+    from batchyard.errors import Cancelled
+
+    f = fake(answer=lambda msg: type(msg) is not P.InferRequest)  # an inference is never answered
+
+    async def main():
+        if spelling == "async with":
+            async with AsyncClient(f.address) as c:
+                await c.model_info("sum")
+                pending = c.submit("sum", {"x": ONE})
+        else:
+            c = AsyncClient(f.address)
+            await c.model_info("sum")
+            pending = c.submit("sum", {"x": ONE})
+            if spelling == "await c.close()":
+                assert await c.close() is None
+            else:
+                c.close()
+        # closed at once, whichever the spelling: the request in flight is settled
+        with pytest.raises(Cancelled, match="client closed"):
+            await asyncio.wait_for(pending, 5)
+        with pytest.raises(Cancelled, match="client closed"):
+            await c.infer("sum", {"x": ONE})
+        await c.close()  # again: nothing left to do, and no error
+        c.close()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine ... was never awaited" from the bare call
+        asyncio.run(main())

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchyard.bench.harness import sample_total as total
-from batchyard.bench.harness import scrape
+from batchyard.bench.harness import exposition_samples, scrape
 from batchyard.errors import DeadlineExceeded, InvalidArgument, UnknownModel
 from batchyard.metrics import Metrics
 from batchyard.protocol import Status
@@ -121,8 +121,7 @@ def test_failures_carry_tritons_reasons_and_batchyards_status():
             Status.UNKNOWN_MODEL: "OTHER", Status.PERMISSION_DENIED: "OTHER", 99: "OTHER"}
     for status in want:
         m.request_failed("m", status)
-    samples = [s for fam in text_string_to_metric_families(m.render({}, {}, {}, {})) for s in fam.samples
-               if s.name == "nv_inference_request_failure"]
+    samples = [s for s in exposition_samples(m.render({}, {}, {}, {})) if s.name == "nv_inference_request_failure"]
     got = {s.labels["status"]: s.labels["reason"] for s in samples}
     assert got == {(Status(k).name.lower() if k != 99 else "status_99"): v for k, v in want.items()}
     assert all(s.value == 1 and s.labels["version"] == "1" for s in samples)
@@ -138,7 +137,7 @@ def test_label_values_are_escaped_and_the_exposition_parses():
     m.request_failed(odd, Status.OVERLOADED)
     m.batch_done(odd, "cpu")
     text = m.render({odd: 2}, {"cpu_now": 3}, {f"{odd}/cpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {odd: 12.5})
-    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    samples = exposition_samples(text)
     assert total(samples, "nv_inference_request_success", model=odd, path="cpu", priority="high") == 3
     assert total(samples, "nv_inference_count", model=odd) == 12
     assert total(samples, "nv_inference_request_failure", model=odd, reason="REJECTED", status="overloaded") == 1
@@ -183,9 +182,39 @@ def test_the_priority_label_is_the_one_asked_for_not_the_class_aging_raised_it_t
     assert total(m, "nv_inference_request_success", model="sum", priority="low") == 400
 
 
+TRITON_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+                   "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+                   "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+                   "nv_inference_compute_output_duration_us")
+
+
+def test_cumulative_families_are_counters_as_tritons_and_keep_their_names():
+    """Triton declares its nv_inference_* families ``counter`` (names without ``_total``); here
+    they were ``untyped``, so Prometheus and Grafana took them for no counters at all."""
+    m = Metrics()
+    m.model_served("sum", "gpu")
+    m.request_ok("sum", "gpu", 1, items=2, queue_us=10, compute_us=20, total_us=40)
+    m.request_failed("sum", Status.OVERLOADED)
+    m.batch_done("sum", "gpu")
+    text = m.render({"sum": 1}, {"cpu_now": 2}, {}, {"sum": 3.0})
+    types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+    assert {name: types[name] for name in TRITON_COUNTERS} == dict.fromkeys(TRITON_COUNTERS, "counter")
+    assert types["nv_inference_pending_request_count"] == "gauge"
+    assert types["batchyard_request_latency_seconds"] == "histogram"
+    assert "untyped" not in text
+    # Under the names written, as Prometheus stores them (the parser's own view adds _total).
+    samples = exposition_samples(text)
+    assert {s.name for s in samples} >= set(TRITON_COUNTERS)
+    assert total(samples, "nv_inference_request_success", model="sum") == 1
+    assert total(samples, "nv_inference_count", model="sum") == 2
+    assert total(samples, "nv_inference_request_failure", model="sum", reason="REJECTED") == 1
+    assert total(samples, "nv_inference_exec_count", model="sum") == 1
+    assert total(samples, "batchyard_decisions_total", reason="cpu_now") == 2
+
+
 def test_a_model_name_with_a_slash_keeps_it_in_the_curve_labels():
     text = Metrics().render({}, {}, {"org/bert/gpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {})
-    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    samples = exposition_samples(text)
     assert total(samples, "batchyard_cost_per_item_us", model="org/bert", path="gpu") == 50.0
 
 
@@ -230,7 +259,7 @@ def test_a_served_models_series_exist_at_zero_before_its_first_request(start_nod
 
 # ---------------------------------------------------------------- LLM mode, front door, scrape cost
 def _parse(text: str) -> list:
-    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    return exposition_samples(text)
 
 
 @pytest.fixture
