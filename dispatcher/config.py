@@ -188,7 +188,8 @@ class DispatcherConfig(_Table):
     # left rotation and came back many times a second, its batches failed over each time.
     worker_dead_after_s: Annotated[float, msgspec.Meta(ge=MIN_DEAD_AFTER_S, le=FLOAT_MAX)] = 10.0
     janitor_interval_s: PositiveFloat = 5.0  # sweep orphaned shared memory of dead clients
-    drain_timeout_s: NonNegFloat = 5.0  # on SIGTERM, how long in-flight batches may finish
+    # On SIGTERM, how long the requests already taken (queued or running) may still be served.
+    drain_timeout_s: NonNegFloat = 5.0
     # Circuit breaker: a worker whose batch comes back all UNAVAILABLE (its backend is down)
     # leaves rotation for a back-off that doubles on each further failure, up to the maximum;
     # its requests are retried on another worker serving the model.

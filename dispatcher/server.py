@@ -137,10 +137,14 @@ class Dispatcher:
         loop.call_soon(self._step)
 
     def begin_shutdown(self) -> None:
-        """Stop taking work, give in-flight batches up to drain_timeout_s, then close."""
+        """Refuse new requests; serve those already taken, queued or in a batch, for up to
+        drain_timeout_s (the workers still up: `up` stops them after the dispatcher); then
+        answer what is left UNAVAILABLE and close. Status and cancel messages are answered
+        throughout, and workers register and leave as usual."""
         if self.core.draining:
             return
-        log.info("draining: %d queued, %d batches in flight", self.state.queued_requests(), len(self.core.batches))
+        log.info("draining: %d queued, %d batches in flight; up to %.1f s", self.state.queued_requests(),
+                 len(self.core.batches), self.cfg.drain_timeout_s)
         self._drain_deadline = _now() + self.cfg.drain_timeout_s
         self.core.begin_drain()
         self.llm.core.begin_drain()
@@ -227,10 +231,8 @@ class Dispatcher:
             # the workers left (each round loses a worker, so this ends).
             batches = core.decide(now) if lost else []
         self.core.departures += self.llm.decide(now)  # the long poll's cursor counts every worker
-        if core.draining and ((not core.batches and not self.llm.busy()) or now >= self._drain_deadline):
-            core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
-            self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
-            self.close()
+        if core.draining and (self._drained() or now >= self._drain_deadline):
+            self._end_drain()
             return
         if now >= self._next_housekeeping:
             self._housekeeping(now)
@@ -242,6 +244,25 @@ class Dispatcher:
         # pending now, run again rather than wait for an edge that already happened.
         if waiting(self.frontend) or waiting(self.backend):
             self.loop.call_soon(self._step)
+
+    def _drained(self) -> bool:
+        return self.core.drained() and not self.llm.core.requests and not self.llm.busy()
+
+    def _end_drain(self) -> None:
+        """Every request still open gets its one reply, UNAVAILABLE, then the sockets close."""
+        if not self._drained():
+            log.warning("drain_timeout_s (%.1f s) ran out: %d queued, %d batches in flight answered UNAVAILABLE",
+                        self.cfg.drain_timeout_s, self.state.queued_requests(), len(self.core.batches))
+        self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker "
+                                                  f"(drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out)")
+        self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
+        self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
+        # Its workers outlive it (`up` stops them next). Told to register again, one stopped then
+        # does not wait for an answer to its `leaving` that nobody is left to send (1 s more at
+        # every stop), and one left running registers with the next dispatcher without delay.
+        for w in self.state.workers.values():
+            self._send_worker(w.identity, P.encode(P.Reregister(worker=w.name)))
+        self.close()
 
     def _arm(self, when: float, decided_at: float) -> None:
         # Only move the timer earlier; a spurious later wake-up is harmless and saves a syscall.

@@ -56,7 +56,7 @@ _PR_SET_PDEATHSIG = 1
 # its children to PR_SET_PDEATHSIG, with no drain and no cleanup.
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 RESTART_BACKOFF_MAX_S = 10.0
-STOP_TIMEOUT_S = 10.0  # for each group of children in turn: front doors, workers, the dispatcher
+STOP_TIMEOUT_S = 10.0  # for each group of children in turn: front doors, the dispatcher, workers
 # The dispatcher's stop waits at least its drain_timeout_s plus this (SIGKILL cut a longer drain).
 DRAIN_MARGIN_S = 5.0
 READY_TIMEOUT_S = 300.0  # deploy/systemd/batchyard-node@.service's TimeoutStartSec must exceed it
@@ -608,21 +608,28 @@ class Supervisor:
         return any(now - at >= 1.0 for at in self._killed.values())
 
     def stop(self) -> None:
-        """Front doors first (their requests in flight finish while the workers and the
-        dispatcher still serve them), then workers (they finish their batch), then the
-        dispatcher (it drains); each group bounded. Then the shared memory of children that
-        were killed, which no process of this node would reap any more."""
+        """Front doors first (their requests in flight finish while the dispatcher and the
+        workers still serve them), then the dispatcher (it drains: the requests it already
+        took, queued or running, are served by the workers, still up, for up to
+        drain_timeout_s), then the workers (they finish their batch; with no dispatcher to
+        answer their `leaving`, an idle one exits after a 1 s wait for it, workers/runtime.py);
+        each group bounded. Stopped before the drain, the workers left the queue to nobody: 22
+        of 30 requests queued behind a 1 s batch failed UNAVAILABLE. Then the shared memory of
+        children that were killed, which no process of this node would reap any more.
+
+        Nothing watches the children by now (run_forever has returned, the lost-worker poll is
+        closed here): the dispatcher's exit is the stop's, not a failure to act on."""
         if self._lost is not None:
             self._lost.close()
         front = [p for n, p in self.workers.items() if n.startswith(FRONTEND_NAME)]
         workers = [p for n, p in self.workers.items() if not n.startswith(FRONTEND_NAME)]
         _stop_all(front, STOP_TIMEOUT_S)
-        _stop_all(workers, STOP_TIMEOUT_S)
         if self.dispatcher is not None:
             # A drain longer than STOP_TIMEOUT_S was cut by SIGKILL.
             _stop_all([self.dispatcher], max(STOP_TIMEOUT_S, self.node.dispatcher.drain_timeout_s + DRAIN_MARGIN_S))
             if self.dispatcher.returncode < 0:  # killed (here, hung, or by anyone): it removed no file
                 _remove_stale_ipc((self.node.dispatcher.frontend, self.node.dispatcher.backend))
+        _stop_all(workers, STOP_TIMEOUT_S)
         if self._notifications is not None:
             self._notifications.close()
             self._notifications = None

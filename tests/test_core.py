@@ -172,6 +172,45 @@ def test_status_long_poll_can_wait_for_a_worker_to_leave_rotation():
     assert core.departures == 2 and core.due_status_waiters(2.5) == ["next"]
 
 
+def test_a_drain_refuses_new_requests_and_still_dispatches_the_queued_ones():
+    """SIGTERM failed every queued request at once (UNAVAILABLE) beside a worker that would
+    have served it; as Triton, a drain refuses only what comes after it."""
+    ends = Ends()
+    core = make_core(ends, max_retries=1)
+    core.state.workers["gpu0"].models["m"] = 1  # one request a batch: the second waits in the queue
+    running = core.admit("m", 1, 1, 5.0, 0.0, client=b"c", req_id=1)
+    queued = core.admit("m", 1, 1, 5.0, 0.0, client=b"c", req_id=2)
+    core.admit("m", 1, 1, 5.0, 0.0, client=b"c", req_id=3)  # cancelled below, during the drain
+    (first,) = core.decide(0.0)
+    core.begin_drain()
+    late = core.admit("m", 1, 1, 5.0, 0.1, client=b"c", req_id=4)
+    assert late == Rejected(Status.UNAVAILABLE, "dispatcher is shutting down")
+    assert core.cancel(b"c", 3) and ends.failed == {3: Status.CANCELLED}  # cancel still works
+    assert core.decide(0.1) == [] and queued.state == QUEUED and not core.drained()
+    core.complete(first.batch_id, 0.2, 0.2)
+    ends.finish(core, running)
+    (second,) = core.decide(0.2)  # the worker is free again: the queued request goes to it
+    assert second.requests == [queued]
+    core.complete(second.batch_id, 0.2, 0.4)
+    ends.finish(core, queued)
+    assert ends.finished == {1, 2} and ends.failed == {3: Status.CANCELLED} and core.drained()
+
+
+def test_what_a_drain_could_not_serve_fails_once_when_it_runs_out():
+    ends = Ends()
+    core = make_core(ends)
+    core.state.workers["gpu0"].models["m"] = 1
+    running = core.admit("m", 1, 1, 5.0, 0.0, client=b"c", req_id=1)
+    core.admit("m", 1, 1, 5.0, 0.0, client=b"c", req_id=2)
+    (batch,) = core.decide(0.0)
+    core.begin_drain()
+    core.fail_queued(Status.UNAVAILABLE, "drain ran out")  # the driver, at drain_timeout_s
+    assert ends.failed == {2: Status.UNAVAILABLE} and running.state != QUEUED
+    core.fail_all(Status.UNAVAILABLE, "batch cut")
+    assert ends.failed == {1: Status.UNAVAILABLE, 2: Status.UNAVAILABLE} and not ends.twice
+    assert core.complete(batch.batch_id, 0.1, 0.1) is None and core.drained()
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["admit", "decide", "complete", "lose", "cancel", "register", "drain"]),
                          st.integers(0, 7), st.floats(0.0, 0.02)), max_size=60)
 

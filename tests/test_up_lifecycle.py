@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import zmq
 
-from batchyard import supervisor
+from batchyard import protocol as P, supervisor
 from batchyard.client import Client
 from batchyard.config import DispatcherConfig, FrontendConfig, NodeConfig, to_toml
 from batchyard.sd_notify import child_env
@@ -301,6 +302,48 @@ def test_a_front_door_stops_within_its_grace_with_an_http_request_in_flight(run_
         _kill(up)
 
 
+def test_requests_queued_when_up_stops_are_served_while_the_drain_lasts_then_failed_once(run_dir):
+    """`up` stopped the workers before the dispatcher, whose drain then failed every queued
+    request at once: of 30 queued behind a 1 s batch, 8 were served and 22 failed UNAVAILABLE.
+    Now the dispatcher stops first and serves its queue with the workers still up, for
+    drain_timeout_s; what does not fit in it gets UNAVAILABLE, one reply each, and the workers,
+    stopped after it, still exit well within `up`'s stop bound."""
+    # Batches of 4 (fixed:4), 0.4 s each; 20 requests are 2 s of work, more than the 1.5 s drain.
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",), launch_us=400_000.0, per_item_us=0.0)],
+                   policy="fixed:4", drain_timeout_s=1.5, worker_dead_after_s=30.0)
+    x = np.ones((1, 4), np.float32).tobytes()
+    n = 20
+    try:
+        with zmq.Context.instance().socket(zmq.DEALER) as s, Client(node.dispatcher.frontend) as c:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(node.dispatcher.frontend)
+            for rid in range(1, n + 1):
+                s.send_multipart([P.encode(P.InferRequest(
+                    v=P.PROTOCOL_VERSION, id=rid, model="sum", timeout_us=60_000_000,
+                    inputs=[P.TensorRef(name="x", dtype="float32", shape=[1, 4], frame=0)])), x])
+            _wait_status(c, lambda st: st.workers[0].inflight > 0 and st.queued >= n - 4)  # (all in)
+            took = _stop(up)
+            replies: dict[int, list] = {}
+            while sum(map(len, replies.values())) < n and s.poll(10_000):
+                r = P.reply_decoder.decode(s.recv_multipart()[0])
+                if type(r) is P.InferReply:
+                    replies.setdefault(r.id, []).append(r)
+            assert not s.poll(300)  # (the dispatcher is gone: anything more was sent before it exited)
+        assert sorted(replies) == list(range(1, n + 1)) and all(len(v) == 1 for v in replies.values()), replies
+        ok = [rid for rid in sorted(replies) if replies[rid][0].status == P.Status.OK]
+        # Served in order: the batch running at the SIGTERM and at least the next one (0.8 s of
+        # the 1.5 s); the fifth batch cannot start before 1.6 s.
+        assert ok == list(range(1, len(ok) + 1)) and 8 <= len(ok) <= 16, ok
+        cut = [replies[rid][0] for rid in range(len(ok) + 1, n + 1)]
+        assert all(r.status == P.Status.UNAVAILABLE and "shut" in r.message for r in cut), cut
+        err = up.stderr.read()
+        # (nor is the dispatcher's exit, at the stop, taken for a failure)
+        assert up.returncode == 0 and b"killing it" not in err and b"dispatcher exited" not in err, err[-3000:]
+        assert took < 1.5 + 5, f"`up` took {took:.1f} s to stop"
+    finally:
+        _kill(up)
+
+
 def test_up_waits_for_the_dispatchers_drain(run_dir):
     """drain_timeout_s above up's 10 s stop bound was cut by SIGKILL: the requests of a batch in
     flight got no answer, and the dispatcher's ipc socket files were left behind."""
@@ -311,7 +354,7 @@ def test_up_waits_for_the_dispatchers_drain(run_dir):
         with Client(node.dispatcher.frontend) as c:
             fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=120)
             _wait_status(c, lambda st: st.workers[0].inflight > 0)
-            _stop(up, timeout=90)  # the worker: 10 s, then the drain: 12 s
+            _stop(up, timeout=90)  # the drain: 12 s, then the worker (its 600 s batch): 10 s
             with pytest.raises(Exception, match="shut down before the batch finished"):
                 fut.result(10)
         err = up.stderr.read()
