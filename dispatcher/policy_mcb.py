@@ -307,6 +307,7 @@ class MarginalCost(PerModelPolicy):
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
             held = 0  # head items planned for busy workers that finish them before this one
             after = sum(c[2] for c in chunks)
+            takers = chunks  # the plan's workers this pass may send to (8b)
             for finish, w, items in chunks:  # earliest finish first: it gets the FIFO head
                 after -= items
                 if not w.free:
@@ -330,6 +331,7 @@ class MarginalCost(PerModelPolicy):
                     #     none leaves the CPU taking too little while the GPU is busy.
                     queued = min(queued, share.get(id(w), 0))
                     if queued <= 0:
+                        takers = [c for c in takers if c[1] is not w]
                         continue
                 elif w in batching:
                     # 6a. A launch-heavy worker also takes what no other worker's first
@@ -365,7 +367,7 @@ class MarginalCost(PerModelPolicy):
                 idx.discard(reqs)
                 idx.discard([r for r, _ in d.late])
                 sent = sent or bool(reqs)
-            if not sent and not self._send_head_alone(state, model, q, ws, chunks, idx, now, d):
+            if not sent and not self._send_head_alone(state, model, q, ws, takers, idx, now, d):
                 return  # 8. what is left waits: on a busy worker or on the marginal rule
 
     @staticmethod
@@ -375,7 +377,9 @@ class MarginalCost(PerModelPolicy):
         the max batch of every worker the plan gave work to (a GPU of max batch 2 beside a CPU of 8,
         and 3 items) is taken by none of them: it goes alone to the free worker that takes it and
         finishes it soonest (it waited beside that worker until its deadline). False if none is
-        free, or the plan has a worker for it."""
+        free, or the plan has a worker for it: ``chunks`` are the plan's workers the pass may
+        send to (a GPU step 6b left no share is none: counted, a head only the GPUs take waited
+        beside them, idle, with no wake-up, until its deadline)."""
         head = head_request(q)
         if head is None or any(x.models[model] >= head.items for _, x, _ in chunks):
             return False

@@ -699,3 +699,25 @@ def test_an_urgent_reservation_lapsing_now_does_not_ask_for_a_wake_up_now(monkey
     d = MarginalCost().decide(st, now)
     assert d.wake_at > now or d.wake_at == math.inf
     assert d.dispatches or d.wake_at < math.inf  # and the request is not left with nothing to wake it
+
+
+def test_a_head_only_the_idle_gpus_take_is_sent_though_step_6b_gave_them_no_share():
+    """Two GPUs of max batch 26, a CPU with a small launch, cheaper per item, of max batch 14
+    (workers may register different max batches), steady traffic, a 23-item request. Step 6b
+    sized the GPUs' shares to nothing (the CPU takes the arrivals due before their next launch),
+    the CPU took nothing (23 items are past its max batch), and step 8b, counting the GPUs the
+    plan named, did not send the head alone: it waited beside two idle GPUs, no wake-up set,
+    until its deadline."""
+    st = SchedulerState()
+    st.costs[("m", "gpu")] = CostCurve(launch_s=2.0 * MS, per_item_s=0.4 * MS)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.01 * MS, per_item_s=0.04 * MS)
+    st.costs[("m", "gpu")].samples = st.costs[("m", "cpu")].samples = 100
+    for w in (WorkerState("gpu0", "gpu", {"m": 26}), WorkerState("gpu1", "gpu", {"m": 26}),
+              WorkerState("cpu0", "cpu", {"m": 14})):
+        st.add_worker(w)
+    now = 1.0
+    st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=40_000.0)
+    st.arrivals["m"]._t = now
+    st.queue("m").push(Request(0, "m", 23, 1, now, now + 30.0))
+    d = MarginalCost().decide(st, now)
+    assert [(x.worker.path, sum(r.items for r in x.requests)) for x in d.dispatches] == [("gpu", 23)]
