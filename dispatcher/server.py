@@ -518,7 +518,7 @@ class Dispatcher:
         if type(msg) is P.InferRequest:
             self._on_infer(msg, identity, raw, frames, now)
         elif type(msg) is P.GenerateRequest:
-            self.llm.on_generate(msg, identity, now, self._unknown_model)
+            self.llm.on_generate(msg, identity, now, self._unknown_llm_model)
         elif type(msg) is P.CancelRequest:
             if not self.core.cancel(identity, msg.id):
                 self.llm.core.cancel(identity, msg.id)
@@ -550,7 +550,19 @@ class Dispatcher:
         self._reply(identity, P.encode(self.grants.answer(msg, conn, self.shm_allowed)))
 
     def _unknown_model(self, model: str) -> str:
-        return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs) + sorted(self.llm.core.models())}"
+        """UNKNOWN_MODEL's message for ``infer`` or ``model_info``: a model this dispatcher serves
+        for ``generate`` is named as one (its list named the very model it said was unknown)."""
+        llm = sorted(self.llm.core.models())
+        if model in llm:
+            return f"{model!r} is an LLM model: send it `generate`, not `infer` (tensor models: {sorted(self.specs)})"
+        return f"unknown model {model!r}; this dispatcher serves {sorted(self.specs) + llm}"
+
+    def _unknown_llm_model(self, model: str) -> str:
+        """UNKNOWN_MODEL's message for ``generate``; a tensor model is named as one."""
+        if model in self.specs:
+            return (f"{model!r} is a tensor model: send it `infer`, not `generate` "
+                    f"(LLM models: {sorted(self.llm.core.models())})")
+        return self._unknown_model(model)
 
     def _reject(self, identity: bytes, msg: P.InferRequest, status: Status, message: str) -> None:
         self.metrics.request_failed(msg.model, status)

@@ -24,7 +24,7 @@ from batchyard.errors import InvalidArgument, Unavailable, UnknownModel
 
 from batchyard.config import DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, to_toml
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, sim_worker
 
 BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
 HOLD_TOKEN = 4094  # ... or hold it, unanswered, until the dispatcher aborts it
@@ -210,6 +210,21 @@ def test_bad_requests_get_clear_errors_and_the_next_one_is_served(llm_node):
             with pytest.raises(InvalidArgument, match=text):
                 c.generate("tiny", prompt, **kw)
         assert list(c.generate("tiny", [1, 2, 3], max_tokens=2)) == expected([1, 2, 3], 2)
+
+
+def test_infer_to_an_llm_model_says_it_takes_generate(llm_node):
+    """UNKNOWN_MODEL's message listed the very model it called unknown."""
+    address, _, _ = llm_node
+    with Client(address) as c:
+        with pytest.raises(UnknownModel, match="'tiny' is an LLM model: send it `generate`"):
+            c.infer("tiny", {"x": [[1.0]]})
+
+
+def test_generate_to_a_tensor_model_says_it_takes_infer(start_node):
+    node = start_node([sim_worker("sim0")])
+    with node.client() as c:
+        with pytest.raises(UnknownModel, match="'sum' is a tensor model: send it `infer`"):
+            c.generate("sum", [1, 2])
 
 
 def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_node):
