@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
 import torch
 
 from batchyard.config import WorkerConfig
@@ -121,3 +124,64 @@ def test_a_model_that_writes_into_its_input_leaves_the_clients_shared_memory_alo
         got = c.infer("inplace", {"x": x})["y"]
         assert got.tolist() == [[600.0, 300.0]]
         assert x.tolist() == [[6.0, 3.0, 3.0, 3.0]]
+
+
+class _Quits(torch.nn.Module):
+    """y = 2 x[:2]; raises SystemExit(78) on an input holding 7, KeyboardInterrupt on one holding 8."""
+
+    def forward(self, x):
+        if (x == 7).any():
+            raise SystemExit(78)
+        if (x == 8).any():
+            raise KeyboardInterrupt
+        return {"y": x[:, :2] * 2}
+
+
+def quitting_model(spec=None):
+    return _Quits()
+
+
+@pytest.mark.parametrize("value, raised", [(7, "SystemExit: 78"), (8, "KeyboardInterrupt")])
+def test_a_model_that_raises_systemexit_or_keyboardinterrupt_fails_its_request_not_the_worker(value, raised):
+    """Caught as Exception only, they ended the worker (twice: the batch, then the request's lone
+    retry), the request failed UNAVAILABLE, and a model's sys.exit(78) left the worker marked
+    misconfigured (exit 78), never restarted. Here the worker's runtime runs batches in this process."""
+    import msgspec
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.protocol import Status
+    from batchyard.workers.executors import TorchCpuExecutor
+    from batchyard.workers.runtime import WorkerRuntime
+
+    spec = P.ModelSpec(name="q", max_batch=4, inputs=[P.TensorSpec("x", "float32", [4])],
+                       outputs=[P.TensorSpec("y", "float32", [2])])
+    ex = TorchCpuExecutor(threads=1, precision="fp32")
+    ex.load(spec, f"{__name__}:quitting_model")
+    rt = WorkerRuntime("w", "ipc:///nonexistent", ex, {"q": spec})
+
+    def run(*values) -> P.BatchDone:
+        frames = []
+        for i, v in enumerate(values):
+            frames += [zmq.Frame(P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=i, model="q", inputs=[
+                P.TensorRef(name="x", dtype="float32", shape=[1, 4], frame=0)]))),
+                       zmq.Frame(np.full((1, 4), v, np.float32).tobytes())]
+        batch = P.Batch(batch_id=1, model="q", seqs=list(range(len(values))), n_frames=[1] * len(values))
+        try:
+            reply = rt.run_batch(batch, frames)
+        except BaseException as e:  # noqa: BLE001 -- escaping here, it ends the worker process
+            pytest.fail(f"the model's {type(e).__name__} escaped the worker's batch")
+        return msgspec.msgpack.decode(reply[0], type=P.BatchDone)
+
+    try:
+        alone = run(value)
+        assert [r.status for r in alone.results] == [Status.INTERNAL]
+        assert f"model 'q' raised {raised}" in alone.results[0].message
+        batched = run(1, value, 3)  # as for any other exception: only the request it fails on fails
+        assert [r.status for r in batched.results] == [Status.OK, Status.INVALID_ARGUMENT, Status.OK]
+        assert f"failed on this request: {raised}" in batched.results[1].message
+        assert [r.status for r in run(2).results] == [Status.OK]  # the worker serves on
+    finally:
+        rt.cache.close()
+        os.close(rt._wake_r)
+        os.close(rt._wake_w)

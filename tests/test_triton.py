@@ -339,6 +339,89 @@ def test_more_batches_than_slots_fail_that_batch_unavailable_not_the_worker():
         ex.close()
 
 
+def test_a_worker_asked_to_register_again_registers_once_the_batches_at_triton_are_done(run_dir, monkeypatch):
+    # A dispatcher restarted while both slots of a Triton worker held batches: the worker registered
+    # again at once with its whole capacity, and the new dispatcher's batches failed UNAVAILABLE
+    # "all 2 shared-memory slots of this worker are in use" (its breaker took the healthy worker out
+    # of rotation), though the slots freed seconds later. The test plays both dispatchers.
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.workers import runtime
+
+    monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)  # no hard exit of the test process
+    client = _ThreadedTriton(answer=False)  # holds every batch until the test answers it
+    ex = _fake_executor(client, inflight=2)
+    backend = f"ipc://{run_dir}/be"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(backend)
+    rt = runtime.WorkerRuntime("gpu0", backend, ex, {"tri": TRI.spec()}, heartbeat_interval_s=0.1, max_inflight=2)
+    statuses: dict[int, int] = {}
+
+    def recv():  # the worker's own messages (not its heartbeat socket's)
+        while True:
+            assert router.poll(30_000)
+            identity, *frames = router.recv_multipart()
+            if identity == b"gpu0":
+                return P.worker_message_decoder.decode(frames[0])
+
+    def send(msg, *frames):
+        router.send_multipart([b"gpu0", P.encode(msg), *frames])
+
+    def batch(batch_id: int, model: str = "tri"):
+        head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=batch_id, model=model, inputs=[
+            P.TensorRef(name="x", dtype="float32", shape=[1, 1024], frame=0)]))
+        send(P.Batch(batch_id=batch_id, model=model, seqs=[0], n_frames=[1]), head,
+             np.ones((1, 1024), np.float32).tobytes())
+
+    def answer(m):
+        """The new dispatcher: it sends a batch for each slot of a worker once it registers."""
+        if type(m) is P.Register:
+            send(P.Registered(worker="gpu0"))
+            batch(3)
+            batch(4)
+        elif type(m) is P.BatchDone:
+            statuses[m.batch_id] = m.results[0].status
+
+    def dispatchers():
+        try:
+            assert type(recv()) is P.Register
+            send(P.Registered(worker="gpu0"))
+            batch(1)
+            batch(2)
+            deadline = time.monotonic() + 30
+            while len(client.pending) < 2:  # both slots hold a batch at Triton
+                assert time.monotonic() < deadline
+            send(P.Reregister(worker="gpu0"))  # from a new dispatcher, which knows of neither batch
+            # Answered at once (no such model), after the worker has chosen whether to register.
+            batch(99, model="nope")
+            while 99 not in statuses:
+                answer(recv())
+            client.answer = True
+            for old in list(client.pending):  # the old batches end at Triton
+                old(_Answer(1), None)
+            while not {3, 4} <= statuses.keys():
+                answer(recv())
+        finally:
+            rt.request_stop()
+            os.write(rt._wake_w, b"x")
+            while type(m := recv()) is not P.Goodbye:
+                if type(m) is P.Leaving:
+                    send(P.LeavingNoted(worker="gpu0"))
+
+    t = threading.Thread(target=dispatchers)
+    t.start()
+    try:
+        assert rt.serve() == 0
+    finally:
+        t.join(timeout=60)
+        router.close()
+        for th in client.threads:
+            th.join()
+    assert (statuses[3], statuses[4]) == (P.Status.OK, P.Status.OK), statuses
+
+
 def test_sustained_max_size_batches_never_restart_the_worker(start_node, triton):
     node = start_node([gpu_worker(triton, warmup=(1, 64), inflight=2)], models=(TRI,))
     x = np.random.default_rng(4).standard_normal((16, 1024)).astype(np.float32)
@@ -640,5 +723,109 @@ def test_an_output_of_another_type_than_the_spec_fails_the_batch(triton, other_d
             unlike_the_spec = rf"output 'y' (is {told} \[2, 16\]; the spec says FP32|\(128 bytes)"
             with pytest.raises(RuntimeError, match=unlike_the_spec):
                 ex.run("m", {"x": x})
+    finally:
+        ex.close()
+
+
+# ---------------------------------------------------------------- a model Triton is (re)loading
+GATED_MODEL = """import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):  # loading lasts until the test creates the gate file (60 s at most)
+        end = time.monotonic() + 60
+        while not os.path.exists(os.path.join(os.path.dirname(__file__), "gate")) and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
+            "y", (pb_utils.get_input_tensor_by_name(r, "x").as_numpy() * 2).astype(np.float32))]) for r in requests]
+"""
+
+
+@pytest.fixture
+def gated(triton):
+    """A model in the shared Triton's repository, not loaded; its load lasts until ``gate`` exists."""
+    model = triton.repo / "gated"
+    (model / "1").mkdir(parents=True, exist_ok=True)
+    (model / "1" / "model.py").write_text(GATED_MODEL)
+    (model / "config.pbtxt").write_text(OTHER_DTYPE_CONFIG.replace('"other_dtype"', '"gated"'))
+    gate = model / "1" / "gate"
+    gate.unlink(missing_ok=True)
+    loads: list[threading.Thread] = []
+    yield types.SimpleNamespace(name="gated", gate=gate, loads=loads)
+    gate.touch()  # a load still waiting ends now
+    for t in loads:
+        t.join(60)
+    ctl = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        ctl.unload_model("gated")
+    finally:
+        ctl.close()
+    t0 = time.monotonic()
+    while "UNLOADING" in _states(triton, "gated"):  # the next test sees it not loaded
+        assert time.monotonic() - t0 < 60
+
+
+def _states(tl, name: str) -> list[str]:
+    ctl = grpcclient.InferenceServerClient(tl.grpc_url)
+    try:
+        return [m.state for m in ctl.get_model_repository_index().models if m.name == name]
+    finally:
+        ctl.close()
+
+
+def test_a_worker_started_while_triton_loads_its_model_waits_for_it(triton, gated, caplog):
+    # It exited 78 ("has no model 'gated'; it has gated (LOADING)"), a configuration error that
+    # neither `up` nor systemd restarts: the node lost its GPU worker for good once the model was READY.
+    def load():
+        c = grpcclient.InferenceServerClient(triton.grpc_url)
+        try:
+            c.load_model(gated.name)
+        finally:
+            c.close()
+
+    gated.loads.append(threading.Thread(target=load))
+    gated.loads[0].start()
+    while _states(triton, gated.name) != ["LOADING"]:
+        assert gated.loads[0].is_alive(), "the model loaded without waiting for its gate"
+    ex = TritonExecutor(triton.grpc_url, {"m": gated.name}, inflight=1, shm="system", start_timeout_s=60)
+    outcome: list = []
+
+    def start():
+        try:
+            ex.load(SMALL.spec())
+            outcome.append("loaded")
+        except BaseException as e:  # noqa: BLE001 -- what the worker would exit with
+            outcome.append(e)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    try:
+        while starting.is_alive() and "not ready (attempt 1, LOADING)" not in caplog.text:
+            pass
+        gated.gate.touch()  # the load ends: the model is READY
+        starting.join(60)
+        assert outcome == ["loaded"], outcome
+        x = np.full((2, 16), 3.0, np.float32)
+        np.testing.assert_array_equal(ex.run("m", {"x": x})["y"], x * 2)
+    finally:
+        gated.gate.touch()
+        starting.join(60)
+        ex.close()
+
+
+def test_a_model_triton_lists_but_never_loads_is_retried_then_unavailable_not_a_config_error(triton, gated):
+    # Exit 69 (restarted: someone may load it), not 78; a model Triton does not list at all stays 78
+    # (above). Not loaded yet, or unloaded by the test before.
+    ex = TritonExecutor(triton.grpc_url, {"m": gated.name}, inflight=1, shm="system", start_timeout_s=1.0)
+    try:
+        with pytest.raises(ExecutorUnavailable, match=r"still has model 'gated' \(for 'm'\) not ready after "
+                                                       r"\d+ attempts in 1 s \((not loaded|UNAVAILABLE)\)"):
+            ex.load(SMALL.spec())
     finally:
         ex.close()

@@ -5,7 +5,9 @@ registers after warm-up, then runs one batch message at a time. A heartbeat thre
 own socket keeps the worker visibly alive while a long batch runs (the model releases the
 GIL); it also relays the dispatcher's "reregister" (e.g. after a dispatcher restart), and on its
 "restart" (a batch never came back: the model is stuck) ends the process for its supervisor to
-start again.
+start again. Asked to register again while an asynchronous executor (Triton's) still holds
+batches sent before, the worker registers once they are done: the dispatcher that asks counts
+none of them, and would send its own into slots they still hold.
 Under systemd (``Type=notify``) the worker sends READY=1 once it has registered.
 """
 
@@ -101,6 +103,14 @@ class WorkerRuntime:
         # threads, drained by the loop, which a byte on this pipe wakes.
         self._completed: collections.deque = collections.deque()
         self._in_executor = 0  # batches an asynchronous executor holds, not yet completed
+        # Each batch handed to it counts under the registration it came in (`_term`: how many times
+        # the worker was asked to register again); those of an earlier one hold the next registration.
+        self._term = 0
+        self._by_term: collections.Counter = collections.Counter()
+        self._hold_until = 0.0
+        # How long a registration waits for them: a batch, then one of its requests run alone (a
+        # batch the model failed), each ended by the executor's own timeout (Triton's gRPC calls).
+        self.hold_max_s = 2 * getattr(executor, "timeout_s", 30.0)
         self._wake_r, self._wake_w = os.pipe()
 
     def request_stop(self, *_args) -> None:
@@ -159,8 +169,8 @@ class WorkerRuntime:
                 now = time.monotonic()
                 if hb.reregister.is_set():
                     hb.reregister.clear()
-                    registered, next_register = False, 0.0
-                if not registered and now >= next_register:
+                    registered, next_register = self._asked_to_register_again(registered, now), 0.0
+                if not registered and now >= next_register and not self._holds_earlier_batches(now):
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
                 events = dict(poller.poll(200))
@@ -188,7 +198,7 @@ class WorkerRuntime:
                     if not hb.is_alive() and not hb.stop.is_set():
                         hb.start()
                 elif type(msg) is P.Reregister:
-                    registered, next_register = False, 0.0
+                    registered, next_register = self._asked_to_register_again(registered, now), 0.0
                 elif type(msg) is P.RegisterRejected:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
@@ -220,10 +230,33 @@ class WorkerRuntime:
             ctx.term()
         return rc
 
+    def _asked_to_register_again(self, registered: bool, now: float) -> bool:
+        """The dispatcher does not know this worker (it restarted, or declared it dead): none of
+        the batches the executor holds count there. Registered at once, the worker got as many
+        new batches as it has slots, and those found no free slot: they failed UNAVAILABLE, and the
+        dispatcher's breaker took the worker out of rotation, until the old batches ended seconds
+        later. So the registration waits for them, at most ``hold_max_s``: each ends within the
+        executor's own timeout, and a lost completion must not keep the worker out for good. (A
+        `reregister` answering a heartbeat sent just before the registration may come after it:
+        then the wait is for batches the dispatcher does count, each already running.)
+        Returns the new ``registered``."""
+        self._term += 1
+        held = self._in_executor
+        if registered and held:
+            self._hold_until = now + self.hold_max_s
+            log.info("worker %s registers again once the %d batch(es) its executor holds are done", self.name, held)
+        return False
+
+    def _holds_earlier_batches(self, now: float) -> bool:
+        return now < self._hold_until and any(n for term, n in self._by_term.items() if term < self._term)
+
     def _send_completed(self, sock) -> None:
         while self._completed:  # batches an asynchronous executor finished
             self._in_executor -= 1
-            then, raw, compute_us = self._completed.popleft()
+            then, raw, compute_us, term = self._completed.popleft()
+            self._by_term[term] -= 1
+            if not self._by_term[term]:
+                del self._by_term[term]
             reply = then(raw, compute_us)
             if reply is not None:
                 sock.send_multipart(reply, copy=False)
@@ -282,38 +315,47 @@ class WorkerRuntime:
         first = (msg.model, n_items) not in self._sizes_run and not self.executor.simulated
         self._sizes_run.add((msg.model, n_items))
         if getattr(self.executor, "submit", None) is not None:
-            self._submit(msg.model, inputs, functools.partial(self._submitted_done, msg, items, spec, first))
+            self._submit(msg.model, inputs, functools.partial(self._submitted_done, msg, items, spec, first,
+                                                              self._term), self._term)
             return None
         t0 = time.perf_counter()
         try:
             raw = self.executor.run(msg.model, inputs)
         except ExecutorUnavailable as e:
             raw = e
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001
+            # Whatever the model raises is its failure, SystemExit and KeyboardInterrupt too: caught
+            # as Exception only, a model's sys.exit(3) ended the worker twice (the batch, then the
+            # request's lone retry), the request failed UNAVAILABLE, and a sys.exit(78) marked the
+            # worker misconfigured for good. No stop of the worker's own raises into the model:
+            # SIGTERM and SIGINT set a flag (request_stop); `restart` and the grace use os._exit.
             raw = self._each_alone(msg.model, items, spec, e)
             # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
             return self._finish(msg, items, spec, raw, 0, None)
         return self._finish(msg, items, spec, raw, int((time.perf_counter() - t0) * 1e6), None, first)
 
-    def _submit(self, model: str, inputs: dict, then) -> None:
+    def _submit(self, model: str, inputs: dict, then, term: int) -> None:
         """Hand a batch to an asynchronous executor; ``then(raw, compute_us)`` runs on the loop when
-        it completes and returns the reply frames, or None when there is none to send yet."""
+        it completes and returns the reply frames, or None when there is none to send yet.
+        ``term``: the registration its batch came in."""
         def done(raw, compute_us):
             # Runs on the executor's thread: hand over to the loop, never touch the socket here.
-            self._completed.append((then, raw, compute_us))
+            self._completed.append((then, raw, compute_us, term))
             os.write(self._wake_w, b"x")
 
         self._in_executor += 1
+        self._by_term[term] += 1
         self.executor.submit(model, inputs, done)
 
-    def _submitted_done(self, msg: P.Batch, items: list, spec, first: bool, raw, compute_us: int) -> list | None:
+    def _submitted_done(self, msg: P.Batch, items: list, spec, first: bool, term: int, raw,
+                        compute_us: int) -> list | None:
         """A batch the asynchronous executor completed. One the model failed runs again one
         request at a time, as ``_each_alone`` does for the others: one request Triton refused
         failed every client's request batched with it."""
         if isinstance(raw, Exception) and not isinstance(raw, ExecutorUnavailable):
             good = [it for it in items if it.error is None]
             if len(good) >= 2:
-                return self._next_alone(_LoneRuns(msg, items, spec, raw, good))
+                return self._next_alone(_LoneRuns(msg, items, spec, raw, good, term))
         return self._finish(msg, items, spec, raw, compute_us, None, first)
 
     def _next_alone(self, runs: "_LoneRuns") -> list | None:
@@ -326,7 +368,7 @@ class WorkerRuntime:
             except Exception as e:  # on the loop: raised here, it ended the worker
                 runs.failed.append((it, e))
                 continue
-            self._submit(runs.msg.model, inputs, functools.partial(self._alone_done, runs, it))
+            self._submit(runs.msg.model, inputs, functools.partial(self._alone_done, runs, it), runs.term)
             return None
         raw = self._alone_outcome(runs.msg.model, runs.spec, runs.good, runs.outs, runs.failed, runs.batch_failure)
         # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
@@ -359,7 +401,7 @@ class WorkerRuntime:
             try:
                 inputs = assemble([it], spec, self.cache)
                 outs.append(check_outputs(self.executor.run(model, inputs), spec, it.items))
-            except Exception as e:  # this request's own failure (or the backend's, caught next)
+            except BaseException as e:  # noqa: BLE001 -- its own failure (as in run_batch), or the backend's
                 failed.append((it, e))
         return self._alone_outcome(model, spec, good, outs, failed, batch_failure)
 
@@ -411,8 +453,9 @@ def exit_after_grace() -> None:
 class _LoneRuns:
     """A batch an asynchronous executor failed, its requests being run again one at a time."""
 
-    def __init__(self, msg: P.Batch, items: list, spec, batch_failure: Exception, good: list):
+    def __init__(self, msg: P.Batch, items: list, spec, batch_failure: Exception, good: list, term: int):
         self.msg, self.items, self.spec, self.batch_failure = msg, items, spec, batch_failure
+        self.term = term  # the registration the batch came in: its lone runs count under it too
         self.good, self.todo = good, list(good)
         self.outs: list = []
         self.failed: list = []

@@ -11,8 +11,9 @@
   runtime gets completions through its wake-up pipe.
 - Triton's own dynamic batching must be OFF for models we dispatch to (it would re-batch our
   batches and add its queue delay): checked at start from the model config, with a warning.
-- Start: Triton unreachable is retried with back-off until ``start_timeout_s`` (it may be
-  starting too), then ExecutorUnavailable; a model Triton does not have is CannotStart (EX_CONFIG).
+- Start: Triton unreachable, or its model listed but not ready (loading, reloading), is retried
+  with back-off until ``start_timeout_s`` (it may be starting too), then ExecutorUnavailable; a
+  model Triton does not list at all is CannotStart (EX_CONFIG).
 - Outage: a failed call marks the connection down; calls during back-off fail at once with
   ExecutorUnavailable (the requests get UNAVAILABLE), the next call after it opens a fresh gRPC
   channel and re-registers the regions. A fresh channel, because an old one keeps failing for
@@ -167,9 +168,12 @@ class TritonExecutor:
             self._make_slots(in_b, out_b)
 
     def _model_config(self, name: str, spec_name: str):
-        """The Triton model's config. An unreachable Triton may be starting too (or restarting):
-        retried with back-off for ``start_timeout_s``, then ExecutorUnavailable (the worker exits
-        and is restarted). A model Triton does not have is a configuration error: CannotStart."""
+        """The Triton model's config. An unreachable Triton may be starting too (or restarting),
+        and a model Triton lists but has not ready may be loading (or reloading, unloading):
+        both are retried with back-off for ``start_timeout_s``, then ExecutorUnavailable (the
+        worker exits and is restarted). Only a model Triton does not list at all is a
+        configuration error: CannotStart. (Any NOT_FOUND was one, and a worker restarted while
+        Triton reloaded its model exited 78, never restarted once the model was READY again.)"""
         from tritonclient.utils import InferenceServerException
 
         deadline = time.monotonic() + self.start_timeout_s
@@ -178,30 +182,46 @@ class TritonExecutor:
             try:
                 return self.client.get_model_config(name, client_timeout=self.timeout_s).config
             except InferenceServerException as e:
-                if e.status() == "StatusCode.NOT_FOUND":
-                    raise CannotStart(f"Triton at {self.url} has no model {name!r} (for {spec_name!r}); "
-                                      f"it has {self._repository()}. Fix `triton.models` or load the model "
-                                      f"in Triton") from None
-                if e.status() not in UNREACHABLE:
+                if e.status() in UNREACHABLE:
+                    why, detail = "unreachable", e.status().removeprefix("StatusCode.")
+                elif e.status() == "StatusCode.NOT_FOUND":
+                    index = self._index()
+                    states = [state for m, state in index or () if m == name]
+                    if index is not None and not states:
+                        raise CannotStart(f"Triton at {self.url} has no model {name!r} (for {spec_name!r}); "
+                                          f"it has {self._listing(index)}. Fix `triton.models` or load the model "
+                                          f"in Triton") from None
+                    if states:  # loading, unloading (a reload), or not loaded yet
+                        why, detail = f"has model {name!r} (for {spec_name!r}) not ready", ", ".join(states)
+                    else:  # cannot tell: one restart too many beats a worker never restarted
+                        why = f"did not find model {name!r} (for {spec_name!r}) nor list its models"
+                        detail = "NOT_FOUND"
+                else:
                     raise CannotStart(f"Triton at {self.url} refused the config of model {name!r}: "
                                       f"{e.message()}") from None
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ExecutorUnavailable(f"Triton at {self.url} still unreachable after {attempt} attempts in "
-                                              f"{self.start_timeout_s:.0f} s: {e.message()}") from None
+                    raise ExecutorUnavailable(f"Triton at {self.url} still {why} after {attempt} attempts in "
+                                              f"{self.start_timeout_s:.0f} s ({detail}): {e.message()}") from None
                 wait = min(delay, left)
-                log.warning("Triton at %s unreachable (attempt %d, %s); again in %.1f s",
-                            self.url, attempt, e.status().removeprefix("StatusCode."), wait)
-                time.sleep(wait)  # a back-off between connection attempts, not synchronisation
+                log.warning("Triton at %s %s (attempt %d, %s); again in %.1f s", self.url, why, attempt, detail, wait)
+                time.sleep(wait)  # a back-off between attempts, not synchronisation
                 delay, attempt = min(delay * 2, START_RETRY_MAX_S), attempt + 1
-                self._connect()  # a fresh channel: no gRPC back-off of its own between ours
+                if why == "unreachable":
+                    self._connect()  # a fresh channel: no gRPC back-off of its own between ours
 
-    def _repository(self) -> str:
+    def _index(self) -> list[tuple[str, str]] | None:
+        """(name, state) of each model (version) in Triton's repository; None when Triton did not
+        list it. State "" is a model in the repository that is not loaded."""
         try:
             models = self.client.get_model_repository_index(client_timeout=self.timeout_s).models
         except Exception:
-            return "a repository it did not list"
-        return ", ".join(f"{m.name} ({m.state or 'not loaded'})" for m in models) or "no models"
+            return None
+        return [(m.name, m.state or "not loaded") for m in models]
+
+    @staticmethod
+    def _listing(index: list[tuple[str, str]]) -> str:
+        return ", ".join(f"{m} ({state})" for m, state in index) or "no models"
 
     def _make_slots(self, in_bytes: int, out_bytes: int) -> None:
         """Slots for a batch of ``in_bytes`` of inputs and ``out_bytes`` of outputs (each region
