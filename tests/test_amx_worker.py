@@ -126,14 +126,25 @@ def test_a_model_that_writes_into_its_input_leaves_the_clients_shared_memory_alo
         assert x.tolist() == [[6.0, 3.0, 3.0, 3.0]]
 
 
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
 class _Quits(torch.nn.Module):
-    """y = 2 x[:2]; raises SystemExit(78) on an input holding 7, KeyboardInterrupt on one holding 8."""
+    """y = 2 x[:2]; on an input holding 7 raises SystemExit(78), 8 KeyboardInterrupt, 9 an error
+    whose text holds a lone surrogate (``os.fsdecode`` of a non-UTF-8 path), 10 one whose text
+    cannot be read."""
 
     def forward(self, x):
         if (x == 7).any():
             raise SystemExit(78)
         if (x == 8).any():
             raise KeyboardInterrupt
+        if (x == 9).any():
+            raise FileNotFoundError(os.fsdecode(b"/models/w\xff.bin"))
+        if (x == 10).any():
+            raise _Unprintable()
         return {"y": x[:, :2] * 2}
 
 
@@ -141,11 +152,15 @@ def quitting_model(spec=None):
     return _Quits()
 
 
-@pytest.mark.parametrize("value, raised", [(7, "SystemExit: 78"), (8, "KeyboardInterrupt")])
-def test_a_model_that_raises_systemexit_or_keyboardinterrupt_fails_its_request_not_the_worker(value, raised):
-    """Caught as Exception only, they ended the worker (twice: the batch, then the request's lone
-    retry), the request failed UNAVAILABLE, and a model's sys.exit(78) left the worker marked
-    misconfigured (exit 78), never restarted. Here the worker's runtime runs batches in this process."""
+@pytest.mark.parametrize("value, raised", [(7, "SystemExit: 78"), (8, "KeyboardInterrupt"),
+                                           (9, "FileNotFoundError: /models/w\\udcff.bin"),
+                                           (10, "_Unprintable: (its text could not be read)")])
+def test_whatever_a_model_raises_fails_its_request_not_the_worker(value, raised):
+    """Caught as Exception only, SystemExit and KeyboardInterrupt ended the worker (twice: the
+    batch, then the request's lone retry), the request failed UNAVAILABLE, and a model's
+    sys.exit(78) left the worker marked misconfigured (exit 78), never restarted. An error whose
+    text held a lone surrogate failed the reply's encoding, one whose text raised the reply's
+    making: the worker died the same way. Here the worker's runtime runs batches in this process."""
     import msgspec
     import zmq
 

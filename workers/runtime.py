@@ -35,6 +35,8 @@ from .batch_io import assemble, check_outputs, read_batch, write_results
 
 log = logging.getLogger("batchyard.worker")
 REGISTER_RETRY_S = 2.0
+# Characters of a model exception's text that a reply carries: a 20 MB text made a 20 MB header.
+ERROR_TEXT_MAX = 4096
 HEARTBEAT_QUEUE = 4  # beats held for a dispatcher that is not reading
 
 
@@ -138,7 +140,7 @@ class WorkerRuntime:
                     # systemd restarts for ever)
                     from .executors import ModelContractError
 
-                    what = str(e) if isinstance(e, ModelContractError) else f"{type(e).__name__}: {e}"
+                    what = str(e) if isinstance(e, ModelContractError) else error_text(e)
                     raise CannotStart(f"[[models]] {model!r}: warm-up at B={b}: {what}") from None
                 log.info("warm-up %s B=%d: %.1f ms", model, b, (time.perf_counter() - t0) * 1e3)
 
@@ -412,9 +414,9 @@ class WorkerRuntime:
         if len(failed) == len(good) or any(isinstance(e, ExecutorUnavailable) for _, e in failed):
             return batch_failure
         for it, e in failed:
-            it.error = (Status.INVALID_ARGUMENT, f"model {model!r} failed on this request: {type(e).__name__}: {e}")
-        log.warning("batch of %s failed (%s: %s); run alone, %d of its %d requests failed", model,
-                    type(batch_failure).__name__, batch_failure, len(failed), len(good))
+            it.error = (Status.INVALID_ARGUMENT, f"model {model!r} failed on this request: {error_text(e)}")
+        log.warning("batch of %s failed (%s); run alone, %d of its %d requests failed", model,
+                    error_text(batch_failure), len(failed), len(good))
         return {t.name: np.concatenate([o[t.name] for o in outs]) for t in spec.outputs}
 
     def _finish(self, msg: P.Batch, items, spec, raw, compute_us: int, batch_error, first: bool = False) -> list:
@@ -423,8 +425,9 @@ class WorkerRuntime:
             if isinstance(raw, ExecutorUnavailable):
                 batch_error = (Status.UNAVAILABLE, str(raw))
             else:  # a model failure fails this batch, never the worker
-                log.error("batch %d of %s failed: %s: %s", msg.batch_id, msg.model, type(raw).__name__, raw)
-                batch_error = (Status.INTERNAL, f"model {msg.model!r} raised {type(raw).__name__}: {raw}")
+                what = error_text(raw)
+                log.error("batch %d of %s failed: %s", msg.batch_id, msg.model, what)
+                batch_error = (Status.INTERNAL, f"model {msg.model!r} raised {what}")
             compute_us = 0
         elif raw is not None:
             try:
@@ -442,6 +445,21 @@ class WorkerRuntime:
 # good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
 STOP_GRACE_S = 15.0
 LEAVING_NOTED_WAIT_S = 1.0  # an idle stopping worker's wait for the dispatcher's `leaving_noted`
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: text`` of a model's exception, as a reply header can carry it. The text is the
+    model's: one whose ``__str__`` raised, or that held a lone surrogate (``os.fsdecode`` of a
+    non-UTF-8 path), raised while the reply was built or encoded, outside any handler, and the
+    worker died with its batch, twice (the batch, then the request's lone retry)."""
+    try:
+        text = str(e)
+    except Exception:
+        text = "(its text could not be read)"
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > ERROR_TEXT_MAX:
+        text = f"{text[:ERROR_TEXT_MAX]}... ({len(text)} characters)"
+    return f"{type(e).__name__}: {text}"
 
 
 def exit_after_grace() -> None:
