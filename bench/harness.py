@@ -460,13 +460,15 @@ def sample_total(samples: list, name: str, **labels: str) -> float:
 
 
 def server_split(before: list, after: list) -> dict:
-    """Mean queue and compute time per served request, per path, from Triton-named counters."""
+    """Mean queue and compute time per served request, per path, from Triton-named counters; a
+    server whose counters have no path (Triton's own) under "all"."""
     def by_path(name):
         acc: dict[str, float] = {}
         for samples, sign in ((after, 1), (before, -1)):
             for s in samples:
                 if s.name == name:
-                    acc[s.labels["path"]] = acc.get(s.labels["path"], 0.0) + sign * s.value
+                    path = s.labels.get("path", "all")
+                    acc[path] = acc.get(path, 0.0) + sign * s.value
         return acc
 
     n, qd, cd = (by_path(x) for x in ("nv_inference_request_success", "nv_inference_queue_duration_us",

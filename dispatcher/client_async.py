@@ -6,6 +6,7 @@ decoding and the shared-memory pool are the ones ``Client`` uses (dispatcher/cli
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import time
 from typing import Optional
 
@@ -21,15 +22,25 @@ from .errors import DeadlineExceeded
 from .zmq_frames import NOBLOCK, send_parts, waiting
 
 
-class _Closed:
-    """What ``AsyncClient.close`` returns: an awaitable with nothing left to do (no event loop
-    needed, so it may be awaited in any loop, or dropped without a never-awaited warning)."""
+class _Closed(collections.abc.Coroutine):
+    """What ``AsyncClient.close`` returns: a coroutine with nothing left to do (no event loop
+    needed, so it may be awaited in any loop, given to ``asyncio.run`` as tritonclient's aio
+    ``close()`` is, or dropped without a never-awaited warning: it is no native coroutine)."""
 
     __slots__ = ()
 
     def __await__(self):
         return
         yield  # (a generator: awaiting it finishes at once with None)
+
+    def send(self, value):
+        raise StopIteration
+
+    def throw(self, typ, val=None, tb=None):
+        raise (typ() if isinstance(typ, type) else typ) if val is None else val
+
+    def close(self):
+        pass
 
 
 _CLOSED = _Closed()

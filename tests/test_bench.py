@@ -743,3 +743,17 @@ def test_a_run_is_labelled_with_a_rate_only_when_it_ran_at_that_rate():
         assert run_label("batchyard", "sum", spec_from(args)) == label
     # a closed loop is no rate, whatever rate the spec holds besides
     assert run_label("batchyard", "sum", LoadSpec(concurrency=2, rate=10.0)) == "batchyard:sum"
+
+
+def test_the_server_split_of_tritons_own_metrics_is_one_path():
+    """`bench --target triton --metrics-url` at Triton's /metrics: its counters have no `path`
+    label, and the split raised KeyError after the run (no table, no bench.json)."""
+    from batchyard.bench.harness import exposition_samples, server_split
+
+    def text(n):
+        return "".join(f"# TYPE {name} counter\n{name}{{model=\"sum\",version=\"1\"}} {k * n}\n" for name, k in (
+            ("nv_inference_request_success", 1), ("nv_inference_queue_duration_us", 10),
+            ("nv_inference_compute_infer_duration_us", 20)))
+
+    split = server_split(exposition_samples(text(10)), exposition_samples(text(110)))
+    assert split == {"all": {"served": 100, "mean_queue_ms": 0.01, "mean_compute_ms": 0.02}}

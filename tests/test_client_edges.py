@@ -407,7 +407,10 @@ def test_an_async_client_closes_with_or_without_await_and_as_a_context(fake, spe
             await c.infer("sum", {"x": ONE})
         await c.close()  # again: nothing left to do, and no error
         c.close()
+        return c
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "coroutine ... was never awaited" from the bare call
-        asyncio.run(main())
+        c = asyncio.run(main())
+        # As tritonclient's aio close, a coroutine asyncio.run takes (it said "a coroutine was expected")
+        assert asyncio.run(c.close()) is None
