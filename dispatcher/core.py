@@ -494,10 +494,21 @@ class RequestCore:
         workers had time to serve. The driver ends the drain: once ``drained``, or at its
         timeout with ``fail_queued`` and ``fail_all``."""
         self.draining = True
+        self.state.closed = True
 
     def drained(self) -> bool:
         """Nothing left to serve: no request queued or in flight, no batch out."""
         return not self.requests and not self.batches
+
+    def unservable(self) -> bool:
+        """No batch out, and no worker (in rotation or suspended, which comes back) serves a
+        model with queued requests: waiting cannot serve them. A drain whose workers were
+        stopped with it (separate units, no ordering) held them until drain_timeout_s."""
+        if self.batches:
+            return False
+        back = [w for _, w in self.suspended.values()]
+        return not any(q.requests and (self.state.serving.get(m) or any(m in w.models for w in back))
+                       for m, q in self.state.queues.items())
 
     def fail_queued(self, status: Status, message: str) -> None:
         """Fail every request still waiting in a queue (those in a batch are left)."""

@@ -84,7 +84,7 @@ class TimeWindow(PerModelPolicy):
     def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
         targets = state.serving.get(model, ())
         for w in targets:
-            while w.free and q.requests and (q.items >= self.max_batch
+            while w.free and q.requests and (q.items >= self.max_batch or state.closed
                                              or now >= q.oldest_arrival() + self.max_delay_s):
                 if not send(state, d, w, q, self.max_batch, now):
                     break
@@ -143,7 +143,7 @@ def wait_pays(state: SchedulerState, model: str, b: int, saving: float, now: flo
     the p99.
     """
     gap = saving / b if break_even_gap is None else break_even_gap
-    if saving <= 0 or gap <= 0:
+    if saving <= 0 or gap <= 0 or state.closed:
         return False, now
     rate = state.arrival(model)
     lam = rate.rate(now)

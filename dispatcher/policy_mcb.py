@@ -274,7 +274,7 @@ class MarginalCost(PerModelPolicy):
             #    reach the fixed point (or stop when it stops growing).
             chunks, end = plan(state, model, ws, b, now, background)
             own_finish = max(c[0] for c in chunks) if chunks else now
-            lam = state.arrival(model).rate(now)
+            lam = 0.0 if state.closed else state.arrival(model).rate(now)  # a drain admits none
             # The workers that amortise a launch (steps 6a and 6b); the free ones 6b sizes, and
             # their shares, planned before anything is sent (a send makes the GPU busy) and only
             # where such a worker is free.
@@ -411,7 +411,7 @@ class MarginalCost(PerModelPolicy):
     def _eligible(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState], now: float,
                   d: Decision) -> list[WorkerState]:
         urgent = q.class_items[0] + q.class_items[1]
-        lam_u = state.urgent_rate(model, now) if not urgent and len(all_ws) > 1 else 0.0
+        lam_u = state.urgent_rate(model, now) if not urgent and len(all_ws) > 1 and not state.closed else 0.0
         if lam_u <= URGENT_RATE:
             return all_ws
         # Batches are not preemptible: low-only batches leave the workers best placed for lone

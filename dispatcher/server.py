@@ -246,7 +246,9 @@ class Dispatcher:
             self.loop.call_soon(self._step)
 
     def _drained(self) -> bool:
-        return self.core.drained() and not self.llm.core.requests and not self.llm.busy()
+        """Nothing left that the drain can still serve (LLM requests included)."""
+        return ((self.core.drained() or self.core.unservable()) and not self.llm.core.requests
+                and not self.llm.busy())
 
     def _end_drain(self) -> None:
         """Every request still open gets its one reply, UNAVAILABLE, then the sockets close."""
@@ -257,11 +259,11 @@ class Dispatcher:
                                                   f"(drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out)")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
-        # Its workers outlive it (`up` stops them next). Told to register again, one stopped then
-        # does not wait for an answer to its `leaving` that nobody is left to send (1 s more at
-        # every stop), and one left running registers with the next dispatcher without delay.
-        for w in self.state.workers.values():
-            self._send_worker(w.identity, P.encode(P.Reregister(worker=w.name)))
+        # Its workers outlive it (`up` stops them next; one stopped then waits up to 1 s for an
+        # answer to its `leaving`). Not told to register again: one left running (separate units)
+        # sent `register` to nobody every 2 s, and after ~1,000 of them its sends blocked and only
+        # the stop grace's exit 1 ended it; heartbeats, whose queue is bounded, find the next
+        # dispatcher, which asks for the registration.
         self.close()
 
     def _arm(self, when: float, decided_at: float) -> None:

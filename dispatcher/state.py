@@ -212,6 +212,9 @@ class SchedulerState:
     # model -> until when it counts as overloaded: a queued request of it expired (or was shed as
     # late) at most its own timeout ago (policy_core.congested)
     overloaded_until: dict[str, float] = field(default_factory=dict)
+    # No request is admitted any more (the dispatcher drains): no wait for an arrival pays, and a
+    # policy that waited held the queue beside free workers until the drain ran out.
+    closed: bool = False
 
     def expired(self, r: Request, now: float) -> None:
         """Queued request ``r`` ends unserved at ``now``, its deadline passed or out of reach."""

@@ -805,3 +805,41 @@ def test_a_silent_workers_request_that_writes_client_memory_is_not_run_again_els
     assert lost[0].name == "gpu0"
     assert ends.failed == {1: Status.UNAVAILABLE} and shm.answered_in_flight
     assert inline.state == QUEUED and core.state.queue("m").requests == 1  # queued again for cpu0
+
+
+@pytest.mark.parametrize("policy", ["window:3000000,8", "fixed:4", "mcb", "three-segment"])
+def test_a_drain_sends_the_queue_to_a_free_worker_at_once_whatever_the_policy_waits_for(policy):
+    """A drain admits nothing more, so no wait for an arrival pays: window:3000000,8 held a lone
+    request beside the free worker for the whole drain, then it failed UNAVAILABLE."""
+    ends = Ends()
+    core = RequestCore(make_policy(policy), ends.on_fail)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
+    for i in range(40):  # steady traffic: a rate at which the batching rules wait for company
+        core.admit("m", 1, 1, 60.0, i * 1e-4, client=b"c", req_id=100 + i)
+        for b in core.decide(i * 1e-4):
+            core.complete(b.batch_id, 1e-5, i * 1e-4 + 1e-5)
+            for r in b.requests:
+                core.finish(r)
+    core.admit("m", 1, 1, 60.0, 0.005, client=b"c", req_id=1)
+    core.begin_drain()
+    sent = [r.req_id for b in core.decide(0.005) for r in b.requests]
+    assert 1 in sent and not [r.req_id for r in core.requests.values() if r.state == QUEUED]
+
+
+def test_a_drain_with_no_worker_left_for_its_queue_has_nothing_to_wait_for():
+    """Workers stopped with the dispatcher (separate units, no ordering) left its queue to
+    nobody, and the drain held it until drain_timeout_s."""
+    ends = Ends()
+    core = make_core(ends)
+    core.state.workers["gpu0"].models["m"] = 1
+    core.admit("m", 1, 1, 60.0, 0.0, client=b"c", req_id=1)
+    core.admit("m", 1, 1, 60.0, 0.0, client=b"c", req_id=2)
+    (b,) = core.decide(0.0)
+    core.begin_drain()
+    assert not core.unservable()  # a batch is out, and its worker serves the queue after it
+    core.complete(b.batch_id, 0.1, 0.1)
+    for r in b.requests:
+        core.finish(r)
+    core.leaving("gpu0")
+    assert core.unservable() and not core.drained()

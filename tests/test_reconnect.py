@@ -390,3 +390,16 @@ def test_a_leaving_worker_is_answered_and_gets_no_new_batch_while_another_serves
             other.close()
     finally:
         leaving.close()
+
+
+def test_a_drain_with_no_worker_for_its_queue_fails_it_at_once(run_dir, processes):
+    """Workers stopped with the dispatcher (separate units with no ordering) left its queue to
+    nobody, and the drain held it for the whole drain_timeout_s (60 s here) before failing it."""
+    node = dispatcher_alone(processes, run_dir, drain_timeout_s=60.0)
+    with Client(node.dispatcher.frontend) as c:
+        queued = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=120)
+        st = c.status()  # `queued` waits: no worker serves `sum`
+        assert st.queued == 1
+        os.kill(st.dispatcher_pid, signal.SIGTERM)
+        with pytest.raises(Unavailable, match="shut down before the request reached a worker"):
+            queued.result(timeout=20)
