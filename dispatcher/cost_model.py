@@ -231,13 +231,16 @@ class CostCurve:
         # Given up after TRIAL_PATIENCE batches of other sizes: requests are never split, and one
         # that requests of 4 items cannot make (15 beside 16) was named for good, the cap held at
         # it and the batches at 12 (41.0 items/s of 43.2).
-        # Only where the cap stops at the best proven size: above it, the cap's own batches
-        # measure what lies beyond. A step into a backlog from light load (sizes up to 16
-        # proven, bigger ones measured once while the queue grew) walked the neighbours up one
-        # at a time, each sent until proven, while the cap said max batch: ~25 batches of
-        # 17-58 on a GPU best at 64 (SIMULATED, held-out random-13-5 at 60 %: MCB's p50 4.16 ms
-        # against escape:1's 2.48, now 2.52).
-        if cap > b_star:
+        # Not where the cap lies above the best proven size and its estimate serves items faster:
+        # the cap's own batches measure what lies beyond. A step into a backlog from light load
+        # (sizes up to 16 proven, bigger ones measured once while the queue grew) walked the
+        # neighbours up one at a time, each sent until proven, while the cap said max batch: ~25
+        # batches of 17-58 on a GPU best at 64 (SIMULATED, held-out random-13-5 at 60 %: MCB's
+        # p50 4.16 ms against escape:1's 2.48, now 2.52). A cap above it only within the
+        # tolerance (sizes flat above the best, a spell having made the best look slow) still
+        # gets its neighbours measured: skipped there too, a worker best at 8 ran 32s for good.
+        cap_per_item = per_item[cap] if cap in per_item else self._interpolate(cap) / cap
+        if cap > b_star and cap_per_item < best:
             return 0
         for j in (i - 1, i + 1):
             if 0 <= j < len(sizes) and self.unproven(sizes[j]):
