@@ -501,14 +501,20 @@ class RequestCore:
         return not self.requests and not self.batches
 
     def unservable(self) -> bool:
-        """No batch out, and no worker (in rotation or suspended, which comes back) serves a
-        model with queued requests: waiting cannot serve them. A drain whose workers were
-        stopped with it (separate units, no ordering) held them until drain_timeout_s."""
+        """No batch out, and no queued request that a worker (in rotation, or suspended, which
+        comes back) takes whole: waiting cannot serve them. A drain whose workers were stopped
+        with it (separate units, no ordering) held them until drain_timeout_s, and so did one
+        request of more items than any worker's max batch. (Scans the queues: drains only.)"""
         if self.batches:
             return False
         back = [w for _, w in self.suspended.values()]
-        return not any(q.requests and (self.state.serving.get(m) or any(m in w.models for w in back))
-                       for m, q in self.state.queues.items())
+        for m, q in self.state.queues.items():
+            if not q.requests:
+                continue
+            largest = max((w.models.get(m, 0) for w in [*self.state.serving.get(m, ()), *back]), default=0)
+            if any(r.items <= largest for dq in q.by_priority for r in dq):
+                return False
+        return True
 
     def fail_queued(self, status: Status, message: str) -> None:
         """Fail every request still waiting in a queue (those in a batch are left)."""

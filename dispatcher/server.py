@@ -259,8 +259,8 @@ class Dispatcher:
                                                   f"(drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out)")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
-        # Its workers outlive it (`up` stops them next; one stopped then waits up to 1 s for an
-        # answer to its `leaving`). Not told to register again: one left running (separate units)
+        # Its workers outlive it (`up` stops them next; one stopped then waits 1 s for an answer
+        # to its `leaving`, LEAVING_NOTED_WAIT_S). Not told to register again: one left running (separate units)
         # sent `register` to nobody every 2 s, and after ~1,000 of them its sends blocked and only
         # the stop grace's exit 1 ended it; heartbeats, whose queue is bounded, find the next
         # dispatcher, which asks for the registration.

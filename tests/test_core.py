@@ -843,3 +843,19 @@ def test_a_drain_with_no_worker_left_for_its_queue_has_nothing_to_wait_for():
         core.finish(r)
     core.leaving("gpu0")
     assert core.unservable() and not core.drained()
+
+
+def test_a_drain_whose_queue_holds_only_requests_too_big_for_every_worker_has_nothing_to_wait_for():
+    """A 16-item request queued before a worker of max batch 8 registered (a first registration
+    keeps the queue) held the drain until drain_timeout_s."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)
+    core.add_worker(WorkerState("w0", "cpu", {"m": 16}), 0.0)
+    core.leaving("w0")
+    core.admit("m", 16, 1, 60.0, 0.0, client=b"c", req_id=1)
+    core.add_worker(WorkerState("w1", "cpu", {"m": 8}), 0.1)
+    core.begin_drain()
+    assert core.decide(0.2) == [] and not ends.failed and core.state.queue("m").items == 16
+    assert core.unservable()
+    core.admit("m", 4, 1, 60.0, 0.2, client=b"c", req_id=2)  # (refused: the drain admits nothing)
+    assert core.unservable()

@@ -721,3 +721,16 @@ def test_a_head_only_the_idle_gpus_take_is_sent_though_step_6b_gave_them_no_shar
     st.queue("m").push(Request(0, "m", 23, 1, now, now + 30.0))
     d = MarginalCost().decide(st, now)
     assert [(x.worker.path, sum(r.items for r in x.requests)) for x in d.dispatches] == [("gpu", 23)]
+
+
+def test_a_closed_queue_is_not_held_for_arrivals_that_a_drain_refuses():
+    """A draining dispatcher admits nothing more: MCB's marginal rule and three-segment's waited
+    for the next arrival all the same, beside a free worker."""
+    st = seeds_state(n_queued=1, lam_per_s=30_000, cpu=False)
+    assert MarginalCost().decide(st, 1.0).dispatches == []  # waits for the next arrival
+    st.closed = True
+    assert paths(MarginalCost().decide(st, 1.0)) == [("gpu", 1)]
+    st = seeds_state(n_queued=3, lam_per_s=100_000)
+    assert ThreeSegment().decide(st, 1.0).dispatches == []  # B1 <= 3 < B2: waits for company
+    st.closed = True
+    assert paths(ThreeSegment().decide(st, 1.0)) == [("gpu", 3)]

@@ -302,6 +302,20 @@ def test_a_front_door_stops_within_its_grace_with_an_http_request_in_flight(run_
         _kill(up)
 
 
+def test_workers_of_a_slow_heartbeat_stop_on_their_own_after_the_dispatcher(run_dir):
+    """Stopped after the dispatcher, a worker waits for an answer to its `leaving` that nobody
+    is left to send: 3 heartbeats long (12 s at a 4 s heartbeat), past `up`'s 10 s stop bound,
+    and `up` killed both workers."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",)), sim_worker("w1", ("sum",))],
+                   heartbeat_interval_s=4.0, worker_dead_after_s=30.0)
+    try:
+        _stop(up)
+        err = up.stderr.read()
+        assert up.returncode == 0 and b"killing it" not in err, err[-3000:]
+    finally:
+        _kill(up)
+
+
 def test_requests_queued_when_up_stops_are_served_while_the_drain_lasts_then_failed_once(run_dir):
     """`up` stopped the workers before the dispatcher, whose drain then failed every queued
     request at once: of 30 queued behind a 1 s batch, 8 were served and 22 failed UNAVAILABLE.

@@ -279,7 +279,9 @@ class WorkerRuntime:
         # The answer to `leaving` comes within milliseconds from a dispatcher that is there; one
         # that is gone (stopping beside this worker) never sends it: waited for up to the whole
         # grace, an idle worker took 15 s to stop. Only batches in the executor are worth that.
-        noted_by = start + max(LEAVING_NOTED_WAIT_S, 3 * self.heartbeat_interval_s)
+        # Not scaled with the heartbeat: at 3x a 4 s heartbeat the wait outlasted `up`'s 10 s stop
+        # bound (the dispatcher stops first now), and `up` killed the workers.
+        noted_by = start + LEAVING_NOTED_WAIT_S
         while (self._in_executor or (not noted and time.monotonic() < noted_by)) and time.monotonic() < deadline:
             until = deadline if self._in_executor else min(deadline, noted_by)
             events = dict(poller.poll(max(0.0, until - time.monotonic()) * 1000))
