@@ -30,7 +30,7 @@ from . import protocol as P
 from .client_pool import Region, ShmPool
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
-from .shm import ShmError, reap_orphans
+from .shm import CLIENT_REAP_ENTRIES, ShmError, reap_orphans
 from .validation import item_nbytes
 
 _DTYPE_NAMES: dict = {}
@@ -223,7 +223,9 @@ class ClientCodec:
 
     def __init__(self, address: str, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, pool_bytes: int = 64 << 20,
                  shared_memory: Optional[bool] = None):
-        reap_orphans()  # a crashed client's segments go as soon as anyone starts
+        # A crashed client's segments go as soon as anyone starts; looking at a bounded number of
+        # names (200,000 that anyone may make in /dev/shm made each new client wait seconds).
+        reap_orphans(max_entries=CLIENT_REAP_ENTRIES)
         self.address = address
         # None: on an ipc endpoint only. A tcp endpoint refuses shared-memory references (unless
         # its node sets allow_shm_over_tcp: then pass True), and every tensor of 64 KiB or more,

@@ -1,4 +1,5 @@
-"""The dispatcher process (``batchyard::dispatcher``): one thread, one uvloop event loop.
+"""The dispatcher process (``batchyard::dispatcher``): one thread decides, on one uvloop event loop
+(a second one only sweeps /dev/shm for dead clients' segments, ``_start_reaper``).
 
 Socket plumbing around ``RequestCore`` (core.py), which owns the request lifecycle. The loop
 sleeps in epoll on three fds — the client ROUTER, the worker ROUTER and a one-shot timerfd —
@@ -8,7 +9,8 @@ and on any wake-up runs ``_step``:
   2. recv_from_clients   decode + validate each header; admit, or reply with an error now
   3. decide              the core expires what is late and asks the pure policy for batches
   4. send_to_workers     one message per batch, forwarding the clients' frames untouched
-  5. housekeeping        dead workers (silent past worker_dead_after_s), orphaned shm sweep
+  5. housekeeping        dead workers (silent past worker_dead_after_s), a slice of the grant sweep;
+                         orphaned shm is swept on a thread of its own (server._start_reaper)
   6. arm the timer       for the core's next wake-up (policy, deadline, long poll) or housekeeping
 
 Sockets are drained with NOBLOCK until empty (ZeroMQ's FD is edge-triggered); messages that
@@ -29,6 +31,7 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 from typing import Optional
 
@@ -75,6 +78,14 @@ def malformed_result(res: P.ItemResult, frames_left: int) -> str:
     return ""
 
 
+def _reap_orphans_logged() -> None:
+    try:
+        for name in reap_orphans():
+            log.info("unlinked orphaned shared memory %s (owner process is gone)", name)
+    except Exception:  # the next janitor tick tries again
+        log.exception("the sweep for orphaned shared memory failed")
+
+
 class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, models: tuple = (), ctx: Optional[zmq.Context] = None,
                  profile: Optional[dict[tuple[str, str], CostCurve]] = None, llm_models: tuple[str, ...] = ()):
@@ -98,6 +109,7 @@ class Dispatcher:
         self.exit_code = 0
         self._next_housekeeping = 0.0
         self._next_janitor = 0.0
+        self._reaper: Optional[threading.Thread] = None  # the orphaned-segment sweep under way
         self._drain_deadline = math.inf
         self._closed = False
         self.stopped: Optional[asyncio.Future] = None
@@ -643,9 +655,18 @@ class Dispatcher:
         self.core.departures += self.llm.housekeeping(now)
         if now >= self._next_janitor:
             self._next_janitor = now + self.cfg.janitor_interval_s
-            for name in reap_orphans():
-                log.info("unlinked orphaned shared memory %s (owner process is gone)", name)
-            self.grants.sweep()
+            self._start_reaper()
+            self.grants.begin_sweep()
+        if self.grants.sweeping:
+            self.grants.sweep()  # a slice each tick: one stalled every client for all the grants at once
+
+    def _start_reaper(self) -> None:
+        """Unlink dead clients' segments on a thread of its own, one sweep at a time: it lists
+        /dev/shm and looks at every `batchyard_*` name, and any local user may make 200,000 of
+        them (on this thread, 3.5 s in which no client was answered, every janitor_interval_s)."""
+        if self._reaper is None or not self._reaper.is_alive():
+            self._reaper = threading.Thread(target=_reap_orphans_logged, name="batchyard-reaper", daemon=True)
+            self._reaper.start()
 
     def _release(self, requests) -> None:
         """Their batch has ended: tell the clients answered while it ran that their shared

@@ -18,6 +18,12 @@ A grant is for the file proved, not its name: its (st_dev, st_ino) go to the wor
 batch that references it, and the worker maps only that file (``shm.SegmentCache``). Granted by
 name, a segment replaced after the proof by a symlink to another user's segment, or unlinked and
 created again by someone else, was mapped all the same.
+
+Grants are counted against their holder, the connection's uid (a tcp peer, which has none: its
+address), and a holder has at most GRANTS_PER_UID. Nothing tells the dispatcher that a
+connection closed, so a closed connection's grants stay until the sweep finds their files gone:
+unbounded, one client made 200,000 (hard links of its own 64 files), and every sweep then held
+the dispatcher's one thread for all of them (777 ms). The sweep also works in slices.
 """
 
 from __future__ import annotations
@@ -39,10 +45,31 @@ CHALLENGE_BYTES = 16
 
 PENDING_PER_CONNECTION = 64  # challenges one connection may have outstanding (registrations half-way)
 PENDING_CONNECTIONS = 4096  # connections with challenges outstanding
+# Grants one uid may hold over all its connections, open or closed (a closed one's stay until the
+# sweep finds their files unlinked). An SDK client (a front-door process is one) registers each
+# segment of its pool once: one per 64 MiB of its peak tensors in flight, plus at most
+# SPARE_OVERSIZE bigger ones. 4096 is ~1,000 client processes of one user at 4 segments each, or
+# 256 GiB of pool, past any /dev/shm. Workers register their regions with Triton, not here.
+GRANTS_PER_UID = 4096
+SWEEP_STATS_PER_CALL = 512  # names the sweep looks at per housekeeping tick (~2 ms)
 
 
 def file_id(st: os.stat_result) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
+
+
+def holder(conn: tuple) -> tuple:
+    """Whom a connection's grants count against: its uid, or a peer without one (tcp) its address."""
+    uid = peer_uid(conn[1])
+    return ("uid", uid) if uid is not None else ("address", conn[1])
+
+
+def over_cap_message(conn: tuple) -> str:
+    uid = peer_uid(conn[1])
+    who = f"uid {uid}" if uid is not None else f"peer {conn[1] or 'without an address'}"
+    return (f"{who} holds {GRANTS_PER_UID} shared-memory grants, the most one user (or tcp peer) may hold: "
+            f"unregister segments no longer used (shm_unregister) or close clients that are done (a grant also "
+            f"goes once its segment is unlinked, at the dispatcher's next sweep, janitor_interval_s)")
 
 
 def peer_uid(peer: str) -> Optional[int]:
@@ -59,11 +86,45 @@ class ShmGrants:
         self.shm_dir = shm_dir
         self.granted: dict[tuple, dict[str, tuple[int, int]]] = {}  # conn -> segment -> the file proved
         self.pending: dict[tuple, dict[str, bytes]] = {}  # conn -> segment -> challenge
+        self.held: dict[tuple, int] = {}  # holder(conn) -> grants, over all its connections
+        self._unswept: Optional[list[tuple[tuple, str]]] = None  # (conn, segment) left in this sweep
+
+    def _full(self, conn: tuple, segment: str) -> bool:
+        """Whether granting ``segment`` would take ``conn``'s holder past its cap (one granted on
+        this connection already is granted again, not counted again)."""
+        if segment in self.granted.get(conn, ()):
+            return False
+        if self.held.get(holder(conn), 0) < GRANTS_PER_UID:
+            return False
+        self.begin_sweep()  # grants of files since unlinked may be what fills it
+        return True
+
+    def _grant(self, conn: tuple, segment: str, file: tuple[int, int]) -> None:
+        segs = self.granted.setdefault(conn, {})
+        if segment not in segs:
+            key = holder(conn)
+            self.held[key] = self.held.get(key, 0) + 1
+        segs[segment] = file
+
+    def _drop(self, conn: tuple, segment: str) -> None:
+        segs = self.granted.get(conn)
+        if segs is None or segs.pop(segment, None) is None:
+            return
+        if not segs:
+            del self.granted[conn]
+        key = holder(conn)
+        left = self.held.get(key, 0) - 1
+        if left > 0:
+            self.held[key] = left
+        else:
+            self.held.pop(key, None)
 
     def challenge(self, conn: tuple, segment: str) -> tuple[Optional[bytes], str]:
         """(challenge, "") or (None, why not)."""
         if not conn[0].startswith(b"\0"):
             return None, "this connection chose its own routing id; shared memory needs one the dispatcher assigned"
+        if self._full(conn, segment):
+            return None, over_cap_message(conn)
         mine = self.pending.get(conn)
         if mine is None:
             if len(self.pending) >= PENDING_CONNECTIONS:  # abandoned half-way: forget the oldest
@@ -106,15 +167,13 @@ class ShmGrants:
             os.close(fd)
         if not secrets.compare_digest(got, want):
             return f"segment {segment!r} does not hold this connection's challenge at offset 0"
-        self.granted.setdefault(conn, {})[segment] = file_id(st)
+        if self._full(conn, segment):  # its other connections' grants since the challenge
+            return over_cap_message(conn)
+        self._grant(conn, segment, file_id(st))
         return ""
 
     def revoke(self, conn: tuple, segment: str) -> None:
-        segs = self.granted.get(conn)
-        if segs is not None:
-            segs.pop(segment, None)
-            if not segs:
-                del self.granted[conn]
+        self._drop(conn, segment)
 
     def answer(self, msg, conn: tuple, shm_allowed: bool) -> P.ShmReply:
         """The reply to a ``shm_register`` (either step) or ``shm_unregister``."""
@@ -151,19 +210,35 @@ class ShmGrants:
             out[ref.segment] = f
         return out, ""
 
-    def sweep(self) -> None:
+    @property
+    def sweeping(self) -> bool:
+        return self._unswept is not None
+
+    def begin_sweep(self) -> None:
+        """Start a sweep (``sweep``) over every grant held now, unless one is under way."""
+        if self._unswept is None:
+            self._unswept = [(conn, s) for conn, segs in self.granted.items() for s in segs]
+
+    def sweep(self, max_stats: int = SWEEP_STATS_PER_CALL) -> bool:
         """Forget grants for files that no longer exist under their names (their owner unlinked
-        them, or something else took the name since)."""
+        them, or something else took the name since): the next slice of the sweep under way (one
+        begun if none is), at most ``max_stats`` names looked at. True when the sweep is done."""
+        self.begin_sweep()
+        todo = self._unswept
         now_at: dict = {}  # segment -> its file now (None: gone): one stat a name, however many
-        for conn in list(self.granted):  # connections hold it (100,000 grants took 375 ms)
-            segs = self.granted[conn]
-            for s, f in list(segs.items()):
-                if s not in now_at:
-                    try:
-                        now_at[s] = file_id(os.stat(os.path.join(self.shm_dir, s), follow_symlinks=False))
-                    except OSError:
-                        now_at[s] = None
-                if now_at[s] != f:
-                    del segs[s]
-            if not segs:
-                del self.granted[conn]
+        while todo and len(now_at) < max_stats:  # connections hold it (100,000 grants took 375 ms)
+            conn, s = todo.pop()
+            f = self.granted.get(conn, {}).get(s)
+            if f is None:  # revoked since the sweep began
+                continue
+            if s not in now_at:
+                try:
+                    now_at[s] = file_id(os.stat(os.path.join(self.shm_dir, s), follow_symlinks=False))
+                except OSError:
+                    now_at[s] = None
+            if now_at[s] != f:
+                self._drop(conn, s)
+        if todo:
+            return False
+        self._unswept = None
+        return True

@@ -422,3 +422,165 @@ def test_an_idle_worker_lets_go_of_a_departed_clients_segments(start_node):
         while any(s in t for t in _deleted_segments_held(worker_pid) for s in segments):  # each look: a round trip
             assert time.monotonic() < deadline, f"still held: {_deleted_segments_held(worker_pid)}"
             watcher.status()
+
+
+def _register(grants, conn: tuple, shm_dir, segment: str) -> P.ShmReply:
+    """Both steps of a registration, straight to ``ShmGrants`` (the challenge written as a client would)."""
+    first = grants.answer(P.ShmRegisterRequest(v=1, id=1, segment=segment), conn, True)
+    if first.status != P.Status.OK:
+        return first
+    with open(os.path.join(shm_dir, segment), "r+b") as f:
+        f.write(first.challenge)
+    return grants.answer(P.ShmRegisterRequest(v=1, id=2, segment=segment, proved=True), conn, True)
+
+
+def _sweep_through(grants) -> None:
+    while not grants.sweep():
+        pass
+
+
+def test_grants_past_a_users_cap_are_refused_until_some_are_given_back(tmp_path, monkeypatch):
+    """Grants had no limit and outlive their connection: one client made 200,000 (hard links of
+    its own files) and closed it, and every sweep then held the dispatcher for all of them
+    (777 ms). A uid holds at most GRANTS_PER_UID (3 here), over all its connections."""
+    from batchyard import shm_grants
+    from batchyard.shm_grants import ShmGrants
+
+    monkeypatch.setattr(shm_grants, "GRANTS_PER_UID", 3, raising=False)
+    for k in range(5):
+        (tmp_path / f"seg{k}").write_bytes(bytes(64))
+    g = ShmGrants(str(tmp_path))
+    me = f"localhost:{os.getuid()}:0:{os.getpid()}"
+    a, b = (b"\0" + secrets.token_bytes(4), me), (b"\0" + secrets.token_bytes(4), me)
+    for conn, seg in ((a, "seg0"), (a, "seg1"), (b, "seg2")):
+        assert _register(g, conn, tmp_path, seg).status == P.Status.OK
+    refused = _register(g, b, tmp_path, "seg3")  # a closed connection's grants count too
+    assert refused.status == P.Status.PERMISSION_DENIED, refused
+    assert f"uid {os.getuid()} holds 3 shared-memory grants" in refused.message
+    assert "unregister segments no longer used" in refused.message
+    _sweep_through(g)  # the dispatcher's housekeeping ticks carry on the sweep a refusal begins
+    assert _register(g, a, tmp_path, "seg0").status == P.Status.OK  # granted again, not counted again
+    tcp = (b"\0" + secrets.token_bytes(4), "127.0.0.1")  # no uid: counted under its address
+    assert _register(g, tcp, tmp_path, "seg4").status == P.Status.OK
+    g.answer(P.ShmUnregisterRequest(v=1, id=3, segment="seg1"), a, True)
+    assert _register(g, b, tmp_path, "seg3").status == P.Status.OK  # the one given back
+    assert _register(g, b, tmp_path, "seg4").status == P.Status.PERMISSION_DENIED
+    (tmp_path / "seg3").unlink()  # its client unlinked it: the sweep gives its grant back
+    _sweep_through(g)
+    assert _register(g, b, tmp_path, "seg4").status == P.Status.OK
+    assert g.held == {("uid", os.getuid()): 3, ("address", "127.0.0.1"): 1}
+
+
+def test_the_grant_sweep_looks_at_a_bounded_number_of_names_per_call(tmp_path):
+    """Each janitor sweep went through every grant at once on the dispatcher's one thread: 20,000
+    grants held every other client 117 ms. A call looks at SWEEP_STATS_PER_CALL names at most (4
+    here); the dispatcher makes one a housekeeping tick until the sweep is done."""
+    from batchyard.shm_grants import ShmGrants
+
+    g = ShmGrants(str(tmp_path))
+    me = f"localhost:{os.getuid()}:0:{os.getpid()}"
+    conn = (b"\0" + secrets.token_bytes(4), me)
+    for k in range(10):
+        (tmp_path / f"seg{k}").write_bytes(bytes(64))
+        assert _register(g, conn, tmp_path, f"seg{k}").status == P.Status.OK
+    for k in range(0, 10, 2):
+        (tmp_path / f"seg{k}").unlink()
+    calls = 1
+    while not g.sweep(max_stats=4):
+        calls += 1
+    assert calls == 3 and not g.sweeping
+    assert set(g.granted[conn]) == {f"seg{k}" for k in range(1, 10, 2)}
+    assert g.held == {("uid", os.getuid()): 5}
+
+
+def test_the_dispatcher_answers_while_the_orphan_reaper_works(run_dir, monkeypatch):
+    """The janitor's reaper lists /dev/shm and opens every `batchyard_*` name, and any local user
+    may make 200,000 of them: on the dispatcher's one thread, no client was answered for 3.5 s
+    each janitor_interval_s. It runs on a thread of its own, one sweep at a time."""
+    import asyncio
+    import threading
+    import time
+
+    from batchyard import server
+    from batchyard.config import DispatcherConfig
+    from batchyard.server import Dispatcher
+
+    from conftest import SUM_MODEL
+
+    reaping, release, reaped, threads = threading.Event(), threading.Event(), threading.Event(), []
+
+    def slow_reap():  # a /dev/shm full of names
+        threads.append(threading.current_thread())
+        reaping.set()
+        release.wait(3)
+        reaped.set()
+        return []
+
+    monkeypatch.setattr(server, "reap_orphans", slow_reap)
+    ctx = zmq.Context()
+    d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                   (SUM_MODEL.spec(),), ctx=ctx)
+    d.loop = asyncio.new_event_loop()  # never run: the steps are taken below
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"ipc://{run_dir}/fe")
+    try:
+        client.send(msgspec.msgpack.encode({"type": "status", "v": 1, "id": 1, "brief": True}))
+        deadline = time.monotonic() + 10
+        while not client.poll(0):
+            assert time.monotonic() < deadline, "no status reply"
+            d._step_once()
+        assert P.reply_decoder.decode(client.recv_multipart()[0]).status == P.Status.OK
+        assert reaping.wait(5) and not reaped.is_set()  # answered while the reap goes on
+        assert threads[0] is not threading.current_thread()
+        d._next_janitor = 0.0
+        d._step_once()  # the next janitor tick, the reap still under way: not a second one
+        assert len(threads) == 1
+    finally:
+        release.set()
+        if getattr(d, "_reaper", None) is not None:
+            d._reaper.join(5)
+        client.close()
+        d.close()
+        d.loop.close()
+        ctx.term()
+
+
+def test_a_non_root_reaper_does_not_open_names_of_users_whose_files_it_cannot_unlink(tmp_path, monkeypatch):
+    """A non-root node's janitor opened, locked and failed to unlink (sticky /dev/shm) each of the
+    200,000 names another user planted: 1.1-2.8 s a sweep. Another user's names are passed over
+    on their directory entry; its own orphans are reaped as before."""
+    from batchyard import shm
+
+    os.chmod(tmp_path, 0o1777)
+    planted = [f"batchyard_1_{k:012x}" for k in range(300)]
+    for name in planted:
+        (tmp_path / name).write_bytes(b"")
+    node_uid = os.geteuid() + 4321  # the node's user; the planted names are someone else's
+    own = "batchyard_2_00000000beef"
+    (tmp_path / own).write_bytes(b"")
+    if os.geteuid() == 0:
+        os.chown(tmp_path / own, node_uid, -1)
+    opened, real_open = [], os.open
+    monkeypatch.setattr(shm.os, "geteuid", lambda: node_uid)
+    monkeypatch.setattr(shm.os, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
+    reaped = shm.reap_orphans(str(tmp_path))
+    assert not [p for p in opened if os.path.basename(p) in planted]
+    assert all((tmp_path / name).exists() for name in planted)
+    if os.geteuid() == 0:
+        assert reaped == [own]
+
+
+def test_a_new_client_looks_at_a_bounded_number_of_names(tmp_path, monkeypatch):
+    """Every new SDK client reaped /dev/shm, all of it: 200,000 names anyone made there made
+    each one wait seconds. It looks at CLIENT_REAP_ENTRIES names (100 here); the dispatcher's
+    janitor gets the rest."""
+    from batchyard import client_codec, shm
+    from batchyard.client_codec import ClientCodec
+
+    for k in range(300):
+        (tmp_path / f"batchyard_1_{k:012x}").write_bytes(b"")  # orphans: no owner holds a lock
+    monkeypatch.setattr(client_codec, "CLIENT_REAP_ENTRIES", 100, raising=False)
+    monkeypatch.setattr(client_codec, "reap_orphans", lambda **kw: shm.reap_orphans(str(tmp_path), **kw))
+    ClientCodec("ipc:///nowhere")
+    assert len(os.listdir(tmp_path)) == 200
