@@ -28,6 +28,7 @@ the dispatcher's one thread for all of them (777 ms). The sweep also works in sl
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import stat
@@ -59,9 +60,18 @@ def file_id(st: os.stat_result) -> tuple[int, int]:
 
 
 def holder(conn: tuple) -> tuple:
-    """Whom a connection's grants count against: its uid, or a peer without one (tcp) its address."""
+    """Whom a connection's grants count against: its uid, or a peer without one (tcp) its address,
+    every loopback address as one: a local client connects from any of 127/8 as it likes, and
+    counted apart, each address had a cap of its own."""
     uid = peer_uid(conn[1])
-    return ("uid", uid) if uid is not None else ("address", conn[1])
+    if uid is not None:
+        return ("uid", uid)
+    try:
+        ip = ipaddress.ip_address(conn[1])
+        loopback = ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+    except ValueError:
+        loopback = False
+    return ("address", "loopback" if loopback else conn[1])
 
 
 def over_cap_message(conn: tuple) -> str:

@@ -468,7 +468,22 @@ def test_grants_past_a_users_cap_are_refused_until_some_are_given_back(tmp_path,
     (tmp_path / "seg3").unlink()  # its client unlinked it: the sweep gives its grant back
     _sweep_through(g)
     assert _register(g, b, tmp_path, "seg4").status == P.Status.OK
-    assert g.held == {("uid", os.getuid()): 3, ("address", "127.0.0.1"): 1}
+    assert g.held == {("uid", os.getuid()): 3, ("address", "loopback"): 1}
+
+
+def test_tcp_peers_on_loopback_addresses_share_one_grant_cap(tmp_path, monkeypatch):
+    """Over tcp (allow_shm_over_tcp) a peer has no uid and counts under its address; a local
+    client connects from any of 127/8 as it likes, and each address had a cap of its own."""
+    from batchyard import shm_grants
+    from batchyard.shm_grants import ShmGrants
+
+    monkeypatch.setattr(shm_grants, "GRANTS_PER_UID", 2, raising=False)
+    for k in range(3):
+        (tmp_path / f"seg{k}").write_bytes(bytes(64))
+    g = ShmGrants(str(tmp_path))
+    peers = [(b"\0" + secrets.token_bytes(4), ip) for ip in ("127.0.0.2", "127.0.0.3", "::1")]
+    assert [_register(g, conn, tmp_path, f"seg{k}").status for k, conn in enumerate(peers)] == [
+        P.Status.OK, P.Status.OK, P.Status.PERMISSION_DENIED]
 
 
 def test_the_grant_sweep_looks_at_a_bounded_number_of_names_per_call(tmp_path):
