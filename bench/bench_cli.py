@@ -63,6 +63,12 @@ def refuse_mixed_load_modes(args) -> None:
     if len(given) > 1:
         print(f"batchyard bench: error: argument {given[1]}: not allowed with argument {given[0]}", file=sys.stderr)
         raise SystemExit(2)
+    # Constant spacing is an open loop's at one rate; beside the other modes it was ignored unsaid.
+    unspaced = [flag for flag in given if flag not in ("--request-rate", "--sweep-rates")]
+    if args.distribution == "constant" and unspaced:
+        print(f"batchyard bench: error: argument --distribution: constant is not allowed with argument {unspaced[0]} "
+              f"(it spaces --request-rate and --sweep-rates)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def run_label(name: str, model: str, spec: LoadSpec) -> str:

@@ -715,6 +715,13 @@ def test_a_demo_stopped_by_sigterm_cleans_up_after_itself():
     (["--request-rate", "10", "--sweep-rates", "20,30"], "argument --sweep-rates: not allowed with argument --request-rate"),
     (["--request-intervals", "iv.txt", "--concurrency", "4"],
      "argument --request-intervals: not allowed with argument --concurrency"),
+    # constant spacing beside a closed loop or a profile was ignored unsaid
+    (["--concurrency", "2", "--distribution", "constant"],
+     "argument --distribution: constant is not allowed with argument --concurrency (it spaces --request-rate and "
+     "--sweep-rates)"),
+    (["--profile", "step:100,300", "--distribution", "constant"],
+     "argument --distribution: constant is not allowed with argument --profile (it spaces --request-rate and "
+     "--sweep-rates)"),
 ])
 def test_bench_refuses_two_load_modes_instead_of_labelling_a_rate_it_never_ran(tmp_path, modes, message):
     # --concurrency 2 --sweep-rates 10,20 ran two closed loops of ~640/s labelled "@10/s" and
