@@ -1,5 +1,4 @@
-"""The dispatcher process (``batchyard::dispatcher``): one thread decides, on one uvloop event loop
-(a second one only sweeps /dev/shm for dead clients' segments, ``_start_reaper``).
+"""The dispatcher process (``batchyard::dispatcher``): one thread, one uvloop event loop.
 
 Socket plumbing around ``RequestCore`` (core.py), which owns the request lifecycle. The loop
 sleeps in epoll on three fds — the client ROUTER, the worker ROUTER and a one-shot timerfd —
@@ -9,8 +8,8 @@ and on any wake-up runs ``_step``:
   2. recv_from_clients   decode + validate each header; admit, or reply with an error now
   3. decide              the core expires what is late and asks the pure policy for batches
   4. send_to_workers     one message per batch, forwarding the clients' frames untouched
-  5. housekeeping        dead workers (silent past worker_dead_after_s), a slice of the grant sweep;
-                         orphaned shm is swept on a thread of its own (server._start_reaper)
+  5. housekeeping        dead workers (silent past worker_dead_after_s), a slice of the orphaned
+                         shm sweep and of the grant sweep
   6. arm the timer       for the core's next wake-up (policy, deadline, long poll) or housekeeping
 
 Sockets are drained with NOBLOCK until empty (ZeroMQ's FD is edge-triggered); messages that
@@ -31,7 +30,6 @@ import asyncio
 import logging
 import math
 import os
-import threading
 import time
 from typing import Optional
 
@@ -48,7 +46,7 @@ from .llm_server import LlmDesk
 from .metrics import Metrics
 from .policy import make_policy
 from .protocol import Status
-from .shm import reap_orphans
+from .shm import reaping
 from .shm_grants import ShmGrants, peer_uid
 from .state import QUEUED, Request, WorkerState
 from .timer import OneShotTimer
@@ -78,12 +76,10 @@ def malformed_result(res: P.ItemResult, frames_left: int) -> str:
     return ""
 
 
-def _reap_orphans_logged() -> None:
-    try:
-        for name in reap_orphans():
-            log.info("unlinked orphaned shared memory %s (owner process is gone)", name)
-    except Exception:  # the next janitor tick tries again
-        log.exception("the sweep for orphaned shared memory failed")
+# /dev/shm entries the orphan sweep looks at per housekeeping tick (~6 us each where it opens and
+# locks one: ~3 ms at most). Any local user may make 200,000 `batchyard_*` names there: swept at
+# once, no client was answered for 3.5 s every janitor_interval_s.
+REAP_ENTRIES_PER_TICK = 512
 
 
 class Dispatcher:
@@ -109,7 +105,7 @@ class Dispatcher:
         self.exit_code = 0
         self._next_housekeeping = 0.0
         self._next_janitor = 0.0
-        self._reaper: Optional[threading.Thread] = None  # the orphaned-segment sweep under way
+        self._reaping = None  # the orphaned-segment sweep under way (shm.reaping), None between sweeps
         self._drain_deadline = math.inf
         self._closed = False
         self.stopped: Optional[asyncio.Future] = None
@@ -172,6 +168,8 @@ class Dispatcher:
             self._answer_status_waiters(math.inf)
         except Exception:
             log.exception("pending status requests could not be answered at shutdown")
+        if getattr(self, "_reaping", None) is not None:
+            self._reaping.close()  # its /dev/shm listing's fd
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.is_closed():
             for fd in (self.frontend.getsockopt(zmq.FD), self.backend.getsockopt(zmq.FD), self.timer.fd):
@@ -655,18 +653,24 @@ class Dispatcher:
         self.core.departures += self.llm.housekeeping(now)
         if now >= self._next_janitor:
             self._next_janitor = now + self.cfg.janitor_interval_s
-            self._start_reaper()
+            if self._reaping is None:
+                self._reaping = reaping()
             self.grants.begin_sweep()
+        if self._reaping is not None:
+            self._reap_slice()
         if self.grants.sweeping:
             self.grants.sweep()  # a slice each tick: one stalled every client for all the grants at once
 
-    def _start_reaper(self) -> None:
-        """Unlink dead clients' segments on a thread of its own, one sweep at a time: it lists
-        /dev/shm and looks at every `batchyard_*` name, and any local user may make 200,000 of
-        them (on this thread, 3.5 s in which no client was answered, every janitor_interval_s)."""
-        if self._reaper is None or not self._reaper.is_alive():
-            self._reaper = threading.Thread(target=_reap_orphans_logged, name="batchyard-reaper", daemon=True)
-            self._reaper.start()
+    def _reap_slice(self) -> None:
+        """The orphaned-segment sweep's next REAP_ENTRIES_PER_TICK entries of /dev/shm."""
+        steps = 0
+        for name in self._reaping:
+            if name:
+                log.info("unlinked orphaned shared memory %s (owner process is gone)", name)
+            steps += 1
+            if steps >= REAP_ENTRIES_PER_TICK:
+                return
+        self._reaping = None
 
     def _release(self, requests) -> None:
         """Their batch has ended: tell the clients answered while it ran that their shared

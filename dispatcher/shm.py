@@ -13,8 +13,8 @@ Ownership story (docs/protocol.md, "Shared memory"):
   exclusive lock on it: a live owner in another PID namespace (a sidecar container sharing
   /dev/shm) still holds its lock, whatever pids this process can see. A segment is created
   under a temporary name, locked, and only then renamed to its final name, so no live segment
-  is ever visible unlocked. The dispatcher runs the reaper on a slow timer, on a thread of its
-  own, and every new client runs it once at start, over a bounded number of names.
+  is ever visible unlocked. The dispatcher runs the reaper on a slow timer, in slices between
+  its decisions, and every new client runs it once at start, over a bounded number of names.
 - Workers open client segments by name (cached, LRU-bounded). A segment that only the worker's
   own user can shrink (``SegmentCache.maps``) is mapped: inputs are read without copying and
   outputs written in place. Any other is never mapped: inputs are read with ``preadv`` straight
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import itertools
 import mmap
 import os
 import re
@@ -253,7 +254,7 @@ def _orphaned(path: str, now: float, grace_s: float) -> bool:
     try:
         # Non-blocking: opening a FIFO (anyone may make one in /dev/shm, or put one under a name
         # after the listing) waits for a writer, and this runs in every new client and on the
-        # dispatcher's reaper thread (held there, it would never reap again).
+        # dispatcher's one thread.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
@@ -296,39 +297,40 @@ def _never_reapable(entry: os.DirEntry, euid: int, others_too: bool) -> bool:
         return True
 
 
-def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S,
-                 pids: set[int] | None = None, max_entries: int | None = None) -> list[str]:
+def reaping(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S, pids: set[int] | None = None):
     """Unlink Batchyard segments no live owner holds a lock on (only those named after one of
-    ``pids``, when given). Returns their names. ``max_entries``: look at no more than that many
-    directory entries (the listing is newest first on tmpfs), for a caller that must not wait on
-    however many names anyone made in /dev/shm; the dispatcher's janitor looks at them all, off
-    its event loop's thread."""
-    reaped = []
+    ``pids``, when given), one directory entry per step: yields the name unlinked, or None. A
+    caller that must not wait on however many names anyone made in /dev/shm takes a bounded
+    number of steps at a time (the dispatcher, a slice per housekeeping tick; a new client, its
+    first CLIENT_REAP_ENTRIES: the listing is newest first on tmpfs)."""
     try:
         entries = os.scandir(shm_dir)
     except OSError:
-        return reaped
+        return
     now, euid, others_too = time.time(), os.geteuid(), _others_unlinkable(shm_dir)
     with entries:
-        for seen, entry in enumerate(entries):
-            if max_entries is not None and seen >= max_entries:
-                break
+        for entry in entries:
             name = entry.name
             if name.endswith(_NEW_SUFFIX):
                 final, grace = name[:-len(_NEW_SUFFIX)], grace_s
             else:
                 final, grace = name, 0.0  # locked before it got this name: unlocked means orphaned
             m = _NAME_RE.match(final)
-            if (not m or (pids is not None and int(m.group(1)) not in pids)
-                    or _never_reapable(entry, euid, others_too)):
-                continue
-            if _orphaned(entry.path, now, grace):
+            reaped = None
+            if (m and (pids is None or int(m.group(1)) in pids) and not _never_reapable(entry, euid, others_too)
+                    and _orphaned(entry.path, now, grace)):
                 try:
                     os.unlink(entry.path)
-                    reaped.append(name)
+                    reaped = name
                 except OSError:
                     pass
-    return reaped
+            yield reaped
+
+
+def reap_orphans(shm_dir: str = SHM_DIR, grace_s: float = REAP_GRACE_S,
+                 pids: set[int] | None = None, max_entries: int | None = None) -> list[str]:
+    """``reaping`` to its end, or over ``max_entries`` directory entries at most: the names unlinked."""
+    return [name for name in itertools.islice(reaping(shm_dir, grace_s, pids), max_entries) if name]
 
 
 def live_segments(pid: int | None = None, shm_dir: str = SHM_DIR) -> list[str]:

@@ -510,10 +510,9 @@ def test_the_grant_sweep_looks_at_a_bounded_number_of_names_per_call(tmp_path):
 
 def test_the_dispatcher_answers_while_the_orphan_reaper_works(run_dir, monkeypatch):
     """The janitor's reaper lists /dev/shm and opens every `batchyard_*` name, and any local user
-    may make 200,000 of them: on the dispatcher's one thread, no client was answered for 3.5 s
-    each janitor_interval_s. It runs on a thread of its own, one sweep at a time."""
+    may make 200,000 of them: swept at once on the dispatcher's one thread, no client was answered
+    for 3.5 s each janitor_interval_s. A step takes REAP_ENTRIES_PER_TICK entries of it at most."""
     import asyncio
-    import threading
     import time
 
     from batchyard import server
@@ -522,16 +521,19 @@ def test_the_dispatcher_answers_while_the_orphan_reaper_works(run_dir, monkeypat
 
     from conftest import SUM_MODEL
 
-    reaping, release, reaped, threads = threading.Event(), threading.Event(), threading.Event(), []
+    entries, started, closed = 10 * server.REAP_ENTRIES_PER_TICK, [], []
+    looked = [0]
 
-    def slow_reap():  # a /dev/shm full of names
-        threads.append(threading.current_thread())
-        reaping.set()
-        release.wait(3)
-        reaped.set()
-        return []
+    def many_names():  # a /dev/shm full of names, none of them an orphan
+        started.append(1)
+        try:
+            for _ in range(entries):
+                looked[0] += 1
+                yield None
+        finally:
+            closed.append(1)
 
-    monkeypatch.setattr(server, "reap_orphans", slow_reap)
+    monkeypatch.setattr(server, "reaping", many_names)
     ctx = zmq.Context()
     d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
                    (SUM_MODEL.spec(),), ctx=ctx)
@@ -546,19 +548,17 @@ def test_the_dispatcher_answers_while_the_orphan_reaper_works(run_dir, monkeypat
             assert time.monotonic() < deadline, "no status reply"
             d._step_once()
         assert P.reply_decoder.decode(client.recv_multipart()[0]).status == P.Status.OK
-        assert reaping.wait(5) and not reaped.is_set()  # answered while the reap goes on
-        assert threads[0] is not threading.current_thread()
-        d._next_janitor = 0.0
-        d._step_once()  # the next janitor tick, the reap still under way: not a second one
-        assert len(threads) == 1
+        assert 0 < looked[0] < entries  # answered while the sweep goes on, a slice a step
+        d._next_janitor = d._next_housekeeping = 0.0
+        before = looked[0]
+        d._step_once()  # the next janitor tick, the sweep still under way: not a second one
+        assert started == [1] and looked[0] - before <= server.REAP_ENTRIES_PER_TICK
     finally:
-        release.set()
-        if getattr(d, "_reaper", None) is not None:
-            d._reaper.join(5)
         client.close()
         d.close()
         d.loop.close()
         ctx.term()
+    assert closed == [1]  # the listing is let go with the dispatcher
 
 
 def test_a_non_root_reaper_does_not_open_names_of_users_whose_files_it_cannot_unlink(tmp_path, monkeypatch):
