@@ -97,7 +97,6 @@ class RequestCore:
         self.registrations = 0  # worker registrations since start (cumulative: a long poll's cursor)
         self.departures = 0  # workers taken out of rotation since start (the same, for losses)
         self.decisions: dict[str, int] = {}  # decision reason -> count
-        self.draining = False
         self.wake_at = math.inf  # the policy's last requested wake-up
         self._seq = itertools.count(1)
         # Each dispatcher run numbers its batches from a random start: a worker that outlived a
@@ -487,13 +486,17 @@ class RequestCore:
         return [entry[4] for entry in due]
 
     # ------------------------------------------------------------------ shutdown
+    @property
+    def draining(self) -> bool:
+        """Draining: no request is admitted any more (``SchedulerState.closed``, which the policies read)."""
+        return self.state.closed
+
     def begin_drain(self) -> None:
         """Take no new request; those already taken are still decided on and dispatched as
         before (a retry included), as Triton serves what it accepted before it exits. Failing the
         queue at once answered 22 of 30 requests queued behind a 1 s batch UNAVAILABLE that the
         workers had time to serve. The driver ends the drain: once ``drained``, or at its
         timeout with ``fail_queued`` and ``fail_all``."""
-        self.draining = True
         self.state.closed = True
 
     def drained(self) -> bool:
