@@ -104,9 +104,9 @@ class WorkerRuntime:
         # Completions of asynchronous executors (k batches in flight): appended on their
         # threads, drained by the loop, which a byte on this pipe wakes.
         self._completed: collections.deque = collections.deque()
-        self._in_executor = 0  # batches an asynchronous executor holds, not yet completed
-        # Each batch handed to it counts under the registration it came in (`_term`: how many times
-        # the worker was asked to register again); those of an earlier one hold the next registration.
+        # Each batch an asynchronous executor holds, not yet completed, counts under the registration
+        # it came in (`_term`: how many times the worker was asked to register again); those of an
+        # earlier one hold the next registration.
         self._term = 0
         self._by_term: collections.Counter = collections.Counter()
         self._hold_until = 0.0
@@ -249,12 +249,16 @@ class WorkerRuntime:
             log.info("worker %s registers again once the %d batch(es) its executor holds are done", self.name, held)
         return False
 
+    @property
+    def _in_executor(self) -> int:
+        """Batches an asynchronous executor holds, not yet completed."""
+        return sum(self._by_term.values())
+
     def _holds_earlier_batches(self, now: float) -> bool:
         return now < self._hold_until and any(n for term, n in self._by_term.items() if term < self._term)
 
     def _send_completed(self, sock) -> None:
         while self._completed:  # batches an asynchronous executor finished
-            self._in_executor -= 1
             then, raw, compute_us, term = self._completed.popleft()
             self._by_term[term] -= 1
             if not self._by_term[term]:
@@ -347,7 +351,6 @@ class WorkerRuntime:
             self._completed.append((then, raw, compute_us, term))
             os.write(self._wake_w, b"x")
 
-        self._in_executor += 1
         self._by_term[term] += 1
         self.executor.submit(model, inputs, done)
 
