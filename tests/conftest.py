@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,30 @@ class Node:
 
     def client(self, **kw) -> Client:
         return Client(self.address, **kw)
+
+
+def worker_message(router, identity: bytes):
+    """The next message of the worker at ``identity`` on a fake dispatcher's ROUTER (not one of its
+    heartbeat socket's)."""
+    from batchyard import protocol as P
+
+    while True:
+        assert router.poll(30_000)
+        who, *frames = router.recv_multipart()
+        if who == identity:
+            return P.worker_message_decoder.decode(frames[0])
+
+
+def serve_beside(runtime, fake_dispatcher, router) -> int:
+    """``runtime.serve()``'s exit code, run here while ``fake_dispatcher`` plays the dispatcher on
+    ``router`` from a thread (joined, and ``router`` closed, after)."""
+    t = threading.Thread(target=fake_dispatcher)
+    t.start()
+    try:
+        return runtime.serve()
+    finally:
+        t.join(timeout=60)
+        router.close()
 
 
 def spawn_up(run_dir, workers, models, dispatcher=None, **popen_kw) -> tuple[NodeConfig, subprocess.Popen]:

@@ -28,7 +28,7 @@ from batchyard.workers.triton_executor import TritonExecutor  # noqa: E402
 from batchyard.workers.triton_local import ServerExited, TritonLocal, _free_port  # noqa: E402
 from batchyard.workers.triton_regions import cuda_device_count, resolve_kind  # noqa: E402
 
-from conftest import ROOT, TRITON_DENSE_MODEL as TRI, sim_worker, spawn_up  # noqa: E402
+from conftest import ROOT, TRITON_DENSE_MODEL as TRI, serve_beside, sim_worker, spawn_up, worker_message  # noqa: E402
 
 REPO = ROOT / "deploy" / "triton" / "cpu"
 
@@ -359,12 +359,8 @@ def test_a_worker_asked_to_register_again_registers_once_the_batches_at_triton_a
     rt = runtime.WorkerRuntime("gpu0", backend, ex, {"tri": TRI.spec()}, heartbeat_interval_s=0.1, max_inflight=2)
     statuses: dict[int, int] = {}
 
-    def recv():  # the worker's own messages (not its heartbeat socket's)
-        while True:
-            assert router.poll(30_000)
-            identity, *frames = router.recv_multipart()
-            if identity == b"gpu0":
-                return P.worker_message_decoder.decode(frames[0])
+    def recv():
+        return worker_message(router, b"gpu0")
 
     def send(msg, *frames):
         router.send_multipart([b"gpu0", P.encode(msg), *frames])
@@ -410,13 +406,9 @@ def test_a_worker_asked_to_register_again_registers_once_the_batches_at_triton_a
                 if type(m) is P.Leaving:
                     send(P.LeavingNoted(worker="gpu0"))
 
-    t = threading.Thread(target=dispatchers)
-    t.start()
     try:
-        assert rt.serve() == 0
+        assert serve_beside(rt, dispatchers, router) == 0
     finally:
-        t.join(timeout=60)
-        router.close()
         for th in client.threads:
             th.join()
     assert (statuses[3], statuses[4]) == (P.Status.OK, P.Status.OK), statuses

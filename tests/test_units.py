@@ -22,7 +22,7 @@ from batchyard.state import Request, SchedulerState, WorkerState
 from batchyard.timer import OneShotTimer
 from batchyard.validation import RequestInvalid, validate_infer
 
-from conftest import SUM_MODEL
+from conftest import SUM_MODEL, serve_beside, worker_message
 
 SPEC = SUM_MODEL.spec()
 
@@ -480,12 +480,8 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
     seen: list = []
 
     def dispatcher():
-        def recv():  # the worker's own messages (not its heartbeat socket's)
-            while True:
-                assert router.poll(30_000)
-                identity, *frames = router.recv_multipart()
-                if identity == b"w":
-                    return P.worker_message_decoder.decode(frames[0])
+        def recv():
+            return worker_message(router, b"w")
 
         try:
             assert type(recv()) is P.Register
@@ -513,13 +509,7 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
         finally:
             rt.request_stop()  # the loop sees it at its next poll
 
-    t = threading.Thread(target=dispatcher)
-    t.start()
-    try:
-        assert rt.serve() == 0
-    finally:
-        t.join(timeout=60)
-        router.close()
+    assert serve_beside(rt, dispatcher, router) == 0
     assert seen == ["Leaving", "BatchDone", "BatchDone", "Goodbye"]
 
 
