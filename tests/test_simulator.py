@@ -427,14 +427,16 @@ def test_an_overload_with_deadlines_is_served_at_capacity_not_at_half(policy):
     assert s["goodput_rps"] > 0.9 * capacity, s["goodput_rps"] / capacity
 
 
-def _saturated_epyc_minilm_worker():
-    """(state, worker, its calibrated curve, the true T(B)) of one worker of max batch 32 on the
-    EPYC MiniLM curve (best per item at 16, B=32 25 % dearer), a full max batch always queued:
-    each batch is the state's cap."""
+EPYC_MINILM = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928)]
+
+
+def _saturated_worker(points=EPYC_MINILM):
+    """(state, worker, its calibrated curve, the true T(B)) of one worker of max batch 32 on
+    ``points`` (the EPYC MiniLM curve: best per item at 16, B=32 25 % dearer), a full max batch
+    always queued: each batch is the state's cap."""
     from batchyard.cost_model import CostCurve
     from batchyard.state import SchedulerState, WorkerState
 
-    points = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 0.370), (32, 0.928)]
     st = SchedulerState()
     w = WorkerState("w", "cpu", {"m": 32})
     st.add_worker(w)
@@ -450,13 +452,20 @@ def test_a_short_slow_spell_does_not_lock_a_saturated_worker_at_its_max_batch():
     the worker ran 32s for good at 34.5 items/s of 43.2."""
     from collections import Counter
 
-    st, w, curve, true = _saturated_epyc_minilm_worker()
+    sizes = _sizes_through_a_slow_spell(EPYC_MINILM, 1500)
+    assert Counter(sizes[-500:]).most_common(1)[0][0] == 16, Counter(sizes[-500:])
+
+
+def _sizes_through_a_slow_spell(points, batches: int) -> list[int]:
+    """The sizes a saturated worker on ``points`` sends, batch by batch, 4x slower for batches
+    100-109."""
+    st, w, curve, true = _saturated_worker(points)
     sizes = []
-    for i in range(1500):
+    for i in range(batches):
         b = st.batch_cap("m", w)
         curve.observe(b, true(b) * (4.0 if 100 <= i < 110 else 1.0))
         sizes.append(b)
-    assert Counter(sizes[-500:]).most_common(1)[0][0] == 16, Counter(sizes[-500:])
+    return sizes
 
 
 def test_a_trial_size_no_batch_can_be_made_of_is_given_up():
@@ -465,7 +474,7 @@ def test_a_trial_size_no_batch_can_be_made_of_is_given_up():
     43.2)."""
     from collections import Counter
 
-    st, w, curve, true = _saturated_epyc_minilm_worker()
+    st, w, curve, true = _saturated_worker()
     curve.observe(15, true(15))  # measured once, earlier
     sent = []
     for _ in range(1000):
@@ -497,20 +506,7 @@ def test_a_slow_spell_does_not_lock_a_worker_flat_above_its_best_size_at_its_max
     measured 8 again: 33.5 items/s of 36.9 for good."""
     from collections import Counter
 
-    from batchyard.cost_model import CostCurve
-    from batchyard.state import SchedulerState, WorkerState
-
     u = 0.215 / 8
     points = [(1, 0.060), (2, 0.095), (4, 0.140), (8, 0.215), (16, 16 * u * 1.10), (32, 32 * u * 1.11)]
-    st = SchedulerState()
-    w = WorkerState("w", "cpu", {"m": 32})
-    st.add_worker(w)
-    st.costs[("m", "cpu")] = curve = CostCurve.from_points(points)
-    st.queue("m").items = 10**6
-    true = CostCurve.from_points(points).predict
-    sizes = []
-    for i in range(3000):
-        b = st.batch_cap("m", w)
-        curve.observe(b, true(b) * (4.0 if 100 <= i < 110 else 1.0))
-        sizes.append(b)
+    sizes = _sizes_through_a_slow_spell(points, 3000)
     assert Counter(sizes[-500:]).most_common(1)[0][0] == 8, Counter(sizes[-500:])
