@@ -270,10 +270,9 @@ class Dispatcher:
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
         # Its workers outlive it (`up` stops them next; one stopped then waits 1 s for an answer
-        # to its `leaving`, LEAVING_NOTED_WAIT_S). Not told to register again: one left running (separate units)
-        # sent `register` to nobody every 2 s, and after ~1,000 of them its sends blocked and only
-        # the stop grace's exit 1 ended it; heartbeats, whose queue is bounded, find the next
-        # dispatcher, which asks for the registration.
+        # to its `leaving`, LEAVING_NOTED_WAIT_S). Not told to register again: one left running
+        # (separate units) sent `register` to nobody every 2 s, and after ~1,000 of them its sends
+        # blocked; heartbeats, whose queue is bounded, find the next dispatcher, which asks.
         self.close()
 
     def _arm(self, when: float, decided_at: float) -> None:

@@ -211,8 +211,8 @@ class TritonExecutor:
                     self._connect()  # a fresh channel: no gRPC back-off of its own between ours
 
     def _index(self) -> list[tuple[str, str]] | None:
-        """(name, state) of each model (version) in Triton's repository; None when Triton did not
-        list it. State "" is a model in the repository that is not loaded."""
+        """(name, state) of each model (version) in Triton's repository, "not loaded" for one Triton
+        gives no state; None when Triton did not list it."""
         try:
             models = self.client.get_model_repository_index(client_timeout=self.timeout_s).models
         except Exception:
