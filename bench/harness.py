@@ -284,6 +284,7 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
     # The schedule starts once every process has connected and made its inputs (importing a
     # tokenizer can take seconds): a start fixed in advance would begin the run behind schedule.
     deadline = time.monotonic() + START_TIMEOUT_S
+    done = False
     try:
         while len(parts) + len(errors) < len(ps) and not (errors and n_ready < len(ps)):
             try:
@@ -303,9 +304,13 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
                 continue
             (parts if kind == "ok" else errors).append(payload)
         bar.close()
+        done = True
     finally:
         for p in ps:
-            p.join(timeout=10 if go.is_set() else 0)  # before the start, the rest wait for a go that will not come
+            # Waited for only once they have sent their rows: before the start the rest wait for a
+            # go that will not come, and a run cut short (SIGTERM to the demo, Ctrl-C) held the
+            # demo's stop 10 s a process, mid-run, before its node was stopped.
+            p.join(timeout=10 if done else 0)
             if p.is_alive():
                 p.kill()
     if errors:
