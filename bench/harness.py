@@ -307,10 +307,11 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
         done = True
     finally:
         for p in ps:
-            # Waited for only once they have sent their rows: before the start the rest wait for a
-            # go that will not come, and a run cut short (SIGTERM to the demo, Ctrl-C) held the
-            # demo's stop 10 s a process, mid-run, before its node was stopped.
-            p.join(timeout=10 if done else 0)
+            # Waited for only once the run started and finished: before the start (one process
+            # failed to connect) the rest wait for a go that will not come, and a run cut short
+            # (SIGTERM to the demo, Ctrl-C) held the demo's stop 10 s a process, mid-run, before
+            # its node was stopped.
+            p.join(timeout=10 if done and go.is_set() else 0)
             if p.is_alive():
                 p.kill()
     if errors:

@@ -764,3 +764,33 @@ def test_the_server_split_of_tritons_own_metrics_is_one_path():
 
     split = server_split(exposition_samples(text(10)), exposition_samples(text(110)))
     assert split == {"all": {"served": 100, "mean_queue_ms": 0.01, "mean_compute_ms": 0.02}}
+
+
+def _a_load_process_that_fails_before_the_start(target, address, model, inputs_kind, spec_dict, part, q, go, start):
+    """The harness's load process, with the client replaced: part 0 cannot connect; the others
+    connect, report ready and wait for the start (which cannot come)."""
+    from batchyard.bench import harness
+
+    async def run(address, model, inputs_kind, spec, part, ready):
+        if part == 0:
+            raise RuntimeError("could not connect (no dispatcher)")
+        ready()
+        return []
+
+    harness._run_batchyard = run
+    harness._proc(target, address, model, inputs_kind, spec_dict, part, q, go, start)
+
+
+def test_a_load_process_failing_before_the_start_is_reported_without_waiting_on_the_others(monkeypatch):
+    """The others wait for a start that will not come: they are stopped at once, not joined for
+    10 s each (the bench sat 20 s on 3 processes before saying why)."""
+    import time
+
+    from batchyard.bench import harness
+
+    monkeypatch.setattr(harness, "_proc", _a_load_process_that_fails_before_the_start)
+    spec = LoadSpec(rate=10.0, processes=3, warmup_s=0.1, window_s=0.1, windows=1)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match="could not connect"):
+        run_load("ipc:///nonexistent", "sum", spec)
+    assert time.monotonic() - t0 < 10.0  # each of the 2 waiting processes was joined for 10 s
