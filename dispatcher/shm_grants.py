@@ -24,6 +24,13 @@ address), and a holder has at most GRANTS_PER_UID. Nothing tells the dispatcher 
 connection closed, so a closed connection's grants stay until the sweep finds their files gone:
 unbounded, one client made 200,000 (hard links of its own 64 files), and every sweep then held
 the dispatcher's one thread for all of them (777 ms). The sweep also works in slices.
+
+A process holds a segment on one connection at a time: registered on a new connection of the
+same process (same uid and pid, the kernel's credentials), the grant moves there from the older
+one. An SDK client registers its segments again on each reconnect (heartbeat timeout, tcp blip),
+and its old connections' grants, their files still there, stayed and filled the uid's cap: every
+client of that user was refused shared memory until those processes exited. Moving only takes a
+grant away from a connection of the same process, so no process gains a segment it did not prove.
 """
 
 from __future__ import annotations
@@ -89,6 +96,13 @@ def peer_uid(peer: str) -> Optional[int]:
     return int(parts[1]) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
 
 
+def peer_process(peer: str) -> Optional[tuple[int, int]]:
+    """(uid, pid) in an ipc connection's "Peer-Address"; None for a peer without credentials.
+    A process's grants move between its connections (see above), so this says whose they are."""
+    parts = peer.split(":")
+    return (int(parts[1]), int(parts[3])) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
+
+
 class ShmGrants:
     """Connections are keyed by ``conn``: (routing identity, peer credentials), see above."""
 
@@ -97,19 +111,33 @@ class ShmGrants:
         self.granted: dict[tuple, dict[str, tuple[int, int]]] = {}  # conn -> segment -> the file proved
         self.pending: dict[tuple, dict[str, bytes]] = {}  # conn -> segment -> challenge
         self.held: dict[tuple, int] = {}  # holder(conn) -> grants, over all its connections
+        self.holding: dict[tuple, dict[str, tuple]] = {}  # (uid, pid) -> segment -> the conn granted it
         self._unswept: Optional[list[tuple[tuple, str]]] = None  # (conn, segment) left in this sweep
 
     def _full(self, conn: tuple, segment: str) -> bool:
         """Whether granting ``segment`` would take ``conn``'s holder past its cap (one granted on
-        this connection already is granted again, not counted again)."""
-        if segment in self.granted.get(conn, ()):
+        this connection already is granted again, not counted again; nor is one that moves here
+        from another connection of the same process)."""
+        if segment in self.granted.get(conn, ()) or self._holding_conn(conn, segment) is not None:
             return False
         if self.held.get(holder(conn), 0) < GRANTS_PER_UID:
             return False
         self.begin_sweep()  # grants of files since unlinked may be what fills it
         return True
 
+    def _holding_conn(self, conn: tuple, segment: str) -> Optional[tuple]:
+        """The other connection of ``conn``'s process that holds ``segment``, if one does."""
+        process = peer_process(conn[1])
+        other = self.holding.get(process, {}).get(segment) if process is not None else None
+        return other if other != conn else None
+
     def _grant(self, conn: tuple, segment: str, file: tuple[int, int]) -> None:
+        older = self._holding_conn(conn, segment)
+        if older is not None:  # the same process on a new connection (a reconnect): moved, not added
+            self._drop(older, segment)
+        process = peer_process(conn[1])
+        if process is not None:
+            self.holding.setdefault(process, {})[segment] = conn
         segs = self.granted.setdefault(conn, {})
         if segment not in segs:
             key = holder(conn)
@@ -122,12 +150,21 @@ class ShmGrants:
             return
         if not segs:
             del self.granted[conn]
+        self._forget_holding(conn, segment)
         key = holder(conn)
         left = self.held.get(key, 0) - 1
         if left > 0:
             self.held[key] = left
         else:
             self.held.pop(key, None)
+
+    def _forget_holding(self, conn: tuple, segment: str) -> None:
+        process = peer_process(conn[1])
+        mine = self.holding.get(process) if process is not None else None
+        if mine is not None and mine.get(segment) == conn:
+            del mine[segment]
+            if not mine:
+                del self.holding[process]
 
     def challenge(self, conn: tuple, segment: str) -> tuple[Optional[bytes], str]:
         """(challenge, "") or (None, why not)."""

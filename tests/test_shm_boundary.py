@@ -471,6 +471,39 @@ def test_grants_past_a_users_cap_are_refused_until_some_are_given_back(tmp_path,
     assert g.held == {("uid", os.getuid()): 3, ("address", "loopback"): 1}
 
 
+def _infer_naming(segments) -> P.InferRequest:
+    return P.InferRequest(v=1, id=1, model="sum", inputs=[
+        P.TensorRef(name=f"x{k}", dtype="FP32", shape=[4], shm=P.ShmRef(s, 64, 16)) for k, s in enumerate(segments)])
+
+
+def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypatch):
+    """An SDK client registers its segments again on each ZeroMQ reconnect (heartbeat timeout,
+    tcp blip); the old connection's grants, their files still there, stayed and counted, and after
+    GRANTS_PER_UID of them (3 here) every client of that user was refused shared memory until
+    those processes exited. A process's grant moves to its newest connection."""
+    from batchyard import shm_grants
+    from batchyard.shm_grants import ShmGrants
+
+    monkeypatch.setattr(shm_grants, "GRANTS_PER_UID", 3, raising=False)
+    pool = ["batchyard_4242_0", "batchyard_4242_1"]
+    for seg in (*pool, "batchyard_9999_0"):
+        (tmp_path / seg).write_bytes(bytes(64))
+    g = ShmGrants(str(tmp_path))
+    client = f"localhost:{os.getuid()}:0:4242"
+    conns = [(b"\0" + k.to_bytes(4, "big"), client) for k in range(10)]  # the same process, reconnecting
+    for conn in conns:
+        assert [_register(g, conn, tmp_path, seg).status for seg in pool] == [P.Status.OK, P.Status.OK]
+        assert g.files(_infer_naming(pool), conn, True)[1] == ""
+        _sweep_through(g)
+    assert g.held == {("uid", os.getuid()): 2}
+    assert "not registered on this connection" in g.files(_infer_naming(pool), conns[-2], True)[1]
+    # Another process of the same user: registers what it proves, gains nothing of the client's.
+    other = (b"\0new", f"localhost:{os.getuid()}:0:9999")
+    assert _register(g, other, tmp_path, "batchyard_9999_0").status == P.Status.OK
+    assert "not registered on this connection" in g.files(_infer_naming(pool[:1]), other, True)[1]
+    assert g.files(_infer_naming(pool), conns[-1], True)[1] == ""
+
+
 def test_tcp_peers_on_loopback_addresses_share_one_grant_cap(tmp_path, monkeypatch):
     """Over tcp (allow_shm_over_tcp) a peer has no uid and counts under its address; a local
     client connects from any of 127/8 as it likes, and each address had a cap of its own."""
@@ -574,7 +607,8 @@ def test_a_non_root_reaper_does_not_open_names_of_users_whose_files_it_cannot_un
     node_uid = os.geteuid() + 4321  # the node's user; the planted names are someone else's
     own = "batchyard_2_00000000beef"
     (tmp_path / own).write_bytes(b"")
-    if os.geteuid() == 0:
+    root = os.geteuid() == 0  # asked now: the monkeypatch below patches os.geteuid itself
+    if root:
         os.chown(tmp_path / own, node_uid, -1)
     opened, real_open = [], os.open
     monkeypatch.setattr(shm.os, "geteuid", lambda: node_uid)
@@ -582,7 +616,7 @@ def test_a_non_root_reaper_does_not_open_names_of_users_whose_files_it_cannot_un
     reaped = shm.reap_orphans(str(tmp_path))
     assert not [p for p in opened if os.path.basename(p) in planted]
     assert all((tmp_path / name).exists() for name in planted)
-    if os.geteuid() == 0:
+    if root:
         assert reaped == [own]
 
 
