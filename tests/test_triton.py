@@ -414,6 +414,69 @@ def test_a_worker_asked_to_register_again_registers_once_the_batches_at_triton_a
     assert (statuses[3], statuses[4]) == (P.Status.OK, P.Status.OK), statuses
 
 
+def test_a_worker_stopped_while_it_holds_its_registration_back_still_says_leaving_and_goodbye(run_dir, monkeypatch):
+    # A `reregister` that answers a heartbeat sent before the registration reaches a worker the
+    # dispatcher knows, while Triton holds its batches: the worker holds its registration back
+    # for them. Stopped then, it told the dispatcher nothing (leaving and goodbye waited on the
+    # registration), which kept it in rotation until worker_dead_after_s.
+    import zmq
+
+    from batchyard import protocol as P
+    from batchyard.workers import runtime
+
+    monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)  # no hard exit of the test process
+    client = _ThreadedTriton(answer=False)
+    ex = _fake_executor(client, inflight=2)
+    backend = f"ipc://{run_dir}/be"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(backend)
+    rt = runtime.WorkerRuntime("gpu0", backend, ex, {"tri": TRI.spec()}, heartbeat_interval_s=0.1, max_inflight=2)
+    after_stop: list[str] = []
+
+    def send(msg, *frames):
+        router.send_multipart([b"gpu0", P.encode(msg), *frames])
+
+    def batch(batch_id: int, model: str = "tri"):
+        head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=batch_id, model=model, inputs=[
+            P.TensorRef(name="x", dtype="float32", shape=[1, 1024], frame=0)]))
+        send(P.Batch(batch_id=batch_id, model=model, seqs=[0], n_frames=[1]), head,
+             np.ones((1, 1024), np.float32).tobytes())
+
+    def dispatcher():
+        try:
+            assert type(worker_message(router, b"gpu0")) is P.Register
+            send(P.Registered(worker="gpu0"))
+            batch(1)
+            batch(2)
+            deadline = time.monotonic() + 30
+            while len(client.pending) < 2:
+                assert time.monotonic() < deadline
+            send(P.Reregister(worker="gpu0"))  # stale: this dispatcher knows the worker
+            batch(99, model="nope")  # answered at once, after the worker has read the reregister
+            while not (type(m := worker_message(router, b"gpu0")) is P.BatchDone and m.batch_id == 99):
+                pass
+        finally:
+            rt.request_stop()
+            os.write(rt._wake_w, b"x")
+        while type(m := worker_message(router, b"gpu0")) is not P.Goodbye:
+            after_stop.append(type(m).__name__)
+            if type(m) is P.Leaving:
+                send(P.LeavingNoted(worker="gpu0"))
+                client.answer = True
+                for old in list(client.pending):  # the batches at Triton end
+                    old(_Answer(1), None)
+        after_stop.append("Goodbye")
+
+    try:
+        assert serve_beside(rt, dispatcher, router) == 0
+    finally:
+        for th in client.threads:
+            th.join()
+    assert after_stop[0] == "Leaving" and after_stop[-1] == "Goodbye", after_stop
+    assert after_stop.count("BatchDone") == 2, after_stop  # both batches answered before the goodbye
+
+
 def test_sustained_max_size_batches_never_restart_the_worker(start_node, triton):
     node = start_node([gpu_worker(triton, warmup=(1, 64), inflight=2)], models=(TRI,))
     x = np.random.default_rng(4).standard_normal((16, 1024)).astype(np.float32)

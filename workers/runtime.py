@@ -164,6 +164,11 @@ class WorkerRuntime:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         registered = False
+        # Ever registered on this socket: a registration held back for earlier batches (a
+        # `reregister`) still owes the dispatcher its `leaving` and `goodbye` on a stop; one that
+        # knows the worker kept it in rotation until worker_dead_after_s, and sent it batches
+        # that were lost. A dispatcher that does not know it answers `leaving` and drops `goodbye`.
+        announced = False
         next_register = next_sweep = 0.0
         rc = 0
         try:
@@ -196,7 +201,7 @@ class WorkerRuntime:
                     if not registered:
                         log.info("worker %s registered with the dispatcher", self.name)
                         notify("READY=1")  # systemd's Type=notify: taking traffic now
-                    registered = True
+                    registered = announced = True
                     if not hb.is_alive() and not hb.stop.is_set():
                         hb.start()
                 elif type(msg) is P.Reregister:
@@ -205,14 +210,14 @@ class WorkerRuntime:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
                     break
-            if self._in_executor or registered:
+            if self._in_executor or announced:
                 # Registered, a batch the dispatcher sent before it knew of the stop may be in the
                 # socket (max_inflight > 1: one behind the one running): left there, the dispatcher
                 # took it for a batch the worker died running, spent its requests' retry and ran
                 # them as suspects, alone.
-                self._finish_in_flight(sock, poller, registered)
+                self._finish_in_flight(sock, poller, announced)
         finally:
-            if registered:
+            if announced:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
             hb.stop.set()
             if hb.is_alive():
@@ -267,7 +272,7 @@ class WorkerRuntime:
             if reply is not None:
                 sock.send_multipart(reply, copy=False)
 
-    def _finish_in_flight(self, sock, poller, registered: bool) -> None:
+    def _finish_in_flight(self, sock, poller, announced: bool) -> None:
         """Stopping with batches in an asynchronous executor (Triton): their replies go out
         before the goodbye. Gone without them, the dispatcher ran their requests again, and one
         that had spent its retry failed UNAVAILABLE. The dispatcher is told first (``leaving``)
@@ -275,8 +280,8 @@ class WorkerRuntime:
         the wait."""
         if self._in_executor:
             log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
-        noted = not registered  # the dispatcher's answer to `leaving`: no batch comes after it
-        if registered:
+        noted = not announced  # the dispatcher's answer to `leaving`: no batch comes after it
+        if announced:
             sock.send(P.encode(P.Leaving(worker=self.name)))
         start = time.monotonic()
         deadline = start + STOP_GRACE_S - 1.0
