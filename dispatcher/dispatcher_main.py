@@ -61,15 +61,24 @@ def run_dispatcher(node: NodeConfig) -> int:
             return 1
         log.info("metrics at http://%s:%d/metrics", node.dispatcher.metrics_host, node.dispatcher.metrics_port)
     d.start(loop)
-    ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, d.begin_shutdown)
-    log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s, cpus %s",
-             os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name, cpus)
+
+    async def serve_until_stopped() -> None:
+        # The handlers and READY=1 from inside the running loop: uvloop hears a signal only
+        # through the self-pipe it sets up while it runs, and a SIGTERM that came between READY=1
+        # and the run was lost (systemd's stop then waited for its SIGKILL, the sockets left).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, d.begin_shutdown)
+        ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
+        log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s, cpus %s",
+                 os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name, cpus)
+        try:
+            await d.stopped
+        finally:
+            ready.close()
+
     try:
-        loop.run_until_complete(d.stopped)
+        loop.run_until_complete(serve_until_stopped())
     finally:
-        ready.close()
         if metrics_server is not None:
             metrics_server.close()
             loop.run_until_complete(metrics_server.wait_closed())
