@@ -2,7 +2,9 @@
 one asyncio loop running grpc.aio's KServe server, the aiohttp KServe REST app, and the
 Batchyard ``AsyncClient`` both translate onto. The dispatcher stays one thread and never sees
 gRPC or HTTP. Several of these processes bind the same ports (SO_REUSEPORT) so the front door
-is never the bottleneck; `batchyard up` starts ``[frontend] processes`` of them.
+is never the bottleneck; `batchyard up` starts ``[frontend] processes`` of them. Only the
+processes of one node share them: another node's front door on those ports exits at its start
+(kserve_shm.PortClaim).
 """
 
 from __future__ import annotations
@@ -24,7 +26,23 @@ SHM_SWEEP_S = 1.0
 
 
 async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set, then close everything this started."""
+    """Serve until ``stop`` is set, then close everything this started. Another node's front
+    doors on these ports (``PortsTaken``, an OSError) are found before anything binds them or
+    joins their shared-memory registry."""
+    from .kserve_shm import claim_ports
+
+    fe = node.frontend
+    # The dispatcher's endpoint names the node: every front door of one node is given it, and
+    # two nodes cannot both serve one.
+    claim = claim_ports(node.dispatcher.frontend, fe.host, (("gRPC", fe.grpc_port), ("HTTP", fe.http_port)))
+    try:
+        await _serve(node, stop)
+    finally:
+        if claim is not None:
+            claim.close()
+
+
+async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .client_async import AsyncClient
     from .kserve_common import KServeCore
     from .kserve_shm import open_registry, registry_dir
@@ -116,11 +134,17 @@ def run_frontend(node: NodeConfig) -> int:
 
     loop = uvloop.new_event_loop()  # grpc.aio and aiohttp both run on it (as the dispatcher does)
     asyncio.set_event_loop(loop)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    async def serve_until_signalled() -> None:
+        # The handlers from inside the running loop: uvloop hears a signal only through the
+        # self-pipe it sets up while it runs (one added before the run lost a SIGTERM in between).
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await serve(node, stop)
+
     try:
-        loop.run_until_complete(serve(node, stop))
+        loop.run_until_complete(serve_until_signalled())
     except OSError as e:  # a port taken by something that is not a front door of this node
         log.error("front door cannot start: %s", e)
         return 1

@@ -13,7 +13,7 @@ import asyncio
 import math
 import re
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import numpy as np
@@ -377,6 +377,13 @@ def check_input(spec: P.ModelSpec, name: str, dtype: str, shape: list[int]) -> N
                       f"{[-1, *t.shape]} (batch 1..{spec.max_batch}), got {list(shape)}")
 
 
+def check_declared_input(spec: P.ModelSpec, name: str, datatype: str, shape: list[int]) -> None:
+    """An input as the request declares it (a KServe datatype), checked against the model before
+    its data is converted: a shape whose element count overflows ([2**32, 2**32, 0] counts no
+    element, as its data) failed numpy's reshape, a "malformed inference request"."""
+    check_input(spec, name, np_dtype(datatype, f"input '{name}'"), shape)
+
+
 def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:
     """The model's inputs, dtypes and shapes, with Triton's wording; the dispatcher checks the
     same again (it trusts no client)."""
@@ -425,6 +432,24 @@ def stats_json(name: str, c) -> dict:
 
 
 # ------------------------------------------------------------------ the core
+def _count_success(c: np.ndarray, t0: int, inputs: dict[str, np.ndarray], out) -> None:
+    c[S.SUCCESS] += 1
+    c[S.SUCCESS_NS] += time.perf_counter_ns() - t0
+    items = next(iter(inputs.values())).shape[0]
+    c[S.ITEMS] += items
+    c[S.LAST_MS] = int(time.time() * 1000)
+    timing = out.timing
+    if timing is not None:
+        c[S.QUEUE_NS] += timing.queue_us * 1000
+        c[S.COMPUTE_NS] += timing.compute_us * 1000
+    c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
+
+
+def _count_failure(c: np.ndarray, t0: int) -> None:
+    c[S.FAIL] += 1
+    c[S.FAIL_NS] += time.perf_counter_ns() - t0
+
+
 class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
@@ -507,9 +532,13 @@ class KServeCore:
         return [i for i in index if i["state"] == "READY"] if ready_only else index
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], priority: int = 0,
-                    timeout: Optional[float] = None, grpc_deadline: bool = False) -> tuple[P.ModelSpec, dict]:
+                    timeout: Optional[float] = None, grpc_deadline: bool = False,
+                    reply: Optional[Callable] = None) -> tuple[P.ModelSpec, object]:
         """-> (spec, outputs by name) or KServeError with Triton's code (``grpc_deadline``: the
-        timeout is the gRPC call's deadline, ``from_batchyard``)."""
+        timeout is the gRPC call's deadline, ``from_batchyard``). ``reply``: makes the answer of
+        the outputs, returned in their place; its KServeError (an answer too large to send)
+        counts the request failed, as its client gets no answer: counted a success, it was
+        one in the statistics."""
         spec = await self.spec(model)
         check_inputs(spec, inputs)
         c = self.stats.counters(model)
@@ -518,24 +547,21 @@ class KServeCore:
             out = await self.client.infer(model, inputs, priority=priority_class(priority),
                                           timeout=self.default_timeout_s if timeout is None else timeout)
         except BatchyardError as e:
-            c[S.FAIL] += 1
-            c[S.FAIL_NS] += time.perf_counter_ns() - t0
+            _count_failure(c, t0)
             raise from_batchyard(e, model, grpc_deadline) from None
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
-            c[S.FAIL] += 1
-            c[S.FAIL_NS] += time.perf_counter_ns() - t0
+            _count_failure(c, t0)
             raise
-        c[S.SUCCESS] += 1
-        c[S.SUCCESS_NS] += time.perf_counter_ns() - t0
-        items = next(iter(inputs.values())).shape[0]
-        c[S.ITEMS] += items
-        c[S.LAST_MS] = int(time.time() * 1000)
-        timing = out.timing
-        if timing is not None:
-            c[S.QUEUE_NS] += timing.queue_us * 1000
-            c[S.COMPUTE_NS] += timing.compute_us * 1000
-        c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
-        return spec, out
+        if reply is None:
+            answer = out
+        else:
+            try:
+                answer = reply(out)
+            except KServeError:
+                _count_failure(c, t0)
+                raise
+        _count_success(c, t0, inputs, out)
+        return spec, answer
 
     async def model_stats(self, model: str, version: str = "") -> list[dict]:
         """Triton's statistics of ``model``, or of every model of the node (zeros for those not

@@ -21,7 +21,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            check_element_count, check_input, check_input_name, check_new_input, check_parameter_names,
+                            check_declared_input, check_element_count, check_input_name, check_new_input,
+                            check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_shm import OutputRegion, close_outputs
@@ -104,6 +105,19 @@ def _uses_shm(request) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
 
 
+def _stream_answer(response, error: str = "") -> service_pb2.ModelStreamInferResponse:
+    out = service_pb2.ModelStreamInferResponse(error_message=error, infer_response=response)
+    # Triton marks every stream response so; a model that is not decoupled answers once.
+    # Streaming clients (PyTriton's among them) wait for it to end a request.
+    out.infer_response.parameters["triton_final_response"].bool_param = True
+    return out
+
+
+def too_large(size: int, limit: int) -> KServeError:
+    """An answer past the send limit ([frontend] max_request_bytes), in gRPC's own words for it."""
+    return KServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})")
+
+
 def check_contents_field(t, field: str, model: str) -> None:
     """Typed contents in a field of another datatype than the input's are Triton's error (they
     were ignored, and the input then counted 0 elements)."""
@@ -115,8 +129,9 @@ def check_contents_field(t, field: str, model: str) -> None:
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
-    def __init__(self, core: KServeCore, port: int = 0, host: str = ""):
+    def __init__(self, core: KServeCore, port: int = 0, host: str = "", max_send_bytes: int = (1 << 31) - 1):
         self.core = core
+        self.max_send_bytes = max_send_bytes  # gRPC's limit for a message this server sends
         self.port = port  # ours: a client's uid is found by its connection to it (tcp_peer)
         # where its clients' connections end (None: any address; then the slow, exact lookup)
         self.address = bound_address(host)
@@ -221,26 +236,22 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         ModelInfer does, all at once, and the answers go back in the order the requests came, as
         Triton answers a stream to a model that is not decoupled (a client may pair them by order:
         tritonclient's default request id is ""); an error answers its request only, in
-        ``error_message``, as Triton's stream does. A client that closes the stream withdraws what
-        it still has queued."""
+        ``error_message``, as Triton's stream does; so does an answer past the send limit (gRPC
+        ended the stream on it, and the answers behind it were lost). A client that closes the
+        stream withdraws what it still has queued."""
         order: asyncio.Queue = asyncio.Queue()  # each request's answer, running, in arrival order
         running: set = set()
 
         async def answer(request):
             try:
-                out = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+                return await self._infer(request, context, wrap=_stream_answer)
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
                 if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
                     log.exception("stream request for model %r failed", request.model_name)
                     e = KServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
-                out = service_pb2.ModelStreamInferResponse(
-                    error_message=as_kserve(e).message,
-                    infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id,
-                                                                  model_version=request.model_version))
-            # Triton marks every stream response so; a model that is not decoupled answers once.
-            # Streaming clients (PyTriton's among them) wait for it to end a request.
-            out.infer_response.parameters["triton_final_response"].bool_param = True
-            return out
+                return _stream_answer(service_pb2.ModelInferResponse(
+                    model_name=request.model_name, id=request.id, model_version=request.model_version),
+                    as_kserve(e).message)
 
         async def read():
             try:
@@ -261,7 +272,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             for task in (reader, *running):
                 task.cancel()
 
-    async def _infer(self, request, context) -> service_pb2.ModelInferResponse:
+    async def _infer(self, request, context, wrap=None):
+        """The answer to ``request``, as ``wrap`` makes the message sent of it (the stream's);
+        one past the send limit is an error, which counts the request failed."""
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
         shm = self.core.shm
@@ -283,6 +296,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if data is None:
                     raise invalid(f"expected raw input content for input '{t.name}' "
                                   f"({len(request.raw_input_contents)} given for {len(request.inputs)} inputs)")
+                check_declared_input(spec, t.name, t.datatype, shape)
                 inputs[t.name] = tensor_from_bytes(t.name, t.datatype, shape, data)
             else:
                 # The datatype first: BYTES (no typed field here) in bytes_contents was "of type
@@ -293,7 +307,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 values = getattr(t.contents, field) if field else []
                 # Checked before the values are turned into Python objects (tens of bytes each):
                 # 100 MiB of contents for a [1, 16] input took 1.6-2.8 GB and held the loop 5-12 s.
-                check_input(spec, t.name, np_dtype(t.datatype, f"input '{t.name}'"), shape)
+                check_declared_input(spec, t.name, t.datatype, shape)
                 check_element_count(t.name, shape, len(values))
                 inputs[t.name] = tensor_from_list(t.name, t.datatype, shape, list(values))
         wanted = self._requested_outputs(request, spec, inputs, uid)
@@ -303,18 +317,26 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             priority = uint_param(request.parameters, "priority", ("int64_param", "uint64_param"))
             timeout = uint_param(request.parameters, "timeout", ("int64_param",), cast=True)
             limit, by_deadline = timeout_s(timeout, left)
-            _, out = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
-                                           grpc_deadline=by_deadline)
-            resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-            for name, region in wanted:
-                arr = out[name]
-                resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
-                if region is not None:
-                    region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
-                    resp.raw_output_contents.append(b"")  # keeps later outputs at their index
-                else:
-                    resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
-            return resp
+
+            def reply(out) -> object:
+                resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+                for name, region in wanted:
+                    arr = out[name]
+                    resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
+                    if region is not None:
+                        region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
+                        resp.raw_output_contents.append(b"")  # keeps later outputs at their index
+                    else:
+                        resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
+                message = wrap(resp) if wrap is not None else resp
+                size = message.ByteSize()
+                if size > self.max_send_bytes:
+                    raise too_large(size, self.max_send_bytes)
+                return message
+
+            _, message = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
+                                               grpc_deadline=by_deadline, reply=reply)
+            return message
         finally:
             close_outputs(wanted)
 
@@ -378,7 +400,8 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
     server = grpc.aio.server(options=opts)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port, host), server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port, host, max_message_bytes),
+                                                                server)
     try:
         # An IPv6 address in brackets: "::1:8001" read as one address, on port 443.
         bound = server.add_insecure_port(f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}")

@@ -24,7 +24,7 @@ from . import __version__
 from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            batch_input_bytes, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
+                            batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_shm import close_outputs
@@ -400,9 +400,11 @@ class KServeHttp:
                 if pos + n > len(binary):
                     raise invalid(f"unexpected end of binary data for input '{name}': {n} bytes at offset {pos}, "
                                   f"{len(binary)} bytes of binary data in the body")
+                check_declared_input(spec, name, datatype, shape)
                 inputs[name] = tensor_from_bytes(name, datatype, shape, binary[pos:pos + n])
                 pos += n
             else:
+                check_declared_input(spec, name, datatype, shape)
                 inputs[name] = tensor_from_list(name, datatype, shape, t["data"])
         if pos != len(binary):
             raise invalid(f"unexpected additional input data for model '{model}' ({len(binary) - pos} bytes of "

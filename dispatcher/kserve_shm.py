@@ -22,6 +22,7 @@ and read it back through a model or write outputs over it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -30,12 +31,12 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import grpc
 import numpy as np
 
-from .kserve_common import KServeError, check_byte_size, check_input, invalid, np_dtype
+from .kserve_common import KServeError, check_byte_size, check_declared_input, invalid
 
 # Region keys Batchyard itself creates (client pools, the Triton worker's regions with its local
 # tritonserver): other clients' tensors live there, so a KServe client may not name them (the
@@ -400,7 +401,7 @@ class ShmRegions:
         reply comes, and the region may be unregistered while the request is queued. The
         declaration is checked against the model ``spec`` and ``byte_size`` against it first, so
         that no more is read than one batch of the model takes."""
-        check_input(spec, tensor, np_dtype(datatype, f"input '{tensor}'"), shape)
+        check_declared_input(spec, tensor, datatype, shape)
         dt = check_byte_size(tensor, datatype, shape, byte_size)
         r, start = self._range(name, offset, byte_size, uid)
         buf = bytearray(byte_size)
@@ -432,3 +433,169 @@ class ShmRegions:
             if fd >= 0:
                 os.close(fd)
         self._alive_fd = self._dir_fd = -1
+
+
+# ------------------------------------------------------------------ the node's claim on its ports
+# Hosts that take every address: a node on one of them shares a port with a node on any address.
+_ANY_HOST = ("", "0.0.0.0", "::", "*")
+
+
+class PortsTaken(OSError):
+    """A port of this front door is served by another Batchyard node's front doors."""
+
+
+def ports_dir() -> str:
+    """Where the front doors of this user's nodes claim their ports: in /dev/shm, which every
+    front-door unit shares (each unit's /tmp is private)."""
+    return os.path.join(SHM_DIR, f"batchyard-ports-{os.getuid()}")
+
+
+def _claim_file(host: str, port: int) -> str:
+    # A digest of the host: two hosts written alike once sanitised ("a:b", "a_b") are two claims.
+    return f"{port}-{hashlib.sha256(host.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    return a == b or a in _ANY_HOST or b in _ANY_HOST
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: there, all the same
+        return True
+    return True
+
+
+def _read_claim(fd: int) -> dict:
+    """A claim file's record; {} for one not written whole. Its first line only: a record is
+    written over a longer one before the file is cut to it."""
+    try:
+        d = json.loads(os.pread(fd, 65536, 0).split(b"\n", 1)[0])
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _write_claim(fd: int, record: dict) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+
+
+class PortClaim:
+    """This front-door process's claim on its node's ports: a file a host and port in
+    ``ports_dir()``, naming the node (its dispatcher's endpoint, which every front door of one
+    node is given) and its front doors' pids, on which each of them holds a shared ``flock`` for
+    as long as it serves; the kernel lets go of a dead process's, so a dead node's claim is taken
+    over. SO_REUSEPORT, which lets a node's front-door processes share their ports, let any other
+    process of this user bind them too: a second node started on a running node's ports served
+    beside it, the kernel splitting new connections between the two, and both used the one
+    shared-memory registry of those ports (statistics mixed). A port claimed for another node is
+    refused (``PortsTaken``), as Triton refuses a second server on a bound port; so is one on an
+    overlapping address (any address, 0.0.0.0, and one of its own). The claims are read and
+    changed one process at a time (an exclusive ``flock`` on the folder); the last one out of the
+    last claim removes the folder."""
+
+    def __init__(self, node: str, host: str, ports: Iterable[tuple[str, int]], directory: Optional[str] = None):
+        self.node = node
+        self.host = host.strip("[]")
+        self.dir = directory or ports_dir()
+        self._held: list[tuple[str, int]] = []  # (claim file, its fd holding the shared flock)
+        with self._folder() as dir_fd:
+            try:
+                for what, port in ports:
+                    if port:
+                        self._claim(dir_fd, what, port)
+            except BaseException:
+                self._give_back(dir_fd)
+                raise
+
+    @contextlib.contextmanager
+    def _folder(self):
+        """The claims folder, opened and locked (created if absent)."""
+        while True:
+            fd = _open_private_dir(self.dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink:  # not removed by the last one out while this one waited
+                break
+            os.close(fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)  # and its lock
+
+    def _holder(self, dir_fd: int, name: str) -> Optional[dict]:
+        """The record of claim ``name`` while some process holds it; a claim nobody holds (its
+        node is gone) is removed, and None."""
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_claim(fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+            return None
+        finally:
+            os.close(fd)
+
+    def _claim(self, dir_fd: int, what: str, port: int) -> None:
+        for name in os.listdir(dir_fd):
+            held = self._holder(dir_fd, name)
+            if held is None or not name.startswith(f"{port}-"):
+                continue
+            if held.get("node") != self.node and _hosts_overlap(str(held.get("host")), self.host):
+                pids = ", ".join(str(p) for p in dict.fromkeys(held.get("pids", ())) if _alive(p)) or "unknown"
+                raise PortsTaken(f"cannot bind {what} to {self.host}:{port}: address already in use: another "
+                                 f"Batchyard node (front door pid {pids}, dispatcher {held.get('node')}) serves it")
+        name = _claim_file(self.host, port)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        self._held.append((name, fd))
+        pids = [p for p in _read_claim(fd).get("pids", ()) if _alive(p)]
+        _write_claim(fd, {"node": self.node, "host": self.host, "pids": [*pids, os.getpid()]})
+        fcntl.flock(fd, fcntl.LOCK_SH)
+
+    def _give_back(self, dir_fd: int) -> None:
+        for name, fd in self._held:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # failing, it lets go of this one's shared lock
+            except BlockingIOError:  # other front doors of the node serve on
+                record = _read_claim(fd)
+                record["pids"] = [p for p in record.get("pids", ()) if p != os.getpid()]
+                _write_claim(fd, record)
+            else:
+                os.unlink(name, dir_fd=dir_fd)
+            os.close(fd)
+        self._held.clear()
+        if not os.listdir(dir_fd):
+            with contextlib.suppress(OSError):
+                os.rmdir(self.dir)
+
+    def close(self) -> None:
+        """Give the claims back; the last front door of the node removes them. (A process that
+        ends without it loses them all the same: the next claim of the port removes them.)"""
+        if not self._held:
+            return
+        try:
+            with self._folder() as dir_fd:
+                self._give_back(dir_fd)
+        except OSError as e:
+            log.warning("the front door's port claims in %s were not given back: %s", self.dir, e)
+
+
+def claim_ports(node: str, host: str, ports: Iterable[tuple[str, int]]) -> Optional[PortClaim]:
+    """This front door's ``PortClaim``, or ``PortsTaken``; None when the claims folder is not
+    usable (another user's, or a file in its place): the front door serves, unchecked, rather
+    than not at all."""
+    try:
+        return PortClaim(node, host, ports)
+    except PortsTaken:
+        raise
+    except OSError as e:
+        log.error("%s: this front door cannot check that no other Batchyard node serves its ports", e)
+        return None

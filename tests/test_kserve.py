@@ -418,6 +418,59 @@ def test_a_stream_request_that_raises_answers_alone_and_the_stream_goes_on(front
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT", e.value
 
 
+class _Outputs(dict):
+    timing = None  # (an AsyncClient's result says how long its batch queued and ran)
+
+
+def test_an_answer_past_the_send_limit_answers_alone_and_counts_as_failed():
+    """A stream answer larger than gRPC's send limit ([frontend] max_request_bytes) ended the
+    whole stream, and the answers queued behind it were lost; it counted as a success. Now it is
+    that request's error_message, in gRPC's words, and the stream goes on; a unary call gets it
+    as RESOURCE_EXHAUSTED; both count as failures. (The dispatcher's side is a stand-in whose
+    answer is as wide as the request's first value asks.)"""
+    spec = SUM_MODEL.spec()
+
+    class Dispatcher:
+        specs = {"sum": spec}
+
+        async def infer(self, model, inputs, priority, timeout):
+            return _Outputs(y=np.ones((1, int(inputs["x"][0, 0])), np.float32))
+
+    def request(width: int, rid: str) -> dict:
+        i = tgrpc_aio.InferInput("x", [1, 4], "FP32")
+        i.set_data_from_numpy(np.full((1, 4), width, np.float32))
+        return {"model_name": "sum", "inputs": [i], "request_id": rid}
+
+    async def run():
+        from batchyard.kserve_grpc import start_grpc
+
+        core = KServeCore(Dispatcher())
+        port = _free_port()
+        server = await start_grpc(core, "127.0.0.1", port, max_message_bytes=1 << 16)
+        c = tgrpc_aio.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            async def requests():
+                for width, rid in ((2, "a"), (1 << 15, "b"), (2, "c")):  # b: 128 KiB of output
+                    yield request(width, rid)
+
+            got = []
+            async for result, error in c.stream_infer(requests()):
+                got.append(error.message() if error else (result.get_response().id, result.as_numpy("y").shape))
+            with pytest.raises(InferenceServerException) as unary:
+                await c.infer(**request(1 << 15, "d"))
+            return got, unary.value, (await core.model_stats("sum"))[0]
+        finally:
+            await c.close()
+            await server.stop(0)
+            core.close()
+
+    got, unary, stats = asyncio.run(asyncio.wait_for(run(), 60))
+    assert len(got) == 3 and got[0] == ("a", (1, 2)) and got[2] == ("c", (1, 2)), got
+    assert re.fullmatch(r"Sent message larger than max \(\d+ vs\. 65536\)", got[1]), got[1]
+    assert unary.status() == "StatusCode.RESOURCE_EXHAUSTED" and "Sent message larger than max" in unary.message()
+    assert stats["inference_stats"]["success"]["count"] == 2 and stats["inference_stats"]["fail"]["count"] == 2, stats
+
+
 def test_stream_infer_answers_every_request_of_the_stream(front_door):
     """start_stream / async_stream_infer: each request answered once, by its id, marked final as
     Triton marks it (streaming clients wait for the mark); a bad one answers with its error and
@@ -1279,6 +1332,31 @@ def test_malformed_tensors_and_parameters_get_tritons_errors(front_door, case):
     assert r.status_code == 400 and re.search(text, json.loads(r.read())["error"]), r.read()
 
 
+def test_a_shape_whose_element_count_overflows_gets_the_shape_check(front_door):
+    """[2**32, 2**32, 0] counts no element, as its (empty) data: numpy's reshape then failed, and
+    the answer was "malformed inference request: ValueError: cannot reshape ...". The declared
+    shape is checked against the model before the data is converted: gRPC raw contents, HTTP JSON
+    and HTTP binary data."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    shape = [2 ** 32, 2 ** 32, 0]
+    want = f"unexpected shape for input 'x' for model 'sum'. Expected [-1, 4] (batch 1..16), got {shape}"
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    req.inputs.add(name="x", datatype="FP32", shape=shape)
+    req.raw_input_contents.append(b"")
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == want, e.value.details()
+    tensor = {"name": "x", "shape": shape, "datatype": "FP32"}
+    status, _, text = _post_infer(front_door, json.dumps({"inputs": [tensor | {"data": []}]}).encode())
+    assert (status, json.loads(text)["error"]) == (400, want)
+    body, n = _binary_body({"inputs": [tensor | {"parameters": {"binary_data_size": 0}}]})
+    status, _, text = _post_infer(front_door, body, header_length=n)
+    assert (status, json.loads(text)["error"]) == (400, want)
+
+
 _json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=False),
                          st.text(max_size=6))
 _json = st.recursive(_json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
@@ -1988,6 +2066,97 @@ def test_a_grpc_port_in_use_stops_the_front_door_in_one_line(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"front door cannot start: cannot bind gRPC to 127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+def _other_node_config(tmp_path, name: str, grpc_port: int, http_port: int) -> Path:
+    """The config of another node (a dispatcher endpoint of its own) with a front door on these ports."""
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), (sim_worker("w0", ("sum",)),),
+                      frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port)).validate()
+    path = run_dir / "node.toml"
+    path.write_text(to_toml(node))
+    return path
+
+
+def _start_front_door(path: Path, notify: socket.socket) -> tuple[subprocess.Popen, bool]:
+    """`batchyard frontend` of the config at ``path``, once it said READY=1 (True) or exited (False)."""
+    p = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "frontend", "--config", str(path)], cwd=ROOT,
+                         stderr=subprocess.PIPE, text=True, env=os.environ | {"NOTIFY_SOCKET": notify.getsockname()})
+    exited = os.pidfd_open(p.pid)
+    try:
+        readable, _, _ = select.select([notify, exited], [], [], 120)
+    finally:
+        os.close(exited)
+    return p, notify in readable and b"READY=1" in notify.recv(4096).split(b"\n")
+
+
+def test_a_second_node_on_a_running_nodes_ports_exits_naming_them(front_door, tmp_path):
+    """SO_REUSEPORT, which lets a node's front-door processes share its ports, let another node's
+    front door bind them too: both nodes served, the kernel splitting new connections between
+    them, and both took the one shared-memory registry of those ports (statistics mixed). As
+    Triton refuses a second server on a bound port, the other node's front door now exits in one
+    line naming the port and the node's front doors, also when it shares one port only; the two
+    front-door processes of the fixture's node share them, and it serves on."""
+    grpc_port, http_port = (int(url.rsplit(":", 1)[1]) for url in (front_door.grpc_url, front_door.http_url))
+    pids = _listeners(front_door.node.up.pid, grpc_port)
+    assert len(pids) == 2
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    with notify:
+        for ports, what, port in (((grpc_port, http_port), "gRPC", grpc_port), ((0, http_port), "HTTP", http_port)):
+            p, ready = _start_front_door(_other_node_config(tmp_path, f"other-{what}", *ports), notify)
+            if ready:
+                p.terminate()
+            _, err = p.communicate(timeout=60)
+            assert not ready and p.returncode == 1 and "Traceback" not in err, err
+            m = re.search(rf"front door cannot start: cannot bind {what} to 127\.0\.0\.1:{port}: address already in "
+                          r"use: another Batchyard node \(front door pid ([\d, ]+), dispatcher (\S+)\) serves it", err)
+            assert m is not None, err
+            assert {int(p) for p in m[1].split(", ")} == pids and m[2] == front_door.node.address, err
+    assert _listeners(front_door.node.up.pid, grpc_port) == pids == _listeners(front_door.node.up.pid, http_port)
+    want = front_door.sdk("sum", X)
+    np.testing.assert_array_equal(tgrpc.InferenceServerClient(front_door.grpc_url).infer("sum", [_grpc_input(X)])
+                                  .as_numpy("y"), want)
+    np.testing.assert_array_equal(thttp.InferenceServerClient(front_door.http_url).infer("sum", [_http_input(X)])
+                                  .as_numpy("y"), want)
+
+
+def test_a_killed_nodes_claim_on_its_ports_does_not_stop_the_next_node(tmp_path):
+    """A node's claim on its ports is a flock, which the kernel lets go of with its process: a
+    front door killed outright (it gave nothing back) does not keep another node off its ports,
+    and that one, stopped, leaves no claim behind."""
+    from batchyard.kserve_shm import ports_dir
+
+    grpc_port, http_port = _free_port(), _free_port()
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    procs = []
+
+    def start_ready(name: str) -> subprocess.Popen:
+        p, ready = _start_front_door(_other_node_config(tmp_path, name, grpc_port, http_port), notify)
+        procs.append(p)
+        assert ready, p.communicate(timeout=60)[1]
+        return p
+
+    try:
+        first = start_ready("first")
+        first.kill()
+        first.communicate()
+        second = start_ready("second")
+        assert tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()
+        second.terminate()
+        second.communicate(timeout=30)
+        assert second.returncode == 0
+        left = os.listdir(ports_dir()) if os.path.isdir(ports_dir()) else []
+        assert not [n for n in left if n.startswith((f"{grpc_port}-", f"{http_port}-"))], left
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        notify.close()
 
 
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
