@@ -215,7 +215,9 @@ def _check_text_length(texts: list[str]) -> None:
 
 
 def _route(body: dict) -> str:
-    route = body.get("batchyard_route", "")  # Batchyard extension: force "prefill-cpu" or "gpu"
+    route = body.get("batchyard_route")  # Batchyard extension: force "prefill-cpu" or "gpu"
+    if route is None:  # null is the default, as for max_tokens, n and temperature
+        route = ""
     if route not in ("", "prefill-cpu", "gpu"):
         raise OpenAiError(400, f"batchyard_route must be 'prefill-cpu' or 'gpu', got {route!r}", param="batchyard_route")
     return route

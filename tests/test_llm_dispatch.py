@@ -264,6 +264,9 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
 
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[9, 8, 7], [1, 2]], "max_tokens": 3})
     assert status == 200 and [m["token_ids"] for m in out["batchyard"]] == [expected([9, 8, 7], 3), expected([1, 2], 3)]
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2,
+                                                  "batchyard_route": None})
+    assert status == 200, out  # null is the default, as for max_tokens (it was a 400)
 
     for body, code, word in (({"model": "nope", "prompt": "x"}, 404, "nope"),
                              ({"model": "tiny", "prompt": "x", "temperature": 0.7}, 400, "temperature"),

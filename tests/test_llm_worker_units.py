@@ -79,3 +79,58 @@ def test_a_worker_sweeps_stale_kv_while_it_serves_and_a_stop_before_registering_
     server = llm_worker.LlmServer(node, node.workers[0], IdleEngine(), tmp_path, engine, vocab=4096)
     assert server.serve(time.monotonic()) == 0
     assert swept == [tmp_path]
+
+
+def test_an_engine_error_of_any_text_fails_its_requests_not_the_worker(tmp_path, monkeypatch):
+    # The engine's own words went into the reply as they were: one holding a lone surrogate (a
+    # path read with os.fsdecode) could not be encoded, and the worker died with every other
+    # client's generation; a 300,000-character one reached the client whole.
+    import sys
+    import types
+
+    from batchyard.config import DispatcherConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig
+    from batchyard.workers import llm_worker
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
+    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sampling)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    class Engine:
+        def add_request(self, rid, prompt, params, priority=0):
+            if prompt[0] == 1:
+                raise ValueError("cannot read /models/\udcff/config.json")
+            if prompt[0] == 2:
+                raise ValueError("prompt " + "x" * 300_000)
+
+        def step(self):
+            raise RuntimeError("device failure in \udcff")
+
+        def abort_request(self, rids):
+            pass
+
+    class Sent:
+        def __init__(self):
+            self.done = []
+
+        def send(self, data, *flags):
+            self.done.append(P.worker_message_decoder.decode(data))
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
+                      llm_models=(LlmModelConfig(name="tiny", path=str(tmp_path)),),
+                      workers=(WorkerConfig(name="v0", kind="vllm", models=("tiny",), vllm=VllmConfig(role="gpu")),))
+    engine = P.LlmEngine(model="tiny", role="gpu", block_size=32, max_model_len=512, max_num_seqs=8)
+    server = llm_worker.LlmServer(node, node.workers[0], Engine(), tmp_path, engine, vocab=4096)
+    server.sock = Sent()
+    server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[1, 2, 3], prompts=[[1, 5], [2, 5], [3, 5]],
+                               max_tokens=[4, 4, 4]))
+    assert not server._step()  # the engine failed: the job's running request fails with it
+    [done] = server.sock.done
+    by_seq = {r.seq: r for r in done.results}
+    assert by_seq[1].status == P.Status.INVALID_ARGUMENT and "\\udcff" in by_seq[1].message
+    assert by_seq[2].status == P.Status.INVALID_ARGUMENT and len(by_seq[2].message) < 5000
+    assert by_seq[3].status == P.Status.INTERNAL and "device failure in \\udcff" in by_seq[3].message

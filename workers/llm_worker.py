@@ -35,6 +35,7 @@ from batchyard.sd_notify import notify
 
 from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, kv_entry, kv_root, prepare_kv_dir,
                          sampling_kwargs, set_env, sweep_stale)
+from .runtime import error_text
 
 log = logging.getLogger("batchyard.worker")
 REGISTER_RETRY_S = 2.0
@@ -227,7 +228,7 @@ class LlmServer:
                                         priority=order)
             except Exception as e:  # vLLM's validation errors are ValueErrors
                 status = Status.INVALID_ARGUMENT if isinstance(e, ValueError) else Status.INTERNAL
-                job.results[seq] = P.LlmResult(seq=seq, status=int(status), message=f"engine refused the request: {e}")
+                job.results[seq] = P.LlmResult(seq=seq, status=int(status), message=f"engine refused the request: {error_text(e)}")
                 continue
             req = self.reqs[rid] = _Req(job, seq)
             if kv == LOAD:
@@ -254,7 +255,7 @@ class LlmServer:
         except Exception as e:
             log.exception("worker %s: engine step failed", self.name)
             for rid in list(self.reqs):
-                self._finish(rid, Status.INTERNAL, f"LLM engine failed: {type(e).__name__}: {e}")
+                self._finish(rid, Status.INTERNAL, f"LLM engine failed: {error_text(e)}")
             return False
         now = time.perf_counter()
         for out in outputs:
