@@ -328,9 +328,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         resp.raw_output_contents.append(b"")  # keeps later outputs at their index
                     else:
                         resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
-                message = wrap(resp) if wrap is not None else resp
-                size = message.ByteSize()
+                # The answer's own size first: the stream's wrapping copies it, and protobuf cannot
+                # copy a message past 2 GiB (the stream answered "internal error: DecodeError").
+                size = resp.ByteSize()
                 if size > self.max_send_bytes:
+                    raise too_large(size, self.max_send_bytes)
+                if wrap is None:
+                    return resp
+                message = wrap(resp)
+                size = message.ByteSize()
+                if size > self.max_send_bytes:  # within the wrapping's few bytes of the limit
                     raise too_large(size, self.max_send_bytes)
                 return message
 

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import socket
 import stat
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -455,8 +456,20 @@ def _claim_file(host: str, port: int) -> str:
     return f"{port}-{hashlib.sha256(host.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
-def _hosts_overlap(a: str, b: str) -> bool:
-    return a == b or a in _ANY_HOST or b in _ANY_HOST
+def _addresses(host: str) -> list:
+    """The addresses a front door on ``host`` listens on, as gRPC and aiohttp bind a name (every
+    address it resolves to); ["*"] for every address. By the name as written, "localhost" and
+    "127.0.0.1" were two hosts, and two nodes served one port."""
+    if host in _ANY_HOST:
+        return ["*"]
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except (OSError, UnicodeError):
+        return [host]
+
+
+def _hosts_overlap(a: list, b: list) -> bool:
+    return "*" in a or "*" in b or not set(a).isdisjoint(b)
 
 
 def _alive(pid: int) -> bool:
@@ -502,6 +515,7 @@ class PortClaim:
     def __init__(self, node: str, host: str, ports: Iterable[tuple[str, int]], directory: Optional[str] = None):
         self.node = node
         self.host = host.strip("[]")
+        self.addresses = _addresses(self.host)
         self.dir = directory or ports_dir()
         self._held: list[tuple[str, int]] = []  # (claim file, its fd holding the shared flock)
         with self._folder() as dir_fd:
@@ -517,7 +531,10 @@ class PortClaim:
     def _folder(self):
         """The claims folder, opened and locked (created if absent)."""
         while True:
-            fd = _open_private_dir(self.dir)
+            try:
+                fd = _open_private_dir(self.dir)
+            except FileNotFoundError:  # removed by another node's last one out since the mkdir
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink:  # not removed by the last one out while this one waited
                 break
@@ -549,7 +566,9 @@ class PortClaim:
             held = self._holder(dir_fd, name)
             if held is None or not name.startswith(f"{port}-"):
                 continue
-            if held.get("node") != self.node and _hosts_overlap(str(held.get("host")), self.host):
+            theirs = held.get("addresses")
+            if held.get("node") != self.node and _hosts_overlap(theirs if isinstance(theirs, list) else ["*"],
+                                                                self.addresses):
                 pids = ", ".join(str(p) for p in dict.fromkeys(held.get("pids", ())) if _alive(p)) or "unknown"
                 raise PortsTaken(f"cannot bind {what} to {self.host}:{port}: address already in use: another "
                                  f"Batchyard node (front door pid {pids}, dispatcher {held.get('node')}) serves it")
@@ -557,7 +576,8 @@ class PortClaim:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         self._held.append((name, fd))
         pids = [p for p in _read_claim(fd).get("pids", ()) if _alive(p)]
-        _write_claim(fd, {"node": self.node, "host": self.host, "pids": [*pids, os.getpid()]})
+        _write_claim(fd, {"node": self.node, "host": self.host, "addresses": self.addresses,
+                          "pids": [*pids, os.getpid()]})
         fcntl.flock(fd, fcntl.LOCK_SH)
 
     def _give_back(self, dir_fd: int) -> None:

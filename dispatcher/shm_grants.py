@@ -31,6 +31,8 @@ one. An SDK client registers its segments again on each reconnect (heartbeat tim
 and its old connections' grants, their files still there, stayed and filled the uid's cap: every
 client of that user was refused shared memory until those processes exited. Moving only takes a
 grant away from a connection of the same process, so no process gains a segment it did not prove.
+Over tcp (allow_shm_over_tcp) a peer tells no pid: a grant moves between the connections of one
+holder (its address, every loopback one as one), each of which counts against one cap anyway.
 """
 
 from __future__ import annotations
@@ -96,11 +98,15 @@ def peer_uid(peer: str) -> Optional[int]:
     return int(parts[1]) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
 
 
-def peer_process(peer: str) -> Optional[tuple[int, int]]:
-    """(uid, pid) in an ipc connection's "Peer-Address"; None for a peer without credentials.
-    A process's grants move between its connections (see above), so this says whose they are."""
-    parts = peer.split(":")
-    return (int(parts[1]), int(parts[3])) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
+def peer_process(conn: tuple) -> Optional[tuple]:
+    """Whose connections a grant moves between (see above): a process, by the uid and pid in an
+    ipc connection's "Peer-Address"; over tcp, which tells no pid, the connection's holder (its
+    address, every loopback one as one), so that a client's reconnects over tcp do not fill its
+    cap either. None for a peer with neither (inproc)."""
+    parts = conn[1].split(":")
+    if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+        return ("process", int(parts[1]), int(parts[3]))
+    return holder(conn) if conn[1] else None
 
 
 class ShmGrants:
@@ -127,7 +133,7 @@ class ShmGrants:
 
     def _holding_conn(self, conn: tuple, segment: str) -> Optional[tuple]:
         """The other connection of ``conn``'s process that holds ``segment``, if one does."""
-        process = peer_process(conn[1])
+        process = peer_process(conn)
         other = self.holding.get(process, {}).get(segment) if process is not None else None
         return other if other != conn else None
 
@@ -135,7 +141,7 @@ class ShmGrants:
         older = self._holding_conn(conn, segment)
         if older is not None:  # the same process on a new connection (a reconnect): moved, not added
             self._drop(older, segment)
-        process = peer_process(conn[1])
+        process = peer_process(conn)
         if process is not None:
             self.holding.setdefault(process, {})[segment] = conn
         segs = self.granted.setdefault(conn, {})
@@ -159,7 +165,7 @@ class ShmGrants:
             self.held.pop(key, None)
 
     def _forget_holding(self, conn: tuple, segment: str) -> None:
-        process = peer_process(conn[1])
+        process = peer_process(conn)
         mine = self.holding.get(process) if process is not None else None
         if mine is not None and mine.get(segment) == conn:
             del mine[segment]

@@ -422,12 +422,27 @@ class _Outputs(dict):
     timing = None  # (an AsyncClient's result says how long its batch queued and ran)
 
 
-def test_an_answer_past_the_send_limit_answers_alone_and_counts_as_failed():
+def test_an_answer_past_the_send_limit_answers_alone_and_counts_as_failed(monkeypatch):
     """A stream answer larger than gRPC's send limit ([frontend] max_request_bytes) ended the
     whole stream, and the answers queued behind it were lost; it counted as a success. Now it is
     that request's error_message, in gRPC's words, and the stream goes on; a unary call gets it
     as RESOURCE_EXHAUSTED; both count as failures. (The dispatcher's side is a stand-in whose
-    answer is as wide as the request's first value asks.)"""
+    answer is as wide as the request's first value asks.) The answer is measured before the
+    stream wraps it: protobuf cannot copy a message past 2 GiB into the wrapping (the stream
+    answered "internal error: DecodeError" and counted it nowhere), played here by a wrapping
+    that refuses what is past the limit."""
+    from google.protobuf.message import DecodeError
+
+    from batchyard import kserve_grpc
+
+    wrap = kserve_grpc._stream_answer
+
+    def wrap_within_limit(response, error=""):
+        if response.ByteSize() > 1 << 16:
+            raise DecodeError("Error parsing message")  # as protobuf past 2 GiB
+        return wrap(response, error)
+
+    monkeypatch.setattr(kserve_grpc, "_stream_answer", wrap_within_limit)
     spec = SUM_MODEL.spec()
 
     class Dispatcher:
@@ -2157,6 +2172,51 @@ def test_a_killed_nodes_claim_on_its_ports_does_not_stop_the_next_node(tmp_path)
                 p.kill()
                 p.communicate()
         notify.close()
+
+
+@pytest.mark.parametrize("first, second", [("127.0.0.1", "localhost"), ("localhost", "127.0.0.1"),
+                                           ("0.0.0.0", "localhost")])
+def test_a_port_claimed_under_one_name_of_an_address_is_refused_under_another(tmp_path, first, second):
+    """Two nodes on one port, one on "127.0.0.1" and one on "localhost": by the names as written
+    they were two hosts, both front doors served, and the kernel split connections between them.
+    The claim compares the addresses each name binds."""
+    from batchyard.kserve_shm import PortClaim, PortsTaken
+
+    port = _free_port()
+    claim = PortClaim("ipc:///node-a", first, [("gRPC", port)], directory=str(tmp_path / "ports"))
+    try:
+        with pytest.raises(PortsTaken, match=rf"cannot bind gRPC to {re.escape(second)}:{port}: address already in use"):
+            PortClaim("ipc:///node-b", second, [("gRPC", port)], directory=str(tmp_path / "ports"))
+        PortClaim("ipc:///node-a", second, [("gRPC", port)], directory=str(tmp_path / "ports")).close()  # its own
+    finally:
+        claim.close()
+
+
+def test_a_claim_made_while_the_last_one_out_removes_the_folder_is_made(tmp_path, monkeypatch):
+    """Another node's last front door may remove the claims folder between this one's mkdir and
+    its open: the FileNotFoundError made the front door serve with no claim at all (a later node
+    on its ports was not refused). It tries again."""
+    from batchyard import kserve_shm
+    from batchyard.kserve_shm import PortClaim, PortsTaken
+
+    opened = kserve_shm._open_private_dir
+    raced = []
+
+    def removed_once(path):
+        if not raced:
+            raced.append(path)
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return opened(path)
+
+    monkeypatch.setattr(kserve_shm, "_open_private_dir", removed_once)
+    port, folder = _free_port(), str(tmp_path / "ports")
+    claim = PortClaim("ipc:///node-a", "127.0.0.1", [("gRPC", port)], directory=folder)
+    try:
+        assert raced
+        with pytest.raises(PortsTaken):
+            PortClaim("ipc:///node-b", "127.0.0.1", [("gRPC", port)], directory=folder)
+    finally:
+        claim.close()
 
 
 @pytest.mark.parametrize("host", ["::1", "[::1]"])

@@ -476,11 +476,15 @@ def _infer_naming(segments) -> P.InferRequest:
         P.TensorRef(name=f"x{k}", dtype="FP32", shape=[4], shm=P.ShmRef(s, 64, 16)) for k, s in enumerate(segments)])
 
 
-def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypatch):
+@pytest.mark.parametrize("client, other_peer, holds", [
+    (f"localhost:{os.getuid()}:0:4242", f"localhost:{os.getuid()}:0:9999", ("uid", os.getuid())),
+    ("127.0.0.1", "127.0.0.2", ("address", "loopback"))], ids=["ipc", "tcp"])
+def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypatch, client, other_peer, holds):
     """An SDK client registers its segments again on each ZeroMQ reconnect (heartbeat timeout,
     tcp blip); the old connection's grants, their files still there, stayed and counted, and after
     GRANTS_PER_UID of them (3 here) every client of that user was refused shared memory until
-    those processes exited. A process's grant moves to its newest connection."""
+    those processes exited. A process's grant moves to its newest connection (over tcp, which
+    tells no process, a holder's: its address)."""
     from batchyard import shm_grants
     from batchyard.shm_grants import ShmGrants
 
@@ -489,16 +493,15 @@ def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypa
     for seg in (*pool, "batchyard_9999_0"):
         (tmp_path / seg).write_bytes(bytes(64))
     g = ShmGrants(str(tmp_path))
-    client = f"localhost:{os.getuid()}:0:4242"
     conns = [(b"\0" + k.to_bytes(4, "big"), client) for k in range(10)]  # the same process, reconnecting
     for conn in conns:
         assert [_register(g, conn, tmp_path, seg).status for seg in pool] == [P.Status.OK, P.Status.OK]
         assert g.files(_infer_naming(pool), conn, True)[1] == ""
         _sweep_through(g)
-    assert g.held == {("uid", os.getuid()): 2}
+    assert g.held == {holds: 2}
     assert "not registered on this connection" in g.files(_infer_naming(pool), conns[-2], True)[1]
     # Another process of the same user: registers what it proves, gains nothing of the client's.
-    other = (b"\0new", f"localhost:{os.getuid()}:0:9999")
+    other = (b"\0new", other_peer)
     assert _register(g, other, tmp_path, "batchyard_9999_0").status == P.Status.OK
     assert "not registered on this connection" in g.files(_infer_naming(pool[:1]), other, True)[1]
     assert g.files(_infer_naming(pool), conns[-1], True)[1] == ""
