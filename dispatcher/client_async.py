@@ -69,6 +69,10 @@ class AsyncClient(CodecAccess):
         self.closed = self._forked = False
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        # A ZeroMQ socket's FD signals new messages only once a read has found none: until then
+        # the monitor never woke the loop, and requests in flight on a lost connection waited
+        # out their timeout instead of failing UNAVAILABLE (Client's poller reads ZMQ_EVENTS).
+        self._on_monitor()
         watch_forks(self)
 
     def _forked_off(self) -> None:
@@ -229,8 +233,11 @@ class AsyncClient(CodecAccess):
 
     async def _register_segments(self, model: str, segments: set[str], deadline: float) -> None:
         """See Client._register_segments."""
+        # What is left first: a deadline already passed raised while the acquire() coroutine was
+        # made and never awaited (a RuntimeWarning on the user's stderr).
+        left = time_left(deadline, model)
         try:
-            await asyncio.wait_for(self._grant_lock.acquire(), time_left(deadline, model))
+            await asyncio.wait_for(self._grant_lock.acquire(), left)
         except asyncio.TimeoutError:
             raise setup_timeout_error(model) from None
         try:

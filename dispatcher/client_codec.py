@@ -241,6 +241,9 @@ class ClientCodec:
         self.late: dict[int, list[Region]] = {}  # timed out locally; free regions on late reply
         self._array_regions: dict[int, Region] = {}  # data address -> region, for alloc_array
         self.specs: dict[str, P.ModelSpec] = {}
+        # The node's max_inline_bytes, as its model_info replies say (a request is encoded after
+        # its model's spec came): None until then, or from a dispatcher that does not say.
+        self.max_inline_bytes: Optional[int] = None
         self.granted: set[str] = set()  # segments this connection may reference (shm_grants.py)
         # Counts lost connections. A grant is recorded only if no connection was lost since its
         # registration began: one answered just before a restart, recorded after the I/O thread
@@ -335,6 +338,7 @@ class ClientCodec:
                 n_items = self._input_refs(checked_inputs(inputs), refs, frames, regions, used)
             else:
                 refs, frames, used, n_items = encoded.refs, encoded.frames, encoded.used, encoded.n_items
+            self._refuse_over_inline_limit(frames)
             self._output_regions(model, n_items, outputs, out_refs, used)
         except BaseException as e:
             # Refused half-way (a later input's dtype, a full /dev/shm): what was allocated for the
@@ -367,6 +371,19 @@ class ClientCodec:
         """Free what ``encoded`` still holds of the pool (a request that was never sent)."""
         for region in encoded.take():
             self.free(region)
+
+    def _refuse_over_inline_limit(self, frames: list) -> None:
+        """InvalidArgument, as the dispatcher words it, for inline tensors over the node's
+        max_inline_bytes. Sent, one frame past the node's ZeroMQ limit (max_inline_bytes + 1 MiB
+        by default) was not refused: ZeroMQ dropped this client's connection, and every other
+        request in flight on it failed UNAVAILABLE (on tcp, where all goes inline)."""
+        limit = self.max_inline_bytes
+        if limit is None:
+            return
+        total = sum(frame.nbytes for frame in frames)
+        if total > limit:
+            raise InvalidArgument(f"inline payload {total} bytes exceeds max_inline_bytes {limit}; "
+                                  "send large tensors through shared memory")
 
     @staticmethod
     def retimed(header: bytes, timeout: float) -> bytes:
@@ -534,6 +551,8 @@ class ClientCodec:
         if pend.kind == "shm":
             pend.resolve(msg.challenge)
         elif pend.kind == "model_info":
+            if msg.max_inline_bytes is not None:
+                self.max_inline_bytes = msg.max_inline_bytes
             self.specs[msg.spec.name] = msg.spec
             pend.resolve(msg.spec)
         elif pend.kind == "status":
@@ -598,8 +617,10 @@ class ClientCodec:
             self.connection += 1
             self.granted.clear()
         # A restarted dispatcher may serve a model of another shape: asked again, not sized from
-        # the old spec (outputs' shm regions too small for the new one were refused).
+        # the old spec (outputs' shm regions too small for the new one were refused); its limit
+        # on inline bytes comes with the specs.
         self.specs.clear()
+        self.max_inline_bytes = None
         return set(self.pending)
 
     def fail_lost(self, rids: set[int], error_factory: Callable[[], BaseException]) -> None:
@@ -623,8 +644,12 @@ LOST_GRACE_S = 0.1
 HEARTBEAT_TIMEOUT_MS = 3000
 _LOST = {zmq.EVENT_DISCONNECTED: "lost the connection to the dispatcher",
          zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the dispatcher refused this client's CURVE key",
-         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake with the dispatcher failed (CURVE keys or protocol?)",
-         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake with the dispatcher failed (CURVE keys?)"}
+         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake with the dispatcher failed",
+         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake with the dispatcher failed"}
+# A CURVE node drops a client that offers no key (PROTOCOL) or the wrong server key (NO_DETAIL).
+_CURVE_HINT = (" (if the node uses CURVE: this client needs its keys, curve_server_key and curve_keys; "
+               "`batchyard status --config` uses the node's own)")
+_MAY_BE_CURVE = {_LOST[zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL], _LOST[zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL]}
 
 
 def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes] = None,
@@ -684,15 +709,17 @@ def connection_lost(monitor: zmq.Socket) -> str:
             event = recv_monitor_message(monitor, zmq.NOBLOCK)
         except zmq.Again:
             return why
-        why = _LOST.get(event["event"], why)
+        # A failed handshake is followed by its disconnection, which said less: a client with no
+        # keys at a CURVE node was told only that the connection was lost.
+        if event["event"] != zmq.EVENT_DISCONNECTED or not why:
+            why = _LOST.get(event["event"], why)
 
 
 def lost_error(address: str, why: str) -> BaseException:
-    if why == _LOST[zmq.EVENT_DISCONNECTED] and address.startswith("tcp://"):
-        # A CURVE endpoint drops a client that offers no key without a word ZeroMQ passes on: the
-        # message said only that the connection was lost, as if the node had died.
-        why += " (if the node uses CURVE: this client needs its keys, curve_server_key and curve_keys; " \
-               "`batchyard status --config` uses the node's own)"
+    if why in _MAY_BE_CURVE and address.startswith("tcp://"):
+        # Only there: given on every lost tcp connection, it sent the users of a node without
+        # CURVE, whose connection broke (the node stopped, a frame over its limit), after keys.
+        why += _CURVE_HINT
     return Unavailable(f"{why} ({address}) with the request in flight")
 
 

@@ -213,6 +213,10 @@ class ModelInfoReply(msgspec.Struct, tag="model_info", tag_field="type", omit_de
     status: int
     message: str = ""
     spec: Optional[ModelSpec] = None
+    # The node's limit on a request's inline payload: the SDK refuses a bigger one before sending
+    # it, as a frame past the node's ZeroMQ limit (max_message_bytes) is not refused but makes
+    # ZeroMQ drop the connection, and every other request in flight on it. None: not said.
+    max_inline_bytes: Optional[int] = None
 
 
 class WorkerInfo(msgspec.Struct):
@@ -456,23 +460,35 @@ infer_request_decoder = msgspec.msgpack.Decoder(InferRequest)
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
 
+class _Pairs(list):
+    """A MessagePack map as its (key, value) pairs in order, repeated keys kept."""
+
+
 def salvage_id(raw: bytes) -> Optional[int]:
     """Best effort: the request id of a header that failed typed decoding, so the error
     reply can still be matched by the client. None when the header is not even a map, and for
     a cancel: its id names the request it withdraws, which gets a result of its own (answered
-    under that id, a malformed cancel gave the request a second result)."""
+    under that id, a malformed cancel gave the request a second result). A map whose `type` is
+    given twice may be a cancel too: read as a dict, its last `type` ("infer") hid its first
+    ("cancel")."""
     try:
         # raw=True: a header whose strings are not valid UTF-8 still yields its id. The first
         # object only: bytes after it (two maps in one frame) made unpackb refuse the whole.
-        unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(raw), 1))
+        unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(raw), 1),
+                                    object_pairs_hook=_Pairs)
         unpacker.feed(raw)
         obj: Any = unpacker.unpack()
     except Exception:
         return None
-    if isinstance(obj, dict) and obj.get(b"type") != b"cancel":
-        rid = obj.get(b"id")
-        if type(rid) is int and 0 <= rid < 2**63:  # not a bool: True is an int to isinstance
-            return rid
+    if type(obj) is not _Pairs:
+        return None
+    types = [value for key, value in obj if key == b"type"]
+    if len(types) > 1 or b"cancel" in types:
+        return None
+    ids = [value for key, value in obj if key == b"id"]
+    rid = ids[-1] if ids else None  # the last, as typed decoding reads a repeated key
+    if type(rid) is int and 0 <= rid < 2**63:  # not a bool: True is an int to isinstance
+        return rid
     return None
 
 

@@ -544,7 +544,8 @@ class Dispatcher:
                 reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.UNKNOWN_MODEL,
                                          message=self._unknown_model(msg.model))
             else:
-                reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.OK, spec=spec)
+                reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.OK, spec=spec,
+                                         max_inline_bytes=self.cfg.max_inline_bytes)
             self._reply(identity, P.encode(reply))
         else:
             # Answered after this step's decision (see _step), so a status reply tells the

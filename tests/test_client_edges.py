@@ -5,6 +5,7 @@ too long, fail the call in its own time, and a grant never outlives its connecti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -414,3 +415,148 @@ def test_an_async_client_closes_with_or_without_await_and_as_a_context(fake, spe
         c = asyncio.run(main())
         # As tritonclient's aio close, a coroutine asyncio.run takes (it said "a coroutine was expected")
         assert asyncio.run(c.close()) is None
+
+
+# ---------------------------------------------------------------- what the node refuses, refused here
+
+@contextlib.contextmanager
+def _dispatcher_on_tcp(run_dir, **cfg):
+    """A real dispatcher (no workers: its requests wait in the queue) serving on a tcp port of
+    its own from a thread; yields its address."""
+    from batchyard.config import DispatcherConfig
+    from batchyard.server import Dispatcher
+
+    loop, ctx = asyncio.new_event_loop(), zmq.Context()
+    d = Dispatcher(DispatcherConfig(frontend="tcp://127.0.0.1:*", backend=f"ipc://{run_dir}/be", **cfg),
+                   (SUM_MODEL.spec(), BIG_MODEL.spec()), ctx=ctx)
+    d.start(loop)
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    try:
+        yield d.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(timeout=10)
+        d.close()
+        loop.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_an_inline_tensor_over_the_nodes_limit_fails_alone_with_the_dispatchers_words(run_dir, kind):
+    # On tcp all goes inline: a 1 MiB tensor, past the node's frame limit, made ZeroMQ drop the
+    # client's connection, and it and every other request in flight on it failed UNAVAILABLE ("lost
+    # the connection ... if the node uses CURVE") instead of INVALID_ARGUMENT for it alone.
+    refused = "inline payload 1048576 bytes exceeds max_inline_bytes 65536; send large tensors through shared memory"
+    with _dispatcher_on_tcp(run_dir, max_inline_bytes=64 << 10, max_message_bytes=128 << 10) as address:
+        if kind == "Client":
+            with Client(address) as c:
+                others = [c.submit("sum", {"x": ONE}, timeout=0.5) for _ in range(3)]
+                error = _raised(lambda: c.infer("big", {"x": BIG_X}, timeout=1))
+                outcomes = [_raised(f.result) for f in others]
+        else:
+            async def main():
+                async with AsyncClient(address) as c:
+                    others = [c.submit("sum", {"x": ONE}, timeout=0.5) for _ in range(3)]
+                    try:
+                        await c.infer("big", {"x": BIG_X}, timeout=1)
+                    except Exception as e:
+                        error = e
+                    return error, [e for e in await asyncio.gather(*others, return_exceptions=True)]
+
+            error, outcomes = asyncio.run(main())
+    assert isinstance(error, InvalidArgument) and refused in str(error), (error, outcomes)
+    # the others waited in the queue (no worker) until the dispatcher answered their deadline
+    assert all(isinstance(e, DeadlineExceeded) and "no reply" not in str(e) for e in outcomes), outcomes
+
+
+# ---------------------------------------------------------------- a lost connection, and why
+
+def _model_info_error(kind: str, address: str) -> tuple[BaseException, float]:
+    """What ``model_info("sum", timeout=3)`` raised, and how long it took to."""
+    t0 = time.monotonic()
+    if kind == "Client":
+        with Client(address) as c:
+            error = _raised(lambda: c.model_info("sum", timeout=3))
+    else:
+        async def main():
+            async with AsyncClient(address) as c:
+                try:
+                    await c.model_info("sum", timeout=3)
+                except Exception as e:
+                    return e
+
+        error = asyncio.run(main())
+    return error, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_a_dispatcher_that_goes_away_fails_the_request_unavailable_at_once_without_a_curve_hint(
+        run_dir, kind, transport):
+    # AsyncClient never heard of a lost connection (its monitor's FD was never armed): requests in
+    # flight waited out their timeout. Client told every lost tcp connection's requests about
+    # CURVE keys, a node without CURVE that stopped (or a frame over its limit) included.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{run_dir}/gone")
+    address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def go_away_at_the_first_message():
+        sock.poll(10_000)
+        sock.close(linger=0)
+
+    node = threading.Thread(target=go_away_at_the_first_message)
+    node.start()
+    try:
+        error, took = _model_info_error(kind, address)
+    finally:
+        node.join(timeout=15)
+        ctx.term()
+    assert isinstance(error, Unavailable) and "lost the connection" in str(error), error
+    assert "CURVE" not in str(error)
+    assert took < 2, took  # not at its timeout (3 s)
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_a_client_without_keys_at_a_curve_node_is_told_the_handshake_failed_and_about_keys(kind):
+    # The handshake's failure was overwritten by the disconnection that follows it: the message
+    # said only that the connection was lost, as if the node had died.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.curve_server = True
+    sock.bind("tcp://127.0.0.1:*")
+    try:
+        error, took = _model_info_error(kind, sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert isinstance(error, Unavailable) and "handshake with the dispatcher failed" in str(error), error
+    assert "if the node uses CURVE: this client needs its keys" in str(error)
+    assert took < 2, took
+
+
+# ---------------------------------------------------------------- asyncio hygiene
+
+def test_an_async_deadline_passed_before_a_segments_grant_leaves_no_unawaited_coroutine(fake):
+    # The grant lock's acquire() coroutine was made before the time left was asked, which raised:
+    # "RuntimeWarning: coroutine 'Lock.acquire' was never awaited" on the user's stderr.
+    import gc
+
+    f = fake()
+
+    async def main():
+        async with AsyncClient(f.address) as c:
+            await c.model_info("big")
+            try:
+                await c.infer("big", {"x": BIG_X}, timeout=1e-6)  # spent copying the tensor into the pool
+            except Exception as e:
+                return e
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = asyncio.run(main())
+        gc.collect()
+    assert isinstance(error, DeadlineExceeded) and "setting up the request" in str(error), error
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]

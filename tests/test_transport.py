@@ -196,11 +196,39 @@ def test_a_peer_on_the_workers_socket_that_never_reads_does_not_hold_the_dispatc
         ctx.term()
 
 
-def test_a_lost_tcp_connection_names_curve_as_a_possible_cause():
-    """A CURVE node drops a client that offers no key with nothing but a disconnection: `batchyard
-    status --address` against one said "lost the connection", as if the node had died."""
+def test_a_failed_tcp_handshake_names_curve_as_a_possible_cause_a_lost_connection_does_not():
+    """A CURVE node drops a client that offers no key at the handshake: `batchyard status --address`
+    against one said "lost the connection", as if the node had died. A connection lost after its
+    handshake (the node stopped; a frame over its limit) has nothing to do with keys."""
     from batchyard.client_codec import lost_error
 
-    msg = str(lost_error("tcp://127.0.0.1:7755", "lost the connection to the dispatcher"))
+    msg = str(lost_error("tcp://127.0.0.1:7755", "handshake with the dispatcher failed"))
     assert "if the node uses CURVE" in msg and "status --config" in msg
-    assert "CURVE" not in str(lost_error("ipc:///run/batchyard/fe", "lost the connection to the dispatcher"))
+    assert "CURVE" not in str(lost_error("ipc:///run/batchyard/fe", "handshake with the dispatcher failed"))
+    assert "CURVE" not in str(lost_error("tcp://127.0.0.1:7755", "lost the connection to the dispatcher"))
+
+
+def _map(*pairs) -> bytes:
+    """A MessagePack map with these (key, value) pairs in this order, a key given twice kept."""
+    return bytes([0x80 | len(pairs)]) + b"".join(msgspec.msgpack.encode(k) + msgspec.msgpack.encode(v)
+                                                 for k, v in pairs)
+
+
+@pytest.mark.parametrize("second_type", ["infer", "status", 7])
+def test_a_malformed_cancel_with_a_second_type_is_not_answered_under_the_id_it_names(run_dir, second_type):
+    # Read as a dict, the last `type` hid the first ("cancel"): the malformed message was answered
+    # INVALID_ARGUMENT under the id of the request it names, which got that result before its own.
+    from test_client_edges import _dispatcher_on_tcp
+
+    with _dispatcher_on_tcp(run_dir) as address:  # no workers: request 5 waits until its deadline
+        s = dealer(address)
+        try:
+            s.send_multipart([infer_header(5, timeout_us=300_000), X1])
+            s.send(_map(("type", "cancel"), ("v", 1), ("id", 5), ("type", second_type)))
+            replies = []
+            while len(replies) < 2 and s.poll(5000):
+                replies.append(P.reply_decoder.decode(s.recv_multipart()[0]))
+        finally:
+            s.close()
+    assert sorted((r.id or 0, r.status) for r in replies) == [(0, P.Status.INVALID_ARGUMENT),
+                                                              (5, P.Status.DEADLINE_EXCEEDED)], replies
