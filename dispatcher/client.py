@@ -82,8 +82,9 @@ class InferFuture(Future):
 
     def cancel(self) -> bool:
         """Ask the dispatcher to drop this request if it is still queued; the future then
-        raises Cancelled (a BatchyardError). A request already running completes normally.
-        Returns False if the future was already done."""
+        raises Cancelled (a BatchyardError). An infer request already running completes
+        normally; a generation is stopped in its engine too. Returns False if the future was
+        already done."""
         if self.done():
             return False
         self._client._io.cancel(self.id)

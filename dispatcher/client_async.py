@@ -13,8 +13,8 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
-                           CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
+from .client_codec import (CANCELS_LINGER_MS, DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S,
+                           ClientCodec, CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
                            checked_timeout, checked_wait, closed_error, connection_lost, lost_error, no_reply_error,
                            open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
@@ -104,10 +104,16 @@ class AsyncClient(CodecAccess):
         for h in self._timers.values():
             h.cancel()
         self._timers.clear()
+        cancels = self._codec.cancels_of_generations()
+        for frame in cancels:
+            try:
+                self.sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError:  # the connection is gone or full: nothing more to tell it
+                break
         self._codec.fail_all(closed_error)
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=CANCELS_LINGER_MS if cancels else 0)
         if self._own_ctx:
             self.ctx.term()
         self._codec.close_pool()

@@ -597,6 +597,12 @@ class ClientCodec:
         if pend is not None:
             self._fail_freeing(pend, error)
 
+    def cancels_of_generations(self) -> list[bytes]:
+        """A `cancel` for each generation in flight, for a client that closes: answered here
+        Cancelled("client closed"), each went on decoding in its engine to its max_tokens for
+        nobody, holding a slot and its KV blocks (an infer runs its one batch at most)."""
+        return [self.encode_cancel(rid) for rid, pend in self.pending.items() if pend.kind == "generate"]
+
     def fail_all(self, error_factory: Callable[[], BaseException]) -> None:
         """Resolve every request in flight with an error (the client is closing)."""
         pending, self.pending = self.pending, {}
@@ -641,6 +647,10 @@ class ClientCodec:
 # UNAVAILABLE then, not at their full timeout. ZeroMQ reconnects by itself afterwards.
 HEARTBEAT_IVL_MS = 1000
 LOST_GRACE_S = 0.1
+# How long a closing client's socket may take to send the cancels of its generations: close()
+# is not to wait for a node that is gone (a cancel left unsent then only means the generation
+# runs to its deadline, as it did before any was sent).
+CANCELS_LINGER_MS = 200
 HEARTBEAT_TIMEOUT_MS = 3000
 _LOST = {zmq.EVENT_DISCONNECTED: "lost the connection to the dispatcher",
          zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the dispatcher refused this client's CURVE key",

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from batchyard import protocol as P
 from batchyard.client import AsyncClient, Client
-from batchyard.errors import InvalidArgument, Unavailable, UnknownModel
+from batchyard.errors import Cancelled, InvalidArgument, Unavailable, UnknownModel
 
 from batchyard.config import DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, to_toml
 
@@ -337,6 +337,34 @@ def test_a_client_that_hangs_up_mid_generation_has_its_generation_stopped_in_the
     assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
     assert status == 200 and out["batchyard"][0]["token_ids"] == expected([1, 2], 2)
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_a_client_closed_mid_generation_has_its_generation_stopped_in_the_engine(llm_node, kind):
+    # close() answered the generation Cancelled("client closed") and told the node nothing: it
+    # decoded to max_tokens for nobody, holding a slot and KV blocks, until its deadline.
+    address, engines, _ = llm_node
+    gpu = engines["gpu0"]
+    if kind == "Client":
+        c = Client(address)
+        fut = c.submit_generate("tiny", [HOLD_TOKEN, 1], max_tokens=300, route="gpu", timeout=60)
+        assert gpu.held_any.wait(30)
+        c.close()
+        with pytest.raises(Cancelled, match="client closed"):
+            fut.result()
+    else:
+        async def run():
+            c = AsyncClient(address)
+            task = asyncio.ensure_future(c.generate("tiny", [HOLD_TOKEN, 1], max_tokens=300, route="gpu", timeout=60))
+            assert await asyncio.get_running_loop().run_in_executor(None, gpu.held_any.wait, 30)
+            c.close()
+            with pytest.raises(Cancelled, match="client closed"):
+                await task
+
+        asyncio.run(asyncio.wait_for(run(), 60))
+    assert gpu.aborted.wait(30)
+    [held] = gpu.held
+    assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
 
 
 def test_a_list_of_prompts_runs_at_once_under_the_nodes_default_timeout(llm_node):
