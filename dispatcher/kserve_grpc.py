@@ -105,6 +105,11 @@ def _uses_shm(request) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
 
 
+# What the stream's wrapping adds to an answer, at most: the infer_response field's tag and
+# length, and its triton_final_response parameter (34 bytes).
+STREAM_WRAP_BYTES = 64
+
+
 def _stream_answer(response, error: str = "") -> service_pb2.ModelStreamInferResponse:
     out = service_pb2.ModelStreamInferResponse(error_message=error, infer_response=response)
     # Triton marks every stream response so; a model that is not decoupled answers once.
@@ -328,18 +333,13 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         resp.raw_output_contents.append(b"")  # keeps later outputs at their index
                     else:
                         resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
-                # The answer's own size first: the stream's wrapping copies it, and protobuf cannot
+                # Measured before the stream wraps it: the wrapping copies it, and protobuf cannot
                 # copy a message past 2 GiB (the stream answered "internal error: DecodeError").
-                size = resp.ByteSize()
+                # Once only: ByteSize() encodes the whole answer (~450 ms for 256 MiB, on the loop).
+                size = resp.ByteSize() + (STREAM_WRAP_BYTES if wrap is not None else 0)
                 if size > self.max_send_bytes:
                     raise too_large(size, self.max_send_bytes)
-                if wrap is None:
-                    return resp
-                message = wrap(resp)
-                size = message.ByteSize()
-                if size > self.max_send_bytes:  # within the wrapping's few bytes of the limit
-                    raise too_large(size, self.max_send_bytes)
-                return message
+                return wrap(resp) if wrap is not None else resp
 
             _, message = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
                                                grpc_deadline=by_deadline, reply=reply)

@@ -533,8 +533,10 @@ class PortClaim:
         while True:
             try:
                 fd = _open_private_dir(self.dir)
-            except FileNotFoundError:  # removed by another node's last one out since the mkdir
-                continue
+            except FileNotFoundError:
+                if os.path.isdir(os.path.dirname(self.dir)):
+                    continue  # removed by another node's last one out since the mkdir
+                raise  # no /dev/shm: claim_ports says so, and the front door serves unchecked
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink:  # not removed by the last one out while this one waited
                 break
@@ -567,8 +569,9 @@ class PortClaim:
             if held is None or not name.startswith(f"{port}-"):
                 continue
             theirs = held.get("addresses")
-            if held.get("node") != self.node and _hosts_overlap(theirs if isinstance(theirs, list) else ["*"],
-                                                                self.addresses):
+            if not isinstance(theirs, list):  # a claim of a release that wrote its host only
+                theirs = _addresses(str(held.get("host", "")))
+            if held.get("node") != self.node and _hosts_overlap(theirs, self.addresses):
                 pids = ", ".join(str(p) for p in dict.fromkeys(held.get("pids", ())) if _alive(p)) or "unknown"
                 raise PortsTaken(f"cannot bind {what} to {self.host}:{port}: address already in use: another "
                                  f"Batchyard node (front door pid {pids}, dispatcher {held.get('node')}) serves it")

@@ -27,12 +27,14 @@ the dispatcher's one thread for all of them (777 ms). The sweep also works in sl
 
 A process holds a segment on one connection at a time: registered on a new connection of the
 same process (same uid and pid, the kernel's credentials), the grant moves there from the older
-one. An SDK client registers its segments again on each reconnect (heartbeat timeout, tcp blip),
+one. An SDK client registers its segments again on each reconnect (heartbeat timeout, restart),
 and its old connections' grants, their files still there, stayed and filled the uid's cap: every
 client of that user was refused shared memory until those processes exited. Moving only takes a
 grant away from a connection of the same process, so no process gains a segment it did not prove.
-Over tcp (allow_shm_over_tcp) a peer tells no pid: a grant moves between the connections of one
-holder (its address, every loopback one as one), each of which counts against one cap anyway.
+Over tcp (allow_shm_over_tcp) a peer tells no pid, and nothing tells one process's reconnection
+from another process of the same host: grants stay with their connections there (moved between a
+host's connections, the grant of one local process went to another that registered the same
+segment, and the first one's requests were refused), until the sweep finds their files gone.
 """
 
 from __future__ import annotations
@@ -98,15 +100,11 @@ def peer_uid(peer: str) -> Optional[int]:
     return int(parts[1]) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
 
 
-def peer_process(conn: tuple) -> Optional[tuple]:
+def peer_process(conn: tuple) -> Optional[tuple[int, int]]:
     """Whose connections a grant moves between (see above): a process, by the uid and pid in an
-    ipc connection's "Peer-Address"; over tcp, which tells no pid, the connection's holder (its
-    address, every loopback one as one), so that a client's reconnects over tcp do not fill its
-    cap either. None for a peer with neither (inproc)."""
+    ipc connection's "Peer-Address"; None for a peer without credentials (tcp, inproc)."""
     parts = conn[1].split(":")
-    if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
-        return ("process", int(parts[1]), int(parts[3]))
-    return holder(conn) if conn[1] else None
+    return (int(parts[1]), int(parts[3])) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
 
 
 class ShmGrants:

@@ -2219,6 +2219,33 @@ def test_a_claim_made_while_the_last_one_out_removes_the_folder_is_made(tmp_path
         claim.close()
 
 
+def test_a_claim_of_a_release_that_wrote_only_its_host_is_compared_by_that_hosts_addresses(tmp_path):
+    """A claim written without its addresses was read as every address: a node on 127.0.0.2
+    was refused beside one on 127.0.0.1 (two nodes of that release had served side by side)."""
+    import fcntl
+
+    from batchyard.kserve_shm import PortClaim, PortsTaken
+
+    port, folder = _free_port(), tmp_path / "ports"
+    folder.mkdir(mode=0o700)
+    old = folder / f"{port}-0123456789abcdef"
+    old.write_text(json.dumps({"node": "ipc:///old-node", "host": "127.0.0.1", "pids": [os.getpid()]}) + "\n")
+    with open(old) as held:
+        fcntl.flock(held, fcntl.LOCK_SH)  # the old node's front door, serving
+        PortClaim("ipc:///new-node", "127.0.0.2", [("gRPC", port)], directory=str(folder)).close()
+        with pytest.raises(PortsTaken):
+            PortClaim("ipc:///new-node", "localhost", [("gRPC", port)], directory=str(folder))
+
+
+def test_a_claims_folder_that_cannot_be_made_is_an_error_not_a_spin(tmp_path):
+    """Without /dev/shm the claim retried for ever at 100 % CPU (it took the missing folder for
+    one another node's last front door had just removed); claim_ports then serves unchecked."""
+    from batchyard.kserve_shm import PortClaim
+
+    with pytest.raises(FileNotFoundError):
+        PortClaim("ipc:///node-a", "127.0.0.1", [("gRPC", _free_port())], directory=str(tmp_path / "no" / "ports"))
+
+
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_a_front_door_on_an_ipv6_host_serves(tmp_path, host):
     """gRPC was given "::1:8001" (read as one address, on port 443) and aiohttp "[::1]" (no host

@@ -476,15 +476,14 @@ def _infer_naming(segments) -> P.InferRequest:
         P.TensorRef(name=f"x{k}", dtype="FP32", shape=[4], shm=P.ShmRef(s, 64, 16)) for k, s in enumerate(segments)])
 
 
-@pytest.mark.parametrize("client, other_peer, holds", [
-    (f"localhost:{os.getuid()}:0:4242", f"localhost:{os.getuid()}:0:9999", ("uid", os.getuid())),
-    ("127.0.0.1", "127.0.0.2", ("address", "loopback"))], ids=["ipc", "tcp"])
-def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypatch, client, other_peer, holds):
+def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypatch):
     """An SDK client registers its segments again on each ZeroMQ reconnect (heartbeat timeout,
-    tcp blip); the old connection's grants, their files still there, stayed and counted, and after
-    GRANTS_PER_UID of them (3 here) every client of that user was refused shared memory until
-    those processes exited. A process's grant moves to its newest connection (over tcp, which
-    tells no process, a holder's: its address)."""
+    a restarted dispatcher); the old connection's grants, their files still there, stayed and
+    counted, and after GRANTS_PER_UID of them (3 here) every client of that user was refused
+    shared memory until those processes exited. A process's grant moves to its newest
+    connection."""
+    client, other_peer, holds = (f"localhost:{os.getuid()}:0:4242", f"localhost:{os.getuid()}:0:9999",
+                                 ("uid", os.getuid()))
     from batchyard import shm_grants
     from batchyard.shm_grants import ShmGrants
 
@@ -505,6 +504,20 @@ def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypa
     assert _register(g, other, tmp_path, "batchyard_9999_0").status == P.Status.OK
     assert "not registered on this connection" in g.files(_infer_naming(pool[:1]), other, True)[1]
     assert g.files(_infer_naming(pool), conns[-1], True)[1] == ""
+
+
+def test_two_local_tcp_clients_that_prove_one_segment_both_use_it(tmp_path):
+    """Over tcp a peer tells no process: two local processes (a parent's buffer its children
+    share) are told apart by nothing but their connections, and a grant moved between a host's
+    connections took the segment from the first child (INVALID_ARGUMENT "not registered on this
+    connection"). Grants stay with their connections there."""
+    from batchyard.shm_grants import ShmGrants
+
+    (tmp_path / "shared").write_bytes(bytes(64))
+    g = ShmGrants(str(tmp_path))
+    children = [(b"\0" + secrets.token_bytes(4), "127.0.0.1") for _ in range(2)]
+    assert [_register(g, conn, tmp_path, "shared").status for conn in children] == [P.Status.OK, P.Status.OK]
+    assert [g.files(_infer_naming(["shared"]), conn, True)[1] for conn in children] == ["", ""]
 
 
 def test_tcp_peers_on_loopback_addresses_share_one_grant_cap(tmp_path, monkeypatch):
