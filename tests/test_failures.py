@@ -325,6 +325,60 @@ def test_calibrate_writes_one_point_a_size_for_two_workers_of_one_path_and_the_n
     assert load_profile(str(out), {"sum"})[("sum", path)].predict(4) > 0  # refused before: a size twice
 
 
+def test_calibrate_on_a_worker_that_cannot_start_says_so_in_one_line_and_exits_with_its_78(run_dir):
+    # A factory typo: the worker logs why and exits 78 (EX_CONFIG); calibrate went on with a
+    # traceback from its harness and exit 1.
+    _poison_worker(run_dir, "m", "no_such_factory", 4)
+    out = Path(run_dir) / "profile.json"
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "calibrate", "--config", f"{run_dir}/node.toml",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot load model factory 'tests.poison_model:no_such_factory'" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "batchyard calibrate: worker w0 exited with 78 before it registered"
+    assert not out.exists()
+
+
+HARNESS_PARENT = """
+import sys
+from batchyard.cli import load_node
+from batchyard.workers.harness import DirectWorker
+dw = DirectWorker(load_node(sys.argv[1], workers=None), "w0")
+dw.wait_registered(120)
+print(dw.proc.pid, dw.dir, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_worker_the_harness_started_ends_when_the_process_driving_it_is_killed(run_dir):
+    # kill -9 of `batchyard calibrate` (the OOM killer, a CI runner's hard kill) left its worker
+    # running for good, its parent pid 1, holding its shared memory and a Triton worker's regions.
+    import select
+    import shutil
+
+    _worker_cli(run_dir)
+    parent = subprocess.Popen([sys.executable, "-c", HARNESS_PARENT, f"{run_dir}/node.toml"], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    worker, harness_dir = None, None
+    try:
+        pid, harness_dir = parent.stdout.readline().split()
+        worker = os.pidfd_open(int(pid))
+        parent.kill()
+        parent.wait()
+        assert select.select([worker], [], [], 30)[0], "the worker outlived the process that drove it"
+    finally:
+        if worker is not None:
+            if not select.select([worker], [], [], 0)[0]:
+                signal.pidfd_send_signal(worker, signal.SIGKILL)
+            os.close(worker)
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        parent.stdin.close()
+        parent.stdout.close()
+        if harness_dir:
+            shutil.rmtree(harness_dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("factory, says", [
     ("returns_a_tuple", "model 'tup': forward must return a dict of tensors by output name, got tuple"),
     # A layer that does not fit the spec: "RuntimeError: mat1 and mat2 shapes cannot be

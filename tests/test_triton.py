@@ -3,7 +3,9 @@ CPU-only here: Triton stands in for the GPU's speed)."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import mmap
 import os
 import re
 import signal
@@ -335,6 +337,109 @@ def test_more_batches_than_slots_fail_that_batch_unavailable_not_the_worker():
         assert "shared-memory slots of this worker are in use" in str(outcomes[0])
         client.pending[0](_Answer(2), None)
         assert isinstance(outcomes[1], dict) and len(ex._free) == 1
+    finally:
+        ex.close()
+
+
+class _TritonThatHoldsOn:
+    """A Triton client stand-in whose every batch runs until the test ends it, as in a slow model:
+    Triton holds the batch's regions until then (it refuses to unregister them, as 2.51 does), and
+    ending the batch writes its output, y = 2x, into its output region, whether or not the
+    client's call timed out meanwhile."""
+
+    def __init__(self):
+        self.segments: dict[str, mmap.mmap] = {}  # region -> the shared memory it was registered with
+        self.in_use: collections.Counter = collections.Counter()
+        self.batches: list[dict] = []
+
+    def register_system_shared_memory(self, name, key, byte_size, client_timeout=None):
+        with open(f"/dev/shm{key}", "r+b") as f:
+            self.segments[name] = mmap.mmap(f.fileno(), byte_size)
+
+    def unregister_system_shared_memory(self, name, client_timeout=None):
+        from tritonclient.utils import InferenceServerException
+
+        if self.in_use[name]:
+            raise InferenceServerException(f"Cannot unregister shared memory region '{name}', it is currently "
+                                           f"in use.", status="StatusCode.INTERNAL")
+        if name in self.segments:
+            self.segments.pop(name).close()
+
+    def get_system_shared_memory_status(self, client_timeout=None):
+        return types.SimpleNamespace(regions={name: None for name in self.segments})
+
+    def async_infer(self, name, inputs, callback, outputs=None, client_timeout=None):
+        def where(tensor):
+            p = tensor._get_tensor().parameters
+            return (p["shared_memory_region"].string_param, p["shared_memory_offset"].int64_param,
+                    p["shared_memory_byte_size"].int64_param)
+
+        b = {"callback": callback, "n": inputs[0].shape()[0], "in": where(inputs[0]), "out": where(outputs[0])}
+        self.in_use.update([b["in"][0], b["out"][0]])
+        self.batches.append(b)
+
+    def compute(self, i: int) -> None:
+        """Batch ``i`` writes its output (its regions still held)."""
+        b = self.batches[i]
+        (region, offset, size), (out, out_offset, _) = b["in"], b["out"]
+        x = np.frombuffer(self.segments[region], np.float32, size // 4, offset)
+        np.frombuffer(self.segments[out], np.float32, size // 4, out_offset)[:] = 2 * x
+
+    def release(self, i: int) -> None:
+        b = self.batches[i]
+        self.in_use.subtract([b["in"][0], b["out"][0]])
+
+    def close(self):
+        pass
+
+
+def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_lands_in_no_other_batch(monkeypatch):
+    # A batch still running in Triton past the executor's timeout: the reconnect after it tried to
+    # unregister and register again every region, Triton refused ("in use") and every batch failed
+    # UNAVAILABLE until that batch ended (for good with a hung model). And its slot must stay out of
+    # use until then: Triton writes the late output into it when the batch ends.
+    from batchyard.workers import triton_executor
+    from tritonclient.utils import InferenceServerException
+
+    monkeypatch.setattr(triton_executor, "HELD_PROBE_S", 0.0)  # a held slot is asked back at each batch
+    triton = _TritonThatHoldsOn()
+    ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=2, shm="system", backoff_s=(0.0, 0.0))
+    ex.grpc = types.SimpleNamespace(InferenceServerClient=lambda *a, **kw: triton, InferInput=grpcclient.InferInput,
+                                    InferRequestedOutput=grpcclient.InferRequestedOutput)
+    ex._connect()
+    ex.specs["tri"] = TRI.spec()
+    ex._make_slots(64 * 4096, 64 * 4096)
+    outcomes: dict[str, object] = {}
+
+    def submit(key: str, value: float) -> None:
+        ex.submit("tri", {"x": np.full((2, 1024), value, np.float32)}, lambda o, us: outcomes.__setitem__(key, o))
+
+    def answer(i: int) -> None:
+        triton.release(i)
+        triton.batches[i]["callback"](_Answer(triton.batches[i]["n"]), None)
+
+    try:
+        submit("slow", 7.0)
+        triton.batches[0]["callback"](None, InferenceServerException("Deadline Exceeded",
+                                                                      status="StatusCode.DEADLINE_EXCEEDED"))
+        assert isinstance(outcomes["slow"], ExecutorUnavailable)
+        submit("next", 1.0)  # after the back-off (none here): a fresh channel
+        assert "next" not in outcomes, outcomes.get("next")  # at Triton, not failed at once
+        submit("third", 2.0)  # the timed-out batch's slot is not handed out
+        assert "held for batches Triton has not ended" in str(outcomes.get("third"))
+        triton.compute(1)
+        triton.compute(0)  # the slow batch ends in Triton: its output lands in its own slot
+        triton.release(0)
+        answer(1)
+        assert outcomes["next"]["y"].tolist() == np.full((2, 1024), 2.0).tolist()
+        submit("a", 3.0)
+        submit("b", 4.0)
+        assert len(triton.batches) == 4  # both slots in use again
+        for i in (2, 3):
+            triton.compute(i)
+            answer(i)
+        assert outcomes["a"]["y"].tolist() == np.full((2, 1024), 6.0).tolist()
+        assert outcomes["b"]["y"].tolist() == np.full((2, 1024), 8.0).tolist()
     finally:
         ex.close()
 
@@ -884,3 +989,94 @@ def test_a_model_triton_lists_but_never_loads_is_retried_then_unavailable_not_a_
             ex.load(SMALL.spec())
     finally:
         ex.close()
+
+
+# ---------------------------------------------------------------- a batch that outlives its worker
+HELD_MODEL = """import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):  # y = 2x; a batch starting with 777 runs until the test creates the gate file
+        here, out = os.path.dirname(__file__), []
+        for req in requests:
+            x = pb_utils.get_input_tensor_by_name(req, "x").as_numpy()
+            if x[0, 0] == 777:
+                open(os.path.join(here, "running"), "w").close()
+                end = time.monotonic() + 60
+                while not os.path.exists(os.path.join(here, "gate")) and time.monotonic() < end:
+                    time.sleep(0.01)
+            out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("y", (x * 2).astype(np.float32))]))
+        return out
+"""
+
+
+@pytest.fixture(scope="module")
+def held_model(triton):
+    """A model of the shared Triton (two instances) that holds a batch starting with 777 until told."""
+    model = triton.repo / "held"
+    (model / "1").mkdir(parents=True, exist_ok=True)
+    (model / "1" / "model.py").write_text(HELD_MODEL)
+    config = OTHER_DTYPE_CONFIG.replace('"other_dtype"', '"held"').replace("count: 1", "count: 2")
+    (model / "config.pbtxt").write_text(config)
+    ctl = grpcclient.InferenceServerClient(triton.grpc_url)
+    ctl.load_model("held")
+    yield model / "1"
+    (model / "1" / "gate").touch()
+    ctl.unload_model("held")
+    ctl.close()
+
+
+@pytest.fixture
+def held(held_model):
+    gate, running = held_model / "gate", held_model / "running"
+    gate.unlink(missing_ok=True)
+    running.unlink(missing_ok=True)
+    yield types.SimpleNamespace(gate=gate, running=running)
+    gate.touch()  # a batch still held ends now
+
+
+def _system_regions(tl, prefix: str) -> set[str]:
+    cl = grpcclient.InferenceServerClient(tl.grpc_url)
+    try:
+        return {name for name in cl.get_system_shared_memory_status().regions if name.startswith(prefix)}
+    finally:
+        cl.close()
+
+
+def test_a_worker_restarted_while_triton_runs_its_killed_predecessors_batch_starts_and_clears_it_later(
+        triton, held, monkeypatch):
+    # A Triton worker killed (or declared hung and restarted) mid-batch: its successor's start
+    # unregisters what it left, and Triton refuses while the batch runs ("in use"). The successor
+    # died with a traceback, exit 1, and so did every restart until Triton ended that batch.
+    from batchyard.workers import triton_executor
+
+    monkeypatch.setattr(triton_executor, "HELD_PROBE_S", 0.0)  # each batch asks for the old regions
+    prefix = f"batchyard-test-{os.getpid()}-gpu0-"  # one worker's, stable across its restarts
+    old = TritonExecutor(triton.grpc_url, {"m": "held"}, inflight=2, shm="system", region_prefix=prefix)
+    old.load(SMALL.spec())
+    old.submit("m", {"x": np.full((1, 16), 777, np.float32)}, lambda outcome, us: None)
+    t0 = time.monotonic()
+    while not held.running.exists():
+        assert time.monotonic() - t0 < 30, "the batch never reached the model"
+    old._registered = False  # killed: nothing unregistered, its batch runs on in Triton
+    old.close()
+    new = TritonExecutor(triton.grpc_url, {"m": "held"}, inflight=2, shm="system", region_prefix=prefix)
+    try:
+        new.load(SMALL.spec())
+        x = np.arange(32, dtype=np.float32).reshape(2, 16)
+        for _ in range(3):  # both of its slots serve, beside the region Triton still holds
+            np.testing.assert_array_equal(new.run("m", {"x": x})["y"], x * 2)
+        held_by_triton = {f"{prefix}1-in", f"{prefix}1-out"}  # the old slot its batch took
+        assert held_by_triton <= _system_regions(triton, prefix)
+        held.gate.touch()  # the batch ends
+        t0 = time.monotonic()
+        while held_by_triton & _system_regions(triton, prefix):  # unregistered once Triton lets go
+            np.testing.assert_array_equal(new.run("m", {"x": x})["y"], x * 2)
+            assert time.monotonic() - t0 < 30, "the old regions stayed registered"
+    finally:
+        new.close()
+    assert _system_regions(triton, prefix) == set()

@@ -18,16 +18,20 @@ def _run_worker(args) -> int:
 def _run_calibrate(args) -> int:
     from batchyard.cli import load_node
 
-    from .calibrate import calibrate
-
-    from .calibrate import CalibrationFailed
+    from .calibrate import CalibrationFailed, calibrate
+    from .harness import WorkerExited
 
     try:
         calibrate(load_node(args.config, workers=tuple(args.worker) if args.worker else None), args.out,
                   sizes=args.sizes or None, reps=args.reps, workers=args.worker)
-    except CalibrationFailed as e:
+    except (CalibrationFailed, TimeoutError) as e:
         print(f"batchyard calibrate: {e}", file=sys.stderr)
         return 1
+    except WorkerExited as e:  # the worker logged why; a traceback said nothing more
+        print(f"batchyard calibrate: {e}", file=sys.stderr)
+        # Its status passes through: 78 (EX_CONFIG, a factory typo, a Triton model unlike the
+        # spec) is a configuration error, for whatever runs calibrate (a script, CI).
+        return e.exit_code if e.exit_code > 0 else 1
     return 0
 
 

@@ -6,8 +6,11 @@ by the benchmark that measures what the dispatcher adds (bench/dispatch_bench.py
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +22,27 @@ import zmq
 
 from batchyard import protocol as P
 from batchyard.config import NodeConfig, to_toml
+
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerExited(RuntimeError):
+    """The worker exited before it did what was waited for (it logged why). ``exit_code``: its
+    exit status, -N when signal N killed it; 78 (EX_CONFIG) says it cannot run as configured."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _die_with_parent(parent: int, prctl) -> None:
+    """Runs in the worker between fork and exec: SIGTERM when the process driving it dies, however
+    it dies. Killed by -9 (the OOM killer, a CI runner's hard kill), `batchyard calibrate` left its
+    worker running for good, holding its shared memory and its Triton regions. ``prctl`` is
+    looked up before the fork (no dynamic loading in the child)."""
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class DirectWorker:
@@ -35,8 +59,11 @@ class DirectWorker:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(backend)
+        # The parent-death signal comes when the *thread* that started the worker ends: a
+        # DirectWorker lives on the thread that made it (every caller's is the main thread).
+        die = functools.partial(_die_with_parent, os.getpid(), ctypes.CDLL(None).prctl)
         self.proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "--log-level", log_level, "worker",
-                                      "--config", str(cfg), "--name", worker])
+                                      "--config", str(cfg), "--name", worker], preexec_fn=die)
         # Readable once the worker exits: every wait below ends then, instead of waiting for a
         # message a dead worker will never send (calibrate hung for good on a worker killed mid-batch).
         self._exited = os.pidfd_open(self.proc.pid)
@@ -49,12 +76,13 @@ class DirectWorker:
         self._batch = 0
 
     def _wait(self, timeout_s: float, what: str) -> None:
-        """Until a message from the worker is waiting; RuntimeError if it exits first."""
+        """Until a message from the worker is waiting; WorkerExited if it exits first."""
         events = dict(self._poller.poll(int(timeout_s * 1000)))
         if self.sock in events:
             return
         if self._exited in events:
-            raise RuntimeError(f"worker {self.name} exited with {self.proc.wait()} before it {what}")
+            code = self.proc.wait()
+            raise WorkerExited(f"worker {self.name} exited with {code} before it {what}", code)
         raise TimeoutError(f"worker {self.name} did not {what} within {timeout_s:.0f} s")
 
     def wait_registered(self, timeout_s: float = 300.0) -> None:

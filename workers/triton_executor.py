@@ -4,9 +4,11 @@
   one output region, registered with Triton once and reused; ``close()`` unregisters and frees
   them. Regions are CUDA shared memory when the worker sees the GPU, system (POSIX) shared
   memory otherwise (``workers/triton_regions.py``).
-- Region names are ``<prefix><slot>-in|out`` with a prefix stable across restarts of the same
+- Region names are ``<prefix><k>-in|out`` with a prefix stable across restarts of the same
   worker, so a restarted worker first unregisters what a killed predecessor left registered,
-  and never touches regions of other Triton users.
+  and never touches regions of other Triton users. Triton refuses to unregister a region while
+  a request holds it (a predecessor's batch still running): the new process then numbers its
+  slots past those names, and unregisters them once Triton lets go.
 - Up to ``inflight`` batches at once (``async_infer``) to hide the gRPC round trip; the worker
   runtime gets completions through its wake-up pipe.
 - Triton's own dynamic batching must be OFF for models we dispatch to (it would re-batch our
@@ -16,8 +18,12 @@
   model Triton does not list at all is CannotStart (EX_CONFIG).
 - Outage: a failed call marks the connection down; calls during back-off fail at once with
   ExecutorUnavailable (the requests get UNAVAILABLE), the next call after it opens a fresh gRPC
-  channel and re-registers the regions. A fresh channel, because an old one keeps failing for
-  seconds after Triton is back: gRPC's own reconnect back-off (1 s growing by 1.6x) outlasts ours.
+  channel and registers the regions Triton does not list (all of them, after its restart). A
+  fresh channel, because an old one keeps failing for seconds after Triton is back: gRPC's own
+  reconnect back-off (1 s growing by 1.6x) outlasts ours.
+- A batch whose call timed out or was cut may still run in Triton, which writes its outputs
+  into the slot when it ends: the slot is held out of use until Triton lets go of its regions
+  (it unregisters them then), never handed to the next batch.
 - A completion hands its slot back *before* it reports the batch done: the report lets the
   dispatcher send the next batch at once, and that batch needs the slot.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -49,6 +56,11 @@ UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 # closed (CANCELLED) or broke (UNKNOWN). An error of any other status is Triton's answer about
 # this batch (the model raised, an output did not fit): that batch fails, and only that batch.
 DOWN = (*UNREACHABLE, "StatusCode.CANCELLED", "StatusCode.UNKNOWN", None)
+# What Triton (2.51) says when asked to unregister a region a request still holds.
+IN_USE = "currently in use"
+# A slot held for a batch Triton may still run is asked back at most this often (one call per
+# region), and each such call waits this long at most: it runs on the worker's main thread.
+HELD_PROBE_S, PROBE_TIMEOUT_S = 1.0, 5.0
 # gRPC's reconnect back-off must not add to ours (see the module docstring); a channel of its own
 # (no shared subchannel) so that a fresh client really opens a fresh connection.
 RECONNECT_ARGS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -75,6 +87,13 @@ REGION_GUARD = 64
 class TritonModelError(RuntimeError):
     """Triton answered a batch with an error of the model's (or an output unlike the spec): the
     batch's requests fail INTERNAL with its message; Triton is not down."""
+
+
+def _may_still_run(err) -> bool:
+    """Whether the batch whose call failed with ``err`` may still be running in Triton: its call
+    timed out, or was cut or never answered; not when Triton answered with an error."""
+    status = err.status() if callable(getattr(err, "status", None)) else None
+    return status in DOWN
 
 
 class _Slot:
@@ -127,6 +146,9 @@ class TritonExecutor:
         self._stale = False  # the current client saw Triton fail: the next attempt opens a fresh one
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
+        self._held: list[_Slot] = []  # their batch's call failed, but Triton may still run it
+        self._leftover: set[str] = set()  # a predecessor's regions Triton would not let go yet
+        self._next_probe = 0.0
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = self.backoff_min_s
@@ -156,7 +178,7 @@ class TritonExecutor:
         name = self.model_names.get(spec.name, spec.name)
         cfg = self._model_config(name, spec.name)
         if first and self.use_shm:
-            self._unregister_ours()  # what a killed predecessor of this worker left
+            self._at_start("clearing what this worker's previous process registered", self._clear_predecessor)
         check = check_model_config(cfg, spec, self.tensor_names.get(spec.name))
         for w in check.warnings:
             log.warning("%s", w)
@@ -165,7 +187,17 @@ class TritonExecutor:
         if self.use_shm:
             in_b = max(sum(item_nbytes(t) for t in s.inputs) * s.max_batch for s in self.specs.values())
             out_b = max(sum(item_nbytes(t) for t in s.outputs) * s.max_batch for s in self.specs.values())
-            self._make_slots(in_b, out_b)
+            self._at_start("registering shared memory", self._make_slots, in_b, out_b)
+
+    def _at_start(self, what: str, call, *args) -> None:
+        """``call`` during load: a refusal of Triton's is ExecutorUnavailable (one line, exit 69, the
+        worker restarted), not a traceback and exit 1."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            call(*args)
+        except InferenceServerException as e:
+            raise ExecutorUnavailable(f"Triton at {self.url} failed {what}: {e.message()}") from None
 
     def _model_config(self, name: str, spec_name: str):
         """The Triton model's config. An unreachable Triton may be starting too (or restarting),
@@ -230,32 +262,105 @@ class TritonExecutor:
         if self._slots and self._slots[0].inp.size >= in_bytes and self._slots[0].out.size >= out_bytes:
             return
         self._drop_slots()
-        for k in range(self.inflight):
-            self._slots.append(_Slot(self.shm_kind, f"{self.region_prefix}{k}", in_bytes, out_bytes, self.device))
+        for tag in self._slot_tags(self.inflight):
+            self._slots.append(_Slot(self.shm_kind, tag, in_bytes, out_bytes, self.device))
         self._free = list(self._slots)
         self._register_slots()
         log.info("%d %s shared-memory slots registered with Triton (%d + %d bytes each)",
                  len(self._slots), self.shm_kind, self._slots[0].inp.size, self._slots[0].out.size)
 
+    def _slot_tags(self, n: int) -> list[str]:
+        """``n`` slot tags ``<prefix><k>``, k from 0 up, past the names of regions a predecessor's
+        batch still holds in Triton (registered under that name, they cannot be ours too)."""
+        tags, k = [], 0
+        while len(tags) < n:
+            tag = f"{self.region_prefix}{k}"
+            if not {f"{tag}-in", f"{tag}-out"} & self._leftover:
+                tags.append(tag)
+            k += 1
+        return tags
+
     def _register_slots(self) -> None:
+        self._registered = True  # before: close() unregisters what a failure halfway left registered
         for s in self._slots:
             for r in s.regions:
                 r.register(self.client, self.timeout_s)
-        self._registered = True
+
+    def _ours(self, name: str) -> bool:
+        """Whether region ``name`` is this worker's, or a predecessor's of the same prefix; not that of
+        a worker whose name only starts like this one's ('gpu0-1' beside 'gpu0')."""
+        return re.fullmatch(re.escape(self.region_prefix) + r"\d+-(in|out)", name) is not None
 
     def _registered_names(self) -> list[str]:
         c, t = self.client, self.timeout_s
         status = (c.get_cuda_shared_memory_status(client_timeout=t) if self.shm_kind == "cuda"
                   else c.get_system_shared_memory_status(client_timeout=t))
-        return [name for name in status.regions if name.startswith(self.region_prefix)]
+        return [name for name in status.regions if self._ours(name)]
 
-    def _unregister_ours(self) -> None:
-        """Every region registered under our prefix (only ever called while we hold none)."""
+    def _let_go(self, name: str) -> bool:
+        """Unregister region ``name`` (a name Triton does not know is no error); False while a
+        request in Triton still holds it."""
+        from tritonclient.utils import InferenceServerException
+
         unreg = (self.client.unregister_cuda_shared_memory if self.shm_kind == "cuda"
                  else self.client.unregister_system_shared_memory)
+        try:
+            unreg(name, client_timeout=min(self.timeout_s, PROBE_TIMEOUT_S))
+        except InferenceServerException as e:
+            if IN_USE in (e.message() or ""):
+                return False
+            raise
+        return True
+
+    def _clear_predecessor(self) -> None:
+        """Unregister every region a killed predecessor of this worker left (called while we hold
+        none). One its batch still holds in Triton is left for later (_release_held): refused as
+        "in use", it made every restart exit 1 until Triton finished that batch."""
         for name in self._registered_names():
-            unreg(name, client_timeout=self.timeout_s)
-            log.info("unregistered Triton region %r left from before", name)
+            if self._let_go(name):
+                log.info("unregistered Triton region %r left from before", name)
+            else:
+                self._leftover.add(name)
+                log.warning("Triton still runs a batch of this worker's previous process in region %r: "
+                            "this process's slots take other names", name)
+
+    def _register_missing(self) -> None:
+        """After a reconnect: register each slot region Triton does not list (every one, after a
+        restart of Triton's). One it lists stays as it is: unregistered and registered again, a
+        region a timed-out batch still held was refused ("in use"), marking Triton down again at
+        every reconnect until that batch ended."""
+        listed = set(self._registered_names())
+        for s in self._slots:
+            for r in s.regions:
+                if r.name not in listed:
+                    r.register(self.client, self.timeout_s)
+        self._registered = True
+
+    def _release_held(self) -> None:
+        """Slots held for batches Triton may still run come back once Triton lets go of their
+        regions (unregistered then, and registered again); a predecessor's names are unregistered
+        then too."""
+        self._next_probe = time.monotonic() + HELD_PROBE_S
+        for name in list(self._leftover):
+            if self._let_go(name):
+                self._leftover.discard(name)
+                log.info("unregistered Triton region %r left from before, Triton done with it", name)
+        with self._lock:
+            held, self._held = self._held, []
+        for i, slot in enumerate(held):
+            try:
+                released = all([self._let_go(r.name) for r in slot.regions])  # a list: ask for both
+                if released:
+                    for r in slot.regions:
+                        r.register(self.client, self.timeout_s)
+            except BaseException:
+                with self._lock:
+                    self._held.extend(held[i:])
+                raise
+            with self._lock:
+                (self._free if released else self._held).append(slot)
+            if released:
+                log.info("shared-memory slot %r back in use: Triton ended the batch that held it", slot.inp.name)
 
     def _ensure_up(self) -> None:
         """Fail fast during back-off; after it, reconnect on a fresh channel and re-register."""
@@ -267,9 +372,13 @@ class TritonExecutor:
             try:
                 self._connect()
                 if self._slots:
-                    self._unregister_ours()  # a restarted Triton has none; a reachable one may
-                    self._register_slots()
+                    self._register_missing()
                 log.info("reconnected to Triton at %s", self.url)
+            except Exception as e:
+                raise self._mark_down(e, self._gen) from None
+        if (self._held or self._leftover) and time.monotonic() >= self._next_probe:
+            try:
+                self._release_held()
             except Exception as e:
                 raise self._mark_down(e, self._gen) from None
 
@@ -362,17 +471,19 @@ class TritonExecutor:
         """Synchronous path (warm-up, calibration)."""
         self._ensure_up()
         slot = self._take_slot()
+        err = None
         try:
             name, ti, to, layout, n = self._prepare(model, inputs, slot)
             gen = self._gen
             try:
                 res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
             except Exception as e:
+                err = e
                 raise self._failure(e, gen) from None
             self._backoff = self.backoff_min_s
             return self._read(res, layout, n, slot)
         finally:
-            self._give_slot(slot)
+            self._give_slot(slot, err)
 
     def submit(self, model: str, inputs: dict[str, np.ndarray], done) -> None:
         """Asynchronous path: ``done(outputs_or_exception, compute_us)`` runs on a gRPC thread
@@ -405,7 +516,7 @@ class TritonExecutor:
             finally:
                 # Back before done(): done() lets the runtime answer the dispatcher, whose next
                 # batch may reach submit() before this thread runs again, and needs this slot.
-                self._give_slot(slot)
+                self._give_slot(slot, error)
             done(outcome, us)
 
         try:
@@ -421,17 +532,28 @@ class TritonExecutor:
             if not self._free:
                 # The dispatcher sends at most `inflight` batches; more (a dispatcher that lost
                 # count, e.g. after its restart) fails this batch, never the worker.
-                raise ExecutorUnavailable(f"all {len(self._slots)} shared-memory slots of this worker are in use")
+                held = f" ({len(self._held)} held for batches Triton has not ended)" if self._held else ""
+                raise ExecutorUnavailable(f"all {len(self._slots)} shared-memory slots of this worker are in use{held}")
             return self._free.pop()
 
-    def _give_slot(self, slot: _Slot | None) -> None:
+    def _give_slot(self, slot: _Slot | None, error=None) -> None:
+        """A slot back after its batch's call ended with ``error`` (None: Triton answered). A call
+        that timed out or was cut leaves the batch running in Triton, which writes its outputs into
+        the slot when it ends: held until Triton lets go of it (_release_held), or those outputs
+        landed in the next batch's."""
         if slot is not None:
             with self._lock:
-                self._free.append(slot)
+                (self._held if error is not None and _may_still_run(error) else self._free).append(slot)
 
     # ------------------------------------------------------------------ shutdown
     def _drop_slots(self) -> None:
         if self.client is not None and self._registered:
+            for name in list(self._leftover):  # one Triton still uses is left to this worker's next process
+                try:
+                    if self._let_go(name):
+                        self._leftover.discard(name)
+                except Exception:
+                    pass  # Triton gone: nothing registered any more
             for s in self._slots:
                 for r in s.regions:
                     try:
@@ -441,7 +563,7 @@ class TritonExecutor:
         for s in self._slots:
             for r in s.regions:
                 r.close()
-        self._slots, self._free, self._registered = [], [], False
+        self._slots, self._free, self._held, self._registered = [], [], [], False
 
     def close(self) -> None:
         self._drop_slots()
