@@ -29,6 +29,7 @@ OUTLIER_RUN = 3
 # that is over (see observe: only beyond the knot's own spread).
 FAST_RUN = 3
 LINEAR_MAX_ERROR = 0.10  # a line that misses a measured point by more than 10 % is not used
+MIN_PREDICTION_S = 1e-6  # no batch takes less (see CostCurve.predict)
 # ... and once learnt online, one that misses a proven knot by more than this plus LINE_Z of the
 # knot's standard errors: knots are noisy, and the check runs every CAP_REFRESH samples for good
 # (a line is given up once). Simulated, 40 curves of 1 ms + 0.5 ms·B learnt over 1,200 batches:
@@ -125,9 +126,13 @@ class CostCurve:
         return c
 
     def predict(self, b: int) -> float:
+        """T(b), never below MIN_PREDICTION_S: the online fit can learn a negative launch (RLS
+        splits each error between launch and per-item time), and a batch predicted to take no time
+        "finished" at once: MCB held the queue for that worker with a wake-up at now, which the
+        core drops, and the queue waited beside a free GPU until the worker really finished."""
         if self.mode == "piecewise" and self._sizes:
-            return self._interpolate(b)
-        return max(0.0, self.launch_s + self.per_item_s * b)
+            return max(MIN_PREDICTION_S, self._interpolate(b))
+        return max(MIN_PREDICTION_S, self.launch_s + self.per_item_s * b)
 
     def efficient_batch(self, max_b: int) -> int:
         """The largest batch size, at most ``max_b``, that serves items about as fast as the best

@@ -17,6 +17,8 @@ Policies, by config/CLI name:
 
 from __future__ import annotations
 
+import re
+
 from .policy_baselines import (FIXED_MAX_WAIT_S, Escape, FixedBatch, GpuOnly, Greedy, ThreeSegment, TimeWindow,
                                crossover_sizes, marginal_wait_pays)
 from .policy_core import AGING_S, Decision, Dispatch, PerModelPolicy, feasible, servers_for
@@ -35,14 +37,20 @@ def make_policy(spec: str):
     simple = {"greedy": Greedy, "gpu-only": GpuOnly, "mcb": MarginalCost, "three-segment": ThreeSegment}
     if name in simple and not args:
         return simple[name]()
+    def number(text: str) -> int:
+        # ASCII digits only: int() takes "1_0", " 2" and other scripts' digits, which no config means.
+        if not re.fullmatch(r"[0-9]+", text):
+            raise ValueError
+        return int(text)
+
     try:
         if name == "window":
-            delay_us, max_batch = (int(x) for x in args.split(","))
+            delay_us, max_batch = (number(x) for x in args.split(","))
             if delay_us < 0 or max_batch < 1:
                 raise ValueError
             return TimeWindow(delay_us / 1e6, max_batch)
         if name in ("fixed", "escape"):
-            n = int(args)
+            n = number(args)
             if n < 1:
                 raise ValueError
             return FixedBatch(n) if name == "fixed" else Escape(n)

@@ -734,3 +734,23 @@ def test_a_closed_queue_is_not_held_for_arrivals_that_a_drain_refuses():
     assert ThreeSegment().decide(st, 1.0).dispatches == []  # B1 <= 3 < B2: waits for company
     st.closed = True
     assert paths(ThreeSegment().decide(st, 1.0)) == [("gpu", 3)]
+
+
+def test_a_curve_whose_line_reads_no_time_at_all_does_not_hold_the_queue_without_a_wake_up():
+    # The online fit can learn a negative launch: a CPU's line of -0.2 ms + 0.1 ms·B read T(1) = 0,
+    # MCB held the queue for that CPU ("done at once") with a wake-up at now, which the core
+    # drops, and two requests waited beside a free GPU until the CPU's batch really ended.
+    from batchyard.core import RequestCore
+    from batchyard.policy import make_policy
+
+    core = RequestCore(make_policy("mcb"), lambda r, status, message: None)
+    gpu_curve, cpu_curve = CostCurve(launch_s=0.1e-3, per_item_s=0.025e-3), CostCurve(launch_s=-0.2e-3, per_item_s=0.1e-3)
+    gpu_curve.samples = cpu_curve.samples = 100
+    core.state.costs[("m", "gpu")], core.state.costs[("m", "cpu")] = gpu_curve, cpu_curve
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 1}), 0.0)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    now = 1.0
+    for _ in range(3):
+        core.admit("m", 1, 1, 5.0, now)
+    sent = sum(len(b.requests) for b in core.decide(now))
+    assert sent == 3 or core.next_wake() - now < 1e-3, (sent, core.next_wake() - now)

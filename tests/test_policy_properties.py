@@ -23,7 +23,9 @@ POLICIES = ["mcb", "greedy", "escape:1", "escape:3", "window:200,16", "fixed:8",
 def states(draw):
     st = SchedulerState()
     for path in ("gpu", "cpu"):
-        c = CostCurve(launch_s=draw(st_.floats(0.0, 0.5)) * MS, per_item_s=draw(st_.floats(0.001, 0.2)) * MS)
+        # Negative launches too: the online fit learns them (a line through T(1) <= 0 made MCB
+        # hold the queue for a worker whose batch "took no time", with no wake-up).
+        c = CostCurve(launch_s=draw(st_.floats(-0.3, 0.5)) * MS, per_item_s=draw(st_.floats(0.001, 0.2)) * MS)
         c.samples = 100
         st.costs[("m", path)] = c
     n_workers = draw(st_.integers(1, 5))

@@ -136,6 +136,14 @@ def test_make_policy_rejects_bad_window():
         make_policy("window:abc")
 
 
+@pytest.mark.parametrize("spec", ["escape:1_0", "escape: 2", "fixed:\u0663", "window:5_00,8", "fixed:+4"])
+def test_a_policy_number_is_ascii_digits(spec):
+    # int() took these (a typo's underscore, a space, another script's digit) and ran a policy
+    # the config did not say.
+    with pytest.raises(ValueError, match="expected 'window:<max_delay_us>,<max_batch>'"):
+        make_policy(spec)
+
+
 # ---------------------------------------------------------------- shared memory
 def test_pool_reuses_and_coalesces_regions():
     pool = ShmPool(segment_bytes=1 << 20)
