@@ -59,6 +59,11 @@ class Region:
     fd: int = -1  # the segment, open (read and written with pread/pwrite, never mapped)
     entry_ino: int = 0  # the registry entry this region was opened from
     uid: int = 0  # the user who registered it: only that user's clients (or root's) use it
+    # The segment's (st_dev, st_ino) when registered: another process of the node opens the key
+    # again by name, and must find that file, not one made under its name since (root's clients
+    # may name any user's segment, so the owner check alone let root's outputs go into a file
+    # another user put there after root's segment was unlinked).
+    file: tuple = ()
 
 
 @dataclass
@@ -100,11 +105,22 @@ def close_outputs(regions) -> None:
 log = logging.getLogger("batchyard.frontend")
 
 
+def network_namespace() -> int:
+    """This process's network namespace (its inode), 0 where it cannot be read. Ports are the
+    namespace's: two nodes in containers that share /dev/shm (--ipc=host) but not the network
+    each have their own port 8001."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
 def registry_dir(host: str, grpc_port: int, http_port: int) -> str:
-    """The registry of the front doors serving these ports: one per node and user. It lives in
-    /dev/shm, which every front-door unit shares (each unit's /tmp is private)."""
+    """The registry of the front doors serving these ports: one per node and user (and network
+    namespace). It lives in /dev/shm, which every front-door unit shares (each unit's /tmp is
+    private)."""
     tag = re.sub(r"[^A-Za-z0-9.]", "_", host)
-    return os.path.join(SHM_DIR, f"batchyard-kserve-{os.getuid()}-{tag}-{grpc_port}-{http_port}")
+    return os.path.join(SHM_DIR, f"batchyard-kserve-{os.getuid()}-{tag}-{grpc_port}-{http_port}-{network_namespace()}")
 
 
 def _open_private_dir(path: str) -> int:
@@ -244,14 +260,16 @@ class ShmRegions:
         with os.fdopen(fd, "rb") as f:
             ino = os.fstat(f.fileno()).st_ino
             d = json.loads(f.read())
-        return Region(d["name"], d["key"], int(d["offset"]), int(d["byte_size"]), None, ino, int(d.get("uid", 0)))
+        file = d.get("file")
+        return Region(d["name"], d["key"], int(d["offset"]), int(d["byte_size"]), None, ino, int(d.get("uid", 0)),
+                      tuple(file) if isinstance(file, list) else ())
 
     def _publish(self, r: Region) -> None:
         tmp = f".new-{os.getpid()}-{_entry(r.name)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps({"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size,
-                                "uid": r.uid}).encode())
+                                "uid": r.uid, "file": list(r.file)}).encode())
         try:
             os.link(tmp, _entry(r.name), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         except FileExistsError:
@@ -299,7 +317,9 @@ class ShmRegions:
         if sum(r.uid == uid for r in registered) >= MAX_REGIONS_PER_USER:
             raise invalid(f"failed to register shared memory region '{name}': this user has {MAX_REGIONS_PER_USER} "
                           f"regions registered already")
-        region = Region(name, key, offset, byte_size, _open_segment(name, key, offset, byte_size, uid), uid=uid)
+        fd = _open_segment(name, key, offset, byte_size, uid)
+        st = os.fstat(fd)
+        region = Region(name, key, offset, byte_size, fd, uid=uid, file=(st.st_dev, st.st_ino))
         if self.dir is not None:
             try:
                 self._publish(region)
@@ -369,7 +389,13 @@ class ShmRegions:
         entry = self._read(_entry(name))
         if entry is None:
             return None
-        entry.fd = _open_segment(name, entry.key, entry.offset, entry.byte_size, entry.uid)
+        fd = _open_segment(name, entry.key, entry.offset, entry.byte_size, entry.uid)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != entry.file:
+            os.close(fd)
+            raise KServeError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{entry.key}' (region "
+                              f"'{name}': the segment registered is gone, another file has its name now)")
+        entry.fd = fd
         self.local[name] = entry
         return entry
 
@@ -451,9 +477,10 @@ def ports_dir() -> str:
     return os.path.join(SHM_DIR, f"batchyard-ports-{os.getuid()}")
 
 
-def _claim_file(host: str, port: int) -> str:
+def _claim_file(host: str, port: int, netns: int) -> str:
     # A digest of the host: two hosts written alike once sanitised ("a:b", "a_b") are two claims.
-    return f"{port}-{hashlib.sha256(host.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+    # And of the network namespace: another's node on the same host and port has a file of its own.
+    return f"{port}-{hashlib.sha256(f'{host} {netns}'.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
 def _addresses(host: str) -> list:
@@ -516,6 +543,7 @@ class PortClaim:
         self.node = node
         self.host = host.strip("[]")
         self.addresses = _addresses(self.host)
+        self.netns = network_namespace()
         self.dir = directory or ports_dir()
         self._held: list[tuple[str, int]] = []  # (claim file, its fd holding the shared flock)
         with self._folder() as dir_fd:
@@ -566,8 +594,8 @@ class PortClaim:
     def _claim(self, dir_fd: int, what: str, port: int) -> None:
         for name in os.listdir(dir_fd):
             held = self._holder(dir_fd, name)
-            if held is None or not name.startswith(f"{port}-"):
-                continue
+            if held is None or not name.startswith(f"{port}-") or held.get("netns", self.netns) != self.netns:
+                continue  # (a node in another network namespace has ports of its own)
             theirs = held.get("addresses")
             if not isinstance(theirs, list):  # a claim of a release that wrote its host only
                 theirs = _addresses(str(held.get("host", "")))
@@ -575,11 +603,11 @@ class PortClaim:
                 pids = ", ".join(str(p) for p in dict.fromkeys(held.get("pids", ())) if _alive(p)) or "unknown"
                 raise PortsTaken(f"cannot bind {what} to {self.host}:{port}: address already in use: another "
                                  f"Batchyard node (front door pid {pids}, dispatcher {held.get('node')}) serves it")
-        name = _claim_file(self.host, port)
+        name = _claim_file(self.host, port, self.netns)
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         self._held.append((name, fd))
         pids = [p for p in _read_claim(fd).get("pids", ()) if _alive(p)]
-        _write_claim(fd, {"node": self.node, "host": self.host, "addresses": self.addresses,
+        _write_claim(fd, {"node": self.node, "host": self.host, "addresses": self.addresses, "netns": self.netns,
                           "pids": [*pids, os.getpid()]})
         fcntl.flock(fd, fcntl.LOCK_SH)
 

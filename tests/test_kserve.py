@@ -2237,6 +2237,25 @@ def test_a_claim_of_a_release_that_wrote_only_its_host_is_compared_by_that_hosts
             PortClaim("ipc:///new-node", "localhost", [("gRPC", port)], directory=str(folder))
 
 
+def test_a_node_in_another_network_namespace_has_its_own_ports(tmp_path, monkeypatch):
+    """Containers that share /dev/shm (--ipc=host) but not the network each have their own port
+    8001: the second node was refused a port nothing held in its namespace."""
+    from batchyard import kserve_shm
+    from batchyard.kserve_shm import PortClaim, PortsTaken
+
+    port, folder = _free_port(), str(tmp_path / "ports")
+    monkeypatch.setattr(kserve_shm, "network_namespace", lambda: 1)
+    first = PortClaim("ipc:///node-a", "127.0.0.1", [("gRPC", port)], directory=folder)
+    try:
+        monkeypatch.setattr(kserve_shm, "network_namespace", lambda: 2)
+        PortClaim("ipc:///node-b", "127.0.0.1", [("gRPC", port)], directory=folder).close()
+        monkeypatch.setattr(kserve_shm, "network_namespace", lambda: 1)
+        with pytest.raises(PortsTaken):  # in its own namespace the first node's claim stands
+            PortClaim("ipc:///node-c", "127.0.0.1", [("gRPC", port)], directory=folder)
+    finally:
+        first.close()
+
+
 def test_a_claims_folder_that_cannot_be_made_is_an_error_not_a_spin(tmp_path):
     """Without /dev/shm the claim retried for ever at 100 % CPU (it took the missing folder for
     one another node's last front door had just removed); claim_ports then serves unchecked."""

@@ -114,6 +114,31 @@ def test_an_output_goes_where_its_region_was_when_the_request_came(registry, seg
         other.unlink()
 
 
+def test_a_region_whose_segment_was_replaced_is_not_opened_by_another_process(registry, tmp_path):
+    """Another front-door process opens a region's key again by name: a root client's segment
+    unlinked and another file made under its name (by another user, root's clients may name any
+    user's segment) took root's outputs and gave its inputs. The file registered, or an error."""
+    name = f"kshm_swap_{os.getpid()}"
+    first = shared_memory.SharedMemory(name, create=True, size=64)
+    try:
+        a, b = registry(), registry()
+        a.register("r", name, 0, 64, uid=0)
+        first.unlink()  # gone, not unregistered
+        planted = shared_memory.SharedMemory(name, create=True, size=64)
+        try:
+            planted.buf[:] = b"\xaa" * 64
+            with pytest.raises(KServeError, match="the segment registered is gone"):
+                b.output("r", 0, 16, "y", 16)
+            with pytest.raises(KServeError, match="the segment registered is gone"):
+                b.read("r", 0, 16, "FP32", [1, 4], "x", SPEC)
+            assert bytes(planted.buf) == b"\xaa" * 64
+        finally:
+            planted.close()
+            planted.unlink()
+    finally:
+        first.close()
+
+
 def _fds_on(path: str) -> int:
     """This process's open fds on ``path``."""
     n = 0
