@@ -41,6 +41,17 @@ def _targets(args, address):
             yield policy, disp.frontend
 
 
+def sends_schedule_policy(args) -> bool:
+    """Whether --target triton sends each request's class and deadline to the server, as Triton's
+    schedule-policy ``priority`` (class + 1) and ``timeout`` parameters: whenever the mix holds a
+    class other than normal or a deadline is given. Without them the report showed classes and
+    deadlines the server never saw (every request at its default priority, every deadline only
+    the client's). Triton takes both from any model: one without ``priority_levels`` runs a
+    priority out of its range at its default level rather than refusing the request."""
+    mix, deadlines = args.priority_mix, args.deadlines_ms
+    return args.target == "triton" and bool(mix[0] or mix[2] or any(deadlines))
+
+
 def spec_from(args, rate: float = 0.0) -> LoadSpec:
     # Stable over 3 windows (LoadSpec's), or over all of fewer: --windows 1 or 2 had no
     # 3 windows to agree and reported every run unstable.
@@ -49,7 +60,7 @@ def spec_from(args, rate: float = 0.0) -> LoadSpec:
                     priority_mix=args.priority_mix, deadlines_ms=args.deadlines_ms, slo_ms=args.slo_ms,
                     warmup_s=args.warmup, window_s=args.window, windows=args.windows, stability=args.stability,
                     stable_windows=min(LoadSpec.stable_windows, args.windows), processes=args.processes,
-                    seed=args.seed)
+                    seed=args.seed, schedule_policy=sends_schedule_policy(args))
 
 
 def load_modes(args) -> list[str]:
@@ -76,6 +87,17 @@ def run_label(name: str, model: str, spec: LoadSpec) -> str:
     if spec.rate and not (spec.concurrency or spec.intervals_file or spec.profile):
         return f"{name}:{model} @{spec.rate:g}/s"
     return f"{name}:{model}"
+
+
+def scrape_metrics(url: str) -> list:
+    """The samples at --metrics-url, or a one-line error (it was urllib's traceback)."""
+    from urllib.error import HTTPError
+
+    try:
+        return scrape(url)
+    except (OSError, ValueError) as e:  # refused, unreachable, timed out, an HTTP error, no exposition
+        why = e if isinstance(e, HTTPError) else getattr(e, "reason", e)
+        raise SystemExit(f"bench: cannot read --metrics-url {url}: {why}") from None
 
 
 def measure_ceiling(processes: int, concurrency: int = 256, window: float = 5.0) -> float:
@@ -108,11 +130,11 @@ def main(args) -> int:
             spec = spec_from(args, rate)
             name = f"{args.target}[{policy}]" if policy else args.target
             label = run_label(name, args.model, spec)
-            before = scrape(args.metrics_url) if args.metrics_url else None
+            before = scrape_metrics(args.metrics_url) if args.metrics_url else None
             rows = run_load(address, args.model, spec, target=args.target, inputs=args.inputs, progress=True)
             rep = analyse(rows, spec, args.target, label)
             if before is not None:
-                rep.summary["server_split"] = server_split(before, scrape(args.metrics_url))
+                rep.summary["server_split"] = server_split(before, scrape_metrics(args.metrics_url))
             reports.append(rep)
             print(table(reports[-1:]), flush=True)
     print()

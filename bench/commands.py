@@ -4,6 +4,8 @@ entry point. Arguments only; the harness is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 
 def _run_bench(args) -> int:
@@ -75,6 +77,72 @@ def _number(low: float, above: bool = False):
     return parse
 
 
+def _intervals_file(text: str) -> str:
+    """--request-intervals: a readable file of intervals, each a finite number of seconds > 0,
+    checked before the run. A file of zeros put every request of the run at its first instant
+    (17 million at the default duration), and an empty one failed once the generators had started."""
+    if not text:  # the default: none
+        return text
+    try:
+        words = Path(text).read_text().split()
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not words:
+        raise argparse.ArgumentTypeError(f"{text!r}: no intervals in it (one number of seconds > 0 a line)")
+    for word in words:
+        try:
+            v = float(word)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: intervals are seconds > 0, found {word!r}")
+    return text
+
+
+# --profile KIND:NUMBERS: each kind's numbers, the rule they keep, and both as the help and the
+# error say them. step:10 was an IndexError once the run had started, sine:abc a ValueError.
+PROFILES = {
+    "step": ("R1,R2", lambda a: len(a) == 2 and min(a) >= 0 and max(a) > 0, "rates/s >= 0, one of them > 0"),
+    "sine": ("MEAN,AMP,PERIOD", lambda a: len(a) == 3 and a[0] > 0 and a[1] >= 0 and a[2] > 0,
+             "MEAN > 0, AMP >= 0, PERIOD > 0 s"),
+    "bursts": ("LOW,HIGH", lambda a: len(a) == 2 and min(a) >= 0 and max(a) > 0, "rates/s >= 0, one of them > 0"),
+}
+PROFILE_FORMS = " | ".join(f"{kind}:{numbers}" for kind, (numbers, _, _) in PROFILES.items())
+
+
+def _profile(text: str) -> str:
+    if not text:  # the default: none
+        return text
+    kind, _, numbers = text.partition(":")
+    if kind not in PROFILES:
+        raise argparse.ArgumentTypeError(f"{PROFILE_FORMS}, got {text!r}")
+    form, keeps_rule, rule = PROFILES[kind]
+    try:
+        a = [float(x) for x in numbers.split(",")]
+    except ValueError:
+        a = []
+    if not (all(math.isfinite(v) for v in a) and keeps_rule(a)):
+        raise argparse.ArgumentTypeError(f"{kind}:{form} ({rule}), got {text!r}")
+    return text
+
+
+def _metrics_url(text: str) -> str:
+    """--metrics-url: an http(s) address, checked before the run (127.0.0.1:9100/metrics, with no
+    scheme, was a urllib traceback after it)."""
+    if not text:  # the default: none
+        return text
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(text)
+        url.port  # a port that is no number raises here
+    except ValueError:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(f"an http:// or https:// address of a /metrics page, got {text!r}")
+    return text
+
+
 def _out_folder(text: str) -> str:
     """--out: a folder bench.json can be written into, checked before the run (a run of many
     minutes ended in a traceback when it could not be written)."""
@@ -107,19 +175,23 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=_at_least(0), default=0, help="closed loop with N requests in flight")
     g.add_argument("--request-rate", type=_number(0), default=0.0)
     g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
-    g.add_argument("--request-intervals", default="", help="file of inter-request intervals (s)")
-    g.add_argument("--profile", default="", help="step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH")
+    g.add_argument("--request-intervals", type=_intervals_file, default="",
+                   help="file of inter-request intervals (s, each > 0)")
+    g.add_argument("--profile", type=_profile, default="",
+                   help=PROFILE_FORMS)
     g.add_argument("--sweep-rates", type=_numbers(positive=True), default=(), help="comma-separated rates: one run each (p99 vs load)")
-    g.add_argument("--priority-mix", type=_numbers(3, positive_sum=True), default=(0.0, 1.0, 0.0), help="fractions high,normal,low")
-    g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0), help="per class; 0 = dispatcher default")
+    g.add_argument("--priority-mix", type=_numbers(3, positive_sum=True), default=(0.0, 1.0, 0.0),
+                   help="fractions high,normal,low (--target triton: sent as Triton's priority 1,2,3)")
+    g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0),
+                   help="per class; 0 = dispatcher default (--target triton: sent as Triton's timeout)")
     g.add_argument("--slo-ms", type=_number(0), default=0.0, help="goodput counts only replies within this latency")
     g.add_argument("--processes", type=_at_least(1), default=2)
     g.add_argument("--warmup", type=_number(0), default=2.0)
     g.add_argument("--window", type=_number(0, above=True), default=5.0)
     g.add_argument("--windows", type=_at_least(1), default=3)
     g.add_argument("--stability", type=_number(0), default=0.15)
-    g.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metrics-url", default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
+    g.add_argument("--seed", type=_at_least(0), default=0)
+    p.add_argument("--metrics-url", type=_metrics_url, default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
     p.add_argument("--compare", action="append", type=_policy, default=[], metavar="POLICY",
                    help="repeatable: start the node of --config once per policy and replay the same seeded load")
     p.add_argument("--config", default="", help="node config for --compare")

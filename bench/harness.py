@@ -68,7 +68,10 @@ def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     dur, rng = spec.duration, np.random.default_rng(spec.seed)
     if spec.intervals_file:
         iv = np.array([float(x) for x in Path(spec.intervals_file).read_text().split()])
-        t = np.cumsum(np.resize(iv, int(dur / max(iv.mean(), 1e-6)) + 1))
+        # Intervals of 0 (or below) sent the whole run at its first instant: 1e6 requests a second.
+        if not (len(iv) and np.all(np.isfinite(iv)) and iv.min() > 0):
+            raise ValueError(f"{spec.intervals_file}: intervals must be seconds > 0, and at least one")
+        t = np.cumsum(np.resize(iv, int(dur / iv.mean()) + 1))
     elif spec.profile:
         kind, _, args = spec.profile.partition(":")
         a = [float(x) for x in args.split(",")]

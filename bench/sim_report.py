@@ -425,12 +425,21 @@ def merged(path: Path, rows: list[dict], n: int) -> dict:
     return rep
 
 
+def scenario_names(text: str) -> str:
+    """--scenarios: comma-separated names SCENARIOS knows, checked before the pool starts (an
+    unknown one was a KeyError traceback)."""
+    unknown = [s for s in text.split(",") if s not in SCENARIOS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})")
+    return text
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="fewer requests per point (for a smoke run)")
     ap.add_argument("--requests", type=int, default=0)
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenarios", type=scenario_names, default=",".join(SCENARIOS))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--merge", action="store_true",
                     help="replace only these scenarios' rows in the report already in --out (same --requests)")

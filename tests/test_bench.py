@@ -727,8 +727,9 @@ def test_bench_refuses_two_load_modes_instead_of_labelling_a_rate_it_never_ran(t
     # --concurrency 2 --sweep-rates 10,20 ran two closed loops of ~640/s labelled "@10/s" and
     # "@20/s" (in the table, bench.json, bench.md and the plot), and exited 0.
     out = tmp_path / "out"
+    (tmp_path / "iv.txt").write_text("0.01\n")  # a file of intervals the flag accepts on its own
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", "bench", "--address", f"ipc://{tmp_path}/nobody",
-                        "--model", "sum", "--out", str(out), *modes], capture_output=True, text=True, cwd=ROOT,
+                        "--model", "sum", "--out", str(out), *modes], capture_output=True, text=True, cwd=tmp_path,
                        timeout=60)
     assert r.returncode == 2 and r.stderr == f"batchyard bench: error: {message}\n", r.stderr[-2000:]
     assert not (out / "bench.json").exists()
@@ -794,3 +795,132 @@ def test_a_load_process_failing_before_the_start_is_reported_without_waiting_on_
     with pytest.raises(SystemExit, match="could not connect"):
         run_load("ipc:///nonexistent", "sum", spec)
     assert time.monotonic() - t0 < 10.0  # each of the 2 waiting processes was joined for 10 s
+
+
+class _FakeTriton:
+    """tritonclient.grpc.aio's client against a server that honours Triton's schedule-policy
+    parameters: it serves in 1 ms, and records each request's ``infer`` keywords. A request whose
+    ``timeout`` parameter is shorter expires on the server ("Request timeout expired"); one whose
+    client deadline is shorter ends on the client (gRPC's DEADLINE_EXCEEDED)."""
+
+    SERVICE_S = 1e-3
+
+    def __init__(self, url):
+        self.calls = []
+        _FakeTriton.last = self
+
+    async def get_model_metadata(self, model, as_json=False):
+        return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}], "outputs": [{"name": "y"}]}
+
+    async def infer(self, model, inputs, outputs=None, **kwargs):
+        from tritonclient.utils import InferenceServerException
+
+        self.calls.append(kwargs)
+        if kwargs.get("timeout") and kwargs["timeout"] < self.SERVICE_S * 1e6:
+            raise InferenceServerException("Request timeout expired", status="StatusCode.UNAVAILABLE")
+        if kwargs.get("client_timeout") and kwargs["client_timeout"] < self.SERVICE_S:
+            raise InferenceServerException("Deadline Exceeded", status="StatusCode.DEADLINE_EXCEEDED")
+
+    async def close(self):
+        pass
+
+
+def _bench_args(argv):
+    import argparse
+
+    from batchyard.bench.commands import _bench_arguments
+
+    ap = argparse.ArgumentParser()
+    _bench_arguments(ap)
+    return ap.parse_args(["--model", "m", *argv])
+
+
+@pytest.mark.parametrize("argv", [["--priority-mix", "1,0,0"], ["--deadlines-ms", "0.5,0.5,0.5"]])
+def test_bench_target_triton_sends_the_classes_and_deadlines_it_reports(monkeypatch, argv):
+    """`bench --target triton --priority-mix 1,0,0` reported class_high served while the server
+    counted every request at its default priority; `--deadlines-ms 0.5` reported no deadline
+    exceeded (the client's gRPC deadline: 17 errors '14'), where Batchyard's address said 19."""
+    import asyncio
+    import time
+
+    import tritonclient.grpc.aio as aio
+
+    from batchyard.bench.bench_cli import spec_from
+    from batchyard.bench.harness import _run_triton
+
+    monkeypatch.setattr(aio, "InferenceServerClient", _FakeTriton)
+    args = _bench_args(["--target", "triton", "--request-rate", "1000", "--warmup", "0", "--window", "0.05",
+                        "--windows", "1", "--processes", "1", *argv])
+    spec = spec_from(args)
+    rows = np.asarray(asyncio.run(_run_triton("fake:8001", "m", "zeros", spec, 0, time.monotonic)))
+    summary = summarise(rows, spec.duration)
+    sent = _FakeTriton.last.calls
+    assert len(sent) == summary["requests"] > 10
+    if "--priority-mix" in argv:  # Triton's priority 1 is its highest
+        assert summary["class_high"]["served"] == len(sent) and {c["priority"] for c in sent} == {1}
+    else:  # the server's own expiry, counted as Batchyard's DEADLINE_EXCEEDED is
+        assert {c["timeout"] for c in sent} == {500}
+        assert summary["deadline_exceeded"] == len(sent) and summary["errors"] == {"4": len(sent)}
+
+
+def test_bench_target_triton_without_a_mix_or_deadlines_sends_no_schedule_policy():
+    from batchyard.bench.bench_cli import spec_from
+
+    assert not spec_from(_bench_args(["--target", "triton", "--request-rate", "10"])).schedule_policy
+    assert not spec_from(_bench_args(["--request-rate", "10", "--priority-mix", "1,0,0"])).schedule_policy
+
+
+def _bench_cli(argv, capsys):
+    """`batchyard bench ARGV` in this process: (exit status, stderr)."""
+    from batchyard.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--address", "tcp://127.0.0.1:1", "--model", "m", *argv])
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["0\n0\n", "0.01\n-1\n", "0.01\nnan\n", "0.01\ninf\n", ""])
+def test_request_intervals_that_are_not_all_above_zero_are_refused_before_the_run(tmp_path, capsys, content):
+    """A file of zeros scheduled duration / 1 us requests at t=0 (17 million at the default
+    duration); an empty one failed after the generators started ("cannot convert float NaN")."""
+    iv = tmp_path / "iv.txt"
+    iv.write_text(content)
+    code, err = _bench_cli(["--request-intervals", str(iv)], capsys)
+    assert code == 2 and "batchyard bench: error: argument --request-intervals: " in err, err
+    assert ("no intervals in it" if not content else "intervals are seconds > 0") in err
+    with pytest.raises(ValueError, match="intervals must be seconds > 0"):  # the harness's own guard
+        schedule(LoadSpec(intervals_file=str(iv), warmup_s=0, window_s=0.1, windows=1))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile", "step:10"], "argument --profile: step:R1,R2 (rates/s >= 0, one of them > 0), got 'step:10'"),
+    (["--profile", "sine:abc"], "argument --profile: sine:MEAN,AMP,PERIOD (MEAN > 0, AMP >= 0, PERIOD > 0 s)"),
+    (["--profile", "wave:1,2"], "argument --profile: step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH"),
+    (["--request-rate", "50", "--seed", "-1"], "argument --seed: an integer >= 0, got '-1'"),
+    (["--request-rate", "50", "--metrics-url", "127.0.0.1:9100/metrics"],
+     "argument --metrics-url: an http:// or https:// address of a /metrics page, got '127.0.0.1:9100/metrics'"),
+])
+def test_bench_arguments_the_run_cannot_use_are_refused_by_argparse(capsys, argv, message):
+    # Each failed only after the generator processes had started, exit 1, with Python's own words.
+    code, err = _bench_cli(argv, capsys)
+    assert code == 2 and f"batchyard bench: error: {message}" in err, err
+
+
+def test_a_metrics_url_nobody_answers_is_one_line_before_the_run(capsys):
+    import socket
+
+    with socket.socket() as s:  # bound, not listening: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+        code, _ = _bench_cli(["--request-rate", "50", "--metrics-url", url], capsys)
+    assert str(code).startswith(f"bench: cannot read --metrics-url {url}: ") and "\n" not in str(code), code
+
+
+def test_sim_report_refuses_an_unknown_scenario_naming_the_known_ones(tmp_path, capsys):
+    from batchyard.bench.sim_report import SCENARIOS, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--scenarios", "seeds,nosuch", "--requests", "100", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --scenarios: unknown scenario 'nosuch' (known: " in err, err
+    assert all(name in err for name in SCENARIOS) and not (tmp_path / "out").exists()
