@@ -425,17 +425,24 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
         assert isinstance(outcomes["slow"], ExecutorUnavailable)
         submit("next", 1.0)  # after the back-off (none here): a fresh channel
         assert "next" not in outcomes, outcomes.get("next")  # at Triton, not failed at once
-        submit("third", 2.0)  # the timed-out batch's slot is not handed out
-        assert "held for batches Triton has not ended" in str(outcomes.get("third"))
+        # The timed-out batch's slot is not handed out: the third batch waits for the slot of the
+        # one running (it failed UNAVAILABLE, and the dispatcher's breaker took the worker out).
+        third = threading.Thread(target=submit, args=("third", 2.0))
+        third.start()
         triton.compute(1)
         triton.compute(0)  # the slow batch ends in Triton: its output lands in its own slot
-        triton.release(0)
         answer(1)
+        third.join(30)
         assert outcomes["next"]["y"].tolist() == np.full((2, 1024), 2.0).tolist()
+        assert len(triton.batches) == 3 and "third" not in outcomes  # at Triton, in the next one's slot
+        triton.compute(2)
+        answer(2)
+        assert outcomes["third"]["y"].tolist() == np.full((2, 1024), 4.0).tolist()
+        triton.release(0)  # Triton lets go of the slow batch's slot: both slots serve again
         submit("a", 3.0)
         submit("b", 4.0)
-        assert len(triton.batches) == 4  # both slots in use again
-        for i in (2, 3):
+        assert len(triton.batches) == 5  # both slots in use again
+        for i in (3, 4):
             triton.compute(i)
             answer(i)
         assert outcomes["a"]["y"].tolist() == np.full((2, 1024), 6.0).tolist()

@@ -150,6 +150,7 @@ class TritonExecutor:
         self._leftover: set[str] = set()  # a predecessor's regions Triton would not let go yet
         self._next_probe = 0.0
         self._lock = threading.Lock()
+        self._slot_back = threading.Condition(self._lock)  # a slot given back to the free ones
         self._down_until = 0.0
         self._backoff = self.backoff_min_s
         self._registered = False
@@ -352,7 +353,7 @@ class TritonExecutor:
                 released = all([self._let_go(r.name) for r in slot.regions])  # a list: ask for both
                 if released:
                     for r in slot.regions:
-                        r.register(self.client, self.timeout_s)
+                        r.register(self.client, min(self.timeout_s, PROBE_TIMEOUT_S))
             except BaseException:
                 with self._lock:
                     self._held.extend(held[i:])
@@ -529,6 +530,13 @@ class TritonExecutor:
         if not self.use_shm:
             return None
         with self._lock:
+            if not self._free and self._held and len(self._held) < len(self._slots):
+                # A slot held for a timed-out batch is capacity the dispatcher still counts: its
+                # next batch waits for one running now (each ends within timeout_s) rather than
+                # fail UNAVAILABLE, which took the worker out of rotation again and again while a
+                # model hung (half of a 10 s load, 27 requests failed with no other worker).
+                self._slot_back.wait_for(lambda: self._free or len(self._held) == len(self._slots),
+                                         timeout=self.timeout_s + 1.0)
             if not self._free:
                 # The dispatcher sends at most `inflight` batches; more (a dispatcher that lost
                 # count, e.g. after its restart) fails this batch, never the worker.
@@ -544,6 +552,7 @@ class TritonExecutor:
         if slot is not None:
             with self._lock:
                 (self._held if error is not None and _may_still_run(error) else self._free).append(slot)
+                self._slot_back.notify()
 
     # ------------------------------------------------------------------ shutdown
     def _drop_slots(self) -> None:
