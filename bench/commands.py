@@ -89,6 +89,7 @@ def _intervals_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     if not words:
         raise argparse.ArgumentTypeError(f"{text!r}: no intervals in it (one number of seconds > 0 a line)")
+    total = 0.0
     for word in words:
         try:
             v = float(word)
@@ -96,6 +97,12 @@ def _intervals_file(text: str) -> str:
             v = float("nan")
         if not (math.isfinite(v) and v > 0):
             raise argparse.ArgumentTypeError(f"{text!r}: intervals are seconds > 0, found {word!r}")
+        total += v
+    from .harness import MIN_MEAN_INTERVAL_S
+
+    if total / len(words) < MIN_MEAN_INTERVAL_S:  # 1e-9 s made a schedule past memory, mid-run
+        raise argparse.ArgumentTypeError(f"{text!r}: intervals {MIN_MEAN_INTERVAL_S:g} s apart on average at least "
+                                         f"(a million requests a second), found {total / len(words):g}")
     return text
 
 

@@ -32,6 +32,7 @@ from .report import percentiles_ms
 from .traces import bursts, diurnal, poisson, steps
 
 STATUS_OK = 0
+MIN_MEAN_INTERVAL_S = 1e-6  # a million requests a second: past any node, and the schedule fits memory
 START_TIMEOUT_S = 120.0  # for the generator processes to connect and make their inputs
 CLIENT_GRACE_S = 30.0  # schedule_policy: how much longer than the server's timeout the client waits
 
@@ -68,9 +69,11 @@ def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     dur, rng = spec.duration, np.random.default_rng(spec.seed)
     if spec.intervals_file:
         iv = np.array([float(x) for x in Path(spec.intervals_file).read_text().split()])
-        # Intervals of 0 (or below) sent the whole run at its first instant: 1e6 requests a second.
-        if not (len(iv) and np.all(np.isfinite(iv)) and iv.min() > 0):
-            raise ValueError(f"{spec.intervals_file}: intervals must be seconds > 0, and at least one")
+        # Intervals of 0 (or below) sent the whole run at its first instant: 1e6 requests a second;
+        # ones of 1e-9 s made a schedule of 17e9 requests (MemoryError, after the run started).
+        if not (len(iv) and np.all(np.isfinite(iv)) and iv.min() > 0 and iv.mean() >= MIN_MEAN_INTERVAL_S):
+            raise ValueError(f"{spec.intervals_file}: intervals must be seconds > 0, at least one, "
+                             f"{MIN_MEAN_INTERVAL_S:g} s apart on average")
         t = np.cumsum(np.resize(iv, int(dur / iv.mean()) + 1))
     elif spec.profile:
         kind, _, args = spec.profile.partition(":")

@@ -879,15 +879,19 @@ def _bench_cli(argv, capsys):
     return e.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content", ["0\n0\n", "0.01\n-1\n", "0.01\nnan\n", "0.01\ninf\n", ""])
-def test_request_intervals_that_are_not_all_above_zero_are_refused_before_the_run(tmp_path, capsys, content):
+@pytest.mark.parametrize("content, says", [
+    ("0\n0\n", "intervals are seconds > 0"), ("0.01\n-1\n", "intervals are seconds > 0"),
+    ("0.01\nnan\n", "intervals are seconds > 0"), ("0.01\ninf\n", "intervals are seconds > 0"),
+    ("", "no intervals in it"), ("1e-9\n", "1e-06 s apart on average at least")])
+def test_request_intervals_that_are_not_all_above_zero_are_refused_before_the_run(tmp_path, capsys, content, says):
     """A file of zeros scheduled duration / 1 us requests at t=0 (17 million at the default
-    duration); an empty one failed after the generators started ("cannot convert float NaN")."""
+    duration); an empty one failed after the generators started ("cannot convert float NaN");
+    one of 1e-9 s, a schedule past memory (MemoryError, mid-run)."""
     iv = tmp_path / "iv.txt"
     iv.write_text(content)
     code, err = _bench_cli(["--request-intervals", str(iv)], capsys)
     assert code == 2 and "batchyard bench: error: argument --request-intervals: " in err, err
-    assert ("no intervals in it" if not content else "intervals are seconds > 0") in err
+    assert says in err, err
     with pytest.raises(ValueError, match="intervals must be seconds > 0"):  # the harness's own guard
         schedule(LoadSpec(intervals_file=str(iv), warmup_s=0, window_s=0.1, windows=1))
 

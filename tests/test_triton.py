@@ -402,6 +402,7 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
     from tritonclient.utils import InferenceServerException
 
     monkeypatch.setattr(triton_executor, "HELD_PROBE_S", 0.0)  # a held slot is asked back at each batch
+    monkeypatch.setattr(triton_executor, "SLOT_WAIT_S", 60.0)  # the third batch's wait outlasts the test's steps
     triton = _TritonThatHoldsOn()
     ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=2, shm="system", backoff_s=(0.0, 0.0))
     ex.grpc = types.SimpleNamespace(InferenceServerClient=lambda *a, **kw: triton, InferInput=grpcclient.InferInput,
@@ -447,6 +448,39 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
             answer(i)
         assert outcomes["a"]["y"].tolist() == np.full((2, 1024), 6.0).tolist()
         assert outcomes["b"]["y"].tolist() == np.full((2, 1024), 8.0).tolist()
+    finally:
+        ex.close()
+
+
+def test_a_batch_waits_for_a_running_ones_slot_only_a_moment_while_another_is_held():
+    # The wait runs on the worker's main thread: until the running call's timeout (30 s) a SIGTERM
+    # meanwhile ended in the stop grace's hard exit (no leaving, no goodbye), and with a hung
+    # model the batch failed 30 s late where another worker could have run it.
+    import time as clock
+
+    from tritonclient.utils import InferenceServerException
+
+    triton = _TritonThatHoldsOn()
+    ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=2, shm="system", backoff_s=(0.0, 0.0))
+    ex.grpc = types.SimpleNamespace(InferenceServerClient=lambda *a, **kw: triton, InferInput=grpcclient.InferInput,
+                                    InferRequestedOutput=grpcclient.InferRequestedOutput)
+    ex._connect()
+    ex.specs["tri"] = TRI.spec()
+    ex._make_slots(64 * 4096, 64 * 4096)
+    outcomes: dict[str, object] = {}
+
+    def submit(key: str) -> None:
+        ex.submit("tri", {"x": np.ones((2, 1024), np.float32)}, lambda o, us: outcomes.__setitem__(key, o))
+
+    try:
+        submit("slow")
+        triton.batches[0]["callback"](None, InferenceServerException("Deadline Exceeded",
+                                                                      status="StatusCode.DEADLINE_EXCEEDED"))
+        submit("running")  # never answered
+        t0 = clock.monotonic()
+        submit("third")
+        assert clock.monotonic() - t0 < 10.0  # ex.timeout_s is 30 s
+        assert "held for batches Triton has not ended" in str(outcomes["third"])
     finally:
         ex.close()
 
