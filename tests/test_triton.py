@@ -393,6 +393,17 @@ class _TritonThatHoldsOn:
         pass
 
 
+def _executor_on(triton) -> TritonExecutor:
+    """A Triton executor of 2 slots whose client is ``triton`` (a stand-in), connected."""
+    ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=2, shm="system", backoff_s=(0.0, 0.0))
+    ex.grpc = types.SimpleNamespace(InferenceServerClient=lambda *a, **kw: triton, InferInput=grpcclient.InferInput,
+                                    InferRequestedOutput=grpcclient.InferRequestedOutput)
+    ex._connect()
+    ex.specs["tri"] = TRI.spec()
+    ex._make_slots(64 * 4096, 64 * 4096)
+    return ex
+
+
 def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_lands_in_no_other_batch(monkeypatch):
     # A batch still running in Triton past the executor's timeout: the reconnect after it tried to
     # unregister and register again every region, Triton refused ("in use") and every batch failed
@@ -404,12 +415,7 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
     monkeypatch.setattr(triton_executor, "HELD_PROBE_S", 0.0)  # a held slot is asked back at each batch
     monkeypatch.setattr(triton_executor, "SLOT_WAIT_S", 60.0)  # the third batch's wait outlasts the test's steps
     triton = _TritonThatHoldsOn()
-    ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=2, shm="system", backoff_s=(0.0, 0.0))
-    ex.grpc = types.SimpleNamespace(InferenceServerClient=lambda *a, **kw: triton, InferInput=grpcclient.InferInput,
-                                    InferRequestedOutput=grpcclient.InferRequestedOutput)
-    ex._connect()
-    ex.specs["tri"] = TRI.spec()
-    ex._make_slots(64 * 4096, 64 * 4096)
+    ex = _executor_on(triton)
     outcomes: dict[str, object] = {}
 
     def submit(key: str, value: float) -> None:
@@ -461,12 +467,7 @@ def test_a_batch_waits_for_a_running_ones_slot_only_a_moment_while_another_is_he
     from tritonclient.utils import InferenceServerException
 
     triton = _TritonThatHoldsOn()
-    ex = TritonExecutor("127.0.0.1:1", {"tri": "dense_amx"}, inflight=2, shm="system", backoff_s=(0.0, 0.0))
-    ex.grpc = types.SimpleNamespace(InferenceServerClient=lambda *a, **kw: triton, InferInput=grpcclient.InferInput,
-                                    InferRequestedOutput=grpcclient.InferRequestedOutput)
-    ex._connect()
-    ex.specs["tri"] = TRI.spec()
-    ex._make_slots(64 * 4096, 64 * 4096)
+    ex = _executor_on(triton)
     outcomes: dict[str, object] = {}
 
     def submit(key: str) -> None:
