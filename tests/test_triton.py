@@ -486,37 +486,60 @@ def test_a_batch_waits_for_a_running_ones_slot_only_a_moment_while_another_is_he
         ex.close()
 
 
+def _gpu0_beside_a_fake_dispatcher(run_dir):
+    """A Triton worker runtime "gpu0" of 2 slots on a stand-in client that holds every batch until
+    the test answers it, and the ROUTER a test plays the dispatcher on: (client, router, runtime)."""
+    import zmq
+
+    from batchyard.workers import runtime
+
+    client = _ThreadedTriton(answer=False)
+    backend = f"ipc://{run_dir}/be"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(backend)
+    rt = runtime.WorkerRuntime("gpu0", backend, _fake_executor(client, inflight=2), {"tri": TRI.spec()},
+                               heartbeat_interval_s=0.1, max_inflight=2)
+    return client, router, rt
+
+
+def _to_gpu0(router, msg, *frames) -> None:
+    """A fake dispatcher's message to worker gpu0."""
+    from batchyard import protocol as P
+
+    router.send_multipart([b"gpu0", P.encode(msg), *frames])
+
+
+def _batch_to_gpu0(router, batch_id: int, model: str = "tri") -> None:
+    """A batch of one [1, 1024] request of ones to worker gpu0."""
+    from batchyard import protocol as P
+
+    head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=batch_id, model=model, inputs=[
+        P.TensorRef(name="x", dtype="float32", shape=[1, 1024], frame=0)]))
+    _to_gpu0(router, P.Batch(batch_id=batch_id, model=model, seqs=[0], n_frames=[1]), head,
+             np.ones((1, 1024), np.float32).tobytes())
+
+
 def test_a_worker_asked_to_register_again_registers_once_the_batches_at_triton_are_done(run_dir, monkeypatch):
     # A dispatcher restarted while both slots of a Triton worker held batches: the worker registered
     # again at once with its whole capacity, and the new dispatcher's batches failed UNAVAILABLE
     # "all 2 shared-memory slots of this worker are in use" (its breaker took the healthy worker out
     # of rotation), though the slots freed seconds later. The test plays both dispatchers.
-    import zmq
-
     from batchyard import protocol as P
     from batchyard.workers import runtime
 
     monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)  # no hard exit of the test process
-    client = _ThreadedTriton(answer=False)  # holds every batch until the test answers it
-    ex = _fake_executor(client, inflight=2)
-    backend = f"ipc://{run_dir}/be"
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(backend)
-    rt = runtime.WorkerRuntime("gpu0", backend, ex, {"tri": TRI.spec()}, heartbeat_interval_s=0.1, max_inflight=2)
+    client, router, rt = _gpu0_beside_a_fake_dispatcher(run_dir)  # the client holds every batch until answered
     statuses: dict[int, int] = {}
 
     def recv():
         return worker_message(router, b"gpu0")
 
     def send(msg, *frames):
-        router.send_multipart([b"gpu0", P.encode(msg), *frames])
+        _to_gpu0(router, msg, *frames)
 
     def batch(batch_id: int, model: str = "tri"):
-        head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=batch_id, model=model, inputs=[
-            P.TensorRef(name="x", dtype="float32", shape=[1, 1024], frame=0)]))
-        send(P.Batch(batch_id=batch_id, model=model, seqs=[0], n_frames=[1]), head,
-             np.ones((1, 1024), np.float32).tobytes())
+        _batch_to_gpu0(router, batch_id, model)
 
     def answer(m):
         """The new dispatcher: it sends a batch for each slot of a worker once it registers."""
@@ -566,29 +589,18 @@ def test_a_worker_stopped_while_it_holds_its_registration_back_still_says_leavin
     # dispatcher knows, while Triton holds its batches: the worker holds its registration back
     # for them. Stopped then, it told the dispatcher nothing (leaving and goodbye waited on the
     # registration), which kept it in rotation until worker_dead_after_s.
-    import zmq
-
     from batchyard import protocol as P
     from batchyard.workers import runtime
 
     monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)  # no hard exit of the test process
-    client = _ThreadedTriton(answer=False)
-    ex = _fake_executor(client, inflight=2)
-    backend = f"ipc://{run_dir}/be"
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(backend)
-    rt = runtime.WorkerRuntime("gpu0", backend, ex, {"tri": TRI.spec()}, heartbeat_interval_s=0.1, max_inflight=2)
+    client, router, rt = _gpu0_beside_a_fake_dispatcher(run_dir)  # the client holds every batch until answered
     after_stop: list[str] = []
 
     def send(msg, *frames):
-        router.send_multipart([b"gpu0", P.encode(msg), *frames])
+        _to_gpu0(router, msg, *frames)
 
     def batch(batch_id: int, model: str = "tri"):
-        head = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=batch_id, model=model, inputs=[
-            P.TensorRef(name="x", dtype="float32", shape=[1, 1024], frame=0)]))
-        send(P.Batch(batch_id=batch_id, model=model, seqs=[0], n_frames=[1]), head,
-             np.ones((1, 1024), np.float32).tobytes())
+        _batch_to_gpu0(router, batch_id, model)
 
     def dispatcher():
         try:
