@@ -266,7 +266,8 @@ def test_a_worker_that_dies_ends_the_harness_wait_with_its_exit_code(run_dir):
 
 def test_a_worker_with_cpus_and_a_numa_node_keeps_every_thread_on_its_cpus(run_dir):
     """Bound to the NUMA node after its pinning, the worker's main thread (and every thread it
-    started after: ZeroMQ's, the model's) ran on the whole node."""
+    started after: ZeroMQ's, the model's) ran on the whole node. Its memory is bound to the node
+    (it was only preferred: memory spilled to other nodes once the node filled)."""
     from batchyard.workers.harness import DirectWorker
 
     if not os.path.exists("/sys/devices/system/node/node0"):
@@ -280,7 +281,10 @@ def test_a_worker_with_cpus_and_a_numa_node_keeps_every_thread_on_its_cpus(run_d
         masks = {}
         for tid in os.listdir(f"/proc/{dw.proc.pid}/task"):
             masks[tid] = os.sched_getaffinity(int(tid))
+        with open(f"/proc/{dw.proc.pid}/task/{dw.proc.pid}/numa_maps") as f:
+            policies = {line.split()[1] for line in f if len(line.split()) > 1}
     assert masks and all(m == {cpu} for m in masks.values()), masks
+    assert "bind:0" in policies and not {p for p in policies if p.startswith("prefer")}, policies
 
 
 def _poison_worker(run_dir, model: str, factory: str, max_batch: int):

@@ -42,8 +42,28 @@ def bind_numa_node(node: int | None) -> str:
     if not within:
         raise ValueError(f"numa_node {node} has none of the cpus this process may use ({sorted(allowed)})")
     each_thread(lambda tid: os.sched_setaffinity(tid, within))
-    numa.numa_set_preferred(node)  # membind without libnuma's bitmask structs
-    return f"numa: running on and preferring memory of node {node} (of {max_node + 1})"
+    return f"numa: running on node {node} (of {max_node + 1}), {_bind_memory(numa, node)}"
+
+
+MPOL_BIND = 2  # <linux/mempolicy.h>
+MASK_BITS = 1024  # a node mask as wide as libnuma's default
+
+
+def _bind_memory(numa, node: int) -> str:
+    """Allocate only from ``node`` (MPOL_BIND), as the config promises: a preference
+    (numa_set_preferred, used before) let memory spill to other nodes once the node filled, and it
+    replaced a real bind the unit had set (NUMAPolicy=bind, numactl --membind) with that
+    preference. A bind inherited from outside is kept as it is. The policy is this thread's and
+    every thread it starts from now (the model's, ZeroMQ's): set before torch is imported."""
+    mode, mask = ctypes.c_int(), (ctypes.c_ulong * (MASK_BITS // 64))()
+    if numa.get_mempolicy(ctypes.byref(mode), mask, MASK_BITS, None, 0) == 0 and mode.value == MPOL_BIND:
+        nodes = [n for n in range(MASK_BITS) if mask[n // 64] >> (n % 64) & 1]
+        return f"memory bound to nodes {nodes} as inherited"
+    mask = (ctypes.c_ulong * (MASK_BITS // 64))()
+    mask[node // 64] = 1 << (node % 64)
+    if numa.set_mempolicy(MPOL_BIND, mask, MASK_BITS) != 0:
+        raise OSError(ctypes.get_errno(), f"set_mempolicy(MPOL_BIND, node {node}) failed")
+    return f"memory bound to node {node}"
 
 
 def lower_priority(nice: int) -> int:
