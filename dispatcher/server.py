@@ -265,8 +265,10 @@ class Dispatcher:
         if not self._drained():
             log.warning("drain_timeout_s (%.1f s) ran out: %d queued, %d batches in flight answered UNAVAILABLE",
                         self.cfg.drain_timeout_s, self.state.queued_requests(), len(self.core.batches))
-        self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker "
-                                                  f"(drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out)")
+            why = f"drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out"
+        else:  # ended early: nothing left that a worker could take (they stopped beside it)
+            why = "no worker left to serve it"
+        self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker ({why})")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
         # Its workers outlive it (`up` stops them next; one stopped then waits 1 s for an answer

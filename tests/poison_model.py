@@ -42,6 +42,17 @@ def returns_a_tuple(spec=None) -> nn.Module:
     return ReturnsATuple()
 
 
+class ReturnsArrays(nn.Module):
+    """Returns numpy arrays, not tensors: the error named the dict, not the output."""
+
+    def forward(self, x):
+        return {"y": x[:, :2].float().numpy()}
+
+
+def returns_arrays(spec=None) -> nn.Module:
+    return ReturnsArrays()
+
+
 class RaisesAlways(nn.Module):
     """Its layer does not fit its spec's 4 input features: every call raises (as PyTorch does)."""
 

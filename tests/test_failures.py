@@ -385,6 +385,7 @@ def test_a_worker_the_harness_started_ends_when_the_process_driving_it_is_killed
 
 @pytest.mark.parametrize("factory, says", [
     ("returns_a_tuple", "model 'tup': forward must return a dict of tensors by output name, got tuple"),
+    ("returns_arrays", "model 'tup': forward must return a dict of tensors by output name; output 'y' is ndarray"),
     # A layer that does not fit the spec: "RuntimeError: mat1 and mat2 shapes cannot be
     # multiplied", a traceback and exit 1, restarted for ever.
     ("raises_always", "RuntimeError: mat1 and mat2 shapes cannot be multiplied"),

@@ -65,9 +65,13 @@ class TorchCpuExecutor:
             tensors[name] = t.to(self.dtype) if t.is_floating_point() else t
         with torch.inference_mode():
             out = self.models[model](**tensors)
-        if not (isinstance(out, dict) and all(isinstance(v, torch.Tensor) for v in out.values())):
+        if not isinstance(out, dict):
             raise ModelContractError(f"model {model!r}: forward must return a dict of tensors by output name, "
                                      f"got {type(out).__name__}")
+        for name, value in out.items():
+            if not isinstance(value, torch.Tensor):  # the container's type said nothing of which one
+                raise ModelContractError(f"model {model!r}: forward must return a dict of tensors by output name; "
+                                         f"output {name!r} is {type(value).__name__}")
         return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
 
 
