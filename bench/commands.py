@@ -212,8 +212,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _bench_arguments(p)
     p.set_defaults(run=_run_bench)
     p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of load")
-    p.add_argument("--rate", type=float, default=60.0, help="mean requests per second (Poisson)")
+    # Checked before the node starts: 0, negative or nan failed after it, in Python's words.
+    p.add_argument("--duration", type=_number(0, above=True), default=10.0, help="seconds of load")
+    p.add_argument("--rate", type=_number(0, above=True), default=60.0, help="mean requests per second (Poisson)")
     p.add_argument("--policy", type=_policy, default="mcb")
     p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")
     p.set_defaults(run=_run_demo)

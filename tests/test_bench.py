@@ -928,3 +928,18 @@ def test_sim_report_refuses_an_unknown_scenario_naming_the_known_ones(tmp_path, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and "argument --scenarios: unknown scenario 'nosuch' (known: " in err, err
     assert all(name in err for name in SCENARIOS) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--duration", "0"], "argument --duration: a number > 0, got '0'"),
+    (["--rate", "0"], "argument --rate: a number > 0, got '0'"),
+    (["--rate", "-5"], "argument --rate: a number > 0, got '-5'"),
+    (["--rate", "nan"], "argument --rate: a number > 0, got 'nan'")])
+def test_demo_arguments_it_cannot_run_are_refused_before_the_node_starts(capsys, argv, message):
+    # Each started the whole node (seconds), then failed: a ZeroDivisionError traceback for
+    # --duration 0, "load generator failed: scale < 0" for a negative rate.
+    from batchyard.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *argv])
+    assert e.value.code == 2 and f"batchyard demo: error: {message}" in capsys.readouterr().err
