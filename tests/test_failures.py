@@ -287,6 +287,60 @@ def test_a_worker_with_cpus_and_a_numa_node_keeps_every_thread_on_its_cpus(run_d
     assert "bind:0" in policies and not {p for p in policies if p.startswith("prefer")}, policies
 
 
+def _libnuma():
+    import ctypes
+    import ctypes.util
+
+    try:
+        numa = ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
+    except OSError:
+        pytest.skip("no libnuma here")
+    if numa.numa_available() < 0:
+        pytest.skip("no NUMA here")
+    return numa
+
+
+def test_a_memory_bind_inherited_with_a_mode_flag_is_kept():
+    # get_mempolicy gives the mode with its flags (numactl --balancing --membind, or
+    # MPOL_F_STATIC_NODES): read as no bind, the unit's bind was replaced by the worker's own.
+    import ctypes
+
+    from batchyard.workers.pinning import MASK_BITS, MPOL_BIND, _bind_memory
+
+    numa = _libnuma()
+    mask = (ctypes.c_ulong * (MASK_BITS // 64))()
+    mask[0] = 1
+    static_nodes = 1 << 15
+    assert numa.set_mempolicy(MPOL_BIND | static_nodes, mask, MASK_BITS) == 0  # as the unit left it, on this thread
+    try:
+        assert _bind_memory(numa, 0) == "memory bound to nodes [0] as inherited"
+        mode = ctypes.c_int()
+        numa.get_mempolicy(ctypes.byref(mode), mask, MASK_BITS, None, 0)
+        assert mode.value == MPOL_BIND | static_nodes
+    finally:
+        numa.set_mempolicy(0, None, 0)  # this thread back to the default policy
+
+
+def test_a_numa_node_the_kernel_will_not_bind_memory_to_leaves_the_worker_running_unbound():
+    # A node without memory (or outside the cpuset's memory nodes): set_mempolicy(MPOL_BIND) fails
+    # EINVAL, and the worker exited 78 for good, where it used to run with memory unbound.
+    import ctypes
+    import errno
+
+    from batchyard.workers.pinning import _bind_memory
+
+    class NodeWithoutMemory:
+        def get_mempolicy(self, mode, mask, maxnode, addr, flags):
+            return 0  # the default policy
+
+        def set_mempolicy(self, mode, mask, maxnode):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+    said = _bind_memory(NodeWithoutMemory(), 1)
+    assert said.startswith("memory NOT bound: set_mempolicy(MPOL_BIND, node 1) failed (Invalid argument"), said
+
+
 def _poison_worker(run_dir, model: str, factory: str, max_batch: int):
     """A node config in ``run_dir`` of one AMX worker, w0, of a model of tests/poison_model.py
     (x float32[4] -> y float32[2]), and the argv of `batchyard worker` for it."""

@@ -413,7 +413,6 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
     from tritonclient.utils import InferenceServerException
 
     monkeypatch.setattr(triton_executor, "HELD_PROBE_S", 0.0)  # a held slot is asked back at each batch
-    monkeypatch.setattr(triton_executor, "SLOT_WAIT_S", 60.0)  # the third batch's wait outlasts the test's steps
     triton = _TritonThatHoldsOn()
     ex = _executor_on(triton)
     outcomes: dict[str, object] = {}
@@ -434,8 +433,10 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
         assert "next" not in outcomes, outcomes.get("next")  # at Triton, not failed at once
         # The timed-out batch's slot is not handed out: the third batch waits for the slot of the
         # one running (it failed UNAVAILABLE, and the dispatcher's breaker took the worker out).
+        waiting = _watch_slot_waits(ex)
         third = threading.Thread(target=submit, args=("third", 2.0))
         third.start()
+        assert waiting.wait(30)  # for a slot
         triton.compute(1)
         triton.compute(0)  # the slow batch ends in Triton: its output lands in its own slot
         answer(1)
@@ -458,10 +459,22 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
         ex.close()
 
 
-def test_a_batch_waits_for_a_running_ones_slot_only_a_moment_while_another_is_held():
+def _watch_slot_waits(ex: TritonExecutor) -> threading.Event:
+    """Set once a batch waits for a slot in ``ex``."""
+    waiting = threading.Event()
+
+    class Watched(threading.Condition):
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    ex._slot_back = Watched(ex._lock)
+    return waiting
+
+
+def test_a_batch_waiting_for_a_running_ones_slot_stops_waiting_when_the_worker_stops():
     # The wait runs on the worker's main thread: until the running call's timeout (30 s) a SIGTERM
-    # meanwhile ended in the stop grace's hard exit (no leaving, no goodbye), and with a hung
-    # model the batch failed 30 s late where another worker could have run it.
+    # meanwhile ended in the stop grace's hard exit, with no leaving and no goodbye.
     import time as clock
 
     from tritonclient.utils import InferenceServerException
@@ -469,6 +482,8 @@ def test_a_batch_waits_for_a_running_ones_slot_only_a_moment_while_another_is_he
     triton = _TritonThatHoldsOn()
     ex = _executor_on(triton)
     outcomes: dict[str, object] = {}
+    stop = threading.Event()
+    ex.stopping = stop.is_set
 
     def submit(key: str) -> None:
         ex.submit("tri", {"x": np.ones((2, 1024), np.float32)}, lambda o, us: outcomes.__setitem__(key, o))
@@ -478,12 +493,34 @@ def test_a_batch_waits_for_a_running_ones_slot_only_a_moment_while_another_is_he
         triton.batches[0]["callback"](None, InferenceServerException("Deadline Exceeded",
                                                                       status="StatusCode.DEADLINE_EXCEEDED"))
         submit("running")  # never answered
+        waiting = _watch_slot_waits(ex)
+        third = threading.Thread(target=submit, args=("third",))
+        third.start()
+        assert waiting.wait(30)  # it waits for a slot ...
         t0 = clock.monotonic()
-        submit("third")
+        stop.set()  # ... until the worker is told to stop
+        third.join(30)
         assert clock.monotonic() - t0 < 10.0  # ex.timeout_s is 30 s
         assert "held for batches Triton has not ended" in str(outcomes["third"])
     finally:
         ex.close()
+
+
+def test_the_worker_runtime_tells_its_executor_when_it_stops(run_dir, monkeypatch):
+    # What ends the wait above, in a worker: its stop (SIGTERM's handler, request_stop).
+    from batchyard.workers import runtime
+
+    monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)  # no hard exit of the test process
+    _, router, rt = _gpu0_beside_a_fake_dispatcher(run_dir)
+    try:
+        assert not rt.executor.stopping()
+        rt.request_stop()
+        assert rt.executor.stopping()
+    finally:
+        router.close()
+        rt.executor.close()
+        os.close(rt._wake_r)
+        os.close(rt._wake_w)
 
 
 def _gpu0_beside_a_fake_dispatcher(run_dir):

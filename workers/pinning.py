@@ -46,6 +46,7 @@ def bind_numa_node(node: int | None) -> str:
 
 
 MPOL_BIND = 2  # <linux/mempolicy.h>
+MPOL_MODE = 0xFF  # get_mempolicy's mode without its flags (MPOL_F_STATIC_NODES 0x8000, ...)
 MASK_BITS = 1024  # a node mask as wide as libnuma's default
 
 
@@ -54,15 +55,20 @@ def _bind_memory(numa, node: int) -> str:
     (numa_set_preferred, used before) let memory spill to other nodes once the node filled, and it
     replaced a real bind the unit had set (NUMAPolicy=bind, numactl --membind) with that
     preference. A bind inherited from outside is kept as it is. The policy is this thread's and
-    every thread it starts from now (the model's, ZeroMQ's): set before torch is imported."""
+    every thread it starts from now (the model's, ZeroMQ's, torch's): set before torch is imported.
+    Threads started before it (OpenBLAS's, at numpy's import) keep their policy; they allocate
+    little. A node the kernel will not bind to (one without memory, or outside this cpuset's
+    memory nodes) leaves memory unbound, said in the log: the worker ran so before."""
     mode, mask = ctypes.c_int(), (ctypes.c_ulong * (MASK_BITS // 64))()
-    if numa.get_mempolicy(ctypes.byref(mode), mask, MASK_BITS, None, 0) == 0 and mode.value == MPOL_BIND:
+    # The mode comes with its flags (numactl --balancing, MPOL_F_STATIC_NODES): a bind all the same.
+    if numa.get_mempolicy(ctypes.byref(mode), mask, MASK_BITS, None, 0) == 0 and mode.value & MPOL_MODE == MPOL_BIND:
         nodes = [n for n in range(MASK_BITS) if mask[n // 64] >> (n % 64) & 1]
         return f"memory bound to nodes {nodes} as inherited"
     mask = (ctypes.c_ulong * (MASK_BITS // 64))()
     mask[node // 64] = 1 << (node % 64)
     if numa.set_mempolicy(MPOL_BIND, mask, MASK_BITS) != 0:
-        raise OSError(ctypes.get_errno(), f"set_mempolicy(MPOL_BIND, node {node}) failed")
+        return (f"memory NOT bound: set_mempolicy(MPOL_BIND, node {node}) failed ({os.strerror(ctypes.get_errno())}: "
+                f"a node without memory, or outside this cpuset's memory nodes)")
     return f"memory bound to node {node}"
 
 

@@ -114,6 +114,8 @@ class WorkerRuntime:
         # batch the model failed), each ended by the executor's own timeout (Triton's gRPC calls).
         self.hold_max_s = 2 * getattr(executor, "timeout_s", 30.0)
         self._wake_r, self._wake_w = os.pipe()
+        if hasattr(executor, "stopping"):  # one that may wait on this thread stops waiting on a stop
+            executor.stopping = lambda: self._stop
 
     def request_stop(self, *_args) -> None:
         self._stop = True

@@ -36,6 +36,7 @@ import re
 import secrets
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -61,8 +62,9 @@ IN_USE = "currently in use"
 # A slot held for a batch Triton may still run is asked back at most this often (one call per
 # region), and each such call waits this long at most: it runs on the worker's main thread.
 HELD_PROBE_S, PROBE_TIMEOUT_S = 1.0, 5.0
-# How long a batch waits for a running one's slot while another slot is held (see _take_slot).
-SLOT_WAIT_S = 1.0
+# How often a batch waiting for a running one's slot (while another is held) looks whether the
+# worker is stopping (see _take_slot).
+SLOT_WAIT_SLICE_S = 0.1
 # gRPC's reconnect back-off must not add to ours (see the module docstring); a channel of its own
 # (no shared subchannel) so that a fresh client really opens a fresh connection.
 RECONNECT_ARGS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -153,6 +155,7 @@ class TritonExecutor:
         self._next_probe = 0.0
         self._lock = threading.Lock()
         self._slot_back = threading.Condition(self._lock)  # a slot given back to the free ones
+        self.stopping: Callable[[], bool] = lambda: False  # the worker runtime's stop, once it is set
         self._down_until = 0.0
         self._backoff = self.backoff_min_s
         self._registered = False
@@ -532,16 +535,16 @@ class TritonExecutor:
         if not self.use_shm:
             return None
         with self._lock:
-            if not self._free and self._held and len(self._held) < len(self._slots):
-                # A slot held for a timed-out batch is capacity the dispatcher still counts: its
-                # next batch waits a moment for one running now rather than fail UNAVAILABLE,
-                # which took the worker out of rotation again and again while a model hung (half
-                # of a 10 s load, 27 requests failed with no other worker). A moment only: this is
-                # the worker's main thread, and a wait until the running call's timeout (30 s) let
-                # a SIGTERM meanwhile end in the grace's hard exit, with no leaving or goodbye, and
-                # held for 30 s a batch another worker could have run.
-                self._slot_back.wait_for(lambda: self._free or len(self._held) == len(self._slots),
-                                         timeout=min(self.timeout_s, SLOT_WAIT_S))
+            # A slot held for a timed-out batch is capacity the dispatcher still counts: its next
+            # batch waits for one running now (each call ends within timeout_s) rather than fail
+            # UNAVAILABLE, which took the worker out of rotation again and again while a model
+            # hung (half of a 10 s load, 27 requests failed with no other worker). In slices: this
+            # is the worker's main thread, and a stop meanwhile (a SIGTERM) must not wait for the
+            # call's timeout (the stop grace's hard exit came first, with no leaving or goodbye).
+            until = time.monotonic() + self.timeout_s + 1.0
+            while (not self._free and self._held and len(self._held) < len(self._slots) and not self.stopping()
+                   and time.monotonic() < until):
+                self._slot_back.wait(min(SLOT_WAIT_SLICE_S, max(0.0, until - time.monotonic())))
             if not self._free:
                 # The dispatcher sends at most `inflight` batches; more (a dispatcher that lost
                 # count, e.g. after its restart) fails this batch, never the worker.
