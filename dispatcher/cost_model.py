@@ -92,6 +92,9 @@ class CostCurve:
     samples: int = 0
     outliers: int = 0
     r2: float = float("nan")  # of the offline linear fit, when built from a profile
+    # Its points were measured on a simulated device (a profile entry calibrate marked so): its
+    # numbers are not real hardware's, and `status` and /metrics say so (DESIGN.md).
+    simulated: bool = False
     # RLS state: inverse covariance P (2x2, symmetric) and parameters theta = (launch, per_item)
     _p: list = field(default_factory=lambda: [P_INITIAL, 0.0, P_INITIAL])
     # knots: batch size -> (estimate, count, spread, drift); kept sorted by size in _sizes. spread:
@@ -446,7 +449,8 @@ class CostCurve:
     def describe(self) -> dict:
         return {"launch_us": round(self.launch_s * 1e6, 2), "per_item_us": round(self.per_item_s * 1e6, 3),
                 "mode": self.mode, "r2": self.r2, "samples": self.samples, "outliers": self.outliers,
-                "knots_us": {str(b): round(self._knots[b][0] * 1e6, 1) for b in self._sizes}}
+                "knots_us": {str(b): round(self._knots[b][0] * 1e6, 1) for b in self._sizes},
+                "simulated": self.simulated}
 
 
 def least_squares(points: list[tuple[int, float]]) -> tuple[float, float, float]:
@@ -474,14 +478,18 @@ def fit_error(points, launch: float, per_item: float) -> float:
 
 def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
     """Read a calibration profile (``batchyard calibrate``): {"models": {model: {path: {"points":
-    [[B, seconds], ...]}}}}, B >= 1 once each, seconds finite and > 0, path "cpu" or "gpu", and
-    each model one of ``models`` when given. Anything else is a ValueError naming the file and
-    key: a point at B = 0 or a negative time crashed the first decision, and a NaN time (or
-    one in ms, T(1) = 32 s) refused every request as unable to meet its deadline, for good,
-    since nothing dispatched could correct the curve."""
+    [[B, seconds], ...], "simulated": bool}}}}, B >= 1 once each, seconds finite and > 0, path
+    "cpu" or "gpu", and each model one of ``models`` when given; "simulated" (true: measured on a
+    simulated device) may be absent, as in profiles written before it: false. Anything else is a
+    ValueError naming the file and key: a point at B = 0 or a negative time crashed the first
+    decision, and a NaN time (or one in ms, T(1) = 32 s) refused every request as unable to meet
+    its deadline, for good, since nothing dispatched could correct the curve."""
     import msgspec
 
     from .profile_schema import PathProfile, Profile
+
+    class SimulatedMark(msgspec.Struct):  # an entry's "simulated" key, beside PathProfile's points
+        simulated: bool = False
 
     try:
         data = msgspec.json.decode(open(path, "rb").read(), type=Profile)
@@ -496,12 +504,13 @@ def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
                 raise ValueError(f"profile {path}: models.{model}.{p}: a path is \"cpu\" or \"gpu\"")
             try:
                 entry = msgspec.json.decode(raw, type=PathProfile)
+                simulated = msgspec.json.decode(raw, type=SimulatedMark).simulated
             except msgspec.ValidationError as e:
                 raise ValueError(f"profile {path}: models.{model}.{p}: {e}") from None
             sizes = [b for b, _ in entry.points]
             if len(set(sizes)) != len(sizes):
                 raise ValueError(f"profile {path}: models.{model}.{p}.points: a batch size twice ({sorted(sizes)})")
-            out[(model, p)] = CostCurve.from_points([(b, t) for b, t in entry.points])
+            out[(model, p)] = CostCurve.from_points([(b, t) for b, t in entry.points], simulated=simulated)
     return out
 
 

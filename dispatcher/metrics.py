@@ -24,7 +24,8 @@ that adds the three still finds all three.
 Batchyard's own: batchyard_request_latency_seconds (histogram), batchyard_decisions_total{reason},
 batchyard_unknown_model_requests_total (no model label: the names are the clients'),
 batchyard_inflight_request_count{model} (beside Triton's pending count, which excludes them),
-batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_arrival_rate{model};
+batchyard_cost_launch_us / batchyard_cost_per_item_us {model,path}, batchyard_path_simulated{model,path}
+(1 where that curve's timings came from a simulated device), batchyard_arrival_rate{model};
 LLM mode's decisions in batchyard_decisions_total as reason="llm_<route>" (as `batchyard status`
 shows them) and its curves in batchyard_llm_cost_launch_us / _per_item_us / _per_item_squared_us
 {model,curve}. An LLM model's path label is its request's route (prefill-cpu or gpu).
@@ -227,6 +228,13 @@ class Metrics:
                ((lab, v["launch_us"]) for lab, (_, v) in zip(curve_labels, curves)))
         _gauge(w, "batchyard_cost_per_item_us", "Learned per-item cost of T(B)",
                ((lab, v["per_item_us"]) for lab, (_, v) in zip(curve_labels, curves)))
+        # Simulated timings are labelled as such (DESIGN.md), but not by a label on the Triton
+        # families: dashboards key on their label sets. One series per (model, path), the key
+        # those families and the curves share, so a query can join on(model, path) to keep or
+        # drop the simulated paths; a per-worker series would need a worker -> path map to join.
+        _gauge(w, "batchyard_path_simulated", "1: a simulated device serves this model's path, or its profile "
+               "was measured on one: its timings are not real hardware's",
+               ((lab, int(bool(v.get("simulated")))) for lab, (_, v) in zip(curve_labels, curves)))
         _gauge(w, "batchyard_arrival_rate", "Estimated arrival rate lambda(t), items/s (a request of B items counts B)",
                ((f'model="{_esc(k)}"', r) for k, r in sorted(s.rates.items())))
         self._write_llm_curves(w, s.llm_curves)

@@ -96,6 +96,10 @@ class Dispatcher:
         self.specs: dict[str, P.ModelSpec] = {m.name: m for m in models}
         for (model, path), curve in (profile or {}).items():
             self.state.costs[(model, path)] = curve
+        simulated = sorted(f"{m}/{p}" for (m, p), c in (profile or {}).items() if c.simulated)
+        if simulated:  # a profile from a simulated node, copied to a real one, would steer it by made-up times
+            log.warning("profile entries %s were measured on a simulated device: their curves are not real "
+                        "hardware's (for a real node, run `batchyard calibrate` on it)", ", ".join(simulated))
         self.metrics = Metrics()
         for name in (*self.specs, *llm_models):  # (an LLM model's route series come at its engine's registration)
             self.metrics.model_served(name)

@@ -11,12 +11,23 @@ from . import protocol as P
 from .protocol import Status
 
 
-def curves(d) -> dict:
-    """Learned cost curves by "model/path". NaN is not JSON and MessagePack readers choke on it:
-    an unknown value is None."""
-    return {f"{m}/{p}": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                         for k, v in c.describe().items()}
+def described_curves(d) -> dict:
+    """Each learned cost curve by "model/path", with "simulated": true where a simulated worker
+    serves that model on that path, or the curve's profile entry was measured on one. A path
+    that simulated and real workers serve together is true: its curve has learned from the
+    simulated device's timings, so its numbers are not real hardware's (a boolean, not a third
+    value, so a reader and the /metrics gauge need no other case). It follows the workers
+    registered now: a simulated worker that has left no longer marks the path."""
+    served_simulated = {(m, w.path) for w in d.state.workers.values() if w.simulated for m in w.models}
+    return {f"{m}/{p}": c.describe() | {"simulated": c.simulated or (m, p) in served_simulated}
             for (m, p), c in d.state.costs.items()}
+
+
+def curves(d) -> dict:
+    """Learned cost curves by "model/path" (``described_curves``). NaN is not JSON and
+    MessagePack readers choke on it: an unknown value is None."""
+    return {key: {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in desc.items()}
+            for key, desc in described_curves(d).items()}
 
 
 def llm_curves(d) -> dict:
@@ -53,7 +64,6 @@ def render_metrics(d) -> str:
     now = time.monotonic()
     pending = {m: 0 for m in d.specs} | d.core.pending_by_model() | d.llm.pending()
     in_flight = {m: 0 for m in pending} | d.core.in_flight_by_model() | d.llm.in_flight()
-    return d.metrics.render(pending, decisions(d),
-                            {f"{m}/{p}": c.describe() for (m, p), c in d.state.costs.items()},
+    return d.metrics.render(pending, decisions(d), described_curves(d),
                             {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs}, in_flight,
                             llm_curves={m: c.describe() for m, c in d.llm.core.curves.items()})

@@ -47,6 +47,10 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
     # path), so workers of one path give one point per size (two AMX workers of node0.toml wrote
     # every size twice, and the dispatcher refused the profile they made)
     times: dict[str, dict[str, dict[int, list[float]]]] = {}
+    # (model, path)s a simulated worker measured: their entries say "simulated" (DESIGN.md), so a
+    # node that loads the profile can tell made-up times from its hardware's. A path measured
+    # on simulated and real workers alike is simulated: its points mix the two.
+    simulated: set[tuple[str, str]] = set()
     for w in node.workers:
         if workers and w.name not in workers:
             continue
@@ -54,6 +58,8 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
             dw.wait_registered()
             for model in w.models:
                 spec = dw.spec[model]
+                if w.kind == "sim":  # the one kind whose executor is simulated (it registers so)
+                    simulated.add((model, dw.path))
                 bs = [b for b in (sizes or powers_of_two(spec.max_batch)) if b <= spec.max_batch]
                 if not bs:
                     raise CalibrationFailed(f"{w.name} {model}: no batch size of {sizes} is within its max_batch "
@@ -69,10 +75,10 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
     for model, by_path in times.items():
         for path, by_size in by_path.items():
             pts = [(b, statistics.median(ts)) for b, ts in sorted(by_size.items())]
-            curve = CostCurve.from_points(pts)
+            curve = CostCurve.from_points(pts, simulated=(model, path) in simulated)
             profile["models"].setdefault(model, {})[path] = {"points": pts, **curve.describe()}
             log(f"{model} [{path}]: T(B) = {curve.launch_s * 1e3:.3f} ms + {curve.per_item_s * 1e3:.4f} ms*B, "
-                f"R^2 {curve.r2:.3f}, using the {curve.mode} fit")
+                f"R^2 {curve.r2:.3f}, using the {curve.mode} fit{' (SIMULATED device)' if curve.simulated else ''}")
     Path(out).write_text(json.dumps(profile, indent=1))
     return profile
 
