@@ -33,7 +33,7 @@ def _run_demo(args) -> int:
         return 130
 
 
-def _numbers(count: int = 0, positive: bool = False, positive_sum: bool = False):
+def _numbers(count: int = 0, positive: bool = False, positive_sum: bool = False, most: float = float("inf")):
     """An argparse type: comma-separated non-negative numbers (``count`` of them when given).
     A bad one was a ValueError traceback from inside the harness."""
     def parse(text: str) -> tuple[float, ...]:
@@ -47,6 +47,8 @@ def _numbers(count: int = 0, positive: bool = False, positive_sum: bool = False)
             raise argparse.ArgumentTypeError(f"{count} numbers (high,normal,low), got {text!r}")
         if positive_sum and not sum(values) > 0:
             raise argparse.ArgumentTypeError(f"at least one number > 0: {text!r}")
+        if any(v > most for v in values):
+            raise argparse.ArgumentTypeError(f"numbers at most {most:g}: {text!r}")
         return values
     return parse
 
@@ -63,18 +65,24 @@ def _at_least(low: int):
     return parse
 
 
-def _number(low: float, above: bool = False):
-    """An argparse type: a finite number >= ``low`` (> with ``above``). --window -1 was a
-    traceback from inside the harness; nan and inf passed as well."""
+def _number(low: float, above: bool = False, most: float = float("inf")):
+    """An argparse type: a finite number >= ``low`` (> with ``above``), at most ``most``. --window -1
+    was a traceback from inside the harness; nan and inf passed as well."""
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             v = float("nan")
-        if not (v > low if above else v >= low) or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"a number {'>' if above else '>='} {low:g}, got {text!r}")
+        if not (v > low if above else v >= low) or v == float("inf") or v > most:
+            limit = f" and at most {most:g}" if most < float("inf") else ""
+            raise argparse.ArgumentTypeError(f"a number {'>' if above else '>='} {low:g}{limit}, got {text!r}")
         return v
     return parse
+
+
+# A million requests a second: past any node, and a run's schedule still fits in memory (1e10/s
+# was a MemoryError of 1.6 TiB once the run had started).
+MAX_RATE = 1e6
 
 
 def _intervals_file(text: str) -> str:
@@ -130,6 +138,8 @@ def _profile(text: str) -> str:
         a = []
     if not (all(math.isfinite(v) for v in a) and keeps_rule(a)):
         raise argparse.ArgumentTypeError(f"{kind}:{form} ({rule}), got {text!r}")
+    if (a[0] + a[1] if kind == "sine" else max(a)) > MAX_RATE:
+        raise argparse.ArgumentTypeError(f"{kind}: rates at most {MAX_RATE:g}/s, got {text!r}")
     return text
 
 
@@ -180,13 +190,13 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-url", default="127.0.0.1:8001")
     g = p.add_argument_group("load (as perf_analyzer)")
     g.add_argument("--concurrency", type=_at_least(0), default=0, help="closed loop with N requests in flight")
-    g.add_argument("--request-rate", type=_number(0), default=0.0)
+    g.add_argument("--request-rate", type=_number(0, most=MAX_RATE), default=0.0)
     g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
     g.add_argument("--request-intervals", type=_intervals_file, default="",
                    help="file of inter-request intervals (s, each > 0)")
     g.add_argument("--profile", type=_profile, default="",
                    help=PROFILE_FORMS)
-    g.add_argument("--sweep-rates", type=_numbers(positive=True), default=(), help="comma-separated rates: one run each (p99 vs load)")
+    g.add_argument("--sweep-rates", type=_numbers(positive=True, most=MAX_RATE), default=(), help="comma-separated rates: one run each (p99 vs load)")
     g.add_argument("--priority-mix", type=_numbers(3, positive_sum=True), default=(0.0, 1.0, 0.0),
                    help="fractions high,normal,low (--target triton: sent as Triton's priority 1,2,3)")
     g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0),
@@ -214,7 +224,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
     # Checked before the node starts: 0, negative or nan failed after it, in Python's words.
     p.add_argument("--duration", type=_number(0, above=True), default=10.0, help="seconds of load")
-    p.add_argument("--rate", type=_number(0, above=True), default=60.0, help="mean requests per second (Poisson)")
+    p.add_argument("--rate", type=_number(0, above=True, most=MAX_RATE), default=60.0,
+                   help="mean requests per second (Poisson)")
     p.add_argument("--policy", type=_policy, default="mcb")
     p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")
     p.set_defaults(run=_run_demo)

@@ -270,8 +270,9 @@ class Dispatcher:
             log.warning("drain_timeout_s (%.1f s) ran out: %d queued, %d batches in flight answered UNAVAILABLE",
                         self.cfg.drain_timeout_s, self.state.queued_requests(), len(self.core.batches))
             why = f"drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out"
-        else:  # ended early: nothing left that a worker could take (they stopped beside it)
-            why = "no worker left to serve it"
+        else:  # ended early: nothing queued that a worker left could take (they stopped beside it, or
+            # every one left has a smaller max batch)
+            why = "no worker left that can take it"
         self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker ({why})")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")

@@ -901,6 +901,10 @@ def test_request_intervals_that_are_not_all_above_zero_are_refused_before_the_ru
     (["--profile", "sine:abc"], "argument --profile: sine:MEAN,AMP,PERIOD (MEAN > 0, AMP >= 0, PERIOD > 0 s)"),
     (["--profile", "wave:1,2"], "argument --profile: step:R1,R2 | sine:MEAN,AMP,PERIOD | bursts:LOW,HIGH"),
     (["--request-rate", "50", "--seed", "-1"], "argument --seed: an integer >= 0, got '-1'"),
+    # A schedule past memory (1.6 TiB), once the run had started.
+    (["--request-rate", "1e10"], "argument --request-rate: a number >= 0 and at most 1e+06, got '1e10'"),
+    (["--sweep-rates", "10,1e10"], "argument --sweep-rates: numbers at most 1e+06: '10,1e10'"),
+    (["--profile", "step:10,1e10"], "argument --profile: step: rates at most 1e+06/s, got 'step:10,1e10'"),
     (["--request-rate", "50", "--metrics-url", "127.0.0.1:9100/metrics"],
      "argument --metrics-url: an http:// or https:// address of a /metrics page, got '127.0.0.1:9100/metrics'"),
 ])
@@ -932,9 +936,10 @@ def test_sim_report_refuses_an_unknown_scenario_naming_the_known_ones(tmp_path, 
 
 @pytest.mark.parametrize("argv, message", [
     (["--duration", "0"], "argument --duration: a number > 0, got '0'"),
-    (["--rate", "0"], "argument --rate: a number > 0, got '0'"),
-    (["--rate", "-5"], "argument --rate: a number > 0, got '-5'"),
-    (["--rate", "nan"], "argument --rate: a number > 0, got 'nan'")])
+    (["--rate", "0"], "argument --rate: a number > 0 and at most 1e+06, got '0'"),
+    (["--rate", "-5"], "argument --rate: a number > 0 and at most 1e+06, got '-5'"),
+    (["--rate", "nan"], "argument --rate: a number > 0 and at most 1e+06, got 'nan'"),
+    (["--rate", "1e10"], "argument --rate: a number > 0 and at most 1e+06, got '1e10'")])
 def test_demo_arguments_it_cannot_run_are_refused_before_the_node_starts(capsys, argv, message):
     # Each started the whole node (seconds), then failed: a ZeroDivisionError traceback for
     # --duration 0, "load generator failed: scale < 0" for a negative rate.

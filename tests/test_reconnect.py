@@ -401,5 +401,5 @@ def test_a_drain_with_no_worker_for_its_queue_fails_it_at_once(run_dir, processe
         st = c.status()  # `queued` waits: no worker serves `sum`
         assert st.queued == 1
         os.kill(st.dispatcher_pid, signal.SIGTERM)
-        with pytest.raises(Unavailable, match=r"shut down before the request reached a worker \(no worker left to serve it\)"):
+        with pytest.raises(Unavailable, match=r"shut down before the request reached a worker \(no worker left that can take it\)"):
             queued.result(timeout=20)
