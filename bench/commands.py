@@ -80,8 +80,8 @@ def _number(low: float, above: bool = False, most: float = float("inf")):
     return parse
 
 
-# A million requests a second: past any node, and a run's schedule still fits in memory (1e10/s
-# was a MemoryError of 1.6 TiB once the run had started).
+# A million requests a second: past any node (1e10/s was a MemoryError of 1.6 TiB once the run had
+# started; run_load also refuses a run of more than MAX_SCHEDULED requests, rate x duration).
 MAX_RATE = 1e6
 
 

@@ -64,6 +64,24 @@ class LoadSpec:
         return self.warmup_s + self.window_s * self.windows
 
 
+MAX_SCHEDULED = 50_000_000  # requests in one run's schedule (~1.2 GB of it, in every load process)
+
+
+def scheduled_requests(spec: LoadSpec) -> float:
+    """About how many requests an open-loop run of ``spec`` schedules (0 for a closed loop)."""
+    dur = spec.duration
+    if spec.concurrency:
+        return 0.0
+    if spec.intervals_file:
+        iv = [float(x) for x in Path(spec.intervals_file).read_text().split()]
+        return dur / max(sum(iv) / max(len(iv), 1), MIN_MEAN_INTERVAL_S)
+    if spec.profile:
+        kind, _, args = spec.profile.partition(":")
+        a = [float(x) for x in args.split(",")]
+        return dur * (a[0] + a[1] if kind == "sine" else max(a[:2]))
+    return spec.rate * dur
+
+
 def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Send offsets (s), priority class, timeout (s) for open-loop modes."""
     dur, rng = spec.duration, np.random.default_rng(spec.seed)
@@ -279,6 +297,9 @@ def _progress(total_s: float, enabled: bool):
 def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard", inputs: str = "zeros",
              progress: bool = False) -> np.ndarray:
     """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS)."""
+    n = scheduled_requests(spec)
+    if n > MAX_SCHEDULED:  # a rate or duration no argument check bounds alone: 1e6/s over 1e7 s was 284 TiB
+        raise SystemExit(f"bench: a run of {n:.3g} requests (rate x duration); at most {MAX_SCHEDULED:.3g} in one run")
     ctx = mp.get_context("spawn")
     q, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     ps = [ctx.Process(target=_proc, args=(target, address, model, inputs, asdict(spec), k, q, go, start), daemon=True)

@@ -948,3 +948,10 @@ def test_demo_arguments_it_cannot_run_are_refused_before_the_node_starts(capsys,
     with pytest.raises(SystemExit) as e:
         main(["demo", *argv])
     assert e.value.code == 2 and f"batchyard demo: error: {message}" in capsys.readouterr().err
+
+
+def test_a_run_too_long_to_schedule_is_refused_before_its_load_processes_start():
+    # Each rate below its cap, the schedule was not: 1e6/s over a window of 1e7 s asked for 284 TiB
+    # in every load process, a MemoryError once the run had started.
+    with pytest.raises(SystemExit, match=r"bench: a run of 1e\+13 requests \(rate x duration\); at most 5e\+07"):
+        run_load("ipc:///nonexistent", "sum", LoadSpec(rate=1e6, warmup_s=0, window_s=1e7, windows=1))

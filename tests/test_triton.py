@@ -459,17 +459,53 @@ def test_a_batch_past_its_timeout_in_triton_fails_alone_and_its_late_output_land
         ex.close()
 
 
-def _watch_slot_waits(ex: TritonExecutor) -> threading.Event:
-    """Set once a batch waits for a slot in ``ex``."""
-    waiting = threading.Event()
+def _watch_slot_waits(ex: TritonExecutor, slices: int = 1) -> threading.Event:
+    """Set once a batch has waited ``slices`` times for a slot in ``ex``."""
+    waiting, waits = threading.Event(), []
 
     class Watched(threading.Condition):
         def wait(self, timeout=None):
-            waiting.set()
+            waits.append(timeout)
+            if len(waits) >= slices:
+                waiting.set()
             return super().wait(timeout)
 
     ex._slot_back = Watched(ex._lock)
     return waiting
+
+
+def test_a_batch_waits_for_a_running_ones_slot_past_many_slices(monkeypatch):
+    # A wait capped at 1 s failed the batch behind a healthy batch of 1.5 s (UNAVAILABLE, and the
+    # breaker took the worker out); it lasts to the running call's timeout. 200 slices of 1 ms
+    # here stand for the seconds a long batch takes.
+    from tritonclient.utils import InferenceServerException
+
+    from batchyard.workers import triton_executor
+
+    monkeypatch.setattr(triton_executor, "SLOT_WAIT_SLICE_S", 0.001)
+    triton = _TritonThatHoldsOn()
+    ex = _executor_on(triton)
+    outcomes: dict[str, object] = {}
+
+    def submit(key: str, value: float) -> None:
+        ex.submit("tri", {"x": np.full((2, 1024), value, np.float32)}, lambda o, us: outcomes.__setitem__(key, o))
+
+    try:
+        submit("slow", 7.0)
+        triton.batches[0]["callback"](None, InferenceServerException("Deadline Exceeded",
+                                                                      status="StatusCode.DEADLINE_EXCEEDED"))
+        submit("long", 1.0)
+        waited = _watch_slot_waits(ex, slices=200)
+        third = threading.Thread(target=submit, args=("third", 2.0))
+        third.start()
+        assert waited.wait(30), outcomes.get("third")  # still waiting after 200 slices
+        triton.compute(1)
+        triton.release(1)
+        triton.batches[1]["callback"](_Answer(triton.batches[1]["n"]), None)
+        third.join(30)
+        assert len(triton.batches) == 3 and "third" not in outcomes, outcomes.get("third")  # at Triton
+    finally:
+        ex.close()
 
 
 def test_a_batch_waiting_for_a_running_ones_slot_stops_waiting_when_the_worker_stops():
