@@ -660,7 +660,7 @@ models = ["m"]
     (["bench", "--address", "ipc://{tmp}/fe", "--concurrency", "1", "--warmup", "-1"],
      "argument --warmup: a number >= 0, got '-1'"),
     (["bench", "--address", "ipc://{tmp}/fe", "--request-rate", "nan"],
-     "argument --request-rate: a number >= 0, got 'nan'"),
+     "argument --request-rate: a number >= 0 and at most 1e+06, got 'nan'"),
     (["bench", "--address", "ipc://{tmp}/fe", "--concurrency", "1", "--window", "inf"],
      "argument --window: a number > 0, got 'inf'"),
 ])
