@@ -232,6 +232,18 @@ def _check_supported(body: dict) -> None:
         if body.get(key, 1) not in (1, None):
             raise OpenAiError(400, f"{key} must be 1, got {body[key]!r}", param=key)
     for key, default in _UNSUPPORTED.items():
-        value = body.get(key, default)
-        if value not in (default, None, False) and value != [] and value != {}:
+        if not _asks_nothing(body.get(key, default), default):
             raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)
+
+
+def _asks_nothing(value, default) -> bool:
+    """Whether an unsupported field's value asks for nothing: null, its default, or an empty
+    list or map where the default is null. By ``==``, 0 passed as False: `logprobs: 0` (OpenAI's
+    request for the sampled token's logprob) was served without it, 200, silently."""
+    if value is None or value is default:
+        return True
+    if default is None:
+        return value == [] or value == {}
+    if isinstance(default, bool):
+        return False
+    return type(value) in (int, float) and value == default

@@ -274,7 +274,9 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              ({"model": "tiny", "prompt": [1] * 600}, 400, "max_model_len"),
                              ({"model": "tiny", "prompt": []}, 400, "prompt"),
                              ({"model": "tiny", "prompt": [1, 2], "timeout": "soon"}, 400, "timeout"),
-                             ({"model": "tiny", "prompt": [1, 2], "max_tokens": 10**6}, 400, "max_tokens")):
+                             ({"model": "tiny", "prompt": [1, 2], "max_tokens": 10**6}, 400, "max_tokens"),
+                             # OpenAI's ask for the sampled token's logprob: served without it, 200.
+                             ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs")):
         status, err = _http(url + "/v1/completions", body)
         assert status == code and word in err["error"]["message"], (body, status, err)
 

@@ -85,20 +85,7 @@ def test_an_engine_error_of_any_text_fails_its_requests_not_the_worker(tmp_path,
     # The engine's own words went into the reply as they were: one holding a lone surrogate (a
     # path read with os.fsdecode) could not be encoded, and the worker died with every other
     # client's generation; a 300,000-character one reached the client whole.
-    import sys
-    import types
-
-    from batchyard.config import DispatcherConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig
-    from batchyard.workers import llm_worker
-
-    vllm = types.ModuleType("vllm")
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
-    sampling = types.ModuleType("vllm.sampling_params")
-    sampling.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
-    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sampling)):
-        monkeypatch.setitem(sys.modules, name, module)
+    _stub_vllm(monkeypatch)
 
     class Engine:
         def add_request(self, rid, prompt, params, priority=0):
@@ -113,24 +100,105 @@ def test_an_engine_error_of_any_text_fails_its_requests_not_the_worker(tmp_path,
         def abort_request(self, rids):
             pass
 
-    class Sent:
-        def __init__(self):
-            self.done = []
-
-        def send(self, data, *flags):
-            self.done.append(P.worker_message_decoder.decode(data))
-
-    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
-                      llm_models=(LlmModelConfig(name="tiny", path=str(tmp_path)),),
-                      workers=(WorkerConfig(name="v0", kind="vllm", models=("tiny",), vllm=VllmConfig(role="gpu")),))
-    engine = P.LlmEngine(model="tiny", role="gpu", block_size=32, max_model_len=512, max_num_seqs=8)
-    server = llm_worker.LlmServer(node, node.workers[0], Engine(), tmp_path, engine, vocab=4096)
-    server.sock = Sent()
+    server = _gpu_server(tmp_path, Engine())
     server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[1, 2, 3], prompts=[[1, 5], [2, 5], [3, 5]],
                                max_tokens=[4, 4, 4]))
     assert not server._step()  # the engine failed: the job's running request fails with it
-    [done] = server.sock.done
+    [done] = server.sock.sent
     by_seq = {r.seq: r for r in done.results}
     assert by_seq[1].status == P.Status.INVALID_ARGUMENT and "\\udcff" in by_seq[1].message
     assert by_seq[2].status == P.Status.INVALID_ARGUMENT and len(by_seq[2].message) < 5000
     assert by_seq[3].status == P.Status.INTERNAL and "device failure in \\udcff" in by_seq[3].message
+
+
+def _stub_vllm(monkeypatch) -> None:
+    """The three names the LLM worker imports from vLLM, as plain stand-ins."""
+    import sys
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
+    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sampling)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+class _Sent:
+    """The worker's socket to the dispatcher: what it sent, decoded."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, data, *flags):
+        self.sent.append(P.worker_message_decoder.decode(data))
+
+
+def _gpu_server(tmp_path, engine):
+    """An LLM worker's server (role gpu) around ``engine``, its sends kept in ``.sock.sent``."""
+    from batchyard.config import DispatcherConfig, LlmModelConfig, NodeConfig, VllmConfig, WorkerConfig
+    from batchyard.workers import llm_worker
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
+                      llm_models=(LlmModelConfig(name="tiny", path=str(tmp_path)),),
+                      workers=(WorkerConfig(name="v0", kind="vllm", models=("tiny",), vllm=VllmConfig(role="gpu")),))
+    info = P.LlmEngine(model="tiny", role="gpu", block_size=32, max_model_len=512, max_num_seqs=8)
+    server = llm_worker.LlmServer(node, node.workers[0], engine, tmp_path, info, vocab=4096)
+    server.sock = _Sent()
+    return server
+
+
+def test_a_moved_kv_entry_shared_by_two_prompts_is_neither_lost_to_one_nor_fatal_to_the_engine(tmp_path, monkeypatch):
+    # Prompts of the same whole KV blocks share one entry (vLLM names it by those tokens). The
+    # decode instance removed it when its last user there ended, though the prefill instance had
+    # stored it again for another request whose decode job was on its way: that job's KV load
+    # raised inside engine.step(), and the worker failed every request it held and exited.
+    import os
+    import types
+
+    from batchyard.workers import llm_worker
+
+    _stub_vllm(monkeypatch)
+    entries = tmp_path / "kv"
+    monkeypatch.setattr(llm_worker, "kv_entry", lambda root, prompt, block: str(entries / f"p{prompt[0]}"))
+
+    class Engine:
+        """Finishes every request at the next step, loading its moved KV as vLLM's connector does."""
+
+        def __init__(self):
+            self.reqs = {}
+
+        def add_request(self, rid, prompt, params, priority=0):
+            self.reqs[rid] = (prompt, getattr(params, "extra_args", None))
+
+        def step(self):
+            outs = []
+            for rid, (prompt, extra) in self.reqs.items():
+                if extra and not any((entries / f"p{prompt[0]}").glob("*")):
+                    raise FileNotFoundError(f"{entries}/p{prompt[0]}/layer.0.safetensors")
+                outs.append(types.SimpleNamespace(request_id=rid, finished=True, num_cached_tokens=0, outputs=[
+                    types.SimpleNamespace(token_ids=[7], finish_reason="length")]))
+            self.reqs.clear()
+            return outs
+
+        def abort_request(self, rids):
+            pass
+
+    def decode_job(job_id: int, first: int):
+        return P.LlmJob(job_id=job_id, kind="generate", seqs=[1], prompts=[[first] * 40], max_tokens=[1],
+                        kv_from="cpu0")
+
+    server = _gpu_server(tmp_path, Engine())
+    shared = entries / "p5"
+    shared.mkdir(parents=True)
+    (shared / "layer.0.safetensors").write_bytes(b"kv of the first request")
+    os.utime(shared / "layer.0.safetensors", (1_000_000, 1_000_000))
+    server._start_job(decode_job(1, 5))
+    (shared / "layer.0.safetensors").write_bytes(b"stored again for the second request")  # newer now
+    assert server._step()
+    assert any(shared.glob("*")), "removed though stored again for a request still to come"
+    server._start_job(decode_job(2, 6))  # its entry is gone (or never came): prefilled here instead
+    assert server._step()
+    assert [(m.job_id, [r.status for r in m.results]) for m in server.sock.sent] == [(1, [0]), (2, [0])]

@@ -60,6 +60,7 @@ class _Req:
     job: _Job
     seq: int
     kv_entry: str = ""  # the moved KV this request loads: deleted once no request uses it
+    kv_written: float = 0.0  # the entry's newest file time when this request was added
     tokens: list = field(default_factory=list)
     first_s: float = 0.0
 
@@ -221,7 +222,17 @@ class LlmServer:
                 continue
             max_tokens = 1 if msg.kind == "prefill" else msg.max_tokens[i]
             rid = f"{msg.job_id}-{seq}-{next(self.ids)}"  # job ids may repeat after a dispatcher restart
-            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(max_tokens, kv))
+            entry, written, loads = "", 0.0, kv
+            if kv == LOAD:
+                entry = kv_entry(self.root, msg.prompts[i], self.block)
+                written = _newest_file_time(entry)
+                if not written:
+                    # Gone (prompts sharing whole KV blocks share one entry, and the request that
+                    # used it last removed it): vLLM's connector raised inside engine.step(), and
+                    # the worker failed every request it held and exited. Its own prefill instead.
+                    log.warning("worker %s: the moved KV of job %d is gone: prefilled here", self.name, msg.job_id)
+                    entry, loads = "", ""
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(max_tokens, loads))
             try:
                 order = msg.order[i] if len(msg.order) == len(msg.seqs) else 0
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(msg.prompts[i])), params,
@@ -230,10 +241,9 @@ class LlmServer:
                 status = Status.INVALID_ARGUMENT if isinstance(e, ValueError) else Status.INTERNAL
                 job.results[seq] = P.LlmResult(seq=seq, status=int(status), message=f"engine refused the request: {error_text(e)}")
                 continue
-            req = self.reqs[rid] = _Req(job, seq)
-            if kv == LOAD:
-                req.kv_entry = kv_entry(self.root, msg.prompts[i], self.block)
-                self.kv_users[req.kv_entry] += 1
+            self.reqs[rid] = _Req(job, seq, kv_entry=entry, kv_written=written)
+            if entry:
+                self.kv_users[entry] += 1
             job.open += 1
         if not job.open:
             self._send_done(job)
@@ -286,7 +296,10 @@ class LlmServer:
             self.kv_users[req.kv_entry] -= 1
             if self.kv_users[req.kv_entry] <= 0:  # the moved KV served its request: free the disk
                 del self.kv_users[req.kv_entry]
-                shutil.rmtree(req.kv_entry, ignore_errors=True)
+                # ... unless stored again since (another prompt of the same whole blocks, its
+                # decode job on its way here): the sweep takes it once it is stale.
+                if _newest_file_time(req.kv_entry) <= req.kv_written:
+                    shutil.rmtree(req.kv_entry, ignore_errors=True)
         req.job.open -= 1
         if not req.job.open:
             self._send_done(req.job)
@@ -295,6 +308,15 @@ class LlmServer:
         results = [job.results[s] for s in dict.fromkeys(job.msg.seqs) if s in job.results]
         self.sock.send(P.encode(P.LlmDone(job_id=job.msg.job_id, worker=self.name,
                                           compute_s=time.perf_counter() - job.t0, results=results)))
+
+
+def _newest_file_time(folder: str) -> float:
+    """The newest modification time of the files in ``folder``; 0.0 when it has none (or is gone)."""
+    try:
+        with os.scandir(folder) as entries:
+            return max((e.stat().st_mtime for e in entries if e.is_file()), default=0.0)
+    except OSError:
+        return 0.0
 
 
 def _drain(fd: int) -> bool:
