@@ -460,6 +460,9 @@ infer_request_decoder = msgspec.msgpack.Decoder(InferRequest)
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
 
+SALVAGE_MAX_KEYS = 64  # top-level keys salvage_id walks (every client message has far fewer)
+
+
 def salvage_id(raw: bytes) -> Optional[int]:
     """Best effort: the request id of a header that failed typed decoding, so the error
     reply can still be matched by the client. None when the header is not even a map, and for
@@ -475,7 +478,10 @@ def salvage_id(raw: bytes) -> Optional[int]:
         unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(raw), 1))
         unpacker.feed(raw)
         types, rid = [], None
-        for _ in range(unpacker.read_map_header()):
+        keys = unpacker.read_map_header()
+        if keys > SALVAGE_MAX_KEYS:  # a header has a dozen; 2.6M tiny pairs held the thread 180 ms
+            return None
+        for _ in range(keys):
             key = unpacker.unpack()
             if key == b"type":
                 types.append(unpacker.unpack())

@@ -104,7 +104,12 @@ def peer_process(conn: tuple) -> Optional[tuple[int, int]]:
     """Whose connections a grant moves between (see above): a process, by the uid and pid in an
     ipc connection's "Peer-Address"; None for a peer without credentials (tcp, inproc)."""
     parts = conn[1].split(":")
-    return (int(parts[1]), int(parts[3])) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
+    if not (len(parts) == 4 and all(p.isdigit() for p in parts[1:])) or int(parts[3]) == 0:
+        # pid 0: the peer is outside the dispatcher's pid namespace (a containerised dispatcher on
+        # a shared socket), every process of a uid alike: their grants stay with their connections
+        # as over tcp (moved, one process took another's segment).
+        return None
+    return (int(parts[1]), int(parts[3]))
 
 
 class ShmGrants:

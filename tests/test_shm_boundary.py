@@ -506,7 +506,8 @@ def test_a_clients_reconnects_do_not_fill_its_users_grant_cap(tmp_path, monkeypa
     assert g.files(_infer_naming(pool), conns[-1], True)[1] == ""
 
 
-def test_two_local_tcp_clients_that_prove_one_segment_both_use_it(tmp_path):
+@pytest.mark.parametrize("peer", ["127.0.0.1", f"localhost:{os.getuid()}:0:0"], ids=["tcp", "pid-0"])
+def test_two_local_tcp_clients_that_prove_one_segment_both_use_it(tmp_path, peer):
     """Over tcp a peer tells no process: two local processes (a parent's buffer its children
     share) are told apart by nothing but their connections, and a grant moved between a host's
     connections took the segment from the first child (INVALID_ARGUMENT "not registered on this
@@ -515,7 +516,8 @@ def test_two_local_tcp_clients_that_prove_one_segment_both_use_it(tmp_path):
 
     (tmp_path / "shared").write_bytes(bytes(64))
     g = ShmGrants(str(tmp_path))
-    children = [(b"\0" + secrets.token_bytes(4), "127.0.0.1") for _ in range(2)]
+    # (pid 0: processes outside a containerised dispatcher's pid namespace, all alike to it)
+    children = [(b"\0" + secrets.token_bytes(4), peer) for _ in range(2)]
     assert [_register(g, conn, tmp_path, "shared").status for conn in children] == [P.Status.OK, P.Status.OK]
     assert [g.files(_infer_naming(["shared"]), conn, True)[1] for conn in children] == ["", ""]
 
