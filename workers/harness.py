@@ -6,11 +6,8 @@ by the benchmark that measures what the dispatcher adds (bench/dispatch_bench.py
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +20,7 @@ import zmq
 from batchyard import protocol as P
 from batchyard.config import NodeConfig, to_toml
 
-_PR_SET_PDEATHSIG = 1
+from .triton_local import die_with_parent
 
 
 class WorkerExited(RuntimeError):
@@ -33,16 +30,6 @@ class WorkerExited(RuntimeError):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-def _die_with_parent(parent: int, prctl) -> None:
-    """Runs in the worker between fork and exec: SIGTERM when the process driving it dies, however
-    it dies. Killed by -9 (the OOM killer, a CI runner's hard kill), `batchyard calibrate` left its
-    worker running for good, holding its shared memory and its Triton regions. ``prctl`` is
-    looked up before the fork (no dynamic loading in the child)."""
-    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class DirectWorker:
@@ -59,11 +46,14 @@ class DirectWorker:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(backend)
-        # The parent-death signal comes when the *thread* that started the worker ends: a
-        # DirectWorker lives on the thread that made it (every caller's is the main thread).
-        die = functools.partial(_die_with_parent, os.getpid(), ctypes.CDLL(None).prctl)
+        # SIGTERM when this process dies, however it dies: killed by -9 (the OOM killer, a CI
+        # runner's hard kill), `batchyard calibrate` left its worker running for good, holding its
+        # shared memory and its Triton regions. (The signal comes when the *thread* that started
+        # the worker ends: a DirectWorker lives on the thread that made it, every caller's main.)
+        parent = os.getpid()
         self.proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "--log-level", log_level, "worker",
-                                      "--config", str(cfg), "--name", worker], preexec_fn=die)
+                                      "--config", str(cfg), "--name", worker],
+                                     preexec_fn=lambda: die_with_parent(parent))
         # Readable once the worker exits: every wait below ends then, instead of waiting for a
         # message a dead worker will never send (calibrate hung for good on a worker killed mid-batch).
         self._exited = os.pidfd_open(self.proc.pid)

@@ -59,8 +59,9 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent(parent: int) -> None:
-    """Runs in the server between fork and exec: SIGTERM when we die, and an unblocked mask."""
+def die_with_parent(parent: int) -> None:
+    """Runs in a child between fork and exec (``preexec_fn``): SIGTERM when ``parent`` dies,
+    however it dies, and an unblocked signal mask."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     if os.getppid() != parent:  # we died before prctl took effect
@@ -161,7 +162,7 @@ class TritonLocal:
         with open(self.workdir / "tritonserver.log", "wb") as out:
             self.proc = subprocess.Popen(cmd, env=self._env(), stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, cwd=self.stub_site,
-                                         preexec_fn=lambda: _die_with_parent(parent))
+                                         preexec_fn=lambda: die_with_parent(parent))
         log.info("tritonserver pid %d starting (log %s)", self.proc.pid, self.workdir / "tritonserver.log")
         self.wait_ready(ready_timeout_s)
         return self
