@@ -154,6 +154,29 @@ def start_node(run_dir):
         n.stop()
 
 
+@pytest.fixture
+def bare_dispatcher(run_dir):
+    """bare_dispatcher(**Dispatcher kwargs) -> a Dispatcher of no models on private ipc paths,
+    driven by calling it (no worker process, no event loop); closed after the test."""
+    import zmq
+
+    from batchyard.server import Dispatcher
+
+    ctx = zmq.Context()
+    made = []
+
+    def make(**kw):
+        d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (), ctx=ctx,
+                       **kw)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+    ctx.term()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_shm():
     # This process's segments only: other test runs on the machine create and free their own.

@@ -263,28 +263,15 @@ def _parse(text: str) -> list:
 
 
 @pytest.fixture
-def llm_dispatcher(run_dir):
-    """A dispatcher on private ipc paths, driven by calling its LLM desk (no engine process: a
-    job sent is taken as sent)."""
-    import zmq
-
-    from batchyard.config import DispatcherConfig
-    from batchyard.server import Dispatcher
-
-    ctx = zmq.Context()
-    made = []
-
+def llm_dispatcher(bare_dispatcher):
+    """bare_dispatcher, driven by calling its LLM desk (no engine process: a job sent is taken as
+    sent)."""
     def make(**kw):
-        d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (), ctx=ctx,
-                       **kw)
+        d = bare_dispatcher(**kw)
         d.llm._send_worker = lambda identity, header: True
-        made.append(d)
         return d
 
-    yield make
-    for d in made:
-        d.close()
-    ctx.term()
+    return make
 
 
 def _register_gpu_engine(d) -> None:

@@ -26,28 +26,6 @@ def _gauge(samples, name: str, **labels) -> float:
     return value
 
 
-@pytest.fixture
-def dispatcher(run_dir):
-    """A dispatcher on private ipc paths, driven by calling it (no worker process)."""
-    import zmq
-
-    from batchyard.server import Dispatcher
-
-    ctx = zmq.Context()
-    made = []
-
-    def make(**kw):
-        d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (), ctx=ctx,
-                       **kw)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        d.close()
-    ctx.term()
-
-
 def test_a_simulated_nodes_curves_and_metrics_say_simulated_and_tritons_labels_stay(start_node):
     port = free_port()
     node = start_node([sim_worker(models=("sum",))], models=(SUM_MODEL,), metrics_port=port)
@@ -62,12 +40,12 @@ def test_a_simulated_nodes_curves_and_metrics_say_simulated_and_tritons_labels_s
     assert all(set(s.labels) <= TRITON_LABELS for s in m if s.name.startswith("nv_inference_"))
 
 
-def test_a_path_is_simulated_when_a_simulated_worker_serves_it_or_its_profile_says_so(dispatcher):
+def test_a_path_is_simulated_when_a_simulated_worker_serves_it_or_its_profile_says_so(bare_dispatcher):
     from batchyard import status_report
     from batchyard.state import WorkerState
 
     profile = {("p", "gpu"): CostCurve.from_points([(1, 0.001), (4, 0.002)], simulated=True)}
-    d = dispatcher(profile=profile)
+    d = bare_dispatcher(profile=profile)
     now = time.monotonic()
     d.core.add_worker(WorkerState(name="sim", path="gpu", models={"m": 8}, simulated=True), now)
     d.core.add_worker(WorkerState(name="amx", path="cpu", models={"m": 8, "both": 8}), now)
@@ -84,7 +62,7 @@ def test_a_path_is_simulated_when_a_simulated_worker_serves_it_or_its_profile_sa
         ("m", "gpu"): 1, ("m", "cpu"): 0, ("both", "cpu"): 1, ("p", "gpu"): 1}
 
 
-def test_calibrate_marks_what_it_measured_on_a_simulated_worker_and_a_node_loading_it_warns(run_dir, dispatcher,
+def test_calibrate_marks_what_it_measured_on_a_simulated_worker_and_a_node_loading_it_warns(run_dir, bare_dispatcher,
                                                                                             caplog):
     from batchyard.workers.calibrate import calibrate
 
@@ -96,17 +74,17 @@ def test_calibrate_marks_what_it_measured_on_a_simulated_worker_and_a_node_loadi
     curves = load_profile(str(out), {"sum"})
     assert curves[("sum", "gpu")].simulated
     with caplog.at_level(logging.WARNING, logger="batchyard.dispatcher"):
-        dispatcher(profile=curves)
+        bare_dispatcher(profile=curves)
     assert any("sum/gpu" in r.getMessage() and "simulated" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_a_profile_without_the_mark_loads_as_real_hardware_and_a_bad_mark_is_named(tmp_path, dispatcher, caplog):
+def test_a_profile_without_the_mark_loads_as_real_hardware_and_a_bad_mark_is_named(tmp_path, bare_dispatcher, caplog):
     old = tmp_path / "old.json"  # as calibrate wrote it before the mark
     old.write_text(json.dumps({"models": {"sum": {"cpu": {"points": [[1, 0.001], [4, 0.002]], "mode": "linear"}}}}))
     curves = load_profile(str(old), {"sum"})
     assert not curves[("sum", "cpu")].simulated
     with caplog.at_level(logging.WARNING, logger="batchyard.dispatcher"):
-        dispatcher(profile=curves)
+        bare_dispatcher(profile=curves)
     assert "simulated" not in caplog.text
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"models": {"sum": {"cpu": {"points": [[1, 0.001]], "simulated": "yes"}}}}))
