@@ -1120,22 +1120,24 @@ def test_a_model_triton_lists_but_never_loads_is_retried_then_unavailable_not_a_
 
 # ---------------------------------------------------------------- a batch that outlives its worker
 HELD_MODEL = """import os
-import time
+import select
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    def execute(self, requests):  # y = 2x; a batch starting with 777 runs until the test creates the gate file
+    def execute(self, requests):  # y = 2x; a batch starting with 777 runs until the test opens the gate
         here, out = os.path.dirname(__file__), []
         for req in requests:
             x = pb_utils.get_input_tensor_by_name(req, "x").as_numpy()
             if x[0, 0] == 777:
+                # The gate is a FIFO, its reading end open before "running" says so: the test's
+                # write to it wakes this select (no writer yet: select waits, 60 s at most).
+                gate = os.open(os.path.join(here, "gate"), os.O_RDONLY | os.O_NONBLOCK)
                 open(os.path.join(here, "running"), "w").close()
-                end = time.monotonic() + 60
-                while not os.path.exists(os.path.join(here, "gate")) and time.monotonic() < end:
-                    time.sleep(0.01)
+                select.select([gate], [], [], 60)
+                os.close(gate)
             out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("y", (x * 2).astype(np.float32))]))
         return out
 """
@@ -1149,21 +1151,35 @@ def held_model(triton):
     (model / "1" / "model.py").write_text(HELD_MODEL)
     config = OTHER_DTYPE_CONFIG.replace('"other_dtype"', '"held"').replace("count: 1", "count: 2")
     (model / "config.pbtxt").write_text(config)
+    gate = model / "1" / "gate"
+    gate.unlink(missing_ok=True)
+    os.mkfifo(gate)
     ctl = grpcclient.InferenceServerClient(triton.grpc_url)
     ctl.load_model("held")
     yield model / "1"
-    (model / "1" / "gate").touch()
+    _open_gate(gate)
     ctl.unload_model("held")
     ctl.close()
 
 
+def _open_gate(gate) -> None:
+    """Ends the held model's batch waiting at ``gate`` (a FIFO); none waiting: nothing."""
+    try:
+        fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no batch has it open for reading
+        return
+    try:
+        os.write(fd, b"go")
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def held(held_model):
-    gate, running = held_model / "gate", held_model / "running"
-    gate.unlink(missing_ok=True)
+    running = held_model / "running"
     running.unlink(missing_ok=True)
-    yield types.SimpleNamespace(gate=gate, running=running)
-    gate.touch()  # a batch still held ends now
+    yield types.SimpleNamespace(release=lambda: _open_gate(held_model / "gate"), running=running)
+    _open_gate(held_model / "gate")  # a batch still held ends now
 
 
 def _system_regions(tl, prefix: str) -> set[str]:
@@ -1199,7 +1215,7 @@ def test_a_worker_restarted_while_triton_runs_its_killed_predecessors_batch_star
             np.testing.assert_array_equal(new.run("m", {"x": x})["y"], x * 2)
         held_by_triton = {f"{prefix}1-in", f"{prefix}1-out"}  # the old slot its batch took
         assert held_by_triton <= _system_regions(triton, prefix)
-        held.gate.touch()  # the batch ends
+        held.release()  # the batch ends
         t0 = time.monotonic()
         while held_by_triton & _system_regions(triton, prefix):  # unregistered once Triton lets go
             np.testing.assert_array_equal(new.run("m", {"x": x})["y"], x * 2)
