@@ -488,9 +488,6 @@ def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
 
     from .profile_schema import PathProfile, Profile
 
-    class SimulatedMark(msgspec.Struct):  # an entry's "simulated" key, beside PathProfile's points
-        simulated: bool = False
-
     try:
         data = msgspec.json.decode(open(path, "rb").read(), type=Profile)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -504,13 +501,12 @@ def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
                 raise ValueError(f"profile {path}: models.{model}.{p}: a path is \"cpu\" or \"gpu\"")
             try:
                 entry = msgspec.json.decode(raw, type=PathProfile)
-                simulated = msgspec.json.decode(raw, type=SimulatedMark).simulated
             except msgspec.ValidationError as e:
                 raise ValueError(f"profile {path}: models.{model}.{p}: {e}") from None
             sizes = [b for b, _ in entry.points]
             if len(set(sizes)) != len(sizes):
                 raise ValueError(f"profile {path}: models.{model}.{p}.points: a batch size twice ({sorted(sizes)})")
-            out[(model, p)] = CostCurve.from_points([(b, t) for b, t in entry.points], simulated=simulated)
+            out[(model, p)] = CostCurve.from_points([(b, t) for b, t in entry.points], simulated=entry.simulated)
     return out
 
 

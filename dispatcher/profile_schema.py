@@ -1,6 +1,6 @@
 """The calibration profile's shape (``batchyard calibrate --out``; ``[dispatcher] profile``),
 checked by msgspec as the file is read. Keys ``calibrate`` writes beside the points (the fit's
-description) are allowed; the points are what is read. Each (model, path) entry is decoded on
+description) are allowed; the points and the simulated mark are what is read. Each (model, path) entry is decoded on
 its own so an error names them (msgspec writes a dict key as ``[...]``)."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_BATCH_SECONDS)]
 
 class PathProfile(msgspec.Struct):
     points: Annotated[list[tuple[BatchSize, Seconds]], msgspec.Meta(min_length=1)]
+    # Measured on a simulated device (calibrate marks it); absent in profiles written before: false.
+    simulated: bool = False
 
 
 class Profile(msgspec.Struct):
