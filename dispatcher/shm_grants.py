@@ -93,23 +93,27 @@ def over_cap_message(conn: tuple) -> str:
             f"goes once its segment is unlinked, at the dispatcher's next sweep, janitor_interval_s)")
 
 
-def peer_uid(peer: str) -> Optional[int]:
-    """The uid in ZeroMQ's "Peer-Address" of an ipc connection ("host:uid:gid:pid", from
+def peer_credentials(peer: str) -> Optional[tuple[int, int]]:
+    """(uid, pid) in ZeroMQ's "Peer-Address" of an ipc connection ("host:uid:gid:pid", from
     SO_PEERCRED); None for a peer without credentials (tcp, inproc)."""
     parts = peer.split(":")
-    return int(parts[1]) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
+    return (int(parts[1]), int(parts[3])) if len(parts) == 4 and all(p.isdigit() for p in parts[1:]) else None
+
+
+def peer_uid(peer: str) -> Optional[int]:
+    """The uid of an ipc connection's peer; None for a peer without credentials."""
+    creds = peer_credentials(peer)
+    return creds[0] if creds is not None else None
 
 
 def peer_process(conn: tuple) -> Optional[tuple[int, int]]:
-    """Whose connections a grant moves between (see above): a process, by the uid and pid in an
-    ipc connection's "Peer-Address"; None for a peer without credentials (tcp, inproc)."""
-    parts = conn[1].split(":")
-    if not (len(parts) == 4 and all(p.isdigit() for p in parts[1:])) or int(parts[3]) == 0:
-        # pid 0: the peer is outside the dispatcher's pid namespace (a containerised dispatcher on
-        # a shared socket), every process of a uid alike: their grants stay with their connections
-        # as over tcp (moved, one process took another's segment).
-        return None
-    return (int(parts[1]), int(parts[3]))
+    """Whose connections a grant moves between (see above): a process, by its (uid, pid); None
+    for a peer without credentials (tcp, inproc), or whose pid reads 0: it is outside the
+    dispatcher's pid namespace (a containerised dispatcher on a shared socket), every process of
+    a uid alike, and their grants stay with their connections as over tcp (moved, one process
+    took another's segment)."""
+    creds = peer_credentials(conn[1])
+    return creds if creds is not None and creds[1] != 0 else None
 
 
 class ShmGrants:
