@@ -13,10 +13,10 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (CANCELS_LINGER_MS, DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S,
-                           ClientCodec, CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
-                           checked_timeout, checked_wait, closed_error, connection_lost, lost_error, no_reply_error,
-                           open_dealer, setup_step_timeout, setup_timeout_error, time_left)
+from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
+                           CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
+                           checked_timeout, checked_wait, close_connection, closed_error, connection_lost, lost_error,
+                           no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
 from .errors import DeadlineExceeded
 from .zmq_frames import NOBLOCK, send_parts, waiting
@@ -104,19 +104,7 @@ class AsyncClient(CodecAccess):
         for h in self._timers.values():
             h.cancel()
         self._timers.clear()
-        cancels = self._codec.cancels_of_generations()
-        for frame in cancels:
-            try:
-                self.sock.send(frame, zmq.NOBLOCK)
-            except zmq.ZMQError:  # the connection is gone or full: nothing more to tell it
-                break
-        self._codec.fail_all(closed_error)
-        self.sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self.sock.close(linger=CANCELS_LINGER_MS if cancels else 0)
-        if self._own_ctx:
-            self.ctx.term()
-        self._codec.close_pool()
+        close_connection(self._codec, self.sock, self._monitor, self.ctx if self._own_ctx else None, closed_error)
 
     def _on_monitor(self) -> None:
         why = connection_lost(self._monitor) if not self.closed else ""

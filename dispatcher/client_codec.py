@@ -709,6 +709,27 @@ def _setup_dealer(sock: zmq.Socket, address: str, curve_server_key: Optional[byt
     return monitor
 
 
+def close_connection(codec: ClientCodec, sock: zmq.Socket, monitor: zmq.Socket, ctx: Optional[zmq.Context],
+                     failure: Callable[[], BaseException]) -> None:
+    """Close a client's connection (Client's I/O thread and AsyncClient alike): a `cancel` for each
+    generation in flight when its user closes it (``failure`` is closed_error; not after a
+    failure), every request in flight failed with ``failure``, the sockets and ``ctx`` (the
+    client's own, else None) closed, the pool freed."""
+    cancels = codec.cancels_of_generations() if failure is closed_error else []
+    for frame in cancels:
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError:  # the connection is gone or full: nothing more to tell it
+            break
+    codec.fail_all(failure)
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=CANCELS_LINGER_MS if cancels else 0)
+    if ctx is not None:
+        ctx.term()
+    codec.close_pool()
+
+
 def connection_lost(monitor: zmq.Socket) -> str:
     """Drain the monitor: why the connection to the dispatcher is gone, or ""."""
     from zmq.utils.monitor import recv_monitor_message

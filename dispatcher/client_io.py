@@ -22,7 +22,7 @@ from typing import Callable
 
 import zmq
 
-from .client_codec import (CANCELS_LINGER_MS, LOST_GRACE_S, ClientCodec, Pending, closed_error, connection_lost,
+from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, close_connection, closed_error, connection_lost,
                            lost_error, no_reply_error)
 from .errors import Cancelled, InvalidArgument, Unavailable
 from .zmq_frames import waiting
@@ -261,19 +261,6 @@ class SocketThread:
             queued = [item for item in self._inbox if item[0] == _SEND]
             self._inbox.clear()
             self._wakeup.close()
-        codec = self._codec
-        cancels = codec.cancels_of_generations() if failure is closed_error else []
-        for frame in cancels:
-            try:
-                self._sock.send(frame, zmq.NOBLOCK)
-            except zmq.ZMQError:  # the connection is gone or full: nothing more to tell it
-                break
         for _, rid, pend, _, _ in queued:  # handed over but never sent
-            codec.pending[rid] = pend
-        codec.fail_all(failure)
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=CANCELS_LINGER_MS if cancels else 0)
-        if self._own_ctx:
-            self._ctx.term()
-        codec.close_pool()
+            self._codec.pending[rid] = pend
+        close_connection(self._codec, self._sock, self._monitor, self._ctx if self._own_ctx else None, failure)
