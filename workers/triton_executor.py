@@ -342,15 +342,19 @@ class TritonExecutor:
                     r.register(self.client, self.timeout_s)
         self._registered = True
 
+    def _let_go_of_leftovers(self) -> None:
+        """Unregister the predecessor's regions Triton has let go of since."""
+        for name in list(self._leftover):
+            if self._let_go(name):
+                self._leftover.discard(name)
+                log.info("unregistered Triton region %r left from before, Triton done with it", name)
+
     def _release_held(self) -> None:
         """Slots held for batches Triton may still run come back once Triton lets go of their
         regions (unregistered then, and registered again); a predecessor's names are unregistered
         then too."""
         self._next_probe = time.monotonic() + HELD_PROBE_S
-        for name in list(self._leftover):
-            if self._let_go(name):
-                self._leftover.discard(name)
-                log.info("unregistered Triton region %r left from before, Triton done with it", name)
+        self._let_go_of_leftovers()
         with self._lock:
             held, self._held = self._held, []
         for i, slot in enumerate(held):
@@ -565,12 +569,10 @@ class TritonExecutor:
     # ------------------------------------------------------------------ shutdown
     def _drop_slots(self) -> None:
         if self.client is not None and self._registered:
-            for name in list(self._leftover):  # one Triton still uses is left to this worker's next process
-                try:
-                    if self._let_go(name):
-                        self._leftover.discard(name)
-                except Exception:
-                    pass  # Triton gone: nothing registered any more
+            try:  # one Triton still uses is left to this worker's next process
+                self._let_go_of_leftovers()
+            except Exception:
+                pass  # Triton gone: nothing registered any more
             for s in self._slots:
                 for r in s.regions:
                     try:
