@@ -128,17 +128,19 @@ PROFILE_FORMS = " | ".join(f"{kind}:{numbers}" for kind, (numbers, _, _) in PROF
 def _profile(text: str) -> str:
     if not text:  # the default: none
         return text
-    kind, _, numbers = text.partition(":")
+    from .harness import profile_parts, profile_peak_rate
+
+    kind = text.partition(":")[0]
     if kind not in PROFILES:
         raise argparse.ArgumentTypeError(f"{PROFILE_FORMS}, got {text!r}")
     form, keeps_rule, rule = PROFILES[kind]
     try:
-        a = [float(x) for x in numbers.split(",")]
+        a = profile_parts(text)[1]
     except ValueError:
         a = []
     if not (all(math.isfinite(v) for v in a) and keeps_rule(a)):
         raise argparse.ArgumentTypeError(f"{kind}:{form} ({rule}), got {text!r}")
-    if (a[0] + a[1] if kind == "sine" else max(a)) > MAX_RATE:
+    if profile_peak_rate(kind, a) > MAX_RATE:
         raise argparse.ArgumentTypeError(f"{kind}: rates at most {MAX_RATE:g}/s, got {text!r}")
     return text
 

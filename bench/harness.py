@@ -76,10 +76,19 @@ def scheduled_requests(spec: LoadSpec) -> float:
         iv = [float(x) for x in Path(spec.intervals_file).read_text().split()]
         return dur / max(sum(iv) / max(len(iv), 1), MIN_MEAN_INTERVAL_S)
     if spec.profile:
-        kind, _, args = spec.profile.partition(":")
-        a = [float(x) for x in args.split(",")]
-        return dur * (a[0] + a[1] if kind == "sine" else max(a[:2]))
+        return dur * profile_peak_rate(*profile_parts(spec.profile))
     return spec.rate * dur
+
+
+def profile_parts(profile: str) -> tuple[str, list[float]]:
+    """A --profile KIND:N1,N2,...: its kind and numbers (ValueError where they are not numbers)."""
+    kind, _, args = profile.partition(":")
+    return kind, [float(x) for x in args.split(",")]
+
+
+def profile_peak_rate(kind: str, numbers: list[float]) -> float:
+    """The highest rate a profile's load reaches, req/s."""
+    return numbers[0] + numbers[1] if kind == "sine" else max(numbers[:2])
 
 
 def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,8 +103,7 @@ def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                              f"{MIN_MEAN_INTERVAL_S:g} s apart on average")
         t = np.cumsum(np.resize(iv, int(dur / iv.mean()) + 1))
     elif spec.profile:
-        kind, _, args = spec.profile.partition(":")
-        a = [float(x) for x in args.split(",")]
+        kind, a = profile_parts(spec.profile)
         if kind == "step":
             t = steps([(0.0, a[0]), (dur / 2, a[1])], dur, seed=spec.seed).arrivals
         elif kind == "sine":
