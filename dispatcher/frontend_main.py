@@ -45,13 +45,14 @@ async def serve(node: NodeConfig, stop: asyncio.Event) -> None:
 async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .client_async import AsyncClient
     from .kserve_common import KServeCore
-    from .kserve_shm import open_registry, registry_dir
+    from .kserve_shm import NODE_INSTANCE_ENV, open_registry, registry_dir
     from .sd_notify import announce_ready
 
     fe = node.frontend
     client = AsyncClient(node.dispatcher.frontend, **node_client_keys(node.dispatcher, node.dispatcher.frontend))
     # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
-    core = KServeCore(client, open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port)),
+    core = KServeCore(client, open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port),
+                                                os.environ.get(NODE_INSTANCE_ENV, "")),
                       default_timeout_s=node.dispatcher.default_timeout_s, strict_readiness=fe.strict_readiness)
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()

@@ -195,12 +195,13 @@ def _too_small(tensor: str, byte_size: int, nbytes: int) -> KServeError:
                        f"should be at least {nbytes} bytes to hold the results")
 
 
-def open_registry(directory: str) -> "ShmRegions":
+def open_registry(directory: str, node_instance: str = "") -> "ShmRegions":
     """The node's shared registry; this process's own when ``directory`` is not a private folder
     of this user (anyone may create it first in /dev/shm: the front door then refused to start,
-    restarted for ever). Its regions and statistics then cover the connections it answers."""
+    restarted for ever). Its regions and statistics then cover the connections it answers.
+    ``node_instance``: see ShmRegions."""
     try:
-        return ShmRegions(directory)
+        return ShmRegions(directory, node_instance)
     except OSError as e:
         # Another user's folder (PermissionError), or a file or symlink made there in its place
         # (NotADirectoryError, ELOOP): not ours to use, and no reason for the node not to start
@@ -209,27 +210,57 @@ def open_registry(directory: str) -> "ShmRegions":
         return ShmRegions(None)
 
 
-class ShmRegions:
-    """The registry, seen from one front-door process. ``directory=None``: this process only."""
+# `up` names its run of the node to its front doors here (supervisor.Supervisor.instance).
+NODE_INSTANCE_ENV = "BATCHYARD_NODE_INSTANCE"
+NODE_FILE = ".node"  # the run of the node whose front doors filled the registry
 
-    def __init__(self, directory: Optional[str] = None):
+
+class ShmRegions:
+    """The registry, seen from one front-door process. ``directory=None``: this process only.
+
+    ``node_instance`` names the run of the node this front door belongs to (`up` gives its
+    children one). The first front door to join a registry no other one holds starts it afresh
+    (regions and statistics) unless the registry is its own node's run: the only front door,
+    killed or hung and restarted by `up`, found every client's regions gone (NOT_FOUND on the
+    next infer) and the node's statistics back at zero, where with two processes both
+    survived. With no name (a front door started on its own, as a separate systemd unit), a
+    restart starts afresh, as a restarted Triton server does."""
+
+    def __init__(self, directory: Optional[str] = None, node_instance: str = ""):
         self.dir = directory
         self.local: dict[str, Region] = {}  # regions this process has mapped
         self._dir_fd = self._alive_fd = -1
         if directory is not None:
             self._dir_fd = _open_private_dir(directory)
-            self._join()
+            self._join(node_instance)
 
     # ------------------------------------------------------------ the shared directory
-    def _join(self) -> None:
+    def _join(self, node_instance: str) -> None:
         self._alive_fd = os.open(".alive", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
         try:
             fcntl.flock(self._alive_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pass  # another front door of this node is serving: keep its registrations
         else:
-            self._wipe()
+            if not node_instance or self._node_instance() != node_instance:
+                self._wipe()  # a previous node's leftovers (its front doors killed, none left it)
+                self._write_node_instance(node_instance)
         fcntl.flock(self._alive_fd, fcntl.LOCK_SH)
+
+    def _node_instance(self) -> str:
+        try:
+            fd = os.open(NODE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return ""
+        with os.fdopen(fd, "rb") as f:
+            return f.read(256).decode(errors="replace")
+
+    def _write_node_instance(self, node_instance: str) -> None:
+        if node_instance:
+            fd = os.open(NODE_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self._dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(node_instance.encode())
 
     @property
     def dir_fd(self) -> Optional[int]:

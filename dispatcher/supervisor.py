@@ -337,6 +337,9 @@ class Supervisor:
         self._ended: set[int] = set()  # pids `up` killed for hanging (their exit is no news)
         self._lost: Optional[LostWorkers] = None
         self._spawned: set[int] = set()  # every child's pid, for their shared memory at the end
+        # This run of the node, named to its front doors: one restarted within it keeps the
+        # clients' shared-memory regions and the statistics (kserve_shm.ShmRegions).
+        self.instance = f"{os.getpid()}-{time.time_ns()}"
 
     def _spawn(self, *args: str, python: str = "", env: Optional[dict] = None) -> subprocess.Popen:
         cmd = [python or sys.executable, "-m", "batchyard.cli", "--log-level", self.log_level, *args,
@@ -374,7 +377,11 @@ class Supervisor:
     def start_worker(self, name: str) -> None:
         front_door = name.startswith(FRONTEND_NAME)
         args = ("frontend",) if front_door else ("worker", "--name", name)
-        env = self._watchdog_env() if front_door and self._notifications is not None else None
+        env = None
+        if front_door:
+            from .kserve_shm import NODE_INSTANCE_ENV
+
+            env = {NODE_INSTANCE_ENV: self.instance} | (self._watchdog_env() if self._notifications is not None else {})
         self.workers[name] = self._spawn(*args, python=self._python(name), env=env)
         self._last_start[name] = time.monotonic()
         log.info("started worker %s (pid %d)", name, self.workers[name].pid)

@@ -1592,6 +1592,10 @@ MALFORMED_BODIES = {
                               "outputs": {"y": 1}}, "Unable to parse 'outputs': expected an array"),
     "a name that is null": ({"inputs": [{"name": None, "shape": [3, 4], "datatype": "FP32", "data": [0] * 12}]},
                             "Unable to parse 'name': it is null"),
+    # It was turned into a string and looked up: 5 used the region named "5", true "True".
+    "a region named by a number": ({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "parameters": {
+        "shared_memory_region": 5, "shared_memory_byte_size": 48}}]},
+        "Unable to parse 'shared_memory_region': expected a string, got 5"),
 }
 
 
@@ -2095,10 +2099,11 @@ def _other_node_config(tmp_path, name: str, grpc_port: int, http_port: int) -> P
     return path
 
 
-def _start_front_door(path: Path, notify: socket.socket) -> tuple[subprocess.Popen, bool]:
+def _start_front_door(path: Path, notify: socket.socket, env: dict = {}) -> tuple[subprocess.Popen, bool]:
     """`batchyard frontend` of the config at ``path``, once it said READY=1 (True) or exited (False)."""
     p = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "frontend", "--config", str(path)], cwd=ROOT,
-                         stderr=subprocess.PIPE, text=True, env=os.environ | {"NOTIFY_SOCKET": notify.getsockname()})
+                         stderr=subprocess.PIPE, text=True,
+                         env=os.environ | {"NOTIFY_SOCKET": notify.getsockname()} | env)
     exited = os.pidfd_open(p.pid)
     try:
         readable, _, _ = select.select([notify, exited], [], [], 120)
@@ -2172,6 +2177,57 @@ def test_a_killed_nodes_claim_on_its_ports_does_not_stop_the_next_node(tmp_path)
                 p.kill()
                 p.communicate()
         notify.close()
+
+
+def test_a_front_door_restarted_within_its_node_keeps_the_clients_regions(tmp_path):
+    """With one front-door process (the default), `up` restarting it (killed, or hung and
+    aborted) took every client's shared-memory regions with it: the new process, alone in the
+    registry, took itself for the node's first and started it afresh (the client's next infer
+    got NOT_FOUND), where with two processes the regions survived. `up` names its run of the
+    node to its front doors; a front door restarted within that run keeps the registry, and the
+    node's next run starts afresh."""
+    from batchyard.kserve_shm import NODE_INSTANCE_ENV, registry_dir
+
+    grpc_port, http_port = _free_port(), _free_port()
+    path = _other_node_config(tmp_path, "node", grpc_port, http_port)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    seg = shared_memory.SharedMemory(f"krestart_{os.getpid()}", create=True, size=64)
+    procs = []
+
+    def start_ready(run: str) -> subprocess.Popen:
+        p, ready = _start_front_door(path, notify, {NODE_INSTANCE_ENV: run})
+        procs.append(p)
+        assert ready, p.communicate(timeout=60)[1]
+        return p
+
+    def regions() -> list:
+        return list(tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+                    .get_system_shared_memory_status(as_json=True).get("regions", {}))
+
+    try:
+        first = start_ready("run-1")
+        tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}").register_system_shared_memory(
+            "mine", "/" + seg.name, 64)
+        first.kill()
+        first.communicate()
+        restarted = start_ready("run-1")
+        assert regions() == ["mine"], "a front door restarted within its node lost the clients' regions"
+        restarted.kill()
+        restarted.communicate()
+        start_ready("run-2")
+        assert regions() == [], "the node's next run kept the last run's regions"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        notify.close()
+        seg.close()
+        seg.unlink()
+        registry = registry_dir("127.0.0.1", grpc_port, http_port)
+        if os.path.isdir(registry):
+            ShmRegions(registry).close()
 
 
 @pytest.mark.parametrize("first, second", [("127.0.0.1", "localhost"), ("localhost", "127.0.0.1"),

@@ -179,6 +179,34 @@ def test_a_restarted_front_door_starts_with_no_regions(registry, segment, tmp_pa
     assert fresh.status() == []
 
 
+def test_a_front_door_restarted_within_its_node_keeps_the_registry_and_the_statistics(tmp_path, segment):
+    """The only front door, killed and restarted by `up`, started the registry afresh: every
+    client's region and the node's statistics were gone. Within one run of the node (`up`
+    names it) they are kept; another run starts afresh, as a new node."""
+    from batchyard.kserve_stats import SUCCESS, NodeStats
+
+    d = str(tmp_path / "registry")
+
+    def killed(r: ShmRegions) -> None:  # the kernel lets go of its fds; it leaves nothing else
+        os.close(r._alive_fd)
+        os.close(r._dir_fd)
+
+    a = ShmRegions(d, "run-1")
+    a.register("in", segment.name, 0, 64)
+    NodeStats(a.dir_fd).counters("m")[SUCCESS] += 3
+    killed(a)
+    b = ShmRegions(d, "run-1")
+    assert [r.name for r in b.status()] == ["in"]
+    assert NodeStats(b.dir_fd).totals()["m"][SUCCESS] == 3
+    killed(b)
+    c = ShmRegions(d, "run-2")
+    try:
+        assert c.status() == [] and NodeStats(c.dir_fd).totals() == {}
+    finally:
+        c.close()
+    assert not os.path.exists(d)
+
+
 def test_another_users_directory_is_refused(tmp_path):
     d = tmp_path / "registry"
     d.mkdir(mode=0o755)
