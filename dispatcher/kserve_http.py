@@ -170,9 +170,11 @@ def _shm(params: dict) -> Optional[tuple[str, int, int]]:
     if "shared_memory_region" not in params:
         return None
     region = params["shared_memory_region"]
+    if region is not None and not isinstance(region, str):  # (5 was the region named "5")
+        raise invalid(f"Unable to parse 'shared_memory_region': expected {_KINDS[str]}, got {_kind_of(region)}")
     if not region:  # (as over gRPC)
         raise invalid("'shared_memory_region' names no region: give a registered region's name")
-    return str(region), _uint(params, "shared_memory_offset"), _uint(params, "shared_memory_byte_size")
+    return region, _uint(params, "shared_memory_offset"), _uint(params, "shared_memory_byte_size")
 
 
 def _data_source(name: str, t: dict, tp: dict) -> str:
