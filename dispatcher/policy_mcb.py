@@ -9,7 +9,7 @@ import math
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import wait_pays
-from .policy_core import Decision, PerModelPolicy, aging_period, head_request, send, servers_for
+from .policy_core import SET_ASIDE_MAX, Decision, PerModelPolicy, aging_period, head_request, send, servers_for
 from .state import ModelQueue, SchedulerState, WorkerState
 
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
@@ -385,13 +385,44 @@ class MarginalCost(PerModelPolicy):
             return False
         fits = [x for x in ws if x.free and x.models[model] >= head.items]
         if not fits:
-            return False  # one that is busy decides again when it completes
+            return MarginalCost._send_past_the_head(state, model, q, ws, idx, now, d)
         x = min(fits, key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(head.items))
+        return MarginalCost._send_to(state, model, q, x, head.items, idx, now, d)
+
+    @staticmethod
+    def _send_to(state: SchedulerState, model: str, q: ModelQueue, x: WorkerState, items: int,
+                 idx: DeadlineIndex, now: float, d: Decision) -> bool:
         late = len(d.late)
-        reqs = send(state, d, x, q, head.items, now)
+        reqs = send(state, d, x, q, items, now)
         idx.discard(reqs)
         idx.discard([r for r, _ in d.late])
         return bool(reqs) or len(d.late) > late  # else the pass would plan the same again
+
+    @staticmethod
+    def _send_past_the_head(state: SchedulerState, model: str, q: ModelQueue, ws: list[WorkerState],
+                            idx: DeadlineIndex, now: float, d: Decision) -> bool:
+        """8c. A head no free worker takes (only a busy one does, or one out of rotation: leaving,
+        suspended) does not hold back the requests behind it that a free one takes: set aside, the
+        first of those goes, with what follows it that fits, to the free worker that takes it and
+        finishes it soonest. Behind a 3-item head only a leaving worker took, a 2-item request
+        waited its whole timeout beside a free GPU of max batch 2 (the plan gave every item to a
+        free CPU of max batch 1, which took neither); greedy and escape:K sent it at once."""
+        free = [x for x in ws if x.free]
+        biggest = max((x.models[model] for x in free), default=0)
+        aside = []
+        try:
+            while len(aside) < SET_ASIDE_MAX and (r := head_request(q)) is not None and r.items > biggest:
+                q.remove(r)
+                aside.append(r)
+            r = head_request(q)
+            if r is None or r.items > biggest:
+                return False  # what is left waits for a busy worker, whose completion decides again
+            fits = [x for x in free if x.models[model] >= r.items]
+            x = min(fits, key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(r.items))
+            return MarginalCost._send_to(state, model, q, x, x.models[model], idx, now, d)
+        finally:
+            for r in reversed(aside):
+                q.push_front(r)
 
     @staticmethod
     def _lendable(state: SchedulerState, model: str, all_ws: list[WorkerState], ws: list[WorkerState], b: int,

@@ -11,7 +11,7 @@ from batchyard.bench.sim_report import AMX4_MINILM, H200_MINILM  # measured: ben
 from batchyard.cost_model import OUTLIER_FACTOR, ArrivalRate, CostCurve
 from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible, plan
 from batchyard.policy_mcb import amortises_launch
-from batchyard.state import Request, SchedulerState, WorkerState
+from batchyard.state import QUEUED, Request, SchedulerState, WorkerState
 
 MS = 1e-3
 
@@ -721,6 +721,33 @@ def test_a_head_only_the_idle_gpus_take_is_sent_though_step_6b_gave_them_no_shar
     st.queue("m").push(Request(0, "m", 23, 1, now, now + 30.0))
     d = MarginalCost().decide(st, now)
     assert [(x.worker.path, sum(r.items for r in x.requests)) for x in d.dispatches] == [("gpu", 23)]
+
+
+@pytest.mark.parametrize("out_of_rotation", ["leaving", "suspended"])
+def test_a_request_behind_a_head_only_an_absent_worker_takes_goes_to_a_free_worker_that_takes_it(out_of_rotation):
+    """A 3-item head only cpu_big takes (max batch 8), cpu_big out of rotation (it said it is
+    leaving, or the circuit breaker suspended it), and a 2-item request behind it: the plan gave
+    every item to the free CPU of max batch 1, which took neither request, step 8b found no free
+    worker for the head, and the 2-item request waited beside the free GPU of max batch 2 until
+    its deadline (30 s) or the breaker's back-off. It goes to the GPU at once; the head waits."""
+    from batchyard.core import RequestCore
+
+    failed = []
+    core = RequestCore(MarginalCost(), lambda r, s, m: failed.append(r), default_timeout_s=30.0, breaker_backoff_s=8.0)
+    for path, launch in (("cpu", 0.0), ("gpu", 0.3 * MS)):
+        core.state.costs[("m", path)] = CostCurve(launch_s=launch, per_item_s=0.1 * MS)
+        core.state.costs[("m", path)].samples = 100
+    for name, path, max_batch in (("cpu_small", "cpu", 1), ("gpu", "gpu", 2), ("cpu_big", "cpu", 8)):
+        core.add_worker(WorkerState(name, path, {"m": max_batch}), 0.0)
+    if out_of_rotation == "leaving":
+        core.leaving("cpu_big")
+    else:
+        core.batch_health(core.state.workers["cpu_big"], True, 1.0)
+    head = core.admit("m", 3, 1, 0.0, 1.0)
+    behind = core.admit("m", 2, 1, 0.0, 1.0)
+    sent = [(b.worker.name, [r.seq for r in b.requests]) for b in core.decide(1.0)]
+    assert sent == [("gpu", [behind.seq])]
+    assert core.state.queue("m").requests == 1 and head.state == QUEUED and not failed
 
 
 def test_a_closed_queue_is_not_held_for_arrivals_that_a_drain_refuses():

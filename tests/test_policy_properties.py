@@ -30,16 +30,22 @@ def states(draw):
         st.costs[("m", path)] = c
     n_workers = draw(st_.integers(1, 5))
     for i in range(n_workers):
-        # Max batches as small as 2 beside requests of up to 8 items: workers may register
+        # Max batches as small as 1 beside requests of up to 8 items: workers may register
         # different max batches, and a request only some of them take must not be stranded.
-        w = WorkerState(f"w{i}", draw(st_.sampled_from(["gpu", "cpu"])), {"m": draw(st_.integers(2, 64))})
+        w = WorkerState(f"w{i}", draw(st_.sampled_from(["gpu", "cpu"])),
+                        {"m": draw(st_.one_of(st_.integers(1, 4), st_.integers(2, 64)))})
         if draw(st_.booleans()):
             w.inflight, w.busy_until = 1, NOW + draw(st_.floats(-0.1, 2.0)) * MS
         st.add_worker(w)
+    largest = max(w.models["m"] for w in st.workers.values())  # admission refuses larger requests
+    if n_workers > 1 and draw(st_.booleans()):
+        # Out of rotation (leaving, or suspended by the breaker), with requests queued that only it
+        # takes: those wait for it, and must not hold back the ones behind them that a free worker
+        # takes (a 2-item request waited its timeout beside a free GPU of max batch 2).
+        st.suspend(st.workers[f"w{draw(st_.integers(0, n_workers - 1))}"])
     st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=draw(st_.floats(0, 100_000)))
     st.arrivals["m"]._t = NOW
     q = st.queue("m")
-    largest = max(w.models["m"] for w in st.workers.values())  # admission refuses larger requests
     for seq in range(draw(st_.integers(1, 40))):
         deadline = NOW + draw(st_.floats(0.05, 10.0)) * MS if draw(st_.booleans()) else math.inf
         q.push(Request(seq, "m", min(draw(st_.integers(1, 8)), largest), draw(st_.integers(0, 2)),
