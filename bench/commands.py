@@ -53,7 +53,8 @@ def _numbers(count: int = 0, positive: bool = False, positive_sum: bool = False,
     return parse
 
 
-def _at_least(low: int):
+def at_least(low: int):
+    """argparse type: an integer of at least ``low``, else a one-line usage error."""
     def parse(text: str) -> int:
         try:
             n = int(text)
@@ -191,7 +192,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="batchyard", choices=["batchyard", "triton"])
     p.add_argument("--triton-url", default="127.0.0.1:8001")
     g = p.add_argument_group("load (as perf_analyzer)")
-    g.add_argument("--concurrency", type=_at_least(0), default=0, help="closed loop with N requests in flight")
+    g.add_argument("--concurrency", type=at_least(0), default=0, help="closed loop with N requests in flight")
     g.add_argument("--request-rate", type=_number(0, most=MAX_RATE), default=0.0)
     g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
     g.add_argument("--request-intervals", type=_intervals_file, default="",
@@ -204,12 +205,12 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0),
                    help="per class; 0 = dispatcher default (--target triton: sent as Triton's timeout)")
     g.add_argument("--slo-ms", type=_number(0), default=0.0, help="goodput counts only replies within this latency")
-    g.add_argument("--processes", type=_at_least(1), default=2)
+    g.add_argument("--processes", type=at_least(1), default=2)
     g.add_argument("--warmup", type=_number(0), default=2.0)
     g.add_argument("--window", type=_number(0, above=True), default=5.0)
-    g.add_argument("--windows", type=_at_least(1), default=3)
+    g.add_argument("--windows", type=at_least(1), default=3)
     g.add_argument("--stability", type=_number(0), default=0.15)
-    g.add_argument("--seed", type=_at_least(0), default=0)
+    g.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--metrics-url", type=_metrics_url, default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
     p.add_argument("--compare", action="append", type=_policy, default=[], metavar="POLICY",
                    help="repeatable: start the node of --config once per policy and replay the same seeded load")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .commands import at_least
 from .simulator import Device, seeds_devices, simulate
 from .traces import bursts, merge, poisson, steps
 
@@ -224,6 +225,7 @@ def _cut(trace, n):
 # rule was tuned on, and every random scenario of every --random-seed drew from two seeds per load
 # (its Poisson arrivals a rescaled copy of seed 1's). --trace-seeds legacy reproduces those files.
 TRACE_SEEDS = "named"
+MIN_REQUESTS = 1000
 
 
 def trace_seed(scen: str, load: float) -> int:
@@ -412,14 +414,23 @@ def in_order(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (order.index(r["scenario"]), r["load"]))
 
 
-def merged(path: Path, rows: list[dict], n: int) -> dict:
-    """The report at ``path`` with the rows of the scenarios in ``rows`` replaced by them, in order."""
-    rep = json.loads(path.read_text())
+def report_to_merge(path: Path, n: int) -> dict:
+    """The report at ``path``, if ``--merge`` can replace rows of it (read before the simulation,
+    which at 200k arrivals takes up to an hour: a missing or unmatched report was found after it)."""
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--merge: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     if rep["n"] != n:
         raise SystemExit(f"{path} was run with --requests {rep['n']}, not {n}: cannot merge")
     if rep.get("trace_seeds", "legacy") != TRACE_SEEDS:
         raise SystemExit(f"{path} was run with --trace-seeds {rep.get('trace_seeds', 'legacy')}, not "
                          f"{TRACE_SEEDS}: cannot merge")
+    return rep
+
+
+def merged(rep: dict, rows: list[dict]) -> dict:
+    """``rep`` with the rows of the scenarios in ``rows`` replaced by them, in order."""
     done = {r["scenario"] for r in rows}
     rep["rows"] = in_order([r for r in rep["rows"] if r["scenario"] not in done] + rows)
     return rep
@@ -438,14 +449,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="fewer requests per point (for a smoke run)")
-    ap.add_argument("--requests", type=int, default=0)
+    # At least MIN_REQUESTS: the priority flood's high class needs arrivals past its warm-up
+    # (with 200 none came, and the run failed on an empty percentile after every point).
+    ap.add_argument("--requests", type=at_least(MIN_REQUESTS), default=None,
+                    help=f"arrivals per point (at least {MIN_REQUESTS}; default 200000, 20000 with --quick)")
     ap.add_argument("--scenarios", type=scenario_names, default=",".join(SCENARIOS))
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=at_least(1), default=2)
     ap.add_argument("--merge", action="store_true",
                     help="replace only these scenarios' rows in the report already in --out (same --requests)")
-    ap.add_argument("--random", type=int, default=0, metavar="K",
+    ap.add_argument("--random", type=at_least(0), default=0, metavar="K",
                     help="instead, K scenarios drawn at random (held out); writes sim_random.md/.json")
-    ap.add_argument("--random-seed", type=int, default=1)
+    ap.add_argument("--random-seed", type=at_least(0), default=1)
     ap.add_argument("--trace-seeds", choices=("named", "legacy"), default="named",
                     help="legacy: the trace seeds of the results committed up to 88925ac (see TRACE_SEEDS)")
     args = ap.parse_args(argv)
@@ -458,6 +472,7 @@ def main(argv=None) -> None:
     n = args.requests or (20_000 if args.quick else 200_000)
     n_tune = min(n, max(10_000, n // 10))
     out = Path(args.out)
+    to_merge = report_to_merge(out / "sim_report.json", n) if args.merge and not args.random else None
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tasks = [(s, load, n, n_tune) for s in args.scenarios.split(",") for load in SCENARIOS[s][2]]
@@ -473,7 +488,7 @@ def main(argv=None) -> None:
         print(random_markdown(rep))
         return
     if args.merge:
-        rep = merged(out / "sim_report.json", rows, n)
+        rep = merged(to_merge, rows)
     else:
         rep = {"simulated": True, "n": n, "n_tune": n_tune, "gpu_capacity_rps": GPU_CAPACITY, "grid": GRID,
                "trace_seeds": TRACE_SEEDS, "rows": in_order(rows),

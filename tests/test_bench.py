@@ -3,6 +3,7 @@ when nobody answers."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -932,6 +933,36 @@ def test_sim_report_refuses_an_unknown_scenario_naming_the_known_ones(tmp_path, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and "argument --scenarios: unknown scenario 'nosuch' (known: " in err, err
     assert all(name in err for name in SCENARIOS) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    # 200 simulated every point, then failed on the priority flood's empty percentile (a traceback);
+    # 0 meant the default 200,000; --jobs 0 and --random -1 were tracebacks too.
+    (["--requests", "200"], "argument --requests: an integer >= 1000, got '200'"),
+    (["--requests", "0"], "argument --requests: an integer >= 1000, got '0'"),
+    (["--jobs", "0"], "argument --jobs: an integer >= 1, got '0'"),
+    (["--random", "-1"], "argument --random: an integer >= 0, got '-1'")])
+def test_sim_report_refuses_sizes_it_cannot_run(tmp_path, capsys, argv, message):
+    from batchyard.bench.sim_report import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sim_report_merge_checks_the_report_before_it_simulates(tmp_path, monkeypatch):
+    """A missing report, or one of another --requests, was found only after every point was
+    simulated (up to an hour at the default size), and the missing one was a traceback."""
+    from batchyard.bench import sim_report
+
+    monkeypatch.setattr(sim_report, "Pool", lambda *a, **k: pytest.fail("simulated before the report was checked"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"--merge: cannot read {out / 'sim_report.json'}: No such file"):
+        sim_report.main(["--merge", "--scenarios", "seeds", "--requests", "1000", "--out", str(out)])
+    out.mkdir()
+    (out / "sim_report.json").write_text(json.dumps({"n": 20_000, "trace_seeds": "named", "rows": []}))
+    with pytest.raises(SystemExit, match="was run with --requests 20000, not 1000: cannot merge"):
+        sim_report.main(["--merge", "--scenarios", "seeds", "--requests", "1000", "--out", str(out)])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -323,20 +323,21 @@ def test_a_knot_follows_a_change_of_speed_but_not_one_slow_batch():
 
 
 def test_a_merged_report_replaces_only_the_scenarios_rerun(tmp_path):
-    from batchyard.bench.sim_report import merged
+    from batchyard.bench.sim_report import merged, report_to_merge
 
     path = tmp_path / "sim_report.json"
     old = {"n": 1000, "trace_seeds": "named",
            "rows": [{"scenario": "seeds", "load": 0.3, "x": 1}, {"scenario": "mmpp", "load": 0.3, "x": 1}]}
     path.write_text(json.dumps(old))
-    rep = merged(path, [{"scenario": "mmpp", "load": 0.3, "x": 2}, {"scenario": "mmpp", "load": 0.6, "x": 2}], 1000)
+    rep = merged(report_to_merge(path, 1000),
+                 [{"scenario": "mmpp", "load": 0.3, "x": 2}, {"scenario": "mmpp", "load": 0.6, "x": 2}])
     assert sorted((r["scenario"], r["load"], r["x"]) for r in rep["rows"]) == [
         ("mmpp", 0.3, 2), ("mmpp", 0.6, 2), ("seeds", 0.3, 1)]
     with pytest.raises(SystemExit, match="--requests 1000, not 2000"):  # traces of another length: not comparable
-        merged(path, [], 2000)
+        report_to_merge(path, 2000)
     path.write_text(json.dumps({k: v for k, v in old.items() if k != "trace_seeds"}))  # a report before trace_seed
     with pytest.raises(SystemExit, match="--trace-seeds legacy, not named"):  # other arrivals: not comparable
-        merged(path, [], 1000)
+        report_to_merge(path, 1000)
 
 
 def test_held_out_scenarios_are_reproducible_within_their_ranges_and_at_the_load_asked():
