@@ -3,6 +3,7 @@ arguments are declared in bench/commands.py."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -18,27 +19,41 @@ LOAD_MODES = (("--concurrency", "concurrency"), ("--request-rate", "request_rate
 
 
 def _targets(args, address):
-    """(policy label, address) pairs: the given address, or one fresh node per --compare policy."""
+    """(policy label, address, client keys) triples: the given address, or one fresh node per
+    --compare policy, reached with the node's own key pair (a CURVE endpoint admits it: without
+    it the bench started the node and then could not reach it)."""
     if not args.compare:
-        yield "", address
+        yield "", address, {}
         return
     import msgspec
 
     from batchyard.config import ConfigError, load_config
-    from batchyard.supervisor import running_node
+    from batchyard.exit_codes import EX_CONFIG
+    from batchyard.supervisor import NodeNotReady, running_node
+    from batchyard.transport import node_client_keys
 
     if not args.config:
         raise SystemExit("bench: --compare needs --config (the node to start once per policy)")
     try:
         base = load_config(args.config)
-    except ConfigError as e:  # one line, as every command's (it was the traceback)
-        raise SystemExit(f"bench: {e}") from None
+        try:  # what the node needs of this host, as `up` checks it before it starts anything
+            base.check_host(control=True)
+        except ConfigError as e:
+            raise ConfigError(f"{args.config}: {e}") from None
+    except ConfigError as e:  # one line and 78, as every command's (it was a traceback, or exit 1)
+        print(f"bench: {e}", file=sys.stderr)
+        raise SystemExit(EX_CONFIG) from None
     for policy in args.compare:
         disp = msgspec.structs.replace(base.dispatcher, policy=policy)
         # The whole node but its policy (a copy of three of its tables dropped [frontend] and
         # [[llm_models]]).
-        with running_node(msgspec.structs.replace(base, dispatcher=disp).validate()):
-            yield policy, disp.frontend
+        with contextlib.ExitStack() as node:
+            try:
+                node.enter_context(running_node(msgspec.structs.replace(base, dispatcher=disp).validate()))
+            except NodeNotReady as e:  # a worker that cannot start (its model's factory, say): one line
+                print(f"bench: the node of {args.config} did not start: {e}", file=sys.stderr)
+                raise SystemExit(e.exit_code) from None
+            yield policy, disp.frontend, node_client_keys(disp, disp.frontend)
 
 
 def sends_schedule_policy(args) -> bool:
@@ -125,13 +140,14 @@ def main(args) -> int:
         raise SystemExit("bench: choose a load: --concurrency, --request-rate, --sweep-rates, "
                          "--request-intervals or --profile")
     reports = []
-    for policy, address in _targets(args, address):
+    for policy, address, keys in _targets(args, address):
         for rate in rates:
             spec = spec_from(args, rate)
             name = f"{args.target}[{policy}]" if policy else args.target
             label = run_label(name, args.model, spec)
             before = scrape_metrics(args.metrics_url) if args.metrics_url else None
-            rows = run_load(address, args.model, spec, target=args.target, inputs=args.inputs, progress=True)
+            rows = run_load(address, args.model, spec, target=args.target, inputs=args.inputs, progress=True,
+                            keys=keys)
             rep = analyse(rows, spec, args.target, label)
             if before is not None:
                 rep.summary["server_split"] = server_split(before, scrape_metrics(args.metrics_url))

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import queue
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -147,12 +148,12 @@ def _make_inputs(kind: str, spec_inputs):
     return lambda i: zeros
 
 
-async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int, ready):
+async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int, ready, keys: dict = {}):
     from batchyard.client import AsyncClient
     from batchyard.errors import BatchyardError
 
     rows = []
-    async with AsyncClient(address) as c:
+    async with AsyncClient(address, **keys) as c:
         try:
             mspec = await c.model_info(model, timeout=3.0)
         except BatchyardError as e:
@@ -259,11 +260,13 @@ async def _drive(spec: LoadSpec, part: int, t0: float, one) -> None:
     await asyncio.gather(*tasks)
 
 
-def _proc(target, address, model, inputs_kind, spec_dict, part, q, go, start) -> None:
+def _proc(target, address, model, inputs_kind, spec_dict, part, q, go, start, keys: dict) -> None:
+    import functools
+
     import uvloop
 
     spec = LoadSpec(**spec_dict)
-    fn = _run_triton if target == "triton" else _run_batchyard
+    fn = _run_triton if target == "triton" else functools.partial(_run_batchyard, keys=keys)
 
     def ready() -> float:
         """Report this process connected and its inputs made; block until the common start time."""
@@ -303,14 +306,16 @@ def _progress(total_s: float, enabled: bool):
 
 
 def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard", inputs: str = "zeros",
-             progress: bool = False) -> np.ndarray:
-    """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS)."""
+             progress: bool = False, keys: Optional[dict] = None) -> np.ndarray:
+    """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS).
+    ``keys``: the Batchyard client's CURVE keyword arguments (``transport.node_client_keys``)."""
     n = scheduled_requests(spec)
     if n > MAX_SCHEDULED:  # a rate or duration no argument check bounds alone: 1e6/s over 1e7 s was 284 TiB
         raise SystemExit(f"bench: a run of {n:.3g} requests (rate x duration); at most {MAX_SCHEDULED:.3g} in one run")
     ctx = mp.get_context("spawn")
     q, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
-    ps = [ctx.Process(target=_proc, args=(target, address, model, inputs, asdict(spec), k, q, go, start), daemon=True)
+    ps = [ctx.Process(target=_proc, args=(target, address, model, inputs, asdict(spec), k, q, go, start,
+                                                   keys or {}), daemon=True)
           for k in range(spec.processes)]
     for p in ps:
         p.start()

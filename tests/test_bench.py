@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,6 +169,67 @@ def test_bench_and_demo_arguments_that_cannot_work_are_one_line(argv, message):
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", *argv], capture_output=True, text=True, cwd=ROOT,
                        timeout=60)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_sigterm_unwinds_the_bench_through_its_clean_up():
+    """A SIGTERM (timeout, systemd, kill) ended `batchyard bench` at once, its clean-up unrun:
+    its load generators went on loading the node until the run would have ended."""
+    code = ("import os, signal\n"
+            "from batchyard.bench import bench_cli, commands\n"
+            "def main(args):\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        signal.pause()\n"
+            "    finally:\n"
+            "        print('cleaned up', flush=True)\n"
+            "bench_cli.main = main\n"
+            "commands._run_bench(None)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 128 + 15 and r.stdout == "cleaned up\n", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def _compare_node(run_dir, tmp_path, **dispatcher) -> Path:
+    from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+
+    from conftest import SUM_MODEL
+
+    disp = DispatcherConfig(**{"frontend": f"ipc://{run_dir}/fe", "backend": f"ipc://{run_dir}/be", **dispatcher})
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(to_toml(NodeConfig(disp, (SUM_MODEL,), (sim_worker("g", ("sum",)),)).validate()))
+    return cfg
+
+
+def _compare(cfg, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchyard.cli", "--log-level", "WARNING", "bench", "--compare", "mcb",
+                           "--config", str(cfg), "--model", "sum", "--processes", "1", "--warmup", "0.2", "--window",
+                           "1", "--windows", "1", *argv], capture_output=True, text=True, cwd=ROOT, timeout=180)
+
+
+def test_compare_drives_a_node_whose_endpoint_takes_curve_only(run_dir, tmp_path):
+    """The bench started the node and then could not reach it: its clients had no keys
+    ("handshake with the dispatcher failed"), where `status --config` reaches the same node."""
+    from batchyard.transport import write_keypair
+
+    _, node_key = write_keypair(str(tmp_path / "keys"), "node")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = _compare_node(run_dir, tmp_path, frontend=f"tcp://127.0.0.1:{port}", curve_secret_key=node_key,
+                        curve_authorized_keys="*")
+    r = _compare(cfg, "--request-rate", "50")
+    assert r.returncode == 0 and "batchyard[mcb]" in r.stdout, r.stderr[-2000:]
+
+
+def test_compare_on_a_config_this_host_cannot_run_is_one_line_and_78(run_dir, tmp_path):
+    """A worker pinned to a cpu the host lacks: `up` says so in one line and exits 78; the bench
+    started the node, then printed a 26-line traceback naming its own temporary copy of the
+    config, and exited 1."""
+    cfg = _compare_node(run_dir, tmp_path)
+    cfg.write_text(cfg.read_text().replace('name = "g"', 'name = "g"\ncpus = [9999]'))
+    r = _compare(cfg, "--concurrency", "1")
+    assert r.returncode == 78 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"bench: {cfg}: [[workers]] #1 (name 'g'): cpus: cpu 9999 "
+                                                        "is not online on this host"), r.stderr
 
 
 def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
