@@ -367,12 +367,12 @@ class MarginalCost(PerModelPolicy):
                 idx.discard(reqs)
                 idx.discard([r for r, _ in d.late])
                 sent = sent or bool(reqs)
-            if not sent and not self._send_head_alone(state, model, q, ws, takers, idx, now, d):
+            if not sent and not self._send_head_alone(state, model, q, ws, takers, idx, now, d, background):
                 return  # 8. what is left waits: on a busy worker or on the marginal rule
 
     @staticmethod
     def _send_head_alone(state: SchedulerState, model: str, q: ModelQueue, ws: list[WorkerState], chunks: list,
-                         idx: DeadlineIndex, now: float, d: Decision) -> bool:
+                         idx: DeadlineIndex, now: float, d: Decision, background: bool = False) -> bool:
         """8b. The plan splits items freely; requests are whole. A head request of more items than
         the max batch of every worker the plan gave work to (a GPU of max batch 2 beside a CPU of 8,
         and 3 items) is taken by none of them: it goes alone to the free worker that takes it and
@@ -385,7 +385,7 @@ class MarginalCost(PerModelPolicy):
             return False
         fits = [x for x in ws if x.free and x.models[model] >= head.items]
         if not fits:
-            return MarginalCost._send_past_the_head(state, model, q, ws, idx, now, d)
+            return MarginalCost._send_past_the_head(state, model, q, ws, idx, now, d, background)
         x = min(fits, key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(head.items))
         return MarginalCost._send_to(state, model, q, x, head.items, idx, now, d)
 
@@ -400,29 +400,46 @@ class MarginalCost(PerModelPolicy):
 
     @staticmethod
     def _send_past_the_head(state: SchedulerState, model: str, q: ModelQueue, ws: list[WorkerState],
-                            idx: DeadlineIndex, now: float, d: Decision) -> bool:
+                            idx: DeadlineIndex, now: float, d: Decision, background: bool) -> bool:
         """8c. A head no free worker takes (only a busy one does, or one out of rotation: leaving,
         suspended) does not hold back the requests behind it that a free one takes: set aside, the
         first of those goes, with what follows it that fits, to the free worker that takes it and
-        finishes it soonest. Behind a 3-item head only a leaving worker took, a 2-item request
-        waited its whole timeout beside a free GPU of max batch 2 (the plan gave every item to a
-        free CPU of max batch 1, which took neither); greedy and escape:K sent it at once."""
+        finishes it soonest, in a batch of at most that worker's cap, and of urgent requests alone
+        while any is queued (step 2). Behind a 3-item head only a leaving worker took, a 2-item
+        request waited its whole timeout beside a free GPU of max batch 2 (the plan gave every item
+        to a free CPU of max batch 1, which took neither); greedy and escape:K sent it at once.
+        The first such request is found by a scan that moves nothing (at most SET_ASIDE_MAX
+        requests): moving a thousand big heads aside and back at every decision, only to find
+        none behind them, cost ~0.4 ms a decision."""
         free = [x for x in ws if x.free]
         biggest = max((x.models[model] for x in free), default=0)
+        ahead, r = 0, None
+        for cls in q.by_priority:
+            for r in cls:
+                if r.items <= biggest or ahead >= SET_ASIDE_MAX:
+                    break
+                ahead += 1
+            else:
+                continue
+            break
+        if r is None or r.items > biggest:
+            return False  # what is queued waits for a busy worker, whose completion decides again
         aside = []
         try:
-            while len(aside) < SET_ASIDE_MAX and (r := head_request(q)) is not None and r.items > biggest:
-                q.remove(r)
-                aside.append(r)
-            r = head_request(q)
-            if r is None or r.items > biggest:
-                return False  # what is left waits for a busy worker, whose completion decides again
-            fits = [x for x in free if x.models[model] >= r.items]
-            x = min(fits, key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(r.items))
-            return MarginalCost._send_to(state, model, q, x, x.models[model], idx, now, d)
+            for _ in range(ahead):
+                big = head_request(q)
+                q.remove(big)
+                aside.append(big)
+            x = min((x for x in free if x.models[model] >= r.items),
+                    key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(r.items))
+            items = min(state.batch_cap(model, x, background), x.models[model])
+            urgent = q.class_items[0] + q.class_items[1]
+            if 0 < urgent < q.items:
+                items = min(items, urgent)  # urgent work is never padded with low work (step 2)
+            return MarginalCost._send_to(state, model, q, x, max(items, r.items), idx, now, d)
         finally:
-            for r in reversed(aside):
-                q.push_front(r)
+            for big in reversed(aside):
+                q.push_front(big)
 
     @staticmethod
     def _lendable(state: SchedulerState, model: str, all_ws: list[WorkerState], ws: list[WorkerState], b: int,

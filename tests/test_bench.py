@@ -1026,6 +1026,9 @@ def test_sim_report_merge_checks_the_report_before_it_simulates(tmp_path, monkey
     (out / "sim_report.json").write_text(json.dumps({"n": 20_000, "trace_seeds": "named", "rows": []}))
     with pytest.raises(SystemExit, match="was run with --requests 20000, not 1000: cannot merge"):
         sim_report.main(["--merge", "--scenarios", "seeds", "--requests", "1000", "--out", str(out)])
+    (out / "sim_report.json").write_text(json.dumps({"n": 1000}))
+    with pytest.raises(SystemExit, match="is no report of sim_report"):
+        sim_report.main(["--merge", "--scenarios", "seeds", "--requests", "1000", "--out", str(out)])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -750,6 +750,24 @@ def test_a_request_behind_a_head_only_an_absent_worker_takes_goes_to_a_free_work
     assert core.state.queue("m").requests == 1 and head.state == QUEUED and not failed
 
 
+def test_past_a_head_no_free_worker_takes_an_urgent_request_still_goes_without_low_padding():
+    """Step 8c sent the free GPU its max batch from behind the head: the 2-item high request
+    with the 2-item low one (step 2: urgent work is never padded with low work)."""
+    from batchyard.core import RequestCore
+
+    core = RequestCore(MarginalCost(), lambda r, s, m: None, default_timeout_s=30.0)
+    for path, launch in (("cpu", 0.0), ("gpu", 50 * MS)):
+        core.state.costs[("m", path)] = CostCurve(launch_s=launch, per_item_s=0.1 * MS)
+        core.state.costs[("m", path)].samples = 100
+    for name, path, max_batch in (("cpu_small", "cpu", 1), ("gpu", "gpu", 4), ("cpu_big", "cpu", 8)):
+        core.add_worker(WorkerState(name, path, {"m": max_batch}), 0.0)
+    core.leaving("cpu_big")
+    core.admit("m", 5, 0, 0.0, 1.0)  # high, only cpu_big takes it
+    high = core.admit("m", 2, 0, 0.0, 1.0)
+    core.admit("m", 2, 2, 0.0, 1.0)  # low
+    assert [(b.worker.name, [r.seq for r in b.requests]) for b in core.decide(1.0)] == [("gpu", [high.seq])]
+
+
 def test_a_closed_queue_is_not_held_for_arrivals_that_a_drain_refuses():
     """A draining dispatcher admits nothing more: MCB's marginal rule and three-segment's waited
     for the next arrival all the same, beside a free worker."""
