@@ -417,16 +417,24 @@ def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("case", ["unknown name", "factory typo", "cpu outside the mask"])
+@pytest.mark.parametrize("case", ["unknown name", "factory typo", "factory no function", "factory that fails",
+                                  "cpu outside the mask"])
 def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
     """Each was a traceback and exit 1, which neither `up` nor systemd treats as final: restarted
-    for ever."""
+    for ever. (A factory that is no function, or that fails when called, a weights file missing
+    say, still was until the load turned any failure but memory into one line and 78.)"""
     text, name, prefix = NODE.replace("/tmp/by-test", str(tmp_path)), "sim0", []
     if case == "unknown name":
         name, want = "sim9", "no [[workers]] entry named 'sim9'; have ['amx0', 'amx1', 'gpu0', 'sim0']"
     elif case == "factory typo":
         text, name = text.replace("models:mlp", "models:mlpp"), "amx0"
         want = "[[models]] 'sum': cannot load model factory 'batchyard.workers.models:mlpp'"
+    elif case == "factory no function":
+        text, name = text.replace("batchyard.workers.models:mlp", "os:sep"), "amx0"
+        want = "[[models]] 'sum': cannot load it with factory 'os:sep': TypeError: 'str' object is not callable"
+    elif case == "factory that fails":
+        text, name = text.replace("batchyard.workers.models:mlp", "json:loads"), "amx0"
+        want = "[[models]] 'sum': cannot load it with factory 'json:loads': TypeError: the JSON object must be"
     else:
         mine = sorted(os.sched_getaffinity(0))
         if len(mine) < 2:

@@ -134,9 +134,7 @@ class WorkerRuntime:
                 except ExecutorUnavailable:
                     raise  # its backend (Triton) is not up yet: a restart may find it
                 except Exception as e:  # noqa: BLE001 -- a restart runs the same code on the same zeros: EX_CONFIG
-                    if isinstance(e, MemoryError) or "OutOfMemory" in type(e).__name__:
-                        # Memory a killed predecessor held may not be free yet (a GPU's): a
-                        # restart may find it, so exit 1, restarted, not 78, never restarted.
+                    if out_of_memory(e):
                         raise
                     # (a model whose layers do not fit its spec raised a traceback and exit 1, which
                     # systemd restarts for ever)
@@ -457,6 +455,12 @@ class WorkerRuntime:
 # good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
 STOP_GRACE_S = 15.0
 LEAVING_NOTED_WAIT_S = 1.0  # an idle stopping worker's wait for the dispatcher's `leaving_noted`
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Memory a killed predecessor held may not be free yet (a GPU's): a restart may find it, so
+    such a failure at start exits 1, restarted, not 78 (EX_CONFIG), never restarted."""
+    return isinstance(e, MemoryError) or "OutOfMemory" in type(e).__name__
 
 
 def error_text(e: BaseException) -> str:
