@@ -42,8 +42,9 @@ HEARTBEAT_QUEUE = 4  # beats held for a dispatcher that is not reading
 
 class Heartbeat(threading.Thread):
     def __init__(self, ctx: zmq.Context, backend: str, name: str, interval_s: float,
-                 secure: Callable[[zmq.Socket], None] = lambda sock: None):
+                 secure: Callable[[zmq.Socket], None] = lambda sock: None, wake: Callable[[], None] = lambda: None):
         super().__init__(name=f"heartbeat-{name}", daemon=True)
+        self.wake = wake  # wakes the worker's loop for a `reregister`
         self.sock = ctx.socket(zmq.DEALER)
         secure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, f"{name}#hb".encode())
@@ -72,6 +73,7 @@ class Heartbeat(threading.Thread):
                     msg = P.to_worker_decoder.decode(self.sock.recv())
                     if type(msg) is P.Reregister:
                         self.reregister.set()
+                        self.wake()
                     elif type(msg) is P.Restart:
                         # The main thread is stuck in the model and cannot be asked to stop:
                         # leave at once, so that the supervisor starts a working process.
@@ -113,12 +115,23 @@ class WorkerRuntime:
         # How long a registration waits for them: a batch, then one of its requests run alone (a
         # batch the model failed), each ended by the executor's own timeout (Triton's gRPC calls).
         self.hold_max_s = 2 * getattr(executor, "timeout_s", 30.0)
+        # Wakes the loop: a completion, a stop, a `reregister`. Written without blocking (from a
+        # signal handler too): a full pipe has a wake-up pending already.
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         if hasattr(executor, "stopping"):  # one that may wait on this thread stops waiting on a stop
             executor.stopping = lambda: self._stop
 
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # full (a wake-up is pending), or closed at the end
+            pass
+
     def request_stop(self, *_args) -> None:
         self._stop = True
+        # Heard now, not at the loop's next timer (an idle worker polled every 200 ms for it)
+        self._wake()
         exit_after_grace()
 
     def warmup(self, sizes: dict[str, tuple[int, ...]]) -> None:
@@ -159,7 +172,7 @@ class WorkerRuntime:
         sock.setsockopt(zmq.LINGER, 500)
         self.secure(sock)
         sock.connect(self.backend)
-        hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s, self.secure)
+        hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s, self.secure, self._wake)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -180,7 +193,12 @@ class WorkerRuntime:
                 if not registered and now >= next_register and not self._holds_earlier_batches(now):
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
-                events = dict(poller.poll(200))
+                # Until the next timed step (the sweep, a registration's retry, the end of its hold);
+                # batches, completions, a stop and a `reregister` wake it before that.
+                due = next_sweep
+                if not registered:
+                    due = min(due, max(next_register, self._hold_until) if self._in_executor else next_register)
+                events = dict(poller.poll(max(0.0, due - now) * 1000))
                 if now >= next_sweep:  # at most once a second (an fstat per segment held), idle too:
                     # swept only after a batch, a departed client's segments stayed held by an idle
                     # worker, and in a 64 MiB /dev/shm (Docker's) the next client's pool had no room
@@ -233,7 +251,9 @@ class WorkerRuntime:
             if close is not None:
                 close()
             os.close(self._wake_r)
-            os.close(self._wake_w)
+            # (-1 first: a stop signal after this must not write into a file that reuses the number)
+            wake_w, self._wake_w = self._wake_w, -1
+            os.close(wake_w)
             ctx.term()
         return rc
 
@@ -354,7 +374,7 @@ class WorkerRuntime:
         def done(raw, compute_us):
             # Runs on the executor's thread: hand over to the loop, never touch the socket here.
             self._completed.append((then, raw, compute_us, term))
-            os.write(self._wake_w, b"x")
+            self._wake()
 
         self._by_term[term] += 1
         self.executor.submit(model, inputs, done)
