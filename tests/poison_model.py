@@ -90,3 +90,8 @@ class OutOfMemoryOnce(nn.Module):
 
 def out_of_memory(spec=None) -> nn.Module:
     return OutOfMemoryOnce()
+
+
+def store_down(spec=None) -> nn.Module:
+    """Its weights store refuses the connection: a failure a restart may not meet again."""
+    raise ConnectionRefusedError("the weights store refused the connection")

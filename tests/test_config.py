@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -431,10 +432,10 @@ def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
         want = "[[models]] 'sum': cannot load model factory 'batchyard.workers.models:mlpp'"
     elif case == "factory no function":
         text, name = text.replace("batchyard.workers.models:mlp", "os:sep"), "amx0"
-        want = "[[models]] 'sum': cannot load it with factory 'os:sep': TypeError: 'str' object is not callable"
+        want = "[[models]] 'sum': cannot load model factory 'os:sep': it is a str, not a function"
     elif case == "factory that fails":
         text, name = text.replace("batchyard.workers.models:mlp", "json:loads"), "amx0"
-        want = "[[models]] 'sum': cannot load it with factory 'json:loads': TypeError: the JSON object must be"
+        want = "[[models]] 'sum': model factory 'json:loads' failed: TypeError: the JSON object must be"
     else:
         mine = sorted(os.sched_getaffinity(0))
         if len(mine) < 2:
@@ -447,6 +448,19 @@ def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
     r = subprocess.run([*prefix, sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name",
                         name], capture_output=True, text=True, timeout=300)
     assert r.returncode == 78 and "Traceback" not in r.stderr and want in r.stderr, r.stderr
+
+
+def test_a_model_factory_failing_for_a_passing_reason_exits_to_be_restarted(tmp_path):
+    """A weights store down for a moment, a full /dev/shm: exit 1, which `up` and systemd restart.
+    (Every failure of a load but memory's once exited 78, never restarted: the worker stayed down
+    after the store came back.)"""
+    path = tmp_path / "node.toml"
+    path.write_text(NODE.replace("/tmp/by-test", str(tmp_path)).replace("batchyard.workers.models:mlp",
+                                                                         "tests.poison_model:store_down"))
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name", "amx0"],
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 1 and "ConnectionRefusedError: the weights store refused the connection" in r.stderr, \
+        r.stderr[-2000:]
 
 
 def test_a_log_level_typo_is_a_usage_error():

@@ -16,7 +16,7 @@ import numpy as np
 
 from batchyard.protocol import ModelSpec
 
-from .executors import load_factory
+from .executors import build_model
 from .runtime import CannotStart, powers_of_two
 
 
@@ -69,7 +69,7 @@ class TorchCudaExecutor:
 
     def load(self, spec: ModelSpec, factory: str) -> None:
         torch = self.torch
-        module = load_factory(factory)(spec).eval().to(self.device)
+        module = build_model(factory, spec).eval().to(self.device)
         module.to(self.dtype)  # floating-point weights only; integer buffers stay as they are
         self.models[spec.name] = module
 

@@ -25,11 +25,41 @@ from batchyard.protocol import ModelSpec
 
 
 def load_factory(path: str) -> Callable:
+    """The factory a model config names; ValueError (the worker's one line and exit 78) for a
+    name that is no module's attribute, or names something that is no function."""
     module, _, attr = path.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, SyntaxError) as e:
         raise ValueError(f"cannot load model factory {path!r}: {e}") from None
+    if not callable(factory):
+        raise ValueError(f"cannot load model factory {path!r}: it is a {type(factory).__name__}, not a function")
+    return factory
+
+
+# A factory's failures that a restart may not meet again (its weights store down for a moment, a
+# full disk): the worker exits 1 and is restarted. Its other failures (a weights file missing, a
+# bug, a spec it refuses) meet a restart alike: ValueError, the one line and exit 78.
+PASSING_FAILURES = (ConnectionError, TimeoutError, InterruptedError, MemoryError)
+SETTLED_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def build_model(factory: str, spec: ModelSpec):
+    """``factory(spec)``, its failure sorted as PASSING_FAILURES says (a factory that raised
+    anything was a traceback and exit 1, restarted every second for good)."""
+    fn = load_factory(factory)
+    try:
+        return fn(spec)
+    except PASSING_FAILURES:
+        raise
+    except OSError as e:
+        if not isinstance(e, SETTLED_OS_ERRORS):  # a network error, a full disk: may pass
+            raise
+        raise ValueError(f"model factory {factory!r} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- sorted: restarted, it fails the same way
+        if "OutOfMemory" in type(e).__name__:  # a GPU's memory a killed predecessor held
+            raise
+        raise ValueError(f"model factory {factory!r} failed: {type(e).__name__}: {e}") from None
 
 
 class TorchCpuExecutor:
@@ -48,7 +78,7 @@ class TorchCpuExecutor:
         self.models: dict[str, object] = {}
 
     def load(self, spec: ModelSpec, factory: str) -> None:
-        module = load_factory(factory)(spec)
+        module = build_model(factory, spec)
         module.eval()
         module.to(self.dtype)  # floating-point weights only; integer buffers stay as they are
         self.models[spec.name] = module

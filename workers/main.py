@@ -40,7 +40,7 @@ def run_worker(node: NodeConfig, name: str) -> int:
         from .llm_worker import serve_llm
 
         return serve_llm(node, wcfg)
-    from .runtime import CannotStart, ExecutorUnavailable, WorkerRuntime, error_text, out_of_memory
+    from .runtime import CannotStart, ExecutorUnavailable, WorkerRuntime
 
     executor = None
     try:
@@ -51,17 +51,9 @@ def run_worker(node: NodeConfig, name: str) -> int:
             spec = mcfg.spec()
             try:
                 executor.load(spec, mcfg.factory)
-            except ValueError as e:  # load_factory: no such module or attribute, a typo in the config
+            except ValueError as e:  # the config's factory: no such function, or one that fails for
+                # good (executors.build_model); what may pass (a weights store down) exits 1, restarted
                 raise CannotStart(f"[[models]] {model!r}: {e}") from None
-            except ExecutorUnavailable:
-                raise
-            except Exception as e:  # noqa: BLE001 -- the factory's own failure: a restart fails the same way
-                # (a factory that is no function, a module that does not import, a weights file
-                # missing: a traceback and exit 1, restarted every second for good)
-                if out_of_memory(e):
-                    raise
-                raise CannotStart(f"[[models]] {model!r}: cannot load it with factory {mcfg.factory!r}: "
-                                  f"{error_text(e)}") from None
             specs[model] = spec
     except CannotStart as e:
         log.error("worker %s cannot start: %s", name, e)
