@@ -831,7 +831,7 @@ def test_the_server_split_of_tritons_own_metrics_is_one_path():
     assert split == {"all": {"served": 100, "mean_queue_ms": 0.01, "mean_compute_ms": 0.02}}
 
 
-def _a_load_process_that_fails_before_the_start(target, address, model, inputs_kind, spec_dict, part, q, go, start):
+def _a_load_process_that_fails_before_the_start(target, address, model, inputs_kind, spec_dict, part, q, go, start, keys):
     """The harness's load process, with the client replaced: part 0 cannot connect; the others
     connect, report ready and wait for the start (which cannot come)."""
     from batchyard.bench import harness
@@ -843,7 +843,7 @@ def _a_load_process_that_fails_before_the_start(target, address, model, inputs_k
         return []
 
     harness._run_batchyard = run
-    harness._proc(target, address, model, inputs_kind, spec_dict, part, q, go, start)
+    harness._proc(target, address, model, inputs_kind, spec_dict, part, q, go, start, keys)
 
 
 def test_a_load_process_failing_before_the_start_is_reported_without_waiting_on_the_others(monkeypatch):
