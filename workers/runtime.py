@@ -166,6 +166,9 @@ class WorkerRuntime:
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        # The signal's byte reaches the pipe at once, also one that comes just before the loop's
+        # poll starts (the handler, run between bytecodes, would set the flag too late for it).
+        signal.set_wakeup_fd(self._wake_w)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -252,6 +255,7 @@ class WorkerRuntime:
                 close()
             os.close(self._wake_r)
             # (-1 first: a stop signal after this must not write into a file that reuses the number)
+            signal.set_wakeup_fd(-1)
             wake_w, self._wake_w = self._wake_w, -1
             os.close(wake_w)
             ctx.term()
