@@ -2143,43 +2143,48 @@ def test_a_second_node_on_a_running_nodes_ports_exits_naming_them(front_door, tm
                                   .as_numpy("y"), want)
 
 
-def test_a_killed_nodes_claim_on_its_ports_does_not_stop_the_next_node(tmp_path):
+@pytest.fixture
+def started_front_door(tmp_path):
+    """Starts `batchyard frontend` of a config (with extra environment), returned once it said
+    READY=1; every one it started is killed at the end."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    procs = []
+
+    def start_ready(path: Path, env: dict = {}) -> subprocess.Popen:
+        p, ready = _start_front_door(path, notify, env)
+        procs.append(p)
+        assert ready, p.communicate(timeout=60)[1]
+        return p
+
+    yield start_ready
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    notify.close()
+
+
+def test_a_killed_nodes_claim_on_its_ports_does_not_stop_the_next_node(tmp_path, started_front_door):
     """A node's claim on its ports is a flock, which the kernel lets go of with its process: a
     front door killed outright (it gave nothing back) does not keep another node off its ports,
     and that one, stopped, leaves no claim behind."""
     from batchyard.kserve_shm import ports_dir
 
     grpc_port, http_port = _free_port(), _free_port()
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify"))
-    procs = []
-
-    def start_ready(name: str) -> subprocess.Popen:
-        p, ready = _start_front_door(_other_node_config(tmp_path, name, grpc_port, http_port), notify)
-        procs.append(p)
-        assert ready, p.communicate(timeout=60)[1]
-        return p
-
-    try:
-        first = start_ready("first")
-        first.kill()
-        first.communicate()
-        second = start_ready("second")
-        assert tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()
-        second.terminate()
-        second.communicate(timeout=30)
-        assert second.returncode == 0
-        left = os.listdir(ports_dir()) if os.path.isdir(ports_dir()) else []
-        assert not [n for n in left if n.startswith((f"{grpc_port}-", f"{http_port}-"))], left
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-        notify.close()
+    first = started_front_door(_other_node_config(tmp_path, "first", grpc_port, http_port))
+    first.kill()
+    first.communicate()
+    second = started_front_door(_other_node_config(tmp_path, "second", grpc_port, http_port))
+    assert tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()
+    second.terminate()
+    second.communicate(timeout=30)
+    assert second.returncode == 0
+    left = os.listdir(ports_dir()) if os.path.isdir(ports_dir()) else []
+    assert not [n for n in left if n.startswith((f"{grpc_port}-", f"{http_port}-"))], left
 
 
-def test_a_front_door_restarted_within_its_node_keeps_the_clients_regions(tmp_path):
+def test_a_front_door_restarted_within_its_node_keeps_the_clients_regions(tmp_path, started_front_door):
     """With one front-door process (the default), `up` restarting it (killed, or hung and
     aborted) took every client's shared-memory regions with it: the new process, alone in the
     registry, took itself for the node's first and started it afresh (the client's next infer
@@ -2190,16 +2195,10 @@ def test_a_front_door_restarted_within_its_node_keeps_the_clients_regions(tmp_pa
 
     grpc_port, http_port = _free_port(), _free_port()
     path = _other_node_config(tmp_path, "node", grpc_port, http_port)
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify"))
     seg = shared_memory.SharedMemory(f"krestart_{os.getpid()}", create=True, size=64)
-    procs = []
 
     def start_ready(run: str) -> subprocess.Popen:
-        p, ready = _start_front_door(path, notify, {NODE_INSTANCE_ENV: run})
-        procs.append(p)
-        assert ready, p.communicate(timeout=60)[1]
-        return p
+        return started_front_door(path, {NODE_INSTANCE_ENV: run})
 
     def regions() -> list:
         return list(tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
@@ -2215,14 +2214,11 @@ def test_a_front_door_restarted_within_its_node_keeps_the_clients_regions(tmp_pa
         assert regions() == ["mine"], "a front door restarted within its node lost the clients' regions"
         restarted.kill()
         restarted.communicate()
-        start_ready("run-2")
+        next_run = start_ready("run-2")
         assert regions() == [], "the node's next run kept the last run's regions"
+        next_run.terminate()  # the last one out removes the registry
+        next_run.communicate(timeout=30)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-        notify.close()
         seg.close()
         seg.unlink()
         registry = registry_dir("127.0.0.1", grpc_port, http_port)
