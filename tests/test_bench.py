@@ -836,7 +836,7 @@ def _a_load_process_that_fails_before_the_start(target, address, model, inputs_k
     connect, report ready and wait for the start (which cannot come)."""
     from batchyard.bench import harness
 
-    async def run(address, model, inputs_kind, spec, part, ready):
+    async def run(address, model, inputs_kind, spec, part, ready, keys=None):
         if part == 0:
             raise RuntimeError("could not connect (no dispatcher)")
         ready()
