@@ -126,13 +126,18 @@ def _run_keygen(args) -> int:
     if why:  # (/proc/x was FileNotFoundError's traceback)
         print(f"batchyard keygen: --out {args.out!r}: {why}", file=sys.stderr)
         return 73  # EX_CANTCREAT
-    if os.path.exists(secret_file) and not args.force:
-        # Replaced, the node's secret key was gone for good, and every client that trusted its
-        # public key was locked out.
-        print(f"batchyard keygen: {secret_file} exists; --force replaces it", file=sys.stderr)
+    # Replaced, the node's secret key was gone for good, and every client that trusted its public
+    # key was locked out; a public key of that name (a client's, in the authorized folder) was
+    # written over, and a symlink under either name was followed.
+    there = [f for f in (secret_file, secret_file[:-len("_secret")]) if os.path.lexists(f)]
+    if there and not args.force:
+        print(f"batchyard keygen: {there[0]} exists; --force replaces it", file=sys.stderr)
         return 73  # EX_CANTCREAT
     try:
-        public, secret = write_keypair(args.out, args.name)
+        public, secret = write_keypair(args.out, args.name, replace=args.force)
+    except FileExistsError as e:  # made since the check
+        print(f"batchyard keygen: {e.filename2 or e.filename} exists; --force replaces it", file=sys.stderr)
+        return 73
     except OSError as e:  # the folder changed since the check (or refused the key files themselves)
         print(f"batchyard keygen: --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
         return 73

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import logging
@@ -38,14 +39,34 @@ def read_keypair(path: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def write_keypair(folder: str, name: str) -> tuple[str, str]:
-    """``batchyard keygen``: NAME.key (public, to share) and NAME.key_secret (mode 0600)."""
-    import zmq.auth
-
+def write_keypair(folder: str, name: str, replace: bool = False) -> tuple[str, str]:
+    """``batchyard keygen``: NAME.key (public, to share) and NAME.key_secret (0600 from its first
+    byte), in the certificate format ``zmq.auth.load_certificate`` reads. Written here rather than
+    by ``zmq.auth.create_certificates``, which opens both with a plain ``open("w")``: the secret
+    was 0644 until a chmod after it (another local user who opened it meanwhile kept the node's
+    secret), and a NAME.key already there, or a symlink planted under that name, was written
+    over. Each file is written under a name of its own and then linked into place, which fails
+    on anything already there (FileExistsError), unless ``replace``: then renamed over it (a
+    symlink itself is replaced, not followed)."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(folder, name)
-    os.chmod(secret, 0o600)
-    return public, secret
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    base = os.path.join(folder, name)
+    files = ((f"{base}.key_secret", 0o600, f'curve\n    public-key = "{public}"\n    secret-key = "{secret}"\n'),
+             (f"{base}.key", 0o644, f'curve\n    public-key = "{public}"\n'))
+    for path, mode, text in files:
+        tmp = f"{path}.new-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"#   ZeroMQ CURVE certificate written by batchyard keygen\nmetadata\n{text}")
+            if replace:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return f"{base}.key", f"{base}.key_secret"
 
 
 class EndpointInUse(RuntimeError):

@@ -669,6 +669,23 @@ def test_keygen_keeps_an_existing_secret_key_and_names_stay_in_the_folder(tmp_pa
     assert (keys / "n0.key_secret").read_bytes() != secret
     r = keygen("--out", str(keys), "--name", "../escape")
     assert r.returncode == 64 and not (tmp_path / "escape.key").exists()
+    # Only the secret file was checked: a public key of the name (a client's, in the authorized
+    # folder) was written over, and a symlink planted under it was followed.
+    (keys / "alice.key").write_text("alice's public key")
+    r = keygen("--out", str(keys), "--name", "alice")
+    assert r.returncode == 73 and "alice.key exists; --force replaces it" in r.stderr
+    assert (keys / "alice.key").read_text() == "alice's public key" and not (keys / "alice.key_secret").exists()
+    victim = tmp_path / "victim.conf"
+    victim.write_text("kept")
+    (keys / "bob.key").symlink_to(victim)
+    assert keygen("--out", str(keys), "--name", "bob").returncode == 73
+    assert keygen("--out", str(keys), "--name", "bob", "--force").returncode == 0
+    assert victim.read_text() == "kept" and not (keys / "bob.key").is_symlink()
+    from batchyard.transport import read_keypair
+
+    public, _ = read_keypair(str(keys / "bob.key_secret"))
+    assert public.decode() in (keys / "bob.key").read_text()
+    assert (keys / "bob.key_secret").stat().st_mode & 0o777 == 0o600
     r = keygen("--out", str(keys / "n0.key"), "--name", "x")
     assert r.returncode == 64 and "is not a folder" in r.stderr and "Traceback" not in r.stderr
 
