@@ -95,8 +95,12 @@ class Finished:
 
 class LlmCore:
     def __init__(self, on_fail: Callable[[LlmRequest, Status, str], None], default_timeout_s: float = 30.0,
-                 interference_weight: float = 0.0, worker_dead_after_s: float = 10.0):
+                 interference_weight: float = 0.0, worker_dead_after_s: float = 10.0, models: tuple = ()):
         self.on_fail = on_fail
+        # The config's LLM models and every model an engine has served: one with no engine up (its
+        # engines still loading, or lost and restarting) is UNAVAILABLE, not UNKNOWN_MODEL (a 404
+        # "model_not_found" while /v1/models listed it).
+        self._known: set = set(models)
         self.default_timeout_s = default_timeout_s
         self.interference_weight = interference_weight
         self.worker_dead_after_s = worker_dead_after_s
@@ -114,7 +118,7 @@ class LlmCore:
 
     # ------------------------------------------------------------------ workers
     def models(self) -> set:
-        return {w.engine.model for w in self.workers.values()}
+        return self._known | {w.engine.model for w in self.workers.values()}
 
     def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0,
                    peer: str = "") -> list:
@@ -128,6 +132,7 @@ class LlmCore:
         lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
         self.hung.pop(name, None)
         self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid, peer=peer)
+        self._known.add(engine.model)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
         # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
         self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode,
@@ -433,9 +438,13 @@ class LlmCore:
         self.draining = True
 
     def fail_all(self, status: Status, message: str) -> None:
+        """Answer every open request; those a job runs are stopped in their engine (the next
+        ``decide`` sends the aborts): an engine that outlives the dispatcher (a separate unit, or
+        one that registers with the next dispatcher) decoded them to max_tokens for nobody."""
         for r in list(self.requests.values()):
             if self._end(r):
                 self.on_fail(r, status, message)
+                self._abort(r)
         for q in self.cpu_queue.values():
             q.clear()
 

@@ -22,12 +22,13 @@ log = logging.getLogger("batchyard.dispatcher")
 class LlmDesk:
     def __init__(self, send_worker: Callable[[bytes, bytes], None], reply: Callable[[bytes, bytes], None],
                  default_timeout_s: float, interference_weight: float, worker_dead_after_s: float,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, models: tuple = ()):
         self._send_worker = send_worker
         self._reply = reply
         self.metrics = metrics if metrics is not None else Metrics()
         self.core = LlmCore(self._on_fail, default_timeout_s=default_timeout_s,
-                            interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s)
+                            interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s,
+                            models=models)
 
     # ------------------------------------------------------------------ in
     def on_generate(self, msg: P.GenerateRequest, identity: bytes, now: float, unknown: Callable[[str], str]) -> None:

@@ -133,7 +133,7 @@ class Dispatcher:
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
         self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
-                           cfg.worker_dead_after_s, self.metrics)
+                           cfg.worker_dead_after_s, self.metrics, models=llm_models)
 
     @property
     def policy(self):
@@ -155,8 +155,9 @@ class Dispatcher:
         throughout, and workers register and leave as usual."""
         if self.core.draining:
             return
-        log.info("draining: %d queued, %d batches in flight; up to %.1f s", self.state.queued_requests(),
-                 len(self.core.batches), self.cfg.drain_timeout_s)
+        log.info("draining: %d queued, %d batches in flight, %d LLM requests; up to %.1f s",
+                 self.state.queued_requests(), len(self.core.batches), len(self.llm.core.requests),
+                 self.cfg.drain_timeout_s)
         self._drain_deadline = _now() + self.cfg.drain_timeout_s
         self.core.begin_drain()
         self.llm.core.begin_drain()
@@ -208,6 +209,7 @@ class Dispatcher:
         try:
             self.core.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting")
             self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting")
+            self.llm.decide(_now())  # the engines stop what was answered
         finally:
             self.exit_code = EXIT_BROKEN_INVARIANT
             self.close()
@@ -267,8 +269,9 @@ class Dispatcher:
     def _end_drain(self) -> None:
         """Every request still open gets its one reply, UNAVAILABLE, then the sockets close."""
         if not self._drained():
-            log.warning("drain_timeout_s (%.1f s) ran out: %d queued, %d batches in flight answered UNAVAILABLE",
-                        self.cfg.drain_timeout_s, self.state.queued_requests(), len(self.core.batches))
+            log.warning("drain_timeout_s (%.1f s) ran out: %d queued, %d batches in flight, %d LLM requests "
+                        "answered UNAVAILABLE", self.cfg.drain_timeout_s, self.state.queued_requests(),
+                        len(self.core.batches), len(self.llm.core.requests))
             why = f"drain_timeout_s {self.cfg.drain_timeout_s:g} s ran out"
         else:  # ended early: nothing queued that a worker left could take (they stopped beside it, or
             # every one left has a smaller max batch)
@@ -276,6 +279,7 @@ class Dispatcher:
         self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker ({why})")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
+        self.llm.decide(_now())  # the engines stop what was answered
         # Its workers outlive it (`up` stops them next; one stopped then waits 1 s for an answer
         # to its `leaving`, LEAVING_NOTED_WAIT_S). Not told to register again: one left running
         # (separate units) sent `register` to nobody every 2 s, and after ~1,000 of them its sends

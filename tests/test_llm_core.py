@@ -529,3 +529,35 @@ def test_openai_statuses_for_a_missing_model_and_a_null_max_tokens_are_openais()
     assert status == 404 and out["error"]["code"] == "model_not_found" and "nope" in out["error"]["message"]
     status, out = outs[3]
     assert status == 200 and client.asked == [("m", [1, 2], 16)] and out["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("case", ["configured, no engine yet", "every engine lost"])
+def test_a_known_model_with_no_engine_up_is_unavailable_not_unknown(case):
+    """With no engine of a configured model up (still loading, or lost and restarting), every
+    request was UNKNOWN_MODEL (the front door's 404 "model_not_found") while /v1/models listed
+    the model: a permanent-looking error for a passing state."""
+    if case == "configured, no engine yet":
+        h = Harness(cpu=False, gpu=False, models=("m",))
+    else:
+        h = Harness()
+        for name in ("cpu0", "gpu0"):
+            h.core.worker_lost(name, "test", h.now)
+    _, why = h.submit(32)
+    assert why[0] == Status.UNAVAILABLE and "no 'gpu' LLM instance of 'm' is up" in why[1]
+    assert h.core.admit(P.GenerateRequest(v=1, id=99, model="nope", prompt=[7], max_tokens=1), b"client",
+                        h.now) == (Status.UNKNOWN_MODEL, "")
+
+
+def test_requests_answered_at_the_end_of_a_drain_are_stopped_in_their_engine():
+    """The drain's end answered running generations UNAVAILABLE but never aborted them: an
+    engine that outlives the dispatcher (a separate unit, or one that registers with the next
+    dispatcher) decoded them to max_tokens for nobody."""
+    h = Harness(cpu=False)
+    rid, why = h.submit(32, max_tokens=64)
+    assert why is None
+    [send] = h.jobs()
+    h.core.begin_drain()
+    h.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
+    assert [r for r, s, _ in h.failed] == [rid]
+    aborts = [s.job for s in h.jobs() if isinstance(s.job, P.LlmAbort)]
+    assert [(a.job_id, a.seqs) for a in aborts] == [(send.job.job_id, send.job.seqs)]
