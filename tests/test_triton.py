@@ -48,6 +48,25 @@ def triton(tmp_path_factory):
     tl.close()
 
 
+def test_triton_local_listens_on_loopback_only(triton):
+    """Triton binds every interface by default, and its shared-memory API answers anyone who
+    reaches it: from another host a node's regions were listed and unregistered (the docs said
+    127.0.0.1)."""
+    import ipaddress
+
+    import psutil
+
+    def v4(ip: str):  # gRPC's listener reads ::ffff:127.0.0.1
+        a = ipaddress.ip_address(ip)
+        return getattr(a, "ipv4_mapped", None) or a
+
+    ports = {triton.grpc_port, triton.http_port, triton.metrics_port}
+    listening = {(v4(c.laddr.ip), c.laddr.port) for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+    assert {port for _, port in listening} == ports, listening
+    assert {str(ip) for ip, _ in listening} == {"127.0.0.1"}, listening
+
+
 def gpu_worker(tl, warmup=(1, 8), **kw):
     return WorkerConfig(name="gpu0", kind="triton", models=("tri",), warmup_sizes=warmup,
                         triton=TritonConfig(url=tl.grpc_url, models={"tri": "dense_amx"}, **kw))

@@ -58,7 +58,8 @@ def _positive(text: str) -> int:
 def _run_triton_local(args) -> int:
     from .triton_local import TritonLocal
 
-    return TritonLocal(args.model_repository, args.grpc_port, args.http_port, args.metrics_port).serve(120)
+    return TritonLocal(args.model_repository, args.grpc_port, args.http_port, args.metrics_port,
+                       host=args.host).serve(120)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,4 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address Triton's gRPC, HTTP and metrics servers bind (default: loopback only; "
+                        "0.0.0.0 for every interface: its shared-memory API then answers other hosts)")
     p.set_defaults(run=_run_triton_local)

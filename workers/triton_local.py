@@ -100,8 +100,12 @@ def pytriton_root() -> Path:
 class TritonLocal:
     def __init__(self, model_repository: str | Path, grpc_port: int = 0, http_port: int = 0,
                  metrics_port: int = 0, log_verbose: int = 0, stub_site: str | None = None,
-                 models: list[str] | None = None):
+                 models: list[str] | None = None, host: str = "127.0.0.1"):
         self.repo = Path(model_repository).resolve()
+        # The address its three servers bind. Triton's default is every interface, and its
+        # shared-memory API answers anyone who reaches it: from another host, a node's regions
+        # (their names are predictable) were listed and unregistered, failing its requests.
+        self.host = host
         self.grpc_port = grpc_port or _free_port()
         self.http_port = http_port or _free_port()
         self.metrics_port = metrics_port or _free_port()
@@ -147,6 +151,7 @@ class TritonLocal:
             self.stub_site = default_stub_site()
         cmd = [str(pytriton_root() / "bin" / "tritonserver"),
                f"--model-repository={self.repo}", f"--backend-directory={self._backend_dir()}",
+               f"--grpc-address={self.host}", f"--http-address={self.host}", f"--metrics-address={self.host}",
                f"--grpc-port={self.grpc_port}", f"--http-port={self.http_port}",
                f"--metrics-port={self.metrics_port}", "--allow-metrics=true",
                f"--log-verbose={self.log_verbose}", "--exit-on-error=true", "--strict-readiness=true",
