@@ -1242,3 +1242,26 @@ def test_a_worker_restarted_while_triton_runs_its_killed_predecessors_batch_star
     finally:
         new.close()
     assert _system_regions(triton, prefix) == set()
+
+
+@pytest.mark.parametrize("error, exits", [
+    ("answer", "restarted"),  # Triton's error status: a crashed python-backend stub, say
+    ("contract", "not restarted")])  # an output unlike the spec: the same at every start
+def test_a_triton_error_at_warm_up_is_restarted_only_where_triton_may_change(error, exits):
+    """A Triton model whose stub crashed answers INTERNAL "Stub process ... is not healthy";
+    the worker's next start met it at warm-up and exited 78, never restarted, Triton fixed or
+    not (the warm-up's rule: the same code on the same zeros fails the same way, 78). That code
+    runs in Triton's process: Triton's answers exit 69, restarted."""
+    from batchyard.workers import runtime
+    from batchyard.workers.triton_executor import TritonAnswerError, TritonModelError
+
+    def run(model, inputs):
+        if error == "answer":
+            raise TritonAnswerError("Triton failed the batch (INTERNAL): Stub process 'dense_amx_0_0' is not healthy.")
+        raise TritonModelError("Triton's output 'y' is FP16 [1, 384]; the spec says FP32 [1, 384]")
+
+    rt = runtime.WorkerRuntime("gpu0", "ipc:///nonexistent", types.SimpleNamespace(run=run, simulated=False),
+                               {"tri": TRI.spec()})
+    want = runtime.ExecutorUnavailable if exits == "restarted" else runtime.CannotStart
+    with pytest.raises(want, match="'tri': warm-up at B=1: "):
+        rt.warmup({"tri": (1,)})

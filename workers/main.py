@@ -79,6 +79,11 @@ def run_worker(node: NodeConfig, name: str) -> int:
             if hasattr(executor, "close"):
                 executor.close()
             return EX_CONFIG
+        except ExecutorUnavailable as e:  # its backend (Triton) is not up, or not well yet: restarted
+            log.error("worker %s cannot start: %s", name, e)
+            if hasattr(executor, "close"):
+                executor.close()
+            return EX_UNAVAILABLE
     return rt.serve()
 
 

@@ -149,6 +149,11 @@ class WorkerRuntime:
                 except Exception as e:  # noqa: BLE001 -- a restart runs the same code on the same zeros: EX_CONFIG
                     if out_of_memory(e):
                         raise
+                    if getattr(e, "restart_may_help", False):
+                        # The model runs in another process (Triton's), whose error may pass: exit
+                        # 69, restarted. As 78 a Triton stub that crashed once kept its worker down
+                        # for good, Triton fixed or not.
+                        raise ExecutorUnavailable(f"[[models]] {model!r}: warm-up at B={b}: {error_text(e)}") from None
                     # (a model whose layers do not fit its spec raised a traceback and exit 1, which
                     # systemd restarts for ever)
                     from .executors import ModelContractError

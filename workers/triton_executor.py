@@ -93,6 +93,15 @@ class TritonModelError(RuntimeError):
     batch's requests fail INTERNAL with its message; Triton is not down."""
 
 
+class TritonAnswerError(TritonModelError):
+    """Triton answered the call with an error status (INTERNAL "Stub process ... is not
+    healthy", say). The model runs in Triton's process, not this one, and Triton's state may
+    change: at warm-up a restart may find it well (``restart_may_help``), where an output
+    unlike the spec (TritonModelError) fails the same way at every start."""
+
+    restart_may_help = True
+
+
 def _may_still_run(err) -> bool:
     """Whether the batch whose call failed with ``err`` may still be running in Triton: its call
     timed out, or was cut or never answered; not when Triton answered with an error."""
@@ -416,7 +425,7 @@ class TritonExecutor:
             # worker's batches of its other models for the back-off, and whose reconnect
             # cancelled those in flight.
             return ExecutorUnavailable(f"Triton at {self.url} does not serve the model now: {msg}")
-        return TritonModelError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
+        return TritonAnswerError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
 
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
         """Record a failure of client ``gen``; returns the error the batch gets."""
