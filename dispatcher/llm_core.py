@@ -97,10 +97,11 @@ class LlmCore:
     def __init__(self, on_fail: Callable[[LlmRequest, Status, str], None], default_timeout_s: float = 30.0,
                  interference_weight: float = 0.0, worker_dead_after_s: float = 10.0, models: tuple = ()):
         self.on_fail = on_fail
-        # The config's LLM models and every model an engine has served: one with no engine up (its
-        # engines still loading, or lost and restarting) is UNAVAILABLE, not UNKNOWN_MODEL (a 404
-        # "model_not_found" while /v1/models listed it).
-        self._known: set = set(models)
+        # The config's LLM models: one with no engine up (its engines still loading, or lost and
+        # restarting) is UNAVAILABLE, not UNKNOWN_MODEL (a 404 "model_not_found" while /v1/models
+        # listed it). A model only an engine names counts while that engine is up (kept for good,
+        # one a stray engine of an old config registered held the node's strict readiness down).
+        self._known: frozenset = frozenset(models)
         self.default_timeout_s = default_timeout_s
         self.interference_weight = interference_weight
         self.worker_dead_after_s = worker_dead_after_s
@@ -132,7 +133,6 @@ class LlmCore:
         lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
         self.hung.pop(name, None)
         self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid, peer=peer)
-        self._known.add(engine.model)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
         # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
         self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode,

@@ -17,6 +17,7 @@ import errno
 import grp
 import logging
 import os
+import secrets
 import socket
 import stat
 from pathlib import Path
@@ -53,17 +54,28 @@ def write_keypair(folder: str, name: str, replace: bool = False) -> tuple[str, s
     base = os.path.join(folder, name)
     files = ((f"{base}.key_secret", 0o600, f'curve\n    public-key = "{public}"\n    secret-key = "{secret}"\n'),
              (f"{base}.key", 0o644, f'curve\n    public-key = "{public}"\n'))
-    for path, mode, text in files:
-        tmp = f"{path}.new-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
+    temps, placed = [], []
+    try:
+        for path, mode, text in files:  # both written before either is placed
+            tmp = f"{path}.new-{os.getpid()}-{secrets.token_hex(4)}"  # (a pid alone recurs in containers)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            temps.append(tmp)
             with os.fdopen(fd, "w") as f:
                 f.write(f"#   ZeroMQ CURVE certificate written by batchyard keygen\nmetadata\n{text}")
+        for tmp, (path, _, _) in zip(temps, files):
             if replace:
                 os.replace(tmp, path)
             else:
                 os.link(tmp, path)
-        finally:
+            placed.append(path)
+    except BaseException:
+        if not replace:  # a secret key placed without its public key would refuse the next run
+            for path in placed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        raise
+    finally:
+        for tmp in temps:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
     return f"{base}.key", f"{base}.key_secret"

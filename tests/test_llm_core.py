@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -539,13 +540,23 @@ def test_a_known_model_with_no_engine_up_is_unavailable_not_unknown(case):
     if case == "configured, no engine yet":
         h = Harness(cpu=False, gpu=False, models=("m",))
     else:
-        h = Harness()
+        h = Harness(models=("m",))
         for name in ("cpu0", "gpu0"):
             h.core.worker_lost(name, "test", h.now)
     _, why = h.submit(32)
     assert why[0] == Status.UNAVAILABLE and "no 'gpu' LLM instance of 'm' is up" in why[1]
     assert h.core.admit(P.GenerateRequest(v=1, id=99, model="nope", prompt=[7], max_tokens=1), b"client",
                         h.now) == (Status.UNKNOWN_MODEL, "")
+
+
+def test_a_model_only_a_departed_engine_named_is_forgotten():
+    """An engine of a model the config does not name (a stray one of an old config) counts
+    while it is up; kept after it left, the model held the node's strict readiness down."""
+    h = Harness(cpu=False, gpu=False, models=("m",))
+    h.core.add_worker("old0", b"old0", msgspec.structs.replace(GPU_ENGINE, model="old"), h.now)
+    assert h.core.models() == {"m", "old"}
+    h.core.worker_lost("old0", "test", h.now)
+    assert h.core.models() == {"m"}
 
 
 def test_requests_answered_at_the_end_of_a_drain_are_stopped_in_their_engine():

@@ -232,3 +232,13 @@ def test_a_malformed_cancel_with_a_second_type_is_not_answered_under_the_id_it_n
             s.close()
     assert sorted((r.id or 0, r.status) for r in replies) == [(0, P.Status.INVALID_ARGUMENT),
                                                               (5, P.Status.DEADLINE_EXCEEDED)], replies
+
+
+def test_a_keygen_that_cannot_place_its_public_key_leaves_no_lone_secret_key(tmp_path):
+    """The secret key was linked into place first: with a NAME.key there (made since the
+    command's check), the secret stayed alone, and every later keygen refused the name."""
+    (tmp_path / "n0.key").write_text("someone's public key")
+    with pytest.raises(FileExistsError):
+        write_keypair(str(tmp_path), "n0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n0.key"]
+    assert (tmp_path / "n0.key").read_text() == "someone's public key"

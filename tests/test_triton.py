@@ -67,6 +67,17 @@ def test_triton_local_listens_on_loopback_only(triton):
     assert {str(ip) for ip, _ in listening} == {"127.0.0.1"}, listening
 
 
+@pytest.mark.parametrize("host, dialled", [("192.0.2.2", "192.0.2.2"), ("0.0.0.0", "127.0.0.1")])
+def test_triton_local_dials_the_address_it_binds(host, dialled):
+    """With --host one address, its readiness wait dialled 127.0.0.1, where nothing listened:
+    "not ready within 120 s", exit 1, while Triton served on the address asked."""
+    tl = TritonLocal(REPO, host=host)
+    try:
+        assert tl.grpc_url == f"{dialled}:{tl.grpc_port}"
+    finally:
+        tl.close()
+
+
 def gpu_worker(tl, warmup=(1, 8), **kw):
     return WorkerConfig(name="gpu0", kind="triton", models=("tri",), warmup_sizes=warmup,
                         triton=TritonConfig(url=tl.grpc_url, models={"tri": "dense_amx"}, **kw))

@@ -120,7 +120,13 @@ class TritonLocal:
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self._dial_host}:{self.grpc_port}"
+
+    @property
+    def _dial_host(self) -> str:
+        """Where its servers are reached from this host: the address they bind, loopback for
+        every interface's (its readiness wait dialled 127.0.0.1 whatever --host said)."""
+        return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
 
     def _backend_dir(self) -> Path:
         root = pytriton_root()
@@ -260,7 +266,7 @@ class TritonLocal:
             try:
                 self.start(ready_timeout_s)
                 print(f"tritonserver ready: gRPC {self.grpc_url}, metrics "
-                      f"http://127.0.0.1:{self.metrics_port}/metrics", flush=True)
+                      f"http://{self._dial_host}:{self.metrics_port}/metrics", flush=True)
                 self._wait_exit(None)
                 self._end()
                 rc = exit_status(self.proc.returncode)
