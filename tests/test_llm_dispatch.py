@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -367,6 +368,28 @@ def test_a_client_closed_mid_generation_has_its_generation_stopped_in_the_engine
     assert gpu.aborted.wait(30)
     [held] = gpu.held
     assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
+
+
+def test_a_generation_answered_at_the_end_of_a_drain_is_stopped_in_its_engine(llm_node):
+    """The node stopped with a generation running: the drain's end answered it UNAVAILABLE and
+    never aborted it, and an engine that outlives the dispatcher (a separate unit, or one that
+    registers with the next) decoded it to max_tokens for nobody."""
+    address, engines, _ = llm_node
+    gpu = engines["gpu0"]
+    c = Client(address)
+    try:
+        fut = c.submit_generate("tiny", [HOLD_TOKEN, 1], max_tokens=300, route="gpu", timeout=60)
+        assert gpu.held_any.wait(30)
+        dispatcher = next(p for p in psutil.Process().children(recursive=True)
+                          if p.name() == "batchyard::dispatcher")
+        dispatcher.terminate()  # drain_timeout_s (5 s), then every open request answered
+        with pytest.raises(Unavailable, match="dispatcher shut down before the request finished"):
+            fut.result(timeout=60)
+        assert gpu.aborted.wait(30)
+        [held] = gpu.held
+        assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
+    finally:
+        c.close()
 
 
 def test_a_list_of_prompts_runs_at_once_under_the_nodes_default_timeout(llm_node):
