@@ -139,6 +139,20 @@ class RequestCore:
         q.push(req)
         return req
 
+    def _expired_queued(self, req: Request, now: float, why: str) -> tuple[Status, str]:
+        """A queued request's failure at (or just before) its deadline: DEADLINE_EXCEEDED, but
+        UNAVAILABLE where every worker of its model is out of rotation by the breaker (its
+        backend failed batches UNAVAILABLE: Triton down, say), as Triton answers for a model that
+        is not available. Its client then retries elsewhere, not with a longer deadline; a
+        request still queued when the only GPU worker's back-off (2, 4, 8 s) outlived its timeout
+        was a DEADLINE_EXCEEDED "in queue", as if the node were only slow."""
+        out = [(until, name) for name, (until, w) in self.suspended.items() if req.model in w.models]
+        if out and not self.state.serving.get(req.model):
+            until, name = min(out)
+            return Status.UNAVAILABLE, (f"{why}: every worker of {req.model!r} is out of rotation, its backend "
+                                        f"failing batches UNAVAILABLE ({name} back in {max(until - now, 0.0):.1f} s)")
+        return Status.DEADLINE_EXCEEDED, why
+
     def _fastest(self, model: str, items: int) -> float:
         """The time the fastest path serving ``model`` that takes ``items`` in one batch now takes
         for them alone (0: none serves it)."""
@@ -184,21 +198,21 @@ class RequestCore:
                     leaving.setdefault(req.model, []).append(req)
                     self.state.expired(req, now)
                     fastest = self._fastest(req.model, req.items)
-                    self.fail(req, Status.DEADLINE_EXCEEDED,
-                              f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} ms "
-                              f"left after {(now - req.arrival) * 1e3:.1f} ms in queue, the fastest path takes "
-                              f"{fastest * 1e3:.1f} ms")
+                    self.fail(req, *self._expired_queued(
+                        req, now, f"cannot finish before its deadline on any path: {(req.deadline - now) * 1e3:.1f} "
+                        f"ms left after {(now - req.arrival) * 1e3:.1f} ms in queue, the fastest path takes "
+                        f"{fastest * 1e3:.1f} ms"))
                 else:  # in flight (or queued again later): its deadline is what counts
                     heapq.heappush(heap, (req.deadline, seq))
                 continue
             if req.state == QUEUED:
                 leaving.setdefault(req.model, []).append(req)
                 self.state.expired(req, now)
-                where = "in queue"
+                self.fail(req, *self._expired_queued(
+                    req, now, f"deadline passed in queue after {(now - req.arrival) * 1e3:.1f} ms"))
             else:
-                where = "while its batch was running"
-            self.fail(req, Status.DEADLINE_EXCEEDED,
-                      f"deadline passed {where} after {(now - req.arrival) * 1e3:.1f} ms")
+                self.fail(req, Status.DEADLINE_EXCEEDED,
+                          f"deadline passed while its batch was running after {(now - req.arrival) * 1e3:.1f} ms")
         for model, reqs in leaving.items():
             self.state.queue(model).remove_many(reqs)
 

@@ -271,6 +271,25 @@ def test_circuit_breaker_backs_off_doubling_and_resets_on_success():
     assert req.state == 1  # untouched by all this
 
 
+def test_a_request_that_outlives_its_models_only_worker_out_of_rotation_is_unavailable():
+    """The breaker took the model's only worker out of rotation (its backend failing batches,
+    Triton killed) for longer than a queued request's timeout: it failed DEADLINE_EXCEEDED "in
+    queue", as if the node were only slow; Triton answers UNAVAILABLE for a model that is not
+    available, and a client retries elsewhere on it. With another worker in rotation, a late
+    request is still DEADLINE_EXCEEDED."""
+    ends = Ends()
+    core = make_core(ends, breaker_backoff_s=8.0)
+    core.batch_health(core.state.workers["gpu0"], True, 0.0)
+    core.admit("m", 1, 1, 1.0, 0.0, req_id=1)
+    core.decide(1.5)
+    assert ends.failed == {1: Status.UNAVAILABLE}
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 2.0)
+    core.state.workers["cpu0"].inflight, core.state.workers["cpu0"].busy_until = 1, 10.0  # busy, in rotation
+    core.admit("m", 1, 1, 1.0, 2.0, req_id=2)
+    core.decide(3.5)
+    assert ends.failed[2] == Status.DEADLINE_EXCEEDED
+
+
 def test_unavailable_requests_are_retried_on_another_worker_once():
     ends = Ends()
     core = make_core(ends)
