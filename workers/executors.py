@@ -23,6 +23,8 @@ import numpy as np
 from batchyard.config import SimConfig
 from batchyard.protocol import ModelSpec
 
+from .runtime import error_text, out_of_memory
+
 
 def load_factory(path: str) -> Callable:
     """The factory a model config names; ValueError (the worker's one line and exit 78) for a
@@ -37,29 +39,23 @@ def load_factory(path: str) -> Callable:
     return factory
 
 
-# A factory's failures that a restart may not meet again (its weights store down for a moment, a
-# full disk): the worker exits 1 and is restarted. Its other failures (a weights file missing, a
-# bug, a spec it refuses) meet a restart alike: ValueError, the one line and exit 78.
-PASSING_FAILURES = (ConnectionError, TimeoutError, InterruptedError, MemoryError)
+# A factory's OS errors that a restart meets again (the weights file missing): the one line and
+# exit 78. Its other OS errors (a weights store down for a moment, a timeout, a full disk) and
+# memory errors may pass: the worker exits 1 and is restarted; its other exceptions (a bug, a
+# spec it refuses) meet a restart alike: 78.
 SETTLED_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def build_model(factory: str, spec: ModelSpec):
-    """``factory(spec)``, its failure sorted as PASSING_FAILURES says (a factory that raised
+    """``factory(spec)``; a failure a restart meets again is a ValueError (a factory that raised
     anything was a traceback and exit 1, restarted every second for good)."""
     fn = load_factory(factory)
     try:
         return fn(spec)
-    except PASSING_FAILURES:
-        raise
-    except OSError as e:
-        if not isinstance(e, SETTLED_OS_ERRORS):  # a network error, a full disk: may pass
+    except Exception as e:  # noqa: BLE001 -- sorted below
+        if out_of_memory(e) or (isinstance(e, OSError) and not isinstance(e, SETTLED_OS_ERRORS)):
             raise
-        raise ValueError(f"model factory {factory!r} failed: {type(e).__name__}: {e}") from None
-    except Exception as e:  # noqa: BLE001 -- sorted: restarted, it fails the same way
-        if "OutOfMemory" in type(e).__name__:  # a GPU's memory a killed predecessor held
-            raise
-        raise ValueError(f"model factory {factory!r} failed: {type(e).__name__}: {e}") from None
+        raise ValueError(f"model factory {factory!r} failed: {error_text(e)}") from None
 
 
 class TorchCpuExecutor:
