@@ -79,6 +79,11 @@ class LlmDesk:
         return True
 
     # ------------------------------------------------------------------ out
+    def fail_all(self, status: Status, message: str, now: float) -> None:
+        """Answer every open request ``status`` and stop in their engines the ones jobs run."""
+        self.core.fail_all(status, message)
+        self.decide(now)  # the aborts
+
     def decide(self, now: float) -> int:
         """Send the jobs decided now; -> how many workers turned out to be gone."""
         gone = 0

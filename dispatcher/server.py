@@ -208,8 +208,7 @@ class Dispatcher:
     def fail_fast(self) -> None:
         try:
             self.core.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting")
-            self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting")
-            self.llm.decide(_now())  # the engines stop what was answered
+            self.llm.fail_all(Status.UNAVAILABLE, "dispatcher failed internally and is restarting", _now())
         finally:
             self.exit_code = EXIT_BROKEN_INVARIANT
             self.close()
@@ -278,8 +277,7 @@ class Dispatcher:
             why = "no worker left that can take it"
         self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker ({why})")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
-        self.llm.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished")
-        self.llm.decide(_now())  # the engines stop what was answered
+        self.llm.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished", _now())
         # Its workers outlive it (`up` stops them next; one stopped then waits 1 s for an answer
         # to its `leaving`, LEAVING_NOTED_WAIT_S). Not told to register again: one left running
         # (separate units) sent `register` to nobody every 2 s, and after ~1,000 of them its sends
