@@ -5,6 +5,7 @@ docs/policy.md ("MCB"); the numbered comments below are those steps.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 
 from .deadline_index import DeadlineIndex
@@ -413,16 +414,9 @@ class MarginalCost(PerModelPolicy):
         none behind them, cost ~0.4 ms a decision."""
         free = [x for x in ws if x.free]
         biggest = max((x.models[model] for x in free), default=0)
-        ahead, r = 0, None
-        for cls in q.by_priority:
-            for r in cls:
-                if r.items <= biggest or ahead >= SET_ASIDE_MAX:
-                    break
-                ahead += 1
-            else:
-                continue
-            break
-        if r is None or r.items > biggest:
+        in_order = itertools.islice(itertools.chain.from_iterable(q.by_priority), SET_ASIDE_MAX + 1)
+        ahead, r = next(((i, r) for i, r in enumerate(in_order) if r.items <= biggest), (0, None))
+        if r is None:
             return False  # what is queued waits for a busy worker, whose completion decides again
         aside = []
         try:
