@@ -439,12 +439,18 @@ class KServeHttp:
                 name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
                 if name not in names:
                     raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
-                if "classification" in op:
+                region, binary = _shm(op), _bool(op, "binary_data", False)
+                if region is not None:  # (Triton's ValidateOutputParameter, in its words)
+                    if "classification" in op:
+                        raise invalid("Output can't set both 'shared_memory_region' and 'classification'")
+                    if binary:
+                        raise invalid("Output can't set both 'shared_memory_region' and 'binary_data'")
+                # Triton reads 0 classes as none asked: the tensor as usual.
+                if _uint(op, "classification"):
                     raise invalid(f"output '{name}': classification is not supported")
                 if name in seen:
                     continue
                 seen.add(name)
-                region, binary = _shm(op), _bool(op, "binary_data", False)
                 if region is not None:  # held until close_outputs: nothing may raise before it is in wanted
                     region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs), uid)
                 wanted.append((name, binary, region))

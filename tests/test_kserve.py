@@ -1578,6 +1578,12 @@ def test_a_registration_without_key_or_size_or_of_no_bytes_is_refused(front_door
         segment.unlink()
 
 
+def _with_output(parameters: dict) -> dict:
+    """An infer body for ``sum`` of X, asking its output ``y`` with these parameters."""
+    return {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}],
+            "outputs": [{"name": "y", "parameters": parameters}]}
+
+
 MALFORMED_BODIES = {
     "inputs not an array": ({"inputs": {"x": 1}}, "Unable to parse 'inputs': expected an array"),
     "no inputs member": ({"outputs": []}, "Unable to parse 'inputs': the object has no member 'inputs'"),
@@ -1596,7 +1602,24 @@ MALFORMED_BODIES = {
     "a region named by a number": ({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "parameters": {
         "shared_memory_region": 5, "shared_memory_byte_size": 48}}]},
         "Unable to parse 'shared_memory_region': expected a string, got 5"),
+    # Triton refuses both pairs before it looks the region up; they were served (binary_data ignored).
+    "an output in a region and binary": (_with_output({"shared_memory_region": "unregistered",
+                                                       "shared_memory_byte_size": 48, "binary_data": True}),
+                                         "Output can't set both 'shared_memory_region' and 'binary_data'"),
+    "an output in a region and classified": (_with_output({"shared_memory_region": "unregistered",
+                                                           "shared_memory_byte_size": 48, "classification": 1}),
+                                             "Output can't set both 'shared_memory_region' and 'classification'"),
+    "a classification that is no count": (_with_output({"classification": "2"}),
+                                          "Unable to parse 'classification': expected an unsigned integer"),
 }
+
+
+def test_an_http_output_asking_zero_classes_is_the_tensor(front_door):
+    """Triton's HTTP reads ``"classification": 0`` as no classification asked; it was refused."""
+    r = thttp.InferenceServerClient(front_door.http_url)._post(
+        "v2/models/sum/infer", json.dumps(_with_output({"classification": 0})), None, None)
+    assert r.status_code == 200, r.read()
+    np.testing.assert_allclose(json.loads(r.read())["outputs"][0]["data"], front_door.sdk("sum", X).ravel())
 
 
 def test_an_optional_member_that_is_null_reads_as_absent(front_door):
