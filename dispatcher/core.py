@@ -443,7 +443,10 @@ class RequestCore:
                     req.suspect = True
                     self.state.queue(req.model).push_front(req)
                 else:
-                    self.fail(req, Status.UNAVAILABLE, f"worker {name} failed while running the batch ({reason})")
+                    # A worker gone for sure touches no memory: answered as ended, no release to
+                    # come (it was answered in flight, and the release promised never followed).
+                    self.fail(req, Status.UNAVAILABLE, f"worker {name} failed while running the batch ({reason})",
+                              batch_ended=not may_run_on)
         for model in w.models:
             self._fail_too_big(model, f"worker {name} left ({reason})")
         return w

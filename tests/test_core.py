@@ -55,6 +55,8 @@ def test_a_request_whose_deadline_passes_in_flight_is_answered_once_and_its_late
 
 
 def test_worker_loss_retries_once_then_fails_unavailable():
+    """Failed because its worker is gone for sure, the request is answered as ended: answered in
+    flight, its client kept the memory reserved for a release that never came."""
     ends = Ends()
     core = make_core(ends)
     core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
@@ -65,7 +67,7 @@ def test_worker_loss_retries_once_then_fails_unavailable():
     (b2,) = core.decide(0.001)
     assert b2.worker is not b1.worker
     core.worker_lost(b2.worker.name, "gone too", 0.002)
-    assert ends.failed == {1: Status.UNAVAILABLE}
+    assert ends.failed == {1: Status.UNAVAILABLE} and not req.answered_in_flight
     assert core.complete(b1.batch_id, 0.1, 0.003) is None  # a dead worker's late completion
 
 
