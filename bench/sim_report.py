@@ -243,6 +243,13 @@ def _seeds_flag(rep: dict) -> str:
     return " --trace-seeds legacy" if rep.get("trace_seeds", "legacy") == "legacy" else ""
 
 
+def _scenarios_flag(rep: dict) -> str:
+    """``--scenarios`` as the report's rows need it: none for every scenario (a subset's report
+    said to reproduce with the whole set)."""
+    names = list(dict.fromkeys(r["scenario"] for r in rep["rows"]))
+    return "" if set(names) == set(SCENARIOS) else f" --scenarios {','.join(names)}"
+
+
 def point(args) -> dict:
     """One (scenario, load): MCB, every baseline, the grid tuned on the first part of the trace."""
     scen, load, n, n_tune = args
@@ -348,7 +355,8 @@ def markdown(rep: dict) -> str:
          f"Seeds' devices: GPU {GPU.launch_s * 1e3:.2f} ms + {GPU.per_item_s * 1e3:.2f} ms·B (max batch {GPU.max_batch}); "
          f"2 AMX workers at {DEVICES[1].per_item_s * 1e3:.2f} ms·B. Load = offered rate / GPU-only capacity "
          f"({GPU_CAPACITY:,.0f} req/s). Policies are the real objects of `batchyard.policy`. "
-         f"Reproduce: `python -m batchyard.bench.sim_report --requests {rep['n']}{_seeds_flag(rep)}` "
+         f"Reproduce: `python -m batchyard.bench.sim_report --requests {rep['n']}{_seeds_flag(rep)}"
+         f"{_scenarios_flag(rep)}` "
          f"({rep['n']:,} arrivals per point).", "",
          f"Baselines: {', '.join(BASELINES)}, and the best of {len(GRID)} window/fixed settings feeding every "
          f"worker ({GRID[0]} … {GRID[-1]}), ranked by p99 on the first {rep['n_tune']:,} arrivals of the same "
@@ -440,11 +448,11 @@ def merged(rep: dict, rows: list[dict]) -> dict:
 
 def scenario_names(text: str) -> str:
     """--scenarios: comma-separated names SCENARIOS knows, checked before the pool starts (an
-    unknown one was a KeyError traceback)."""
+    unknown one was a KeyError traceback); each once (one named twice was run and reported twice)."""
     unknown = [s for s in text.split(",") if s not in SCENARIOS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})")
-    return text
+    return ",".join(dict.fromkeys(text.split(",")))
 
 
 def main(argv=None) -> None:

@@ -245,7 +245,16 @@ class MarginalCost(PerModelPolicy):
         while q.requests:
             # 1. Eligible workers (reservation for urgent traffic).
             ws = self._eligible(state, model, q, all_ws, now, d)
-            if not any(w.free for w in ws):
+            # 2. Urgent items go out on their own: padding their batch with low items would
+            #    make them wait for the low items' compute.
+            urgent = q.class_items[0] + q.class_items[1]
+            b = urgent if 0 < urgent < q.items else q.items
+            # 2b. Low-only work is background while urgent requests have arrived within the aging
+            #     period (the horizon over which classes are kept apart at all): its batches are
+            #     kept short (compact_batch), since an urgent arrival waits for the one running.
+            background = urgent == 0 and now - state.last_urgent(model) <= aging
+            if not any(w.free for w in ws) and not self._deadline_may_borrow(state, model, all_ws, ws, b, idx,
+                                                                             now, d, background):
                 # Nothing can be sent; the queue waits for a completion, which decides again
                 # (the plan would only say which busy worker each item waits for). No wake-up:
                 # one at a busy worker's predicted end found it still busy, and so did the ones
@@ -255,14 +264,6 @@ class MarginalCost(PerModelPolicy):
                 # the heartbeats' to find, a suspended one's return and a deadline are
                 # RequestCore.next_wake's, and a reservation's lapse is _eligible's wake-up.
                 return
-            # 2. Urgent items go out on their own: padding their batch with low items would
-            #    make them wait for the low items' compute.
-            urgent = q.class_items[0] + q.class_items[1]
-            b = urgent if 0 < urgent < q.items else q.items
-            # 2b. Low-only work is background while urgent requests have arrived within the aging
-            #     period (the horizon over which classes are kept apart at all): its batches are
-            #     kept short (compact_batch), since an urgent arrival waits for the one running.
-            background = urgent == 0 and now - state.last_urgent(model) <= aging
             # 3. Plan the b items over free and busy workers, together with the requests
             #    expected to arrive (rate lambda) before the planned work is done: they will
             #    need the same workers, so the plan must not spend every worker's next slots
@@ -434,6 +435,28 @@ class MarginalCost(PerModelPolicy):
         finally:
             for big in reversed(aside):
                 q.push_front(big)
+
+    @staticmethod
+    def _deadline_may_borrow(state: SchedulerState, model: str, all_ws: list[WorkerState], ws: list[WorkerState],
+                             b: int, idx: DeadlineIndex, now: float, d: Decision, background: bool) -> bool:
+        """With every eligible worker busy: whether the tightest deadline is at stake beside a free
+        worker the reservation keeps that step 4 may borrow (``_lendable``), so the pass goes on to
+        flush. Not yet at stake: a wake-up when it will be. (The pass used to end here, before step
+        4: low requests with a deadline failed late beside the idle reserved worker whenever the
+        GPU was busy.)"""
+        if not MarginalCost._lendable(state, model, all_ws, ws, b, now, background):
+            return False  # (at once where nothing is reserved)
+        tightest = idx.tightest(now)
+        chunks, _ = plan(state, model, ws, b, now, background) if tightest < math.inf else ([], 0.0)
+        if not chunks:
+            return False
+        if tightest <= max(c[0] for c in chunks):
+            return True
+        # The busy workers' plan ends in time; it stops doing so once they are still busy when
+        # its longest first batch must start to end by the deadline (> now: that batch starts
+        # at now at the earliest, and ends before the deadline).
+        d.wake_at = min(d.wake_at, tightest - max(f - state.start_time(w, now) for f, w, _ in chunks))
+        return False
 
     @staticmethod
     def _lendable(state: SchedulerState, model: str, all_ws: list[WorkerState], ws: list[WorkerState], b: int,

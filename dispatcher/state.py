@@ -21,6 +21,11 @@ N_PRIORITIES = 3
 PROBE_INTERVAL_S = 1.0
 
 
+# _STEPS_FROM[c] = 1 + ... + c: a request asked at class a, now in class p, is due to leave it
+# _STEPS_FROM[a] - _STEPS_FROM[p - 1] aging periods after its arrival (c periods in each class c).
+_STEPS_FROM = (0, 1, 3)
+
+
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "asked_priority", "arrival", "deadline", "state",
                  "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
@@ -111,12 +116,16 @@ class ModelQueue:
             self.class_items[prio] -= n
 
     def promote_aged(self, now: float, age_s: float) -> int:
-        """Aging: a request that waited ``age_s`` in its class moves up one class, so a low
-        request's wait is bounded however much high-priority work keeps arriving."""
+        """Aging: a request that waited ``age_s`` times its class in that class moves up one
+        class, so a low request's wait is bounded however much high-priority work keeps arriving:
+        a low one is normal after 2 ``age_s`` and high after 3, a normal one high after 1. (Each
+        step was measured from the arrival: a low request became high at its first look past
+        2 ``age_s``, with the normal class's wait spent in the low one.)"""
         moved = 0
         for prio in (1, 2):
             q, up = self.by_priority[prio], self.by_priority[prio - 1]
-            while q and now - q[0].arrival >= age_s * prio:
+            # The waits of the classes from the asked one down to this one, from the arrival.
+            while q and now - q[0].arrival >= age_s * (_STEPS_FROM[q[0].asked_priority] - _STEPS_FROM[prio - 1]):
                 req = q.popleft()
                 req.priority = prio - 1
                 up.append(req)

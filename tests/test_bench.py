@@ -1048,6 +1048,17 @@ def test_sim_report_merge_checks_the_report_before_it_simulates(tmp_path, monkey
         sim_report.main(["--merge", "--scenarios", "seeds", "--requests", "1000", "--out", str(out)])
 
 
+def test_sim_report_of_some_scenarios_runs_each_once_and_says_how_to_reproduce_it(tmp_path):
+    """A scenario named twice was simulated and reported twice ("Bar met at 2 of 6 points" for 3),
+    and the report of a subset said to reproduce it with every scenario."""
+    from batchyard.bench.sim_report import main
+
+    main(["--requests", "1000", "--scenarios", "1-cpu,1-cpu", "--jobs", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "sim_report.json").read_text())["rows"]
+    assert [r["scenario"] for r in rows] == ["1-cpu"] * 3
+    assert "--requests 1000 --scenarios 1-cpu`" in (tmp_path / "sim_report.md").read_text()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--duration", "0"], "argument --duration: a number > 0, got '0'"),
     (["--rate", "0"], "argument --rate: a number > 0 and at most 1e+06, got '0'"),

@@ -355,14 +355,20 @@ def test_infeasible_deadline_is_rejected_on_arrival():
 
 
 def test_aging_promotes_a_starved_low_request():
+    """A low request is normal after two aging periods and high after three (docs/policy.md, step
+    0); it was high at its first look past two, the normal class's period spent in the low one."""
     st = seeds_state()
     q = st.queue("m")
     low = Request(1, "m", 1, 2, 0.0, math.inf)
+    normal = Request(3, "m", 1, 1, 2.5 * AGING_S, math.inf)
     q.push(low)
     q.push(Request(2, "m", 1, 0, 2 * AGING_S, math.inf))
     assert q.promote_aged(2 * AGING_S + 1e-9, AGING_S) == 1 and low.priority == 1
-    assert q.promote_aged(4 * AGING_S, AGING_S) == 1 and low.priority == 0
-    assert [r.seq for r in q.take(2)] == [2, 1]
+    q.push(normal)
+    assert q.promote_aged(2.5 * AGING_S, AGING_S) == 0 and low.priority == 1
+    assert q.promote_aged(3 * AGING_S + 1e-9, AGING_S) == 1 and low.priority == 0 and normal.priority == 1
+    assert q.promote_aged(3.5 * AGING_S + 1e-9, AGING_S) == 1 and normal.priority == 0
+    assert [r.seq for r in q.take(3)] == [2, 1, 3]
 
 
 def test_three_segment_derives_b1_b2_from_the_curves():
@@ -598,19 +604,44 @@ def test_a_request_another_free_worker_serves_in_time_is_not_failed_for_the_firs
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
 
 
-def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals():
+@pytest.mark.parametrize("gpu_busy_s", [0.0, 8e-3])
+def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals(gpu_busy_s):
     """High-priority traffic above URGENT_RATE: MCB keeps the CPU free for it and plans low work
     on the GPU alone. A low request the GPU cannot end in time was failed late, the reserved CPU
     idle (SIMULATED: 2,371 of 2,373 low requests failed, CPU 0.6 % busy). Lent where an urgent
-    arrival meets the low batch at most as often as the reservation allows (60/s x 0.1 ms)."""
+    arrival meets the low batch at most as often as the reservation allows (60/s x 0.1 ms) — also
+    while the GPU is busy, where the pass ended before its deadline step and the request waited
+    for the reservation's lapse (274 ms) past its 5 ms timeout."""
     from batchyard.policy_mcb import URGENT_RATE
 
     st = _slow_gpu_fast_cpu()
     st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=3 * URGENT_RATE)
     st.arrivals["m#urgent"]._t = 0.0
+    if gpu_busy_s:
+        gpu = st.workers["gpu0"]
+        gpu.inflight, gpu.busy_until = 1, gpu_busy_s
     st.queue("m").push(Request(1, "m", 1, 2, 0.0, 5e-3))  # low, 5 ms
     d = MarginalCost().decide(st, 0.0)
     assert not d.late
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
+
+
+def test_a_deadline_not_yet_at_stake_beside_a_reserved_worker_sets_a_wake_up_for_when_it_is():
+    """Every eligible worker busy, a reserved one free: the pass wakes when the tightest deadline
+    comes to be at stake (a GPU still busy then ends its batch after it), and then borrows the CPU."""
+    from batchyard.policy_mcb import URGENT_RATE
+
+    st = _slow_gpu_fast_cpu()
+    st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=3 * URGENT_RATE)
+    st.arrivals["m#urgent"]._t = 0.0
+    gpu = st.workers["gpu0"]
+    gpu.inflight, gpu.busy_until = 1, 8e-3
+    st.queue("m").push(Request(1, "m", 1, 2, 0.0, 30e-3))  # low, 30 ms: the GPU's plan ends at ~18 ms
+    policy = MarginalCost()
+    d = policy.decide(st, 0.0)
+    t_gpu = st.cost("m", "gpu").predict(1)
+    assert d.dispatches == [] and d.wake_at == pytest.approx(30e-3 - t_gpu)  # the GPU overruns by then
+    d = policy.decide(st, d.wake_at)
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
 
 
