@@ -82,9 +82,11 @@ class InferFuture(Future):
 
     def cancel(self) -> bool:
         """Ask the dispatcher to drop this request if it is still queued; the future then
-        raises Cancelled (a BatchyardError). An infer request already running completes
-        normally; a generation is stopped in its engine too. Returns False if the future was
-        already done."""
+        raises Cancelled (a BatchyardError and a ``concurrent.futures.CancelledError``). An
+        infer request already running completes normally; a generation is stopped in its engine
+        too. Unlike a local Future's, True means the ask was sent, not that the call is
+        cancelled: only the dispatcher knows whether it is still queued, and ``cancelled()``
+        stays False (the future is settled by the reply). False if it was already done."""
         if self.done():
             return False
         self._client._io.cancel(self.id)
@@ -145,18 +147,24 @@ class Client(CodecAccess):
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferFuture:
         """Send a request and return its future at once. ``timeout`` (s) is the request's
-        deadline at the dispatcher (default DEFAULT_TIMEOUT_S). The inputs are read before this
-        returns (copied; ``alloc_array`` arrays excepted, sent by reference): the caller may
-        refill its arrays right away."""
+        deadline at the dispatcher (default: the node's ``default_timeout_s``, which the model's
+        spec brings; DEFAULT_TIMEOUT_S from a dispatcher that does not say). The inputs are read
+        before this returns (copied; ``alloc_array`` arrays excepted, sent by reference): the
+        caller may refill its arrays right away."""
         if self.closed:
             raise self._io.closed_error()
         # One deadline for the call: the set-up steps (the model's spec, a new segment's grant)
         # take from it, and the request gets what is left (each step had the whole timeout,
         # and a slow dispatcher made infer(timeout=2) take 8.5 s).
-        timeout = checked_timeout(timeout)
-        deadline = time.monotonic() + timeout
+        start, asked = time.monotonic(), timeout
+        if asked is None and self._codec.needs_spec(model):
+            self.model_info(model, timeout=SETUP_TIMEOUT_S)  # the node's default timeout comes with it
+        timeout = self._codec.call_timeout(timeout)
+        deadline = start + timeout
         if self._codec.needs_spec(model):
             self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
+            timeout = time_left(deadline, model)
+        elif asked is None:
             timeout = time_left(deadline, model)
         rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:

@@ -172,8 +172,10 @@ class AsyncClient(CodecAccess):
 
     async def infer(self, model: str, inputs: dict, *, priority="normal",
                     timeout: Optional[float] = None) -> InferResult:
-        timeout = checked_timeout(timeout)
-        return await self._infer(model, inputs, priority, timeout, time.monotonic() + timeout)
+        start = time.monotonic()
+        asked = timeout
+        timeout = self._codec.call_timeout(timeout)
+        return await self._infer(model, inputs, priority, timeout, start + timeout, asked is None)
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> asyncio.Task:
         """``infer`` as a Task, started at once. The inputs are read before this returns (as
@@ -182,11 +184,12 @@ class AsyncClient(CodecAccess):
         was what every request sent.)"""
         self._refuse_if_unusable()
         priority = checked_priority(priority)
-        timeout = checked_timeout(timeout)
+        asked = timeout
+        timeout = self._codec.call_timeout(timeout)
         deadline = time.monotonic() + timeout  # one for the call: see Client.submit
         encoded = self._codec.encode_inputs(inputs)
         try:
-            task = self.loop.create_task(self._infer(model, encoded, priority, timeout, deadline))
+            task = self.loop.create_task(self._infer(model, encoded, priority, timeout, deadline, asked is None))
         except BaseException:
             self._codec.release_inputs(encoded)
             raise
@@ -195,11 +198,17 @@ class AsyncClient(CodecAccess):
         task.add_done_callback(lambda _: self._codec.release_inputs(encoded))
         return task
 
-    async def _infer(self, model: str, inputs, priority, timeout: float, deadline: float) -> InferResult:
-        """``inputs``: a dict (infer), or read already (submit: EncodedInputs)."""
+    async def _infer(self, model: str, inputs, priority, timeout: float, deadline: float,
+                     node_default: bool = False) -> InferResult:
+        """``inputs``: a dict (infer), or read already (submit: EncodedInputs). ``node_default``:
+        no timeout was asked, and ``timeout`` is only the SDK's guess until the model's spec
+        brings the node's default."""
         try:
             if self._codec.needs_spec(model):
-                await self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
+                start = deadline - timeout
+                await self.model_info(model, timeout=SETUP_TIMEOUT_S if node_default else min(SETUP_TIMEOUT_S, timeout))
+                if node_default:
+                    deadline = start + self._codec.call_timeout(None)
                 timeout = time_left(deadline, model)
         except BaseException:
             if type(inputs) is EncodedInputs:

@@ -244,6 +244,9 @@ class ClientCodec:
         # The node's max_inline_bytes, as its model_info replies say (a request is encoded after
         # its model's spec came): None until then, or from a dispatcher that does not say.
         self.max_inline_bytes: Optional[int] = None
+        # The node's default_timeout_s, as its model_info replies say: a request without a
+        # timeout takes it (it took the SDK's 30 s, whatever the operator set).
+        self.node_timeout_s: Optional[float] = None
         self.granted: set[str] = set()  # segments this connection may reference (shm_grants.py)
         # Counts lost connections. A grant is recorded only if no connection was lost since its
         # registration began: one answered just before a restart, recorded after the I/O thread
@@ -318,6 +321,11 @@ class ClientCodec:
             self._pool.close()
 
     # ---------------------------------------------------------------- encode
+    def call_timeout(self, timeout: Optional[float]) -> float:
+        """A call's timeout, checked: None is the node's default_timeout_s once a model_info
+        reply said it, else DEFAULT_TIMEOUT_S."""
+        return checked_timeout(self.node_timeout_s if timeout is None else timeout)
+
     def needs_spec(self, model: str) -> bool:
         """The spec (fetched once per model) says which outputs are big enough for shm."""
         return model not in self.specs
@@ -480,7 +488,7 @@ class ClientCodec:
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
                         route: str = "") -> tuple[int, list, float]:
-        timeout = checked_timeout(timeout)
+        timeout = self.call_timeout(timeout)
         prio = checked_priority(priority)
         # operator.index: Python and numpy integers (the wire's encoder takes only ints); a float or
         # a string is refused, not truncated or read digit by digit.
@@ -553,6 +561,8 @@ class ClientCodec:
         elif pend.kind == "model_info":
             if msg.max_inline_bytes is not None:
                 self.max_inline_bytes = msg.max_inline_bytes
+            if msg.default_timeout_us:
+                self.node_timeout_s = min(msg.default_timeout_us / 1e6, P.MAX_TIMEOUT_S)
             self.specs[msg.spec.name] = msg.spec
             pend.resolve(msg.spec)
         elif pend.kind == "status":
@@ -627,6 +637,7 @@ class ClientCodec:
         # on inline bytes comes with the specs.
         self.specs.clear()
         self.max_inline_bytes = None
+        self.node_timeout_s = None
         return set(self.pending)
 
     def fail_lost(self, rids: set[int], error_factory: Callable[[], BaseException]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from .protocol import Status
 
 
@@ -18,7 +20,11 @@ class BatchyardError(Exception):
         return f"{self.status.name}: {self.message}"
 
 
-class Cancelled(BatchyardError):
+class Cancelled(BatchyardError, concurrent.futures.CancelledError):
+    """Also a ``concurrent.futures.CancelledError``: ``Client.submit`` returns such a Future, and
+    code written for one catches a cancelled call that way. (Not asyncio's CancelledError, which
+    would read as the awaiting task's own cancellation.)"""
+
     status = Status.CANCELLED
 
 

@@ -217,6 +217,9 @@ class ModelInfoReply(msgspec.Struct, tag="model_info", tag_field="type", omit_de
     # it, as a frame past the node's ZeroMQ limit (max_message_bytes) is not refused but makes
     # ZeroMQ drop the connection, and every other request in flight on it. None: not said.
     max_inline_bytes: Optional[int] = None
+    # The node's default_timeout_s (the deadline of a request that names none): the SDK's
+    # requests without a timeout take it. None: not said (the SDK's own 30 s then).
+    default_timeout_us: Optional[int] = None
 
 
 class WorkerInfo(msgspec.Struct):

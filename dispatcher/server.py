@@ -554,7 +554,8 @@ class Dispatcher:
                                          message=self._unknown_model(msg.model))
             else:
                 reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.OK, spec=spec,
-                                         max_inline_bytes=self.cfg.max_inline_bytes)
+                                         max_inline_bytes=self.cfg.max_inline_bytes,
+                                         default_timeout_us=round(self.cfg.default_timeout_s * 1e6))
             self._reply(identity, P.encode(reply))
         else:
             # Answered after this step's decision (see _step), so a status reply tells the

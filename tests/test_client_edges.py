@@ -560,3 +560,29 @@ def test_an_async_deadline_passed_before_a_segments_grant_leaves_no_unawaited_co
         gc.collect()
     assert isinstance(error, DeadlineExceeded) and "setting up the request" in str(error), error
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_request_without_a_timeout_takes_the_nodes_default_timeout(start_node):
+    """``[dispatcher] default_timeout_s`` is the deadline of a request that names none
+    (docs/protocol.md); the SDK sent its own 30 s instead, and a 0.2 s default had no effect on
+    its requests: one a 0.4 s model cannot finish in 0.2 s was served after 0.4 s. (Refused on
+    arrival once the node knows the model's time, expired while running before.)"""
+    from conftest import sim_worker
+
+    node = start_node([sim_worker(launch_us=400_000.0)], default_timeout_s=0.2)
+    x = {"x": np.ones((1, 4), np.float32)}
+    with Client(node.address) as c:
+        with pytest.raises(DeadlineExceeded):
+            c.infer("sum", x)  # the first call: the node's default comes with the model's spec
+        with pytest.raises(DeadlineExceeded):
+            c.submit("sum", x).result()
+        assert c.infer("sum", x, timeout=5)["y"].tolist() == [[4.0, 4.0]]
+
+    async def go():
+        async with AsyncClient(node.address) as a:
+            with pytest.raises(DeadlineExceeded):
+                await a.submit("sum", x)  # sent before the spec came: the node's default all the same
+            with pytest.raises(DeadlineExceeded):
+                await a.infer("sum", x)
+
+    asyncio.run(go())
