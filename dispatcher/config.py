@@ -447,26 +447,13 @@ class NodeConfig(_Table):
         return self
 
     def _check_worker(self, where: str, w: WorkerConfig) -> None:
-        # Tables for another kind first, for every kind: a vllm worker's sim or triton table was
-        # taken and ignored.
-        for table, default, kinds in (("sim", SimConfig(), ("sim",)), ("triton", TritonConfig(), ("triton",)),
-                                      ("cuda", CudaConfig(), ("cuda", "tensorrt"))):
-            if w.kind not in kinds and getattr(w, table) != default:  # it would be ignored
-                raise ConfigError(f"{where}: {table} is set but kind is {w.kind!r}; it is for kind "
-                                  + " or ".join(f'"{k}"' for k in kinds))
-        # Keys of one kind set on another, taken and ignored: precision = "fp32" on a cuda worker
-        # ran it in bf16 (its precision is cuda.precision).
-        for key, default, kinds, instead in (("precision", "auto", ("amx",), {"cuda": "cuda.precision",
-                                                                               "tensorrt": "cuda.precision"}),
-                                             ("threads", 1, ("amx", "vllm"), {}),
-                                             # sim starts serving at once; vllm measures vllm.calibrate_tokens
-                                             ("warmup_sizes", (), ("amx", "triton", "cuda", "tensorrt"), {}),
-                                             ("max_inflight", 1, ("amx", "sim", "cuda", "tensorrt"),
-                                              {"triton": "triton.inflight", "vllm": "vllm.max_num_seqs"})):
-            if w.kind not in kinds and getattr(w, key) != default:
-                hint = f"; kind {w.kind!r} takes {instead[w.kind]}" if w.kind in instead else ""
-                raise ConfigError(f"{where}: {key} is set but kind is {w.kind!r}; it is for kind "
-                                  + " or ".join(f'"{k}"' for k in kinds) + hint)
+        # Keys and tables of one kind set on another, taken and ignored: precision = "fp32" on a
+        # cuda worker ran it in bf16 (its precision is cuda.precision); a vllm worker's sim or
+        # triton table. Here, those not at their defaults (a config built in code); parse_config
+        # also refuses one written at its default (max_inflight = 1 on a triton worker).
+        for key, kinds, _ in KIND_KEYS:
+            if w.kind not in kinds and getattr(w, key) != getattr(_WORKER_DEFAULTS, key):
+                raise ConfigError(_another_kinds_key(where, key, w.kind))
         if w.kind == "cuda" and w.cuda.onnx:
             raise ConfigError(f"{where}: cuda.onnx is set but kind is 'cuda'; it is for kind \"tensorrt\"")
         if w.kind == "tensorrt":
@@ -712,6 +699,37 @@ def _ranges(values: set[int]) -> str:
     return ",".join(out)
 
 
+# Worker keys (and tables) for some kinds only: (key, its kinds, what each other kind takes instead).
+# Tables first: on every kind, one for another kind is named before its keys.
+KIND_KEYS = (("sim", ("sim",), {}), ("triton", ("triton",), {}), ("cuda", ("cuda", "tensorrt"), {}),
+             ("precision", ("amx",), {"cuda": "cuda.precision", "tensorrt": "cuda.precision"}),
+             ("threads", ("amx", "vllm"), {}),
+             # sim starts serving at once; vllm measures vllm.calibrate_tokens
+             ("warmup_sizes", ("amx", "triton", "cuda", "tensorrt"), {}),
+             ("max_inflight", ("amx", "sim", "cuda", "tensorrt"),
+              {"triton": "triton.inflight", "vllm": "vllm.max_num_seqs"}))
+_WORKER_DEFAULTS = WorkerConfig(name="defaults", kind="sim", models=())
+
+
+def _another_kinds_key(where: str, key: str, kind: str) -> str:
+    kinds, instead = next((k, i) for name, k, i in KIND_KEYS if name == key)
+    hint = f"; kind {kind!r} takes {instead[kind]}" if kind in instead else ""
+    return f"{where}: {key} is set but kind is {kind!r}; it is for kind " + " or ".join(f'"{k}"' for k in kinds) + hint
+
+
+def _keys_of_another_kind(data: dict) -> None:
+    """A worker key for other kinds, written, is refused even at its default: compared with the
+    default, ``max_inflight = 1`` on a triton worker (whose limit is triton.inflight, 2) and
+    ``threads = 1`` on a sim one were taken and ignored."""
+    workers = data.get("workers")
+    for i, w in enumerate(workers if isinstance(workers, list) else ()):
+        if not isinstance(w, dict) or not isinstance(w.get("kind"), str):
+            continue
+        for key, kinds, _ in KIND_KEYS:
+            if key in w and w["kind"] not in kinds:
+                raise ConfigError(_another_kinds_key(_item("workers", i, w.get("name")), key, w["kind"]))
+
+
 def _item(table: str, i: int, name: str | None) -> str:
     """`[[workers]] #2 (name 'amx1')`: position as a person counts it, plus the name if any."""
     return f"[[{table}]] #{i + 1}" + (f" (name {name!r})" if isinstance(name, str) else "")
@@ -904,6 +922,7 @@ def parse_config(data: dict, source: str = "config") -> NodeConfig:
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {_explain(e, data)}") from None
     try:
+        _keys_of_another_kind(data)
         return cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

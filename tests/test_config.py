@@ -563,6 +563,12 @@ def test_a_vllm_workers_interpreter_and_model_folder_are_checked_at_start(tmp_pa
      "cuda.precision = \"fp16\" or \"fp32\" (fp16 when not set)"),
     ("tensorrt", 'cuda = { precision = "fp16", graphs = false, onnx = { sum = "/m.onnx" } }',
      "cuda.graphs is set but kind is 'tensorrt'; it is for kind \"cuda\""),
+    # written at their defaults: compared with the default, they were taken and ignored
+    ("triton", "max_inflight = 1", "max_inflight is set but kind is 'triton'; it is for kind \"amx\" or \"sim\" or "
+                                   "\"cuda\" or \"tensorrt\"; kind 'triton' takes triton.inflight"),
+    ("sim", "threads = 1", "threads is set but kind is 'sim'; it is for kind \"amx\" or \"vllm\""),
+    ("amx", "cuda = { device = 0 }", "cuda is set but kind is 'amx'; it is for kind \"cuda\" or \"tensorrt\""),
+    ("amx", "sim = { launch_us = 150.0 }", "sim is set but kind is 'amx'; it is for kind \"sim\""),
 ])
 def test_a_worker_key_of_another_kind_is_refused_not_ignored(tmp_path, kind, extra, message):
     # Taken and ignored: a cuda worker asked for fp32 ran bf16, a triton worker asked for 16

@@ -35,6 +35,10 @@ from .batch_io import assemble, check_outputs, read_batch, write_results
 
 log = logging.getLogger("batchyard.worker")
 REGISTER_RETRY_S = 2.0
+# Unanswered registrations after which the worker says so (and every this many times over again):
+# a worker whose name another connected worker has is dropped by the dispatcher's socket, unseen
+# by both, and it waited for ever without a word.
+UNANSWERED_WARN = 3
 # Characters of a model exception's text that a reply carries: a 20 MB text made a 20 MB header.
 ERROR_TEXT_MAX = 4096
 HEARTBEAT_QUEUE = 4  # beats held for a dispatcher that is not reading
@@ -191,6 +195,7 @@ class WorkerRuntime:
         # that were lost. A dispatcher that does not know it answers `leaving` and drops `goodbye`.
         announced = False
         next_register = next_sweep = 0.0
+        unanswered = 0  # registrations sent since the last answer
         rc = 0
         try:
             while not self._stop:
@@ -201,6 +206,13 @@ class WorkerRuntime:
                 if not registered and now >= next_register and not self._holds_earlier_batches(now):
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
+                    unanswered += 1
+                    if unanswered % (10 * UNANSWERED_WARN) == UNANSWERED_WARN:
+                        log.warning("worker %s: %d registrations with the dispatcher at %s unanswered in %.0f s: "
+                                    "is it running, with the CURVE keys this worker has? Is another worker named "
+                                    "%r connected to it? (its socket drops a second connection of one name)",
+                                    self.name, unanswered, self.backend, (unanswered - 1) * REGISTER_RETRY_S,
+                                    self.name)
                 # Until the next timed step (the sweep, a registration's retry, the end of its hold);
                 # batches, completions, a stop and a `reregister` wake it before that.
                 due = next_sweep
@@ -224,6 +236,7 @@ class WorkerRuntime:
                     if out is not None:
                         sock.send_multipart(out, copy=False)
                 elif type(msg) is P.Registered:
+                    unanswered = 0
                     if not registered:
                         log.info("worker %s registered with the dispatcher", self.name)
                         notify("READY=1")  # systemd's Type=notify: taking traffic now
