@@ -78,7 +78,12 @@ def _run_dispatcher(args) -> int:
 def _run_frontend(args) -> int:
     from .frontend_main import run_frontend
 
-    return run_frontend(load_node(args.config, control=True))
+    node = load_node(args.config, control=True)
+    if node.frontend is None:  # (a log line that named no file)
+        print(f"batchyard: {args.config}: no [frontend] table: nothing for `batchyard frontend` to serve",
+              file=sys.stderr)
+        raise SystemExit(EX_CONFIG)
+    return run_frontend(node)
 
 
 def _run_up(args) -> int:

@@ -434,6 +434,9 @@ class NodeConfig(_Table):
             if w.numa_node is not None and nodes and w.numa_node not in nodes:
                 raise ConfigError(f"{_item('workers', i, w.name)}: numa_node: node {w.numa_node} does not exist "
                                   f"on this host (nodes: {_ranges(nodes)})")
+            if w.kind in _BUILDS_MODEL:
+                for m in w.models:
+                    _check_factory_package(self.model(m))
         if control:  # not for calibrate (workers=None): it binds its own endpoints
             d = self.dispatcher
             for key in ("frontend", "backend"):  # the folders the dispatcher binds its ipc files in
@@ -728,6 +731,20 @@ def _keys_of_another_kind(data: dict) -> None:
         for key, kinds, _ in KIND_KEYS:
             if key in w and w["kind"] not in kinds:
                 raise ConfigError(_another_kinds_key(_item("workers", i, w.get("name")), key, w["kind"]))
+
+
+def _check_factory_package(model: ModelConfig) -> None:
+    """The package of a model's factory can be found, without importing it (`up` would import
+    torch): a misspelt one made the worker's start fail, a line that named no file among
+    `up`'s seven. Its working folder counts, as for the worker (`python -m`, started there)."""
+    import importlib.machinery
+    import importlib.util
+
+    top = model.factory.partition(":")[0].partition(".")[0]
+    if top and importlib.util.find_spec(top) is None and \
+            importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is None:
+        raise ConfigError(f"[[models]] {model.name!r}: factory {model.factory!r}: no module named {top!r} "
+                          "for this Python")
 
 
 def _item(table: str, i: int, name: str | None) -> str:

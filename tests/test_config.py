@@ -418,8 +418,8 @@ def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("case", ["unknown name", "factory typo", "factory no function", "factory that fails",
-                                  "cpu outside the mask"])
+@pytest.mark.parametrize("case", ["unknown name", "factory typo", "factory package typo", "factory no function",
+                                  "factory that fails", "cpu outside the mask"])
 def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
     """Each was a traceback and exit 1, which neither `up` nor systemd treats as final: restarted
     for ever. (A factory that is no function, or that fails when called, a weights file missing
@@ -430,6 +430,9 @@ def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
     elif case == "factory typo":
         text, name = text.replace("models:mlp", "models:mlpp"), "amx0"
         want = "[[models]] 'sum': cannot load model factory 'batchyard.workers.models:mlpp'"
+    elif case == "factory package typo":  # found by the config's host check, before any import
+        text, name = text.replace("batchyard.workers.models:mlp", "batchyrd.workers.models:mlp"), "amx0"
+        want = "node.toml: [[models]] 'sum': factory 'batchyrd.workers.models:mlp': no module named 'batchyrd'"
     elif case == "factory no function":
         text, name = text.replace("batchyard.workers.models:mlp", "os:sep"), "amx0"
         want = "[[models]] 'sum': cannot load model factory 'os:sep': it is a str, not a function"
@@ -448,6 +451,26 @@ def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
     r = subprocess.run([*prefix, sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name",
                         name], capture_output=True, text=True, timeout=300)
     assert r.returncode == 78 and "Traceback" not in r.stderr and want in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["up", "frontend"])
+def test_up_and_frontend_say_a_config_error_in_one_line_naming_the_file(tmp_path, command):
+    """`up` with a factory whose package does not exist printed seven lines, none naming the file
+    (the worker's failure, then up's); `frontend` on a config without [frontend] logged a line that
+    named no file."""
+    text = NODE.replace("/tmp/by-test", str(tmp_path))
+    if command == "up":
+        text = text.replace("batchyard.workers.models:mlp", "batchyrd.workers.models:mlp")
+        want = "factory 'batchyrd.workers.models:mlp': no module named 'batchyrd'"
+    else:
+        want = "no [frontend] table: nothing for `batchyard frontend` to serve"
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", command, "--config", str(path)], capture_output=True,
+                       text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 78 and len(lines) == 1 and lines[0].startswith(f"batchyard: {path}: ") and want in lines[0], \
+        r.stderr
 
 
 def test_a_model_factory_failing_for_a_passing_reason_exits_to_be_restarted(tmp_path):
