@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean llm-env test-llm
+.PHONY: demo test bench clean llm-env test-llm onnx-model
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ llm-env: $(LLM_STAMP)
 # The node runs from .venv (the project's), its vLLM workers from .venv-llm: both are needed.
 test-llm: $(STAMP) $(LLM_STAMP)
 	$(LLM_VENV)/bin/python -m pytest -q -m llm tests/test_llm_kv.py tests/test_llm_node.py
+
+# The ONNX file of deploy/triton/gpu/model_gpu (docs/gpu.md): the exporter's packages (torch's
+# default exporter needs onnxscript; none of the other extras brings them), then the export.
+onnx-model: $(STAMP)
+	$(PY) -m pip install -q -e '.[onnx]'
+	$(PY) deploy/triton/gpu/export_onnx.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
