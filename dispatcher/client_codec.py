@@ -488,7 +488,12 @@ class ClientCodec:
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
                         route: str = "") -> tuple[int, list, float]:
-        timeout = self.call_timeout(timeout)
+        """-> (id, frames, how long to wait for the reply). Without a ``timeout`` before a
+        model_info reply said the node's default (an LLM-only client asks none), the request
+        names none (``timeout_us`` 0: the node's default applies) and the wait is the node's to
+        end; a lost or stopped dispatcher still fails it (the connection's liveness)."""
+        node_decides = timeout is None and self.node_timeout_s is None
+        timeout = P.MAX_TIMEOUT_S if node_decides else self.call_timeout(timeout)
         prio = checked_priority(priority)
         # operator.index: Python and numpy integers (the wire's encoder takes only ints); a float or
         # a string is refused, not truncated or read digit by digit.
@@ -511,7 +516,7 @@ class ClientCodec:
             raise InvalidArgument(f"max_tokens must be an integer in 1..{P.MAX_NEW_TOKENS}, got {max_tokens!r:.40}")
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
-                                priority=prio, timeout_us=timeout_us(timeout), route=route)
+                                priority=prio, timeout_us=0 if node_decides else timeout_us(timeout), route=route)
         return rid, [P.encode(msg)], timeout
 
     def encode_model_info(self, model: str) -> tuple[int, list]:

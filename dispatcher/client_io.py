@@ -31,6 +31,8 @@ log = logging.getLogger("batchyard.client")
 
 _SEND, _CANCEL, _STOP = 0, 1, 2
 
+POLL_MAX_MS = 3_600_000  # an hour: far below a C int of milliseconds
+
 
 class _Wakeup:
     """An eventfd: any thread may set it; the I/O thread polls and clears it."""
@@ -245,7 +247,10 @@ class SocketThread:
         when = min(heap[0][0] if heap else math.inf, self._lost[0][0] if self._lost else math.inf)
         if when == math.inf:
             return None
-        return max(0, math.ceil((when - time.monotonic()) * 1000))
+        # zmq_poll takes a C int: a deadline past ~24.8 days (a timeout up to MAX_TIMEOUT_S is
+        # valid) raised OverflowError on this thread and closed the client for good. Woken early,
+        # the loop only looks again.
+        return max(0, min(POLL_MAX_MS, math.ceil((when - time.monotonic()) * 1000)))
 
     def _expire(self) -> None:
         heap, now = self._deadlines, time.monotonic()

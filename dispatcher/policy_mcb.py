@@ -253,7 +253,7 @@ class MarginalCost(PerModelPolicy):
             #     period (the horizon over which classes are kept apart at all): its batches are
             #     kept short (compact_batch), since an urgent arrival waits for the one running.
             background = urgent == 0 and now - state.last_urgent(model) <= aging
-            if not any(w.free for w in ws) and not self._deadline_may_borrow(state, model, all_ws, ws, b, idx,
+            if not any(w.free for w in ws) and not self._deadline_may_borrow(state, model, q, all_ws, ws, b, idx,
                                                                              now, d, background):
                 # Nothing can be sent; the queue waits for a completion, which decides again
                 # (the plan would only say which busy worker each item waits for). No wake-up:
@@ -301,7 +301,7 @@ class MarginalCost(PerModelPolicy):
                 # where that costs them what the reservation allows anyway (_lendable): low
                 # requests planned on the other workers alone were failed late beside the
                 # reserved worker, idle, that would have served them.
-                ws = ws + self._lendable(state, model, all_ws, ws, b, now, background)
+                ws = ws + self._lendable(state, model, q, all_ws, ws, b, now, background)
                 chunks, _ = plan(state, model, [w for w in ws if w.free], b, now, background)
                 if sized:
                     share = {id(w): items for _, w, items in chunks}
@@ -437,17 +437,27 @@ class MarginalCost(PerModelPolicy):
                 q.push_front(big)
 
     @staticmethod
-    def _deadline_may_borrow(state: SchedulerState, model: str, all_ws: list[WorkerState], ws: list[WorkerState],
-                             b: int, idx: DeadlineIndex, now: float, d: Decision, background: bool) -> bool:
+    def _deadline_may_borrow(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState],
+                             ws: list[WorkerState], b: int, idx: DeadlineIndex, now: float, d: Decision,
+                             background: bool) -> bool:
         """With every eligible worker busy: whether the tightest deadline is at stake beside a free
         worker the reservation keeps that step 4 may borrow (``_lendable``), so the pass goes on to
         flush. Not yet at stake: a wake-up when it will be. (The pass used to end here, before step
         4: low requests with a deadline failed late beside the idle reserved worker whenever the
         GPU was busy.)"""
-        if not MarginalCost._lendable(state, model, all_ws, ws, b, now, background):
+        if not MarginalCost._lendable(state, model, q, all_ws, ws, b, now, background):
             return False  # (at once where nothing is reserved)
         tightest = idx.tightest(now)
-        chunks, _ = plan(state, model, ws, b, now, background) if tightest < math.inf else ([], 0.0)
+        if tightest == math.inf:
+            return False
+        # Far off (after every busy worker's start plus a full batch's time, which bounds any
+        # first batch of the plan): a wake-up then, before which it cannot come to be at stake,
+        # without the plan (with a big queue, it made such a decision cost 15 times as much).
+        longest = max(state.cost(model, w.path).predict(state.batch_cap(model, w, background)) for w in ws)
+        if tightest > max(state.start_time(w, now) for w in ws) + longest:
+            d.wake_at = min(d.wake_at, tightest - longest)
+            return False
+        chunks, _ = plan(state, model, ws, b, now, background)
         if not chunks:
             return False
         if tightest <= max(c[0] for c in chunks):
@@ -459,18 +469,22 @@ class MarginalCost(PerModelPolicy):
         return False
 
     @staticmethod
-    def _lendable(state: SchedulerState, model: str, all_ws: list[WorkerState], ws: list[WorkerState], b: int,
-                  now: float, background: bool) -> list[WorkerState]:
+    def _lendable(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState],
+                  ws: list[WorkerState], b: int, now: float, background: bool) -> list[WorkerState]:
         """Of the free workers ``_eligible`` keeps for urgent arrivals, those a batch of up to ``b``
         items holds for so short a time that an urgent arrival meets it with probability at most
         RESERVE_BLOCKING (urgent rate x its batch time): what the reservation already accepts. A
         flood's low work (its batches on a CPU meet 16 % of a 2,000/s urgent stream) still leaves
-        them alone; 60 urgent requests/s beside 0.1 ms batches (0.6 %) lend them."""
+        them alone; 60 urgent requests/s beside 0.1 ms batches (0.6 %) lend them. The batch is
+        judged at least as big as the head request, which step 8b sends whole past a smaller cap
+        (a 3-item request went where one item was judged)."""
         if len(ws) == len(all_ws):
             return []
         lam_u = state.urgent_rate(model, now)
+        head = head_request(q)
+        least = head.items if head is not None else 1
         return [w for w in all_ws if w.free and w not in ws and lam_u * state.cost(model, w.path).predict(
-            min(b, state.batch_cap(model, w, background))) <= RESERVE_BLOCKING]
+            max(least, min(b, state.batch_cap(model, w, background)))) <= RESERVE_BLOCKING]
 
     @staticmethod
     def _eligible(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState], now: float,

@@ -118,7 +118,9 @@ class ModelQueue:
     def promote_aged(self, now: float, age_s: float) -> int:
         """Aging: a request that waited ``age_s`` times its class in that class moves up one
         class, so a low request's wait is bounded however much high-priority work keeps arriving:
-        a low one is normal after 2 ``age_s`` and high after 3, a normal one high after 1. (Each
+        a low one is normal after 2 ``age_s`` and high after 3, a normal one high after 1 (a class
+        is looked at from its head: one behind a request not yet due waits for it, by less than
+        ``age_s``). (Each
         step was measured from the arrival: a low request became high at its first look past
         2 ``age_s``, with the normal class's wait spent in the low one.)"""
         moved = 0

@@ -586,3 +586,35 @@ def test_a_request_without_a_timeout_takes_the_nodes_default_timeout(start_node)
                 await a.infer("sum", x)
 
     asyncio.run(go())
+
+
+def test_a_generation_without_a_timeout_leaves_it_to_the_node():
+    """An LLM-only client never asks a model_info, which brings the node's default: its
+    generations went out with the SDK's 30 s whatever the node's default_timeout_s. Before the
+    default is known they name none (the node's applies); once known, they name it."""
+    from batchyard.client_codec import ClientCodec
+
+    codec = ClientCodec("ipc:///nowhere")
+    try:
+        _, frames, wait = codec.encode_generate("llm", [1, 2], 4, "normal", None)
+        assert P.client_message_decoder.decode(frames[0]).timeout_us == 0 and wait == P.MAX_TIMEOUT_S
+        codec.node_timeout_s = 120.0  # as a model_info reply says it
+        _, frames, wait = codec.encode_generate("llm", [1, 2], 4, "normal", None)
+        assert P.client_message_decoder.decode(frames[0]).timeout_us == 120_000_000 and wait == 120.0
+        _, frames, wait = codec.encode_generate("llm", [1, 2], 4, "normal", 2.5)
+        assert P.client_message_decoder.decode(frames[0]).timeout_us == 2_500_000 and wait == 2.5
+    finally:
+        codec.close_pool()
+
+
+def test_a_timeout_of_weeks_is_taken_by_the_sync_client(start_node):
+    """Timeouts up to MAX_TIMEOUT_S are valid, but one past ~24.8 days overflowed zmq_poll's
+    milliseconds on the I/O thread: UNAVAILABLE "client I/O thread failed: OverflowError", and
+    the client closed for good (every later call CANCELLED)."""
+    from conftest import sim_worker
+
+    node = start_node([sim_worker()])
+    with Client(node.address) as c:
+        assert c.status(wait=3e6).registrations >= 1  # (answered at once: nothing to wait for)
+        assert c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=P.MAX_TIMEOUT_S)["y"].tolist() == [[4.0, 4.0]]
+        assert c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=5)["y"].tolist() == [[4.0, 4.0]]

@@ -626,6 +626,25 @@ def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
 
 
+@pytest.mark.parametrize("gpu_busy_s", [0.0, 8e-3])
+def test_a_reserved_worker_is_lent_no_batch_bigger_than_the_reservation_allows(gpu_busy_s):
+    """60 urgent requests/s allow the reserved CPU batches of one item (60/s x 0.1 ms); a 3-item
+    low request went there whole (8b), met by an urgent arrival 1.8 % of the time."""
+    from batchyard.policy_mcb import RESERVE_BLOCKING, URGENT_RATE
+
+    st = _slow_gpu_fast_cpu()
+    st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=3 * URGENT_RATE)
+    st.arrivals["m#urgent"]._t = 0.0
+    if gpu_busy_s:
+        gpu = st.workers["gpu0"]
+        gpu.inflight, gpu.busy_until = 1, gpu_busy_s
+    st.queue("m").push(Request(1, "m", 3, 2, 0.0, 5e-3))  # low, 3 items, 5 ms
+    d = MarginalCost().decide(st, 0.0)
+    lam_u = st.urgent_rate("m", 0.0)
+    assert all(lam_u * st.cost("m", "cpu").predict(sum(r.items for r in x.requests)) <= RESERVE_BLOCKING
+               for x in d.dispatches if x.worker.name == "cpu0")
+
+
 def test_a_deadline_not_yet_at_stake_beside_a_reserved_worker_sets_a_wake_up_for_when_it_is():
     """Every eligible worker busy, a reserved one free: the pass wakes when the tightest deadline
     comes to be at stake (a GPU still busy then ends its batch after it), and then borrows the CPU."""
@@ -640,7 +659,7 @@ def test_a_deadline_not_yet_at_stake_beside_a_reserved_worker_sets_a_wake_up_for
     policy = MarginalCost()
     d = policy.decide(st, 0.0)
     t_gpu = st.cost("m", "gpu").predict(1)
-    assert d.dispatches == [] and d.wake_at == pytest.approx(30e-3 - t_gpu)  # the GPU overruns by then
+    assert d.dispatches == [] and 8e-3 < d.wake_at <= 30e-3 - t_gpu  # the GPU overruns by then
     d = policy.decide(st, d.wake_at)
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
 
