@@ -23,6 +23,7 @@ from . import protocol as P
 from .client_codec import dtype_name
 from .errors import BatchyardError
 from .kserve_stats import NodeStats
+from .llm_routing import PREFILL_CPU
 
 # KServe datatype <-> numpy dtype name. Model configs write the same names with a TYPE_ prefix.
 KSERVE_TO_NP = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
@@ -498,7 +499,9 @@ class KServeCore:
     async def _fetch_ready(self) -> Optional[frozenset]:
         try:
             st = await self.client.status(timeout=1.0, brief=True)
-            ready = frozenset(m for w in st.workers for m in w.models)
+            # An LLM model's prefill-cpu engine serves nothing alone (the decode runs on its gpu
+            # one): counted, the node said ready while every completion failed 503.
+            ready = frozenset(m for w in st.workers if w.path != PREFILL_CPU for m in w.models)
             self._models = frozenset(st.models)
         except BatchyardError:
             ready = None

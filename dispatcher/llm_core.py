@@ -95,8 +95,14 @@ class Finished:
 
 class LlmCore:
     def __init__(self, on_fail: Callable[[LlmRequest, Status, str], None], default_timeout_s: float = 30.0,
-                 interference_weight: float = 0.0, worker_dead_after_s: float = 10.0, models: tuple = ()):
+                 interference_weight: float = 0.0, worker_dead_after_s: float = 10.0, models: tuple = (),
+                 max_queue: int = 10_000):
         self.on_fail = on_fail
+        # [dispatcher] max_queue bounds each model's open generations (queued for a CPU prefill or
+        # in an engine's own queue): it bounded the tensor path only, and 200 generations sent
+        # at once to a node of max_queue 5 were all taken.
+        self.max_queue = max_queue
+        self.open_by_model: dict[str, int] = {}
         # The config's LLM models: one with no engine up (its engines still loading, or lost and
         # restarting) is UNAVAILABLE, not UNKNOWN_MODEL (a 404 "model_not_found" while /v1/models
         # listed it). A model only an engine names counts while that engine is up (kept for good,
@@ -124,7 +130,7 @@ class LlmCore:
     def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0,
                    peer: str = "") -> list:
         """Register (or re-register) an engine; returns what its re-registration failed."""
-        if self.is_retry(name, pid, identity):
+        if self.is_retry(name, pid, identity, peer):
             # The same process registering again (its retry crossed the answer, or it waited out
             # an engine step longer than its retry period): no restart, its jobs are running. Lost,
             # they failed and their answers were dropped.
@@ -140,10 +146,14 @@ class LlmCore:
         self.cpu_queue.setdefault(engine.model, [])
         return lost
 
-    def is_retry(self, name: str, pid: int, identity: bytes) -> bool:
-        """Whether a registration comes from the process already registered under ``name``."""
+    def is_retry(self, name: str, pid: int, identity: bytes, peer: str = "") -> bool:
+        """Whether a registration comes from the process already registered under ``name``: its
+        pid, identity and connection (``peer``, as a tensor worker's). A restarted engine given the
+        same pid (pid 1 in its container) was taken for the old one: its messages were dropped as
+        another connection's, and the request running on the old one failed only when its
+        heartbeats were missed."""
         w = self.workers.get(name)
-        return w is not None and w.pid == pid and w.identity == identity
+        return w is not None and w.pid == pid and w.identity == identity and w.peer == peer
 
     def heartbeat(self, name: str, now: float) -> bool:
         w = self.workers.get(name)
@@ -214,10 +224,13 @@ class LlmCore:
                                              f"exceeds max_model_len {limit} of model {model!r}")
         if msg.route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
             return Status.UNAVAILABLE, f"route 'prefill-cpu' asked, but no prefill-cpu instance of {model!r} is up"
+        if self.open_by_model.get(model, 0) >= self.max_queue:
+            return Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
         r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
                        seq=next(self._ids), priority=msg.priority)
         self.requests[r.seq] = r
+        self.open_by_model[model] = self.open_by_model.get(model, 0) + 1
         self._compact_deadlines()
         heapq.heappush(self._deadlines, (r.deadline, r.seq))
         try:
@@ -225,7 +238,8 @@ class LlmCore:
         except BaseException:
             # Not admitted after all: the caller answers it, once; kept, it would be answered
             # again at its deadline.
-            self.requests.pop(r.seq, None)
+            if self.requests.pop(r.seq, None) is not None:
+                self.open_by_model[model] -= 1
             raise
         return None
 
@@ -364,7 +378,8 @@ class LlmCore:
         if r.done:
             return False
         r.done = True
-        self.requests.pop(r.seq, None)
+        if self.requests.pop(r.seq, None) is not None:
+            self.open_by_model[r.model] -= 1
         return True
 
     # ------------------------------------------------------------------ completions

@@ -22,13 +22,13 @@ log = logging.getLogger("batchyard.dispatcher")
 class LlmDesk:
     def __init__(self, send_worker: Callable[[bytes, bytes], None], reply: Callable[[bytes, bytes], None],
                  default_timeout_s: float, interference_weight: float, worker_dead_after_s: float,
-                 metrics: Metrics | None = None, models: tuple = ()):
+                 metrics: Metrics | None = None, models: tuple = (), max_queue: int = 10_000):
         self._send_worker = send_worker
         self._reply = reply
         self.metrics = metrics if metrics is not None else Metrics()
         self.core = LlmCore(self._on_fail, default_timeout_s=default_timeout_s,
                             interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s,
-                            models=models)
+                            models=models, max_queue=max_queue)
 
     # ------------------------------------------------------------------ in
     def on_generate(self, msg: P.GenerateRequest, identity: bytes, now: float, unknown: Callable[[str], str]) -> None:
@@ -41,7 +41,7 @@ class LlmDesk:
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float, peer: str = "") -> None:
-        again = self.core.is_retry(msg.worker, msg.pid, identity)
+        again = self.core.is_retry(msg.worker, msg.pid, identity, peer)
         self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid, peer=peer)
         e = msg.llm
         # As a tensor worker's registration: the model's series on the route this engine serves

@@ -133,7 +133,7 @@ class Dispatcher:
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
         self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
-                           cfg.worker_dead_after_s, self.metrics, models=llm_models)
+                           cfg.worker_dead_after_s, self.metrics, models=llm_models, max_queue=cfg.max_queue)
 
     @property
     def policy(self):

@@ -572,3 +572,27 @@ def test_requests_answered_at_the_end_of_a_drain_are_stopped_in_their_engine():
     assert [r for r, s, _ in h.failed] == [rid]
     aborts = [s.job for s in h.jobs() if isinstance(s.job, P.LlmAbort)]
     assert [(a.job_id, a.seqs) for a in aborts] == [(send.job.job_id, send.job.seqs)]
+
+
+def test_max_queue_bounds_a_models_open_generations():
+    """[dispatcher] max_queue bounded the tensor path only: 200 generations sent at once to a
+    node of max_queue 5 were all taken. The sixth open one is OVERLOADED; one that ends makes room."""
+    h = Harness(max_queue=5)
+    for _ in range(5):
+        assert h.submit(64, route="prefill-cpu")[1] is None
+    assert h.submit(64)[1] == (Status.OVERLOADED, "queue for 'm' is full (5 requests)")
+    h.core.fail_all(Status.UNAVAILABLE, "drained")  # every open one ends
+    assert h.submit(64)[1] is None
+
+
+def test_an_engine_restarted_with_the_same_pid_is_a_new_registration():
+    """pid 1 in its container: the restarted engine has the old one's pid and identity but a new
+    connection. Taken for a retry of the old registration, its jobs' loss went unseen and its own
+    messages were dropped as another connection's."""
+    h = Harness(cpu=False, gpu=False)
+    h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0, pid=1, peer="conn-1")
+    assert h.submit(64)[1] is None
+    (send,) = h.jobs()
+    assert h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 1.0, pid=1, peer="conn-1") == []  # a retry
+    lost = h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 2.0, pid=1, peer="conn-2")  # a restart
+    assert [r.req_id for r in lost] == [1] and h.core.workers["gpu0"].peer == "conn-2"

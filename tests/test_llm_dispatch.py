@@ -229,7 +229,10 @@ def test_generate_to_a_tensor_model_says_it_takes_infer(start_node):
 
 
 def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_node):
-    address, engines, _ = llm_node
+    """And the model is no longer ready: with its prefill-cpu engine alone the node said ready
+    while every completion failed 503."""
+    address, engines, url = llm_node
+    assert _ready(url + "/v2/models/tiny/ready") == 200
     gpu = engines["gpu0"]
     with Client(address) as c:
         gone_before = c.status().departures
@@ -243,6 +246,15 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
         assert "gpu0" not in [w.name for w in c.status().workers]
         with pytest.raises(Unavailable, match="'gpu'"):
             c.generate("tiny", [1, 2, 3], timeout=5)
+    assert _ready(url + "/v2/models/tiny/ready") != 200 and _ready(url + "/v2/health/ready") != 200
+
+
+def _ready(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def test_openai_completions_with_text_and_token_prompts(llm_node):
