@@ -604,14 +604,9 @@ def test_a_request_another_free_worker_serves_in_time_is_not_failed_for_the_firs
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
 
 
-@pytest.mark.parametrize("gpu_busy_s", [0.0, 8e-3])
-def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals(gpu_busy_s):
-    """High-priority traffic above URGENT_RATE: MCB keeps the CPU free for it and plans low work
-    on the GPU alone. A low request the GPU cannot end in time was failed late, the reserved CPU
-    idle (SIMULATED: 2,371 of 2,373 low requests failed, CPU 0.6 % busy). Lent where an urgent
-    arrival meets the low batch at most as often as the reservation allows (60/s x 0.1 ms) — also
-    while the GPU is busy, where the pass ended before its deadline step and the request waited
-    for the reservation's lapse (274 ms) past its 5 ms timeout."""
+def _cpu_reserved_for_urgent_arrivals(gpu_busy_s: float) -> SchedulerState:
+    """The slow GPU (busy for ``gpu_busy_s``) and the fast CPU, which 60 urgent requests/s (above
+    URGENT_RATE) make MCB keep free for them."""
     from batchyard.policy_mcb import URGENT_RATE
 
     st = _slow_gpu_fast_cpu()
@@ -620,6 +615,18 @@ def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals
     if gpu_busy_s:
         gpu = st.workers["gpu0"]
         gpu.inflight, gpu.busy_until = 1, gpu_busy_s
+    return st
+
+
+@pytest.mark.parametrize("gpu_busy_s", [0.0, 8e-3])
+def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals(gpu_busy_s):
+    """High-priority traffic above URGENT_RATE: MCB keeps the CPU free for it and plans low work
+    on the GPU alone. A low request the GPU cannot end in time was failed late, the reserved CPU
+    idle (SIMULATED: 2,371 of 2,373 low requests failed, CPU 0.6 % busy). Lent where an urgent
+    arrival meets the low batch at most as often as the reservation allows (60/s x 0.1 ms) — also
+    while the GPU is busy, where the pass ended before its deadline step and the request waited
+    for the reservation's lapse (274 ms) past its 5 ms timeout."""
+    st = _cpu_reserved_for_urgent_arrivals(gpu_busy_s)
     st.queue("m").push(Request(1, "m", 1, 2, 0.0, 5e-3))  # low, 5 ms
     d = MarginalCost().decide(st, 0.0)
     assert not d.late
@@ -630,14 +637,9 @@ def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals
 def test_a_reserved_worker_is_lent_no_batch_bigger_than_the_reservation_allows(gpu_busy_s):
     """60 urgent requests/s allow the reserved CPU batches of one item (60/s x 0.1 ms); a 3-item
     low request went there whole (8b), met by an urgent arrival 1.8 % of the time."""
-    from batchyard.policy_mcb import RESERVE_BLOCKING, URGENT_RATE
+    from batchyard.policy_mcb import RESERVE_BLOCKING
 
-    st = _slow_gpu_fast_cpu()
-    st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=3 * URGENT_RATE)
-    st.arrivals["m#urgent"]._t = 0.0
-    if gpu_busy_s:
-        gpu = st.workers["gpu0"]
-        gpu.inflight, gpu.busy_until = 1, gpu_busy_s
+    st = _cpu_reserved_for_urgent_arrivals(gpu_busy_s)
     st.queue("m").push(Request(1, "m", 3, 2, 0.0, 5e-3))  # low, 3 items, 5 ms
     d = MarginalCost().decide(st, 0.0)
     lam_u = st.urgent_rate("m", 0.0)
@@ -648,13 +650,7 @@ def test_a_reserved_worker_is_lent_no_batch_bigger_than_the_reservation_allows(g
 def test_a_deadline_not_yet_at_stake_beside_a_reserved_worker_sets_a_wake_up_for_when_it_is():
     """Every eligible worker busy, a reserved one free: the pass wakes when the tightest deadline
     comes to be at stake (a GPU still busy then ends its batch after it), and then borrows the CPU."""
-    from batchyard.policy_mcb import URGENT_RATE
-
-    st = _slow_gpu_fast_cpu()
-    st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=3 * URGENT_RATE)
-    st.arrivals["m#urgent"]._t = 0.0
-    gpu = st.workers["gpu0"]
-    gpu.inflight, gpu.busy_until = 1, 8e-3
+    st = _cpu_reserved_for_urgent_arrivals(8e-3)
     st.queue("m").push(Request(1, "m", 1, 2, 0.0, 30e-3))  # low, 30 ms: the GPU's plan ends at ~18 ms
     policy = MarginalCost()
     d = policy.decide(st, 0.0)
