@@ -493,6 +493,16 @@ class NodeConfig(_Table):
                 spec = self.model(m)
                 tensors = [t.name for t in spec.inputs + spec.outputs]
                 _check_keys(where, f"triton.tensor_names.{m}", renames, tensors, what="tensors of the model")
+                for kind, ts in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+                    # Two of them on one Triton tensor: every batch failed at Triton ("input 'x'
+                    # already exists in request"), the worker restarted for ever.
+                    named: dict[str, str] = {}
+                    for t in ts:
+                        theirs = renames.get(t.name, t.name)
+                        if theirs in named:
+                            raise ConfigError(f"{where}: triton.tensor_names.{m}: {kind} {named[theirs]!r} and "
+                                              f"{t.name!r} both name Triton's {theirs!r}")
+                        named[theirs] = t.name
         if w.kind == "tensorrt":
             _check_keys(where, "cuda.onnx", w.cuda.onnx, served)
             for m in w.models:

@@ -222,6 +222,11 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
     (edited("models = { sum = \"dense\" }", "models = { sum = \"dense\" }, tensor_names = { sum = { X = \"IN0\" } }"),
      "node.toml: [[workers]] #3 (name 'gpu0'): triton.tensor_names.sum: 'X' is not one of the tensors of the "
      "model ['x', 'y'] (did you mean 'x'?)"),
+    # two spec inputs on one Triton tensor: every batch failed at Triton, the worker restarted for ever
+    (edited("models = { sum = \"dense\" }", "models = { sum = \"dense\" }, tensor_names = { sum = { w = \"x\" } }")
+     .replace('inputs = [{ name = "x", dtype = "float32", shape = [4] }]',
+              'inputs = [{ name = "x", dtype = "float32", shape = [4] }, { name = "w", dtype = "float32", shape = [4] }]'),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.tensor_names.sum: inputs 'x' and 'w' both name Triton's 'x'"),
     (edited('factory = "batchyard.workers.models:mlp"\n', ""),
      "node.toml: [[workers]] #1 (name 'amx0'): kind 'amx' builds model 'sum' itself, so that model needs factory"),
     (edited('"float32", shape = [2]', '"float32", shape = [2] }, { name = "y", dtype = "int8", shape = [1]'),

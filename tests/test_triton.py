@@ -1255,20 +1255,42 @@ def test_a_worker_restarted_while_triton_runs_its_killed_predecessors_batch_star
     assert _system_regions(triton, prefix) == set()
 
 
+def test_tritons_invalid_argument_is_a_refusal_its_other_answers_may_pass():
+    """The status Triton answers decides what the warm-up makes of it (below): INVALID_ARGUMENT
+    is the batch not fitting the model, a restart meets it again; INTERNAL may pass."""
+    from batchyard.workers.triton_executor import TritonAnswerError, TritonExecutor, TritonRefusedInput
+
+    ex = TritonExecutor.__new__(TritonExecutor)
+    ex.url, ex.region_prefix = "127.0.0.1:1", "by_triton_test"
+
+    def answered(status: str):
+        return types.SimpleNamespace(status=lambda: status, message=lambda: "as Triton says")
+
+    refused, internal = ex._failure(answered("StatusCode.INVALID_ARGUMENT"), 0), ex._failure(answered("StatusCode.INTERNAL"), 0)
+    assert type(refused) is TritonRefusedInput and not refused.restart_may_help
+    assert type(internal) is TritonAnswerError and internal.restart_may_help
+
+
 @pytest.mark.parametrize("error, exits", [
     ("answer", "restarted"),  # Triton's error status: a crashed python-backend stub, say
-    ("contract", "not restarted")])  # an output unlike the spec: the same at every start
+    ("contract", "not restarted"),  # an output unlike the spec: the same at every start
+    # Triton refuses the spec's zeros (an input it needs that the spec lacks): as 69 it was
+    # restarted for ever
+    ("refused", "not restarted")])
 def test_a_triton_error_at_warm_up_is_restarted_only_where_triton_may_change(error, exits):
     """A Triton model whose stub crashed answers INTERNAL "Stub process ... is not healthy";
     the worker's next start met it at warm-up and exited 78, never restarted, Triton fixed or
     not (the warm-up's rule: the same code on the same zeros fails the same way, 78). That code
     runs in Triton's process: Triton's answers exit 69, restarted."""
     from batchyard.workers import runtime
-    from batchyard.workers.triton_executor import TritonAnswerError, TritonModelError
+    from batchyard.workers.triton_executor import TritonAnswerError, TritonModelError, TritonRefusedInput
 
     def run(model, inputs):
         if error == "answer":
             raise TritonAnswerError("Triton failed the batch (INTERNAL): Stub process 'dense_amx_0_0' is not healthy.")
+        if error == "refused":
+            raise TritonRefusedInput("Triton failed the batch (INVALID_ARGUMENT): [request id: <id_unknown>] expected "
+                                     "2 inputs but got 1 inputs for model 'extra_in'")
         raise TritonModelError("Triton's output 'y' is FP16 [1, 384]; the spec says FP32 [1, 384]")
 
     rt = runtime.WorkerRuntime("gpu0", "ipc:///nonexistent", types.SimpleNamespace(run=run, simulated=False),

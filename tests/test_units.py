@@ -343,6 +343,23 @@ def test_triton_model_config_is_checked_against_the_spec(cfg_kw, problem):
         assert any(problem in p for p in check.problems), check.problems
 
 
+@pytest.mark.parametrize("optional", [False, True])
+def test_a_triton_input_the_spec_does_not_feed_is_refused_unless_optional(optional):
+    """It passed the check, and every batch then failed INVALID_ARGUMENT ("missing required
+    input(s) ['z']"): the worker exited 69 and was restarted for ever."""
+    from batchyard.workers.triton_model_check import check_model_config
+
+    spec = ModelSpec("m", (TensorSpec("x", "float32", (1024,)),), (TensorSpec("y", "float32", (1024,)),), 64)
+    cfg = _triton_cfg()
+    z = cfg.input.add()
+    z.name, z.data_type, z.optional = "z", cfg.input[0].data_type, optional
+    z.dims.extend([4])
+    problems = check_model_config(cfg, spec).problems
+    assert problems == ([] if optional else
+                        ["Triton model 'dense' needs input 'z', which spec 'm' does not have (its inputs: ['x']); map a "
+                         "spec input to it with triton.tensor_names, or mark it optional in Triton's config"])
+
+
 def test_triton_model_config_check_renames_and_warns_on_dynamic_batching():
     from batchyard.workers.triton_model_check import check_model_config
 

@@ -102,6 +102,14 @@ class TritonAnswerError(TritonModelError):
     restart_may_help = True
 
 
+class TritonRefusedInput(TritonAnswerError):
+    """Triton answered INVALID_ARGUMENT: the batch does not fit its model (an input it needs and
+    the spec lacks, two spec tensors renamed onto one). At warm-up (zeros of the spec's shapes) a
+    restart meets it again: 78, where as a passing error (69) the worker restarted for ever."""
+
+    restart_may_help = False
+
+
 def _may_still_run(err) -> bool:
     """Whether the batch whose call failed with ``err`` may still be running in Triton: its call
     timed out, or was cut or never answered; not when Triton answered with an error."""
@@ -425,7 +433,8 @@ class TritonExecutor:
             # worker's batches of its other models for the back-off, and whose reconnect
             # cancelled those in flight.
             return ExecutorUnavailable(f"Triton at {self.url} does not serve the model now: {msg}")
-        return TritonAnswerError(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
+        error = TritonRefusedInput if status == "StatusCode.INVALID_ARGUMENT" else TritonAnswerError
+        return error(f"Triton failed the batch ({(status or '').removeprefix('StatusCode.')}): {msg}")
 
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
         """Record a failure of client ``gen``; returns the error the batch gets."""

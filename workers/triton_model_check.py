@@ -2,7 +2,8 @@
 loads, so a mismatch stops the worker at start with the exact field instead of failing every
 batch later. Pure: takes the config protobuf Triton returned (``get_model_config``).
 
-Refusals (the worker cannot serve the model): a missing tensor, a different dtype, a fixed
+Refusals (the worker cannot serve the model): a missing tensor, a required Triton input the spec
+does not feed, a different dtype, a fixed
 dimension that differs from the spec, a ``max_batch_size`` below Batchyard's ``max_batch``, or a
 non-batching model (``max_batch_size: 0``) whose first dimension is fixed.
 Warnings (it works, but worse): ``dynamic_batching`` on, which re-batches our batches and adds
@@ -63,4 +64,12 @@ def check_model_config(cfg, spec: ModelSpec, tensor_names: dict[str, str] | None
             if len(dims) != len(t.shape) or any(d != -1 and d != s for d, s in zip(dims, t.shape)):
                 out.problems.append(f"{where} {kind} {tname!r} has dims {dims}, spec {spec.name!r} has "
                                     f"per-item shape {list(t.shape)}")
+    mapped = {names.get(t.name, t.name) for t in spec.inputs}
+    for tt in cfg.input:
+        # An input Triton needs that no spec tensor feeds: every batch failed INVALID_ARGUMENT
+        # ("missing required input(s)") after the check had passed.
+        if tt.name not in mapped and not tt.optional:
+            out.problems.append(f"{where} needs input {tt.name!r}, which spec {spec.name!r} does not have (its "
+                                f"inputs: {[names.get(t.name, t.name) for t in spec.inputs]}); map a spec input to "
+                                f"it with triton.tensor_names, or mark it optional in Triton's config")
     return out
