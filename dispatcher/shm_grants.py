@@ -56,7 +56,11 @@ CHALLENGE_BYTES = 16
 
 
 PENDING_PER_CONNECTION = 64  # challenges one connection may have outstanding (registrations half-way)
-PENDING_CONNECTIONS = 4096  # connections with challenges outstanding
+PENDING_CONNECTIONS = 4096  # connections with challenges outstanding, node-wide
+# Of them, one holder's (its uid's, a tcp peer's): past it, its own oldest is forgotten. Forgetting
+# the node's oldest, whoever's, let one user's many connections (step 1, a failed step 2, again)
+# evict every other user's registration half-way: each failed "no challenge outstanding".
+PENDING_CONNECTIONS_PER_HOLDER = 1024
 # Grants one uid may hold over all its connections, open or closed (a closed one's stay until the
 # sweep finds their files unlinked). An SDK client (a front-door process is one) registers each
 # segment of its pool once: one per 64 MiB of its peak tensors in flight, plus at most
@@ -123,6 +127,7 @@ class ShmGrants:
         self.shm_dir = shm_dir
         self.granted: dict[tuple, dict[str, tuple[int, int]]] = {}  # conn -> segment -> the file proved
         self.pending: dict[tuple, dict[str, bytes]] = {}  # conn -> segment -> challenge
+        self.pending_of: dict[tuple, dict[tuple, None]] = {}  # holder -> its conns in ``pending``, oldest first
         self.held: dict[tuple, int] = {}  # holder(conn) -> grants, over all its connections
         self.holding: dict[tuple, dict[str, tuple]] = {}  # (uid, pid) -> segment -> the conn granted it
         self._unswept: Optional[list[tuple[tuple, str]]] = None  # (conn, segment) left in this sweep
@@ -179,6 +184,14 @@ class ShmGrants:
             if not mine:
                 del self.holding[process]
 
+    def _forget_pending(self, conn: tuple) -> None:
+        del self.pending[conn]
+        key = holder(conn)
+        theirs = self.pending_of[key]
+        del theirs[conn]
+        if not theirs:
+            del self.pending_of[key]
+
     def challenge(self, conn: tuple, segment: str) -> tuple[Optional[bytes], str]:
         """(challenge, "") or (None, why not)."""
         if not conn[0].startswith(b"\0"):
@@ -187,9 +200,16 @@ class ShmGrants:
             return None, over_cap_message(conn)
         mine = self.pending.get(conn)
         if mine is None:
-            if len(self.pending) >= PENDING_CONNECTIONS:  # abandoned half-way: forget the oldest
-                self.pending.pop(next(iter(self.pending)))
+            # Abandoned half-way: forget the holder's own oldest; node-wide, the oldest of the
+            # holder with the most (never another holder's while this one has as many).
+            key = holder(conn)
+            theirs = self.pending_of.get(key, {})
+            if len(theirs) >= PENDING_CONNECTIONS_PER_HOLDER:
+                self._forget_pending(next(iter(theirs)))
+            elif len(self.pending) >= PENDING_CONNECTIONS:
+                self._forget_pending(next(iter(max(self.pending_of.values(), key=len))))
             mine = self.pending[conn] = {}
+            self.pending_of.setdefault(key, {})[conn] = None
         elif len(mine) >= PENDING_PER_CONNECTION:  # one connection evicts only its own
             mine.pop(next(iter(mine)))
         c = mine[segment] = secrets.token_bytes(CHALLENGE_BYTES)
@@ -200,7 +220,7 @@ class ShmGrants:
         mine = self.pending.get(conn)
         want = mine.pop(segment, None) if mine is not None else None
         if mine is not None and not mine:
-            del self.pending[conn]
+            self._forget_pending(conn)
         if want is None:
             return f"no challenge outstanding for segment {segment!r} on this connection"
         try:

@@ -439,6 +439,30 @@ def _sweep_through(grants) -> None:
         pass
 
 
+def test_one_users_abandoned_registrations_do_not_evict_anothers(tmp_path, monkeypatch):
+    """The node's oldest half-way registration was forgotten past PENDING_CONNECTIONS, whoever's:
+    uid nobody, looping step 1 and a failed step 2 over 6,000 connections, made every root
+    client's first registration fail "no challenge outstanding". Each holder now evicts only its
+    own; node-wide, the holder with the most loses its oldest."""
+    from batchyard import shm_grants
+    from batchyard.shm_grants import ShmGrants
+
+    monkeypatch.setattr(shm_grants, "PENDING_CONNECTIONS", 8)
+    monkeypatch.setattr(shm_grants, "PENDING_CONNECTIONS_PER_HOLDER", 4, raising=False)
+    (tmp_path / "mine").write_bytes(bytes(64))
+    g = ShmGrants(str(tmp_path))
+    me = (b"\0" + secrets.token_bytes(4), f"localhost:{os.getuid()}:0:{os.getpid()}")
+    challenge, why = g.challenge(me, "mine")
+    assert why == ""
+    others = [(b"\0" + secrets.token_bytes(4), f"localhost:{os.getuid() + 1 + k % 3}:0:{k + 1}")
+              for k in range(100)]  # three other users' connections, each registering half-way
+    for conn in others:
+        assert g.challenge(conn, "theirs")[1] == ""
+    assert len(g.pending) <= 8 and me in g.pending
+    write_challenge(str(tmp_path / "mine"), challenge)
+    assert g.prove(me, "mine") == ""
+
+
 def test_grants_past_a_users_cap_are_refused_until_some_are_given_back(tmp_path, monkeypatch):
     """Grants had no limit and outlive their connection: one client made 200,000 (hard links of
     its own files) and closed it, and every sweep then held the dispatcher for all of them
