@@ -63,6 +63,7 @@ class LlmWorker:
     busy_until: float = 0.0  # predicted end of the work sent (prefill: the job; gpu: its prefills)
     pid: int = 0
     peer: str = ""  # the kernel's credentials of the connection it registered on (transport.connection)
+    started: str = ""  # its process's Register.started
 
     @property
     def role(self) -> str:
@@ -128,9 +129,9 @@ class LlmCore:
         return self._known | {w.engine.model for w in self.workers.values()}
 
     def add_worker(self, name: str, identity: bytes, engine: P.LlmEngine, now: float, pid: int = 0,
-                   peer: str = "") -> list:
+                   peer: str = "", started: str = "") -> list:
         """Register (or re-register) an engine; returns what its re-registration failed."""
-        if self.is_retry(name, pid, identity, peer):
+        if self.is_retry(name, pid, identity, peer, started):
             # The same process registering again (its retry crossed the answer, or it waited out
             # an engine step longer than its retry period): no restart, its jobs are running. Lost,
             # they failed and their answers were dropped.
@@ -138,7 +139,7 @@ class LlmCore:
             return []
         lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
         self.hung.pop(name, None)
-        self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid, peer=peer)
+        self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid, peer=peer, started=started)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
         # samples piled up (1000 registrations: 2000 rows) and outweighed what was learnt online.
         self.curves.setdefault(engine.model, LearnedCurves()).seed_engine(engine.role, engine.prefill, engine.decode,
@@ -146,14 +147,16 @@ class LlmCore:
         self.cpu_queue.setdefault(engine.model, [])
         return lost
 
-    def is_retry(self, name: str, pid: int, identity: bytes, peer: str = "") -> bool:
+    def is_retry(self, name: str, pid: int, identity: bytes, peer: str = "", started: str = "") -> bool:
         """Whether a registration comes from the process already registered under ``name``: its
-        pid, identity and connection (``peer``, as a tensor worker's). A restarted engine given the
-        same pid (pid 1 in its container) was taken for the old one: its messages were dropped as
-        another connection's, and the request running on the old one failed only when its
-        heartbeats were missed."""
+        pid, identity, connection (``peer``) and start token (``Register.started``), as a tensor
+        worker's. A restarted engine given the same pid (pid 1 in its container) was taken for the
+        old one: its messages were dropped as another connection's (on ipc), and the request
+        running on the old one failed only when its heartbeats were missed (tcp, where the peer is
+        an address alone, also after the peer was compared)."""
         w = self.workers.get(name)
-        return w is not None and w.pid == pid and w.identity == identity and w.peer == peer
+        return (w is not None and w.pid == pid and w.identity == identity and w.peer == peer
+                and w.started == started)
 
     def heartbeat(self, name: str, now: float) -> bool:
         w = self.workers.get(name)

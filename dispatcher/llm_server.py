@@ -41,8 +41,8 @@ class LlmDesk:
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float, peer: str = "") -> None:
-        again = self.core.is_retry(msg.worker, msg.pid, identity, peer)
-        self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid, peer=peer)
+        again = self.core.is_retry(msg.worker, msg.pid, identity, peer, msg.started)
+        self.core.add_worker(msg.worker, identity, msg.llm, now, pid=msg.pid, peer=peer, started=msg.started)
         e = msg.llm
         # As a tensor worker's registration: the model's series on the route this engine serves
         # (a route is named as the role of the engine it starts on) exist from now, at 0.

@@ -317,6 +317,9 @@ class Register(msgspec.Struct, tag="register", tag_field="type", omit_defaults=T
     numa_node: int = -1
     simulated: bool = False
     llm: Optional[LlmEngine] = None
+    # Drawn once per process start: tells a restart from a registration's retry where pid and
+    # connection do not (pid 1 in a container, over tcp: the peer is its address alone).
+    started: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):

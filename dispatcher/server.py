@@ -406,7 +406,8 @@ class Dispatcher:
             self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=text)))
             return
         known = self.state.workers.get(msg.worker)
-        if known is not None and known.pid == msg.pid and known.identity == identity and known.peer == peer:
+        if (known is not None and known.pid == msg.pid and known.identity == identity and known.peer == peer
+                and known.started == msg.started):
             # The same process registering again is no restart: its batches are still running.
             # After a dispatcher restart a worker's heartbeats, sent before its registration was
             # answered, each draw a Reregister; one that lands after the answer made it register
@@ -419,7 +420,8 @@ class Dispatcher:
         for spec in msg.models:
             self.specs.setdefault(spec.name, spec)
         w = WorkerState(name=msg.worker, path=msg.path, models={s.name: s.max_batch for s in msg.models},
-                        capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity, peer=peer)
+                        capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity, peer=peer,
+                        started=msg.started)
         self.core.add_worker(w, now)
         for model in w.models:
             self.metrics.model_served(model, w.path)

@@ -207,7 +207,8 @@ class ShmGrants:
             if len(theirs) >= PENDING_CONNECTIONS_PER_HOLDER:
                 self._forget_pending(next(iter(theirs)))
             elif len(self.pending) >= PENDING_CONNECTIONS:
-                self._forget_pending(next(iter(max(self.pending_of.values(), key=len))))
+                most = max(self.pending_of.values(), key=len)
+                self._forget_pending(next(iter(theirs if theirs and len(theirs) >= len(most) else most)))
             mine = self.pending[conn] = {}
             self.pending_of.setdefault(key, {})[conn] = None
         elif len(mine) >= PENDING_PER_CONNECTION:  # one connection evicts only its own

@@ -201,6 +201,7 @@ class WorkerState:
     simulated: bool = False
     identity: bytes = b""
     peer: str = ""  # the kernel's credentials of the connection it registered on (transport.connection)
+    started: str = ""  # its process's Register.started
 
     @property
     def free(self) -> bool:

@@ -587,8 +587,9 @@ def test_max_queue_bounds_a_models_open_generations():
 
 def test_an_engine_restarted_with_the_same_pid_is_a_new_registration():
     """pid 1 in its container: the restarted engine has the old one's pid and identity but a new
-    connection. Taken for a retry of the old registration, its jobs' loss went unseen and its own
-    messages were dropped as another connection's."""
+    connection (on ipc; over tcp the same address) and a new start token. Taken for a retry of the
+    old registration, its jobs' loss went unseen and its own messages were dropped as another
+    connection's."""
     h = Harness(cpu=False, gpu=False)
     h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0, pid=1, peer="conn-1")
     assert h.submit(64)[1] is None
@@ -596,3 +597,10 @@ def test_an_engine_restarted_with_the_same_pid_is_a_new_registration():
     assert h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 1.0, pid=1, peer="conn-1") == []  # a retry
     lost = h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 2.0, pid=1, peer="conn-2")  # a restart
     assert [r.req_id for r in lost] == [1] and h.core.workers["gpu0"].peer == "conn-2"
+    # Over tcp the peer is the address alone, the same after a restart: the start token tells.
+    h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 3.0, pid=1, peer="10.0.0.7", started="a1")
+    assert h.submit(64)[1] is None
+    h.jobs()
+    assert h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 4.0, pid=1, peer="10.0.0.7", started="a1") == []
+    lost = h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 5.0, pid=1, peer="10.0.0.7", started="b2")
+    assert [r.req_id for r in lost] == [2]

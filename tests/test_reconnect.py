@@ -134,6 +134,19 @@ def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, proces
                                                         results=[out])), np.full((1, 2), 7, np.float32)])
             assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
             assert c.status().registrations == 1  # counted once
+            # A restart with the same pid on the same connection (pid 1 in a container, over tcp):
+            # its start token differs, and its batch is failed over, not kept for ever.
+            fut = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+            first, _ = recv(P.Batch)
+            worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[spec],
+                                            started="after-a-restart")))
+            recv(P.Registered)
+            again, _ = recv(P.Batch)  # the request, sent again to the restarted worker
+            assert again.batch_id != first.batch_id and c.status().registrations == 2
+            out.seq = again.seqs[0]
+            worker.send_multipart([P.encode(P.BatchDone(batch_id=again.batch_id, worker="w0", compute_us=100,
+                                                        results=[out])), np.full((1, 2), 7, np.float32)])
+            assert fut.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
     finally:
         worker.close()
 

@@ -461,6 +461,16 @@ def test_one_users_abandoned_registrations_do_not_evict_anothers(tmp_path, monke
     assert len(g.pending) <= 8 and me in g.pending
     write_challenge(str(tmp_path / "mine"), challenge)
     assert g.prove(me, "mine") == ""
+    # The node full, two users with as many half-way: the asking one loses its own oldest (the
+    # first of the two in the node's order lost one, whoever asked).
+    monkeypatch.setattr(shm_grants, "PENDING_CONNECTIONS", 4)
+    g = ShmGrants(str(tmp_path))
+    b = [(b"\0" + secrets.token_bytes(4), f"localhost:{os.getuid() + 7}:0:{k + 1}") for k in range(2)]
+    a = [(b"\0" + secrets.token_bytes(4), f"localhost:{os.getuid() + 8}:0:{k + 1}") for k in range(3)]
+    for conn in b + a[:2]:
+        g.challenge(conn, "theirs")
+    g.challenge(a[2], "theirs")
+    assert all(conn in g.pending for conn in b) and a[0] not in g.pending
 
 
 def test_grants_past_a_users_cap_are_refused_until_some_are_given_back(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import secrets
 import logging
 import os
 import shutil
@@ -86,7 +87,8 @@ class LlmServer:
         self.block, self.max_len = engine_msg.block_size, engine_msg.max_model_len
         self.register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name, pid=os.getpid(),
                                             path="cpu" if engine_msg.role == "prefill-cpu" else "gpu", models=[],
-                                            max_inflight=engine_msg.max_num_seqs, simulated=False, llm=engine_msg))
+                                            max_inflight=engine_msg.max_num_seqs, simulated=False, llm=engine_msg,
+                                            started=secrets.token_hex(8)))
         self.reqs: dict[str, _Req] = {}
         self.kv_users: collections.Counter = collections.Counter()
         self.ids = itertools.count()

@@ -17,6 +17,7 @@ import collections
 import functools
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -97,6 +98,7 @@ class WorkerRuntime:
                  heartbeat_interval_s: float = 0.2, max_inflight: int = 1, numa_node: int = -1,
                  secure: Callable[[zmq.Socket], None] = lambda sock: None):
         self.name = name
+        self.started = secrets.token_hex(8)  # Register.started
         self.secure = secure  # CURVE keys for a tcp backend (batchyard.transport.secure_worker_socket)
         self.backend = backend
         self.executor = executor
@@ -170,7 +172,7 @@ class WorkerRuntime:
         return P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name, pid=os.getpid(),
                                    path=self.executor.path, models=list(self.specs.values()),
                                    max_inflight=self.max_inflight, numa_node=self.numa_node,
-                                   simulated=self.executor.simulated))
+                                   simulated=self.executor.simulated, started=self.started))
 
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, self.request_stop)
