@@ -203,12 +203,12 @@ class ShmGrants:
             # Abandoned half-way: forget the holder's own oldest; node-wide, the oldest of the
             # holder with the most (never another holder's while this one has as many).
             key = holder(conn)
-            theirs = self.pending_of.get(key, {})
-            if len(theirs) >= PENDING_CONNECTIONS_PER_HOLDER:
-                self._forget_pending(next(iter(theirs)))
+            own = self.pending_of.get(key, {})
+            if len(own) >= PENDING_CONNECTIONS_PER_HOLDER:
+                self._forget_pending(next(iter(own)))
             elif len(self.pending) >= PENDING_CONNECTIONS:
                 most = max(self.pending_of.values(), key=len)
-                self._forget_pending(next(iter(theirs if theirs and len(theirs) >= len(most) else most)))
+                self._forget_pending(next(iter(own if own and len(own) >= len(most) else most)))
             mine = self.pending[conn] = {}
             self.pending_of.setdefault(key, {})[conn] = None
         elif len(mine) >= PENDING_PER_CONNECTION:  # one connection evicts only its own

@@ -218,30 +218,32 @@ def test_a_worker_whose_registrations_go_unanswered_says_so(run_dir):
     """A second worker of a name already connected is dropped by the dispatcher's socket, unseen:
     it waited for ever, one start-up line and then nothing (under systemd, until its start
     timed out). After three unanswered registrations it now says what may be wrong."""
+    import threading
+
     import zmq
 
     node, argv = _worker_cli(run_dir)
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(node.dispatcher.backend)  # a dispatcher that never answers, played here
-    w = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    import threading
-
-    give_up = threading.Timer(60, w.kill)  # a worker that never says it ends the read below
-    give_up.start()
     try:
-        seen = []
-        for line in w.stderr:
-            seen.append(line)
-            if "unanswered" in line:
-                break
-        assert "worker w0: 3 registrations with the dispatcher at ipc://" in seen[-1], seen
-        assert "Is another worker named 'w0' connected to it?" in seen[-1]
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(node.dispatcher.backend)  # a dispatcher that never answers, played here
+        w = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        give_up = threading.Timer(60, w.kill)  # a worker that never says it ends the read below
+        give_up.start()
+        try:
+            seen = []
+            for line in w.stderr:
+                seen.append(line)
+                if "unanswered" in line:
+                    break
+            assert "worker w0: 3 registrations with the dispatcher at ipc://" in seen[-1], seen
+            assert "Is another worker named 'w0' connected to it?" in seen[-1]
+        finally:
+            give_up.cancel()
+            w.kill()
+            w.wait()
     finally:
-        give_up.cancel()
-        w.kill()
-        w.wait()
         router.close()
         ctx.term()
 

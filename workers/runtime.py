@@ -36,7 +36,7 @@ from .batch_io import assemble, check_outputs, read_batch, write_results
 
 log = logging.getLogger("batchyard.worker")
 REGISTER_RETRY_S = 2.0
-# Unanswered registrations after which the worker says so (and every this many times over again):
+# Unanswered registrations after which the worker says so (and again every ten times as many):
 # a worker whose name another connected worker has is dropped by the dispatcher's socket, unseen
 # by both, and it waited for ever without a word.
 UNANSWERED_WARN = 3
