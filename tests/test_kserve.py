@@ -1709,7 +1709,7 @@ def test_server_readiness_is_strict_as_tritons_unless_configured_not(tmp_path, s
         specs = {}
 
         async def status(self, timeout, brief):
-            workers = [type("W", (), {"models": [m]})() for m in sorted(served)]
+            workers = [type("W", (), {"models": [m], "path": "cpu"})() for m in sorted(served)]
             return type("Status", (), {"workers": workers, "models": ["a", "b"]})()
 
     core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")), strict_readiness=strict)
