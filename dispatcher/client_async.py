@@ -107,7 +107,7 @@ class AsyncClient(CodecAccess):
         close_connection(self._codec, self.sock, self._monitor, self.ctx if self._own_ctx else None, closed_error)
 
     def _on_monitor(self) -> None:
-        why = connection_lost(self._monitor) if not self.closed else ""
+        why = connection_lost(self._monitor, self._codec) if not self.closed else ""
         if why:
             rids = self._codec.lost_connection()
             self.loop.call_later(LOST_GRACE_S, self._fail_lost, rids, why)
@@ -151,7 +151,10 @@ class AsyncClient(CodecAccess):
 
         self._codec.pending[rid] = Pending(kind, regions, outputs, resolve)
         self._timers[rid] = self.loop.call_later(timeout, self._on_local_timeout, rid)
-        self._send_frames(frames)
+        if self._codec.refused:
+            self.loop.call_soon(self._fail_lost, {rid}, self._codec.refused)
+        else:
+            self._send_frames(frames)
         return fut
 
     def _send_frames(self, frames: list) -> None:

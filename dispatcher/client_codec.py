@@ -247,6 +247,10 @@ class ClientCodec:
         # The node's default_timeout_s, as its model_info replies say: a request without a
         # timeout takes it (it took the SDK's 30 s, whatever the operator set).
         self.node_timeout_s: Optional[float] = None
+        # Why the dispatcher refused this connection for good (connection_lost): a request sent
+        # after it fails at once. Sent after the refusal came (the client's first request raced
+        # the handshake), it waited out its whole timeout: "no reply ... (is it running?)".
+        self.refused = ""
         self.granted: set[str] = set()  # segments this connection may reference (shm_grants.py)
         # Counts lost connections. A grant is recorded only if no connection was lost since its
         # registration began: one answered just before a restart, recorded after the I/O thread
@@ -746,8 +750,10 @@ def close_connection(codec: ClientCodec, sock: zmq.Socket, monitor: zmq.Socket, 
     codec.close_pool()
 
 
-def connection_lost(monitor: zmq.Socket) -> str:
-    """Drain the monitor: why the connection to the dispatcher is gone, or ""."""
+def connection_lost(monitor: zmq.Socket, codec: "ClientCodec") -> str:
+    """Drain the monitor: why the connection to the dispatcher is gone, or "". A handshake that
+    failed on the security mechanism (a client without keys at a CURVE node) is not retried by
+    ZeroMQ: the codec's ``refused`` keeps why, for the requests sent after it."""
     from zmq.utils.monitor import recv_monitor_message
 
     why = ""
@@ -760,6 +766,8 @@ def connection_lost(monitor: zmq.Socket) -> str:
         # keys at a CURVE node was told only that the connection was lost.
         if event["event"] != zmq.EVENT_DISCONNECTED or not why:
             why = _LOST.get(event["event"], why)
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            codec.refused = why
 
 
 def lost_error(address: str, why: str) -> BaseException:

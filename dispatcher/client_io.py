@@ -179,7 +179,7 @@ class SocketThread:
                 if events.get(self._sock, 0) & zmq.POLLIN:
                     self._drain()
                 if self._monitor in events:
-                    why = connection_lost(self._monitor)
+                    why = connection_lost(self._monitor, self._codec)
                     if why:
                         self._lost.append((time.monotonic() + LOST_GRACE_S, why, self._codec.lost_connection()))
                 self._expire()
@@ -200,7 +200,10 @@ class SocketThread:
             if op == _SEND:
                 codec.pending[rid] = pend  # before it is sent: the reply must find it
                 heapq.heappush(self._deadlines, (deadline, rid))
-                self._outbox.append((rid, frames))
+                if codec.refused:
+                    self._lost.append((time.monotonic(), codec.refused, {rid}))
+                else:
+                    self._outbox.append((rid, frames))
             elif op == _CANCEL:
                 if rid in codec.pending:
                     self._outbox.append((None, [codec.encode_cancel(rid)]))

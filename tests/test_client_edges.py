@@ -472,19 +472,23 @@ def test_an_inline_tensor_over_the_nodes_limit_fails_alone_with_the_dispatchers_
 
 # ---------------------------------------------------------------- a lost connection, and why
 
-def _model_info_error(kind: str, address: str) -> tuple[BaseException, float]:
-    """What ``model_info("sum", timeout=3)`` raised, and how long it took to."""
+def _model_info_error(kind: str, address: str, calls: int = 1) -> tuple[BaseException, float]:
+    """What the last of ``calls`` calls of ``model_info("sum", timeout=3)`` on one client raised,
+    and how long they took."""
     t0 = time.monotonic()
     if kind == "Client":
         with Client(address) as c:
-            error = _raised(lambda: c.model_info("sum", timeout=3))
+            for _ in range(calls):
+                error = _raised(lambda: c.model_info("sum", timeout=3))
     else:
         async def main():
             async with AsyncClient(address) as c:
-                try:
-                    await c.model_info("sum", timeout=3)
-                except Exception as e:
-                    return e
+                for _ in range(calls):
+                    try:
+                        await c.model_info("sum", timeout=3)
+                    except Exception as e:
+                        error = e
+                return error
 
         error = asyncio.run(main())
     return error, time.monotonic() - t0
@@ -518,17 +522,20 @@ def test_a_dispatcher_that_goes_away_fails_the_request_unavailable_at_once_witho
     assert took < 2, took  # not at its timeout (3 s)
 
 
+@pytest.mark.parametrize("calls", [1, 2])
 @pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
-def test_a_client_without_keys_at_a_curve_node_is_told_the_handshake_failed_and_about_keys(kind):
+def test_a_client_without_keys_at_a_curve_node_is_told_the_handshake_failed_and_about_keys(kind, calls):
     # The handshake's failure was overwritten by the disconnection that follows it: the message
-    # said only that the connection was lost, as if the node had died.
+    # said only that the connection was lost, as if the node had died. ZeroMQ does not retry such
+    # a handshake: a request sent after its failure came (the second here; under load, CI's
+    # first) waited out its timeout, "no reply ... (is it running?)".
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     sock.curve_server = True
     sock.bind("tcp://127.0.0.1:*")
     try:
-        error, took = _model_info_error(kind, sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+        error, took = _model_info_error(kind, sock.getsockopt(zmq.LAST_ENDPOINT).decode(), calls)
     finally:
         sock.close(linger=0)
         ctx.term()
