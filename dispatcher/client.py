@@ -210,7 +210,7 @@ class Client(CodecAccess):
         return self.submit(model, inputs, priority=priority, timeout=timeout).result()
 
     def submit_generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
-                        timeout: Optional[float] = None, route: str = "") -> InferFuture:
+                        timeout: Optional[float] = None, route: Optional[str] = "") -> InferFuture:
         """LLM mode: greedy generation after ``prompt`` (token ids); the future's result is a
         ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
         or "gpu"; empty lets the dispatcher choose."""

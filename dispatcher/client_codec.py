@@ -106,6 +106,13 @@ def timeout_us(timeout: float) -> int:
     return max(1, math.ceil(timeout * 1e6))
 
 
+def _index(value) -> int:
+    """``operator.index`` but for a boolean (an int to Python, no count or token id to a user)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError
+    return operator.index(value)
+
+
 def checked_priority(priority) -> int:
     """A class name ("high", "normal", "low") or its number (0, 1, 2), or InvalidArgument."""
     if isinstance(priority, str):
@@ -500,9 +507,12 @@ class ClientCodec:
         timeout = P.MAX_TIMEOUT_S if node_decides else self.call_timeout(timeout)
         prio = checked_priority(priority)
         # operator.index: Python and numpy integers (the wire's encoder takes only ints); a float or
-        # a string is refused, not truncated or read digit by digit.
+        # a string is refused, not truncated or read digit by digit. Bytes and booleans too: b"ab"
+        # was the tokens 97 and 98, True the token 1 (and max_tokens=True one token).
         try:
-            tokens = [operator.index(t) for t in prompt]
+            if isinstance(prompt, (bytes, bytearray, memoryview)):
+                raise TypeError
+            tokens = [_index(t) for t in prompt]
         except TypeError:
             raise InvalidArgument("prompt must be a sequence of token ids (the SDK does not tokenize text), "
                                   f"got {prompt!r:.80}") from None
@@ -513,11 +523,12 @@ class ClientCodec:
             # and every other request in flight on it lost its reply.
             raise InvalidArgument(f"prompt of {len(tokens)} tokens; a request takes at most {P.MAX_PROMPT_TOKENS}")
         try:
-            n = operator.index(max_tokens)
+            n = _index(max_tokens)
         except TypeError:
             n = 0
         if not 1 <= n <= P.MAX_NEW_TOKENS:
             raise InvalidArgument(f"max_tokens must be an integer in 1..{P.MAX_NEW_TOKENS}, got {max_tokens!r:.40}")
+        route = "" if route is None else route  # None: the dispatcher chooses, as HTTP's null
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
                                 priority=prio, timeout_us=0 if node_decides else timeout_us(timeout), route=route)

@@ -207,10 +207,16 @@ def test_bad_requests_get_clear_errors_and_the_next_one_is_served(llm_node):
                                  ([1, 2], {"max_tokens": "x"}, "max_tokens must be an integer in 1..65536"),
                                  ([1, 2], {"max_tokens": 2 ** 70}, "max_tokens must be an integer in 1..65536"),
                                  ([1, 2], {"priority": "urgent"}, "priority 'urgent' not one of"),
-                                 ([1, 2], {"priority": 1.5}, "priority must be one of")):
+                                 ([1, 2], {"priority": 1.5}, "priority must be one of"),
+                                 # taken as the tokens 97 and 98, the token 1, one token
+                                 (b"ab", {}, "prompt must be a sequence of token ids"),
+                                 ([True, 2], {}, "prompt must be a sequence of token ids"),
+                                 ([1, 2], {"max_tokens": True}, "max_tokens must be an integer in 1..65536")):
             with pytest.raises(InvalidArgument, match=text):
                 c.generate("tiny", prompt, **kw)
         assert list(c.generate("tiny", [1, 2, 3], max_tokens=2)) == expected([1, 2, 3], 2)
+        # route=None: the dispatcher chooses, as a null route over HTTP (a malformed header before)
+        assert list(c.generate("tiny", [1, 2, 3], max_tokens=2, route=None)) == expected([1, 2, 3], 2)
 
 
 def test_infer_to_an_llm_model_says_it_takes_generate(llm_node):
