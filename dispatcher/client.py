@@ -34,7 +34,7 @@ import zmq
 
 from . import protocol as P
 from .client_async import AsyncClient
-from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S, SETUP_TIMEOUT_S,
+from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES, REPLY_GRACE_S,
                            ClientCodec, CodecAccess, Generation, InferResult, Pending, checked_timeout, checked_wait,
                            open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import SocketThread
@@ -156,15 +156,12 @@ class Client(CodecAccess):
         # One deadline for the call: the set-up steps (the model's spec, a new segment's grant)
         # take from it, and the request gets what is left (each step had the whole timeout,
         # and a slow dispatcher made infer(timeout=2) take 8.5 s).
-        start, asked = time.monotonic(), timeout
-        if asked is None and self._codec.needs_spec(model):
-            self.model_info(model, timeout=SETUP_TIMEOUT_S)  # the node's default timeout comes with it
+        start, fetch = time.monotonic(), self._codec.needs_spec(model)
+        if fetch:
+            self.model_info(model, timeout=self._codec.spec_wait(timeout))
         timeout = self._codec.call_timeout(timeout)
         deadline = start + timeout
-        if self._codec.needs_spec(model):
-            self.model_info(model, timeout=min(SETUP_TIMEOUT_S, timeout))
-            timeout = time_left(deadline, model)
-        elif asked is None:
+        if fetch:
             timeout = time_left(deadline, model)
         rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:

@@ -13,7 +13,7 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, SETUP_TIMEOUT_S, ClientCodec,
+from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec,
                            CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
                            checked_timeout, checked_wait, close_connection, closed_error, connection_lost, lost_error,
                            no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
@@ -175,10 +175,7 @@ class AsyncClient(CodecAccess):
 
     async def infer(self, model: str, inputs: dict, *, priority="normal",
                     timeout: Optional[float] = None) -> InferResult:
-        start = time.monotonic()
-        asked = timeout
-        timeout = self._codec.call_timeout(timeout)
-        return await self._infer(model, inputs, priority, timeout, start + timeout, asked is None)
+        return await self._infer(model, inputs, priority, timeout, time.monotonic())
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> asyncio.Task:
         """``infer`` as a Task, started at once. The inputs are read before this returns (as
@@ -187,12 +184,11 @@ class AsyncClient(CodecAccess):
         was what every request sent.)"""
         self._refuse_if_unusable()
         priority = checked_priority(priority)
-        asked = timeout
-        timeout = self._codec.call_timeout(timeout)
-        deadline = time.monotonic() + timeout  # one for the call: see Client.submit
+        self._codec.call_timeout(timeout)  # (checked here, not in the Task)
+        start = time.monotonic()  # one deadline for the call, from here: see Client.submit
         encoded = self._codec.encode_inputs(inputs)
         try:
-            task = self.loop.create_task(self._infer(model, encoded, priority, timeout, deadline, asked is None))
+            task = self.loop.create_task(self._infer(model, encoded, priority, timeout, start))
         except BaseException:
             self._codec.release_inputs(encoded)
             raise
@@ -201,17 +197,17 @@ class AsyncClient(CodecAccess):
         task.add_done_callback(lambda _: self._codec.release_inputs(encoded))
         return task
 
-    async def _infer(self, model: str, inputs, priority, timeout: float, deadline: float,
-                     node_default: bool = False) -> InferResult:
-        """``inputs``: a dict (infer), or read already (submit: EncodedInputs). ``node_default``:
-        no timeout was asked, and ``timeout`` is only the SDK's guess until the model's spec
-        brings the node's default."""
+    async def _infer(self, model: str, inputs, priority, timeout: Optional[float], start: float) -> InferResult:
+        """``inputs``: a dict (infer), or read already (submit: EncodedInputs). ``timeout``: the
+        call's as asked (None: the node's default, which the model's spec brings); its deadline
+        counts from ``start``."""
         try:
-            if self._codec.needs_spec(model):
-                start = deadline - timeout
-                await self.model_info(model, timeout=SETUP_TIMEOUT_S if node_default else min(SETUP_TIMEOUT_S, timeout))
-                if node_default:
-                    deadline = start + self._codec.call_timeout(None)
+            fetch = self._codec.needs_spec(model)
+            if fetch:
+                await self.model_info(model, timeout=self._codec.spec_wait(timeout))
+            timeout = self._codec.call_timeout(timeout)
+            deadline = start + timeout
+            if fetch:
                 timeout = time_left(deadline, model)
         except BaseException:
             if type(inputs) is EncodedInputs:

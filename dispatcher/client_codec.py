@@ -337,6 +337,12 @@ class ClientCodec:
         reply said it, else DEFAULT_TIMEOUT_S."""
         return checked_timeout(self.node_timeout_s if timeout is None else timeout)
 
+    @staticmethod
+    def spec_wait(timeout: Optional[float]) -> float:
+        """How long a call's request for its model's spec may wait: SETUP_TIMEOUT_S, or the call's
+        own (checked) timeout if shorter; without one, the node's default comes with that spec."""
+        return SETUP_TIMEOUT_S if timeout is None else min(SETUP_TIMEOUT_S, checked_timeout(timeout))
+
     def needs_spec(self, model: str) -> bool:
         """The spec (fetched once per model) says which outputs are big enough for shm."""
         return model not in self.specs
