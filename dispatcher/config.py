@@ -406,9 +406,10 @@ class NodeConfig(_Table):
     def check_host(self, workers: tuple[str, ...] | None = None, control: bool = False) -> "NodeConfig":
         """Check what the named workers (all: None) need of this host: their cpus online, their
         numa_node present, the packages of the model factories they build (found, not imported);
-        with ``control`` (or all workers) also the dispatcher's and the front door's cpus. Not part of ``validate``: a config may be written and checked on another
-        host than the one it runs on. The processes that start workers call it, so a worker
-        pinned to a cpu the host lacks is one line at start, not a restart loop."""
+        with ``control`` (or all workers) also the dispatcher's and the front door's cpus. Not part
+        of ``validate``: a config may be written and checked on another host than the one it runs
+        on. The processes that start workers call it, so a worker pinned to a cpu the host lacks is
+        one line at start, not a restart loop."""
         unknown = sorted(set(workers or ()) - {w.name for w in self.workers})
         if unknown:  # `batchyard worker --name` (a traceback and exit 1, restarted by systemd for ever)
             raise ConfigError(f"no [[workers]] entry named {unknown[0]!r}; have {[w.name for w in self.workers]}")

@@ -29,6 +29,7 @@ from . import protocol as P
 from .llm_fit import LearnedCurves, prefill_features
 from .llm_routing import GPU, PREFILL_CPU, LlmCurves, PathLoad, backlog_s, choose_route, take_prefill_batch
 from .protocol import Status
+from .state import same_process
 
 TOKEN_BUDGET = 4096  # tokens per prefill job: bounds one step's stall (vLLM's own default is 2048-8192)
 
@@ -148,15 +149,12 @@ class LlmCore:
         return lost
 
     def is_retry(self, name: str, pid: int, identity: bytes, peer: str = "", started: str = "") -> bool:
-        """Whether a registration comes from the process already registered under ``name``: its
-        pid, identity, connection (``peer``) and start token (``Register.started``), as a tensor
-        worker's. A restarted engine given the same pid (pid 1 in its container) was taken for the
-        old one: its messages were dropped as another connection's (on ipc), and the request
-        running on the old one failed only when its heartbeats were missed (tcp, where the peer is
-        an address alone, also after the peer was compared)."""
-        w = self.workers.get(name)
-        return (w is not None and w.pid == pid and w.identity == identity and w.peer == peer
-                and w.started == started)
+        """Whether a registration comes from the process already registered under ``name``
+        (``state.same_process``, as a tensor worker's). A restarted engine given the same pid (pid
+        1 in its container) was taken for the old one: its messages were dropped as another
+        connection's, and the request running on the old one failed only when its heartbeats were
+        missed."""
+        return same_process(self.workers.get(name), pid, identity, peer, started)
 
     def heartbeat(self, name: str, now: float) -> bool:
         w = self.workers.get(name)

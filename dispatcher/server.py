@@ -48,7 +48,7 @@ from .policy import make_policy
 from .protocol import Status
 from .shm import reaping
 from .shm_grants import ShmGrants, peer_uid
-from .state import QUEUED, Request, WorkerState
+from .state import QUEUED, Request, WorkerState, same_process
 from .timer import OneShotTimer
 from .validation import RequestInvalid, registration_problem, validate_infer
 from .zmq_frames import recv_parts, send_parts, waiting
@@ -406,8 +406,7 @@ class Dispatcher:
             self._send_worker(identity, P.encode(P.RegisterRejected(worker=msg.worker, message=text)))
             return
         known = self.state.workers.get(msg.worker)
-        if (known is not None and known.pid == msg.pid and known.identity == identity and known.peer == peer
-                and known.started == msg.started):
+        if same_process(known, msg.pid, identity, peer, msg.started):
             # The same process registering again is no restart: its batches are still running.
             # After a dispatcher restart a worker's heartbeats, sent before its registration was
             # answered, each draw a Reregister; one that lands after the answer made it register

@@ -187,9 +187,9 @@ class ShmGrants:
     def _forget_pending(self, conn: tuple) -> None:
         del self.pending[conn]
         key = holder(conn)
-        theirs = self.pending_of[key]
-        del theirs[conn]
-        if not theirs:
+        conns = self.pending_of[key]
+        del conns[conn]
+        if not conns:
             del self.pending_of[key]
 
     def challenge(self, conn: tuple, segment: str) -> tuple[Optional[bytes], str]:

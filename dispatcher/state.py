@@ -120,9 +120,8 @@ class ModelQueue:
         class, so a low request's wait is bounded however much high-priority work keeps arriving:
         a low one is normal after 2 ``age_s`` and high after 3, a normal one high after 1 (a class
         is looked at from its head: one behind a request not yet due waits for it, by less than
-        ``age_s``). (Each
-        step was measured from the arrival: a low request became high at its first look past
-        2 ``age_s``, with the normal class's wait spent in the low one.)"""
+        ``age_s``). (Each step was measured from the arrival: a low request became high at its
+        first look past 2 ``age_s``, with the normal class's wait spent in the low one.)"""
         moved = 0
         for prio in (1, 2):
             q, up = self.by_priority[prio], self.by_priority[prio - 1]
@@ -186,6 +185,16 @@ class ModelQueue:
         self.requests -= len(out)
         self.items -= n
         return out
+
+
+def same_process(w, pid: int, identity: bytes, peer: str, started: str) -> bool:
+    """Whether a registration comes from the process worker ``w`` (tensor or LLM; None: no
+    worker of that name) registered as: its pid, routing identity, connection (``peer``) and start
+    token (``Register.started``) all the same. Then it is a retry, whose batches run on; anything
+    else is a restart. A restart with the old pid (pid 1 in a container) over tcp, where the peer
+    is an address alone, was taken for a retry before the token."""
+    return (w is not None and w.pid == pid and w.identity == identity and w.peer == peer
+            and w.started == started)
 
 
 @dataclass

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import collections
 import itertools
-import secrets
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys

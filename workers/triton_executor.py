@@ -434,7 +434,7 @@ class TritonExecutor:
             # cancelled those in flight.
             return ExecutorUnavailable(f"Triton at {self.url} does not serve the model now: {msg}")
         error = TritonRefusedInput if status == "StatusCode.INVALID_ARGUMENT" else TritonAnswerError
-        return error(f"Triton failed the batch ({(status or '').removeprefix('StatusCode.')}): {msg}")
+        return error(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
 
     def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
         """Record a failure of client ``gen``; returns the error the batch gets."""

@@ -70,6 +70,6 @@ def check_model_config(cfg, spec: ModelSpec, tensor_names: dict[str, str] | None
         # ("missing required input(s)") after the check had passed.
         if tt.name not in mapped and not tt.optional:
             out.problems.append(f"{where} needs input {tt.name!r}, which spec {spec.name!r} does not have (its "
-                                f"inputs: {[names.get(t.name, t.name) for t in spec.inputs]}); map a spec input to "
-                                f"it with triton.tensor_names, or mark it optional in Triton's config")
+                                f"inputs: {sorted(mapped)}); map a spec input to it with triton.tensor_names, or "
+                                f"mark it optional in Triton's config")
     return out
