@@ -10,6 +10,7 @@ command line is parsed, so a dispatcher process never imports torch or the bench
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import re
@@ -182,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # Every thread's Python stack to stderr on SIGABRT (what `up` and systemd's watchdog send a
+    # hung process) and on a crash: the log says where it hung, not only that it did. (Left as
+    # it is where the caller has it on already, as pytest does around an in-process call.)
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     return args.run(args)

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from .exit_codes import EX_CONFIG, EX_SOFTWARE
 from .config import NodeConfig, to_toml
@@ -50,6 +50,7 @@ from .sd_notify import child_env, notify, watchdog_interval_s
 from .transport import node_client_keys
 
 log = logging.getLogger("batchyard.up")
+T = TypeVar("T")
 FRONTEND_NAME = "frontend#"  # '#' is not allowed in worker names
 _PR_SET_PDEATHSIG = 1
 # SIGHUP too: a closed terminal or a session's end stopped `up` by the default action, leaving
@@ -100,6 +101,19 @@ def _die_with_parent() -> None:
     # A worker restarted from run_forever would inherit the supervisor's blocked signals (the
     # mask survives exec) and ignore SIGTERM: unblock them for the child.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS | {signal.SIGCHLD, signal.SIGIO})
+
+
+def start_without_signals(start: Callable[[], T]) -> T:
+    """``start()`` (which starts threads) with every signal blocked: a thread takes its
+    creator's mask, and `up`'s main thread must be the only one a stop signal can reach. One
+    let in by another thread (the readiness poll's client I/O thread, still exiting as `up`
+    says ready) only flags Python's handler for the main thread, which may be in sigwaitinfo
+    already: that does not look at the flag, and `up` would ignore the SIGTERM for good."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        return start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def child_watchdog_s(env=os.environ) -> float:
@@ -181,11 +195,7 @@ class ChildNotifications:
                 self.receive()
 
         self._reader = threading.Thread(target=read, name="child-notifications", daemon=True)
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        try:
-            self._reader.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        start_without_signals(self._reader.start)
 
     def stop_reading(self) -> None:
         """End the start-up reader (the main loop reads from here on, told by SIGIO)."""
@@ -407,7 +417,7 @@ class Supervisor:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
             with contextlib.ExitStack() as stack:
-                c = client if client is not None else stack.enter_context(self._client())
+                c = client if client is not None else stack.enter_context(start_without_signals(self._client))
                 retry_s, last, answered = READY_RETRY_S, "no reply from the dispatcher", False
                 wanted = n  # registrations to wait for: every worker's, then the next one's
                 while True:

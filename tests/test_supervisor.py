@@ -86,6 +86,37 @@ def test_readiness_waits_for_every_worker_by_name_not_for_a_count_of_registratio
     assert [w.name for w in st.workers] == ["w0", "w1"] and asked == [2, 3]
 
 
+def _blocked_signals(tid: str) -> set[int]:
+    """The signals thread ``tid`` of this process blocks (SigBlk: a hex mask, bit n-1 for n)."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def test_no_thread_of_the_readiness_wait_can_take_a_stop_signal():
+    """The readiness poll's client I/O thread took the stop signals: a SIGTERM sent as `up`
+    said ready, let in by that thread while it was still exiting, only flagged Python's handler
+    for the main thread, which may sit in sigwaitinfo by then (and does not look at the flag):
+    the likeliest cause of a CI run where `up` did not stop within 60 s. Every thread `up`
+    starts blocks them."""
+    sup = _supervisor(1)
+    exposed = []
+    make_client = sup._client
+
+    def client():
+        before = set(os.listdir("/proc/self/task"))
+        c = make_client()
+        for tid in set(os.listdir("/proc/self/task")) - before:
+            if not supervisor.STOP_SIGNALS <= _blocked_signals(tid):
+                exposed.append(tid)
+        return c
+
+    sup._client = client
+    with pytest.raises(NodeNotReady):  # nobody serves its address
+        sup.wait_ready(timeout=0.3)
+    assert not exposed, f"threads {exposed} of the readiness wait take SIGTERM/SIGINT/SIGHUP"
+
+
 def test_child_notifications_are_read_while_up_waits_on_the_dispatcher():
     """During start-up `up` waits on the dispatcher up to a second at a time, and the socket
     queues 10 datagrams (net.unix.max_dgram_qlen): five front doors' READY=1 and WATCHDOG=1

@@ -3,8 +3,10 @@ stop, its signals, and what a child killed hard leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -81,6 +83,10 @@ def _rest(up: subprocess.Popen) -> str:
     return up.stderr.read().decode(errors="replace")[-3000:]
 
 
+def _no_core_dump() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def _kill(proc) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -92,11 +98,17 @@ def _children(up: subprocess.Popen, title: str) -> list[psutil.Process]:
 
 
 def _stop(up: subprocess.Popen, timeout: float = 60) -> float:
-    """SIGTERM `up`; how long it took to exit."""
+    """SIGTERM `up`; how long it took to exit. One that does not within ``timeout`` fails the
+    test with its log and, SIGABRT-ed, every thread's stack (faulthandler)."""
     t0 = time.monotonic()
     up.send_signal(signal.SIGTERM)
     try:
         up.wait(timeout)
+    except subprocess.TimeoutExpired:
+        up.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            up.wait(10)
+        pytest.fail(f"up did not stop within {timeout:.0f} s of SIGTERM: {_rest(up)}")
     finally:
         _kill(up)
     return time.monotonic() - t0
@@ -238,6 +250,27 @@ def test_up_ends_a_hung_dispatcher_and_exits_1(run_dir):
     finally:
         sock.close()
         _kill(up)
+
+
+def test_a_node_process_aborted_as_hung_logs_where_each_thread_was(run_dir):
+    """`up` and systemd's watchdog abort a hung process (SIGABRT): its log said only that it was
+    hung, not where. Now every thread's Python stack is in it."""
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(node))
+    proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "dispatcher", "--config", str(path)], cwd=run_dir,
+                            stderr=subprocess.PIPE, preexec_fn=_no_core_dump)
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            c.status(timeout=60)  # serving: its loop is up
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _kill(proc)
+    assert proc.returncode == -signal.SIGABRT
+    assert b"Fatal Python error: Aborted" in err and b"most recent call first" in err, err[-3000:]
+    assert b"batchyard/cli.py" in err or b"dispatcher/cli.py" in err, err[-3000:]
 
 
 def test_up_ends_a_hung_front_door_and_starts_another(run_dir):
