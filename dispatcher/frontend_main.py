@@ -48,8 +48,17 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .kserve_shm import NODE_INSTANCE_ENV, open_registry, registry_dir
     from .sd_notify import announce_ready
 
-    fe = node.frontend
-    client = AsyncClient(node.dispatcher.frontend, **node_client_keys(node.dispatcher, node.dispatcher.frontend))
+    fe, d = node.frontend, node.dispatcher
+    # Over tcp the dispatcher takes shared memory only where the node allows it (the front door
+    # is no client it can vouch for there); otherwise every tensor goes inline.
+    over_tcp = d.frontend.startswith("tcp://")
+    if over_tcp and not d.allow_shm_over_tcp:
+        log.warning("the dispatcher's client endpoint %s is tcp, without [dispatcher] allow_shm_over_tcp: tensors "
+                    "go to it inline, so a request carries at most [dispatcher] max_inline_bytes (%d) of them, not "
+                    "[frontend] max_request_bytes; an ipc frontend (or allow_shm_over_tcp) lifts that",
+                    d.frontend, d.max_inline_bytes)
+    client = AsyncClient(d.frontend, shared_memory=True if over_tcp and d.allow_shm_over_tcp else None,
+                         **node_client_keys(d, d.frontend))
     # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
     core = KServeCore(client, open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port),
                                                 os.environ.get(NODE_INSTANCE_ENV, "")),

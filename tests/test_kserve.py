@@ -83,8 +83,8 @@ def _node_with_front_door(dispatcher=None, **frontend):
     run_dir = tempfile.mkdtemp(prefix="by-", dir="/tmp")
     grpc_port, http_port = _free_port(), _free_port()
     cfg = NodeConfig(
-        dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
-                                    heartbeat_interval_s=0.1, worker_dead_after_s=0.6, **(dispatcher or {})),
+        dispatcher=DispatcherConfig(**{"frontend": f"ipc://{run_dir}/fe", "backend": f"ipc://{run_dir}/be",
+                                       "heartbeat_interval_s": 0.1, "worker_dead_after_s": 0.6, **(dispatcher or {})}),
         models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL, HUGE_MODEL),
         workers=(sim_worker("sim0", models=("sum", "huge")), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
                  sim_worker("solo0", models=("solo",))),
@@ -722,6 +722,20 @@ def test_a_request_past_64_mib_is_served(front_door, proto):
     i.set_data_from_numpy(x)
     got = mod.InferenceServerClient(url).infer("huge", [i]).as_numpy("y")
     np.testing.assert_array_equal(got, front_door.sdk("huge", x))
+
+
+def test_a_front_door_at_a_tcp_endpoint_takes_tensors_past_the_inline_limit_where_the_node_allows_shm():
+    """The front door reached a tcp dispatcher endpoint without shared memory, also where the
+    node allows it there (allow_shm_over_tcp): every tensor went inline, and a request past
+    max_inline_bytes (4 MiB) was refused INVALID_ARGUMENT, short of [frontend] max_request_bytes."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    x = np.random.default_rng(0).random((2, 1024, 1024), dtype=np.float32)  # 8 MiB
+    with _node_with_front_door(dispatcher={"frontend": address, "allow_shm_over_tcp": True}) as fd:
+        i = thttp.InferInput("x", list(x.shape), "FP32")
+        i.set_data_from_numpy(x, binary_data=True)
+        got = thttp.InferenceServerClient(fd.http_url).infer("huge", [i]).as_numpy("y")
+        with Client(address, shared_memory=True) as c:
+            np.testing.assert_array_equal(got, c.infer("huge", {"x": x})["y"])
 
 
 # ---------------------------------------------------------------- system shared memory
