@@ -79,6 +79,9 @@ class InferFuture(Future):
     def _not_on_io_thread(self) -> None:
         if not self.done():
             refuse_on_io_thread(self._client._io)
+            # In a fork's child the parent's requests are never answered: waited for there, they
+            # waited for ever, a timeout of theirs included (the I/O thread that ends it is the parent's).
+            self._client._io.settle_in_child()
 
     def cancel(self) -> bool:
         """Ask the dispatcher to drop this request if it is still queued; the future then

@@ -95,6 +95,8 @@ class AsyncClient(CodecAccess):
         ``async def`` would close nothing when called without ``await``, as callers call it."""
         if not self.closed:
             self._close_now()
+        elif self._forked:  # in a fork's child: the parent's requests are never answered here
+            self._codec.fail_all_forked(closed_error)
         return _CLOSED
 
     def _close_now(self) -> None:

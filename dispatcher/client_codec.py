@@ -645,6 +645,14 @@ class ClientCodec:
         for pend in pending.values():
             self._fail_freeing(pend, error_factory())
 
+    def fail_all_forked(self, error_factory: Callable[[], BaseException]) -> None:
+        """In a fork's child: resolve the parent's requests this copy still lists (their replies
+        go to the parent; nothing here would ever settle them), freeing none of their memory,
+        which is the parent's."""
+        pending, self.pending = self.pending, {}
+        for pend in pending.values():
+            pend.resolve(error_factory())
+
     def _fail_freeing(self, pend: Pending, error: BaseException) -> None:
         for region in (*pend.regions, *pend.outputs.values()):
             self.free(region)

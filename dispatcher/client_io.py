@@ -118,6 +118,16 @@ class SocketThread:
         self._closing = self._forked = True
         self._codec.forked_off()
 
+    def settle_in_child(self) -> None:
+        """In a fork's child: the requests in flight at the fork fail (Cancelled, the fork's
+        words). Not in the fork hook itself: a thread of the parent may have held a future's
+        lock at the fork, and the child would hang right there; here, only where it is waited on."""
+        if self._forked:
+            queued, self._inbox = [item for item in self._inbox if item[0] == _SEND], collections.deque()
+            for _, rid, pend, _, _ in queued:  # handed over, not yet taken by the parent's thread
+                self._codec.pending[rid] = pend
+            self._codec.fail_all_forked(self.closed_error)
+
     def send(self, pend: Pending, rid: int, frames: list, deadline: float) -> None:
         """Queue a request; raises Cancelled("client closed") if the client is closed."""
         if not self._post((_SEND, rid, pend, frames, deadline)):
@@ -153,6 +163,9 @@ class SocketThread:
                 self._closing = True
                 self._inbox.append((_STOP, None, None, None, None))
                 self._wakeup.set()  # unconditionally: the stop must not wait for anything
+        if self._forked:
+            self.settle_in_child()
+            return
         if threading.current_thread() is self._thread:
             return
         self._thread.join(timeout)

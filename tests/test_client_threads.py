@@ -211,6 +211,43 @@ def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_
     assert lines[1:] == ["child alloc: Cancelled", "segments left: True", "parent served"], proc.stdout
 
 
+IN_FLIGHT_AT_THE_FORK = """
+import os, sys
+import numpy as np
+from batchyard.client import Client
+c = Client(sys.argv[1])
+x = np.ones((1, 4), np.float32)
+first, second = c.submit("sum", {"x": x}, timeout=60), c.submit("sum", {"x": x}, timeout=60)  # 5 s a batch
+pid = os.fork()
+if pid == 0:
+    if sys.argv[2] == "close":  # close() settles them; else the wait itself does
+        c.close()
+    for f in (first, second):
+        try:
+            print("child:", f.result(timeout=20), flush=True)
+        except Exception as e:
+            print("child:", type(e).__name__, e, flush=True)
+    os._exit(0)
+assert os.waitpid(pid, 0)[1] == 0
+print("parent:", first.result(timeout=60)["y"].tolist(), second.result(timeout=60)["y"].tolist())
+c.close()
+"""
+
+
+@pytest.mark.parametrize("then", ["close", "wait"])
+def test_requests_in_flight_at_a_fork_fail_in_the_child_and_are_answered_in_the_parent(start_node, then):
+    """In a fork's child, a future of the parent's request in flight was never settled: its
+    result() waited for ever (its timeout included), and close() did not settle it either."""
+    node = start_node([sim_worker("sim0", ("sum",), launch_us=5_000_000.0)])
+    proc = subprocess.run([sys.executable, "-c", IN_FLIGHT_AT_THE_FORK, node.address, then], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("child: Cancelled") and "forked process" in line
+                                   for line in lines[:2]), proc.stdout
+    assert lines[2] == "parent: [[4.0, 4.0]] [[4.0, 4.0]]", proc.stdout
+
+
 ASYNC_FORKED_CHILD = """
 import asyncio, os, sys
 from batchyard.client_async import AsyncClient
