@@ -161,7 +161,11 @@ class Client(CodecAccess):
         # and a slow dispatcher made infer(timeout=2) take 8.5 s).
         start, fetch = time.monotonic(), self._codec.needs_spec(model)
         if fetch:
-            self.model_info(model, timeout=self._codec.spec_wait(timeout))
+            try:
+                self.model_info(model, timeout=self._codec.spec_wait(timeout))
+            except DeadlineExceeded:
+                self._codec.spec_timed_out(timeout, model)
+                raise
         timeout = self._codec.call_timeout(timeout)
         deadline = start + timeout
         if fetch:

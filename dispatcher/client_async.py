@@ -206,7 +206,11 @@ class AsyncClient(CodecAccess):
         try:
             fetch = self._codec.needs_spec(model)
             if fetch:
-                await self.model_info(model, timeout=self._codec.spec_wait(timeout))
+                try:
+                    await self.model_info(model, timeout=self._codec.spec_wait(timeout))
+                except DeadlineExceeded:
+                    self._codec.spec_timed_out(timeout, model)
+                    raise
             timeout = self._codec.call_timeout(timeout)
             deadline = start + timeout
             if fetch:

@@ -343,6 +343,14 @@ class ClientCodec:
         own (checked) timeout if shorter; without one, the node's default comes with that spec."""
         return SETUP_TIMEOUT_S if timeout is None else min(SETUP_TIMEOUT_S, checked_timeout(timeout))
 
+    @staticmethod
+    def spec_timed_out(timeout: Optional[float], model: str) -> None:
+        """After a call's request for its model's spec got no reply in time: where that wait was
+        the call's own timeout, said so (setup_timeout_error), not "no reply ... (is it
+        running?)" about a dispatcher that answers (infer(timeout=1e-6) as a model's first call)."""
+        if timeout is not None and checked_timeout(timeout) <= SETUP_TIMEOUT_S:
+            raise setup_timeout_error(model) from None
+
     def needs_spec(self, model: str) -> bool:
         """The spec (fetched once per model) says which outputs are big enough for shm."""
         return model not in self.specs

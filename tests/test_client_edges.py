@@ -569,6 +569,27 @@ def test_an_async_deadline_passed_before_a_segments_grant_leaves_no_unawaited_co
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
 
 
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_a_first_call_whose_timeout_ends_before_its_models_spec_says_so_not_is_it_running(fake, kind):
+    """The spec's request, waiting only the call's own timeout, failed in the words of a
+    dispatcher that never answers: "no reply ... (is it running?)" about one that does."""
+    f = fake(answer=lambda msg: type(msg) is not P.ModelInfoRequest)  # the spec's reply held back
+    x = np.ones((1, 4), np.float32)
+    if kind == "Client":
+        with Client(f.address) as c:
+            error = _raised(lambda: c.infer("sum", {"x": x}, timeout=0.05))
+    else:
+        async def main():
+            async with AsyncClient(f.address) as c:
+                try:
+                    await c.infer("sum", {"x": x}, timeout=0.05)
+                except Exception as e:
+                    return e
+
+        error = asyncio.run(main())
+    assert isinstance(error, DeadlineExceeded) and "setting up the request for 'sum'" in str(error), error
+
+
 def test_a_request_without_a_timeout_takes_the_nodes_default_timeout(start_node):
     """``[dispatcher] default_timeout_s`` is the deadline of a request that names none
     (docs/protocol.md); the SDK sent its own 30 s instead, and a 0.2 s default had no effect on
