@@ -343,13 +343,16 @@ class ClientCodec:
         own (checked) timeout if shorter; without one, the node's default comes with that spec."""
         return SETUP_TIMEOUT_S if timeout is None else min(SETUP_TIMEOUT_S, checked_timeout(timeout))
 
-    @staticmethod
-    def spec_timed_out(timeout: Optional[float], model: str) -> None:
+    def spec_timed_out(self, timeout: Optional[float], model: str) -> None:
         """After a call's request for its model's spec got no reply in time: where that wait was
-        the call's own timeout, said so (setup_timeout_error), not "no reply ... (is it
-        running?)" about a dispatcher that answers (infer(timeout=1e-6) as a model's first call)."""
+        the call's own timeout, said so, as the likelier cause beside a dispatcher not running
+        (infer(timeout=1e-6) as a model's first call, at a node that answers, was asked only
+        "(is it running?)")."""
         if timeout is not None and checked_timeout(timeout) <= SETUP_TIMEOUT_S:
-            raise setup_timeout_error(model) from None
+            raise DeadlineExceeded(f"no reply from the dispatcher at {self.address} with the spec of {model!r} "
+                                   f"within the call's timeout ({timeout:g} s), which a model's first call spends "
+                                   "on fetching it first (is the timeout too short for a first call, or the "
+                                   "dispatcher not running?)") from None
 
     def needs_spec(self, model: str) -> bool:
         """The spec (fetched once per model) says which outputs are big enough for shm."""

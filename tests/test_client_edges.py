@@ -572,7 +572,8 @@ def test_an_async_deadline_passed_before_a_segments_grant_leaves_no_unawaited_co
 @pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
 def test_a_first_call_whose_timeout_ends_before_its_models_spec_says_so_not_is_it_running(fake, kind):
     """The spec's request, waiting only the call's own timeout, failed in the words of a
-    dispatcher that never answers: "no reply ... (is it running?)" about one that does."""
+    dispatcher that never answers: "no reply ... (is it running?)" about one that does; now the
+    call's timeout is named as the likelier cause."""
     f = fake(answer=lambda msg: type(msg) is not P.ModelInfoRequest)  # the spec's reply held back
     x = np.ones((1, 4), np.float32)
     if kind == "Client":
@@ -587,7 +588,8 @@ def test_a_first_call_whose_timeout_ends_before_its_models_spec_says_so_not_is_i
                     return e
 
         error = asyncio.run(main())
-    assert isinstance(error, DeadlineExceeded) and "setting up the request for 'sum'" in str(error), error
+    assert isinstance(error, DeadlineExceeded) and "the spec of 'sum' within the call's timeout (0.05 s)" in str(error) \
+        and "timeout too short for a first call" in str(error), error
 
 
 def test_a_request_without_a_timeout_takes_the_nodes_default_timeout(start_node):
