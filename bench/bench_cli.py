@@ -68,8 +68,8 @@ def sends_schedule_policy(args) -> bool:
 
 
 def spec_from(args, rate: float = 0.0) -> LoadSpec:
-    # Stable over 3 windows (LoadSpec's), or over all of fewer: --windows 1 or 2 had no
-    # 3 windows to agree and reported every run unstable.
+    # Stable over 3 windows (LoadSpec's), or over both of 2: they had no 3 windows to agree
+    # and reported every run unstable. One window is not judged (harness.analyse).
     return LoadSpec(concurrency=args.concurrency, rate=rate or args.request_rate, distribution=args.distribution,
                     intervals_file=args.request_intervals, profile=args.profile,
                     priority_mix=args.priority_mix, deadlines_ms=args.deadlines_ms, slo_ms=args.slo_ms,

@@ -102,7 +102,10 @@ def schedule(spec: LoadSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not (len(iv) and np.all(np.isfinite(iv)) and iv.min() > 0 and iv.mean() >= MIN_MEAN_INTERVAL_S):
             raise ValueError(f"{spec.intervals_file}: intervals must be seconds > 0, at least one, "
                              f"{MIN_MEAN_INTERVAL_S:g} s apart on average")
-        t = np.cumsum(np.resize(iv, int(dur / iv.mean()) + 1))
+        # The file whole, again and again until the run is full, as perf_analyzer cycles it: as
+        # many intervals as the run holds at their mean took 28 of a file that filled 7 s with
+        # 112 (short intervals first), all in the warm-up.
+        t = np.cumsum(np.tile(iv, int(dur // iv.sum()) + 1))
     elif spec.profile:
         kind, a = profile_parts(spec.profile)
         if kind == "step":
@@ -367,7 +370,7 @@ class Report:
     label: str
     offered_rps: float
     windows: list = field(default_factory=list)
-    stable: bool = False
+    stable: Optional[bool] = False  # None: not judged (one window has nothing to agree with)
     used_windows: list = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     schedule_kept: bool = True
@@ -410,7 +413,9 @@ def analyse(rows: np.ndarray, spec: LoadSpec, target: str, label: str) -> Report
                             "p99_ms": percentiles_ms(latency_us(rows)[ok], (99,))[99]})
     k = spec.stable_windows
     chosen = list(range(spec.windows))
-    for start in range(0, spec.windows - k + 1):
+    if k < 2:  # compared with itself only, a saturated run's one window passed as stable
+        rep.stable = None
+    for start in range(0, spec.windows - k + 1 if k >= 2 else 0):
         if windows_stable(rep.windows[start:start + k], spec.stability):
             rep.stable, chosen = True, list(range(start, start + k))
             break

@@ -61,9 +61,11 @@ def table(reports: list[Report]) -> str:
     for r in reports:
         s = r.summary
         errs = sum(s["errors"].values())
-        lines.append(f"{r.label:<26}{r.offered_rps:>10.1f}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
+        offered = f"{r.offered_rps:>10.1f}" if r.offered_rps else f"{'-':>10}"  # a closed loop offers no rate
+        stable = "n/a" if r.stable is None else "yes" if r.stable else "NO"
+        lines.append(f"{r.label:<26}{offered}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
                      f"{s['p90_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['p999_ms']:>8.2f}{errs:>8}  "
-                     f"{'yes' if r.stable else 'NO'}{'' if r.schedule_kept else ' (generator behind schedule)'}")
+                     f"{stable}{'' if r.schedule_kept else ' (generator behind schedule)'}")
     return "\n".join(lines)
 
 
@@ -100,7 +102,7 @@ def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "")
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label in dict.fromkeys(r.label.split(" @")[0] for r in reports):
-        rs = [r for r in reports if r.label.split(" @")[0] == label]
+        rs = [r for r in reports if r.label.split(" @")[0] == label and r.offered_rps]  # (closed loops: no load)
         ax.plot([r.offered_rps for r in rs], [r.summary["p99_ms"] for r in rs], marker="o", label=label)
     ax.set_xlabel("offered load, requests/s")
     ax.set_ylabel("p99 latency, ms")

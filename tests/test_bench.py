@@ -16,6 +16,7 @@ import pytest
 from batchyard.bench.harness import (BATCH_SIZE, COLUMNS, LAG_US, LATENCY_US, PATH, PRIORITY, SENT, STATUS,
                                      TIMEOUT_US, LoadSpec, analyse, done_times, latency_us, run_load, schedule,
                                      summarise)
+from batchyard.bench.report import table
 
 from conftest import ROOT, sim_worker
 
@@ -89,7 +90,8 @@ def test_windows_are_stable_as_perf_analyzer_says_max_over_min_within_the_bound(
 
 @pytest.mark.parametrize("windows", [1, 2, 3])
 def test_bench_with_fewer_than_three_windows_can_be_stable(windows):
-    """`batchyard bench --windows 1` or `2` asked for 3 stable windows of 1 or 2: every run "NO"."""
+    """`batchyard bench --windows 2` asked for 3 stable windows of 2: every run "NO". One window
+    is not judged (None, "n/a"): compared with itself only, a saturated run passed as stable."""
     import argparse
 
     from batchyard.bench.bench_cli import spec_from
@@ -100,7 +102,23 @@ def test_bench_with_fewer_than_three_windows_can_be_stable(windows):
     spec = spec_from(ap.parse_args(["--address", "tcp://127.0.0.1:1", "--concurrency", "4", "--windows",
                                     str(windows), "--window", "10", "--warmup", "1"]))
     rep = analyse(_window_rows(spec, [100] * windows, [10] * windows), spec, "batchyard", "x")
-    assert rep.stable and rep.used_windows == list(range(windows))
+    assert rep.stable is (None if windows == 1 else True) and rep.used_windows == list(range(windows))
+    assert table([rep]).splitlines()[-1].endswith("n/a" if windows == 1 else "yes")
+
+
+def test_a_request_intervals_file_is_cycled_whole_until_the_run_is_full(tmp_path):
+    """As many intervals as the run holds at their mean were taken: 100 of 5 ms then 100 of
+    0.5 s fill 7 s with 112 requests, and the schedule had 28, all in its first 0.14 s."""
+    iv = tmp_path / "iv.txt"
+    iv.write_text("0.005\n" * 100 + "0.5\n" * 100)
+    t, _, _ = schedule(LoadSpec(intervals_file=str(iv), warmup_s=1, window_s=3, windows=2))
+    assert len(t) == 112 and t[-1] == pytest.approx(0.5 + 12 * 0.5)
+
+
+def test_a_closed_loop_shows_no_offered_rate():
+    spec = LoadSpec(concurrency=2, warmup_s=0, window_s=1, windows=3)
+    rep = analyse(rows_of([0.1, 0.2], [1000, 1000]), spec, "batchyard", "closed")
+    assert rep.offered_rps == 0 and table([rep]).splitlines()[-1].split()[1] == "-"
 
 
 def test_schedule_modes_have_the_rates_they_say(tmp_path):
@@ -130,7 +148,7 @@ def test_summary_counts_errors_per_class_and_late_replies_are_not_goodput():
 def test_throughput_past_saturation_is_the_completion_rate_not_the_offered_rate():
     # 60 req/s offered to a FIFO server that completes one every 25 ms (40/s): the queue grows
     # without bound, every request is eventually served, and the server does 40/s throughout.
-    spec = LoadSpec(rate=60.0, distribution="constant", warmup_s=2.0, window_s=4.0, windows=2, stable_windows=1,
+    spec = LoadSpec(rate=60.0, distribution="constant", warmup_s=2.0, window_s=4.0, windows=1, stable_windows=1,
                     stability=10.0, slo_ms=1000.0)
     sent = schedule(spec)[0]
     done, free = np.empty_like(sent), 0.0123
