@@ -738,6 +738,10 @@ def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes
 
 def _setup_dealer(sock: zmq.Socket, address: str, curve_server_key: Optional[bytes],
                   curve_keys: Optional[tuple[bytes, bytes]]) -> zmq.Socket:
+    port = address.rpartition(":")[2] if address.startswith("tcp://") else ""
+    if port.isdigit() and not 1 <= int(port) <= 65535:
+        # ZeroMQ takes it, modulo 65536: a typo's client reached whatever listens there.
+        raise InvalidArgument(f"cannot connect to the dispatcher at {address!r}: port {port} is not 1-65535")
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)

@@ -374,18 +374,30 @@ class NodeConfig(_Table):
         self._check_triton_urls()
         return self
 
+    def unserved_models(self) -> list[str]:
+        """The [[models]] and [[llm_models]] no worker of the config lists. Allowed (a config for
+        the dispatcher alone, a model whose worker is still to be added), but said at start: no
+        worker outside the config can serve it, and its requests wait out their timeout."""
+        listed = {m for w in self.workers for m in w.models}
+        return [m.name for m in (*self.models, *self.llm_models) if m.name not in listed]
+
     def _check_triton_urls(self) -> None:
-        """A Triton worker's url on one of the node's own ports (both default to 8001: the front
-        door's gRPC port and Triton's) talked to the node itself, and crashed."""
-        local = ("127.0.0.1", "localhost", "0.0.0.0", "", "*", "::1", "[::1]", "::")
-        ours = {port: key for key, host, port in self._tcp_ports()}
+        """A Triton worker's url: HOST:PORT with a port of 1-65535 (gRPC wraps a larger one:
+        8001 + 65536 reached port 8001), and not one of the node's own ports (both default to
+        8001: the front door's gRPC port and Triton's), in any spelling of this host: such a
+        worker talked to the node itself, never registered, and its requests timed out."""
+        ours = self._tcp_ports()
         for i, w in enumerate(self.workers):
             if w.kind != "triton":
                 continue
-            host, _, port = w.triton.url.rpartition(":")
-            if host in local and port.isdigit() and int(port) in ours:
-                raise ConfigError(f"{_item('workers', i, w.name)}: triton.url {w.triton.url!r} is this node's own "
-                                  f"{ours[int(port)]}; point it at the Triton server")
+            where = f"{_item('workers', i, w.name)}: triton.url {w.triton.url!r}"
+            host, sep, port = w.triton.url.rpartition(":")
+            if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+                raise ConfigError(f"{where} is not HOST:PORT with a port of 1-65535")
+            for key, listen_host, listen_port in ours:
+                if int(port) == listen_port and _is_this_host(host) and (
+                        _listen_address(listen_host) == "*" or _same_host(host, listen_host)):
+                    raise ConfigError(f"{where} is this node's own {key}; point it at the Triton server")
 
     def _tcp_ports(self) -> list[tuple[str, str, int]]:
         """(key, host, port) of every TCP port the node listens on."""
@@ -675,6 +687,27 @@ def _listen_address(host: str) -> str:
     except (OSError, UnicodeError, IndexError):
         return host
     return "*" if address == "0.0.0.0" else address
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (a socket can be bound to it), a wildcard
+    or loopback included; a name that does not resolve is not."""
+    import ipaddress
+    import socket
+
+    address = _listen_address(host)
+    if address == "*":
+        return True
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _online_cpus() -> set[int]:

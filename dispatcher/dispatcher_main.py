@@ -71,6 +71,9 @@ def run_dispatcher(node: NodeConfig) -> int:
         ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
         log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s, cpus %s",
                  os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name, cpus)
+        for name in node.unserved_models():
+            log.warning("model %r is served by none of the config's [[workers]]: no worker of this node can "
+                        "register for it, and its requests wait in the queue until their timeout", name)
         try:
             await d.stopped
         finally:

@@ -33,10 +33,13 @@ USAGE = "'window:<max_delay_us>,<max_batch>', 'fixed:<N>' or 'escape:<K>'"
 
 def make_policy(spec: str):
     """Build a policy from its config/CLI name (see the module docstring)."""
-    name, _, args = spec.partition(":")
+    name, sep, args = spec.partition(":")
     simple = {"greedy": Greedy, "gpu-only": GpuOnly, "mcb": MarginalCost, "three-segment": ThreeSegment}
-    if name in simple and not args:
+    if name in simple:
+        if sep:  # "mcb:" was taken as mcb: a typo, or a setting it has not, swallowed
+            raise ValueError(f"{spec!r}: policy {name!r} takes no ':' setting; write {name!r}")
         return simple[name]()
+
     def number(text: str) -> int:
         # ASCII digits only: int() takes "1_0", " 2" and other scripts' digits, which no config means.
         if not re.fullmatch(r"[0-9]+", text):

@@ -14,7 +14,10 @@ import pytest
 
 from batchyard.config import (ConfigError, DispatcherConfig, ModelConfig, NodeConfig, TensorConfig, TritonConfig,
                               WorkerConfig, _numa_nodes, _online_cpus, _ranges, load_config, parse_config, to_toml)
+from batchyard.client import Client
 from batchyard.deploy import asset
+
+from conftest import BIG_MODEL, ROOT, SUM_MODEL, sim_worker
 
 NODE = """\
 [dispatcher]
@@ -210,6 +213,9 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
      "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe' and "
      "'ipc:///tmp/by-test//fe')"),
     (edited("max_queue = 100", 'policy = "gredy"'), "node.toml: [dispatcher] policy: unknown policy 'gredy'"),
+    # taken as plain mcb: a typo swallowed
+    (edited("max_queue = 100", 'policy = "mcb:"'),
+     "node.toml: [dispatcher] policy: 'mcb:': policy 'mcb' takes no ':' setting; write 'mcb'"),
     (edited("max_queue = 100", "heartbeat_interval_s = 15.0"),
      "node.toml: [dispatcher] worker_dead_after_s (10.0) must be at least twice heartbeat_interval_s (15.0)"),
     (edited('name = "amx1"', 'name = "amx0"'),
@@ -613,6 +619,43 @@ def test_a_triton_url_on_the_nodes_own_port_is_refused(tmp_path):
     load_config_text = NODE + "\n[frontend]\ngrpc_port = 9001\n"
     (tmp_path / "ok.toml").write_text(load_config_text)
     load_config(tmp_path / "ok.toml")
+
+
+@pytest.mark.parametrize("url, frontend, says", [
+    ("127.0.0.1:73537", "", "is not HOST:PORT with a port of 1-65535"),  # gRPC wraps it to 8001
+    ("127.0.0.1", "", "is not HOST:PORT with a port of 1-65535"),
+    ("127.0.0.2:9001", 'host = "0.0.0.0"\ngrpc_port = 9001', "is this node's own [frontend] grpc_port"),
+    ("localhost:9002", 'http_port = 9002', "is this node's own [frontend] http_port"),
+])
+def test_a_triton_url_on_the_nodes_own_port_in_any_spelling_or_past_65535_is_refused(tmp_path, url, frontend, says):
+    """Each was taken: the worker talked to the node's own front door, never registered, and
+    every request timed out."""
+    text = NODE.replace('url = "127.0.0.1:8001"', f'url = "{url}"') + f"\n[frontend]\ngrpc_port = 9001\n"
+    if frontend:
+        text = text.replace("grpc_port = 9001\n", frontend + "\n")
+    assert says in load_error(tmp_path, text)
+
+
+def test_a_model_no_worker_serves_is_named_at_the_dispatchers_start(tmp_path, run_dir):
+    """Taken without a word: the node's readiness stayed false for good and the model's requests
+    waited out their timeout. Allowed (a dispatcher alone), but said."""
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL, BIG_MODEL), (sim_worker("w0", ("sum",)),)).validate()
+    assert node.unserved_models() == ["big"]
+    path = tmp_path / "node.toml"
+    path.write_text(to_toml(node))
+    proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "dispatcher", "--config", str(path)], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            c.status(timeout=60)  # serving: its start-up lines are written
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "model 'big' is served by none of the config's [[workers]]" in err and "'sum' is served" not in err, err
 
 
 def test_a_tcp_workers_socket_without_curve_is_refused(tmp_path):
