@@ -630,7 +630,7 @@ def test_a_triton_url_on_the_nodes_own_port_is_refused(tmp_path):
 def test_a_triton_url_on_the_nodes_own_port_in_any_spelling_or_past_65535_is_refused(tmp_path, url, frontend, says):
     """Each was taken: the worker talked to the node's own front door, never registered, and
     every request timed out."""
-    text = NODE.replace('url = "127.0.0.1:8001"', f'url = "{url}"') + f"\n[frontend]\ngrpc_port = 9001\n"
+    text = NODE.replace('url = "127.0.0.1:8001"', f'url = "{url}"') + "\n[frontend]\ngrpc_port = 9001\n"
     if frontend:
         text = text.replace("grpc_port = 9001\n", frontend + "\n")
     assert says in load_error(tmp_path, text)
