@@ -20,6 +20,9 @@ from .transport import node_client_keys
 
 log = logging.getLogger("batchyard.frontend")
 STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls and HTTP requests in flight may finish
+# Of that grace, the last part: those still waiting on the node are answered UNAVAILABLE then,
+# before their connections close at its end.
+ANSWER_THE_REST_S = 1.0
 # How often a front door closes the segments of regions another process of the node unregistered
 # (ShmRegions.sweep): a bound on how long a client's unlinked memory stays allocated.
 SHM_SWEEP_S = 1.0
@@ -101,9 +104,11 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
         sweeper.cancel()
         if watchdog is not None:
             watchdog.close()
+        answer_the_rest = loop.call_later(STOP_GRACE_S - ANSWER_THE_REST_S, core.stop_waiting)
         # Both at once: one after the other took twice the grace.
         await asyncio.gather(*([grpc_server.stop(STOP_GRACE_S)] if grpc_server is not None else []),
                              *([stop_http(http_runner)] if http_runner is not None else []))
+        answer_the_rest.cancel()
         client.close()
         core.close()
 
@@ -149,7 +154,7 @@ def run_frontend(node: NodeConfig) -> int:
         # The handlers from inside the running loop: uvloop hears a signal only through the
         # self-pipe it sets up while it runs (one added before the run lost a SIGTERM in between).
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its registry was left in /dev/shm
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await serve(node, stop)
 

@@ -467,6 +467,14 @@ class KServeCore:
         self.stats = NodeStats(self.shm.dir_fd)
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
         self._refresh: Optional[asyncio.Future] = None
+        self.stopping = False  # set by stop_waiting: requests in flight are answered UNAVAILABLE
+
+    def stop_waiting(self) -> None:
+        """At the end of a stop's grace: every request still waiting on the node is answered
+        UNAVAILABLE (its client closed: each fails Cancelled, read as that here), before the
+        connections close; closed with requests running, HTTP clients got no answer at all."""
+        self.stopping = True
+        self.client.close()
 
     async def spec(self, model: str, version: str = "") -> P.ModelSpec:
         """The model's spec; Triton's errors for an unknown model, then for a version other than
@@ -551,6 +559,9 @@ class KServeCore:
                                           timeout=self.default_timeout_s if timeout is None else timeout)
         except BatchyardError as e:
             _count_failure(c, t0)
+            if self.stopping and e.status == P.Status.CANCELLED:
+                raise KServeError(grpc.StatusCode.UNAVAILABLE, "the server is stopping: the request was not answered "
+                                  "in time (it may still run)") from None
             raise from_batchyard(e, model, grpc_deadline) from None
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             _count_failure(c, t0)
