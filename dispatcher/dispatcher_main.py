@@ -66,7 +66,9 @@ def run_dispatcher(node: NodeConfig) -> int:
         # The handlers and READY=1 from inside the running loop: uvloop hears a signal only
         # through the self-pipe it sets up while it runs, and a SIGTERM that came between READY=1
         # and the run was lost (systemd's stop then waited for its SIGKILL, the sockets left).
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too (a terminal closed on a dispatcher run by hand): by its default action
+        # the queue failed, and the socket files were left.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, d.begin_shutdown)
         ready = sd_notify.announce_ready(loop)  # READY=1 (sockets bound), then WATCHDOG=1 from this loop
         log.info("dispatcher pid %d: clients at %s, workers at %s, policy %s, cpus %s",

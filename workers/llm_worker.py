@@ -121,8 +121,8 @@ class LlmServer:
         hb.reregister = _WakeEvent(wake_w)
         # A signal handler only sets a flag; the wake-up fd ends the poll blocked on the socket.
         signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self.request_stop)
         self.started, self.sock, self.hb, self.wake_r = started, sock, hb, wake_r
         try:
             return self._loop()
@@ -339,8 +339,8 @@ def serve_llm(node, wcfg, fast_exit: bool = True) -> int:
     def stop_starting(*_args):
         raise _Stop
 
-    signal.signal(signal.SIGTERM, stop_starting)
-    signal.signal(signal.SIGINT, stop_starting)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop_starting)
     built: list = []  # the engine once it exists: shut down whichever way we leave
     try:
         rc = _start_and_serve(node, wcfg, started, built)

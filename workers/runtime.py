@@ -175,8 +175,8 @@ class WorkerRuntime:
                                    simulated=self.executor.simulated, started=self.started))
 
     def serve(self) -> int:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: it died with its batch
+            signal.signal(sig, self.request_stop)
         # The signal's byte reaches the pipe at once, also one that comes just before the loop's
         # poll starts (the handler, run between bytecodes, would set the flag too late for it).
         signal.set_wakeup_fd(self._wake_w)
