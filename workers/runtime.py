@@ -64,17 +64,23 @@ class Heartbeat(threading.Thread):
         self.reregister = threading.Event()
 
     def run(self) -> None:
+        next_beat = 0.0
         try:
             while not self.stop.is_set():
-                try:
-                    self.sock.send(self.msg, zmq.NOBLOCK)
-                except zmq.Again:
-                    # The queue to a dispatcher that is not reading (stopped, restarting, starved)
-                    # is full: skip this beat. Ending the thread here would leave a healthy
-                    # worker silent for good once the dispatcher reads again.
-                    pass
-                # Waiting on the socket doubles as the heartbeat period.
-                if self.sock.poll(self.interval_ms):
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.interval_ms / 1000
+                    try:
+                        self.sock.send(self.msg, zmq.NOBLOCK)
+                    except zmq.Again:
+                        # The queue to a dispatcher that is not reading (stopped, restarting,
+                        # starved) is full: skip this beat. Ending the thread here would leave a
+                        # healthy worker silent for good once the dispatcher reads again.
+                        pass
+                # Waiting on the socket doubles as the heartbeat period, which an answer does not
+                # cut short: beaten again at once, a restarted dispatcher's `reregister` drew the
+                # next beat, whose `reregister` drew the next (hundreds in 40 ms).
+                if self.sock.poll(max(0.0, next_beat - now) * 1000):
                     msg = P.to_worker_decoder.decode(self.sock.recv())
                     if type(msg) is P.Reregister:
                         self.reregister.set()
@@ -198,23 +204,27 @@ class WorkerRuntime:
         announced = False
         next_register = next_sweep = 0.0
         unanswered = 0  # registrations sent since the last answer
+        first_unanswered = 0.0  # when the first of them was sent
         rc = 0
         try:
             while not self._stop:
                 now = time.monotonic()
                 if hb.reregister.is_set():
                     hb.reregister.clear()
-                    registered, next_register = self._asked_to_register_again(registered, now), 0.0
+                    if registered:  # at once; one already sent and unanswered keeps its retry
+                        next_register = 0.0
+                    registered = self._asked_to_register_again(registered, now)
                 if not registered and now >= next_register and not self._holds_earlier_batches(now):
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
+                    if not unanswered:
+                        first_unanswered = now
                     unanswered += 1
                     if unanswered % (10 * UNANSWERED_WARN) == UNANSWERED_WARN:
                         log.warning("worker %s: %d registrations with the dispatcher at %s unanswered in %.0f s: "
                                     "is it running, with the CURVE keys this worker has? Is another worker named "
                                     "%r connected to it? (its socket drops a second connection of one name)",
-                                    self.name, unanswered, self.backend, (unanswered - 1) * REGISTER_RETRY_S,
-                                    self.name)
+                                    self.name, unanswered, self.backend, now - first_unanswered, self.name)
                 # Until the next timed step (the sweep, a registration's retry, the end of its hold);
                 # batches, completions, a stop and a `reregister` wake it before that.
                 due = next_sweep
