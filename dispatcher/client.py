@@ -61,12 +61,19 @@ class InferFuture(Future):
         self._client = client  # keeps the client (and so its socket) alive while this is used
         self.id = rid
         self.deadline = deadline  # monotonic; the I/O thread fails it with DeadlineExceeded then
+        client._io.unsettled.add(self)
 
     def _settle(self, value) -> None:
         if isinstance(value, BaseException):
             self.set_exception(value)
         else:
             self.set_result(value)
+        self._client._io.unsettled.discard(self)  # (after: one being settled at a fork is still listed)
+
+    def _forked_off(self) -> None:
+        """In a fork's child: the parent's I/O thread may have held this future's lock at the
+        fork (settling it), and every look at the future here waited for ever on it."""
+        self._condition = threading.Condition()
 
     def result(self, timeout: Optional[float] = None):
         self._not_on_io_thread()

@@ -212,14 +212,23 @@ def test_a_forked_child_can_neither_hang_on_nor_delete_its_parents_client(start_
 
 
 IN_FLIGHT_AT_THE_FORK = """
-import os, sys
+import os, signal, sys, threading
 import numpy as np
 from batchyard.client import Client
 c = Client(sys.argv[1])
 x = np.ones((1, 4), np.float32)
 first, second = c.submit("sum", {"x": x}, timeout=60), c.submit("sum", {"x": x}, timeout=60)  # 5 s a batch
+held, release = threading.Event(), threading.Event()
+if sys.argv[2] == "locked":  # held by another thread at the fork, as by the I/O thread settling it
+    def hold():
+        with first._condition:
+            held.set()
+            release.wait()
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
 pid = os.fork()
 if pid == 0:
+    signal.alarm(60)  # a hang ends the child (and fails the test) here
     if sys.argv[2] == "close":  # close() settles them; else the wait itself does
         c.close()
     for f in (first, second):
@@ -228,16 +237,18 @@ if pid == 0:
         except Exception as e:
             print("child:", type(e).__name__, e, flush=True)
     os._exit(0)
+release.set()
 assert os.waitpid(pid, 0)[1] == 0
 print("parent:", first.result(timeout=60)["y"].tolist(), second.result(timeout=60)["y"].tolist())
 c.close()
 """
 
 
-@pytest.mark.parametrize("then", ["close", "wait"])
+@pytest.mark.parametrize("then", ["close", "wait", "locked"])
 def test_requests_in_flight_at_a_fork_fail_in_the_child_and_are_answered_in_the_parent(start_node, then):
     """In a fork's child, a future of the parent's request in flight was never settled: its
-    result() waited for ever (its timeout included), and close() did not settle it either."""
+    result() waited for ever (its timeout included), and close() did not settle it either; one
+    whose lock a thread of the parent held at the fork hung every look at it."""
     node = start_node([sim_worker("sim0", ("sum",), launch_us=5_000_000.0)])
     proc = subprocess.run([sys.executable, "-c", IN_FLIGHT_AT_THE_FORK, node.address, then], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
