@@ -668,8 +668,9 @@ def _same_host(a: str, b: str) -> bool:
 def _listen_address(host: str) -> str:
     """The IPv4 address a listener on ``host`` binds, "*" for a wildcard; a name that does not
     resolve stays as written (the processes that bind it refuse it, `check_host`). Called only
-    for hosts that share a port, so a valid config costs no lookup; a name is looked up as the
-    listener itself will (/etc/hosts, then DNS)."""
+    for hosts that share a port, and for a Triton url's host on one of the node's ports
+    (``_is_this_host``: the one lookup a valid config may cost, of a host its worker looks up
+    anyway); a name is looked up as the listener itself will (/etc/hosts, then DNS)."""
     import ipaddress
     import socket
 

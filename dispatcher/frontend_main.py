@@ -88,7 +88,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
                 from .openai_http import OpenAiCompletions
 
                 extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
-                                          node.dispatcher.default_timeout_s).routes()
+                                          node.dispatcher.default_timeout_s, stopping=lambda: core.stopping).routes()
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
                                            idle_timeout_s=fe.idle_timeout_s)
         if fe.grpc_port:

@@ -40,6 +40,10 @@ EXTENSIONS = ["model_repository", "model_configuration", "system_shared_memory",
 VERSION = 1  # the one version of every model
 
 
+# What a request still waiting on the node when the front door stops is answered (UNAVAILABLE).
+STOPPING_MESSAGE = "the server is stopping: the request was not answered in time (it may still run)"
+
+
 class KServeError(Exception):
     """An error as Triton reports it: a gRPC status code, an HTTP status and a message."""
 
@@ -476,6 +480,12 @@ class KServeCore:
         self.stopping = True
         self.client.close()
 
+    def _stopped(self, e: BatchyardError) -> Optional[KServeError]:
+        """UNAVAILABLE for a request failed by stop_waiting (its client closed), else None."""
+        if self.stopping and e.status == P.Status.CANCELLED:
+            return KServeError(grpc.StatusCode.UNAVAILABLE, STOPPING_MESSAGE)
+        return None
+
     async def spec(self, model: str, version: str = "") -> P.ModelSpec:
         """The model's spec; Triton's errors for an unknown model, then for a version other than
         the one Batchyard serves ("1"; "" is the latest, as Triton reads it). A version string
@@ -488,7 +498,7 @@ class KServeCore:
             try:
                 spec = await self.client.model_info(model, timeout=5.0)
             except BatchyardError as e:
-                raise from_batchyard(e, model) from None
+                raise self._stopped(e) or from_batchyard(e, model) from None
         if v not in (-1, VERSION):
             raise unknown_version(model, version)
         return spec
@@ -559,10 +569,7 @@ class KServeCore:
                                           timeout=self.default_timeout_s if timeout is None else timeout)
         except BatchyardError as e:
             _count_failure(c, t0)
-            if self.stopping and e.status == P.Status.CANCELLED:
-                raise KServeError(grpc.StatusCode.UNAVAILABLE, "the server is stopping: the request was not answered "
-                                  "in time (it may still run)") from None
-            raise from_batchyard(e, model, grpc_deadline) from None
+            raise self._stopped(e) or from_batchyard(e, model, grpc_deadline) from None
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             _count_failure(c, t0)
             raise

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from . import errors
 from .http_body import MAX_JSON_BYTES, read_body
-from .kserve_common import KServeError
+from .kserve_common import STOPPING_MESSAGE, KServeError
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
@@ -59,8 +59,10 @@ class OpenAiError(Exception):
 
 
 class OpenAiCompletions:
-    def __init__(self, client, models: dict[str, str], default_timeout_s: float = 30.0):
+    def __init__(self, client, models: dict[str, str], default_timeout_s: float = 30.0,
+                 stopping=lambda: False):
         self.client = client  # batchyard AsyncClient
+        self.stopping = stopping  # True once the front door's stop failed what still waits (503, not 499)
         self.models = models  # LLM model name -> model folder (tokenizer.json inside)
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
@@ -80,6 +82,8 @@ class OpenAiCompletions:
         except OpenAiError as e:
             return e.response()
         except errors.BatchyardError as e:
+            if e.status == Status.CANCELLED and self.stopping():
+                return OpenAiError(503, STOPPING_MESSAGE, _KIND[503]).response()
             status = _HTTP.get(e.status, 500)
             code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
             return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code).response()

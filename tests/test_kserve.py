@@ -1714,6 +1714,39 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     assert seen == [sent]
 
 
+@pytest.mark.parametrize("waiting_on", ["spec", "infer"])
+def test_a_request_the_stop_cuts_off_is_unavailable_whether_it_waited_on_its_spec_or_its_batch(tmp_path, waiting_on):
+    """The stop fails what still waits on the node (its client closed: Cancelled); an infer
+    was answered UNAVAILABLE (503), but a model's first request, waiting on the model's spec,
+    got CANCELLED (HTTP 400, a client error nobody retries)."""
+    from batchyard.errors import Cancelled
+    from batchyard.kserve_common import KServeError
+
+    spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
+
+    class ClosedByTheStop:
+        specs = {} if waiting_on == "spec" else {"m": spec}
+
+        async def model_info(self, model, timeout):
+            raise Cancelled("client closed")
+
+        async def infer(self, model, inputs, priority, timeout):
+            raise Cancelled("client closed")
+
+        def close(self):
+            pass
+
+    core = KServeCore(ClosedByTheStop(), ShmRegions(str(tmp_path / "registry")))
+    core.stop_waiting()
+    try:
+        with pytest.raises(KServeError) as e:
+            asyncio.run(core.infer("m", {"x": np.zeros((1, 2), np.float32)}))
+    finally:
+        core.close()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.http_status == 503, e.value.message
+    assert "the server is stopping" in e.value.message
+
+
 @pytest.mark.parametrize("strict, served, want", [(True, {"a", "b"}, True), (True, {"a"}, False),
                                                   (False, {"a"}, True), (False, set(), False)])
 def test_server_readiness_is_strict_as_tritons_unless_configured_not(tmp_path, strict, served, want):

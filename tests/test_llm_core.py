@@ -473,7 +473,7 @@ class _ProseTokenizer:
         return "x" * len(ids)
 
 
-def _openai_calls(bodies: list) -> tuple[list, _FakeClient, _ProseTokenizer]:
+def _openai_calls(bodies: list, client=None, stopping=lambda: False) -> tuple[list, _FakeClient, _ProseTokenizer]:
     """Each body POSTed to /v1/completions of a front door serving model "m": [(status, json)]."""
     import asyncio
 
@@ -483,8 +483,8 @@ def _openai_calls(bodies: list) -> tuple[list, _FakeClient, _ProseTokenizer]:
     from batchyard.http_body import BODY_STALL_S
     from batchyard.openai_http import OpenAiCompletions
 
-    client, tok = _FakeClient(), _ProseTokenizer()
-    oa = OpenAiCompletions(client, {"m": "/nonexistent"})
+    client, tok = client or _FakeClient(), _ProseTokenizer()
+    oa = OpenAiCompletions(client, {"m": "/nonexistent"}, stopping=stopping)
     oa._tokenizers["m"] = tok
 
     async def run():
@@ -499,6 +499,19 @@ def _openai_calls(bodies: list) -> tuple[list, _FakeClient, _ProseTokenizer]:
         return out
 
     return asyncio.run(run()), client, tok
+
+
+def test_an_openai_completion_the_front_doors_stop_cuts_off_is_unavailable_not_cancelled_by_its_client():
+    """The stop fails what still waits on the node (its client closed): answered 499, "request
+    cancelled", as if the caller had gone; it is 503, the server's."""
+    from batchyard.errors import Cancelled
+
+    class ClosedByTheStop(_FakeClient):
+        async def generate(self, *args, **kw):
+            raise Cancelled("client closed")
+
+    [(status, body)], _, _ = _openai_calls([{"model": "m", "prompt": "hi"}], ClosedByTheStop(), lambda: True)
+    assert status == 503 and "the server is stopping" in body["error"]["message"], body
 
 
 def test_openai_text_past_what_the_token_limit_allows_is_refused_before_it_is_tokenized():
