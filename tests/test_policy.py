@@ -604,6 +604,24 @@ def test_a_request_another_free_worker_serves_in_time_is_not_failed_for_the_firs
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
 
 
+@pytest.mark.parametrize("policy", ["greedy", "escape:1", "window:0,8", "mcb"])
+def test_a_batch_predicted_to_end_past_a_deadline_keeps_the_prefix_that_ends_in_time(policy):
+    """T(B) = 50 + 20 B ms, 4 requests due in 125 ms: 4 end at 130 ms, 3 at 110. The prefix was
+    judged as if it ran 10 % faster (117 ms): all 4 went, and on a curve that does not miss all 4
+    were late (the review's run, live: 0 of 4 served). Now 3 go and the 4th waits at the head."""
+    from batchyard.policy import make_policy
+
+    st = SchedulerState()
+    st.add_worker(WorkerState("w0", "gpu", {"m": 8}))
+    st.costs[("m", "gpu")] = CostCurve(launch_s=50 * MS, per_item_s=20 * MS)
+    for seq in range(1, 5):
+        st.queue("m").push(Request(seq, "m", 1, 1, 0.0, 125 * MS))
+    d = make_policy(policy).decide(st, 0.0)
+    assert not d.late
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("w0", [1, 2, 3])]
+    assert [r.seq for r in st.queue("m").by_priority[1]] == [4]
+
+
 def _cpu_reserved_for_urgent_arrivals(gpu_busy_s: float) -> SchedulerState:
     """The slow GPU (busy for ``gpu_busy_s``) and the fast CPU, which 60 urgent requests/s (above
     URGENT_RATE) make MCB keep free for them."""
