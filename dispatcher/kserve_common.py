@@ -393,8 +393,14 @@ def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:
     """The model's inputs, dtypes and shapes, with Triton's wording; the dispatcher checks the
     same again (it trusts no client)."""
     want = {t.name: t for t in spec.inputs}
+    batch = None
     for name, arr in inputs.items():
         check_input(spec, name, dtype_name(arr.dtype), list(arr.shape))
+        # Triton refuses this before inference, counted nowhere; left to the dispatcher, it
+        # was counted a failure in ModelStatistics.
+        if batch is not None and arr.shape[0] != batch:
+            raise invalid(f"input '{name}' batch size does not match other inputs for '{spec.name}'")
+        batch = arr.shape[0]
     missing = sorted(set(want) - set(inputs))
     if missing:
         raise invalid(f"expected {len(want)} inputs but got {len(inputs)} inputs for model '{spec.name}'; "

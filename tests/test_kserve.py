@@ -1714,6 +1714,34 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     assert seen == [sent]
 
 
+def test_inputs_of_different_batch_sizes_are_refused_at_the_door_in_tritons_words(tmp_path):
+    """Each shape fine alone, the batch sizes apart: the dispatcher refused it, and the front
+    door counted a failure in ModelStatistics, where Triton refuses it before inference and
+    counts nothing."""
+    from batchyard.errors import InvalidArgument
+    from batchyard.kserve_common import KServeError
+
+    spec = P.ModelSpec("two", (P.TensorSpec("a", "float32", (2,)), P.TensorSpec("b", "float32", (2,))),
+                       (P.TensorSpec("y", "float32", (2,)),), max_batch=8)
+    asked = []
+
+    class Client:
+        specs = {"two": spec}
+
+        async def infer(self, *args, **kw):
+            asked.append(args)
+            raise InvalidArgument("inputs[1] ('b'): batch dimension 2 differs from other inputs' 1")  # the dispatcher's
+
+    core = KServeCore(Client(), ShmRegions(str(tmp_path / "registry")))
+    try:
+        with pytest.raises(KServeError) as e:
+            asyncio.run(core.infer("two", {"a": np.zeros((1, 2), np.float32), "b": np.zeros((2, 2), np.float32)}))
+    finally:
+        core.close()
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and not asked
+    assert e.value.message == "input 'b' batch size does not match other inputs for 'two'"
+
+
 @pytest.mark.parametrize("waiting_on", ["spec", "infer"])
 def test_a_request_the_stop_cuts_off_is_unavailable_whether_it_waited_on_its_spec_or_its_batch(tmp_path, waiting_on):
     """The stop fails what still waits on the node (its client closed: Cancelled); an infer
