@@ -181,8 +181,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# The open-file limit every command raises its soft limit to (or the hard limit, if lower), as
+# the systemd units' LimitNOFILE does.
+FD_LIMIT = 65536
+
+
+def raise_fd_limit() -> None:
+    """The soft limit on open files up to FD_LIMIT, where the hard limit allows: each local
+    client connection takes a descriptor of the dispatcher, and libzmq aborts the process when
+    accept() on an ipc socket finds none (an assertion, not an error): at a shell's soft 1,024
+    (256 tried), a few hundred idle clients stopped the node."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    raise_fd_limit()
     # Every thread's Python stack to stderr on SIGABRT (what `up` and systemd's watchdog send a
     # hung process) and on a crash: the log says where it hung, not only that it did. (Left as
     # it is where the caller has it on already, as pytest does around an in-process call.)

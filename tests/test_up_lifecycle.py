@@ -273,6 +273,33 @@ def test_a_node_process_aborted_as_hung_logs_where_each_thread_was(run_dir):
     assert b"batchyard/cli.py" in err or b"dispatcher/cli.py" in err, err[-3000:]
 
 
+def test_a_node_process_raises_its_open_file_limit_to_the_hard_one(run_dir):
+    """Started from a shell's soft limit (256 here, 1,024 usually), the dispatcher was aborted by
+    libzmq (an assertion on accept()'s EMFILE, not an error) once a few hundred local clients
+    were connected, and `up` stopped the node."""
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
+                      (SUM_MODEL,), ()).validate()
+    path = Path(run_dir) / "node.toml"
+    path.write_text(to_toml(node))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"a hard limit of {hard} leaves nothing to raise")
+
+    def low_soft_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    proc = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "dispatcher", "--config", str(path)], cwd=run_dir,
+                            stderr=subprocess.DEVNULL, preexec_fn=low_soft_limit)
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            c.status(timeout=60)  # serving
+        soft = psutil.Process(proc.pid).rlimit(psutil.RLIMIT_NOFILE)[0]
+        want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        assert soft == want, (soft, hard)
+    finally:
+        _kill(proc)
+
+
 def test_up_ends_a_hung_front_door_and_starts_another(run_dir):
     sock, env = _fake_systemd(run_dir)
     node, up = _up(run_dir, [sim_worker("w0", ("sum",))], frontend=True, env=env)
