@@ -1098,3 +1098,19 @@ def test_a_run_too_long_to_schedule_is_refused_before_its_load_processes_start()
     # in every load process, a MemoryError once the run had started.
     with pytest.raises(SystemExit, match=r"bench: a run of 1e\+13 requests \(rate x duration\); at most 5e\+07"):
         run_load("ipc:///nonexistent", "sum", LoadSpec(rate=1e6, warmup_s=0, window_s=1e7, windows=1))
+
+
+def test_the_soaks_reply_watch_counts_only_infer_replies_as_unmatched():
+    """A submit whose spec fetch timed out locally: the spec's late reply was counted an
+    "unmatched" infer reply, and `soak` said FAILED with every request answered once."""
+    from types import SimpleNamespace
+
+    from batchyard import protocol as P
+    from batchyard.bench.soak_traffic import _ReplyWatch
+
+    codec = SimpleNamespace(pending={}, late={}, on_reply=lambda frames: None)
+    watch = _ReplyWatch(codec)
+    watch.on_reply([P.encode(P.ModelInfoReply(v=1, id=1, status=0))])  # the spec's, after its local timeout
+    assert watch.unmatched == []
+    watch.on_reply([P.encode(P.InferReply(v=1, id=2, status=0))])  # an infer reply for no request: a finding
+    assert [u[0] for u in watch.unmatched] == [2]
