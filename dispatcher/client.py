@@ -61,18 +61,18 @@ class InferFuture(Future):
         self._client = client  # keeps the client (and so its socket) alive while this is used
         self.id = rid
         self.deadline = deadline  # monotonic; the I/O thread fails it with DeadlineExceeded then
-        client._io.unsettled.add(self)
+        client._io.futures.add(self)
 
     def _settle(self, value) -> None:
         if isinstance(value, BaseException):
             self.set_exception(value)
         else:
             self.set_result(value)
-        self._client._io.unsettled.discard(self)  # (after: one being settled at a fork is still listed)
 
     def _forked_off(self) -> None:
-        """In a fork's child: the parent's I/O thread may have held this future's lock at the
-        fork (settling it), and every look at the future here waited for ever on it."""
+        """In a fork's child: a thread of the parent may have held this future's lock at the fork
+        (the I/O thread settling it, a thread waking in result()), and every look at the future
+        here waited for ever on it."""
         self._condition = threading.Condition()
 
     def result(self, timeout: Optional[float] = None):

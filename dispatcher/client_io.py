@@ -83,9 +83,10 @@ class SocketThread:
         self._monitor = monitor
         self._own_ctx = own_ctx
         self._inbox: collections.deque = collections.deque()
-        # This client's futures not yet settled: in a fork's child, the ones to fail (one the
-        # parent's thread was settling at the fork is in no other list).
-        self.unsettled: weakref.WeakSet = weakref.WeakSet()
+        # This client's futures still referenced, settled or not: in a fork's child each gets a
+        # fresh lock, and those not settled fail (one the parent's thread was settling at the
+        # fork is in no other list).
+        self.futures: weakref.WeakSet = weakref.WeakSet()
         # (request id or None, frames) the socket refused for now (over the high-water mark). A
         # request failed or expired meanwhile is not sent any more.
         self._outbox: collections.deque = collections.deque()
@@ -120,20 +121,20 @@ class SocketThread:
         self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
         self._closing = self._forked = True
         self._codec.forked_off()
-        for future in list(self.unsettled):
+        for future in list(self.futures):
             future._forked_off()
 
     def settle_in_child(self) -> None:
         """In a fork's child: the requests in flight at the fork fail (Cancelled, the fork's
         words), when waited on or at close(), not in the fork hook: their done-callbacks are
         the user's, to run where the user acts. One the parent's thread was settling at the
-        fork (listed in ``unsettled`` until it is settled) is failed here unless it got there."""
+        fork (in ``futures``, as every future still referenced) is failed here unless it got there."""
         if self._forked:
             queued, self._inbox = [item for item in self._inbox if item[0] == _SEND], collections.deque()
             for _, rid, pend, _, _ in queued:  # handed over, not yet taken by the parent's thread
                 self._codec.pending[rid] = pend
             self._codec.fail_all_forked(self.closed_error)
-            for future in list(self.unsettled):
+            for future in list(self.futures):
                 if not future.done():
                     future._settle(self.closed_error())
 

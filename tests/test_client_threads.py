@@ -217,9 +217,12 @@ import numpy as np
 from batchyard.client import Client
 c = Client(sys.argv[1])
 x = np.ones((1, 4), np.float32)
-first, second = c.submit("sum", {"x": x}, timeout=60), c.submit("sum", {"x": x}, timeout=60)  # 5 s a batch
+first = c.submit("sum", {"x": x}, timeout=60)  # 5 s a batch
+if sys.argv[2] == "settled":
+    first.result(timeout=60)
+second = c.submit("sum", {"x": x}, timeout=60)
 held, release = threading.Event(), threading.Event()
-if sys.argv[2] == "locked":  # held by another thread at the fork, as by the I/O thread settling it
+if sys.argv[2] in ("locked", "settled"):  # held by another thread at the fork (settling it, or waking in result())
     def hold():
         with first._condition:
             held.set()
@@ -233,7 +236,8 @@ if pid == 0:
         c.close()
     for f in (first, second):
         try:
-            print("child:", f.result(timeout=20), flush=True)
+            f.result(timeout=20)
+            print("child: answered", flush=True)
         except Exception as e:
             print("child:", type(e).__name__, e, flush=True)
     os._exit(0)
@@ -244,18 +248,22 @@ c.close()
 """
 
 
-@pytest.mark.parametrize("then", ["close", "wait", "locked"])
+@pytest.mark.parametrize("then", ["close", "wait", "locked", "settled"])
 def test_requests_in_flight_at_a_fork_fail_in_the_child_and_are_answered_in_the_parent(start_node, then):
     """In a fork's child, a future of the parent's request in flight was never settled: its
     result() waited for ever (its timeout included), and close() did not settle it either; one
-    whose lock a thread of the parent held at the fork hung every look at it."""
+    whose lock a thread of the parent held at the fork hung every look at it, settled or not."""
     node = start_node([sim_worker("sim0", ("sum",), launch_us=5_000_000.0)])
     proc = subprocess.run([sys.executable, "-c", IN_FLIGHT_AT_THE_FORK, node.address, then], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 3 and all(line.startswith("child: Cancelled") and "forked process" in line
-                                   for line in lines[:2]), proc.stdout
+    assert len(lines) == 3, proc.stdout
+    if then == "settled":  # answered before the fork: its answer stands in the child
+        assert lines[0] == "child: answered", proc.stdout
+    else:
+        assert lines[0].startswith("child: Cancelled") and "forked process" in lines[0], proc.stdout
+    assert lines[1].startswith("child: Cancelled") and "forked process" in lines[1], proc.stdout
     assert lines[2] == "parent: [[4.0, 4.0]] [[4.0, 4.0]]", proc.stdout
 
 
