@@ -79,11 +79,12 @@ class _ReplyWatch:
             msg, rid = None, None
         if type(msg) is P.Release:
             self.releases += 1  # the second message for an id answered in flight: expected
-        elif type(msg) is P.InferReply:  # (a spec's or status's late reply leaves no trace to match:
-            # a submit whose spec fetch timed out locally had its late reply counted "unmatched")
+        elif rid is not None:
             if rid in self.seen:
                 self.duplicates += 1
-            elif rid not in self.codec.pending:
+            # Infer replies only: a spec's or status's late reply leaves the SDK no trace to match
+            # (a submit whose spec fetch timed out locally had its late reply counted "unmatched").
+            elif rid not in self.codec.pending and type(msg) is P.InferReply:
                 if rid in self.codec.late:
                     self.late += 1
                 else:

@@ -1114,3 +1114,5 @@ def test_the_soaks_reply_watch_counts_only_infer_replies_as_unmatched():
     assert watch.unmatched == []
     watch.on_reply([P.encode(P.InferReply(v=1, id=2, status=0))])  # an infer reply for no request: a finding
     assert [u[0] for u in watch.unmatched] == [2]
+    watch.on_reply([P.encode(P.ModelInfoReply(v=1, id=1, status=0))])  # any reply twice: a finding
+    assert watch.duplicates == 1
