@@ -217,7 +217,7 @@ import numpy as np
 from batchyard.client import Client
 c = Client(sys.argv[1])
 x = np.ones((1, 4), np.float32)
-first = c.submit("sum", {"x": x}, timeout=60)  # 5 s a batch
+first = c.submit("sum", {"x": x}, timeout=60)  # 2 s a batch
 if sys.argv[2] == "settled":
     first.result(timeout=60)
 second = c.submit("sum", {"x": x}, timeout=60)
@@ -253,7 +253,7 @@ def test_requests_in_flight_at_a_fork_fail_in_the_child_and_are_answered_in_the_
     """In a fork's child, a future of the parent's request in flight was never settled: its
     result() waited for ever (its timeout included), and close() did not settle it either; one
     whose lock a thread of the parent held at the fork hung every look at it, settled or not."""
-    node = start_node([sim_worker("sim0", ("sum",), launch_us=5_000_000.0)])
+    node = start_node([sim_worker("sim0", ("sum",), launch_us=2_000_000.0)])
     proc = subprocess.run([sys.executable, "-c", IN_FLIGHT_AT_THE_FORK, node.address, then], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
