@@ -168,15 +168,9 @@ class Client(CodecAccess):
         # and a slow dispatcher made infer(timeout=2) take 8.5 s).
         start, fetch = time.monotonic(), self._codec.needs_spec(model)
         if fetch:
-            try:
+            with self._codec.fetching_spec(timeout, model):
                 self.model_info(model, timeout=self._codec.spec_wait(timeout))
-            except DeadlineExceeded:
-                self._codec.spec_timed_out(timeout, model)
-                raise
-        timeout = self._codec.call_timeout(timeout)
-        deadline = start + timeout
-        if fetch:
-            timeout = time_left(deadline, model)
+        timeout, deadline = self._codec.call_deadline(start, timeout, fetch, model)
         rid, frames, regions, outputs, timeout, need = self._codec.encode_infer(model, inputs, priority, timeout)
         if need:
             try:

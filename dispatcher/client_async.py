@@ -206,15 +206,9 @@ class AsyncClient(CodecAccess):
         try:
             fetch = self._codec.needs_spec(model)
             if fetch:
-                try:
+                with self._codec.fetching_spec(timeout, model):
                     await self.model_info(model, timeout=self._codec.spec_wait(timeout))
-                except DeadlineExceeded:
-                    self._codec.spec_timed_out(timeout, model)
-                    raise
-            timeout = self._codec.call_timeout(timeout)
-            deadline = start + timeout
-            if fetch:
-                timeout = time_left(deadline, model)
+            timeout, deadline = self._codec.call_deadline(start, timeout, fetch, model)
         except BaseException:
             if type(inputs) is EncodedInputs:
                 self._codec.release_inputs(inputs)

@@ -11,6 +11,7 @@ called from there only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -27,6 +28,7 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from .addresses import host_port
 from .client_pool import Region, ShmPool
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
@@ -343,16 +345,28 @@ class ClientCodec:
         own (checked) timeout if shorter; without one, the node's default comes with that spec."""
         return SETUP_TIMEOUT_S if timeout is None else min(SETUP_TIMEOUT_S, checked_timeout(timeout))
 
-    def spec_timed_out(self, timeout: Optional[float], model: str) -> None:
-        """After a call's request for its model's spec got no reply in time: where that wait was
-        the call's own timeout, said so, as the likelier cause beside a dispatcher not running
-        (infer(timeout=1e-6) as a model's first call, at a node that answers, was asked only
-        "(is it running?)")."""
-        if timeout is not None and checked_timeout(timeout) <= SETUP_TIMEOUT_S:
-            raise DeadlineExceeded(f"no reply from the dispatcher at {self.address} with the spec of {model!r} "
-                                   f"within the call's timeout ({timeout:g} s), which a model's first call spends "
-                                   "on fetching it first (is the timeout too short for a first call, or the "
-                                   "dispatcher not running?)") from None
+    @contextlib.contextmanager
+    def fetching_spec(self, timeout: Optional[float], model: str):
+        """Around a call's request for its model's spec (both clients): one that got no reply
+        within the call's own timeout says so, as the likelier cause beside a dispatcher not
+        running (infer(timeout=1e-6) as a model's first call, at a node that answers, was asked
+        only "(is it running?)")."""
+        try:
+            yield
+        except DeadlineExceeded:
+            if timeout is not None and checked_timeout(timeout) <= SETUP_TIMEOUT_S:
+                raise DeadlineExceeded(f"no reply from the dispatcher at {self.address} with the spec of {model!r} "
+                                       f"within the call's timeout ({timeout:g} s), which a model's first call "
+                                       "spends on fetching it first (is the timeout too short for a first call, or "
+                                       "the dispatcher not running?)") from None
+            raise
+
+    def call_deadline(self, start: float, timeout: Optional[float], fetched: bool, model: str) -> tuple[float, float]:
+        """A call's (timeout, deadline): its timeout checked (None: the node's default, which the
+        spec fetched first brings), counted from ``start``; after that fetch, what it leaves."""
+        timeout = self.call_timeout(timeout)
+        deadline = start + timeout
+        return (time_left(deadline, model) if fetched else timeout), deadline
 
     def needs_spec(self, model: str) -> bool:
         """The spec (fetched once per model) says which outputs are big enough for shm."""
@@ -738,10 +752,10 @@ def open_dealer(ctx: zmq.Context, address: str, curve_server_key: Optional[bytes
 
 def _setup_dealer(sock: zmq.Socket, address: str, curve_server_key: Optional[bytes],
                   curve_keys: Optional[tuple[bytes, bytes]]) -> zmq.Socket:
-    port = address.rpartition(":")[2] if address.startswith("tcp://") else ""
-    if port.isdigit() and not 1 <= int(port) <= 65535:
-        # ZeroMQ takes it, modulo 65536: a typo's client reached whatever listens there.
-        raise InvalidArgument(f"cannot connect to the dispatcher at {address!r}: port {port} is not 1-65535")
+    if address.startswith("tcp://") and host_port(address[len("tcp://"):]) is None:
+        # ZeroMQ takes a port past 65535, modulo 65536: a typo's client reached whatever listens there.
+        raise InvalidArgument(f"cannot connect to the dispatcher at {address!r}: not tcp://HOST:PORT with a port "
+                              "of 1-65535")
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)

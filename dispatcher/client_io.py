@@ -128,12 +128,9 @@ class SocketThread:
         """In a fork's child: the requests in flight at the fork fail (Cancelled, the fork's
         words), when waited on or at close(), not in the fork hook: their done-callbacks are
         the user's, to run where the user acts. One the parent's thread was settling at the
-        fork (in ``futures``, as every future still referenced) is failed here unless it got there."""
+        fork is failed here unless it got there. Every request's future is in ``futures`` (its
+        Pending holds it), queued, sent or being settled alike."""
         if self._forked:
-            queued, self._inbox = [item for item in self._inbox if item[0] == _SEND], collections.deque()
-            for _, rid, pend, _, _ in queued:  # handed over, not yet taken by the parent's thread
-                self._codec.pending[rid] = pend
-            self._codec.fail_all_forked(self.closed_error)
             for future in list(self.futures):
                 if not future.done():
                     future._settle(self.closed_error())

@@ -26,6 +26,7 @@ import msgspec
 import msgspec.inspect as mi
 import tomli_w
 
+from .addresses import host_port
 from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, Name, TensorSpec
 from .validation import validate_spec
 
@@ -391,11 +392,12 @@ class NodeConfig(_Table):
             if w.kind != "triton":
                 continue
             where = f"{_item('workers', i, w.name)}: triton.url {w.triton.url!r}"
-            host, sep, port = w.triton.url.rpartition(":")
-            if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+            parsed = host_port(w.triton.url)
+            if parsed is None:
                 raise ConfigError(f"{where} is not HOST:PORT with a port of 1-65535")
+            host, port = parsed
             for key, listen_host, listen_port in ours:
-                if int(port) == listen_port and _is_this_host(host) and (
+                if port == listen_port and _is_this_host(host) and (
                         _listen_address(listen_host) == "*" or _same_host(host, listen_host)):
                     raise ConfigError(f"{where} is this node's own {key}; point it at the Triton server")
 
@@ -568,8 +570,8 @@ def _check_address(key: str, address: str) -> None:
     wildcard host nor port (* or 0: any port) can be connected to: a worker never registered."""
     scheme, _, rest = address.partition("://")
     if scheme == "tcp":
-        host, sep, port = rest.rpartition(":")
-        if not (sep and host and host != "*" and port.isdigit() and 1 <= int(port) <= 65535):
+        parsed = host_port(rest)
+        if parsed is None or parsed[0] == "*":
             raise ConfigError(f"{key}: {address!r} is not tcp://HOST:PORT with a host to connect to and a port "
                               "of 1-65535")
     elif not rest.startswith("@") and len(rest.encode()) > UNIX_PATH_MAX:  # "@": abstract, no file

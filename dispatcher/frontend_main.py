@@ -16,7 +16,7 @@ import signal
 
 from .config import NodeConfig
 from .exit_codes import EX_CONFIG
-from .transport import node_client_keys
+from .transport import is_tcp, node_client_keys
 
 log = logging.getLogger("batchyard.frontend")
 STOP_GRACE_S = 5.0  # on SIGTERM, how long gRPC calls and HTTP requests in flight may finish
@@ -54,7 +54,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     fe, d = node.frontend, node.dispatcher
     # Over tcp the dispatcher takes shared memory only where the node allows it (the front door
     # is no client it can vouch for there); otherwise every tensor goes inline.
-    over_tcp = d.frontend.startswith("tcp://")
+    over_tcp = is_tcp(d.frontend)
     if over_tcp and not d.allow_shm_over_tcp:
         log.warning("the dispatcher's client endpoint %s is tcp, without [dispatcher] allow_shm_over_tcp: tensors "
                     "go to it inline, so a request carries at most [dispatcher] max_inline_bytes (%d) of them, not "

@@ -383,7 +383,7 @@ def test_a_malformed_address_raises_at_once_and_the_cli_says_so_in_one_line(run_
     asyncio.run(go())
     for address, code, text in (("foo", 64, "cannot connect to the dispatcher at 'foo'"),
                                 # ZeroMQ wraps it (31694 + 65536): status answered from port 31694
-                                ("tcp://127.0.0.1:97230", 64, "port 97230 is not 1-65535"),
+                                ("tcp://127.0.0.1:97230", 64, "'tcp://127.0.0.1:97230': not tcp://HOST:PORT with a port of 1-65535"),
                                 (f"ipc://{run_dir}/nobody-home", 69, "no reply from the dispatcher")):
         r = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--address", address],
                            capture_output=True, text=True, timeout=60)
