@@ -10,7 +10,8 @@ import math
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import wait_pays
-from .policy_core import SET_ASIDE_MAX, Decision, PerModelPolicy, aging_period, head_request, send, servers_for
+from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, aging_period, head_request, queues_by_urgency, send,
+                          servers_for)
 from .state import ModelQueue, SchedulerState, WorkerState
 
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
@@ -212,6 +213,11 @@ def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: flo
     return t if t > now else now + state.cost(model, w.path).predict(items)
 
 
+# A slack below this is none: at the wake-up set for it to run out, rounding left ~1e-16 s of it
+# and the pass waited again, for a wake-up at that same instant.
+SLACK_RESOLUTION_S = 1e-6
+
+
 class MarginalCost(PerModelPolicy):
     """Marginal Cost Batching: plan the queue over every worker at once, send the free
     workers' shares now unless waiting for one more arrival pays, flush before a deadline."""
@@ -229,9 +235,10 @@ class MarginalCost(PerModelPolicy):
                 if idx is None or idx.queue is not q:
                     idx = self._deadlines[model] = DeadlineIndex(q)
                 idx.sync()  # before aging moves requests between classes
-                self.decide_model(state, model, q, now, d)
             elif idx is not None and idx.queue is q:
                 idx.sync()  # empty: forgets every request it held (and their payloads)
+        for model, q in queues_by_urgency(state, now):
+            self.decide_model(state, model, q, now, d)
         return d
 
     def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
@@ -294,8 +301,15 @@ class MarginalCost(PerModelPolicy):
                 chunks, end = plan(state, model, ws, b + extra, now, background)
             # 4. Deadlines: if the plan of the queue alone would finish after the tightest
             #    deadline, flush: plan over the free workers only and send without waiting.
-            slack = idx.tightest(now) - own_finish
-            if slack <= 0:
+            # The finish is a prediction and a batch runs up to LATE_MARGIN longer than its curve
+            # says: the slack keeps that share of the plan's time. A wait that spent the whole
+            # slack sent its batch predicted to end at the deadline itself, and it ended just
+            # after it (live: a lone 400 ms request with a 500 ms timeout, the idle worker
+            # waiting for arrivals that would share its launch, failed DEADLINE_EXCEEDED at
+            # 500.1 ms, where sent at once it was served in 400 ms).
+            slack = idx.tightest(now) - own_finish - LATE_MARGIN * (own_finish - now)
+            flush = slack <= SLACK_RESOLUTION_S
+            if flush:
                 d.count("flushed")
                 # A deadline at stake may borrow a worker step 1 keeps free for urgent arrivals
                 # where that costs them what the reservation allows anyway (_lendable): low
@@ -343,7 +357,7 @@ class MarginalCost(PerModelPolicy):
                     queued = max(queued, min(cap, left - held - after))
                 if queued <= 0:
                     break
-                if slack > 0 and queued < cap:
+                if not flush and queued < cap:
                     # 6. The marginal rule: wait while one more arrival saves more than the
                     #    wait costs the queued items w would take.
                     saving, gap = wait_saving(state, model, w, ws, chunks, queued, lam, now)

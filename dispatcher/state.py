@@ -135,6 +135,14 @@ class ModelQueue:
                 moved += 1
         return moved
 
+    def head_key(self) -> tuple[int, float]:
+        """(class, arrival) of the queue's head, the request taken first: its highest non-empty
+        class's oldest (only for a queue that holds a request)."""
+        for prio, q in enumerate(self.by_priority):
+            if q:
+                return prio, q[0].arrival
+        raise LookupError(f"model {self.model!r}: empty queue")
+
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
 

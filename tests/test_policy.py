@@ -9,7 +9,7 @@ import pytest
 
 from batchyard.bench.sim_report import AMX4_MINILM, H200_MINILM  # measured: bench/results/gpu_h200.md
 from batchyard.cost_model import OUTLIER_FACTOR, ArrivalRate, CostCurve
-from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible, plan
+from batchyard.policy import AGING_S, MarginalCost, ThreeSegment, crossover_sizes, feasible, make_policy, plan
 from batchyard.policy_mcb import amortises_launch
 from batchyard.state import QUEUED, Request, SchedulerState, WorkerState
 
@@ -340,11 +340,15 @@ def test_a_gpu_beside_cpus_cheaper_per_item_is_not_sized_as_if_they_batched():
 def test_expiring_deadline_flushes_instead_of_waiting():
     now = 1.0
     # Waiting would pay (lambda high, GPU only) but the tightest deadline is 0.02 ms after the
-    # batch's predicted finish (the wait would otherwise end 0.0967 ms after the latest arrival).
+    # batch's predicted finish (the wait would otherwise end 0.0967 ms after the latest arrival),
+    # of which the slack keeps LATE_MARGIN of the batch's 0.17 ms.
+    from batchyard.policy_core import LATE_MARGIN
+
     st = seeds_state(n_queued=1, lam_per_s=30_000, cpu=False, deadline=now + 0.17 * MS + 0.02 * MS)
     d = MarginalCost().decide(st, now)
-    assert d.dispatches == [] and d.wake_at == pytest.approx(now + 0.02 * MS, abs=1e-9)
-    d = MarginalCost().decide(st, now + 0.02 * MS + 1e-9)
+    flush_at = now + 0.02 * MS - LATE_MARGIN * 0.17 * MS
+    assert d.dispatches == [] and d.wake_at == pytest.approx(flush_at, abs=1e-9)
+    d = MarginalCost().decide(st, flush_at)
     assert paths(d) == [("gpu", 1)] and d.reasons == {"flushed": 1, "dispatched-gpu": 1}
 
 
@@ -865,3 +869,66 @@ def test_a_curve_whose_line_reads_no_time_at_all_does_not_hold_the_queue_without
         core.admit("m", 1, 1, 5.0, now)
     sent = sum(len(b.requests) for b in core.decide(now))
     assert sent == 3 or core.next_wake() - now < 1e-3, (sent, core.next_wake() - now)
+
+
+def _one_worker_two_models(heads: dict) -> SchedulerState:
+    """One CPU worker serving models "a" and "b"; ``heads``: model -> [(class, arrival)] queued,
+    "a"'s queue made first (its first request came first, since served)."""
+    st = SchedulerState()
+    for m in "ab":
+        st.costs[(m, "cpu")] = CostCurve(launch_s=0.0, per_item_s=1 * MS)
+        st.costs[(m, "cpu")].samples = 100
+        st.arrivals[m] = ArrivalRate(tau_s=0.25, initial=50.0)
+    st.add_worker(WorkerState("cpu0", "cpu", {"a": 8, "b": 8}))
+    seq = 0
+    for m in "ab":
+        q = st.queue(m)
+        for prio, arrival in heads.get(m, ()):
+            q.push(Request(seq, m, 1, prio, arrival, math.inf))
+            seq += 1
+    return st
+
+
+@pytest.mark.parametrize("policy", ["mcb", "greedy", "escape:2", "window:1000,8", "fixed:1", "three-segment"])
+@pytest.mark.parametrize("heads, first", [
+    ({"a": [(1, 0.010), (1, 0.011)], "b": [(1, 0.005)]}, "b"),  # one class: the longer wait
+    ({"a": [(2, 0.001)], "b": [(0, 0.010)]}, "b"),  # a higher class, however new
+    ({"a": [(1, 0.004)], "b": [(1, 0.006)]}, "a"),
+], ids=["older-head", "higher-class", "first-asked-and-older"])
+def test_a_worker_two_models_share_goes_to_the_more_urgent_head_not_the_first_model_to_ask(policy, heads, first):
+    """Decided in the order of each model's first request, the model that asked first took the
+    shared worker at every completion while it had anything queued: live, at 27 % of the
+    worker's capacity, the other model had 47 of 240 requests served, and its high-priority
+    requests waited behind the first one's low ones."""
+    st = _one_worker_two_models(heads)
+    d = make_policy(policy).decide(st, 0.020)
+    assert [b.requests[0].model for b in d.dispatches][:1] == [first]
+
+
+def test_a_wait_for_company_leaves_the_margin_a_batch_may_overrun():
+    """A lone request with a 500 ms timeout on an idle worker of T(B) = 300 + 100 B ms, arrivals
+    expected (50/s) that would share its launch: MCB may wait for them, but it sends the request
+    while its batch, LATE_MARGIN slower than predicted, still ends by the deadline. The wait
+    used to spend the whole slack: the batch went predicted to end at the deadline itself, and
+    live it ended 0.1 ms after it (DEADLINE_EXCEEDED, where sent at once it was served)."""
+    from batchyard.policy_core import LATE_MARGIN
+
+    st = SchedulerState()
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.3, per_item_s=0.1)
+    st.costs[("m", "cpu")].samples = 100
+    st.add_worker(WorkerState("w0", "cpu", {"m": 4}))
+    st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=50.0)
+    st.arrivals["m"]._t = 1.0
+    deadline = 1.5
+    st.queue("m").push(Request(0, "m", 1, 1, 1.0, deadline))
+    pol, now = MarginalCost(), 1.0
+    d = pol.decide(st, now)
+    assert d.reasons.get("waited") and not d.dispatches, "the case: MCB waits for company"
+    for _ in range(20):
+        if d.dispatches:
+            break
+        assert now < d.wake_at < math.inf
+        now = d.wake_at
+        d = pol.decide(st, now)
+    assert paths(d) == [("cpu", 1)]
+    assert now + (1 + LATE_MARGIN) * 0.4 <= deadline + 1e-9, f"sent at {now}: ends late if {LATE_MARGIN:.0%} slow"
