@@ -309,8 +309,10 @@ def test_json_integers_a_tensor_cannot_hold_are_tritons_error_not_wrapped(dataty
         assert tensor_from_list("x", datatype, [1, 2], data).tolist() == [want]
 
 
-@pytest.mark.parametrize("raw", [b'"\\ud800"', b"1e400", b"[NaN, -Infinity]", b'{"a": 1, "a": 2}', b"{}x", b"", b"[1,"])
+@pytest.mark.parametrize("raw", [b'"\\ud800"', b"[NaN, -Infinity]", b'{"a": 1, "a": 2}', b"{}x", b"", b"[1,"])
 def test_request_json_edge_cases_read_or_fail_as_json_loads(raw):
+    """(Not a number past a double, which json reads as inf: Triton refuses it, and so does the
+    front door, test_a_json_number_past_a_double_is_refused_not_read_as_infinity.)"""
     from batchyard.kserve_http import decode_json
 
     try:
@@ -1359,6 +1361,19 @@ def test_malformed_tensors_and_parameters_get_tritons_errors(front_door, case):
             "parameters": http_params}
     r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
     assert r.status_code == 400 and re.search(text, json.loads(r.read())["error"]), r.read()
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400"])
+def test_a_json_number_past_a_double_is_refused_not_read_as_infinity(front_door, number):
+    """msgspec refuses such a literal and ``json``, read after it, made it inf: the model ran on
+    infinity (200). Triton's reader refuses the number; the words Infinity and NaN stay taken."""
+    data = ", ".join([number] + ["2.0"] * 11)
+    body = f'{{"inputs": [{{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": [{data}]}}]}}'.encode()
+    status, _, text = _post_infer(front_door, body)
+    assert (status, json.loads(text)["error"]) == (
+        400, f"failed to parse the request JSON buffer: the number {number} is past a double's range")
+    status, _, text = _post_infer(front_door, body.replace(number.encode(), number.replace("1e400", "Infinity").encode()))
+    assert status == 200, text
 
 
 def test_a_shape_whose_element_count_overflows_gets_the_shape_check(front_door):
