@@ -77,10 +77,11 @@ def checked_wait(wait) -> float:
 
 
 def _seconds(value, name: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r:.40}") from None
+    """A number of seconds: an int or a float (numpy's too). float() also read True as 1 s and
+    "2" as 2 s, which the wire and the front door refuse."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r:.40}")
+    return float(value)
 
 
 def time_left(deadline: float, model: str) -> float:

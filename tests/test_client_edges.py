@@ -18,6 +18,7 @@ import zmq
 
 from batchyard import protocol as P
 from batchyard.client import AsyncClient, Client
+from batchyard.client_codec import checked_timeout
 from batchyard.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from batchyard.shm import ALIGN
 
@@ -361,6 +362,17 @@ def test_bad_wait_and_timeout_are_refused_naming_the_argument(run_dir):
             c.model_info("sum", timeout=0)
         with pytest.raises(InvalidArgument, match="timeout must be > 0"):
             c.status(timeout=math.nan)
+
+
+@pytest.mark.parametrize("timeout", [True, "2", b"2", np.bool_(True)], ids=["True", "str", "bytes", "np.bool_"])
+def test_a_timeout_that_is_not_a_number_is_refused_not_read_as_one(run_dir, timeout):
+    """float() read True as 1 s and "2" as 2 s; the wire refuses a bool, the front door a string."""
+    with Client(f"ipc://{run_dir}/nobody-home") as c:
+        with pytest.raises(InvalidArgument, match="timeout must be a number of seconds"):
+            c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=timeout)
+        with pytest.raises(InvalidArgument, match="wait must be a number of seconds"):
+            c.status(wait=timeout, timeout=0.2)
+    assert checked_timeout(np.float32(0.5)) == 0.5 and checked_timeout(np.int64(3)) == 3.0  # numpy's numbers are numbers
 
 
 def test_bad_wait_and_timeout_are_refused_by_the_async_client_too(run_dir):
