@@ -880,3 +880,19 @@ def test_a_drain_whose_queue_holds_only_requests_too_big_for_every_worker_has_no
     assert core.unservable()
     core.admit("m", 4, 1, 60.0, 0.2, client=b"c", req_id=2)  # (refused: the drain admits nothing)
     assert core.unservable()
+
+
+def test_requests_refused_on_arrival_do_not_count_in_the_arrival_rate():
+    """The arrival rate tells MCB how many requests will join a batch if it waits; a request
+    refused on arrival joins none. Counted, three refused ones held the next request 117-164 ms
+    on an idle worker (T(1) = 400 ms), waiting for company that never came."""
+    ends = Ends()
+    core = make_core(ends)
+    core.state.cost("m", "gpu").observe(1, 0.4)
+    core.state.learned_at["m"] = 0.0  # just learned: no probe due
+    for i in range(3):
+        assert isinstance(core.admit("m", 1, 1, 0.1, 0.001 * i, client=b"c", req_id=i), Rejected)
+    assert core.state.arrival("m").rate(0.003) == 0.0
+    for i in (8, 9):  # (the rate is known from the second arrival on)
+        core.admit("m", 1, 1, 5.0, 0.001 * i, client=b"c", req_id=i)
+    assert core.state.arrival("m").rate(0.009) > 0.0
