@@ -453,28 +453,38 @@ def test_sighup_stops_up_like_sigterm(run_dir):
         _kill(up)
 
 
-def test_sighup_stops_a_dispatcher_and_a_worker_run_on_their_own_like_sigterm(run_dir):
+def test_sighup_stops_a_dispatcher_a_worker_and_a_front_door_run_on_their_own_like_sigterm(run_dir):
     """Run by hand from a terminal that then closed, each died by SIGHUP's default action: the
-    dispatcher failed its queue and left its socket files, the worker died with its batch."""
+    dispatcher failed its queue and left its socket files, the worker died with its batch, the
+    front door left its registry folder in /dev/shm."""
+    from batchyard.kserve_shm import registry_dir
+
+    fe = FrontendConfig(grpc_port=0, http_port=free_port())
     node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
                                        heartbeat_interval_s=0.1, worker_dead_after_s=0.6),
-                      (SUM_MODEL,), (sim_worker("w0", ("sum",)),)).validate()
+                      (SUM_MODEL,), (sim_worker("w0", ("sum",)),), frontend=fe).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(node))
     cli = [sys.executable, "-m", "batchyard.cli"]
     dispatcher = subprocess.Popen([*cli, "dispatcher", "--config", str(path)], cwd=run_dir, stderr=subprocess.PIPE)
     worker = subprocess.Popen([*cli, "worker", "--config", str(path), "--name", "w0"], cwd=run_dir,
                               stderr=subprocess.PIPE)
+    front = subprocess.Popen([*cli, "frontend", "--config", str(path)], cwd=run_dir, stderr=subprocess.PIPE)
     try:
         with Client(node.dispatcher.frontend) as c:
             c.status(min_registrations=1, wait=120, timeout=150)
+        assert _line_with(front.stderr, b"front door pid", 120), _rest(front)
+        assert os.path.isdir(registry_dir(fe.host, fe.grpc_port, fe.http_port))
+        front.send_signal(signal.SIGHUP)
+        assert front.wait(60) == 0, _rest(front)
+        assert not os.path.exists(registry_dir(fe.host, fe.grpc_port, fe.http_port)), "the registry was left"
         worker.send_signal(signal.SIGHUP)
         assert worker.wait(60) == 0, worker.stderr.read()[-3000:]
         dispatcher.send_signal(signal.SIGHUP)
         assert dispatcher.wait(60) == 0, dispatcher.stderr.read()[-3000:]
         assert not list(Path(run_dir).glob("[fb]e")), "the dispatcher's sockets were left behind"
     finally:
-        for p in (worker, dispatcher):
+        for p in (front, worker, dispatcher):
             _kill(p)
 
 
