@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from .state import ModelQueue, Request, SchedulerState, WorkerState
 
@@ -260,9 +260,13 @@ def aging_period(state: SchedulerState, model: str) -> float:
     low requests (5 s timeout) then rise into the normal class after ~1.5 s and the high class
     after ~2.3 s. In that run the high class's p99 under the flood was 3.9 s (0.4 s the run
     before)."""
-    longest = max((state.cost(model, w.path).predict(w.models[model])
-                   for w in state.serving.get(model, ())), default=0.0)
-    return max(AGING_S, AGING_BATCHES * longest)
+    return max(AGING_S, AGING_BATCHES * longest_batch(state, model))
+
+
+def longest_batch(state: SchedulerState, model: str) -> float:
+    """The predicted time of the longest full batch (its max batch) of a worker serving ``model``."""
+    return max((state.cost(model, w.path).predict(w.models[model]) for w in state.serving.get(model, ())),
+               default=0.0)
 
 
 def servers_for(offered_load: float, blocking: float) -> int:
@@ -288,22 +292,46 @@ def feasible(state: SchedulerState, model: str, items: int, deadline: float, now
     return not any(w.models[model] >= items for w in ws)  # none takes it: refused elsewhere, in words
 
 
-def queues_by_urgency(state: SchedulerState, now: float) -> list[tuple[str, ModelQueue]]:
-    """The models with queued requests, each queue aged, in the order they are decided on:
-    the one whose head request is most urgent first — the highest class, then the longest wait
-    (then the name, for a fixed order). Models that share a worker take it in that order when it
-    frees. In the queues' own order (of each model's first request), the model that asked first
-    took a shared worker at every completion while it had anything queued: at 27 % of the
-    worker's capacity the other model's requests expired or were refused Overloaded (47 of 240
-    served), and its high-priority requests waited behind the first model's low ones."""
+def queues_by_urgency(state: SchedulerState, now: float,
+                      tightest: Optional[Callable[[str], float]] = None) -> list[tuple[str, ModelQueue, float]]:
+    """The models with queued requests, each queue aged, in the order they are decided on, most
+    urgent first: by the class of the queue's head (the request it gives next), then, within a
+    class, the models with a deadline at stake (one that a batch of the model started later than
+    one full batch of its workers from now would miss, LATE_MARGIN slower than predicted), the
+    earliest latest start first, then the longest-waiting head, then the name. Models that share
+    a worker take it in that order when it frees. ``tightest(model)``: the model's tightest
+    deadline (MCB keeps an index); else the head's. Each with the aging period it was aged by.
+
+    In the queues' own order (of each model's first request), the model that asked first took a
+    shared worker at every completion while it had anything queued: at 27 % of the worker's
+    capacity the other model's requests expired or were refused Overloaded (47 of 240 served),
+    and its high-priority requests waited behind the first model's low ones. By the head's wait
+    alone, an old request with no deadline took the worker from a newer one whose deadline only
+    the batch sent now could meet."""
     out = []
     for model, q in state.queues.items():
         if q.requests:
-            q.promote_aged(now, aging_period(state, model))
-            out.append((model, q))
-    if len(out) > 1:
-        out.sort(key=lambda mq: (*mq[1].head_key(), mq[0]))
-    return out
+            longest = longest_batch(state, model)
+            q.promote_aged(now, max(AGING_S, AGING_BATCHES * longest))  # (aging_period)
+            out.append((model, q, longest))
+    if len(out) < 2:
+        return [(model, q, max(AGING_S, AGING_BATCHES * longest)) for model, q, longest in out]
+    keyed = []
+    for model, q, longest in out:
+        head = q.head()
+        deadline = tightest(model) if tightest is not None else head.deadline
+        at_stake = math.inf
+        # (Past now + (2 + LATE_MARGIN) x longest it is not at stake, the head alone taking no
+        # longer than a full batch: 50 models, each decision, without the curves' predictions.)
+        if deadline <= now + (2 + LATE_MARGIN) * longest:
+            alone = min((state.cost(model, w.path).predict(head.items) for w in state.serving.get(model, ())
+                         if w.models[model] >= head.items), default=math.inf)
+            latest_start = deadline - (1 + LATE_MARGIN) * alone
+            if latest_start <= now + longest:
+                at_stake = latest_start
+        keyed.append(((head.priority, at_stake, head.arrival, model), model, q, max(AGING_S, AGING_BATCHES * longest)))
+    keyed.sort(key=lambda k: k[0])
+    return [(model, q, aging) for _, model, q, aging in keyed]
 
 
 class PerModelPolicy:
@@ -314,7 +342,7 @@ class PerModelPolicy:
 
     def decide(self, state: SchedulerState, now: float) -> Decision:
         d = Decision()
-        for model, q in queues_by_urgency(state, now):
+        for model, q, _ in queues_by_urgency(state, now):
             self.decide_model(state, model, q, now, d)
         return d
 

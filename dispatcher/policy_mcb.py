@@ -7,11 +7,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from typing import Optional
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import wait_pays
-from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, aging_period, head_request, queues_by_urgency, send,
-                          servers_for)
+from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, aging_period, head_request,
+                          queues_by_urgency, send, servers_for)
 from .state import ModelQueue, SchedulerState, WorkerState
 
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
@@ -237,17 +238,19 @@ class MarginalCost(PerModelPolicy):
                 idx.sync()  # before aging moves requests between classes
             elif idx is not None and idx.queue is q:
                 idx.sync()  # empty: forgets every request it held (and their payloads)
-        for model, q in queues_by_urgency(state, now):
-            self.decide_model(state, model, q, now, d)
+        for model, q, aging in queues_by_urgency(state, now, lambda m: self._deadlines[m].tightest(now)):
+            self.decide_model(state, model, q, now, d, aging)
         return d
 
-    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
+    def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision,
+                     aging: Optional[float] = None) -> None:
         all_ws = state.serving.get(model)
         if not all_ws:
             return
         idx = self._deadlines[model]
-        aging = aging_period(state, model)
-        q.promote_aged(now, aging)
+        if aging is None:  # (decide ages every queue first)
+            aging = aging_period(state, model)
+            q.promote_aged(now, aging)
         waited = False
         while q.requests:
             # 1. Eligible workers (reservation for urgent traffic).

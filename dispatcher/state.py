@@ -135,12 +135,12 @@ class ModelQueue:
                 moved += 1
         return moved
 
-    def head_key(self) -> tuple[int, float]:
-        """(class, arrival) of the queue's head, the request taken first: its highest non-empty
-        class's oldest (only for a queue that holds a request)."""
-        for prio, q in enumerate(self.by_priority):
+    def head(self) -> Request:
+        """The request ``take`` gives next: its highest non-empty class's first (an aged request
+        joins its new class at the tail, behind newer ones). Only for a queue that holds one."""
+        for q in self.by_priority:
             if q:
-                return prio, q[0].arrival
+                return q[0]
         raise LookupError(f"model {self.model!r}: empty queue")
 
     def oldest_arrival(self) -> float:

@@ -883,8 +883,8 @@ def _one_worker_two_models(heads: dict) -> SchedulerState:
     seq = 0
     for m in "ab":
         q = st.queue(m)
-        for prio, arrival in heads.get(m, ()):
-            q.push(Request(seq, m, 1, prio, arrival, math.inf))
+        for prio, arrival, *deadline in heads.get(m, ()):
+            q.push(Request(seq, m, 1, prio, arrival, deadline[0] if deadline else math.inf))
             seq += 1
     return st
 
@@ -894,12 +894,18 @@ def _one_worker_two_models(heads: dict) -> SchedulerState:
     ({"a": [(1, 0.010), (1, 0.011)], "b": [(1, 0.005)]}, "b"),  # one class: the longer wait
     ({"a": [(2, 0.001)], "b": [(0, 0.010)]}, "b"),  # a higher class, however new
     ({"a": [(1, 0.004)], "b": [(1, 0.006)]}, "a"),
-], ids=["older-head", "higher-class", "first-asked-and-older"])
+    # b's deadline: only a batch started by 20.4 ms meets it (1 ms alone, 10 % slower than predicted)
+    ({"a": [(1, 0.001)], "b": [(1, 0.010, 0.0215)]}, "b"),
+    ({"a": [(1, 0.001, 0.030)], "b": [(1, 0.010, 0.0215)]}, "b"),
+    ({"a": [(1, 0.001, 5.0)], "b": [(1, 0.010, 5.0)]}, "a"),  # both far off: the longer wait
+], ids=["older-head", "higher-class", "first-asked-and-older", "deadline-at-stake", "earlier-latest-start",
+        "deadlines-far-off"])
 def test_a_worker_two_models_share_goes_to_the_more_urgent_head_not_the_first_model_to_ask(policy, heads, first):
     """Decided in the order of each model's first request, the model that asked first took the
     shared worker at every completion while it had anything queued: live, at 27 % of the
     worker's capacity, the other model had 47 of 240 requests served, and its high-priority
-    requests waited behind the first one's low ones."""
+    requests waited behind the first one's low ones. A deadline only the batch sent now meets
+    goes before an older head with none."""
     st = _one_worker_two_models(heads)
     d = make_policy(policy).decide(st, 0.020)
     assert [b.requests[0].model for b in d.dispatches][:1] == [first]
