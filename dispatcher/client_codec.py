@@ -77,11 +77,14 @@ def checked_wait(wait) -> float:
 
 
 def _seconds(value, name: str) -> float:
-    """A number of seconds: an int or a float (numpy's too). float() also read True as 1 s and
-    "2" as 2 s, which the wire and the front door refuse."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """A number of seconds: what float() reads, but for a bool or text (float() read True as 1 s
+    and "2" as 2 s, which the wire and the front door refuse)."""
+    if isinstance(value, (bool, np.bool_, str, bytes, bytearray, memoryview)):
         raise InvalidArgument(f"{name} must be a number of seconds, got {value!r:.40}")
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r:.40}") from None
 
 
 def time_left(deadline: float, model: str) -> float:

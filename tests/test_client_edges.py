@@ -11,6 +11,7 @@ import threading
 import time
 import types
 import warnings
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -372,7 +373,9 @@ def test_a_timeout_that_is_not_a_number_is_refused_not_read_as_one(run_dir, time
             c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=timeout)
         with pytest.raises(InvalidArgument, match="wait must be a number of seconds"):
             c.status(wait=timeout, timeout=0.2)
-    assert checked_timeout(np.float32(0.5)) == 0.5 and checked_timeout(np.int64(3)) == 3.0  # numpy's numbers are numbers
+    # numbers float() reads stay numbers: numpy's, a 0-d array, a Decimal
+    numbers = (np.float32(0.5), np.int64(3), np.array(0.5), Decimal("0.5"))
+    assert [checked_timeout(t) for t in numbers] == [0.5, 3, 0.5, 0.5]
 
 
 def test_bad_wait_and_timeout_are_refused_by_the_async_client_too(run_dir):
