@@ -353,12 +353,29 @@ class ShmRegions:
         region = Region(name, key, offset, byte_size, fd, uid=uid, file=(st.st_dev, st.st_ino))
         if self.dir is not None:
             try:
-                self._publish(region)
+                with self._registering():
+                    # Counted again under the lock: registrations racing through other front-door
+                    # processes each passed the count above and published (1026 regions of a
+                    # user with 4 processes, past MAX_REGIONS_PER_USER).
+                    if sum(r.uid == uid for r in self._registered()) >= MAX_REGIONS_PER_USER:
+                        raise invalid(f"failed to register shared memory region '{name}': this user has "
+                                      f"{MAX_REGIONS_PER_USER} regions registered already")
+                    self._publish(region)
             except BaseException:
                 os.close(region.fd)
                 raise
         self._drop_local(name)
         self.local[name] = region
+
+    @contextlib.contextmanager
+    def _registering(self):
+        """The registry's lock, across the node's front-door processes, for a count and the
+        publish it allows (a registration is a few file operations: held that long)."""
+        fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._dir_fd, fcntl.LOCK_UN)
 
     def unregister(self, name: str = "", uid: Optional[int] = 0) -> None:
         """One region, or all when ``name`` is empty: of the regions ``uid`` may use; an unknown

@@ -352,6 +352,30 @@ def test_one_user_registers_a_bounded_number_of_regions(registry, segment, monke
     a.register("r3", segment.name, 0, 64, uid=0)
 
 
+def test_registrations_racing_through_two_front_doors_stay_within_the_limit(registry, segment, monkeypatch):
+    """Counted, then published, with nothing shared in between: registrations arriving at once
+    on several front-door processes each passed the count (1026 regions of one user with 4
+    processes, 1024 the limit). Here the other process's registration lands while this one
+    opens its segment, after its count."""
+    from batchyard import kserve_shm
+
+    monkeypatch.setattr(kserve_shm, "MAX_REGIONS_PER_USER", 2)
+    a, b = registry(), registry()
+    a.register("r0", segment.name, 0, 64, uid=0)
+    open_segment = kserve_shm._open_segment
+
+    def meanwhile_through_the_other_process(*args):
+        monkeypatch.setattr(kserve_shm, "_open_segment", open_segment)
+        a.register("r1", segment.name, 0, 64, uid=0)
+        return open_segment(*args)
+
+    monkeypatch.setattr(kserve_shm, "_open_segment", meanwhile_through_the_other_process)
+    with pytest.raises(KServeError, match="has 2 regions registered already"):
+        b.register("r2", segment.name, 0, 64, uid=0)
+    assert sorted(r.name for r in b.status()) == ["r0", "r1"]
+    a.unregister()
+
+
 def _tcp_line(local: str, remote: str, state: str, uid: int) -> str:
     def hexaddr(hostport: str) -> str:
         host, port = hostport.rsplit(":", 1)
