@@ -51,7 +51,7 @@ COMPUTE_SLACK_S = 1e-3
 class Batch:
     """One batch sent to a worker, until its completion or the worker's loss."""
 
-    __slots__ = ("batch_id", "worker", "model", "requests", "items", "sent_at")
+    __slots__ = ("batch_id", "worker", "model", "requests", "items", "sent_at", "startable_at")
 
     def __init__(self, batch_id: int, worker: WorkerState, model: str, requests: list, sent_at: float):
         self.batch_id = batch_id
@@ -60,6 +60,9 @@ class Batch:
         self.requests = requests
         self.items = sum(r.items for r in requests)
         self.sent_at = sent_at
+        # When it could start at the latest: sent, or when a batch sent before it to its worker
+        # (max_inflight > 1, run one after the other) came back.
+        self.startable_at = sent_at
 
 
 FailCallback = Callable[[Request, Status, str], None]
@@ -268,6 +271,10 @@ class RequestCore:
             return None
         del self.batches[batch_id]
         w = batch.worker
+        if w.capacity > 1:
+            for b in self.batches.values():
+                if b.worker is w:
+                    b.startable_at = max(b.startable_at, now)
         if compute_s is not None and not 0 < compute_s <= now - batch.sent_at + COMPUTE_SLACK_S:
             # Not a time this batch could have taken (a broken or hostile worker): learnt, one
             # compute_us of 2**64-1 set the launch to 2e18 us, and every later request of the
@@ -395,11 +402,23 @@ class RequestCore:
                 reason = f"no heartbeat for {now - w.last_seen:.1f} s"
                 self.worker_lost(w.name, reason, now, may_run_on=True)
                 lost.append((w, reason))
-        for b in list(self.batches.values()):
-            if (self.batches.get(b.batch_id) is b and all(r.state == DONE for r in b.requests)
-                    and max(r.deadline for r in b.requests) < dead_before):
+        # A worker runs its batches one after the other: one is judged only once none sent before
+        # it is out, from when it could start. Judged alone, a batch whose requests expired
+        # queued in the worker behind a long one was taken for hung: the healthy worker was made
+        # to exit, the long batch's requests run again and failed UNAVAILABLE at its next loss.
+        first = {}
+        for b in self.batches.values():
+            if b.worker.name not in first or b.sent_at < first[b.worker.name].sent_at:
+                first[b.worker.name] = b
+        for b in list(first.values()):
+            if self.batches.get(b.batch_id) is not b or any(r.state != DONE for r in b.requests):
+                continue
+            last_deadline = max(r.deadline for r in b.requests)
+            if max(last_deadline, b.startable_at) < dead_before:
+                since = ("its last request's deadline" if last_deadline >= b.startable_at
+                         else "the batch before it came back")
                 reason = (f"batch {b.batch_id} sent {now - b.sent_at:.1f} s ago never came back, "
-                          f"{self.worker_dead_after_s:.1f} s past its last request's deadline")
+                          f"{self.worker_dead_after_s:.1f} s past {since}")
                 if self.worker_lost(b.worker.name, reason, now, may_run_on=True) is not None:
                     lost.append((b.worker, reason))
                     self.hung[b.worker.name] = reason

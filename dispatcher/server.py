@@ -418,7 +418,15 @@ class Dispatcher:
             self._worker_lost(msg.worker, "worker re-registered", now)
         for spec in msg.models:
             self.specs.setdefault(spec.name, spec)
-        w = WorkerState(name=msg.worker, path=msg.path, models={s.name: s.max_batch for s in msg.models},
+        # A worker's max batch is capped at the model's (the node's config, else the first
+        # worker's), which clients are told: one started from another config was sent batches
+        # of 32 of a model whose max batch is 8.
+        caps = {s.name: min(s.max_batch, self.specs[s.name].max_batch) for s in msg.models}
+        for s in msg.models:
+            if caps[s.name] < s.max_batch:
+                log.warning("worker %s registers max_batch %d for model %r, whose max_batch is %d: its batches "
+                            "of it are capped at %d", msg.worker, s.max_batch, s.name, caps[s.name], caps[s.name])
+        w = WorkerState(name=msg.worker, path=msg.path, models=caps,
                         capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity, peer=peer,
                         started=msg.started)
         self.core.add_worker(w, now)

@@ -487,6 +487,32 @@ def test_the_node_holds_a_bounded_number_of_status_long_polls_across_connections
     assert core.due_status_waiters(0.0) == [("new", 0)]
 
 
+def test_a_batch_queued_in_its_worker_behind_a_long_one_is_not_taken_for_hung():
+    """max_inflight 2: a batch whose request expired while it waited in the worker behind a long
+    batch was judged alone, worker_dead_after_s past its deadline: the healthy worker was made
+    to exit, and the long batch's request, run again, failed UNAVAILABLE at the next such loss.
+    It is judged once the batch ahead of it is back, from then on."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail, worker_dead_after_s=1.0)
+    core.add_worker(WorkerState("w0", "cpu", {"m": 8}, capacity=2), 0.0)
+    core.admit("m", 1, 1, 30.0, 0.0, client=b"c", req_id=1)
+    (long_batch,) = core.decide(0.0)
+    core.admit("m", 1, 1, 0.5, 0.1, client=b"c", req_id=2)
+    (behind,) = core.decide(0.1)
+    for t in (0.6, 1.6, 3.0, 4.0):
+        core.heartbeat("w0", t)
+        core.decide(t)
+        assert core.check_liveness(t) == [], t
+    assert ends.failed == {2: Status.DEADLINE_EXCEEDED}
+    assert core.complete(long_batch.batch_id, 4.0, 4.0, worker="w0") is long_batch
+    core.heartbeat("w0", 4.9)
+    assert core.check_liveness(4.9) == []  # it may have started at 4.0
+    core.heartbeat("w0", 5.1)
+    (lost,) = core.check_liveness(5.1)
+    assert lost[0].name == "w0" and "1.0 s past the batch before it came back" in lost[1]
+    assert 1 not in ends.failed
+
+
 def test_a_batch_that_never_comes_back_does_not_hold_its_worker_for_good():
     """A worker heartbeats from a thread of its own: one whose batch never came back kept its
     slot, and every later request was refused "cannot finish before its deadline on any path"."""

@@ -151,6 +151,48 @@ def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, proces
         worker.close()
 
 
+def test_a_worker_registering_a_max_batch_above_the_models_gets_batches_of_at_most_the_models(run_dir, processes):
+    """A worker started from another config registered max_batch 64 for `sum` (16 in the node's
+    config, which clients are told) and was sent batches of 32 items."""
+    import msgspec
+    import zmq
+
+    from batchyard import protocol as P
+
+    node = dispatcher_alone(processes, run_dir, policy="greedy")
+    spec = msgspec.structs.replace(SUM_MODEL.spec(), max_batch=64)
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"w0")
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(node.dispatcher.backend)
+
+    def recv(kind):
+        assert worker.poll(30_000), f"no {kind.__name__} from the dispatcher"
+        frames = worker.recv_multipart()
+        msg = P.to_worker_decoder.decode(frames[0])
+        assert type(msg) is kind, msg
+        return msg
+
+    try:
+        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[spec])))
+        recv(P.Registered)
+        with Client(node.dispatcher.frontend) as c:
+            first = c.submit("sum", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+            batch = recv(P.Batch)
+            full = [c.submit("sum", {"x": np.ones((16, 4), np.float32)}, timeout=30) for _ in range(2)]
+            c.status()  # both are queued behind the batch out (status replies follow them)
+            out = P.ItemResult(seq=batch.seqs[0], status=0, n_frames=1,
+                               outputs=[P.TensorRef(name="y", dtype="float32", shape=[1, 2], frame=0)])
+            worker.send_multipart([P.encode(P.BatchDone(batch_id=batch.batch_id, worker="w0", compute_us=100,
+                                                        results=[out])), np.full((1, 2), 7, np.float32)])
+            assert first.result(timeout=30)["y"].tolist() == [[7.0, 7.0]]
+            assert len(recv(P.Batch).seqs) == 1, "one request of 16 items: the model's max batch"
+            for f in full:
+                f.cancel()
+    finally:
+        worker.close()
+
+
 def test_a_worker_result_whose_frames_do_not_add_up_is_internal_not_forwarded(run_dir, processes):
     """A worker's result that names a frame it did not send was forwarded as OK: the SDK's I/O
     thread died indexing it, and the caller's infer(timeout=...) never returned."""
