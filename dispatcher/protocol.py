@@ -478,12 +478,12 @@ def salvage_id(raw: bytes) -> Optional[int]:
     ("cancel"). Only the top-level map is walked, its other values skipped in C: unpacked
     whole (a Python call per nested map), a malformed 5 MiB header held the dispatcher's
     thread 1.6 s."""
+    types, rid = [], None
     try:
         # raw=True: a header whose strings are not valid UTF-8 still yields its id. The first
         # object only: bytes after it (two maps in one frame) made unpackb refuse the whole.
         unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(raw), 1))
         unpacker.feed(raw)
-        types, rid = [], None
         keys = unpacker.read_map_header()
         if keys > SALVAGE_MAX_KEYS:  # a header has a dozen; 2.6M tiny pairs held the thread 180 ms
             return None
@@ -496,7 +496,11 @@ def salvage_id(raw: bytes) -> Optional[int]:
             else:
                 unpacker.skip()
     except Exception:
-        return None
+        # What was read before the part that could not be (a value nested 2,000 deep, after the
+        # type and the id) still names the request: the reply went without its id, unmatched.
+        # Only with its type read: otherwise it may be a cancel's.
+        if not types:
+            return None
     if len(types) > 1 or b"cancel" in types:
         return None
     if type(rid) is int and 0 <= rid < 2**63:  # not a bool: True is an int to isinstance

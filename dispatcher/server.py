@@ -51,11 +51,14 @@ from .shm_grants import ShmGrants, peer_uid
 from .state import QUEUED, Request, WorkerState, same_process
 from .timer import OneShotTimer
 from .validation import RequestInvalid, registration_problem, validate_infer
-from .zmq_frames import recv_parts, send_parts, waiting
+from .zmq_frames import Truncated, recv_parts, send_parts, waiting
 
 log = logging.getLogger("batchyard.dispatcher")
 
 MAX_DRAIN = 4096  # messages per socket per step, so one flood cannot starve the other socket
+# A client message's parts kept: its routing identity, its header and 4096 payload frames (one per
+# input tensor); the rest are read and dropped, and the message refused.
+MAX_CLIENT_PARTS = 2 + 4096
 EXIT_BROKEN_INVARIANT = 70  # sysexits.h EX_SOFTWARE: restartable, unlike EX_CONFIG
 _now = time.monotonic
 
@@ -224,6 +227,13 @@ class Dispatcher:
         if self._first_arrival:
             self.lateness.record("arrival", now - self._first_arrival)
             self._first_arrival = 0.0
+        if now >= self._next_housekeeping:
+            # The workers' messages read again first: after a long drain of the clients' (one
+            # client's message of a million frames held it 2.2 s) the heartbeats are waiting
+            # unread, and a healthy worker was taken out of rotation for "no heartbeat", its
+            # batch run again or failed. Before the decision, which then sees what it freed.
+            self._recv_from_workers(now)
+            self._housekeeping(now)
         core = self.core
         batches = core.decide(now)
         while batches:
@@ -249,8 +259,6 @@ class Dispatcher:
         if core.draining and (self._drained() or now >= self._drain_deadline):
             self._end_drain()
             return
-        if now >= self._next_housekeeping:
-            self._housekeeping(now)
         if core.status_waiters:
             self._answer_status_waiters(now)
         wake = min(core.next_wake(), self.llm.core.next_wake(), self._next_housekeeping)
@@ -510,7 +518,7 @@ class Dispatcher:
     def _recv_from_clients(self, now: float) -> None:
         sock = self.frontend
         for _ in range(MAX_DRAIN):
-            frames = recv_parts(sock)
+            frames = recv_parts(sock, MAX_CLIENT_PARTS)
             if frames is None:
                 return
             if not self._first_arrival:
@@ -531,6 +539,11 @@ class Dispatcher:
                                                 "empty message: expected a MessagePack header frame"))
             return
         raw = frames[1].bytes
+        if isinstance(frames, Truncated):
+            self._reply(identity, P.error_reply(P.salvage_id(raw), Status.INVALID_ARGUMENT,
+                                                f"message has {frames.parts - 2} payload frames, more than "
+                                                f"{MAX_CLIENT_PARTS - 2} (one per input tensor)"))
+            return
         try:
             msg = P.client_message_decoder.decode(raw)
         except P.DecodeError as e:

@@ -24,15 +24,33 @@ def waiting(sock: zmq.Socket) -> bool:
     return bool(sock.getsockopt(EVENTS) & POLLIN)
 
 
-def recv_parts(sock: zmq.Socket) -> Optional[list]:
-    """One multipart message as zmq.Frame objects, or None when none is waiting."""
+class Truncated(list):
+    """A message's first parts, of one that had more than the receiver keeps; ``parts``: how many
+    it had."""
+
+    parts = 0
+
+
+def recv_parts(sock: zmq.Socket, max_parts: Optional[int] = None) -> Optional[list]:
+    """One multipart message as zmq.Frame objects, or None when none is waiting. Past
+    ``max_parts`` the rest are received (ZeroMQ queues a message whole) but not kept: a
+    ``Truncated`` list of the first ones. A client's header and millions of empty frames
+    (3 MB) were kept whole: 890 MiB, and 2.5 times the time (1.45 against 0.57 us a frame)."""
     if not waiting(sock):
         return None
     frame = sock.recv(NOBLOCK, copy=False)
     parts = [frame]
+    n = max_parts or 0
     while frame.more:
         frame = sock.recv(NOBLOCK, copy=False)
         parts.append(frame)
+        if len(parts) == n and frame.more:
+            kept, count = Truncated(parts), n
+            while frame.more:
+                frame = sock.recv(NOBLOCK, copy=False)
+                count += 1
+            kept.parts = count
+            return kept
     return parts
 
 

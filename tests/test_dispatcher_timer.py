@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 
 import zmq
 
@@ -59,5 +60,44 @@ def test_batches_sent_to_a_gone_worker_spend_no_retry(run_dir):
         assert all(r.state == QUEUED and r.retries == 0 and not r.suspect for r in reqs)
         assert d.state.queue("sum").requests == 4
     finally:
+        d.close()
+        ctx.term()
+
+
+def test_heartbeats_that_came_during_a_long_drain_of_the_clients_keep_their_worker(run_dir, monkeypatch):
+    """A step whose drain of the clients' socket took long (one client's message of a million
+    frames held it 2.2 s): the worker's heartbeats came meanwhile, unread when liveness was
+    judged, and the healthy worker was taken out of rotation for "no heartbeat"."""
+    from batchyard import protocol as P
+
+    ctx = zmq.Context()
+    d = Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
+                                    worker_dead_after_s=1.0), (SUM_MODEL.spec(),), ctx=ctx)
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(f"ipc://{run_dir}/be")
+    try:
+        clock = [time.monotonic()]
+        monkeypatch.setattr(server, "_now", lambda: clock[0])
+        worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu",
+                                        models=[SUM_MODEL.spec()])))
+        assert d.backend.poll(10_000)
+        d._step_once()
+        assert worker.poll(10_000) and "w0" in d.state.workers
+        drain_clients = d._recv_from_clients
+
+        def a_long_drain(now):
+            drain_clients(now)
+            clock[0] += 3.0  # three heartbeat intervals of the worker's pass meanwhile
+            worker.send(P.encode(P.Heartbeat(worker="w0")))
+            assert d.backend.poll(10_000)  # come, unread
+
+        monkeypatch.setattr(d, "_recv_from_clients", a_long_drain)
+        d.loop = types.SimpleNamespace(call_soon=lambda f: None)  # (a step left input unread: run again)
+        d._step_once()
+        assert "w0" in d.state.workers and d.core.departures == 0
+    finally:
+        vars(d).pop("loop", None)
+        worker.close()
         d.close()
         ctx.term()

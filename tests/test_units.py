@@ -66,6 +66,19 @@ def test_salvage_id_recovers_id_from_bad_header():
     assert P.salvage_id(raw + b"\xc1") == 42
 
 
+def test_salvage_id_keeps_the_id_read_before_a_value_nested_too_deep_to_skip():
+    """A header whose unknown key held a value nested 2,000 deep was answered with no id (the
+    skip failed, and what was read before it was dropped): its client never matched the reply."""
+    deep = b"\x91" * 2000 + b"\xc0"  # [[[...nil...]]]
+    head = lambda pairs: bytes([0x80 | (len(pairs) + 1)]) + b"".join(  # noqa: E731
+        msgspec.msgpack.encode(k) + msgspec.msgpack.encode(v) for k, v in pairs) + msgspec.msgpack.encode("x") + deep
+    with pytest.raises(P.DecodeError):
+        P.client_message_decoder.decode(head([("type", "infer"), ("v", 1), ("id", 6242)]))
+    assert P.salvage_id(head([("type", "infer"), ("v", 1), ("id", 6242)])) == 6242
+    assert P.salvage_id(head([("id", 6242)])) is None  # its type unread: it may be a cancel's
+    assert P.salvage_id(head([("type", "cancel"), ("id", 6242)])) is None
+
+
 def test_salvage_id_walks_a_bounded_number_of_keys():
     # Each key is unpacked by a call from Python: a 5 MiB header of 2.6M tiny pairs held the
     # dispatcher's one thread 180 ms. Past SALVAGE_MAX_KEYS the header is not a client's message.
