@@ -157,5 +157,5 @@ def main(args) -> int:
     print(table(reports))
     if args.out:
         write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model}")
-        print(f"(written to {args.out}/)")
+        print(f"(written to {Path(args.out)}/)")
     return 0

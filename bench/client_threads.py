@@ -103,13 +103,16 @@ def closed_loop(client_cls: type, address: str, threads: int, shared: bool,
 
 
 def main(argv=None) -> int:
+    from .commands import at_least, existing_file
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--runs", type=at_least(1), default=3)
+    ap.add_argument("--threads", type=at_least(1), default=8)
     ap.add_argument("--window", type=float, default=3.0, help="seconds measured per configuration and run")
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--launch-ms", type=float, default=10.0, help="simulated time per batch")
-    ap.add_argument("--client-file", default="", help="measure the Client defined in this file instead")
+    ap.add_argument("--client-file", type=existing_file, default="",
+                    help="measure the Client defined in this file instead")
     args = ap.parse_args(argv)
     client_cls = load_client_class(args.client_file) if args.client_file else Client
     n = args.threads

@@ -74,7 +74,17 @@ def at_least(low: int):
     return parse
 
 
-def _number(low: float, above: bool = False, most: float = float("inf")):
+def existing_file(text: str) -> str:
+    """argparse type: a path to a readable file, else a one-line usage error (a missing one was
+    a FileNotFoundError traceback once the command had started)."""
+    try:
+        with open(text, "rb"):
+            return text
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {e.strerror}") from None
+
+
+def number(low: float, above: bool = False, most: float = float("inf")):
     """An argparse type: a finite number >= ``low`` (> with ``above``), at most ``most``. --window -1
     was a traceback from inside the harness; nan and inf passed as well."""
     def parse(text: str) -> float:
@@ -201,7 +211,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-url", default="127.0.0.1:8001")
     g = p.add_argument_group("load (as perf_analyzer)")
     g.add_argument("--concurrency", type=at_least(0), default=0, help="closed loop with N requests in flight")
-    g.add_argument("--request-rate", type=_number(0, most=MAX_RATE), default=0.0)
+    g.add_argument("--request-rate", type=number(0, most=MAX_RATE), default=0.0)
     g.add_argument("--distribution", default="poisson", choices=["poisson", "constant"])
     g.add_argument("--request-intervals", type=_intervals_file, default="",
                    help="file of inter-request intervals (s, each > 0)")
@@ -212,12 +222,12 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions high,normal,low (--target triton: sent as Triton's priority 1,2,3)")
     g.add_argument("--deadlines-ms", type=_numbers(3), default=(0.0, 0.0, 0.0),
                    help="per class; 0 = dispatcher default (--target triton: sent as Triton's timeout)")
-    g.add_argument("--slo-ms", type=_number(0), default=0.0, help="goodput counts only replies within this latency")
+    g.add_argument("--slo-ms", type=number(0), default=0.0, help="goodput counts only replies within this latency")
     g.add_argument("--processes", type=at_least(1), default=2)
-    g.add_argument("--warmup", type=_number(0), default=2.0)
-    g.add_argument("--window", type=_number(0, above=True), default=5.0)
+    g.add_argument("--warmup", type=number(0), default=2.0)
+    g.add_argument("--window", type=number(0, above=True), default=5.0)
     g.add_argument("--windows", type=at_least(1), default=3)
-    g.add_argument("--stability", type=_number(0), default=0.15)
+    g.add_argument("--stability", type=number(0), default=0.15)
     g.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--metrics-url", type=_metrics_url, default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
     p.add_argument("--compare", action="append", type=_policy, default=[], metavar="POLICY",
@@ -234,8 +244,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_bench)
     p = sub.add_parser("demo", help="dispatcher + AMX worker (MiniLM) + simulated GPU, Poisson load, latency table")
     # Checked before the node starts: 0, negative or nan failed after it, in Python's words.
-    p.add_argument("--duration", type=_number(0, above=True), default=10.0, help="seconds of load")
-    p.add_argument("--rate", type=_number(0, above=True, most=MAX_RATE), default=60.0,
+    p.add_argument("--duration", type=number(0, above=True), default=10.0, help="seconds of load")
+    p.add_argument("--rate", type=number(0, above=True, most=MAX_RATE), default=60.0,
                    help="mean requests per second (Poisson)")
     p.add_argument("--policy", type=_policy, default="mcb")
     p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")

@@ -419,6 +419,8 @@ def stall(mib: float, n: int) -> None:
 
 
 def main(argv=None) -> None:
+    from .commands import number
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("latency")
@@ -429,8 +431,8 @@ def main(argv=None) -> None:
     p.add_argument("--loaders", type=int, default=2)
     p.add_argument("--inflight", type=int, default=64)
     p = sub.add_parser("cpu")
-    p.add_argument("--rate", type=float, default=40.0)
-    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--rate", type=number(0, above=True), default=40.0)
+    p.add_argument("--seconds", type=number(0, above=True), default=15.0)
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument("--threads", action="store_true", help="also each process's threads, by thread name")
     p.add_argument("--floor", action="store_true", help="also a bare server of the protocol, no Batchyard")

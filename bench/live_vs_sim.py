@@ -288,15 +288,33 @@ def markdown(rep: dict) -> str:
     return "\n".join(L)
 
 
+def _policies(text: str) -> str:
+    """--policies: comma-separated policy names, each one the config takes (checked before the
+    run: an unknown one was a ConfigError traceback from inside it)."""
+    from batchyard.policy import make_policy
+
+    for name in text.split(","):
+        try:
+            make_policy(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def main(argv=None) -> int:
+    from .commands import at_least, number
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=float, default=1000.0, help="multiply every device time by this")
-    ap.add_argument("--load", type=float, default=0.5, help="offered rate / scaled GPU-only capacity")
-    ap.add_argument("--duration", type=float, default=0.0, help="seconds of trace (default: --requests' worth)")
-    ap.add_argument("--requests", type=int, default=3000, help="requests per policy when --duration is not given")
-    ap.add_argument("--policies", default="mcb,escape:2")
+    ap.add_argument("--scale", type=number(0, above=True), default=1000.0, help="multiply every device time by this")
+    ap.add_argument("--load", type=number(0, above=True), default=0.5,
+                    help="offered rate / scaled GPU-only capacity")
+    ap.add_argument("--duration", type=number(0), default=0.0, help="seconds of trace (default: --requests' worth)")
+    ap.add_argument("--requests", type=at_least(1), default=3000,
+                    help="requests per policy when --duration is not given")
+    ap.add_argument("--policies", type=_policies, default="mcb,escape:2")
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--scenario", default="seeds", help="sim_report's scenario whose devices both sides get")
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="seeds",
+                    help="sim_report's scenario whose devices both sides get")
     ap.add_argument("--out", default="bench/results/live_vs_sim.json")
     args = ap.parse_args(argv)
     for k in sorted(os.environ):

@@ -308,8 +308,10 @@ def _markdown(results: dict, n: int, seed: int) -> str:
 
 
 def main(argv=None) -> int:
+    from .commands import at_least
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1500, help="requests per load point")
+    ap.add_argument("--n", type=at_least(1), default=1500, help="requests per load point")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--scenario", choices=sorted(scenarios()), action="append", help="default: all")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "llm_sim"))

@@ -197,18 +197,19 @@ def markdown(rep: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from .sim_report import SCENARIOS
+    from .commands import at_least
+    from .sim_report import SCENARIOS, scenario_names
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--requests", type=int, default=5000, help="arrivals per point (the head of sim_report's trace)")
-    ap.add_argument("--full", type=int, default=200_000,
+    ap.add_argument("--requests", type=at_least(1), default=5000, help="arrivals per point (the head of sim_report's trace)")
+    ap.add_argument("--full", type=at_least(1), default=200_000,
                     help="the sim_report trace length whose head is taken (the report's --requests: the step "
                          "scenarios' traces depend on their length; the committed results used 100000)")
     ap.add_argument("--trace-seeds", choices=("named", "legacy"), default="named",
                     help="sim_report's trace seeds (legacy: those of the results committed up to 88925ac)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--scenarios", type=scenario_names, default=",".join(SCENARIOS))
+    ap.add_argument("--jobs", type=at_least(1), default=2)
     ap.add_argument("--merge", action="store_true",
                     help="replace only these scenarios' rows in the report already in --out (same --requests)")
     args = ap.parse_args(argv)

@@ -147,7 +147,11 @@ def run_rate(url: str, model: str, rate: float, *, window_s: float, trials: int,
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--write-minilm-data"] and len(args) == 2:  # the demo model's inputs, for --input-data
-        print(minilm_input_data(Path(args[1])))
+        try:
+            print(minilm_input_data(Path(args[1])))
+        except OSError as e:  # (a missing folder was a traceback)
+            print(f"perf_analyzer: cannot write {args[1]}: {e.strerror}", file=sys.stderr)
+            return 1
         return 0
     try:
         cmd, env = command(args)

@@ -68,11 +68,16 @@ def live_lines(live: dict, live_slo_ms, slo_ms: float, best_rate: float) -> list
 
 
 def main(argv=None) -> None:
+    from .commands import at_least, existing_file, number
+
     ap = argparse.ArgumentParser(prog="python -m batchyard.bench.slo_ceiling", description=__doc__.split("\n")[0])
-    ap.add_argument("--report", default="bench/results/vs_triton_perf_analyzer/report.json")
-    ap.add_argument("--slo-ms", type=float, default=2000.0)
-    ap.add_argument("--requests", type=int, default=20_000, help="arrivals per simulated trace")
-    ap.add_argument("--seeds", type=int, default=3, help="traces per rate (their median p99 is used)")
+    # The committed report, wherever the command runs from (relative, it was found only from the
+    # repository's root).
+    ap.add_argument("--report", type=existing_file,
+                    default=str(Path(__file__).resolve().parent / "results" / "vs_triton_perf_analyzer" / "report.json"))
+    ap.add_argument("--slo-ms", type=number(0, above=True), default=2000.0)
+    ap.add_argument("--requests", type=at_least(1), default=20_000, help="arrivals per simulated trace")
+    ap.add_argument("--seeds", type=at_least(1), default=3, help="traces per rate (their median p99 is used)")
     ap.add_argument("--out", default="bench/results/slo_ceiling/vs_triton_perf_analyzer")
     args = ap.parse_args(argv)
     rep = json.loads(Path(args.report).read_text())

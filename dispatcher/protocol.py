@@ -245,7 +245,7 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="type"):
     arrival_rate: dict[str, float] = {}  # model -> lambda(t) now, items/s
     decisions: dict[str, int] = {}  # reason -> count since start
     # trigger ("timer" | "arrival") -> {"n", "p50_us", "p99_us", "max_us"}: see lateness.py
-    decision_lateness: dict[str, dict[str, float]] = {}
+    decision_lateness: dict[str, dict[str, Union[int, float]]] = {}  # (n: a count, an int)
     departures: int = 0  # workers taken out of rotation since the dispatcher started (cumulative)
 
 

@@ -36,9 +36,11 @@ def llm_curves(d) -> dict:
 
 
 def decisions(d) -> dict:
-    """The policy's decisions by reason, then LLM mode's routes as llm_<route>: one set for the
-    status reply and /metrics (the metrics had only the first)."""
-    return dict(d.core.decisions) | {f"llm_{k}": v for k, v in d.llm.core.decisions.items()}
+    """The policy's decisions by reason, then LLM mode's routes as llm_<route> where the node
+    serves an LLM model: one set for the status reply and /metrics (the metrics had only the
+    first)."""
+    llm = {f"llm_{k}": v for k, v in d.llm.core.decisions.items()} if d.llm.core.models() else {}
+    return dict(d.core.decisions) | llm
 
 
 def status_reply(d, rid: int, brief: bool = False) -> P.StatusReply:

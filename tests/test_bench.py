@@ -1116,3 +1116,32 @@ def test_the_soaks_reply_watch_counts_only_infer_replies_as_unmatched():
     assert [u[0] for u in watch.unmatched] == [2]
     watch.on_reply([P.encode(P.ModelInfoReply(v=1, id=1, status=0))])  # any reply twice: a finding
     assert watch.duplicates == 1
+
+
+@pytest.mark.parametrize("module, args", [
+    ("offline_schedule", ["--scenarios", "bogus"]),
+    ("live_vs_sim", ["--scenario", "bogus"]),
+    ("live_vs_sim", ["--policies", "mcb,bogus"]),
+    ("slo_ceiling", ["--report", "/nonexistent/report.json"]),
+    ("llm_sim", ["--n", "0"]),
+    ("kserve_bench", ["cpu", "--rate", "-5"]),
+    ("client_threads", ["--client-file", "/nonexistent/client.py"]),
+])
+def test_a_bench_command_refuses_a_bad_flag_in_one_line(module, args, capsys):
+    """Each was a traceback from inside the run (KeyError, ConfigError, FileNotFoundError,
+    ValueError), where sim_report answered a usage line."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"batchyard.bench.{module}").main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: argument" in err and "Traceback" not in err, err
+
+
+def test_triton_local_refuses_a_port_past_65535():
+    """It took --grpc-port 99999 and said it was ready on it; tritonserver listened on 34463."""
+    from batchyard import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["triton-local", "--grpc-port", "99999"])
+    assert e.value.code == 2

@@ -558,6 +558,8 @@ def test_status_shows_learned_curves_and_arrival_rate(start_node):
     assert st.arrival_rate["sum"] > 0 and sum(st.decisions.values()) >= 9
     late = st.decision_lateness["arrival"]  # one sample per step that read a request
     assert late["n"] >= 9 and 0 <= late["p50_us"] <= late["p99_us"] <= late["max_us"]
+    assert type(late["n"]) is int  # a count (it read 9.0)
+    assert not [k for k in st.decisions if k.startswith("llm_")]  # no LLM model: no LLM routes (they read 0)
     out = subprocess.run([sys.executable, "-m", "batchyard.cli", "status", "--address", node.address],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '"sum/gpu"' in out.stdout

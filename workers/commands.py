@@ -55,6 +55,18 @@ def _positive(text: str) -> int:
     return n
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (a free one) to 65535: 99999 reached tritonserver, which listened on
+    99999 - 65536, while the command said it was ready on 99999."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port 0-65535 (0: a free one), got {text!r}")
+    return n
+
+
 def _run_triton_local(args) -> int:
     from .triton_local import TritonLocal
 
@@ -79,9 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("triton-local", help="run nvidia-pytriton's tritonserver on a model repository until SIGTERM")
     p.add_argument("--model-repository", default=str(asset("triton", "cpu")),
                    help="default: the CPU repository shipped with Batchyard")
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--grpc-port", type=_port, default=8001)
+    p.add_argument("--http-port", type=_port, default=8000)
+    p.add_argument("--metrics-port", type=_port, default=8002)
     p.add_argument("--host", default="127.0.0.1",
                    help="the address Triton's gRPC, HTTP and metrics servers bind (default: loopback only; "
                         "0.0.0.0 for every interface: its shared-memory API then answers other hosts)")
