@@ -20,6 +20,10 @@ import math
 from dataclasses import dataclass, field
 
 OUTLIER_FACTOR = 3.0
+# A stale knot this many times dearer than the fresh knots beside it allow (per item against a
+# smaller size, whole against a bigger one) is no evidence to refuse its size a batch by
+# (stale_and_dear): batching does not make items dearer by that much.
+STALE_DEAR = 2.0
 MIN_SAMPLES_FOR_OUTLIERS = 8
 # Slow batches of one size this many in a row are no outliers: the device itself got slower (a GC
 # pause or a first call at a new shape comes alone). Judged one by one, a device that turned 3x slower
@@ -170,6 +174,22 @@ class CostCurve:
             fresh = [b for b in self._sizes if not self.stale(b)]
             probe = self._caps["probe"] = [b for b in self._sizes if b > fresh[0]] if len(fresh) == 1 else []
         return next((b for b in probe if b <= room), 0)
+
+    def stale_and_dear(self, b: int) -> bool:
+        """Whether size ``b``'s knot was not measured within ``STALE_SAMPLES`` and the fresh knots
+        beside it show it far too dear (a slow spell's, or a profile's written in ms): more than
+        ``STALE_DEAR`` times the time per item of the nearest fresh smaller size, or that times the
+        time of the nearest fresh bigger one. (Judged by the fresh knots, not the line: a line
+        fitted to one size, or to big batches alone, can be off by a factor of ten elsewhere.)"""
+        k = self._knots.get(b)
+        if k is None or not self.stale(b):
+            return False
+        fresh = [x for x in self._sizes if not self.stale(x)]
+        i = bisect.bisect_left(fresh, b)
+        below = fresh[i - 1] if i > 0 else None
+        above = fresh[i] if i < len(fresh) else None
+        return ((below is not None and k[0] / b > STALE_DEAR * self._knots[below][0] / below)
+                or (above is not None and k[0] > STALE_DEAR * self._knots[above][0]))
 
     def stale(self, b: int) -> bool:
         """Whether size ``b``'s knot was last measured more than ``STALE_SAMPLES`` samples ago."""
@@ -357,12 +377,29 @@ class CostCurve:
         if refit:
             self._refit_fresh()
         if self.samples % CAP_REFRESH == 0:
+            self._forget_stale_dear_knots()
             if self.mode == "linear" and not self._line_fits_knots():
                 self.mode = "piecewise"
             self._caps.clear()
         return True
 
     # ------------------------------------------------------------------ internals
+    def _forget_stale_dear_knots(self) -> None:
+        """Drop each ``stale_and_dear`` knot between two fresh ones: its sizes are predicted from
+        those then, and sent again. Kept, it made the sizes around it look too dear to send, and
+        no trial reached it (live, after a slow spell, the knot of 6 stayed at 1,000 ms between
+        fresh ones of 40 and 60 ms at 4 and 8, and batches of 5 to 7 were never sent). One
+        beyond the fresh sizes stays: what they would predict there is the line's extension,
+        which one fresh size cannot tell (MCB probes such a size, fit_deadlines lets it run)."""
+        fresh = [b for b in self._sizes if not self.stale(b)]
+        dear = [b for b in self._sizes if fresh and fresh[0] < b < fresh[-1] and self.stale_and_dear(b)]
+        if dear:
+            for b in dear:
+                del self._knots[b]
+                self._seen.pop(b, None)
+            self._sizes[:] = [b for b in self._sizes if b not in dear]
+            self._caps.clear()
+
     def _line_fits_knots(self) -> bool:
         """Whether the fitted line predicts every proven knot within LINE_POOR, plus LINE_Z
         standard errors of the knot (noise alone must not condemn a line). A curve

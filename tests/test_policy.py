@@ -958,3 +958,49 @@ def test_low_items_pad_an_urgent_batch_only_where_they_cost_it_little(launch_ms,
         q.push(Request(i, "m", 1, 2, 0.999, math.inf))
     d = MarginalCost().decide(st, 1.0)
     assert [[r.priority for r in b.requests] for b in d.dispatches][:1] == [[0] + [2] * (batch - 1)]
+
+
+def _after_a_slow_spell(fresh: dict, slow: dict, n: int = 300) -> CostCurve:
+    """A curve that learnt ``slow`` {B: s} in a slow spell, then ``n`` rounds of ``fresh`` {B: s}."""
+    c = CostCurve()
+    for _ in range(5):
+        for b, t in slow.items():
+            c.observe(b, t)
+    for _ in range(n):
+        for b, t in fresh.items():
+            c.observe(b, t)
+    c.mode = "piecewise"
+    return c
+
+
+def test_a_batch_of_a_size_only_a_stale_slow_knot_calls_dear_runs_whole_and_measures_it():
+    """After a slow spell (T(B) 400 + 100 B ms) at its true 20 + 5 B ms again, batches of 1 only:
+    the knot of 4 still said 800 ms, so fit_deadlines cut every batch of 4 at 2 (0.5 s timeouts)
+    for good, MCB's probes of that size included, and it was never measured again (live: 122 of
+    550 requests a 5 s window failed at 83 % of the worker's capacity)."""
+    from batchyard.policy_core import fit_deadlines
+    from batchyard.policy import Decision
+
+    st = SchedulerState()
+    st.costs[("m", "cpu")] = c = _after_a_slow_spell({1: 0.025}, {4: 0.8})
+    assert c.stale(4) and c.predict(3) > 0.5  # the knot of the spell, which the prefix cut reads
+    w = WorkerState("w0", "cpu", {"m": 8})
+    st.add_worker(w)
+    reqs = [Request(i, "m", 1, 1, 1.0, 1.5) for i in range(4)]
+    kept, back, elsewhere = fit_deadlines(st, Decision(), w, "m", reqs, 1.0)
+    assert (len(kept), back, elsewhere) == (4, [], [])
+    # A stale knot the fresh ones do not contradict still cuts: it is all the evidence there is.
+    st.costs[("m", "cpu")] = _after_a_slow_spell({1: 0.3}, {4: 0.8})
+    kept, back, _ = fit_deadlines(st, Decision(), w, "m", [Request(i, "m", 1, 1, 1.0, 1.5) for i in range(4)], 1.0)
+    assert len(kept) < 4 and back
+
+
+def test_a_stale_slow_knot_between_fresh_ones_is_forgotten():
+    """Between fresh knots of 4 and 8 (40 and 60 ms), the slow spell's knot of 6 (1,000 ms) made
+    batches of 5 to 7 look too dear to send, and none was, so it stayed (live, after the spell)."""
+    c = _after_a_slow_spell({2: 0.030, 4: 0.040, 8: 0.060}, {6: 1.0})
+    assert 6 not in c.describe()["knots_us"]
+    assert c.predict(6) == pytest.approx(0.050)
+    # One beyond the fresh sizes stays (MCB probes it; the fresh knots cannot tell what it takes).
+    c = _after_a_slow_spell({1: 0.025}, {4: 0.8})
+    assert "4" in c.describe()["knots_us"]
