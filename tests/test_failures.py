@@ -449,10 +449,14 @@ def test_calibrate_writes_one_point_a_size_for_two_workers_of_one_path_and_the_n
     from batchyard.workers.calibrate import calibrate
 
     node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (SUM_MODEL,),
-                      (sim_worker("s0", ("sum",)), sim_worker("s1", ("sum",)))).validate()
+                      (sim_worker("s0", ("sum",)), sim_worker("s1", ("sum",), launch_us=5000.0))).validate()
     out = Path(run_dir) / "profile.json"
-    calibrate(node, out, sizes=[1, 4], reps=2, log=lambda *_: None)
+    said = []
+    calibrate(node, out, sizes=[1, 4], reps=2, log=said.append)
     import json
+
+    # Of different speeds, they share one curve all the same: said, not silently averaged.
+    assert [s for s in said if s.startswith("warning: sum [") and "one cost curve a (model, path)" in s], said
 
     (path, curve), = json.loads(out.read_text())["models"]["sum"].items()  # both workers' path
     assert [b for b, _ in curve["points"]] == [1, 4]

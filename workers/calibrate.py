@@ -18,6 +18,10 @@ from batchyard.config import NodeConfig
 from batchyard.cost_model import CostCurve
 
 
+# Workers of one path whose times at a size differ by more than this are told apart in a warning.
+UNALIKE = 1.25
+
+
 class CalibrationFailed(RuntimeError):
     """A batch of the calibration failed: no profile is written."""
 
@@ -74,6 +78,15 @@ def calibrate(node: NodeConfig, out: str | Path, sizes: list[int] | None = None,
     profile: dict = {"models": {}}
     for model, by_path in times.items():
         for path, by_size in by_path.items():
+            apart = [(b, min(ts), max(ts)) for b, ts in sorted(by_size.items()) if max(ts) > UNALIKE * min(ts)]
+            if apart:
+                # One curve a (model, path): it predicts the same time on each, the median, and
+                # requests with short deadlines sent to the slower one failed there while the
+                # faster one was idle. Nothing written tells them apart; the user must know.
+                b, lo, hi = apart[0]
+                log(f"warning: {model} [{path}]: its workers take different times ({lo * 1e3:.3f} to "
+                    f"{hi * 1e3:.3f} ms at B={b}); the dispatcher keeps one cost curve a (model, path), the "
+                    f"median of them, and predicts it for each worker (docs/policy.md)")
             pts = [(b, statistics.median(ts)) for b, ts in sorted(by_size.items())]
             curve = CostCurve.from_points(pts, simulated=(model, path) in simulated)
             profile["models"].setdefault(model, {})[path] = {"points": pts, **curve.describe()}
