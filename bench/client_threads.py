@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=float, default=3.0, help="seconds measured per configuration and run")
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--launch-ms", type=float, default=10.0, help="simulated time per batch")
-    ap.add_argument("--client-file", type=existing_file, default="",
+    ap.add_argument("--client-file", type=existing_file, default=None,  # (argparse runs the type on a str default)
                     help="measure the Client defined in this file instead")
     args = ap.parse_args(argv)
     client_cls = load_client_class(args.client_file) if args.client_file else Client

@@ -67,6 +67,10 @@ class Batch:
 
 FailCallback = Callable[[Request, Status, str], None]
 
+# A batch running this many times its curve's time (plus worker_dead_after_s) is overdue: with a
+# batch behind it whose requests have all ended, its worker is taken for hung (check_liveness).
+OVERDUE_FACTOR = 3.0
+
 
 class RequestCore:
     def __init__(self, policy, on_fail: FailCallback, *, max_queue: int = 10_000,
@@ -402,26 +406,42 @@ class RequestCore:
                 reason = f"no heartbeat for {now - w.last_seen:.1f} s"
                 self.worker_lost(w.name, reason, now, may_run_on=True)
                 lost.append((w, reason))
-        # A worker runs its batches one after the other: one is judged only once none sent before
-        # it is out, from when it could start. Judged alone, a batch whose requests expired
-        # queued in the worker behind a long one was taken for hung: the healthy worker was made
-        # to exit, the long batch's requests run again and failed UNAVAILABLE at its next loss.
-        first = {}
+        # A worker runs its batches one after the other. A batch whose requests have all ended,
+        # the last deadline worker_dead_after_s ago, shows its worker hung if it is the oldest out
+        # (counted from when it could start), or if the oldest out is overdue itself (its curve's
+        # time, OVERDUE_FACTOR times, plus worker_dead_after_s, from when it could start).
+        # Judged alone, a batch whose requests expired queued in the worker behind a long one was
+        # taken for hung: the healthy worker was made to exit, the long batch's requests run again
+        # and failed UNAVAILABLE at its next loss. Judged only as the oldest, a worker whose first
+        # batch hung holding a request of a 1-hour timeout was found an hour later.
+        oldest: dict[str, Batch] = {}
         for b in self.batches.values():
-            if b.worker.name not in first or b.sent_at < first[b.worker.name].sent_at:
-                first[b.worker.name] = b
-        for b in list(first.values()):
+            if b.worker.name not in oldest or b.sent_at < oldest[b.worker.name].sent_at:
+                oldest[b.worker.name] = b
+        for b in list(self.batches.values()):
             if self.batches.get(b.batch_id) is not b or any(r.state != DONE for r in b.requests):
                 continue
             last_deadline = max(r.deadline for r in b.requests)
-            if max(last_deadline, b.startable_at) < dead_before:
+            first = oldest[b.worker.name]
+            if first is b:
+                if max(last_deadline, b.startable_at) >= dead_before:
+                    continue
                 since = ("its last request's deadline" if last_deadline >= b.startable_at
                          else "the batch before it came back")
-                reason = (f"batch {b.batch_id} sent {now - b.sent_at:.1f} s ago never came back, "
-                          f"{self.worker_dead_after_s:.1f} s past {since}")
-                if self.worker_lost(b.worker.name, reason, now, may_run_on=True) is not None:
-                    lost.append((b.worker, reason))
-                    self.hung[b.worker.name] = reason
+            else:
+                curve = self.state.cost(first.model, first.worker.path)
+                predicted = curve.predict(first.items)
+                # (A curve that has learnt nothing yet predicts its prior: no time to be overdue by.)
+                if (last_deadline >= dead_before or not curve.samples
+                        or now - first.startable_at <= OVERDUE_FACTOR * predicted + self.worker_dead_after_s):
+                    continue
+                since = (f"its last request's deadline, the batch ahead of it (predicted {predicted * 1e3:.1f} ms) "
+                         f"running for {now - first.startable_at:.1f} s")
+            reason = (f"batch {b.batch_id} sent {now - b.sent_at:.1f} s ago never came back, "
+                      f"{self.worker_dead_after_s:.1f} s past {since}")
+            if self.worker_lost(b.worker.name, reason, now, may_run_on=True) is not None:
+                lost.append((b.worker, reason))
+                self.hung[b.worker.name] = reason
         return lost
 
     def undelivered(self, batch: Batch) -> None:

@@ -1138,6 +1138,27 @@ def test_a_bench_command_refuses_a_bad_flag_in_one_line(module, args, capsys):
     assert e.value.code == 2 and "error: argument" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("module", ["offline_schedule", "live_vs_sim", "slo_ceiling", "llm_sim", "client_threads"])
+def test_a_bench_commands_defaults_pass_its_own_checks(module, monkeypatch):
+    """A check on a flag runs on its default too: client_threads' --client-file check refused its
+    default, "", and the README's command with it. Each module's parser is run on no flags (its
+    work stopped at the first thing it does after parsing)."""
+    import argparse
+    import importlib
+
+    class Parsed(Exception):
+        pass
+
+    def stop(self, args=None, namespace=None):
+        parsed = real(self, args, namespace)
+        raise Parsed(parsed)
+
+    real = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(Parsed):
+        importlib.import_module(f"batchyard.bench.{module}").main([])
+
+
 def test_triton_local_refuses_a_port_past_65535():
     """It took --grpc-port 99999 and said it was ready on it; tritonserver listened on 34463."""
     from batchyard import cli

@@ -495,6 +495,7 @@ def test_a_batch_queued_in_its_worker_behind_a_long_one_is_not_taken_for_hung():
     ends = Ends()
     core = RequestCore(make_policy("greedy"), ends.on_fail, worker_dead_after_s=1.0)
     core.add_worker(WorkerState("w0", "cpu", {"m": 8}, capacity=2), 0.0)
+    core.state.cost("m", "cpu").observe(1, 4.0)  # the long batch takes what it took before: 4 s
     core.admit("m", 1, 1, 30.0, 0.0, client=b"c", req_id=1)
     (long_batch,) = core.decide(0.0)
     core.admit("m", 1, 1, 0.5, 0.1, client=b"c", req_id=2)
@@ -922,3 +923,25 @@ def test_requests_refused_on_arrival_do_not_count_in_the_arrival_rate():
     for i in (8, 9):  # (the rate is known from the second arrival on)
         core.admit("m", 1, 1, 5.0, 0.001 * i, client=b"c", req_id=i)
     assert core.state.arrival("m").rate(0.009) > 0.0
+
+
+def test_a_worker_whose_first_batch_hangs_is_found_by_the_batch_behind_it():
+    """max_inflight 2, the first batch (a request of a 1-hour timeout) hangs, heartbeats still
+    coming: judged only as the oldest, it was found an hour later, both slots taken meanwhile.
+    The batch behind it, its request expired, shows it once the first is overdue (its curve's
+    time, OVERDUE_FACTOR times, plus worker_dead_after_s)."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail, worker_dead_after_s=1.0)
+    core.add_worker(WorkerState("w0", "cpu", {"m": 8}, capacity=2), 0.0)
+    core.state.cost("m", "cpu").observe(1, 0.010)  # a batch of 1 takes 10 ms
+    core.admit("m", 1, 1, 3600.0, 0.0, client=b"c", req_id=1)
+    core.decide(0.0)
+    core.admit("m", 1, 1, 0.5, 0.1, client=b"c", req_id=2)
+    core.decide(0.1)
+    for t in (0.6, 1.0):
+        core.heartbeat("w0", t)
+        core.decide(t)
+        assert core.check_liveness(t) == [], t
+    core.heartbeat("w0", 1.7)
+    (lost,) = core.check_liveness(1.7)
+    assert lost[0].name == "w0" and "running for 1.7 s" in lost[1], lost[1]
