@@ -431,7 +431,9 @@ class RequestCore:
             else:
                 curve = self.state.cost(first.model, first.worker.path)
                 predicted = curve.predict(first.items)
-                # (A curve that has learnt nothing yet predicts its prior: no time to be overdue by.)
+                # (A curve that has learnt nothing yet predicts its prior: no time to be overdue by.
+                # A model's first batch on a worker that hangs is then found at its own requests'
+                # deadlines, as the oldest.)
                 if (last_deadline >= dead_before or not curve.samples
                         or now - first.startable_at <= OVERDUE_FACTOR * predicted + self.worker_dead_after_s):
                     continue
