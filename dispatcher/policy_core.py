@@ -173,6 +173,11 @@ def congested(state: SchedulerState, w: WorkerState, q: ModelQueue, now: float) 
             continue
         k = state.batch_cap(q.model, w, background=prio == last)
         n = min(k, len(dq))
+        if dq[-1].deadline < start + curve.predict(dq[-1].items):
+            # Not even the newest ends in time here alone: this worker is no measure of a flood
+            # of the class (a 40 ms-launch GPU beside an idle CPU, 20 ms timeouts: the low class
+            # was taken newest first at any load, and 115 of 2,406 old requests expired queued).
+            continue
         # The others: a batch of the n queued, not of a cap the queue does not hold (against a
         # full batch, a CPU worker of cap 64 at 0.08 ms an item took every class with 2 ms
         # timeouts for congested at any load); and only while the model's requests expire

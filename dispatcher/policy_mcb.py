@@ -225,13 +225,15 @@ SLACK_RESOLUTION_S = 1e-6
 
 
 def _low_padding(state: SchedulerState, model: str, ws: list[WorkerState], urgent: int, low: int) -> int:
-    """How many of the ``low`` queued low items may join ``urgent`` urgent items' batch on a
-    free worker of ``ws``: as many as keep that batch within PAD_SHARE of its time without
-    them (the most any free worker allows). On a launch-heavy worker they ride almost free;
+    """How many of the ``low`` queued low items may join ``urgent`` urgent items' batch on the
+    free workers of ``ws``: as many as keep that batch within PAD_SHARE of its time without
+    them on each (the fewest any free worker allows: the plan may put them on any of them; by
+    the most, a free GPU's launch allowed 30 low items that went in a CPU's batch beside a high
+    request, 3 times its time). On a launch-heavy worker they ride almost free;
     kept apart, its launches went to urgent-only batches and the low class waited for aging
     (SIMULATED, one worker at 20 ms + 1 ms an item, 120 req/s of 20/60/20 % high/normal/low:
     low p50 194 ms, p99 492 ms; greedy's 35 / 51 ms, the urgent classes' the same in both)."""
-    most = 0
+    fewest = None
     for w in ws:
         if not w.free:
             continue
@@ -241,8 +243,8 @@ def _low_padding(state: SchedulerState, model: str, ws: list[WorkerState], urgen
         k = 0
         while k < low and u + k < cap and curve.predict(u + k + 1) <= limit:
             k += 1
-        most = max(most, k)
-    return most
+        fewest = k if fewest is None else min(fewest, k)
+    return fewest or 0
 
 
 class MarginalCost(PerModelPolicy):

@@ -1004,3 +1004,43 @@ def test_a_stale_slow_knot_between_fresh_ones_is_forgotten():
     # One beyond the fresh sizes stays (MCB probes it; the fresh knots cannot tell what it takes).
     c = _after_a_slow_spell({1: 0.025}, {4: 0.8})
     assert "4" in c.describe()["knots_us"]
+
+
+def _gpu_and_cpu(gpu_launch_ms: float, cpu_ms: float, cpu_launch_ms: float = 0.0):
+    st = SchedulerState()
+    st.costs[("m", "gpu")] = CostCurve(launch_s=gpu_launch_ms * MS, per_item_s=0.001 * MS)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=cpu_launch_ms * MS, per_item_s=cpu_ms * MS)
+    st.costs[("m", "gpu")].samples = st.costs[("m", "cpu")].samples = 100
+    gpu, cpu = WorkerState("gpu0", "gpu", {"m": 64}), WorkerState("cpu0", "cpu", {"m": 64})
+    st.add_worker(gpu)
+    st.add_worker(cpu)
+    st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=0.0)
+    return st, gpu, cpu
+
+
+def test_low_items_pad_an_urgent_batch_only_as_far_as_every_free_worker_allows():
+    """The padding was the most any free worker allowed: a free GPU's 30 ms launch allowed 30 low
+    items, and the plan put them in the CPU's batch beside the high request (3 to 5 times its
+    time alone, live)."""
+    st, _, _ = _gpu_and_cpu(30.0, 1.0, cpu_launch_ms=0.5)
+    q = st.queue("m")
+    q.push(Request(0, "m", 1, 0, 0.999, math.inf))
+    for i in range(1, 6):
+        q.push(Request(i, "m", 1, 2, 0.999, math.inf))
+    d = MarginalCost().decide(st, 1.0)
+    assert d.dispatches and all(len({r.priority for r in b.requests}) == 1 for b in d.dispatches), \
+        [(b.worker.name, [r.priority for r in b.requests]) for b in d.dispatches]
+
+
+def test_a_worker_that_meets_no_deadline_of_the_low_class_does_not_make_it_newest_first():
+    """A 40 ms-launch GPU beside an idle CPU, low requests of 20 ms timeouts: judged on the GPU,
+    where none ends in time, the low class counted as flooded at any load and was taken newest
+    first; the oldest waited until hopeless (live: 115 of 2,406 expired queued, none as normal)."""
+    from batchyard.policy_core import congested
+
+    st, gpu, cpu = _gpu_and_cpu(40.0, 0.05)
+    q = st.queue("m")
+    for i in range(3):
+        q.push(Request(i, "m", 1, 2, 1.0 + i * 1e-3, 1.0 + i * 1e-3 + 0.020))
+    assert congested(st, gpu, q, 1.003) == 0
+    assert congested(st, cpu, q, 1.003) == 0
