@@ -48,14 +48,28 @@ def dispatcher_alone(procs, run_dir, **dispatcher) -> NodeConfig:
     return node
 
 
-def bare_worker(node: NodeConfig):
+def bare_worker(node: NodeConfig, identity: bytes = b""):
     """A DEALER on the backend that the test drives as a worker, message by message."""
     import zmq
 
     s = zmq.Context.instance().socket(zmq.DEALER)
+    if identity:
+        s.setsockopt(zmq.IDENTITY, identity)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(node.dispatcher.backend)
     return s
+
+
+def recv_as_worker(worker, kind):
+    """The next message the dispatcher sends ``worker`` (a bare one), which must be a ``kind``:
+    (the message, its frames)."""
+    from batchyard import protocol as P
+
+    assert worker.poll(30_000), f"no {kind.__name__} from the dispatcher"
+    frames = worker.recv_multipart()
+    msg = P.to_worker_decoder.decode(frames[0])
+    assert type(msg) is kind, msg
+    return msg, frames
 
 
 def registered_worker(node: NodeConfig, name: str = "w0"):
@@ -101,24 +115,15 @@ def test_a_worker_registering_twice_keeps_the_batch_it_was_given(run_dir, proces
     again. That is no restart: the batch it holds must not be failed over (it was, as "worker
     re-registered": CI's test_a_dead_dispatcher_fails_requests_in_flight_fast got UNAVAILABLE
     from it). A worker here is a bare socket, so the second registration comes exactly mid-batch."""
-    import zmq
-
     from batchyard import protocol as P
 
     node = dispatcher_alone(processes, run_dir)
     spec = SUM_MODEL.spec()
     register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[spec]))
-    worker = zmq.Context.instance().socket(zmq.DEALER)
-    worker.setsockopt(zmq.IDENTITY, b"w0")
-    worker.setsockopt(zmq.LINGER, 0)
-    worker.connect(node.dispatcher.backend)
+    worker = bare_worker(node, b"w0")
 
     def recv(kind):
-        assert worker.poll(30_000), f"no {kind.__name__} from the dispatcher"
-        frames = worker.recv_multipart()
-        msg = P.to_worker_decoder.decode(frames[0])
-        assert type(msg) is kind, msg
-        return msg, frames
+        return recv_as_worker(worker, kind)
 
     try:
         worker.send(register)
@@ -155,23 +160,15 @@ def test_a_worker_registering_a_max_batch_above_the_models_gets_batches_of_at_mo
     """A worker started from another config registered max_batch 64 for `sum` (16 in the node's
     config, which clients are told) and was sent batches of 32 items."""
     import msgspec
-    import zmq
 
     from batchyard import protocol as P
 
     node = dispatcher_alone(processes, run_dir, policy="greedy")
     spec = msgspec.structs.replace(SUM_MODEL.spec(), max_batch=64)
-    worker = zmq.Context.instance().socket(zmq.DEALER)
-    worker.setsockopt(zmq.IDENTITY, b"w0")
-    worker.setsockopt(zmq.LINGER, 0)
-    worker.connect(node.dispatcher.backend)
+    worker = bare_worker(node, b"w0")
 
     def recv(kind):
-        assert worker.poll(30_000), f"no {kind.__name__} from the dispatcher"
-        frames = worker.recv_multipart()
-        msg = P.to_worker_decoder.decode(frames[0])
-        assert type(msg) is kind, msg
-        return msg
+        return recv_as_worker(worker, kind)[0]
 
     try:
         worker.send(P.encode(P.Register(v=P.PROTOCOL_VERSION, worker="w0", pid=4242, path="cpu", models=[spec])))
