@@ -175,8 +175,8 @@ def congested(state: SchedulerState, w: WorkerState, q: ModelQueue, now: float) 
         n = min(k, len(dq))
         if dq[-1].deadline < start + curve.predict(dq[-1].items):
             # Not even the newest ends in time here alone: this worker is no measure of a flood
-            # of the class (a 40 ms-launch GPU beside an idle CPU, 20 ms timeouts: the low class
-            # was taken newest first at any load, and 115 of 2,406 old requests expired queued).
+            # of the class (judged on a 40 ms-launch GPU beside an idle CPU, a low class of
+            # 20 ms timeouts was taken newest first at any load).
             continue
         # The others: a batch of the n queued, not of a cap the queue does not hold (against a
         # full batch, a CPU worker of cap 64 at 0.08 ms an item took every class with 2 ms
@@ -195,8 +195,8 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
     """The part of a taken batch worth running on ``w``, the part to put back in the queue, and
     the part set aside for another worker (below). "Ends by" in the first rule means: would end
     by that time even ``LATE_MARGIN`` faster than predicted (cost curves miss by about that much,
-    and MCB flushes a batch as its slack, which keeps that margin, reaches zero: those must go); in the second, by
-    the predicted end itself.
+    and MCB flushes a batch as its slack, which keeps that margin, reaches zero: those must go);
+    in the second, by the predicted end itself.
 
     - A request that cannot end by its deadline even alone is not run (``Decision.late``: the
       caller fails it DEADLINE_EXCEEDED now), unless it is a probe (``SchedulerState.probe_due``). Compute spent on it is lost to everyone else;
@@ -274,7 +274,11 @@ def aging_period(state: SchedulerState, model: str) -> float:
     low requests (5 s timeout) then rise into the normal class after ~1.5 s and the high class
     after ~2.3 s. In that run the high class's p99 under the flood was 3.9 s (0.4 s the run
     before)."""
-    return max(AGING_S, AGING_BATCHES * longest_batch(state, model))
+    return _aging_for(longest_batch(state, model))
+
+
+def _aging_for(longest: float) -> float:
+    return max(AGING_S, AGING_BATCHES * longest)
 
 
 def longest_batch(state: SchedulerState, model: str) -> float:
@@ -326,13 +330,14 @@ def queues_by_urgency(state: SchedulerState, now: float,
     for model, q in state.queues.items():
         if q.requests:
             longest = longest_batch(state, model)
-            q.promote_aged(now, max(AGING_S, AGING_BATCHES * longest))  # (aging_period)
-            out.append((model, q, longest))
+            aging = _aging_for(longest)  # (aging_period, with the longest batch kept for below)
+            q.promote_aged(now, aging)
+            out.append((model, q, longest, aging))
     if len(out) < 2:
-        return [(model, q, max(AGING_S, AGING_BATCHES * longest)) for model, q, longest in out]
+        return [(model, q, aging) for model, q, _, aging in out]
     keyed = []
-    for model, q, longest in out:
-        head = q.head()
+    for model, q, longest, aging in out:
+        head = head_request(q)
         deadline = tightest(model) if tightest is not None else head.deadline
         at_stake = math.inf
         # (Past now + (2 + LATE_MARGIN) x longest it is not at stake, the head alone taking no
@@ -343,7 +348,7 @@ def queues_by_urgency(state: SchedulerState, now: float,
             latest_start = deadline - (1 + LATE_MARGIN) * alone
             if latest_start <= now + longest:
                 at_stake = latest_start
-        keyed.append(((head.priority, at_stake, head.arrival, model), model, q, max(AGING_S, AGING_BATCHES * longest)))
+        keyed.append(((head.priority, at_stake, head.arrival, model), model, q, aging))
     keyed.sort(key=lambda k: k[0])
     return [(model, q, aging) for _, model, q, aging in keyed]
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import Optional
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import wait_pays
-from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, aging_period, head_request,
+from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, head_request,
                           queues_by_urgency, send, servers_for)
 from .state import ModelQueue, SchedulerState, WorkerState
 
@@ -271,14 +270,12 @@ class MarginalCost(PerModelPolicy):
         return d
 
     def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision,
-                     aging: Optional[float] = None) -> None:
+                     aging: float) -> None:
+        """``q`` aged already, by ``aging`` (``queues_by_urgency``)."""
         all_ws = state.serving.get(model)
         if not all_ws:
             return
         idx = self._deadlines[model]
-        if aging is None:  # (decide ages every queue first)
-            aging = aging_period(state, model)
-            q.promote_aged(now, aging)
         waited = False
         while q.requests:
             # 1. Eligible workers (reservation for urgent traffic).

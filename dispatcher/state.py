@@ -135,14 +135,6 @@ class ModelQueue:
                 moved += 1
         return moved
 
-    def head(self) -> Request:
-        """The request ``take`` gives next: its highest non-empty class's first (an aged request
-        joins its new class at the tail, behind newer ones). Only for a queue that holds one."""
-        for q in self.by_priority:
-            if q:
-                return q[0]
-        raise LookupError(f"model {self.model!r}: empty queue")
-
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
 
