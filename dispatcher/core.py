@@ -51,7 +51,7 @@ COMPUTE_SLACK_S = 1e-3
 class Batch:
     """One batch sent to a worker, until its completion or the worker's loss."""
 
-    __slots__ = ("batch_id", "worker", "model", "requests", "items", "sent_at", "startable_at")
+    __slots__ = ("batch_id", "worker", "model", "requests", "items", "sent_at")
 
     def __init__(self, batch_id: int, worker: WorkerState, model: str, requests: list, sent_at: float):
         self.batch_id = batch_id
@@ -60,9 +60,6 @@ class Batch:
         self.requests = requests
         self.items = sum(r.items for r in requests)
         self.sent_at = sent_at
-        # When it could start at the latest: sent, or when a batch sent before it to its worker
-        # (max_inflight > 1, run one after the other) came back.
-        self.startable_at = sent_at
 
 
 FailCallback = Callable[[Request, Status, str], None]
@@ -275,10 +272,7 @@ class RequestCore:
             return None
         del self.batches[batch_id]
         w = batch.worker
-        if w.capacity > 1:
-            for b in self.batches.values():
-                if b.worker is w:
-                    b.startable_at = max(b.startable_at, now)
+        w.done_at = now
         if compute_s is not None and not 0 < compute_s <= now - batch.sent_at + COMPUTE_SLACK_S:
             # Not a time this batch could have taken (a broken or hostile worker): learnt, one
             # compute_us of 2**64-1 set the launch to 2e18 us, and every later request of the
@@ -423,10 +417,12 @@ class RequestCore:
                 continue
             last_deadline = max(r.deadline for r in b.requests)
             first = oldest[b.worker.name]
+            # The oldest out could start when it was sent or when the batch ahead of it came back.
+            started = max(first.sent_at, first.worker.done_at)
             if first is b:
-                if max(last_deadline, b.startable_at) >= dead_before:
+                if max(last_deadline, started) >= dead_before:
                     continue
-                since = ("its last request's deadline" if last_deadline >= b.startable_at
+                since = ("its last request's deadline" if last_deadline >= started
                          else "the batch before it came back")
             else:
                 curve = self.state.cost(first.model, first.worker.path)
@@ -435,10 +431,10 @@ class RequestCore:
                 # A model's first batch on a worker that hangs is then found at its own requests'
                 # deadlines, as the oldest.)
                 if (last_deadline >= dead_before or not curve.samples
-                        or now - first.startable_at <= OVERDUE_FACTOR * predicted + self.worker_dead_after_s):
+                        or now - started <= OVERDUE_FACTOR * predicted + self.worker_dead_after_s):
                     continue
                 since = (f"its last request's deadline, the batch ahead of it (predicted {predicted * 1e3:.1f} ms) "
-                         f"running for {now - first.startable_at:.1f} s")
+                         f"running for {now - started:.1f} s")
             reason = (f"batch {b.batch_id} sent {now - b.sent_at:.1f} s ago never came back, "
                       f"{self.worker_dead_after_s:.1f} s past {since}")
             if self.worker_lost(b.worker.name, reason, now, may_run_on=True) is not None:

@@ -205,6 +205,7 @@ class WorkerState:
     capacity: int = 1  # batches in flight at once
     inflight: int = 0
     busy_until: float = 0.0  # predicted instant its in-flight work completes
+    done_at: float = 0.0  # when a batch of it last came back (its batches run one after the other)
     last_seen: float = 0.0
     pid: int = 0
     simulated: bool = False
