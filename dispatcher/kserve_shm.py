@@ -342,35 +342,35 @@ class ShmRegions:
     def register(self, name: str, key: str, offset: int, byte_size: int, uid: Optional[int] = 0) -> None:
         """``uid``: the client's (tcp_peer), None for one not on this host; 0, root, names any segment."""
         self.sweep()
-        registered = self._registered()
-        if any(r.name == name for r in registered):
+        if any(r.name == name for r in self._registered()):
             raise KServeError(grpc.StatusCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        if sum(r.uid == uid for r in registered) >= MAX_REGIONS_PER_USER:
-            raise invalid(f"failed to register shared memory region '{name}': this user has {MAX_REGIONS_PER_USER} "
-                          f"regions registered already")
         fd = _open_segment(name, key, offset, byte_size, uid)
         st = os.fstat(fd)
         region = Region(name, key, offset, byte_size, fd, uid=uid, file=(st.st_dev, st.st_ino))
-        if self.dir is not None:
-            try:
-                with self._registering():
-                    # Counted again under the lock: registrations racing through other front-door
-                    # processes each passed the count above and published (1026 regions of a
-                    # user with 4 processes, past MAX_REGIONS_PER_USER).
-                    if sum(r.uid == uid for r in self._registered()) >= MAX_REGIONS_PER_USER:
-                        raise invalid(f"failed to register shared memory region '{name}': this user has "
-                                      f"{MAX_REGIONS_PER_USER} regions registered already")
+        try:
+            with self._registering():
+                # Counted under the registry's lock: registrations racing through several
+                # front-door processes each passed a count taken before it and published (1026
+                # regions of a user with 4 processes, past MAX_REGIONS_PER_USER).
+                if sum(r.uid == uid for r in self._registered()) >= MAX_REGIONS_PER_USER:
+                    raise invalid(f"failed to register shared memory region '{name}': this user has "
+                                  f"{MAX_REGIONS_PER_USER} regions registered already")
+                if self.dir is not None:
                     self._publish(region)
-            except BaseException:
-                os.close(region.fd)
-                raise
+        except BaseException:
+            os.close(region.fd)
+            raise
         self._drop_local(name)
         self.local[name] = region
 
     @contextlib.contextmanager
     def _registering(self):
         """The registry's lock, across the node's front-door processes, for a count and the
-        publish it allows (a registration is a few file operations: held that long)."""
+        publish it allows (a registration is a few file operations: held that long); none without
+        a registry (one process)."""
+        if self._dir_fd < 0:
+            yield
+            return
         fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
         try:
             yield
