@@ -192,7 +192,8 @@ def _out_folder(text: str) -> str:
     return text
 
 
-def _policy(text: str) -> str:
+def policy_name(text: str) -> str:
+    """argparse type: a policy the config takes, else a one-line usage error."""
     from batchyard.policy import make_policy
 
     try:
@@ -230,7 +231,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stability", type=number(0), default=0.15)
     g.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--metrics-url", type=_metrics_url, default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
-    p.add_argument("--compare", action="append", type=_policy, default=[], metavar="POLICY",
+    p.add_argument("--compare", action="append", type=policy_name, default=[], metavar="POLICY",
                    help="repeatable: start the node of --config once per policy and replay the same seeded load")
     p.add_argument("--config", default="", help="node config for --compare")
     p.add_argument("--out", type=_out_folder, default="", help="folder for bench.json, bench.md and plots")
@@ -247,6 +248,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=number(0, above=True), default=10.0, help="seconds of load")
     p.add_argument("--rate", type=number(0, above=True, most=MAX_RATE), default=60.0,
                    help="mean requests per second (Poisson)")
-    p.add_argument("--policy", type=_policy, default="mcb")
+    p.add_argument("--policy", type=policy_name, default="mcb")
     p.add_argument("--triton", action="store_true", help="GPU worker backed by a real local tritonserver")
     p.set_defaults(run=_run_demo)
