@@ -548,6 +548,9 @@ def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
 
 
 MIN_ELAPSED_S = 100e-6  # the dispatcher's decision granularity
+# A stream silent for g s has arrivals rarer than SILENT_ARRIVALS / g with 95 % confidence
+# (a Poisson stream of rate r stays silent that long with probability e^-(r g), 5 % at r g = 3).
+SILENT_ARRIVALS = 3.0
 
 
 class ArrivalRate:
@@ -564,7 +567,7 @@ class ArrivalRate:
     next request is up to several times further away than it is.
     """
 
-    __slots__ = ("tau", "_rate", "_t", "_first")
+    __slots__ = ("tau", "_rate", "_t", "_first", "_last_n")
 
     def __init__(self, tau_s: float = 0.25, initial: float = 0.0):
         self.tau = tau_s
@@ -572,8 +575,10 @@ class ArrivalRate:
         self._t = 0.0
         # A given initial rate stands for a long past: nothing to correct.
         self._first = -math.inf if initial > 0 else None
+        self._last_n = 1  # items of the latest arrival
 
     def arrive(self, now: float, n: int = 1) -> None:
+        self._last_n = n
         if self._first is None:  # the first arrival starts the window; it says nothing of a rate
             self._first = self._t = now
             return
@@ -615,3 +620,21 @@ class ArrivalRate:
             return now
         tail = math.exp(-(self._t - self._first) / self.tau)  # 0.0 for _first = -inf
         return max(now, self._t + self.tau * math.log(self._rate / target + tail))
+
+    def rate_heard(self, now: float) -> float:
+        """``rate(now)``, at most SILENT_ARRIVALS arrivals (of the latest one's size) over the
+        silence since the latest arrival: the rate a stream that has gone quiet can still have.
+
+        The decaying count alone believes in a burst's rate for a while after it: 170 requests
+        within half a second held it above 20/s for 0.7 s of silence, and a reservation kept on
+        that belief (MCB's step 1) left low requests with 20 ms deadlines to expire beside an
+        idle CPU for half a second (live, sim workers: 115 of 2,406)."""
+        r = self.rate(now)
+        silence = now - self._t
+        return min(r, SILENT_ARRIVALS * self._last_n / silence) if silence > 0 else r
+
+    def time_when_heard_rate_is(self, target: float, now: float) -> float:
+        """The instant (>= now) at which, with no new arrival, ``rate_heard`` falls to ``target``."""
+        if target <= 0:
+            return math.inf
+        return max(now, min(self.time_when_rate_is(target, now), self._t + SILENT_ARRIVALS * self._last_n / target))

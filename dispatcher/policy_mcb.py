@@ -542,7 +542,7 @@ class MarginalCost(PerModelPolicy):
         # urgent requests alone — as many as it takes for an urgent arrival to find all of them
         # busy with probability <= RESERVE_BLOCKING (Erlang B). The reservation lapses when
         # the urgent rate decays below URGENT_RATE: look again then.
-        lapse = state.arrivals[model + "#urgent"].time_when_rate_is(URGENT_RATE, now)
+        lapse = state.urgent_lapse(model, URGENT_RATE, now)
         if lapse <= now:
             # A rate a rounding error above URGENT_RATE lapses now: kept, the reservation set a
             # wake-up at this instant, which the core drops, and its lapse then woke nothing (a

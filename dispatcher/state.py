@@ -293,8 +293,15 @@ class SchedulerState:
             a.arrive(now, items)
 
     def urgent_rate(self, model: str, now: float) -> float:
+        """The rate of high and normal items that a reservation for them stands on: the arrival
+        rate, capped by the silence since the latest (``ArrivalRate.rate_heard``)."""
         a = self.arrivals.get(model + "#urgent")
-        return a.rate(now) if a is not None else 0.0
+        return a.rate_heard(now) if a is not None else 0.0
+
+    def urgent_lapse(self, model: str, target: float, now: float) -> float:
+        """When, with no new high or normal arrival, ``urgent_rate`` falls to ``target``."""
+        a = self.arrivals.get(model + "#urgent")
+        return a.time_when_heard_rate_is(target, now) if a is not None else now
 
     def last_urgent(self, model: str) -> float:
         """When the latest high or normal request for ``model`` arrived (-inf: never)."""

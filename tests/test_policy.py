@@ -671,6 +671,23 @@ def test_a_reserved_worker_is_lent_no_batch_bigger_than_the_reservation_allows(g
     assert d.dispatches == []
 
 
+@pytest.mark.parametrize("quiet_s, lent", [(5e-3, False), (0.2, True)])
+def test_the_reservation_for_urgent_arrivals_lapses_once_their_stream_has_gone_quiet(quiet_s, lent):
+    """A burst of 170 normal requests in half a second, then none: the decaying arrival count
+    still said ~150/s 0.2 s later, MCB kept the fast CPU for urgent arrivals that had stopped, and
+    low requests with deadlines only the CPU meets expired beside it (live, sim workers: 115 of
+    2,406 low requests with 20 ms timeouts, all in the half second after the burst). Three
+    arrivals' worth of silence caps the rate the reservation stands on; 5 ms into the quiet of
+    a 340/s stream, the reservation holds."""
+    st = _slow_gpu_fast_cpu()
+    for i in range(170):
+        st.note_arrival("m", 1, 1, i * 0.5 / 170)
+    now = 169 * 0.5 / 170 + quiet_s
+    st.queue("m").push(Request(1, "m", 1, 2, now, now + 5e-3))  # low, 5 ms: the GPU takes 10
+    d = MarginalCost().decide(st, now)
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == ([("cpu0", [1])] if lent else [])
+
+
 def test_a_deadline_not_yet_at_stake_beside_a_reserved_worker_sets_a_wake_up_for_when_it_is():
     """Every eligible worker busy, a reserved one free: the pass wakes when the tightest deadline
     comes to be at stake (a GPU still busy then ends its batch after it), and then borrows the CPU."""
