@@ -33,7 +33,7 @@ from .client_pool import Region, ShmPool
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
 from .shm import CLIENT_REAP_ENTRIES, ShmError, reap_orphans
-from .validation import item_nbytes
+from .validation import item_nbytes, over_inline_limit_hint
 
 _DTYPE_NAMES: dict = {}
 
@@ -437,7 +437,7 @@ class ClientCodec:
         total = sum(frame.nbytes for frame in frames)
         if total > limit:
             raise InvalidArgument(f"inline payload {total} bytes exceeds max_inline_bytes {limit}; "
-                                  "send large tensors through shared memory")
+                                  f"{over_inline_limit_hint(self.shared_memory)}")
 
     @staticmethod
     def retimed(header: bytes, timeout: float) -> bytes:

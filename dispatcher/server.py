@@ -629,7 +629,8 @@ class Dispatcher:
                 return
         payload = frames[2:]
         try:
-            items = validate_infer(msg, spec, [len(f) for f in payload], self.cfg.max_inline_bytes)
+            items = validate_infer(msg, spec, [len(f) for f in payload], self.cfg.max_inline_bytes,
+                                   self.shm_allowed)
         except RequestInvalid as e:
             self._reject(identity, msg, Status.INVALID_ARGUMENT, str(e))
             return

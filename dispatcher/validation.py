@@ -43,8 +43,17 @@ def _tables(spec: ModelSpec) -> tuple[dict, dict]:
     return hit[1], hit[2]
 
 
+def over_inline_limit_hint(shm_allowed: bool) -> str:
+    """What a client whose inline tensors are over the node's limit can do: over tcp without
+    allow_shm_over_tcp shared memory is refused, so the usual advice would fail too."""
+    if shm_allowed:
+        return "send large tensors through shared memory"
+    return ("this endpoint takes tensors inline only (tcp without [dispatcher] allow_shm_over_tcp): raise "
+            "the node's max_inline_bytes, or connect over ipc to send them through shared memory")
+
+
 def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
-                   max_inline_bytes: int) -> int:
+                   max_inline_bytes: int, shm_allowed: bool = True) -> int:
     """Return the request's item count (its batch dimension) or raise RequestInvalid."""
     by_name, out_specs = _tables(spec)
     seen: set[str] = set()
@@ -101,7 +110,7 @@ def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
                              f"{len(used_frames)}")
     if inline_total > max_inline_bytes:
         raise RequestInvalid(f"inline payload {inline_total} bytes exceeds max_inline_bytes "
-                             f"{max_inline_bytes}; send large tensors through shared memory")
+                             f"{max_inline_bytes}; {over_inline_limit_hint(shm_allowed)}")
     for name, ref in req.outputs.items():
         entry = out_specs.get(name)
         if entry is None:

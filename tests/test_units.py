@@ -110,6 +110,9 @@ def test_validation_enforces_inline_limit_and_counts_items():
     assert validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=32) == 2
     with pytest.raises(RequestInvalid, match="exceeds max_inline_bytes 16; send large tensors through shared memory"):
         validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=16)
+    with pytest.raises(RequestInvalid, match="exceeds max_inline_bytes 16; this endpoint takes tensors inline only "
+                       r"\(tcp without \[dispatcher\] allow_shm_over_tcp\): raise the node's max_inline_bytes"):
+        validate_infer(infer([x_ref()]), SPEC, [32], max_inline_bytes=16, shm_allowed=False)
 
 
 # ---------------------------------------------------------------- policies (virtual clock)
