@@ -156,7 +156,9 @@ class Client(CodecAccess):
         self._finalizer()
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferFuture:
-        """Send a request and return its future at once. ``timeout`` (s) is the request's
+        """Send a request and return its future at once (a model's first call fetches its spec
+        first, and a new pool segment's first use its grant, within ``timeout``: those block the
+        caller). ``timeout`` (s) is the request's
         deadline at the dispatcher (default: the node's ``default_timeout_s``, which the model's
         spec brings; DEFAULT_TIMEOUT_S from a dispatcher that does not say). The inputs are read
         before this returns (copied; ``alloc_array`` arrays excepted, sent by reference): the

@@ -6,6 +6,7 @@ decoding and the shared-memory pool are the ones ``Client`` uses (dispatcher/cli
 from __future__ import annotations
 
 import asyncio
+import collections
 import collections.abc
 import time
 from typing import Optional
@@ -19,7 +20,7 @@ from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, C
                            no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
 from .errors import DeadlineExceeded
-from .zmq_frames import NOBLOCK, send_parts, waiting
+from .zmq_frames import NOBLOCK, send_parts
 
 
 class _Closed(collections.abc.Coroutine):
@@ -65,6 +66,9 @@ class AsyncClient(CodecAccess):
                 self.ctx.term()
             raise
         self._timers: dict[int, asyncio.TimerHandle] = {}
+        # (request id or None, frames) the socket's send queue had no room for (its high-water
+        # mark reached while the dispatcher is away): sent in order as room comes.
+        self._outbox: collections.deque = collections.deque()
         self._grant_lock = asyncio.Lock()
         self.closed = self._forked = False
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
@@ -106,6 +110,7 @@ class AsyncClient(CodecAccess):
         for h in self._timers.values():
             h.cancel()
         self._timers.clear()
+        self._outbox.clear()  # (their requests fail with the others still pending)
         close_connection(self._codec, self.sock, self._monitor, self.ctx if self._own_ctx else None, closed_error)
 
     def _on_monitor(self) -> None:
@@ -120,8 +125,33 @@ class AsyncClient(CodecAccess):
             self._codec.fail_lost(rids, lambda: lost_error(self.address, why))
 
     def _drain(self) -> None:
-        while not self.closed and waiting(self.sock):  # not a zmq.Again per drain (zmq_frames.waiting)
-            self._codec.on_reply(self.sock.recv_multipart(NOBLOCK))
+        """The socket's FD woke the loop: receive what came, and send what waits for room. Asking
+        ZMQ_EVENTS consumes the FD's edge, so the loop ends only once neither is possible (not a
+        zmq.Again per drain: zmq_frames.waiting)."""
+        while not self.closed:
+            events = self.sock.getsockopt(zmq.EVENTS)
+            if events & zmq.POLLIN:
+                self._codec.on_reply(self.sock.recv_multipart(NOBLOCK))
+            elif not (events & zmq.POLLOUT and self._outbox and self._flush()):
+                return
+
+    def _flush(self) -> bool:
+        """Send the outbox in order while the socket takes it; requests that expired or were
+        cancelled meanwhile are dropped unsent. Whether any went."""
+        pending, went = self._codec.pending, False
+        while self._outbox:
+            rid, frames = self._outbox[0]
+            if rid is not None and rid not in pending:
+                self._outbox.popleft()
+                self._codec.drop_unsent(rid)
+                continue
+            try:
+                send_parts(self.sock, frames, NOBLOCK)
+            except zmq.Again:
+                break
+            self._outbox.popleft()
+            went = True
+        return went
 
     def _refuse_if_unusable(self) -> None:
         if self.closed:
@@ -156,17 +186,28 @@ class AsyncClient(CodecAccess):
         if self._codec.refused:
             self.loop.call_soon(self._fail_lost, {rid}, self._codec.refused)
         else:
-            self._send_frames(frames)
+            self._send_frames(frames, rid)
         return fut
 
-    def _send_frames(self, frames: list) -> None:
-        """Every send goes through here. Sending can consume the FD's edge: drain soon if replies
-        are already waiting (asking EVENTS costs one poll; an unconditional drain cost that plus
-        a zmq.Again per request). A send without this check (a cancellation's) left a reply that
-        had just arrived unread until the next request, and an idle front door has none: the
-        request it belonged to was answered only by its local timeout."""
-        send_parts(self.sock, frames)
-        if waiting(self.sock):
+    def _send_frames(self, frames: list, rid: Optional[int] = None) -> None:
+        """Every send goes through here, without blocking: where the socket's queue is full (the
+        dispatcher away, 100,000 messages sent meanwhile) the frames wait in the outbox, behind
+        any already there. A blocking send stopped the event loop until a dispatcher came back:
+        every task and timer, local timeouts included (requests with 2 s timeouts settled at
+        38 s), and a front door's every route. Sending can consume the FD's edge: drain soon if
+        replies are already waiting or the outbox can go on (asking EVENTS costs one poll; an
+        unconditional drain cost that plus a zmq.Again per request). A send without this check
+        (a cancellation's) left a reply that had just arrived unread until the next request, and
+        an idle front door has none: the request it belonged to was answered only by its local
+        timeout."""
+        if self._outbox:
+            self._outbox.append((rid, frames))
+        else:
+            try:
+                send_parts(self.sock, frames, NOBLOCK)
+            except zmq.Again:
+                self._outbox.append((rid, frames))
+        if self.sock.getsockopt(zmq.EVENTS) & (zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0)):
             self.loop.call_soon(self._drain)
 
     def _on_local_timeout(self, rid: int) -> None:

@@ -49,8 +49,8 @@ def dtype_name(dt: np.dtype) -> str:
 
 DEFAULT_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 1.0
-# A call's own set-up messages (its model's spec, a new segment's registration) wait at most
-# this long, or the call's timeout if shorter.
+# How long a call without a timeout of its own waits for its model's spec (the node's default
+# timeout comes with it); a call with one spends that on its set-up messages and the request.
 SETUP_TIMEOUT_S = 10.0
 # Tensors from this size on go through shared memory. Measured (bench/handoff.py, this
 # machine): inline ZeroMQ and a pool copy cost about the same up to ~16 KiB; from 64 KiB on
@@ -96,9 +96,10 @@ def time_left(deadline: float, model: str) -> float:
 
 
 def setup_step_timeout(deadline: float, model: str) -> float:
-    """How long one set-up message (a grant step) may wait: what the call's ``deadline`` leaves,
-    at most SETUP_TIMEOUT_S."""
-    return min(SETUP_TIMEOUT_S, time_left(deadline, model))
+    """How long one set-up message (a grant step) may wait: what the call's ``deadline`` leaves
+    (capped at SETUP_TIMEOUT_S, a dispatcher away for 10 s failed submit(timeout=30) that it
+    would have served on its return)."""
+    return time_left(deadline, model)
 
 
 def setup_timeout_error(model: str) -> DeadlineExceeded:
@@ -345,9 +346,11 @@ class ClientCodec:
 
     @staticmethod
     def spec_wait(timeout: Optional[float]) -> float:
-        """How long a call's request for its model's spec may wait: SETUP_TIMEOUT_S, or the call's
-        own (checked) timeout if shorter; without one, the node's default comes with that spec."""
-        return SETUP_TIMEOUT_S if timeout is None else min(SETUP_TIMEOUT_S, checked_timeout(timeout))
+        """How long a call's request for its model's spec may wait: the call's own (checked)
+        timeout (it was capped at SETUP_TIMEOUT_S: submit(timeout=30) as a model's first call
+        failed after 10 s while its dispatcher restarted, and the next call was served); without
+        one, SETUP_TIMEOUT_S, as the node's default comes with that spec."""
+        return SETUP_TIMEOUT_S if timeout is None else checked_timeout(timeout)
 
     @contextlib.contextmanager
     def fetching_spec(self, timeout: Optional[float], model: str):
@@ -358,7 +361,7 @@ class ClientCodec:
         try:
             yield
         except DeadlineExceeded:
-            if timeout is not None and checked_timeout(timeout) <= SETUP_TIMEOUT_S:
+            if timeout is not None:
                 raise DeadlineExceeded(f"no reply from the dispatcher at {self.address} with the spec of {model!r} "
                                        f"within the call's timeout ({timeout:g} s), which a model's first call "
                                        "spends on fetching it first (is the timeout too short for a first call, or "
@@ -656,6 +659,12 @@ class ClientCodec:
             self.late[rid] = [*pend.regions, *pend.outputs.values()]
         return pend
 
+    def drop_unsent(self, rid: int) -> None:
+        """A request that expired or was cancelled locally before it left this process: no
+        worker will see its regions and no late reply will free them, so they go back now."""
+        for region in self.late.pop(rid, None) or ():
+            self.free(region)
+
     def fail_unsent(self, rid: int, error: BaseException) -> None:
         """Fail a request that never left this process: no worker saw its regions."""
         pend = self.pending.pop(rid, None)
@@ -720,6 +729,8 @@ class ClientCodec:
 # connection at once. Either way the socket monitor reports it and the requests in flight fail
 # UNAVAILABLE then, not at their full timeout. ZeroMQ reconnects by itself afterwards.
 HEARTBEAT_IVL_MS = 1000
+# Messages a client's socket queues each way before a send must wait (the dispatcher away).
+DEALER_HWM = 100_000
 LOST_GRACE_S = 0.1
 # How long a closing client's socket may take to send the cancels of its generations: close()
 # is not to wait for a node that is gone (a cancel left unsent then only means the generation
@@ -761,8 +772,8 @@ def _setup_dealer(sock: zmq.Socket, address: str, curve_server_key: Optional[byt
         raise InvalidArgument(f"cannot connect to the dispatcher at {address!r}: not tcp://HOST:PORT with a port "
                               "of 1-65535")
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.setsockopt(zmq.SNDHWM, DEALER_HWM)
+    sock.setsockopt(zmq.RCVHWM, DEALER_HWM)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     # Not ZMQ_IMMEDIATE: with it, a connection that breaks drops the replies it had received

@@ -237,6 +237,7 @@ class SocketThread:
             rid, frames = self._outbox[0]
             if rid is not None and rid not in pending:
                 self._outbox.popleft()
+                self._codec.drop_unsent(rid)
                 continue
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

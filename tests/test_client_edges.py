@@ -667,3 +667,70 @@ def test_a_timeout_of_weeks_is_taken_by_the_sync_client(start_node):
         assert c.status(wait=3e6).registrations >= 1  # (answered at once: nothing to wait for)
         assert c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=P.MAX_TIMEOUT_S)["y"].tolist() == [[4.0, 4.0]]
         assert c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=5)["y"].tolist() == [[4.0, 4.0]]
+
+
+# ---------------------------------------------------------------- the dispatcher away
+
+def test_an_async_client_whose_send_queue_is_full_keeps_its_event_loop_running(fake, run_dir, monkeypatch):
+    """The dispatcher away, a send past the socket's high-water mark blocked the event loop until
+    one came back: every task and timer stopped, local timeouts included (requests with 2 s
+    timeouts settled at 38 s), and a front door's every route with them. Now they wait unsent:
+    those that expire meanwhile fail on time and are never sent, the others go when it is back."""
+    from batchyard import client_codec
+
+    monkeypatch.setattr(client_codec, "DEALER_HWM", 4)
+    started = []
+
+    def start_dispatcher():
+        if not started:
+            started.append(fake())
+
+    # On the code before, the loop stayed blocked in the fifth send until a dispatcher came: this
+    # brings one, so that the test fails instead of hanging.
+    guard = threading.Timer(3.0, start_dispatcher)
+    guard.start()
+
+    async def main():
+        async with AsyncClient(f"ipc://{run_dir}/dispatcher") as c:
+            t0 = time.monotonic()
+            short = [asyncio.create_task(c.model_info("sum", timeout=0.3)) for _ in range(20)]
+            lasting = [asyncio.create_task(c.model_info("sum", timeout=30)) for _ in range(20)]
+            expired = await asyncio.gather(*short, return_exceptions=True)
+            took = time.monotonic() - t0
+            start_dispatcher()
+            return expired, took, await asyncio.gather(*lasting, return_exceptions=True)
+
+    try:
+        expired, took, served = asyncio.run(main())
+    finally:
+        guard.cancel()
+    assert took < 2.5, took
+    assert all(isinstance(e, DeadlineExceeded) for e in expired), expired
+    assert all(s == SPECS["sum"] for s in served), served
+    sent = [m for m in started[0].seen if type(m) is P.ModelInfoRequest]
+    assert 20 <= len(sent) <= 24  # the expired ones never left but the 4 the socket had queued
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_a_first_call_spends_its_own_timeout_on_its_set_up_not_a_fixed_10_s(fake, kind, monkeypatch):
+    """A model's first call fetches its spec, and a new segment's first use its grant, before the
+    request goes; both waited at most SETUP_TIMEOUT_S (10 s) whatever the call's timeout:
+    submit(timeout=30) raised DeadlineExceeded after 10 s while its dispatcher restarted, where
+    the same call a moment later was served. (SETUP_TIMEOUT_S set to nothing here: a call with a
+    timeout of its own must not read it.)"""
+    from batchyard import client_codec
+
+    monkeypatch.setattr(client_codec, "SETUP_TIMEOUT_S", 0.0)
+    f = fake()
+    if kind == "Client":
+        with Client(f.address) as c:
+            got = [c.infer("sum", {"x": ONE}, timeout=30)["y"], c.infer("big", {"x": BIG_X}, timeout=30)["y"]]
+    else:
+        async def main():
+            async with AsyncClient(f.address) as c:
+                return [(await c.infer("sum", {"x": ONE}, timeout=30))["y"],
+                        (await c.infer("big", {"x": BIG_X}, timeout=30))["y"]]
+
+        got = asyncio.run(main())
+    assert got[0].tolist() == ONE.tolist() and got[1].shape == (1, 256, 1024)
+    assert [type(m) for m in f.seen].count(P.ShmRegisterRequest) == 2  # the grant's two steps
