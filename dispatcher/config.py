@@ -394,7 +394,8 @@ class NodeConfig(_Table):
             where = f"{_item('workers', i, w.name)}: triton.url {w.triton.url!r}"
             parsed = host_port(w.triton.url)
             if parsed is None:
-                raise ConfigError(f"{where} is not HOST:PORT with a port of 1-65535")
+                scheme = " (without a scheme: gRPC is what the worker speaks)" if "://" in w.triton.url else ""
+                raise ConfigError(f"{where} is not HOST:PORT with a port of 1-65535{scheme}")
             host, port = parsed
             for key, listen_host, listen_port in ours:
                 if port == listen_port and _is_this_host(host) and (

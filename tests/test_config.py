@@ -624,6 +624,10 @@ def test_a_triton_url_on_the_nodes_own_port_is_refused(tmp_path):
 @pytest.mark.parametrize("url, frontend, says", [
     ("127.0.0.1:73537", "", "is not HOST:PORT with a port of 1-65535"),  # gRPC wraps it to 8001
     ("127.0.0.1", "", "is not HOST:PORT with a port of 1-65535"),
+    # Taken, these retried "unreachable" until the worker's start-up timeout, then exit 69 (restart me):
+    ("grpc://127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535 (without a scheme"),
+    ("http://127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535 (without a scheme"),
+    (" 127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535"),
     ("127.0.0.2:9001", 'host = "0.0.0.0"\ngrpc_port = 9001', "is this node's own [frontend] grpc_port"),
     ("localhost:9002", 'http_port = 9002', "is this node's own [frontend] http_port"),
 ])
