@@ -231,8 +231,8 @@ class FrontendConfig(_Table):
     grpc_port: Port = 8001
     http_port: Port = 8000
     processes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # all on the same ports (SO_REUSEPORT)
-    # The largest request (and gRPC answer) in bytes. Triton's gRPC limit is the same 2 GiB - 1,
-    # and its HTTP one (64 MiB) is for JSON only, not for binary tensors.
+    # The largest request (and gRPC answer) in bytes. Triton's gRPC limit is the same 2 GiB - 1;
+    # over HTTP the JSON part is bounded apart (http_body.MAX_JSON_BYTES), binary tensors are not.
     max_request_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=(1 << 31) - 1)] = (1 << 31) - 1
     # As Triton's --strict-readiness (its default too): the server is ready while every model of
     # the node has a registered worker; false: while any has.

@@ -27,7 +27,9 @@ BODY_STALL_S = web.AppKey("body_stall_s", float)
 # byte just before each stall would otherwise hold its connection and descriptor for ever.
 # Apache's mod_reqtimeout has the same rule and this default (body=...,MinRate=500).
 MIN_BODY_RATE = 500.0  # bytes/s
-MAX_JSON_BYTES = 64 << 20  # Triton's --http-max-input-size default, which bounds the JSON part only
+# The JSON part of a body, binary tensors apart: the front door's own bound on what one parse may
+# hold (tritonserver 2.51, the wheel's, has no such limit: it served 65, 100 and 200 MiB of JSON).
+MAX_JSON_BYTES = 64 << 20
 _inflating: asyncio.Semaphore | None = None
 # HTTP's deflate is zlib-wrapped, but some clients send it raw; gzip has its own header.
 _WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),

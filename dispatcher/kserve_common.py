@@ -185,8 +185,8 @@ def model_control_refused(model: str) -> KServeError:
     """Load and unload, as a Triton whose model control mode is NONE answers them: a Batchyard
     node's models are the ones its config gives its workers."""
     return KServeError(grpc.StatusCode.UNAVAILABLE,
-                       f"explicit model load / unload is not allowed: '{model}' is served while a worker of the "
-                       "node's config serves it (start or stop that worker instead)")
+                       f"explicit model load / unload is not allowed (asked for '{model}'): a model is served while a "
+                       "worker of the node's config serves it (start or stop that worker instead)")
 
 
 def np_dtype(datatype: str, what: str) -> str:

@@ -105,6 +105,8 @@ async def _json_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         return web.json_response({"error": f"{e.reason}: {request.method} {request.path}"}, status=e.status)
+    except KServeError as e:  # a handler that left its request's error to this: its own status, not a 500
+        return _error(e)
     except Exception as e:  # noqa: BLE001 -- one request's fault; the front door keeps serving
         log.exception("HTTP %s %s failed", request.method, request.path)
         return web.json_response({"error": f"internal error: {type(e).__name__}: {e}"}, status=500)

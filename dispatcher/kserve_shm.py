@@ -173,11 +173,15 @@ def _open_segment(name: str, key: str, offset: int, byte_size: int, uid: Optiona
             raise invalid(f"failed to register shared memory region '{name}': segment '{key}' belongs to uid "
                           f"{st.st_uid}, not to this client's uid {uid}")
         size = st.st_size
-        # A region of no bytes serves nothing. Triton 2.51 refuses both as its own failure,
-        # INTERNAL (HTTP 500) "Invalid shared memory region", and so does this.
-        if offset < 0 or byte_size <= 0 or offset + byte_size > size:
-            raise KServeError(grpc.StatusCode.INTERNAL, f"Invalid shared memory region: '{key}' (region '{name}': "
-                              f"offset {offset} + {byte_size} bytes, the segment has {size})")
+        # A region of no bytes serves nothing. Triton 2.51 refuses both as the client's fault,
+        # INVALID_ARGUMENT (HTTP 400), in these words (the 0-byte one in mmap's); they were
+        # INTERNAL (500), a server fault a client may retry.
+        if byte_size <= 0:
+            raise invalid(f"failed to register shared memory region '{name}': unable to process address space: "
+                          f"Invalid argument (a region of {byte_size} bytes)")
+        if offset < 0 or offset + byte_size > size:
+            raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
+                          f"{byte_size} bytes, the segment '{key}' has {size})")
     except BaseException:
         os.close(fd)
         raise

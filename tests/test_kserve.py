@@ -1260,6 +1260,12 @@ def test_model_calls_on_an_unknown_model_or_version_answer_as_triton_2_51(front_
     assert r.status_code == 404 and json.loads(r.read())["error"].startswith("Not Found")
     r = h._get("v2/models/nope/ready", None, None)
     assert r.status_code == 400 and json.loads(r.read()) == {"error": "Model version not ready"}
+    # Digits past an int64: 400 as the other model routes and Triton 2.51 answer (readiness said
+    # 500 "internal error: KServeError", with a traceback in the front door's log)
+    for path in ("v2/models/sum/versions/9223372036854775808/ready", "v2/models/sum/versions/9223372036854775808"):
+        r = h._get(path, None, None)
+        assert r.status_code == 400, (path, r.status_code)
+        assert json.loads(r.read())["error"].startswith("failed to get model version from specified version string")
 
 
 @pytest.mark.parametrize("proto", ["grpc", "http"])
@@ -1582,8 +1588,9 @@ def test_bad_shm_region_is_not_found(front_door):
 def test_a_registration_without_key_or_size_or_of_no_bytes_is_refused(front_door):
     """As Triton 2.51: over HTTP a body without ``key`` or ``byte_size`` is a 400 naming the field
     (a missing size registered a region of 0 bytes); a region of 0 bytes, or past its segment's
-    end, is refused over either protocol as Triton refuses it (INTERNAL, 500: this said
-    INVALID_ARGUMENT, 400), and nothing is registered."""
+    end, is refused over either protocol as a real tritonserver 2.51 refuses it, side by side:
+    INVALID_ARGUMENT, 400 (this said INTERNAL, 500, a server fault a client may retry), and
+    nothing is registered."""
     h = thttp.InferenceServerClient(front_door.http_url)
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     segment = shared_memory.SharedMemory(f"by_kserve_nosize_{os.getpid()}", create=True, size=64)
@@ -1593,14 +1600,15 @@ def test_a_registration_without_key_or_size_or_of_no_bytes_is_refused(front_door
             r = h._post("v2/systemsharedmemory/region/r0/register", json.dumps(body).encode(), None, None)
             assert r.status_code == 400, r.status_code
             assert json.loads(r.read())["error"] == f"Shared memory register request has no '{missing}' field"
-        # Triton 2.51 answers a region of no bytes, or past its segment's end, as its own failure
-        for size, offset in ((0, 0), (65, 0), (16, 60)):
-            with pytest.raises(InferenceServerException, match="Invalid shared memory region") as e:
+        for size, offset, says in ((0, 0, "unable to process address space"), (65, 0, "invalid args"),
+                                   (16, 60, "invalid args")):
+            says = f"failed to register shared memory region 'r0': {says}"
+            with pytest.raises(InferenceServerException, match=says) as e:
                 h.register_system_shared_memory("r0", f"/{segment.name}", size, offset)
-            assert e.value.status() == "500"
-            with pytest.raises(InferenceServerException, match="Invalid shared memory region") as e:
+            assert e.value.status() == "400"
+            with pytest.raises(InferenceServerException, match=says) as e:
                 g.register_system_shared_memory("r0", f"/{segment.name}", size, offset)
-            assert e.value.status() == "StatusCode.INTERNAL"
+            assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert h.get_system_shared_memory_status() == []
     finally:
         segment.close()
