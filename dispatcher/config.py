@@ -184,7 +184,8 @@ class DispatcherConfig(_Table):
     heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=MIN_HEARTBEAT_S, le=FLOAT_MAX)] = 0.2
     # Generous: on a starved host (load average ~10) healthy workers went 1.6 s without being
     # heard. A worker that dies is noticed sooner anyway: `up` or systemd restarts it at once
-    # (SIGCHLD) and its re-registration fails its batches over; this bounds only a hung one.
+    # (SIGCHLD) and its re-registration fails its batches over (a vLLM engine registers again only
+    # after its 10-20 s start, so this bounds its lost generations too); and a hung one.
     # At least half a second (and two heartbeats, checked in validate): at 1 ms a healthy worker
     # left rotation and came back many times a second, its batches failed over each time.
     worker_dead_after_s: Annotated[float, msgspec.Meta(ge=MIN_DEAD_AFTER_S, le=FLOAT_MAX)] = 10.0

@@ -174,14 +174,56 @@ class LlmCore:
                 if self._end(r):
                     self.on_fail(r, Status.UNAVAILABLE, f"LLM worker {name} lost while running this request ({reason})")
                     failed.append(r)
-        # A CPU queue with no CPU instance left goes to the GPU path rather than wait forever.
+        # A CPU queue with no CPU instance left goes to the GPU path rather than wait forever,
+        # but for the requests that forced the CPU route: served on the GPU, they were answered
+        # OK with route "gpu", where admitted now they are refused.
         model = w.engine.model
         if not self._instances(model, PREFILL_CPU):
             queued, self.cpu_queue[model] = self.cpu_queue.get(model, []), []
             for r in queued:
-                r.route = GPU
-                self._to_gpu(r, now, kv_from="")
+                if r.forced == PREFILL_CPU:
+                    self._end(r)
+                    self.on_fail(r, Status.UNAVAILABLE, _no_cpu_instance(model))
+                    failed.append(r)
+                else:
+                    r.route = GPU
+                    self._to_gpu(r, now, kv_from="")
         return failed
+
+    def withdraw(self, msg) -> tuple[str, str, list]:
+        """A job sent to a worker whose connection turned out gone, so it never ran: out of the
+        books before the worker's loss fails what the worker was running. -> (its kind, its
+        kv_from, its open requests), for ``route_again`` once the worker is out of rotation."""
+        job = self.jobs.pop(msg.job_id, None) if type(msg) is P.LlmJob else None
+        if job is None:
+            return "", "", []
+        job.worker.jobs.pop(job.job_id, None)
+        for r in job.requests:
+            r.job_id = -1
+        return job.kind, msg.kv_from, [r for r in job.requests if not r.done]
+
+    def route_again(self, kind: str, kv_from: str, requests: list, now: float) -> None:
+        """Requests of a job that never reached its worker, now gone: a prefill's go back to the
+        head of the CPU queue, or where no CPU instance is left to the GPU path (as a lost
+        worker's queue goes), unless they forced the CPU route; a generate's to another GPU
+        instance. They failed UNAVAILABLE "lost while running", the GPU instance up."""
+        if kind == "prefill" and requests:
+            model = requests[0].model
+            for r in requests:
+                r.prefill_worker = ""
+            if self._instances(model, PREFILL_CPU):
+                self.cpu_queue[model][:0] = requests
+                return
+            for r in requests:
+                if r.forced == PREFILL_CPU:
+                    self._end(r)
+                    self.on_fail(r, Status.UNAVAILABLE, _no_cpu_instance(model))
+                else:
+                    r.route = GPU
+                    self._to_gpu(r, now, kv_from="")
+            return
+        for r in requests:
+            self._to_gpu(r, now, kv_from)
 
     def check_liveness(self, now: float) -> list:
         """Take out of rotation the workers silent past ``worker_dead_after_s``, and those holding
@@ -224,7 +266,7 @@ class LlmCore:
             return (Status.INVALID_ARGUMENT, f"prompt of {len(msg.prompt)} tokens + max_tokens {msg.max_tokens} "
                                              f"exceeds max_model_len {limit} of model {model!r}")
         if msg.route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
-            return Status.UNAVAILABLE, f"route 'prefill-cpu' asked, but no prefill-cpu instance of {model!r} is up"
+            return Status.UNAVAILABLE, _no_cpu_instance(model)
         if self.open_by_model.get(model, 0) >= self.max_queue:
             return Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
@@ -467,6 +509,10 @@ class LlmCore:
     def describe(self) -> dict:
         return {m: {"curves": c.describe(), "cpu_queue": len(self.cpu_queue.get(m, ()))}
                 for m, c in self.curves.items()} | {"_decisions": dict(self.decisions)}
+
+
+def _no_cpu_instance(model: str) -> str:
+    return f"route 'prefill-cpu' asked, but no prefill-cpu instance of {model!r} is up"
 
 
 def _us(seconds: float) -> int:

@@ -86,14 +86,22 @@ class LlmDesk:
 
     def decide(self, now: float) -> int:
         """Send the jobs decided now; -> how many workers turned out to be gone."""
-        gone = 0
-        for send in self.core.decide(now):
-            if not self._send_worker(send.worker.identity, P.encode(send.job)) and self.lost(
-                    send.worker.name, "unreachable", now):
+        gone, sends = 0, self.core.decide(now)
+        while sends:
+            again = False
+            for send in sends:
+                if self._send_worker(send.worker.identity, P.encode(send.job)):
+                    continue
                 # Its connection is gone (ROUTER_MANDATORY): out of rotation now. The job was
                 # dropped unsaid, and routing kept choosing the worker until its heartbeats were
-                # missed (worker_dead_after_s), each request sent there failing only then.
-                gone += 1
+                # missed (worker_dead_after_s), each request sent there failing only then. The
+                # job never ran: its requests are routed again, not failed with the worker's.
+                withdrawn = self.core.withdraw(send.job)
+                if self.lost(send.worker.name, "unreachable", now):
+                    gone += 1
+                self.core.route_again(*withdrawn, now)
+                again = True
+            sends = self.core.decide(now) if again else []
         return gone
 
     def housekeeping(self, now: float) -> int:

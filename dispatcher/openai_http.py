@@ -228,12 +228,13 @@ def _route(body: dict) -> str:
 
 
 def _check_supported(body: dict) -> None:
+    # Compared by type as well: False == 0 and True == 1, and "temperature": false, "n": true were served.
     temperature = body.get("temperature", 0)
-    if temperature not in (0, 0.0, None):
+    if isinstance(temperature, bool) or temperature not in (0, 0.0, None):
         raise OpenAiError(400, f"only greedy decoding is served: temperature must be 0, got {temperature!r}",
                           param="temperature")
     for key in ("n", "best_of"):
-        if body.get(key, 1) not in (1, None):
+        if isinstance(body.get(key), bool) or body.get(key, 1) not in (1, None):
             raise OpenAiError(400, f"{key} must be 1, got {body[key]!r}", param=key)
     for key, default in _UNSUPPORTED.items():
         if not _asks_nothing(body.get(key, default), default):

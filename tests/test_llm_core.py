@@ -130,6 +130,7 @@ def test_losing_the_cpu_instance_fails_its_job_and_reroutes_its_queue_to_the_gpu
     running, _ = h.submit(40, route=PREFILL_CPU)
     h.jobs()
     queued, _ = h.submit(40, route=PREFILL_CPU)
+    h.core.requests[max(h.core.requests)].forced = ""  # routed to the CPU, not forced there
     h.core.worker_lost("cpu0", "test", h.now)
     assert [(f[0], f[1]) for f in h.failed] == [(running, Status.UNAVAILABLE)]
     [gen] = h.jobs()
@@ -250,17 +251,65 @@ def test_a_worker_whose_connection_is_gone_leaves_rotation_at_the_first_job_sent
     assert "gpu0" not in desk.core.workers and len(replies) == 1
 
 
+@pytest.mark.parametrize("route", ["", PREFILL_CPU])
+def test_a_prefill_job_that_never_reached_its_lost_engine_is_routed_again_not_failed_as_lost(route):
+    """A job sent to a CPU engine whose connection was gone never ran: its request failed
+    UNAVAILABLE "lost while running this request", the GPU instance up (live: one of three
+    auto-routed prompts sent just after the CPU engine was killed; the two still queued moved to
+    the GPU). Now it goes to the GPU, or, where it forced the CPU route, is refused as a request
+    admitted now is."""
+    from batchyard.llm_server import LlmDesk
+
+    replies = []
+    desk = LlmDesk(lambda identity, header: identity != b"cpu0", lambda c, h: replies.append(h), 30.0, 1.0, 10.0)
+    desk.core.add_worker("cpu0", b"cpu0", CPU, 0.0)
+    desk.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+    sent = []
+    desk._send_worker = lambda identity, header, send=desk._send_worker: (
+        sent.append((identity, msgspec.msgpack.decode(header))) or send(identity, header))
+    msg = P.GenerateRequest(v=1, id=1, model="m", prompt=[7] * 48, max_tokens=4, timeout_us=30_000_000,
+                            route=route or PREFILL_CPU)
+    desk.on_generate(msg, b"client", 0.0, lambda m: "")
+    if not route:
+        desk.core.requests[next(iter(desk.core.requests))].forced = ""  # routed to the CPU, not forced there
+    assert desk.decide(0.0) == 1 and "cpu0" not in desk.core.workers
+    if route:
+        [reply] = [msgspec.msgpack.decode(r) for r in replies]
+        assert reply["status"] == Status.UNAVAILABLE
+        assert reply["message"] == "route 'prefill-cpu' asked, but no prefill-cpu instance of 'm' is up"
+    else:
+        assert replies == []
+        assert [(identity, m["kind"]) for identity, m in sent] == [(b"cpu0", "prefill"), (b"gpu0", "generate")]
+        assert sent[-1][1].get("kv_from", "") == ""
+
+
+def test_a_request_that_forced_the_cpu_route_is_refused_when_the_last_cpu_instance_goes_not_served_on_the_gpu():
+    """Queued for the CPU instance when it went, a request that forced route prefill-cpu was
+    served on the GPU and answered OK with route "gpu": a client comparing the paths got the
+    other one's answer. Admitted now, it is refused; so it is when the instance goes."""
+    h = Harness()
+    h.submit(40, route=PREFILL_CPU)
+    h.jobs()
+    forced, _ = h.submit(40, route=PREFILL_CPU)
+    h.core.requests[max(h.core.requests)].forced = PREFILL_CPU
+    h.core.worker_lost("cpu0", "test", h.now)
+    assert (forced, Status.UNAVAILABLE, "route 'prefill-cpu' asked, but no prefill-cpu instance of 'm' is up") in h.failed
+    assert h.jobs() == [] and h.core.next_wake() == float("inf")
+
+
 @pytest.mark.parametrize("key, value", [("stop", ["("]), ("stop", "\n"), ("logit_bias", {"6": -100}),
-                                        ("presence_penalty", 0.5), ("frequency_penalty", -1.0)])
+                                        ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+                                        ("temperature", False), ("n", True), ("best_of", True)])
 def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key, value):
-    """Taken and ignored, a stop sequence answered 200 with the very text asked to stop at."""
+    """Taken and ignored, a stop sequence answered 200 with the very text asked to stop at (and
+    booleans, equal to 0 and 1, passed for a temperature of 0 and n of 1)."""
     from batchyard.openai_http import OpenAiError, _check_supported
 
     with pytest.raises(OpenAiError) as e:
         _check_supported({key: value})
     assert e.value.status == 400 and e.value.param == key
-    _check_supported({key: {"stop": None, "logit_bias": {}, "presence_penalty": 0,
-                            "frequency_penalty": 0.0}[key]})  # the defaults pass
+    _check_supported({key: {"stop": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+                            "temperature": 0, "n": 1, "best_of": 1}[key]})  # the defaults pass
 
 
 def test_generate_requests_are_counted_in_the_metrics_as_tensor_requests_are():
