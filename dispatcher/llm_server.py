@@ -37,7 +37,7 @@ class LlmDesk:
             if why[0] == Status.UNKNOWN_MODEL:
                 self.metrics.unknown_model()  # as the tensor path: no series under a client's name
             else:
-                self.metrics.request_failed(msg.model, why[0])
+                self.metrics.request_failed(msg.model, why[0], msg.priority)
             self._reply(identity, _error(msg.id, why[0], why[1] or unknown(msg.model)))
 
     def on_register(self, msg: P.Register, identity: bytes, now: float, peer: str = "") -> None:
@@ -130,7 +130,7 @@ class LlmDesk:
         return {m: n - pending.get(m, 0) for m, n in out.items()}
 
     def _on_fail(self, r: LlmRequest, status: Status, message: str) -> None:
-        self.metrics.request_failed(r.model, status)
+        self.metrics.request_failed(r.model, status, r.priority)
         self._reply(r.client, _error(r.req_id, status, message))
 
 

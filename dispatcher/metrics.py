@@ -92,7 +92,7 @@ RENDER_CREDIT_S = 0.05
 class Metrics:
     def __init__(self) -> None:
         self.ok: dict[tuple[str, str, int], list] = {}  # (model, path, prio) -> [n, items, queue, compute, total]
-        self.failures: dict[tuple[str, int], int] = {}  # (model, status) -> n
+        self.failures: dict[tuple[str, int, int], int] = {}  # (model, status, prio) -> n
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
         self.latency: dict[str, list] = {}  # model -> bucket counts (+Inf last), then [sum]
         self.unknown_model_requests = 0  # one number: names asked for are the client's, without end
@@ -122,9 +122,11 @@ class Metrics:
         h[bisect.bisect_left(LATENCY_BUCKETS_S, total_us * 1e-6)] += 1
         h[-1] += total_us
 
-    def request_failed(self, model: str, status: int) -> None:
+    def request_failed(self, model: str, status: int, prio: int) -> None:
+        """``prio``: the class the client asked for, as a success's (a per-class error ratio was no
+        query: failures had no priority label)."""
         self.changes += 1
-        key = (model, int(status))
+        key = (model, int(status), prio)
         self.failures[key] = self.failures.get(key, 0) + 1
 
     def unknown_model(self) -> None:
@@ -139,7 +141,8 @@ class Metrics:
         self.changes += 1
         for status in Status:
             if status not in (Status.OK, Status.UNKNOWN_MODEL):  # (an unknown model has no series)
-                self.failures.setdefault((model, int(status)), 0)
+                for prio in range(len(PRIORITY_NAMES)):
+                    self.failures.setdefault((model, int(status), prio), 0)
         self.latency.setdefault(model, [0] * (len(LATENCY_BUCKETS_S) + 2))
         if path:
             for prio in range(len(PRIORITY_NAMES)):
@@ -194,8 +197,8 @@ class Metrics:
                 w("".join([f"{name}{{{lab}}} {row[idx]}\n" for lab, (_, row) in zip(ok_labels, ok_rows)]))
         name = "nv_inference_request_failure"
         w(_head(name, "Failed inference requests by reason", "counter"))
-        for (model, status), n in sorted(self.failures.items()):
-            lab = self._label(("fail", model, status), lambda: _failure_labels(model, status))
+        for (model, status, prio), n in sorted(self.failures.items()):
+            lab = self._label(("fail", model, status, prio), lambda: _failure_labels(model, status, prio))
             w(f"{name}{{{lab}}} {n}\n")
         name = "nv_inference_exec_count"
         w(_head(name, "Batches executed", "counter"))
@@ -265,9 +268,10 @@ def _ok_labels(model: str, path: str, prio: int) -> str:
     return f'model="{_esc(model)}",path="{_esc(path)}",priority="{PRIORITY_NAMES[prio]}",version="{VERSION}"'
 
 
-def _failure_labels(model: str, status: int) -> str:
+def _failure_labels(model: str, status: int, prio: int) -> str:
     reason = TRITON_REASONS.get(status, "OTHER")
-    return f'model="{_esc(model)}",reason="{reason}",status="{status_name(status)}",version="{VERSION}"'
+    return (f'model="{_esc(model)}",priority="{PRIORITY_NAMES[prio]}",reason="{reason}",status="{status_name(status)}",'
+            f'version="{VERSION}"')
 
 
 def _esc(value: str) -> str:

@@ -494,7 +494,7 @@ class Dispatcher:
                 metrics.request_ok(req.model, path, req.asked_priority, req.items, timing.queue_us, timing.compute_us,
                                    timing.total_us)
             else:
-                metrics.request_failed(req.model, status)
+                metrics.request_failed(req.model, status, req.asked_priority)
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=status,
                                            message=message, outputs=outputs, timing=timing))
             send_parts(fe, [req.client, header, *out_frames])
@@ -609,7 +609,7 @@ class Dispatcher:
         return self._unknown_model(model)
 
     def _reject(self, identity: bytes, msg: P.InferRequest, status: Status, message: str) -> None:
-        self.metrics.request_failed(msg.model, status)
+        self.metrics.request_failed(msg.model, status, msg.priority)
         self._reply(identity, P.error_reply(msg.id, status, message))
 
     def _on_infer(self, msg: P.InferRequest, identity: bytes, raw: bytes, frames: list, now: float) -> None:
@@ -727,7 +727,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ replies
     def _on_fail(self, req: Request, status: Status, message: str) -> None:
-        self.metrics.request_failed(req.model, status)
+        self.metrics.request_failed(req.model, status, req.asked_priority)
         self._reply(req.client, P.error_reply(req.req_id, status, message, req.answered_in_flight))
 
     def _reply(self, identity: bytes, header: bytes) -> None:

@@ -120,11 +120,25 @@ def test_failures_carry_tritons_reasons_and_batchyards_status():
             Status.INTERNAL: "BACKEND", Status.UNAVAILABLE: "BACKEND", Status.INVALID_ARGUMENT: "OTHER",
             Status.UNKNOWN_MODEL: "OTHER", Status.PERMISSION_DENIED: "OTHER", 99: "OTHER"}
     for status in want:
-        m.request_failed("m", status)
+        m.request_failed("m", status, 0)
     samples = [s for s in exposition_samples(m.render({}, {}, {}, {})) if s.name == "nv_inference_request_failure"]
     got = {s.labels["status"]: s.labels["reason"] for s in samples}
     assert got == {(Status(k).name.lower() if k != 99 else "status_99"): v for k, v in want.items()}
-    assert all(s.value == 1 and s.labels["version"] == "1" for s in samples)
+    assert all(s.value == 1 and s.labels["version"] == "1" and s.labels["priority"] == "high" for s in samples)
+
+
+def test_failures_carry_the_class_the_client_asked_for():
+    """The README promised path/priority labels; failures had no priority, so a per-class error
+    ratio (sum by (priority) of failures over requests) split nothing."""
+    m = Metrics()
+    m.model_served("m", "cpu")
+    m.request_failed("m", Status.DEADLINE_EXCEEDED, 0)
+    for _ in range(3):
+        m.request_failed("m", Status.DEADLINE_EXCEEDED, 2)
+    samples = exposition_samples(m.render({}, {}, {}, {}))
+    by_class = {p: total(samples, "nv_inference_request_failure", model="m", status="deadline_exceeded", priority=p)
+                for p in ("high", "normal", "low")}
+    assert by_class == {"high": 1, "normal": 0, "low": 3}  # the normal class's series exists at 0 from the start
 
 
 def test_label_values_are_escaped_and_the_exposition_parses():
@@ -134,7 +148,7 @@ def test_label_values_are_escaped_and_the_exposition_parses():
     m = Metrics()
     for _ in range(3):
         m.request_ok(odd, "cpu", 0, items=4, queue_us=100, compute_us=2000, total_us=2500)
-    m.request_failed(odd, Status.OVERLOADED)
+    m.request_failed(odd, Status.OVERLOADED, 1)
     m.batch_done(odd, "cpu")
     text = m.render({odd: 2}, {"cpu_now": 3}, {f"{odd}/cpu": {"launch_us": 900.0, "per_item_us": 50.0}}, {odd: 12.5})
     samples = exposition_samples(text)
@@ -194,7 +208,7 @@ def test_cumulative_families_are_counters_as_tritons_and_keep_their_names():
     m = Metrics()
     m.model_served("sum", "gpu")
     m.request_ok("sum", "gpu", 1, items=2, queue_us=10, compute_us=20, total_us=40)
-    m.request_failed("sum", Status.OVERLOADED)
+    m.request_failed("sum", Status.OVERLOADED, 1)
     m.batch_done("sum", "gpu")
     text = m.render({"sum": 1}, {"cpu_now": 2}, {}, {"sum": 3.0})
     types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
@@ -376,7 +390,7 @@ def test_an_occasional_scrape_shows_every_count_so_far():
     m, state = _registry_of(100)
     before = total(_parse(m.render(*state)), "nv_inference_request_success", model="model_7")
     m.request_ok("model_7", "gpu", 1, 1, 100, 200, 400)
-    m.request_failed("model_7", Status.OVERLOADED)
+    m.request_failed("model_7", Status.OVERLOADED, 1)
     after = _parse(m.render(*state))
     assert total(after, "nv_inference_request_success", model="model_7") == before + 1
     assert total(after, "nv_inference_request_failure", model="model_7", reason="REJECTED") == 1
