@@ -528,6 +528,12 @@ class Supervisor:
                     self._aborted.pop(proc.pid, None)
                     self._killed.pop(proc.pid, None)
                     if proc.returncode == EX_CONFIG:
+                        if name.startswith(FRONTEND_NAME):
+                            # Given up, its ports stayed dead while `up` went on pinging the
+                            # watchdog: a unit systemd saw healthy served no KServe client.
+                            log.error("front door %s cannot run on this host as configured (exit %d, see its "
+                                      "log); stopping the node", name, EX_CONFIG)
+                            return EX_CONFIG
                         log.error("worker %s cannot run on this host as configured (exit %d, see its log); "
                                   "not restarting it", name, EX_CONFIG)
                         self.given_up.add(name)
@@ -738,7 +744,15 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
     # SIGTERM may come at any moment, also before run_forever takes the signals over.
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop_now)
-    sup = Supervisor(config_path, node, log_level, child_watchdog=True)
+    # Every child, restarts included, runs the config validated here, from a private copy: read
+    # again from its file, an edit made on disk while the node ran reached the next child that
+    # restarted (a typo gave up a crashed worker and front door for good, a changed port moved
+    # the front door's).
+    snapshot_dir = tempfile.TemporaryDirectory(prefix="by-up-")
+    snapshot = Path(snapshot_dir.name) / Path(config_path).name
+    snapshot.write_text(f"# {os.path.abspath(config_path)} as `batchyard up` (pid {os.getpid()}) validated it at "
+                        "start: its children run this copy\n" + to_toml(node))
+    sup = Supervisor(snapshot, node, log_level, child_watchdog=True)
     try:
         sup.start()
         try:
@@ -756,3 +770,4 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
         for sig in STOP_SIGNALS:  # a second signal must not cut the cleanup short
             signal.signal(sig, signal.SIG_IGN)
         sup.stop()
+        snapshot_dir.cleanup()

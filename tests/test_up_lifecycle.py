@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -210,6 +211,42 @@ def test_up_kills_and_restarts_a_worker_that_hangs(run_dir):
     finally:
         if victim is not None and psutil.pid_exists(victim):
             os.kill(victim, signal.SIGKILL)
+        _kill(up)
+
+
+def test_a_restarted_worker_runs_the_config_up_started_with_not_the_file_edited_since(run_dir):
+    """`up` gave every child the config file's path, read again at each restart: an edit on disk
+    (here a typo, as an operator preparing the next start makes one) reached the worker `up`
+    restarted, which exited 78 and was given up for good, the node left without it."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",))])
+    try:
+        path = Path(run_dir) / "node.toml"
+        path.write_text(path.read_text().replace("[dispatcher]", "[dispatcher]\nmax_queu = 5", 1))
+        with Client(node.dispatcher.frontend) as c:
+            st = c.status()
+            os.kill(st.workers[0].pid, signal.SIGKILL)
+            back = c.status(min_registrations=st.registrations + 1, wait=60)
+            assert back.registrations > st.registrations, f"the killed worker was not started again: {_rest(up)}"
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+        assert _stop(up) < 30 and up.returncode == 0
+    finally:
+        _kill(up)
+
+
+def test_a_front_door_that_cannot_run_as_configured_stops_the_node_not_silently_its_ports(run_dir):
+    """A restarted front door that exits 78 was given up as a worker is, and `up` went on
+    pinging the watchdog: a unit systemd saw healthy with its KServe ports dead. The config
+    every child runs is `up`'s private copy; broken here, as no edit can break it any more."""
+    node, up = _up(run_dir, [sim_worker("w0", ("sum",))], frontend=True)
+    try:
+        [front] = _children(up, "::frontend")
+        [copy] = [p for p in Path(tempfile.gettempdir()).glob("by-up-*/node.toml")
+                  if f"(pid {up.pid})" in p.read_text().splitlines()[0]]
+        copy.write_text(copy.read_text().replace("[dispatcher]", "[dispatcher]\nmax_queu = 5", 1))
+        front.kill()
+        assert up.wait(60) == 78
+        assert b"cannot run on this host as configured (exit 78, see its log); stopping the node" in up.stderr.read()
+    finally:
         _kill(up)
 
 
