@@ -576,7 +576,14 @@ def _check_address(key: str, address: str) -> None:
         if parsed is None or parsed[0] == "*":
             raise ConfigError(f"{key}: {address!r} is not tcp://HOST:PORT with a host to connect to and a port "
                               "of 1-65535")
-    elif not rest.startswith("@") and len(rest.encode()) > UNIX_PATH_MAX:  # "@": abstract, no file
+    elif rest.startswith("@"):
+        # Linux's abstract namespace: no file, so no permissions. Any local user connected, took
+        # a restarting worker's name on the backend (its own connection was then dropped, and it
+        # never registered again) or was served on a frontend set to ipc_mode 0600.
+        raise ConfigError(f"{key}: {address!r} is an abstract unix socket, which has no file and so no permissions: "
+                          "any local user could connect; give it a path (its folder's and the socket's modes "
+                          "decide who may)")
+    elif len(rest.encode()) > UNIX_PATH_MAX:
         raise ConfigError(f"{key}: the ipc path of {address!r} is {len(rest.encode())} bytes; a unix socket's "
                           f"path has at most {UNIX_PATH_MAX}")
 

@@ -377,6 +377,13 @@ def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_p
      "node.toml: [dispatcher] backend: 'tcp://127.0.0.1:http' is not tcp://HOST:PORT"),
     (edited('backend = "ipc:///tmp/by-test/be"', f'backend = "ipc:///tmp/{"b" * 120}"'),
      "node.toml: [dispatcher] backend: the ipc path of"),
+    # no file, no permissions: another local user took a restarting worker's name (it never
+    # registered again), or was served by a frontend of ipc_mode 0600
+    (edited('backend = "ipc:///tmp/by-test/be"', 'backend = "ipc://@by-be"'),
+     "node.toml: [dispatcher] backend: 'ipc://@by-be' is an abstract unix socket, which has no file and so no "
+     "permissions: any local user could connect"),
+    (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "ipc://@by-fe"'),
+     "node.toml: [dispatcher] frontend: 'ipc://@by-fe' is an abstract unix socket"),
     # taken and ignored
     (NODE + LLM + VLLM_WORKER + "\n[workers.sim]\nlaunch_us = 5.0\n",
      "node.toml: [[workers]] #5 (name 'v0'): sim is set but kind is 'vllm'; it is for kind \"sim\""),
