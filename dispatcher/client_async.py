@@ -19,7 +19,7 @@ from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, C
                            checked_timeout, checked_wait, close_connection, closed_error, connection_lost, lost_error,
                            no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
-from .errors import DeadlineExceeded
+from .errors import DeadlineExceeded, InvalidArgument
 from .zmq_frames import NOBLOCK, send_parts
 
 
@@ -149,9 +149,17 @@ class AsyncClient(CodecAccess):
                 send_parts(self.sock, frames, NOBLOCK)
             except zmq.Again:
                 break
+            except (TypeError, ValueError) as e:  # a frame with no buffer: that request's fault alone
+                self._unsendable(rid, e)
             self._outbox.popleft()
             went = True
         return went
+
+    def _unsendable(self, rid: Optional[int], e: Exception) -> None:
+        """As Client's: left to escape, the error stopped the send, and every request behind it
+        in the outbox waited out its timeout."""
+        if rid is not None:
+            self._codec.fail_unsent(rid, InvalidArgument(f"a tensor of this request cannot be sent: {e}"))
 
     def _refuse_if_unusable(self) -> None:
         if self.closed:
@@ -207,6 +215,8 @@ class AsyncClient(CodecAccess):
                 send_parts(self.sock, frames, NOBLOCK)
             except zmq.Again:
                 self._outbox.append((rid, frames))
+            except (TypeError, ValueError) as e:
+                self._unsendable(rid, e)
         if self.sock.getsockopt(zmq.EVENTS) & (zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0)):
             self.loop.call_soon(self._drain)
 

@@ -33,7 +33,7 @@ from .client_pool import Region, ShmPool
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
 from .shm import CLIENT_REAP_ENTRIES, ShmError, reap_orphans
-from .validation import item_nbytes, over_inline_limit_hint
+from .validation import item_nbytes
 
 _DTYPE_NAMES: dict = {}
 
@@ -97,8 +97,8 @@ def time_left(deadline: float, model: str) -> float:
 
 def setup_step_timeout(deadline: float, model: str) -> float:
     """How long one set-up message (a grant step) may wait: what the call's ``deadline`` leaves
-    (capped at SETUP_TIMEOUT_S, a dispatcher away for 10 s failed submit(timeout=30) that it
-    would have served on its return)."""
+    (it was capped at SETUP_TIMEOUT_S: a dispatcher away for 10 s failed submit(timeout=30) that
+    it would have served on its return)."""
     return time_left(deadline, model)
 
 
@@ -440,7 +440,11 @@ class ClientCodec:
         total = sum(frame.nbytes for frame in frames)
         if total > limit:
             raise InvalidArgument(f"inline payload {total} bytes exceeds max_inline_bytes {limit}; "
-                                  f"{over_inline_limit_hint(self.shared_memory)}")
+                                  + ("send large tensors through shared memory" if self.shared_memory else
+                                     "this client sends tensors inline (shared_memory=False, a tcp endpoint's "
+                                     "default): raise the node's max_inline_bytes, or send them through shared "
+                                     "memory (an ipc endpoint, or shared_memory=True where the node sets "
+                                     "allow_shm_over_tcp)"))
 
     @staticmethod
     def retimed(header: bytes, timeout: float) -> bytes:

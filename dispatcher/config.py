@@ -393,9 +393,12 @@ class NodeConfig(_Table):
             if w.kind != "triton":
                 continue
             where = f"{_item('workers', i, w.name)}: triton.url {w.triton.url!r}"
-            parsed = host_port(w.triton.url)
+            # gRPC's own target syntax for a name, dns:///HOST:PORT, is what tritonclient passes on
+            url = w.triton.url
+            parsed = host_port(url[len("dns:///"):] if url.startswith("dns:///") else url)
             if parsed is None:
-                scheme = " (without a scheme: gRPC is what the worker speaks)" if "://" in w.triton.url else ""
+                scheme = (" (no URL scheme: write HOST:PORT, or gRPC's dns:///HOST:PORT)" if "://" in url or
+                          url.startswith(("ipv4:", "ipv6:", "unix:")) else "")
                 raise ConfigError(f"{where} is not HOST:PORT with a port of 1-65535{scheme}")
             host, port = parsed
             for key, listen_host, listen_port in ours:
@@ -655,7 +658,14 @@ def _check_listen_host(key: str, host: str) -> None:
         return
     try:
         socket.getaddrinfo(host.strip("[]"), None)
-    except (socket.gaierror, UnicodeError) as e:
+    except socket.gaierror as e:
+        if e.errno == socket.EAI_AGAIN:
+            # The resolver failed for now: no fault of the config's. Refused here, a front door
+            # restarted during a DNS hiccup exited 78 and stopped its node for good; its bind
+            # fails instead (exit 1), and it is started again.
+            return
+        raise ConfigError(f"{key}: cannot listen on {host!r}: {e}") from None
+    except UnicodeError as e:
         raise ConfigError(f"{key}: cannot listen on {host!r}: {e}") from None
 
 

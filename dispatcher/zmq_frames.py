@@ -56,7 +56,12 @@ def recv_parts(sock: zmq.Socket, max_parts: Optional[int] = None) -> Optional[li
 
 def send_parts(sock: zmq.Socket, parts: list, flags: int = 0) -> None:
     """Send ``parts`` as one message. With ``flags`` NOBLOCK a full queue raises zmq.Again at the
-    first part (ZeroMQ queues a multipart message whole or not at all)."""
+    first part (ZeroMQ queues a multipart message whole or not at all). A part with no buffer
+    raises TypeError before any is sent (as send_multipart checks): raised at a later part, the
+    parts before it stayed on the socket, the start of the next message."""
+    for p in parts:
+        if type(p) is not bytes and type(p) is not memoryview:
+            memoryview(p)  # (zmq.Frame and numpy arrays have a buffer)
     send = sock.send
     last = len(parts) - 1
     for i, p in enumerate(parts):

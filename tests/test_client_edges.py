@@ -462,11 +462,11 @@ def test_an_inline_tensor_over_the_nodes_limit_fails_alone_with_the_dispatchers_
     # On tcp all goes inline: a 1 MiB tensor, past the node's frame limit, made ZeroMQ drop the
     # client's connection, and it and every other request in flight on it failed UNAVAILABLE ("lost
     # the connection ... if the node uses CURVE") instead of INVALID_ARGUMENT for it alone.
-    # (The hint said "send large tensors through shared memory", which a tcp endpoint without
-    # allow_shm_over_tcp refuses.)
-    refused = ("inline payload 1048576 bytes exceeds max_inline_bytes 65536; this endpoint takes tensors inline "
-               "only (tcp without [dispatcher] allow_shm_over_tcp): raise the node's max_inline_bytes, or connect "
-               "over ipc to send them through shared memory")
+    # (The hint said "send large tensors through shared memory", which this client, inline over
+    # tcp by default, does not do.)
+    refused = ("inline payload 1048576 bytes exceeds max_inline_bytes 65536; this client sends tensors inline "
+               "(shared_memory=False, a tcp endpoint's default): raise the node's max_inline_bytes, or send them "
+               "through shared memory (an ipc endpoint, or shared_memory=True where the node sets allow_shm_over_tcp)")
     with _dispatcher_on_tcp(run_dir, max_inline_bytes=64 << 10, max_message_bytes=128 << 10) as address:
         if kind == "Client":
             with Client(address) as c:

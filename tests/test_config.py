@@ -396,6 +396,26 @@ def test_endpoints_and_worker_tables_a_typo_would_break_are_refused(tmp_path, te
     assert load_error(tmp_path, text).startswith(message)
 
 
+def test_a_listen_host_the_resolver_cannot_answer_for_now_is_no_config_error(tmp_path, monkeypatch):
+    """A temporary resolver failure (EAI_AGAIN) made the config's check exit 78: a front door
+    restarted during a DNS hiccup then stopped its node for good. Its bind fails instead (exit 1,
+    started again); a name that does not exist stays a config error."""
+    import socket
+
+    from batchyard.config import _check_listen_host
+
+    def failing(errno):
+        def getaddrinfo(*a, **k):
+            raise socket.gaierror(errno, "resolver says no")
+        return getaddrinfo
+
+    monkeypatch.setattr(socket, "getaddrinfo", failing(socket.EAI_AGAIN))
+    _check_listen_host("[frontend] host", "node0.example")
+    monkeypatch.setattr(socket, "getaddrinfo", failing(socket.EAI_NONAME))
+    with pytest.raises(ConfigError, match=r"\[frontend\] host: cannot listen on 'node0.example'"):
+        _check_listen_host("[frontend] host", "node0.example")
+
+
 def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
     """A metrics_host typo, and an ipc socket in a folder that does not exist, stopped the
     dispatcher at start with its traceback (exit 1, which systemd restarts)."""
@@ -632,10 +652,12 @@ def test_a_triton_url_on_the_nodes_own_port_is_refused(tmp_path):
     ("127.0.0.1:73537", "", "is not HOST:PORT with a port of 1-65535"),  # gRPC wraps it to 8001
     ("127.0.0.1", "", "is not HOST:PORT with a port of 1-65535"),
     # Taken, these retried "unreachable" until the worker's start-up timeout, then exit 69 (restart me):
-    ("grpc://127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535 (without a scheme"),
-    ("http://127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535 (without a scheme"),
+    ("grpc://127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535 (no URL scheme: write HOST:PORT, or "
+                                  "gRPC's dns:///HOST:PORT)"),
+    ("http://127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535 (no URL scheme"),
     (" 127.0.0.1:8001", "", "is not HOST:PORT with a port of 1-65535"),
     ("127.0.0.2:9001", 'host = "0.0.0.0"\ngrpc_port = 9001', "is this node's own [frontend] grpc_port"),
+    ("dns:///localhost:9001", 'grpc_port = 9001', "is this node's own [frontend] grpc_port"),  # gRPC's own form, read
     ("localhost:9002", 'http_port = 9002', "is this node's own [frontend] http_port"),
 ])
 def test_a_triton_url_on_the_nodes_own_port_in_any_spelling_or_past_65535_is_refused(tmp_path, url, frontend, says):
@@ -645,6 +667,14 @@ def test_a_triton_url_on_the_nodes_own_port_in_any_spelling_or_past_65535_is_ref
     if frontend:
         text = text.replace("grpc_port = 9001\n", frontend + "\n")
     assert says in load_error(tmp_path, text)
+
+
+def test_a_triton_url_in_grpcs_dns_form_is_taken(tmp_path):
+    """dns:///HOST:PORT, gRPC's own target syntax, which tritonclient passes on: refused with
+    the URL schemes that no resolver finds (a "/" in the host)."""
+    path = tmp_path / "node.toml"
+    path.write_text(NODE.replace('url = "127.0.0.1:8001"', 'url = "dns:///127.0.0.1:9101"'))
+    assert load_config(path).worker("gpu0").triton.url == "dns:///127.0.0.1:9101"
 
 
 def test_a_model_no_worker_serves_is_named_at_the_dispatchers_start(tmp_path, run_dir):

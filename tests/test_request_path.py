@@ -160,6 +160,15 @@ def test_a_frame_that_cannot_be_sent_fails_its_request_alone(start_node):
             c._send("infer", rid, [frames[0], object()], [], {}, 5.0).result()
         np.testing.assert_array_equal(c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0, 4.0]])
 
+    async def go():  # AsyncClient too: the error escaped its send, and the requests behind it waited
+        async with AsyncClient(node.address) as c:
+            rid, frames, *_ = c._codec.encode_infer("sum", {"x": np.ones((1, 4), np.float32)}, "normal", None)
+            with pytest.raises(InvalidArgument, match="a tensor of this request cannot be sent"):
+                await c._send("infer", rid, [frames[0], object()], [], {}, 5.0)
+            return (await c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=5))["y"]
+
+    np.testing.assert_array_equal(asyncio.run(go()), [[4.0, 4.0]])
+
 
 def raw_roundtrip(address, frames, timeout_ms=5000):
     ctx = zmq.Context.instance()
