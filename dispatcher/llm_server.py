@@ -89,17 +89,21 @@ class LlmDesk:
         gone, sends = 0, self.core.decide(now)
         while sends:
             again = False
-            for send in sends:
+            for i, send in enumerate(sends):
+                if self.core.workers.get(send.worker.name) is not send.worker:
+                    continue  # lost at an earlier send of this list: its jobs there were withdrawn
                 if self._send_worker(send.worker.identity, P.encode(send.job)):
                     continue
                 # Its connection is gone (ROUTER_MANDATORY): out of rotation now. The job was
                 # dropped unsaid, and routing kept choosing the worker until its heartbeats were
-                # missed (worker_dead_after_s), each request sent there failing only then. The
-                # job never ran: its requests are routed again, not failed with the worker's.
-                withdrawn = self.core.withdraw(send.job)
+                # missed (worker_dead_after_s), each request sent there failing only then. Its
+                # jobs in this list never ran (this one and those later for the same worker,
+                # which the worker's loss failed as "lost while running"): routed again.
+                withdrawn = [self.core.withdraw(s.job) for s in sends[i:] if s.worker is send.worker]
                 if self.lost(send.worker.name, "unreachable", now):
                     gone += 1
-                self.core.route_again(*withdrawn, now)
+                for kind, kv_from, requests in withdrawn:
+                    self.core.route_again(kind, kv_from, requests, now)
                 again = True
             sends = self.core.decide(now) if again else []
         return gone

@@ -283,6 +283,27 @@ def test_a_prefill_job_that_never_reached_its_lost_engine_is_routed_again_not_fa
         assert sent[-1][1].get("kv_from", "") == ""
 
 
+def test_every_job_of_one_decision_for_a_lost_engine_is_routed_again():
+    """Two jobs for a GPU instance whose connection was gone, in one decision: the first one's
+    failed send took the instance out of rotation, which failed the second as "lost while
+    running", though it never left the dispatcher, the other GPU instance up."""
+    from batchyard.llm_server import LlmDesk
+
+    replies, sent = [], []
+    desk = LlmDesk(lambda identity, header: sent.append(identity) or identity != b"gpu0",
+                   lambda c, h: replies.append(h), 30.0, 1.0, 10.0)
+    desk.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+    desk.core.add_worker("gpu1", b"gpu1", GPU_ENGINE, 0.0)
+    for i, n in enumerate([64, 1500, 64, 64], 1):
+        desk.on_generate(P.GenerateRequest(v=1, id=i, model="m", prompt=[7] * n, max_tokens=4,
+                                           timeout_us=30_000_000), b"client", 0.0, lambda m: "")
+    assert len(desk.core.workers["gpu0"].jobs) == 2
+    assert desk.decide(0.0) == 1
+    assert replies == [] and sorted(r.req_id for r in desk.core.requests.values()) == [1, 2, 3, 4]
+    assert sent.count(b"gpu0") == 1 and all(len(j.requests) == 1 for j in desk.core.workers["gpu1"].jobs.values())
+    assert len(desk.core.workers["gpu1"].jobs) == 4
+
+
 def test_a_request_that_forced_the_cpu_route_is_refused_when_the_last_cpu_instance_goes_not_served_on_the_gpu():
     """Queued for the CPU instance when it went, a request that forced route prefill-cpu was
     served on the GPU and answered OK with route "gpu": a client comparing the paths got the
