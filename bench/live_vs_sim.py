@@ -33,9 +33,9 @@ A quantile that sits in a gap between latency modes is ill-posed: escape:2's p50
 falls between "a CPU alone, T(1)" and "a pair or the GPU, ~2 T(1)", so a few percent of the
 requests crossing the gap move it by 15-35 %; the ``conditioning`` block says when that is so.
 What scaling does NOT keep identical to the unscaled simulator report: the policies' absolute
-constants (ArrivalRate tau 0.25 s, AGING_S, FIXED_MAX_WAIT_S) are not scaled, so at S the rate
-estimate averages over 1/S as many arrivals. The comparison here is live vs simulator at the
-same S, on the same trace.
+constants (AGING_S, FIXED_MAX_WAIT_S; the arrival rate's window, 0.25 s at the report's rates
+and ~64 arrivals' worth, ~3 s, at S = 1000) are not scaled. The comparison here is live vs
+simulator at the same S, on the same trace.
 """
 
 from __future__ import annotations

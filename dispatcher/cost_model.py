@@ -560,6 +560,12 @@ SILENT_ARRIVALS = 3.0
 TAU_S = 0.25
 TAU_ARRIVALS = 64
 TAU_MAX_S = 10.0
+# The window's length follows the requests of the last TAU_S (not its own estimate: after a
+# quiet spell a 10 s window, sized by the estimate it held, took ~150 arrivals to follow a step
+# to 40/s, and MCB's reservation for urgent requests 4.3 s). Where that short count has at least
+# RESTART_ARRIVALS requests and twice the long window's rate, the long window restarts at it.
+RESTART_ARRIVALS = 8
+RESTART_FACTOR = 2.0
 
 
 class ArrivalRate:
@@ -576,7 +582,7 @@ class ArrivalRate:
     next request is up to several times further away than it is.
     """
 
-    __slots__ = ("tau", "_rate", "_t", "_first", "_last_n", "_adaptive", "_requests", "_tail")
+    __slots__ = ("tau", "_rate", "_t", "_first", "_last_n", "_adaptive", "_requests", "_recent", "_tail")
 
     def __init__(self, tau_s: Optional[float] = None, initial: float = 0.0):
         """``tau_s``: a fixed time constant; None: the window of TAU_S / TAU_ARRIVALS (above)."""
@@ -587,7 +593,8 @@ class ArrivalRate:
         # A given initial rate stands for a long past: nothing to correct.
         self._first = -math.inf if initial > 0 else None
         self._last_n = 1  # items of the latest arrival
-        self._requests = 0.0  # decayed count of arrivals (not items) / tau, for the window's length
+        self._requests = 0.0  # decayed count of arrivals (not items) / tau
+        self._recent = 0.0  # the same over TAU_S, for the window's length and its restarts
         # e^-(t_last - t_first)/tau, the share of the window not yet observed, once tau has
         # changed (None: computed from _first, as while tau is constant)
         self._tail: Optional[float] = None
@@ -601,14 +608,24 @@ class ArrivalRate:
             self._tail *= math.exp(-(now - self._t) / self.tau)
         if self._adaptive:
             self._requests = self._decay(self._requests, now) + 1 / self.tau
+            dt = now - self._t
+            self._recent = (self._recent * math.exp(-dt / TAU_S) if dt > 0 else self._recent) + 1 / TAU_S
         self._rate = self._decayed(now) + n / self.tau
         self._t = now
         if self._adaptive:
-            tau = min(TAU_MAX_S, max(TAU_S, TAU_ARRIVALS * self._seen(now) / self._requests))
+            elapsed = max(now - self._first, MIN_ELAPSED_S)
+            recent = self._recent / -math.expm1(-elapsed / TAU_S)  # requests/s over the last TAU_S
+            tau = min(TAU_MAX_S, max(TAU_S, TAU_ARRIVALS / recent))
             if tau != self.tau:
                 if self._tail is None:
                     self._tail = math.exp(-(now - self._first) / self.tau)  # 0.0 for _first = -inf
                 self.tau = tau
+            if self.tau > TAU_S and recent * TAU_S >= RESTART_ARRIVALS:
+                seen = self._seen(now)
+                if recent > RESTART_FACTOR * self._requests / seen:  # a rise the long window has yet to see
+                    scale = recent * seen / self._requests
+                    self._requests *= scale
+                    self._rate *= scale
 
     @property
     def last(self) -> float:

@@ -464,6 +464,19 @@ def test_the_arrival_rates_window_holds_enough_arrivals_at_a_low_rate_and_is_0_2
     assert np.percentile(errors, 90) < 0.25
     # the stream stops: the long window does not keep the next request near for seconds
     assert slow.rate(t + 1.0) <= 3.0 and slow.time_when_rate_is(3.0, t) <= t + 1.0
+    # After a quiet spell (0.2/s for a minute, a 10 s window) a stream starts at 100/s: sized by
+    # its own estimate, the window took ~2 s to reach half of it (11/s after 1 s), and MCB's
+    # reservation for urgent requests at 40/s came 4.3 s late; it follows the last 0.25 s now.
+    quiet, t = ArrivalRate(), 0.0
+    while t < 60:
+        t += rng.exponential(1 / 0.2)
+        quiet.arrive(t)
+    assert quiet.tau == 10.0
+    start = t
+    while t < start + 0.5:
+        t += rng.exponential(1 / 100)
+        quiet.arrive(t)
+    assert quiet.rate(t) >= 50
     fast, fixed, t = ArrivalRate(), ArrivalRate(tau_s=TAU_S), 0.0
     for _ in range(20_000):  # Poisson at 5,000/s
         t += rng.exponential(1 / 5000)
