@@ -685,8 +685,8 @@ def test_an_async_client_whose_send_queue_is_full_keeps_its_event_loop_running(f
         if not started:
             started.append(fake())
 
-    # On the code before, the loop stayed blocked in the fifth send until a dispatcher came: this
-    # brings one, so that the test fails instead of hanging.
+    # On the code before (its fixed 100,000 made patchable), the loop stayed blocked in the fifth
+    # send until a dispatcher came: this brings one, so that the test fails instead of hanging.
     guard = threading.Timer(3.0, start_dispatcher)
     guard.start()
 

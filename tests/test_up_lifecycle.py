@@ -217,7 +217,7 @@ def test_up_kills_and_restarts_a_worker_that_hangs(run_dir):
 def test_a_restarted_worker_runs_the_config_up_started_with_not_the_file_edited_since(run_dir):
     """`up` gave every child the config file's path, read again at each restart: an edit on disk
     (here a typo, as an operator preparing the next start makes one) reached the worker `up`
-    restarted, which exited 78 and was given up for good, the node left without it."""
+    restarted, which exited 78 on it and was given up for good, never registering again."""
     node, up = _up(run_dir, [sim_worker("w0", ("sum",))])
     try:
         path = Path(run_dir) / "node.toml"
