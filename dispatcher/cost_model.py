@@ -562,8 +562,9 @@ TAU_ARRIVALS = 64
 TAU_MAX_S = 10.0
 # The window's length follows the requests of the last TAU_S (not its own estimate: after a
 # quiet spell a 10 s window, sized by the estimate it held, took ~150 arrivals to follow a step
-# to 40/s, and MCB's reservation for urgent requests 4.3 s). Where that short count has at least
-# RESTART_ARRIVALS requests and twice the long window's rate, the long window restarts at it.
+# to 40/s, and MCB's reservation for urgent requests 4.3 s). Where that short count (decaying over
+# TAU_S, so at least RESTART_ARRIVALS / TAU_S requests/s) holds at least RESTART_ARRIVALS and twice
+# the long window's rate, the long window restarts at it.
 RESTART_ARRIVALS = 8
 RESTART_FACTOR = 2.0
 
