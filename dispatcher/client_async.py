@@ -19,7 +19,7 @@ from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, C
                            checked_timeout, checked_wait, close_connection, closed_error, connection_lost, lost_error,
                            no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
-from .errors import DeadlineExceeded, InvalidArgument
+from .errors import DeadlineExceeded
 from .zmq_frames import NOBLOCK, send_parts
 
 
@@ -136,30 +136,10 @@ class AsyncClient(CodecAccess):
                 return
 
     def _flush(self) -> bool:
-        """Send the outbox in order while the socket takes it; requests that expired or were
-        cancelled meanwhile are dropped unsent. Whether any went."""
-        pending, went = self._codec.pending, False
-        while self._outbox:
-            rid, frames = self._outbox[0]
-            if rid is not None and rid not in pending:
-                self._outbox.popleft()
-                self._codec.drop_unsent(rid)
-                continue
-            try:
-                send_parts(self.sock, frames, NOBLOCK)
-            except zmq.Again:
-                break
-            except (TypeError, ValueError) as e:  # a frame with no buffer: that request's fault alone
-                self._unsendable(rid, e)
-            self._outbox.popleft()
-            went = True
-        return went
+        return self._codec.flush(self._outbox, self._send_nowait)
 
-    def _unsendable(self, rid: Optional[int], e: Exception) -> None:
-        """As Client's: left to escape, the error stopped the send, and every request behind it
-        in the outbox waited out its timeout."""
-        if rid is not None:
-            self._codec.fail_unsent(rid, InvalidArgument(f"a tensor of this request cannot be sent: {e}"))
+    def _send_nowait(self, frames: list) -> None:
+        send_parts(self.sock, frames, NOBLOCK)
 
     def _refuse_if_unusable(self) -> None:
         if self.closed:
@@ -208,15 +188,8 @@ class AsyncClient(CodecAccess):
         (a cancellation's) left a reply that had just arrived unread until the next request, and
         an idle front door has none: the request it belonged to was answered only by its local
         timeout."""
-        if self._outbox:
-            self._outbox.append((rid, frames))
-        else:
-            try:
-                send_parts(self.sock, frames, NOBLOCK)
-            except zmq.Again:
-                self._outbox.append((rid, frames))
-            except (TypeError, ValueError) as e:
-                self._unsendable(rid, e)
+        self._outbox.append((rid, frames))  # behind any already waiting, and sent now if they went
+        self._flush()
         if self.sock.getsockopt(zmq.EVENTS) & (zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0)):
             self.loop.call_soon(self._drain)
 

@@ -11,6 +11,7 @@ called from there only.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import math
@@ -668,6 +669,30 @@ class ClientCodec:
         worker will see its regions and no late reply will free them, so they go back now."""
         for region in self.late.pop(rid, None) or ():
             self.free(region)
+
+    def flush(self, outbox: collections.deque, send: Callable[[list], None]) -> bool:
+        """Send ``outbox``'s (request id or None, frames) in order while ``send`` takes them (it
+        raises zmq.Again over the socket's high-water mark). Requests that expired or were
+        cancelled meanwhile are dropped unsent; one with a frame that cannot be sent fails alone
+        (left to escape, the error stopped the send, and every request behind it waited out its
+        timeout). Whether any went. Both clients' outboxes: Client's I/O thread, AsyncClient's loop."""
+        went = False
+        while outbox:
+            rid, frames = outbox[0]
+            if rid is not None and rid not in self.pending:
+                outbox.popleft()
+                self.drop_unsent(rid)
+                continue
+            try:
+                send(frames)
+            except zmq.Again:
+                break
+            except (TypeError, ValueError) as e:  # a frame with no buffer: that request's fault alone
+                if rid is not None:
+                    self.fail_unsent(rid, InvalidArgument(f"a tensor of this request cannot be sent: {e}"))
+            outbox.popleft()
+            went = True
+        return went
 
     def fail_unsent(self, rid: int, error: BaseException) -> None:
         """Fail a request that never left this process: no worker saw its regions."""

@@ -24,7 +24,7 @@ import zmq
 
 from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, close_connection, closed_error, connection_lost,
                            lost_error, no_reply_error)
-from .errors import Cancelled, InvalidArgument, Unavailable
+from .errors import Cancelled, Unavailable
 from .zmq_frames import waiting
 
 log = logging.getLogger("batchyard.client")
@@ -232,21 +232,10 @@ class SocketThread:
         return True
 
     def _flush(self) -> None:
-        pending = self._codec.pending
-        while self._outbox:
-            rid, frames = self._outbox[0]
-            if rid is not None and rid not in pending:
-                self._outbox.popleft()
-                self._codec.drop_unsent(rid)
-                continue
-            try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return  # over the high-water mark: POLLOUT tells us when to go on
-            except (TypeError, ValueError) as e:  # a frame with no buffer: that request's fault alone
-                if rid is not None:
-                    self._codec.fail_unsent(rid, InvalidArgument(f"a tensor of this request cannot be sent: {e}"))
-            self._outbox.popleft()
+        self._codec.flush(self._outbox, self._send_nowait)
+
+    def _send_nowait(self, frames: list) -> None:
+        self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
     def _drain(self) -> None:
         # Receive everything first, then settle: the threads woken by settling then do not
