@@ -605,13 +605,14 @@ class ArrivalRate:
         if self._first is None:  # the first arrival starts the window; it says nothing of a rate
             self._first = self._t = now
             return
-        if self._tail is not None and now > self._t:
-            self._tail *= math.exp(-(now - self._t) / self.tau)
+        dt = now - self._t
+        decay = math.exp(-dt / self.tau) if dt > 0 else 1.0  # (x * 1.0 is x: the same bits as before)
+        if self._tail is not None:
+            self._tail *= decay
         if self._adaptive:
-            self._requests = self._decay(self._requests, now) + 1 / self.tau
-            dt = now - self._t
+            self._requests = self._requests * decay + 1 / self.tau
             self._recent = (self._recent * math.exp(-dt / TAU_S) if dt > 0 else self._recent) + 1 / TAU_S
-        self._rate = self._decayed(now) + n / self.tau
+        self._rate = self._rate * decay + n / self.tau
         self._t = now
         if self._adaptive:
             elapsed = max(now - self._first, MIN_ELAPSED_S)
@@ -637,9 +638,15 @@ class ArrivalRate:
         dt = now - self._t
         return self._rate * math.exp(-dt / self.tau) if dt > 0 else self._rate
 
-    def _decay(self, value: float, now: float) -> float:
-        dt = now - self._t
-        return value * math.exp(-dt / self.tau) if dt > 0 else value
+    def _silence_cap(self, r: float, now: float) -> float:
+        """``r``, at most SILENT_ARRIVALS arrivals (of the latest one's size) over the silence
+        since the latest arrival."""
+        silence = now - self._t
+        return min(r, SILENT_ARRIVALS * self._last_n / silence) if silence > 0 else r
+
+    def _silence_cap_at(self, target: float) -> float:
+        """When ``_silence_cap`` comes down to ``target``, with no new arrival."""
+        return self._t + SILENT_ARRIVALS * self._last_n / target
 
     def _seen(self, now: float) -> float:
         """Share of the window observed since the first arrival: 1 - e^-(elapsed/tau).
@@ -659,9 +666,7 @@ class ArrivalRate:
         if self._rate <= 0:
             return 0.0
         r = self._decayed(now) / self._seen(now)
-        if self.tau > TAU_S and now > self._t:
-            return min(r, SILENT_ARRIVALS * self._last_n / (now - self._t))
-        return r
+        return self._silence_cap(r, now) if self.tau > TAU_S else r
 
     def time_when_rate_is(self, target: float, now: float) -> float:
         """The instant (>= now) at which, with no new arrival, the rate decays to ``target``.
@@ -676,7 +681,7 @@ class ArrivalRate:
         tail = self._tail if self._tail is not None else math.exp(-(self._t - self._first) / self.tau)
         when = self._t + self.tau * math.log(self._rate / target + tail)  # (tail 0.0 for _first = -inf)
         if self.tau > TAU_S:  # rate()'s cap
-            when = min(when, self._t + SILENT_ARRIVALS * self._last_n / target)
+            when = min(when, self._silence_cap_at(target))
         return max(now, when)
 
     def rate_heard(self, now: float) -> float:
@@ -687,12 +692,10 @@ class ArrivalRate:
         within half a second held it above 20/s for 0.7 s of silence, and a reservation kept on
         that belief (MCB's step 1) left low requests with 20 ms deadlines to expire beside an
         idle CPU for half a second (live, sim workers: 115 of 2,406)."""
-        r = self.rate(now)
-        silence = now - self._t
-        return min(r, SILENT_ARRIVALS * self._last_n / silence) if silence > 0 else r
+        return self._silence_cap(self.rate(now), now)
 
     def time_when_heard_rate_is(self, target: float, now: float) -> float:
         """The instant (>= now) at which, with no new arrival, ``rate_heard`` falls to ``target``."""
         if target <= 0:
             return math.inf
-        return max(now, min(self.time_when_rate_is(target, now), self._t + SILENT_ARRIVALS * self._last_n / target))
+        return max(now, min(self.time_when_rate_is(target, now), self._silence_cap_at(target)))
