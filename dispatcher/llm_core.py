@@ -174,21 +174,26 @@ class LlmCore:
                 if self._end(r):
                     self.on_fail(r, Status.UNAVAILABLE, f"LLM worker {name} lost while running this request ({reason})")
                     failed.append(r)
-        # A CPU queue with no CPU instance left goes to the GPU path rather than wait forever,
-        # but for the requests that forced the CPU route: served on the GPU, they were answered
-        # OK with route "gpu", where admitted now they are refused.
         model = w.engine.model
         if not self._instances(model, PREFILL_CPU):
             queued, self.cpu_queue[model] = self.cpu_queue.get(model, []), []
-            for r in queued:
-                if r.forced == PREFILL_CPU:
-                    self._end(r)
-                    self.on_fail(r, Status.UNAVAILABLE, _no_cpu_instance(model))
-                    failed.append(r)
-                else:
-                    r.route = GPU
-                    self._to_gpu(r, now, kv_from="")
+            failed += self._off_the_cpu_path(queued, now)
         return failed
+
+    def _off_the_cpu_path(self, requests: list, now: float) -> list:
+        """Requests for a CPU prefill with no CPU instance left go to the GPU path rather than
+        wait forever, but for those that forced the CPU route: served on the GPU, they were
+        answered OK with route "gpu", where admitted now they are refused. -> those refused."""
+        refused = []
+        for r in requests:
+            if r.forced == PREFILL_CPU:
+                self._end(r)
+                self.on_fail(r, Status.UNAVAILABLE, _no_cpu_instance(r.model))
+                refused.append(r)
+            else:
+                r.route = GPU
+                self._to_gpu(r, now, kv_from="")
+        return refused
 
     def withdraw(self, msg) -> tuple[str, str, list]:
         """A job sent to a worker whose connection turned out gone, so it never ran: out of the
@@ -213,14 +218,8 @@ class LlmCore:
                 r.prefill_worker = ""
             if self._instances(model, PREFILL_CPU):
                 self.cpu_queue[model][:0] = requests
-                return
-            for r in requests:
-                if r.forced == PREFILL_CPU:
-                    self._end(r)
-                    self.on_fail(r, Status.UNAVAILABLE, _no_cpu_instance(model))
-                else:
-                    r.route = GPU
-                    self._to_gpu(r, now, kv_from="")
+            else:
+                self._off_the_cpu_path(requests, now)
             return
         for r in requests:
             self._to_gpu(r, now, kv_from)
