@@ -161,7 +161,11 @@ class SegmentCache:
     def get(self, name: str, file_id: tuple = ()) -> Segment:
         seg = self._lru.get(name)
         if seg is not None:
-            if not file_id or seg.file_id == file_id:
+            # An open file unlinked since (nlink 0) is no longer the one under the name: opened
+            # afresh, it is refused as replaced (or gone). Kept, a segment made again under its
+            # name after a batch had used it was served from the old, deleted file, OK, while
+            # the file the client now had under that name was never read or written.
+            if (not file_id or seg.file_id == file_id) and os.fstat(seg.fd).st_nlink:
                 self._lru.move_to_end(name)
                 return seg
             self.forget(name)  # the name now stands for another file (its owner made it again)

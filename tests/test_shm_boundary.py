@@ -118,6 +118,26 @@ def test_a_name_made_again_by_someone_else_is_not_served_from_the_old_mapping(st
         assert c.status().departures == 0
 
 
+def test_a_segment_made_again_after_a_worker_used_it_is_refused_not_served_from_the_old_file(start_node, files):
+    """The worker kept the proved file open: once a batch had used it, the client's segment
+    made again under its name (no new proof) was answered OK, its input read from the old,
+    deleted file and its output written there, the file under the name never touched."""
+    node = start_node([sim_worker()])
+    name = files(7.0)
+    with dealer(node.address) as s:
+        assert shm_register(s, name, write_challenge).status == P.Status.OK
+        assert infer_input_from(s, name).status == P.Status.OK  # the worker has it open now
+        os.unlink(os.path.join(SHM_DIR, name))
+        files(1.0, name=name)
+        reply = infer_input_from(s, name)
+        assert reply.status == P.Status.INVALID_ARGUMENT and "replaced since" in reply.message, reply
+        s.send_multipart([header(outputs={"y": {"segment": name, "offset": 128, "nbytes": 8}}),
+                          np.ones((1, 4), np.float32).tobytes()])
+        assert s.poll(10_000)
+        reply = P.reply_decoder.decode(s.recv_multipart()[0])
+        assert reply.status == P.Status.INVALID_ARGUMENT and "replaced since" in reply.message, reply
+
+
 def test_registering_a_fifo_does_not_stop_the_dispatcher(start_node):
     """Proving a segment opened it for reading, and opening a FIFO waits for a writer: the
     dispatcher's one thread stopped until somebody opened it."""
