@@ -70,7 +70,7 @@ class TensorRef(msgspec.Struct, omit_defaults=True):
     name: Name
     dtype: str
     shape: list[Dim]
-    frame: int = -1  # index among the message's payload frames (0 = first after the header)
+    frame: Optional[NonNeg] = None  # index among the message's payload frames (0 = first after the header)
     shm: Optional[ShmRef] = None
 
 

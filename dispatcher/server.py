@@ -74,7 +74,7 @@ def malformed_result(res: P.ItemResult, frames_left: int) -> str:
     if res.status not in _STATUSES:
         return f"unknown status {res.status}"
     for ref in res.outputs:
-        if ref.shm is None and not 0 <= ref.frame < res.n_frames:
+        if ref.shm is None and (ref.frame is None or ref.frame >= res.n_frames):
             return f"output {ref.name!r} names frame {ref.frame} of {res.n_frames}"
     return ""
 

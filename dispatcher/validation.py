@@ -52,6 +52,17 @@ def over_inline_limit_hint(shm_allowed: bool) -> str:
             "the node's max_inline_bytes, or connect over ipc to send them through shared memory")
 
 
+# Dimensions of a wrong shape quoted back in its error: the whole of a 200,000-dimension shape
+# made a reply five times the header that asked (one-byte dimensions, five-character words).
+SHAPE_WORDS_MAX = 8
+
+
+def _shape_words(shape: list) -> str:
+    if len(shape) <= SHAPE_WORDS_MAX:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:SHAPE_WORDS_MAX]))}, ...] (rank {len(shape)})"
+
+
 def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
                    max_inline_bytes: int, shm_allowed: bool = True) -> int:
     """Return the request's item count (its batch dimension) or raise RequestInvalid."""
@@ -73,7 +84,7 @@ def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
             raise RequestInvalid(f"{_where(i, ref)}: dtype {ref.dtype!r}, model expects {tspec.dtype!r}")
         if len(ref.shape) != len(tspec.shape) + 1 or tuple(ref.shape[1:]) != tspec.shape:
             expected = ", ".join(["n", *map(str, tspec.shape)])
-            raise RequestInvalid(f"{_where(i, ref)}: shape {list(ref.shape)}, model expects [{expected}]")
+            raise RequestInvalid(f"{_where(i, ref)}: shape {_shape_words(ref.shape)}, model expects [{expected}]")
         n = ref.shape[0]
         if n < 1 or n > spec.max_batch:
             raise RequestInvalid(f"{_where(i, ref)}: batch dimension {n} outside 1..{spec.max_batch}")
@@ -82,7 +93,7 @@ def validate_infer(req: InferRequest, spec: ModelSpec, frame_sizes: list[int],
         elif n != items:
             raise RequestInvalid(f"{_where(i, ref)}: batch dimension {n} differs from other inputs' {items}")
         nbytes = n * per_item
-        if (ref.frame >= 0) == (ref.shm is not None):
+        if (ref.frame is not None) == (ref.shm is not None):
             raise RequestInvalid(f"{_where(i, ref)}: give exactly one of 'frame' or 'shm'")
         if ref.shm is not None:
             if ref.shm.nbytes != nbytes:

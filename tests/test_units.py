@@ -91,6 +91,8 @@ def test_salvage_id_walks_a_bounded_number_of_keys():
     (infer([x_ref(dtype="float64")]), [64], "dtype 'float64', model expects 'float32'"),
     (infer([x_ref(shape=(2, 5))]), [40], "shape [2, 5], model expects [n, 4]"),
     (infer([x_ref(shape=(17, 4))]), [17 * 16], "batch dimension 17 outside 1..16"),
+    # A long wrong shape is quoted by its rank: quoted whole, the reply was 5 times the header.
+    (infer([x_ref(shape=[1] * 100_000)]), [16], "shape [1, 1, 1, 1, 1, 1, 1, 1, ...] (rank 100000), model expects"),
     (infer([]), [], "missing inputs ['x']"),
     (infer([x_ref(), P.TensorRef(name="z", dtype="float32", shape=[2, 4], frame=1)]), [32, 32], "no input 'z'"),
     (infer([x_ref()]), [31], "frame has 31 bytes, shape and dtype need 32"),
@@ -104,6 +106,16 @@ def test_validation_names_the_problem(req, frames, needle):
     with pytest.raises(RequestInvalid) as e:
         validate_infer(req, SPEC, frames, max_inline_bytes=1 << 20)
     assert needle in str(e.value)
+
+
+def test_a_negative_frame_index_is_refused_by_name():
+    """``frame`` is an int >= 0: -5 beside an ``shm`` reference was taken, and alone it was told to
+    give "exactly one of 'frame' or 'shm'"."""
+    raw = msgspec.msgpack.encode({"type": "infer", "v": 1, "id": 7, "model": "m", "inputs": [
+        {"name": "x", "dtype": "float32", "shape": [1, 4], "frame": -5,
+         "shm": {"segment": "batchyard_1_a", "offset": 0, "nbytes": 16}}]})
+    with pytest.raises(P.DecodeError, match=r"Expected `int` >= 0 - at `\$\.inputs\[0\]\.frame`"):
+        P.client_message_decoder.decode(raw)
 
 
 def test_validation_enforces_inline_limit_and_counts_items():
