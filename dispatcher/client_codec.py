@@ -262,6 +262,7 @@ class ClientCodec:
         # The node's default_timeout_s, as its model_info replies say: a request without a
         # timeout takes it (it took the SDK's 30 s, whatever the operator set).
         self.node_timeout_s: Optional[float] = None
+        self.said_node_timeout_s: Optional[float] = None  # the latest one said, kept past a lost connection
         # Why the dispatcher refused this connection for good (connection_lost): a request sent
         # after it fails at once. Sent after the refusal came (the client's first request raced
         # the handshake), it waited out its whole timeout: "no reply ... (is it running?)".
@@ -345,13 +346,17 @@ class ClientCodec:
         reply said it, else DEFAULT_TIMEOUT_S."""
         return checked_timeout(self.node_timeout_s if timeout is None else timeout)
 
-    @staticmethod
-    def spec_wait(timeout: Optional[float]) -> float:
+    def spec_wait(self, timeout: Optional[float]) -> float:
         """How long a call's request for its model's spec may wait: the call's own (checked)
         timeout (it was capped at SETUP_TIMEOUT_S: submit(timeout=30) as a model's first call
         failed after 10 s while its dispatcher restarted, and the next call was served); without
-        one, SETUP_TIMEOUT_S, as the node's default comes with that spec."""
-        return SETUP_TIMEOUT_S if timeout is None else checked_timeout(timeout)
+        one, the node's default as its dispatcher last said it (a lost connection asks the specs
+        again: without it, a call with no timeout failed after 10 s while the node's default was
+        30 s, and the dispatcher was back at 13 s), else SETUP_TIMEOUT_S, as that default comes
+        with the spec."""
+        if timeout is not None:
+            return checked_timeout(timeout)
+        return SETUP_TIMEOUT_S if self.said_node_timeout_s is None else self.said_node_timeout_s
 
     @contextlib.contextmanager
     def fetching_spec(self, timeout: Optional[float], model: str):
@@ -625,7 +630,7 @@ class ClientCodec:
             if msg.max_inline_bytes is not None:
                 self.max_inline_bytes = msg.max_inline_bytes
             if msg.default_timeout_us:
-                self.node_timeout_s = min(msg.default_timeout_us / 1e6, P.MAX_TIMEOUT_S)
+                self.node_timeout_s = self.said_node_timeout_s = min(msg.default_timeout_us / 1e6, P.MAX_TIMEOUT_S)
             self.specs[msg.spec.name] = msg.spec
             pend.resolve(msg.spec)
         elif pend.kind == "status":

@@ -41,8 +41,10 @@ class FakeDispatcher:
     holds the message until ``answer_held()``. ``stop_after(msg)``: True closes the socket
     right after that reply (the dispatcher going away)."""
 
-    def __init__(self, address: str, answer=lambda msg: True, stop_after=lambda msg: False):
+    def __init__(self, address: str, answer=lambda msg: True, stop_after=lambda msg: False,
+                 default_timeout_us: int | None = None):
         self.address, self._answer, self._stop_after = address, answer, stop_after
+        self.default_timeout_us = default_timeout_us
         self.seen: list = []
         self.held: list = []
         self._release, self._stop, self._bound = threading.Event(), threading.Event(), threading.Event()
@@ -86,7 +88,8 @@ class FakeDispatcher:
         proved = self._proved.setdefault(ident, set())
         payload = []
         if type(msg) is P.ModelInfoRequest:
-            reply = P.ModelInfoReply(v=1, id=msg.id, status=0, spec=SPECS[msg.model])
+            reply = P.ModelInfoReply(v=1, id=msg.id, status=0, spec=SPECS[msg.model],
+                                     default_timeout_us=self.default_timeout_us)
         elif type(msg) is P.ShmRegisterRequest:
             if msg.proved:
                 proved.add(msg.segment)
@@ -252,6 +255,69 @@ def test_a_grant_answered_just_before_the_dispatcher_went_away_is_not_kept(fake,
     assert isinstance(first, Unavailable) and "while registering shared memory" in str(first), first
     assert [type(m).__name__ for m in restarted.seen] == ["ModelInfoRequest", "ShmRegisterRequest",
                                                           "ShmRegisterRequest", "InferRequest"]
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_a_call_without_a_timeout_after_a_lost_connection_waits_the_nodes_default_for_its_spec(fake, kind,
+                                                                                             monkeypatch):
+    """A lost connection makes the next call fetch its model's spec again (a restarted dispatcher
+    may serve another shape); without a timeout of its own that fetch waited SETUP_TIMEOUT_S
+    (10 s), not the node's default_timeout_s the dispatcher had said: DeadlineExceeded after 10 s
+    while the node's default was 30 s and the dispatcher was back at 13 s. (SETUP_TIMEOUT_S set
+    to nothing once the node's default is known: the call must not read it.)"""
+    from batchyard import client_codec
+
+    old = fake(stop_after=lambda msg: type(msg) is P.InferRequest, default_timeout_us=20_000_000)
+    lost, asked = threading.Event(), threading.Event()
+
+    def watch(codec):
+        lost_connection = codec.lost_connection
+        codec.lost_connection = lambda: (lost_connection(), lost.set())[0]
+
+    def restart():
+        assert lost.wait(10)
+        monkeypatch.setattr(client_codec, "SETUP_TIMEOUT_S", 0.0)
+        old.close()
+        return fake(answer=lambda msg: type(msg) is not P.ModelInfoRequest or asked.set())  # held
+
+    def release(restarted):
+        assert asked.wait(10)
+        restarted.answer_held()
+
+    if kind == "Client":
+        with Client(old.address) as c:
+            watch(c._codec)
+            c.infer("sum", {"x": ONE})  # the node's default said; the dispatcher gone after
+            restarted = restart()
+            done = []
+
+            def call():
+                try:
+                    done.append(c.infer("sum", {"x": ONE}))
+                except Exception as e:  # noqa: BLE001 - the test reads what it raised
+                    done.append(e)
+
+            t = threading.Thread(target=call)
+            t.start()
+            release(restarted)
+            t.join(10)
+        got = done[0]
+    else:
+        async def main():
+            async with AsyncClient(old.address) as c:
+                watch(c._codec)
+                await c.infer("sum", {"x": ONE})
+                restarted = restart()
+                call = asyncio.ensure_future(c.infer("sum", {"x": ONE}))
+                await asyncio.to_thread(release, restarted)
+                try:
+                    return await call
+                except Exception as e:  # noqa: BLE001 - the test reads what it raised
+                    return e
+
+        got = asyncio.run(main())
+    assert not isinstance(got, BaseException), got
+    assert got["y"].tolist() == ONE.tolist()
 
 
 def _never_grant(grant_asked: threading.Event):
