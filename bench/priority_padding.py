@@ -1,9 +1,14 @@
-"""The classes' latency on a launch-heavy worker, where low items may pad an urgent batch
-(SIMULATED: docs/policy.md, step 2). ``python -m batchyard.bench.priority_padding``
+"""The classes' latency where low items may pad an urgent batch (SIMULATED: docs/policy.md,
+step 2). ``python -m batchyard.bench.priority_padding [--beside-every-cpu]``
 
 One worker at 20 ms + 1 ms an item, max batch 8; 6,000 Poisson arrivals, 20/60/20 % high,
 normal and low, no deadlines, at 60, 120 and 200 req/s (the worker serves ~290 req/s in full
 batches). Printed per policy: each class's p50 and p99 (ms).
+
+``--beside-every-cpu``: the seeds' GPU (0.15 s + 0.02 s an item, max batch 64) and two CPUs (0.08 s
+an item), x1000; 60 s of 40 urgent (normal, then high) requests/s, which alone ask step 1's
+reservation for every CPU, beside 6 low ones/s; trace seeds 1-3. Printed: each class's p50 and
+p99 (s), and the low class's kept up with or not.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import argparse
 import numpy as np
 
 from .simulator import Device, simulate
-from .traces import poisson, with_classes
+from .traces import merge, poisson, with_classes
 
 DEVICES = [Device("w0", "cpu", 20e-3, 1e-3, max_batch=8)]
 CLASSES = ("high", "normal", "low")
@@ -30,11 +35,39 @@ def run(rate: float, policy: str, n: int = 6000, seed: int = 1) -> dict[str, tup
     return out
 
 
+def beside_every_cpu(urgent_class: int, seed: int, policy: str = "mcb", seconds: float = 60.0,
+                     urgent_rate: float = 40.0, low_rate: float = 6.0) -> dict[str, tuple[float, float]]:
+    """Per class (the urgent one, then "low"): (p50 s, p99 s) of a light low stream beside an
+    urgent stream that alone takes every CPU (module docstring)."""
+    from .live_vs_sim import scaled_devices
+
+    urgent = poisson(urgent_rate, int(urgent_rate * seconds), seed=seed)
+    low = poisson(low_rate, int(low_rate * seconds), seed=seed + 100)
+    urgent.priority[:], low.priority[:] = urgent_class, 2
+    trace = merge(urgent, low)
+    res = simulate(policy, trace, scaled_devices(1000.0, "seeds"))
+    out = {}
+    for c in (urgent_class, 2):
+        s = res.latency[(trace.priority == c) & (res.status == 0)]
+        out[CLASSES[c]] = (float(np.percentile(s, 50)), float(np.percentile(s, 99)))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[60.0, 120.0, 200.0])
     ap.add_argument("--policies", nargs="+", default=["mcb", "greedy"])
+    ap.add_argument("--beside-every-cpu", action="store_true",
+                    help="a light low stream beside an urgent one that takes every CPU (module docstring)")
     args = ap.parse_args(argv)
+    if args.beside_every_cpu:
+        for urgent_class in (1, 0):
+            for seed in (1, 2, 3):
+                for policy in ("mcb", "escape:2"):
+                    r = beside_every_cpu(urgent_class, seed, policy)
+                    print(f"seed {seed} {policy:8s} " + " | ".join(f"{c} p50 {p50:5.2f} s p99 {p99:5.2f} s"
+                                                                  for c, (p50, p99) in r.items()))
+        return
     for rate in args.rates:
         for policy in args.policies:
             r = run(rate, policy)

@@ -287,6 +287,12 @@ def longest_batch(state: SchedulerState, model: str) -> float:
                default=0.0)
 
 
+def shortest_full_batch(state: SchedulerState, model: str) -> float:
+    """The predicted time of the shortest full batch (its max batch) of a worker serving ``model``."""
+    return min((state.cost(model, w.path).predict(w.models[model]) for w in state.serving.get(model, ())),
+               default=0.0)
+
+
 def servers_for(offered_load: float, blocking: float) -> int:
     """Fewest servers for which Erlang B(offered_load) <= blocking (at least 1)."""
     b, n = 1.0, 0

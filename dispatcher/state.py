@@ -283,20 +283,25 @@ class SchedulerState:
         return a
 
     def note_arrival(self, model: str, priority: int, items: int, now: float) -> None:
-        """Feed lambda(t): the model's total, and the rate of classes above low (for reservation)."""
+        """Feed lambda(t): the model's total, the rate of classes above low (for reservation) and
+        the low class's (for its padding, ``policy_mcb._low_padding``)."""
         self.arrival(model).arrive(now, items)
-        if priority < 2:
-            key = model + "#urgent"
-            a = self.arrivals.get(key)
-            if a is None:
-                a = self.arrivals[key] = ArrivalRate()
-            a.arrive(now, items)
+        key = model + ("#urgent" if priority < 2 else "#low")
+        a = self.arrivals.get(key)
+        if a is None:
+            a = self.arrivals[key] = ArrivalRate()
+        a.arrive(now, items)
 
     def urgent_rate(self, model: str, now: float) -> float:
         """The rate of high and normal items that a reservation for them stands on: the arrival
         rate, capped by the silence since the latest (``ArrivalRate.rate_heard``)."""
         a = self.arrivals.get(model + "#urgent")
         return a.rate_heard(now) if a is not None else 0.0
+
+    def low_rate(self, model: str, now: float) -> float:
+        """The arrival rate of low-priority items (as asked: aging does not move them here)."""
+        a = self.arrivals.get(model + "#low")
+        return a.rate(now) if a is not None else 0.0
 
     def urgent_lapse(self, model: str, target: float, now: float) -> float:
         """When, with no new high or normal arrival, ``urgent_rate`` falls to ``target``."""
