@@ -66,7 +66,9 @@ def output_problem(path: str, folder: bool = False) -> str | None:
         else:
             os.rmdir(tempfile.mkdtemp(prefix=".batchyard-probe-", dir=where))
     except OSError as e:
-        return f"cannot write in {str(where)!r}: {e.strerror or e}"
+        # A file there that may not be written is named, not its folder (one anyone may write in).
+        what = f"cannot write to {str(target)!r}" if not folder and target.exists() else f"cannot write in {str(where)!r}"
+        return f"{what}: {e.strerror or e}"
     return None
 
 

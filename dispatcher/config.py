@@ -17,6 +17,7 @@ import itertools
 import os
 import re
 import stat
+import tempfile
 import tomllib
 import typing
 from pathlib import Path
@@ -597,6 +598,14 @@ def _check_ipc_folder(key: str, address: str) -> None:
         folder = os.path.dirname(path) or "."
         if not os.path.isdir(folder):
             raise ConfigError(f"{key}: no folder {folder!r} for the socket {address!r}")
+        try:
+            # What binding the socket does to the folder, by this process's user: a folder it may
+            # not write (or one no file is made in, such as /sys) stopped the dispatcher at start
+            # with ZeroMQ's traceback, exit 1, which systemd restarts for ever.
+            os.rmdir(tempfile.mkdtemp(prefix=".batchyard-probe-", dir=folder))
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot make the socket {address!r} in {folder!r} as uid {os.geteuid()}: "
+                              f"{e.strerror or e}") from None
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
             # Bound over, it was deleted: a typo naming the config file removed the config.
             raise ConfigError(f"{key}: {path!r} exists and is not a socket; a socket cannot be bound there")
@@ -657,7 +666,15 @@ def _check_listen_host(key: str, host: str) -> None:
     if host in ("", "*"):
         return
     try:
-        socket.getaddrinfo(host.strip("[]"), None)
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0]
+        probe = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # Any port: whether the address is this host's. A name of another machine (or a
+            # typo'd address) passed, and the front door or the metrics server failed to bind at
+            # start, exit 1, restarted for ever ([dispatcher]'s own endpoints were checked so).
+            probe.bind((addr[0], 0, *addr[2:]))
+        finally:
+            probe.close()
     except socket.gaierror as e:
         if e.errno == socket.EAI_AGAIN:
             # The resolver failed for now: no fault of the config's. Refused here, a front door
@@ -665,8 +682,8 @@ def _check_listen_host(key: str, host: str) -> None:
             # fails instead (exit 1), and it is started again.
             return
         raise ConfigError(f"{key}: cannot listen on {host!r}: {e}") from None
-    except UnicodeError as e:
-        raise ConfigError(f"{key}: cannot listen on {host!r}: {e}") from None
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"{key}: cannot listen on {host!r}: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
 def _check_ports_apart(ports: list[tuple[str, str, int]]) -> None:

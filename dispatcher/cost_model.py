@@ -527,9 +527,12 @@ def load_profile(path: str, models=None) -> dict[tuple[str, str], CostCurve]:
     from .profile_schema import PathProfile, Profile
 
     try:
-        data = msgspec.json.decode(open(path, "rb").read(), type=Profile)
+        with open(path, "rb") as f:
+            data = msgspec.json.decode(f.read(), type=Profile)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ValueError(f"profile {path}: {e}") from None
+    except OSError as e:  # one its user may not read (calibrated as root, 0600): a traceback, exit 1
+        raise ValueError(f"profile {path}: cannot read it: {e.strerror or e}") from None
     out = {}
     for model, paths in data.models.items():
         if models is not None and model not in models:

@@ -427,6 +427,21 @@ def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
     path.write_text(edited('frontend = "ipc:///tmp/by-test/fe"', f'frontend = "ipc://{tmp_path}/none/fe"'))
     with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: no folder '.*/none' for the socket"):
         load_config(path).check_host(control=True)
+    # A folder the socket cannot be made in (one its user may not write; /sys, where none is made
+    # even by root): ZeroMQ's traceback at start, exit 1, restarted for ever.
+    path.write_text(edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "ipc:///sys/fe"')
+                    .replace("/tmp/by-test", str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: cannot make the socket 'ipc:///sys/fe' in "
+                       r"'/sys' as uid \d+: "):
+        load_config(path).check_host(control=True)
+    # Another machine's address where the metrics server or the front door listens: each passed,
+    # then failed to bind at start, exit 1 (the node restarted every 2 s for ever).
+    for text, key in ((edited("max_queue = 100", 'metrics_port = 9100\nmetrics_host = "192.0.2.1"'),
+                       r"\[dispatcher\] metrics_host"),
+                      (NODE + '[frontend]\nhost = "192.0.2.1"\n', r"\[frontend\] host")):
+        path.write_text(text.replace("/tmp/by-test", str(tmp_path)))
+        with pytest.raises(ConfigError, match=key + r": cannot listen on '192.0.2.1': "):
+            load_config(path).check_host(control=True)
     from batchyard.transport import write_keypair
 
     _, node_key = write_keypair(str(tmp_path / "keys"), "node")  # a tcp backend takes CURVE only
@@ -555,6 +570,14 @@ def test_a_profile_that_would_break_the_decisions_is_refused_naming_the_key(tmp_
     (tmp_path / "p.json").write_text(json.dumps(profile).replace("Infinity", "1e400"))
     got = load_error(tmp_path, edited("max_queue = 100", f'profile = "{tmp_path}/p.json"'))
     assert got.startswith(f"node.toml: [dispatcher] profile: profile {tmp_path}/p.json: ") and message in got, got
+
+
+def test_a_profile_that_cannot_be_read_is_refused_naming_the_key(tmp_path):
+    """A profile its user may not read (calibrated as root, mode 0600) was a PermissionError
+    traceback at start, exit 1, restarted for ever. (/proc/self/mem: a file no read of which
+    succeeds, for root too.)"""
+    got = load_error(tmp_path, edited("max_queue = 100", 'profile = "/proc/self/mem"'))
+    assert got.startswith("node.toml: [dispatcher] profile: profile /proc/self/mem: cannot read it: "), got
 
 
 def test_a_profile_that_calibrate_writes_is_taken(tmp_path):
@@ -784,6 +807,14 @@ name = "s0"
 kind = "sim"
 models = ["m"]
 """
+
+
+def test_an_output_file_that_cannot_be_written_is_named_not_its_folder():
+    """calibrate --out on an existing file it may not write said "cannot write in" its folder
+    (one anyone may write in, mode 1777). (/proc/version: a file no one writes, root included.)"""
+    from batchyard.cli import output_problem
+
+    assert re.fullmatch(r"cannot write to '/proc/version': .+", output_problem("/proc/version"))
 
 
 @pytest.mark.parametrize("args, message", [
