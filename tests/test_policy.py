@@ -1024,9 +1024,11 @@ def test_low_items_pad_an_urgent_batch_only_where_they_cost_it_little(launch_ms,
     st.add_worker(WorkerState("w0", "cpu", {"m": 8}))
     st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=0.0)
     q = st.queue("m")
-    q.push(Request(0, "m", 1, 0, 0.999, math.inf))
+    # (Queued 0.1 ms ago: within a full batch's time of either worker, the low class is not
+    # behind, and the share alone decides; past it, beside high work, it is kept up with.)
+    q.push(Request(0, "m", 1, 0, 0.9999, math.inf))
     for i in range(1, 6):
-        q.push(Request(i, "m", 1, 2, 0.999, math.inf))
+        q.push(Request(i, "m", 1, 2, 0.9999, math.inf))
     d = MarginalCost().decide(st, 1.0)
     assert [[r.priority for r in b.requests] for b in d.dispatches][:1] == [[0] + [2] * (batch - 1)]
 

@@ -156,3 +156,30 @@ def test_a_light_low_stream_beside_high_work_waits_about_one_full_batch_not_for_
         r = beside_every_cpu(0, seed)
         assert r["low"][1] < 3.0, (seed, r)
         assert r["high"][1] < 1.0, (seed, r)
+
+
+def test_a_low_flood_the_bound_cannot_keep_up_with_costs_the_high_class_nothing(monkeypatch):
+    """A low flood a batch at most twice as long cannot keep up with (27/s, past the 25/s of one
+    GPU at 0.15 s + 0.02 s an item) was padded for whenever the decaying rate estimate dipped
+    below 25/s: 71-85 times in 120 s, the high class's p99 1.39-1.62 -> 1.61-1.94 s, the low class
+    no better off (its p99 aging's 24 s). Now its queue's own rate counts too."""
+    from batchyard import policy_mcb
+    from batchyard.bench.traces import merge
+
+    gpu = [Device("g", "gpu", 0.15, 0.02, max_batch=64)]
+    capacity = 64 / (0.15 + 0.02 * 64)
+
+    def high_p99(seed: int) -> float:
+        high = poisson(0.2 * capacity, int(0.2 * capacity * 120), seed=seed)
+        low = poisson(0.6 * capacity, int(0.6 * capacity * 120), seed=seed + 100)
+        high.priority[:], low.priority[:] = 0, 2
+        trace = merge(high, low)
+        res = simulate("mcb", trace, gpu)
+        return np.percentile(res.latency[(trace.priority == 0) & (res.status == 0)], 99)
+
+    for seed in (1, 2):
+        kept_up = high_p99(seed)
+        with monkeypatch.context() as m:
+            m.setattr(policy_mcb, "_keep_up_rate", lambda *a: 0.0)
+            share_alone = high_p99(seed)
+        assert kept_up <= 1.02 * share_alone, (seed, kept_up, share_alone)
