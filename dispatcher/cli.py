@@ -21,7 +21,7 @@ from .config import ConfigError, load_config
 from .exit_codes import EX_CONFIG
 
 
-def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = False):
+def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = False, binds: bool = True):
     """The node config at ``path``, checked against this host for the named ``workers`` (None:
     every worker; the processes that start them) and, with ``control``, for the dispatcher and
     front door, or exit 78 (EX_CONFIG: neither `up` nor systemd restarts it) with the validation
@@ -30,7 +30,7 @@ def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = F
         cfg = load_config(path)
         if workers != () or control:
             try:
-                cfg.check_host(workers, control)
+                cfg.check_host(workers, control, binds)
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
         return cfg
@@ -81,7 +81,7 @@ def _run_dispatcher(args) -> int:
 def _run_frontend(args) -> int:
     from .frontend_main import run_frontend
 
-    node = load_node(args.config, control=True)
+    node = load_node(args.config, control=True, binds=False)  # the front door binds only its own ports
     if node.frontend is None:  # (a log line that named no file)
         print(f"batchyard: {args.config}: no [frontend] table: nothing for `batchyard frontend` to serve",
               file=sys.stderr)

@@ -423,10 +423,13 @@ class NodeConfig(_Table):
                       if getattr(f, key)]
         return ports
 
-    def check_host(self, workers: tuple[str, ...] | None = None, control: bool = False) -> "NodeConfig":
+    def check_host(self, workers: tuple[str, ...] | None = None, control: bool = False,
+                   binds: bool = True) -> "NodeConfig":
         """Check what the named workers (all: None) need of this host: their cpus online, their
         numa_node present, the packages of the model factories they build (found, not imported);
-        with ``control`` (or all workers) also the dispatcher's and the front door's cpus. Not part
+        with ``control`` (or all workers) also the dispatcher's and the front door's cpus and the
+        hosts they listen on, and, with ``binds`` too (not the front door alone, which binds none
+        of them), that the dispatcher's endpoints can be bound. Not part
         of ``validate``: a config may be written and checked on another host than the one it runs
         on. The processes that start workers call it, so a worker pinned to a cpu the host lacks is
         one line at start, not a restart loop."""
@@ -460,10 +463,15 @@ class NodeConfig(_Table):
                     _check_factory_package(self.model(m))
         if control:  # not for calibrate (workers=None): it binds its own endpoints
             d = self.dispatcher
-            for key in ("frontend", "backend"):  # the folders the dispatcher binds its ipc files in
-                _check_ipc_folder(f"[dispatcher] {key}", getattr(d, key))
-                _check_tcp_bindable(f"[dispatcher] {key}", getattr(d, key))
-            listeners = [("[dispatcher] metrics_host", d.metrics_host)] if d.metrics_port else []
+            listeners = []
+            if binds:
+                # The front door's process binds none of them, and its unit may not write their
+                # folder (ProtectSystem=strict, no RuntimeDirectory): probed there, it exited 78.
+                for key in ("frontend", "backend"):  # the folders the dispatcher binds its ipc files in
+                    _check_ipc_folder(f"[dispatcher] {key}", getattr(d, key))
+                    _check_tcp_bindable(f"[dispatcher] {key}", getattr(d, key))
+                if d.metrics_port:
+                    listeners.append(("[dispatcher] metrics_host", d.metrics_host))
             if self.frontend is not None:
                 listeners.append(("[frontend] host", self.frontend.host))
             for key, host in listeners:

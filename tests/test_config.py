@@ -434,6 +434,11 @@ def test_hosts_and_socket_folders_the_node_needs_are_checked_at_start(tmp_path):
     with pytest.raises(ConfigError, match=r"\[dispatcher\] frontend: cannot make the socket 'ipc:///sys/fe' in "
                        r"'/sys' as uid \d+: "):
         load_config(path).check_host(control=True)
+    # The front door binds none of the dispatcher's endpoints, and its unit may not write their
+    # folder (ProtectSystem=strict, no RuntimeDirectory): probed there too, it exited 78.
+    from batchyard.cli import load_node
+
+    load_node(str(path), control=True, binds=False)
     # Another machine's address where the metrics server or the front door listens: each passed,
     # then failed to bind at start, exit 1 (the node restarted every 2 s for ever).
     for text, key in ((edited("max_queue = 100", 'metrics_port = 9100\nmetrics_host = "192.0.2.1"'),
