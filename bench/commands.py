@@ -230,7 +230,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--windows", type=at_least(1), default=3)
     g.add_argument("--stability", type=number(0), default=0.15)
     g.add_argument("--seed", type=at_least(0), default=0)
-    p.add_argument("--metrics-url", type=_metrics_url, default="", help="the dispatcher's /metrics: adds the server-side queue/compute split")
+    p.add_argument("--metrics-url", type=_metrics_url, default="", help="the dispatcher's /metrics: adds the server-side queue/compute split (over the whole run: warm-up and drain included)")
     p.add_argument("--compare", action="append", type=policy_name, default=[], metavar="POLICY",
                    help="repeatable: start the node of --config once per policy and replay the same seeded load")
     p.add_argument("--config", default="", help="node config for --compare")

@@ -426,10 +426,15 @@ def analyse(rows: np.ndarray, spec: LoadSpec, target: str, label: str) -> Report
     span = hi - lo
     rep.summary = summarise(rows[completed], span, spec.slo_ms)
     rep.latencies_ms = (latency_us(rows)[completed & (status == STATUS_OK)] / 1e3).round(3).tolist()
+    # The requests *sent* in the windows that failed, whenever their reply came: a node that went
+    # away mid-run failed most of them only at their timeout, after the last window, and the
+    # table said "errors 2" of 201 (UNAVAILABLE among them makes `batchyard bench` exit 1).
+    sent_in = (sent >= lo) & (sent < hi)
+    rep.summary["failed_of_sent"] = {str(c): int(n) for c, n in zip(*np.unique(status[sent_in & (status != STATUS_OK)],
+                                                                              return_counts=True))}
     if not spec.concurrency:
         t = schedule(spec)[0]
         planned = ((t >= lo) & (t < hi)).sum()
-        sent_in = (sent >= lo) & (sent < hi)
         # Rows are stamped when sent: if the generator fell behind, sends slide out of the window,
         # and a stall that only delays them shows in their lag.
         lag_p99 = percentiles_ms(rows[sent_in, LAG_US], (99,))[99] if sent_in.any() else 0.0

@@ -55,7 +55,8 @@ def _status_name(status: int) -> str:
 
 
 def table(reports: list[Report]) -> str:
-    head = (f"{'target':<26}{'offered/s':>10}{'tput/s':>9}{'good/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}"
+    width = max([26, *(len(r.label) + 1 for r in reports)])  # (a longer label pushed every column out of line)
+    head = (f"{'target':<{width}}{'offered/s':>10}{'tput/s':>9}{'good/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}"
             f"{'errors':>8}  stable")
     lines = [head, "-" * len(head)]
     for r in reports:
@@ -63,9 +64,11 @@ def table(reports: list[Report]) -> str:
         errs = sum(s["errors"].values())
         offered = f"{r.offered_rps:>10.1f}" if r.offered_rps else f"{'-':>10}"  # a closed loop offers no rate
         stable = "n/a" if r.stable is None else "yes" if r.stable else "NO"
-        lines.append(f"{r.label:<26}{offered}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
+        lost = s.get("failed_of_sent", {}).get(str(int(Status.UNAVAILABLE)), 0)
+        lines.append(f"{r.label:<{width}}{offered}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
                      f"{s['p90_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['p999_ms']:>8.2f}{errs:>8}  "
-                     f"{stable}{'' if r.schedule_kept else ' (generator behind schedule)'}")
+                     f"{stable}{'' if r.schedule_kept else ' (generator behind schedule)'}"
+                     f"{f' ({lost} sent in the windows failed UNAVAILABLE)' if lost else ''}")
     return "\n".join(lines)
 
 
@@ -90,7 +93,10 @@ def write_outputs(reports: list[Report], out: Path, title: str, notes: str = "")
     md = [f"# {title}", "", notes, "", "```", table(reports), "```", "",
           "Latencies in ms, client-observed, of the requests completed in the measured windows (np.percentile, "
           "linear); throughput = completions/s in those windows (as perf_analyzer); goodput = the completions "
-          "within their deadline and the SLO.",
+          "within their deadline and the SLO; errors = the failures that came in those windows "
+          "(`failed_of_sent` in bench.json: of the requests sent in them, whenever they failed). "
+          "`server_split` (with --metrics-url) is the dispatcher's counters over the whole run, warm-up and "
+          "the drain after the windows included.",
           "", "![p99 vs offered load](p99_vs_load.png)", "", "![latency CDF](latency_cdf.png)", ""]
     (out / "bench.md").write_text("\n".join(md))
     try:

@@ -162,6 +162,38 @@ def test_throughput_past_saturation_is_the_completion_rate_not_the_offered_rate(
     assert rep.summary["goodput_rps"] == 37 / 4
 
 
+def test_a_node_gone_mid_run_is_counted_and_makes_bench_exit_1(monkeypatch, capsys):
+    """The node was killed 5 s into a 10 s window at 50/s: the requests sent after it failed
+    UNAVAILABLE at their 30 s timeout, after the window; the table said "errors 2" of 201, and
+    `batchyard bench` exited 0."""
+    from batchyard.bench import bench_cli
+    from batchyard.cli import build_parser
+
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=10.0, windows=1, stable_windows=1)
+    sent = schedule(spec)[0]
+    gone = sent >= 6.0
+    rows = rows_of(sent, np.where(gone, 30e6, 1000.0), status=np.where(gone, 14, 0))
+    rep = analyse(rows, spec, "batchyard", "sum")
+    lost = int((gone & (sent >= 1.0) & (sent < 11.0)).sum())
+    assert rep.summary["failed_of_sent"] == {"14": lost} and lost == 250
+    assert f"({lost} sent in the windows failed UNAVAILABLE)" in table([rep])
+    monkeypatch.setattr(bench_cli, "run_load", lambda *a, **k: rows)
+    args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--request-rate",
+                                      "50", "--distribution", "constant", "--warmup", "1", "--window", "10",
+                                      "--windows", "1"])
+    assert bench_cli.main(args) == 1
+    assert f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_a_long_label_keeps_the_tables_columns_in_line():
+    spec = LoadSpec(rate=10.0, warmup_s=0.0, window_s=1.0, windows=1, stable_windows=1)
+    rows = rows_of(schedule(spec)[0], 1000.0)
+    lines = table([analyse(rows, spec, "batchyard", "batchyard[mcb]:minilm @10/s and more"),
+                   analyse(rows, spec, "batchyard", "short")]).splitlines()
+    # both rows as long, their "stable" column where the header's is
+    assert len({len(line) for line in lines[2:]}) == 1 and lines[0].index("  stable") == len(lines[2]) - len("  n/a")
+
+
 def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
     r = subprocess.run([sys.executable, "-m", "batchyard.cli", "--log-level", "WARNING", "bench", "--address",
                         f"ipc://{run_dir}/nobody", "--model", "sum", "--request-rate", "10", "--processes", "1",
