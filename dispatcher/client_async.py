@@ -9,6 +9,7 @@ import asyncio
 import collections
 import collections.abc
 import time
+import weakref
 from typing import Optional
 
 import zmq
@@ -47,6 +48,30 @@ class _Closed(collections.abc.Coroutine):
 _CLOSED = _Closed()
 
 
+def _weakly(method):
+    """A loop callback that calls ``method`` while its client lives: the loop's readers held the
+    client itself, so one dropped without close() was never collected (200 such clients left
+    1,807 file descriptors open)."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        m = ref()
+        if m is not None:
+            m()
+    return call
+
+
+def _release(loop: asyncio.AbstractEventLoop, fds: tuple, codec: ClientCodec, sock: zmq.Socket,
+             monitor: zmq.Socket, ctx: Optional[zmq.Context]) -> None:
+    """An AsyncClient's close, holding nothing of the client (its finalizer's)."""
+    for fd in fds:
+        try:
+            loop.remove_reader(fd)
+        except RuntimeError:  # the loop is closed: it watches nothing
+            pass
+    close_connection(codec, sock, monitor, ctx, closed_error)
+
+
 class AsyncClient(CodecAccess):
     """asyncio client: ``await client.infer(...)``; any number in flight from one task or many."""
 
@@ -71,8 +96,14 @@ class AsyncClient(CodecAccess):
         self._outbox: collections.deque = collections.deque()
         self._grant_lock = asyncio.Lock()
         self.closed = self._forked = False
-        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
-        self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        fds = (self.sock.getsockopt(zmq.FD), self._monitor.getsockopt(zmq.FD))
+        self.loop.add_reader(fds[0], _weakly(self._drain))
+        self.loop.add_reader(fds[1], _weakly(self._on_monitor))
+        # Dropped without close(), it is closed when collected (a pending request's timer holds it
+        # until then); not at the interpreter's exit, after its loop is gone.
+        self._finalizer = weakref.finalize(self, _release, self.loop, fds, self._codec, self.sock, self._monitor,
+                                           self.ctx if self._own_ctx else None)
+        self._finalizer.atexit = False
         # A ZeroMQ socket's FD signals new messages only once a read has found none: until then
         # the monitor never woke the loop, and requests in flight on a lost connection waited
         # out their timeout instead of failing UNAVAILABLE (Client's poller reads ZMQ_EVENTS).
@@ -84,6 +115,7 @@ class AsyncClient(CodecAccess):
         Not closed, a child's alloc_array handed out the parent's live memory, and the parent's
         next array was the same region, the child's data in it (Client did this already)."""
         self.closed = self._forked = True
+        self._finalizer.detach()  # the socket, loop and memory are the parent's
         self._codec.forked_off()
 
     async def __aenter__(self):
@@ -105,13 +137,11 @@ class AsyncClient(CodecAccess):
 
     def _close_now(self) -> None:
         self.closed = True
-        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
-        self.loop.remove_reader(self._monitor.getsockopt(zmq.FD))
         for h in self._timers.values():
             h.cancel()
         self._timers.clear()
         self._outbox.clear()  # (their requests fail with the others still pending)
-        close_connection(self._codec, self.sock, self._monitor, self.ctx if self._own_ctx else None, closed_error)
+        self._finalizer()
 
     def _on_monitor(self) -> None:
         why = connection_lost(self._monitor, self._codec) if not self.closed else ""
