@@ -15,8 +15,8 @@ from typing import Optional
 import zmq
 
 from . import protocol as P
-from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec,
-                           CodecAccess, EncodedInputs, Generation, InferResult, Pending, checked_priority,
+from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess,
+                           EncodedInputs, Generation, InferResult, Pending, checked_model, checked_priority,
                            checked_timeout, checked_wait, close_connection, closed_error, connection_lost, lost_error,
                            no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
@@ -239,6 +239,7 @@ class AsyncClient(CodecAccess):
         here. (The Task read them only when it first ran, and a buffer refilled after submit()
         was what every request sent.)"""
         self._refuse_if_unusable()
+        checked_model(model)
         priority = checked_priority(priority)
         self._codec.call_timeout(timeout)  # (checked here, not in the Task)
         start = time.monotonic()  # one deadline for the call, from here: see Client.submit

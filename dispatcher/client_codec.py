@@ -68,6 +68,22 @@ def checked_timeout(timeout: Optional[float], name: str = "timeout") -> float:
     return timeout
 
 
+def checked_model(model) -> str:
+    """A model's name, or InvalidArgument (a list raised a bare TypeError on the client's lookup
+    of its spec; an int or None reached the dispatcher, which refused it)."""
+    if not isinstance(model, str):
+        raise InvalidArgument(f"model must be a str, got {type(model).__name__}")
+    return model
+
+
+def checked_count(value, name: str) -> int:
+    """A status long poll's count: an int the wire carries, else the dispatcher's refusal; an
+    int past 2**63 - 1 raised the encoder's OverflowError on the caller."""
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2 ** 63:
+        raise InvalidArgument(f"{name} must be >= 0 and below 2**63, got {value}")
+    return value
+
+
 def checked_wait(wait) -> float:
     """A status long poll's ``wait`` in seconds (0: answer at once), or InvalidArgument: nan and
     inf reached the wire's integer conversion and raised ValueError / OverflowError there."""
@@ -305,6 +321,9 @@ class ClientCodec:
         if not self.shared_memory:  # sent inline anyway: plain memory
             return np.empty(dims, dtype)
         nbytes = math.prod(dims) * dtype.itemsize
+        if nbytes >= 2 ** 63:  # (the file's size is a C long: OverflowError, a bare one, from the pool)
+            raise InvalidArgument(f"alloc_array: shape {list(dims)} of {dtype} is {nbytes} bytes, more than "
+                                  "shared memory can hold")
         try:
             region = self.pool.alloc(nbytes)
         except ShmError as e:  # a full /dev/shm
@@ -382,8 +401,9 @@ class ClientCodec:
         return (time_left(deadline, model) if fetched else timeout), deadline
 
     def needs_spec(self, model: str) -> bool:
-        """The spec (fetched once per model) says which outputs are big enough for shm."""
-        return model not in self.specs
+        """The spec (fetched once per model) says which outputs are big enough for shm. (Every
+        infer asks it first: a model named by something other than a str is refused here.)"""
+        return checked_model(model) not in self.specs
 
     def encode_infer(self, model: str, inputs, priority, timeout: Optional[float]):
         """-> (id, frames, input regions, output regions by name, timeout in s, segments this
@@ -469,7 +489,7 @@ class ClientCodec:
             swapped = False
             try:
                 arr = np.asarray(value)
-            except ValueError as e:  # a ragged nested list
+            except (ValueError, TypeError) as e:  # a ragged nested list; a torch bfloat16 tensor
                 raise InvalidArgument(f"input {name!r} is not an array: {e}") from None
             if not arr.dtype.isnative:  # the wire's bytes are native; a '>f4' array is named float32 too
                 arr = arr.astype(arr.dtype.newbyteorder("="))
@@ -589,6 +609,8 @@ class ClientCodec:
     def encode_status(self, min_registrations: int, wait: float, min_departures: int = 0,
                       brief: bool = False) -> tuple[int, list]:
         """``wait``: checked (``checked_wait``) by the caller, which also sizes its own wait by it."""
+        checked_count(min_registrations, "min_registrations")
+        checked_count(min_departures, "min_departures")
         rid = self.next_id()
         return rid, [P.encode(P.StatusRequest(v=P.PROTOCOL_VERSION, id=rid, min_registrations=min_registrations,
                                               wait_us=int(wait * 1e6), min_departures=min_departures,

@@ -344,6 +344,30 @@ def test_an_async_client_dropped_without_close_is_collected_and_frees_its_socket
     assert after <= before + 2, (before, after)
 
 
+def test_bad_arguments_raise_the_sdks_invalid_argument_not_a_bare_python_error(run_dir):
+    """Each raised a bare OverflowError or TypeError, which `except BatchyardError` let through:
+    an alloc_array of 2**63 bytes or more (the pool's file size is a C long), a status count past
+    what the wire carries, a model named by a list, an input numpy cannot read (a torch bfloat16
+    tensor). No dispatcher is needed: each is refused before anything is sent."""
+    import torch
+
+    with Client(f"ipc://{run_dir}/nobody") as c:
+        for call, words in ((lambda: c.alloc_array((2 ** 63,), "uint8"), "more than shared memory can hold"),
+                            (lambda: c.status(min_registrations=2 ** 70), "min_registrations must be >= 0"),
+                            (lambda: c.infer(["sum"], {"x": ONE}), "model must be a str, got list")):
+            with pytest.raises(InvalidArgument, match=words):
+                call()
+
+    async def main():
+        async with AsyncClient(f"ipc://{run_dir}/nobody") as c:
+            with pytest.raises(InvalidArgument, match="model must be a str, got list"):
+                c.submit(["sum"], {"x": ONE})
+            with pytest.raises(InvalidArgument, match="input 'x' is not an array"):
+                c.submit("sum", {"x": torch.ones((1, 4), dtype=torch.bfloat16)})
+
+    asyncio.run(main())
+
+
 def _never_grant(grant_asked: threading.Event):
     def answer(msg):
         if type(msg) is P.ShmRegisterRequest:
