@@ -23,6 +23,7 @@ and read it back through a model or write outputs over it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -659,6 +660,8 @@ class PortClaim:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         self._held.append((name, fd))
         pids = [p for p in _read_claim(fd).get("pids", ()) if _alive(p)]
+        if not pids:
+            _refuse_if_listened_on(what, self.host, port)
         _write_claim(fd, {"node": self.node, "host": self.host, "addresses": self.addresses, "netns": self.netns,
                           "pids": [*pids, os.getpid()]})
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -689,6 +692,29 @@ class PortClaim:
                 self._give_back(dir_fd)
         except OSError as e:
             log.warning("the front door's port claims in %s were not given back: %s", self.dir, e)
+
+
+def _refuse_if_listened_on(what: str, host: str, port: int) -> None:
+    """PortsTaken if anything listens on ``host:port``: the node's first front door on the port
+    binds it once as tritonserver does, without SO_REUSEPORT (the front doors' own binds set it,
+    to share the port with each other). A server of the same user that set it too (grpcio does by
+    default) was not refused: the kernel split new connections between it and the front door,
+    and a tritonclient user's calls were answered by the other server."""
+    try:
+        places = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return  # the front door's own bind says what is wrong with the host
+    for family, kind, proto, _, address in places:
+        probe = socket.socket(family, kind, proto)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a closed socket's TIME_WAIT is no one)
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortsTaken(f"cannot bind {what} to {host}:{port}: address already in use (by a process that "
+                                 "is no Batchyard front door of this node)") from None
+        finally:
+            probe.close()
 
 
 def claim_ports(node: str, host: str, ports: Iterable[tuple[str, int]]) -> Optional[PortClaim]:

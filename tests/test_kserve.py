@@ -2365,6 +2365,27 @@ def test_a_port_claimed_under_one_name_of_an_address_is_refused_under_another(tm
         claim.close()
 
 
+def test_a_port_another_server_listens_on_with_so_reuseport_is_refused(tmp_path):
+    """The claims saw only other Batchyard nodes: a server of the same user listening with
+    SO_REUSEPORT (grpcio sets it by default) was joined on its port, and the kernel split new
+    connections between it and the front door. tritonserver binds without it, and is refused."""
+    import socket
+
+    from batchyard.kserve_shm import PortClaim, PortsTaken
+
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(PortsTaken, match=rf"cannot bind gRPC to 127.0.0.1:{port}: address already in use"):
+            PortClaim("ipc:///node-a", "127.0.0.1", [("gRPC", port)], directory=str(tmp_path / "ports"))
+    finally:
+        other.close()
+    PortClaim("ipc:///node-a", "127.0.0.1", [("gRPC", port)], directory=str(tmp_path / "ports")).close()
+
+
 def test_a_claim_made_while_the_last_one_out_removes_the_folder_is_made(tmp_path, monkeypatch):
     """Another node's last front door may remove the claims folder between this one's mkdir and
     its open: the FileNotFoundError made the front door serve with no claim at all (a later node
