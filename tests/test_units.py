@@ -248,33 +248,39 @@ def test_segment_cache_reports_missing_and_out_of_bounds():
 
 
 def test_reap_orphans_removes_only_segments_no_live_owner_holds():
+    # In a folder of its own: a dispatcher running beside the test (its orphan sweep reaps the
+    # shared /dev/shm) took the dead owner's segment first, and this reap's list missed it.
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="bytest-reap-", dir=SHM_DIR)
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(child.stdout)
     dead = f"batchyard_{dead_pid}_abc123"  # its creator is gone and holds no lock
-    open(os.path.join(SHM_DIR, dead), "wb").close()
+    open(os.path.join(folder, dead), "wb").close()
     # A live owner whose pid this process cannot see (another PID namespace): here a pid that
     # does not exist, but the segment's lock is held by a live process.
     elsewhere = f"batchyard_{dead_pid}_def456"
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], "
                                "os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); "
-                               "sys.stdin.read()", os.path.join(SHM_DIR, elsewhere)],
+                               "sys.stdin.read()", os.path.join(folder, elsewhere)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pool = ShmPool(segment_bytes=4096)
     try:
         assert holder.stdout.readline().strip() == "held"
         pool.alloc(10)
-        creating = os.path.join(SHM_DIR, f"batchyard_{dead_pid}_0bad.new")  # mid-creation: not locked yet
+        creating = os.path.join(folder, f"batchyard_{dead_pid}_0bad.new")  # mid-creation: not locked yet
         open(creating, "wb").close()
-        reaped = reap_orphans()
+        reaped = reap_orphans(folder)
         assert os.path.exists(creating)  # left alone during its grace period
-        os.unlink(creating)
         assert dead in reaped and elsewhere not in reaped
-        assert set(pool.segment_names()) <= set(live_segments(os.getpid()))  # ours are locked
+        reap_orphans()  # the host's own folder: this process's segments are locked
+        assert set(pool.segment_names()) <= set(live_segments(os.getpid()))
     finally:
         pool.close()
         holder.stdin.close()
         holder.wait()
-        os.unlink(os.path.join(SHM_DIR, elsewhere))
+        shutil.rmtree(folder)
 
 
 # ---------------------------------------------------------------- timer
