@@ -462,10 +462,10 @@ class Dispatcher:
         fe = self.frontend
         unavailable = bool(msg.results) and all(r.status == Status.UNAVAILABLE for r in msg.results)
         if unavailable:
-            backoff = self.core.batch_health(w, True, now)
+            backoff = self.core.batch_health(w, True, now, batch.model)
             if backoff is not None:
-                log.warning("worker %s out of rotation for %.1f s: its batch failed UNAVAILABLE (%s)",
-                            w.name, backoff, msg.results[0].message)
+                log.warning("worker %s out of rotation for model %r for %.1f s: its batch failed UNAVAILABLE (%s)",
+                            w.name, batch.model, backoff, msg.results[0].message)
         malformed = ""
         for res in msg.results:
             # A result whose frames do not add up is answered INTERNAL, not forwarded: the client
@@ -505,7 +505,7 @@ class Dispatcher:
             # elsewhere, were counted).
             metrics.batch_done(batch.model, path)
         if not unavailable:
-            self.core.batch_health(w, False, now)
+            self.core.batch_health(w, False, now, batch.model)
         # A result the worker did not send (a broken worker) must not strand its request. Its
         # batch has ended: no "in flight" flag, and no release to follow.
         for req in batch.requests:

@@ -387,16 +387,17 @@ class SchedulerState:
         for m in models:
             self.largest_batch[m] = max((x.models[m] for x in self.workers.values() if m in x.models), default=0)
 
-    def suspend(self, w: WorkerState) -> None:
-        """Out of rotation (the policy and admission no longer see it), still registered."""
-        for m in w.models:
+    def suspend(self, w: WorkerState, models=None) -> None:
+        """Out of rotation for ``models`` (None: all of its), still registered: the policy and
+        admission no longer see it serve them."""
+        for m in w.models if models is None else models:
             lst = self.serving.get(m, [])
             if w in lst:
                 lst.remove(w)
 
-    def resume(self, w: WorkerState) -> None:
+    def resume(self, w: WorkerState, models=None) -> None:
         if self.workers.get(w.name) is w:
-            for m in w.models:
+            for m in w.models if models is None else models:
                 lst = self.serving.setdefault(m, [])
                 if w not in lst:
                     lst.append(w)

@@ -273,6 +273,27 @@ def test_circuit_breaker_backs_off_doubling_and_resets_on_success():
     assert req.state == 1  # untouched by all this
 
 
+def test_the_breaker_takes_a_worker_out_of_rotation_for_the_failing_model_only():
+    """Per worker, a Triton worker one of whose models Triton had unloaded (its batches UNAVAILABLE,
+    NOT_FOUND) was out of rotation for every model: each of that model's batches took it out
+    again, and the model still loaded went from 38 requests/s to 1.8 (p50 4.6 -> 483 ms)."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail, breaker_backoff_s=0.5)
+    gpu = WorkerState("gpu0", "gpu", {"loaded": 8, "unloaded": 8})
+    core.add_worker(gpu, 0.0)
+    assert core.batch_health(gpu, True, 0.0, "unloaded") == 0.5
+    assert gpu not in core.state.serving["unloaded"] and gpu in core.state.serving["loaded"]
+    req = core.admit("loaded", 1, 1, 5.0, 0.1, req_id=1)
+    (batch,) = core.decide(0.1)
+    assert batch.worker is gpu and batch.requests == [req]
+    core.complete(batch.batch_id, None, 0.2)
+    core.batch_health(gpu, False, 0.2, "loaded")  # its good batch does not bring the other model back
+    assert gpu not in core.state.serving["unloaded"]
+    core.decide(0.5)
+    assert gpu in core.state.serving["unloaded"]  # back after its back-off, half-open
+    assert core.batch_health(gpu, True, 0.6, "unloaded") == 1.0  # failed again: doubled, for that model
+
+
 def test_a_request_that_outlives_its_models_only_worker_out_of_rotation_is_unavailable():
     """The breaker took the model's only worker out of rotation (its backend failing batches,
     Triton killed) for longer than a queued request's timeout: it failed DEADLINE_EXCEEDED "in
