@@ -97,7 +97,10 @@ class TritonConfig(_Table):
     models: dict[str, str] = {}  # Batchyard model -> Triton model name (default: the same)
     # Batchyard model -> {spec tensor: Triton tensor} where names differ (e.g. TorchScript's INPUT__0)
     tensor_names: dict[str, dict[str, str]] = {}
-    inflight: Positive = 2  # batches in flight to Triton at once
+    # Batches in flight to Triton at once. Each holds a shared-memory slot of two open segments:
+    # 40,000 ran the worker out of file descriptors at start (a traceback, exit 1); the bound keeps
+    # far from the units' LimitNOFILE and from any gain (a few hide the gRPC round trip).
+    inflight: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
     # Where tensors travel: "auto" = CUDA shared memory when this worker sees GPU `device`, else
     # system shared memory; "cuda"; "system"; "none" = in gRPC message bodies (for comparison).
     shm: Literal["auto", "cuda", "system", "none"] = "auto"

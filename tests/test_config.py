@@ -133,6 +133,13 @@ def test_an_unknown_top_level_table_is_refused_with_a_suggestion(tmp_path, text,
     assert load_error(tmp_path, text) == message
 
 
+def test_a_triton_inflight_past_what_the_worker_can_hold_open_is_refused_naming_the_key(tmp_path):
+    """40,000 passed, and the worker ran out of file descriptors making its slots at start: a
+    traceback, exit 1 (each slot holds two open segments)."""
+    got = load_error(tmp_path, edited('models = { sum = "dense" } }', 'models = { sum = "dense" }, inflight = 40000 }'))
+    assert got.startswith("node.toml: ") and "inflight" in got and "<= 256" in got, got
+
+
 @pytest.mark.parametrize("text,message", [
     (edited("cpus = [1]", 'cpus = ["one"]'),
      "node.toml: [[workers]] #2 (name 'amx1'): cpus[0]: expected int, got str"),
