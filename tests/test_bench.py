@@ -185,6 +185,25 @@ def test_a_node_gone_mid_run_is_counted_and_makes_bench_exit_1(monkeypatch, caps
     assert f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("message, status, expected", [
+    ("Exceeds maximum queue size", "StatusCode.UNAVAILABLE", 8),  # Triton's (and the front door's) full queue
+    ("Request timeout expired", "StatusCode.UNAVAILABLE", 4),  # the server's expiry
+    ("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED", 4),  # the client's
+    ("[StatusCode.INVALID_ARGUMENT] unexpected shape", "StatusCode.INVALID_ARGUMENT", 3),
+    ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 14),  # the node gone
+    ("something else", None, 14),
+])
+def test_a_triton_targets_failures_keep_their_kind(message, status, expected):
+    """The triton target counted every failure as 14, UNAVAILABLE, which now also makes bench exit
+    1 (the node went away): an overloaded run against a node that stayed up exited 1, its full
+    queue's answers read as a lost node."""
+    from tritonclient.utils import InferenceServerException
+
+    from batchyard.bench.harness import triton_error_status
+
+    assert triton_error_status(InferenceServerException(message, status=status)) == expected
+
+
 def test_a_long_label_keeps_the_tables_columns_in_line():
     spec = LoadSpec(rate=10.0, warmup_s=0.0, window_s=1.0, windows=1, stable_windows=1)
     rows = rows_of(schedule(spec)[0], 1000.0)
