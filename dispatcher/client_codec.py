@@ -318,12 +318,12 @@ class ClientCodec:
         if dtype.name not in P.DTYPES or dtype.hasobject or any(d < 0 for d in dims):
             raise InvalidArgument(f"alloc_array: shape {list(dims)} of {dtype} is not a tensor a model takes "
                                   f"(dtypes: {', '.join(sorted(P.DTYPES))}; dimensions >= 0)")
+        nbytes = math.prod(dims) * dtype.itemsize
+        if nbytes >= 2 ** 63:  # (a C long: the pool's OverflowError, numpy's ValueError, both bare)
+            raise InvalidArgument(f"alloc_array: shape {list(dims)} of {dtype} is {nbytes} bytes, more than "
+                                  "memory can hold")
         if not self.shared_memory:  # sent inline anyway: plain memory
             return np.empty(dims, dtype)
-        nbytes = math.prod(dims) * dtype.itemsize
-        if nbytes >= 2 ** 63:  # (the file's size is a C long: OverflowError, a bare one, from the pool)
-            raise InvalidArgument(f"alloc_array: shape {list(dims)} of {dtype} is {nbytes} bytes, more than "
-                                  "shared memory can hold")
         try:
             region = self.pool.alloc(nbytes)
         except ShmError as e:  # a full /dev/shm

@@ -708,6 +708,10 @@ def _refuse_if_listened_on(what: str, host: str, port: int) -> None:
         probe = socket.socket(family, kind, proto)
         try:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a closed socket's TIME_WAIT is no one)
+            if family == socket.AF_INET6:
+                # As the front door's servers bind "::": an IPv4 listener on the port is no one's in
+                # the way (probed dual-stack, a front door on "::" beside one was refused).
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:

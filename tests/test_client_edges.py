@@ -351,8 +351,9 @@ def test_bad_arguments_raise_the_sdks_invalid_argument_not_a_bare_python_error(r
     tensor). No dispatcher is needed: each is refused before anything is sent."""
     import torch
 
-    with Client(f"ipc://{run_dir}/nobody") as c:
-        for call, words in ((lambda: c.alloc_array((2 ** 63,), "uint8"), "more than shared memory can hold"),
+    with Client(f"ipc://{run_dir}/nobody") as c, Client("tcp://127.0.0.1:9") as plain:  # (tcp: plain memory)
+        for call, words in ((lambda: c.alloc_array((2 ** 63,), "uint8"), "more than memory can hold"),
+                            (lambda: plain.alloc_array((2 ** 63,), "uint8"), "more than memory can hold"),
                             (lambda: c.status(min_registrations=2 ** 70), "min_registrations must be >= 0"),
                             (lambda: c.infer(["sum"], {"x": ONE}), "model must be a str, got list")):
             with pytest.raises(InvalidArgument, match=words):

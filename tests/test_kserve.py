@@ -2386,6 +2386,26 @@ def test_a_port_another_server_listens_on_with_so_reuseport_is_refused(tmp_path)
     PortClaim("ipc:///node-a", "127.0.0.1", [("gRPC", port)], directory=str(tmp_path / "ports")).close()
 
 
+def test_an_ipv4_listener_is_not_in_the_way_of_a_front_door_on_ipv6s_wildcard(tmp_path):
+    """The front door's servers bind "::" IPv6-only, beside an IPv4 listener on the port; the
+    probe bound it dual-stack and refused them."""
+    import socket
+
+    from batchyard.kserve_shm import PortClaim
+
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        pytest.skip("no IPv6 on this host")
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        other.bind(("0.0.0.0", 0))
+        other.listen()
+        PortClaim("ipc:///node-a", "::", [("HTTP", other.getsockname()[1])], directory=str(tmp_path / "ports")).close()
+    finally:
+        other.close()
+
+
 def test_a_claim_made_while_the_last_one_out_removes_the_folder_is_made(tmp_path, monkeypatch):
     """Another node's last front door may remove the claims folder between this one's mkdir and
     its open: the FileNotFoundError made the front door serve with no claim at all (a later node
