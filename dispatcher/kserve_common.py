@@ -584,7 +584,7 @@ class KServeCore:
         else:
             try:
                 answer = reply(out)
-            except KServeError:
+            except Exception:  # a KServeError (too large to send), an output region's OSError: no answer
                 _count_failure(c, t0)
                 raise
         _count_success(c, t0, inputs, out)

@@ -366,10 +366,10 @@ class KServeHttp:
             uid = _client_uid(request) if _uses_shm(header) else None
             inputs = self._inputs(spec, header, binary, uid)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs, uid)
-        try:
-            rid = _field(header, "id", str, "")
-            _, out = await self.core.infer(model, inputs, priority=_uint(params, "priority"),
-                                           timeout=timeout_s(_uint(params, "timeout"))[0])
+        def answer(out) -> tuple[list, list, bool]:
+            # Made inside core.infer (as the gRPC route's): a region that cannot take an output
+            # fails the request in the statistics, where made after it the request was counted a
+            # success while its client got a 400.
             outputs, chunks, finite = [], [], True
             for name, binary_out, region in wanted:
                 arr = out[name]
@@ -386,6 +386,13 @@ class KServeHttp:
                     o["data"] = arr.reshape(-1).tolist()
                     finite = finite and (arr.dtype.kind != "f" or bool(np.isfinite(arr).all()))
                 outputs.append(o)
+            return outputs, chunks, finite
+
+        try:
+            rid = _field(header, "id", str, "")
+            _, (outputs, chunks, finite) = await self.core.infer(
+                model, inputs, priority=_uint(params, "priority"), timeout=timeout_s(_uint(params, "timeout"))[0],
+                reply=answer)
         finally:
             close_outputs(wanted)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}

@@ -858,6 +858,50 @@ def test_one_segment_under_two_names_and_an_output_region_too_small(front_door, 
         seg.unlink()
 
 
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_an_output_region_shrunk_while_its_request_ran_counts_a_failure(front_door, proto):
+    """Over HTTP the outputs were written to their region after the statistics had counted the
+    request a success: a region its client shrank while the request ran answered 400 "Invalid
+    offset + byte size", and ModelStatistics counted a success (gRPC counted a failure)."""
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    c = mod.InferenceServerClient(url)
+    tag = f"by_kserve_shrunk_{os.getpid()}_{proto}"
+    seg = shared_memory.SharedMemory(tag, create=True, size=64)
+    counts = lambda: {k: int(v.get("count", 0)) for k, v in c.get_inference_statistics(  # noqa: E731
+        "slow", **({"as_json": True} if proto == "grpc" else {}))["model_stats"][0]["inference_stats"].items()
+        if k in ("success", "fail")}
+    try:
+        c.register_system_shared_memory("shrinks", f"/{tag}", 64)
+        before = counts()
+        i = mod.InferInput("x", [1, 4], "FP32")
+        i.set_data_from_numpy(np.ones((1, 4), np.float32))
+        o = mod.InferRequestedOutput("y")
+        o.set_shared_memory("shrinks", 8)
+        got = []
+
+        def infer():  # (a client of its own: tritonclient.http's greenlets keep to the thread that made them)
+            try:
+                got.append(mod.InferenceServerClient(url).infer("slow", [i], outputs=[o]))
+            except Exception as e:  # noqa: BLE001 - the test reads what it raised
+                got.append(e)
+
+        call = threading.Thread(target=infer)
+        call.start()
+        with front_door.node.client() as sdk:  # its 300 ms batch is running: the region shrinks under it
+            while call.is_alive() and not any(w.name == "slow0" and w.inflight for w in sdk.status().workers):
+                pass
+        os.truncate(f"/dev/shm/{tag}", 0)
+        call.join(30)
+        assert isinstance(got[0], InferenceServerException) and "Invalid offset + byte size" in str(got[0])
+        after = counts()
+        assert (after["success"] - before["success"], after["fail"] - before["fail"]) == (0, 1)
+    finally:
+        with contextlib.suppress(InferenceServerException):
+            c.unregister_system_shared_memory("shrinks")
+        seg.close()
+        seg.unlink()
+
+
 def test_an_output_region_named_without_a_byte_size_is_the_requests_fault(front_door):
     """Triton 2.51: a region named without ``shared_memory_byte_size`` is INVALID_ARGUMENT / 400
     (gRPC says the key must be given). Read as 0 bytes, it was "too small", INTERNAL / 500: a
