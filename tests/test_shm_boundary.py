@@ -71,6 +71,13 @@ def infer_input_from(sock, segment: str) -> P.InferReply:
     return P.reply_decoder.decode(sock.recv_multipart()[0])
 
 
+def infer_output_to(sock, segment: str, offset: int) -> P.InferReply:
+    sock.send_multipart([header(outputs={"y": {"segment": segment, "offset": offset, "nbytes": 8}}),
+                         np.ones((1, 4), np.float32).tobytes()])
+    assert sock.poll(10_000), "no reply"
+    return P.reply_decoder.decode(sock.recv_multipart()[0])
+
+
 def test_a_segment_replaced_by_a_symlink_after_its_proof_is_not_followed(start_node, files):
     """The grant was for a name: a client proved its own file, then put a symlink to another
     file (another user's segment) under that name, and the worker read and wrote through it."""
@@ -82,10 +89,7 @@ def test_a_segment_replaced_by_a_symlink_after_its_proof_is_not_followed(start_n
         os.symlink(os.path.join(SHM_DIR, victim), os.path.join(SHM_DIR, mine))
         reply = infer_input_from(s, mine)
         assert reply.status == P.Status.INVALID_ARGUMENT and "input shared memory" in reply.message, reply
-        s.send_multipart([header(outputs={"y": {"segment": mine, "offset": 64, "nbytes": 8}}),
-                          np.ones((1, 4), np.float32).tobytes()])
-        assert s.poll(10_000)
-        reply = P.reply_decoder.decode(s.recv_multipart()[0])
+        reply = infer_output_to(s, mine, 64)
         assert reply.status == P.Status.INVALID_ARGUMENT and "output shared memory" in reply.message, reply
     with open(os.path.join(SHM_DIR, victim), "rb") as f:
         assert np.frombuffer(f.read()[64:80], np.float32).tolist() == [7.0] * 4
@@ -131,10 +135,7 @@ def test_a_segment_made_again_after_a_worker_used_it_is_refused_not_served_from_
         files(1.0, name=name)
         reply = infer_input_from(s, name)
         assert reply.status == P.Status.INVALID_ARGUMENT and "replaced since" in reply.message, reply
-        s.send_multipart([header(outputs={"y": {"segment": name, "offset": 128, "nbytes": 8}}),
-                          np.ones((1, 4), np.float32).tobytes()])
-        assert s.poll(10_000)
-        reply = P.reply_decoder.decode(s.recv_multipart()[0])
+        reply = infer_output_to(s, name, 128)
         assert reply.status == P.Status.INVALID_ARGUMENT and "replaced since" in reply.message, reply
 
 
