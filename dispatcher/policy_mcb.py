@@ -272,9 +272,9 @@ def _keep_up_rate(state: SchedulerState, model: str, q: ModelQueue, now: float) 
     (latency-critical by its name), only once the low class falls behind: its oldest queued
     request has waited longer than the shortest full batch of a worker of the model, longer
     than any batching delay explains. Normal work padded by the share alone starved a light
-    low stream: SIMULATED, the seeds' curves x 1000, 40 normal requests/s and 6 low, the urgent
-    stream taking every CPU (step 1): low p99 3.8-8.0 s, the aging period being 11.4 s (8 full
-    GPU batches), escape:2's 0.78-1.12 s. High work is padded no more where the low class keeps
+    low stream: SIMULATED (``priority_padding --beside-every-cpu``), the seeds' curves x 1000,
+    40 normal requests/s and 6 low, the urgent stream taking every CPU (step 1): low p99
+    3.97-5.67 s, the aging period being 11.4 s (8 full GPU batches), escape:2's 0.72-0.98 s. High work is padded no more where the low class keeps
     up otherwise (idle workers between high arrivals): SIMULATED, the report's devices, high at
     30 % of the GPU's capacity beside low at 20 % of the node's, padded at the low rate the
     high class's p99 rose from 0.235 to 0.260 ms."""

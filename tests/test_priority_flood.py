@@ -141,8 +141,8 @@ def test_a_light_low_stream_beside_normal_work_that_takes_every_cpu_keeps_up():
     """SIMULATED (``python -m batchyard.bench.priority_padding --beside-every-cpu``): 40 normal
     requests/s, which alone ask step 1's reservation for every CPU, and 6 low ones. The low class rode in the GPU's batches by the padding share alone (about one item a
     batch, fewer than arrived) while the reservation kept the CPUs for normal arrivals, and
-    waited for aging (22.8 s to the normal class here): its p99 was 3.8-8.0 s (escape:2's
-    0.78-1.12 s). Now normal batches are padded at the low class's arrival rate."""
+    waited for aging (22.8 s to the normal class here): its p99 was 3.97-5.67 s (escape:2's
+    0.72-0.98 s). Now normal batches are padded at the low class's arrival rate."""
     for seed in (1, 2):
         r = beside_every_cpu(1, seed)
         assert r["low"][1] < 2.0, (seed, r)
@@ -151,7 +151,7 @@ def test_a_light_low_stream_beside_normal_work_that_takes_every_cpu_keeps_up():
 
 def test_a_light_low_stream_beside_high_work_waits_about_one_full_batch_not_for_aging():
     """Beside high work the padding keeps up with the low class once it has waited a full GPU
-    batch (1.43 s here): p99 about that, not the 3.8-8.0 s it took to age."""
+    batch (1.43 s here): p99 about that, not the 3.97-5.67 s it took to age."""
     for seed in (1, 2):
         r = beside_every_cpu(0, seed)
         assert r["low"][1] < 3.0, (seed, r)
