@@ -220,15 +220,17 @@ async def _run_triton(url, model, inputs_kind, spec: LoadSpec, part: int, ready)
         await client.close()
 
 
-def triton_error_status(e: Exception) -> int:
-    """The Batchyard status of a tritonclient failure (the statuses are gRPC's numbers): an expiry
-    (the server's "Request timeout expired", or the client's deadline) is 4, a full queue ("Exceeds
-    maximum queue size", Triton's and the front door's) 8, else the call's gRPC code, 14 where it
-    has none. Every failure was 14, which also means "the node went away" (bench exits 1 on it):
-    an overloaded run against a node that stayed up exited 1."""
+def triton_error_status(e: Exception, own_deadline: int = 4) -> int:
+    """The Batchyard status of a tritonclient failure (the statuses are gRPC's numbers): the
+    server's expiry ("Request timeout expired") is 4, the client's own deadline ``own_deadline``,
+    a full queue ("Exceeds maximum queue size", Triton's and the front door's) 8, else the call's
+    gRPC code, 14 where it has none. Every failure was 14, which also means "the node went away"
+    (bench exits 1 on it): an overloaded run against a node that stayed up exited 1."""
     text = str(e).lower()
-    if "timeout expired" in text or "deadline exceeded" in text:
+    if "timeout expired" in text:
         return 4
+    if "deadline exceeded" in text:
+        return own_deadline
     if "exceeds maximum queue size" in text:
         return 8
     import grpc
@@ -244,8 +246,10 @@ def triton_error_status(e: Exception) -> int:
 def _triton_policy(on: bool):
     """(the ``infer`` keywords for a request of class ``prio`` with deadline ``timeout`` s, the
     status of a failed request) for the triton target. Off: the deadline is only the client's
-    (30 s without one). On: the server gets the priority and the deadline, the client waits
-    CLIENT_GRACE_S longer so that the server's own expiry is what is seen."""
+    (30 s without one), its expiry 4. On: the server gets the priority and the deadline, the
+    client waits CLIENT_GRACE_S longer so that the server's own expiry (4) is what is seen; the
+    client's deadline past that is its giving up on the server, CANCELLED (1), not an expiry the
+    server reported (``priority_vs_triton`` counts those apart)."""
     if not on:
         return (lambda prio, timeout: {"client_timeout": timeout or 30.0}), triton_error_status
 
@@ -253,7 +257,7 @@ def _triton_policy(on: bool):
         return {"priority": int(prio) + 1, "timeout": int(timeout * 1e6) if timeout else None,
                 "client_timeout": timeout + CLIENT_GRACE_S if timeout else 2 * CLIENT_GRACE_S}
 
-    return kwargs, triton_error_status
+    return kwargs, lambda e: triton_error_status(e, own_deadline=1)
 
 
 async def _drive(spec: LoadSpec, part: int, t0: float, one) -> None:

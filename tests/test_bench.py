@@ -329,14 +329,14 @@ def test_compare_replays_the_same_load_over_policies(run_dir, tmp_path):
 def test_triton_schedule_policy_sends_priority_and_server_timeout_only_when_asked():
     from batchyard.bench.harness import CLIENT_GRACE_S, _triton_policy
 
-    kwargs, status = _triton_policy(False)  # the default: the deadline is the client's, every failure 14
+    kwargs, status = _triton_policy(False)  # the default: the deadline is the client's, its expiry 4
     assert kwargs(2, 0.5) == {"client_timeout": 0.5} and kwargs(0, 0.0) == {"client_timeout": 30.0}
-    assert status(RuntimeError("Request timeout expired")) == 14
+    assert status(RuntimeError("Deadline Exceeded")) == 4
     kwargs, status = _triton_policy(True)  # Triton's priority 1 is the highest: class + 1
     assert kwargs(2, 0.5) == {"priority": 3, "timeout": 500_000, "client_timeout": 0.5 + CLIENT_GRACE_S}
     assert kwargs(0, 0.0) == {"priority": 1, "timeout": None, "client_timeout": 2 * CLIENT_GRACE_S}
     assert status(RuntimeError("[StatusCode.UNAVAILABLE] Request timeout expired")) == 4
-    assert status(RuntimeError("Deadline Exceeded")) == 14
+    assert status(RuntimeError("Deadline Exceeded")) == 1  # the client gave up past the server's deadline
 
 
 def _vs_run(server, rate, summary, rnd=0, schedule_kept=True):
