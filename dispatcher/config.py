@@ -659,33 +659,32 @@ def _check_tcp_bindable(key: str, address: str) -> None:
     if host.startswith("[") or ":" in host:
         raise ConfigError(f"{key}: {address!r}: IPv6 hosts are not supported; use an IPv4 address or a name")
     try:
-        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            probe.bind((addr, 0))  # any port: whether the address is this host's
-        finally:
-            probe.close()
+        _bind_any_port(host, socket.AF_INET)
     except (OSError, UnicodeError) as e:
         raise ConfigError(f"{key}: cannot listen on {host!r} ({address!r}): {e}") from None
 
 
+def _bind_any_port(host: str, family: int = 0) -> None:
+    """Bind a socket to ``host``'s first address on any port, and close it: whether the host is
+    one of this machine's (OSError, socket.gaierror among them, or UnicodeError if not)."""
+    import socket
+
+    fam, _, _, _, addr = socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as probe:
+        probe.bind((addr[0], 0, *addr[2:]))
+
+
 def _check_listen_host(key: str, host: str) -> None:
     """A host to listen on: a wildcard, an address, or a name this host resolves (a typo such as
-    "localhsot" stopped the process at start with socket.gaierror)."""
+    "localhsot" stopped the process at start with socket.gaierror), of this machine (another
+    machine's passed, and the front door or the metrics server failed to bind at start, exit 1,
+    restarted for ever)."""
     import socket
 
     if host in ("", "*"):
         return
     try:
-        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0]
-        probe = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            # Any port: whether the address is this host's. A name of another machine (or a
-            # typo'd address) passed, and the front door or the metrics server failed to bind at
-            # start, exit 1, restarted for ever ([dispatcher]'s own endpoints were checked so).
-            probe.bind((addr[0], 0, *addr[2:]))
-        finally:
-            probe.close()
+        _bind_any_port(host.strip("[]"))
     except socket.gaierror as e:
         if e.errno == socket.EAI_AGAIN:
             # The resolver failed for now: no fault of the config's. Refused here, a front door
