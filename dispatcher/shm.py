@@ -159,15 +159,20 @@ class SegmentCache:
         self._lru: collections.OrderedDict[str, Segment] = collections.OrderedDict()
 
     def get(self, name: str, file_id: tuple = ()) -> Segment:
+        return self._get(name, file_id)[0]
+
+    def _get(self, name: str, file_id: tuple = ()) -> tuple[Segment, os.stat_result]:
+        """The segment and its file's fstat (one per use: ``view`` reads the size from it)."""
         seg = self._lru.get(name)
         if seg is not None:
             # An open file unlinked since (nlink 0) is no longer the one under the name: opened
             # afresh, it is refused as replaced (or gone). Kept, a segment made again under its
             # name after a batch had used it was served from the old, deleted file, OK, while
             # the file the client now had under that name was never read or written.
-            if (not file_id or seg.file_id == file_id) and os.fstat(seg.fd).st_nlink:
+            st = os.fstat(seg.fd)
+            if (not file_id or seg.file_id == file_id) and st.st_nlink:
                 self._lru.move_to_end(name)
-                return seg
+                return seg, st
             self.forget(name)  # the name now stands for another file (its owner made it again)
         else:
             self.drop_unlinked()  # a new client's segment: room made first by the ones gone
@@ -176,7 +181,7 @@ class SegmentCache:
         while len(self._lru) > self.capacity:
             _, old = self._lru.popitem(last=False)
             old.close()
-        return seg
+        return seg, os.fstat(seg.fd)
 
     @staticmethod
     def maps(st: os.stat_result) -> bool:
@@ -190,9 +195,9 @@ class SegmentCache:
         """A writable view of ``nbytes`` at ``offset`` of a mapped segment (of the file ``file_id``,
         when given), None for one read and written by offset (``maps``); ShmError unless the
         range lies inside the file as it is now (an fstat per use, about a microsecond)."""
-        seg = self.get(name, file_id)
+        seg, st = self._get(name, file_id)
         end = offset + nbytes
-        size = os.fstat(seg.fd).st_size
+        size = st.st_size
         if end > size:
             raise ShmError(f"shared-memory range [{offset}, {end}) is outside "
                            f"segment {name!r} of {size} bytes")
