@@ -329,30 +329,25 @@ class RequestCore:
         self.state.queue(req.model).push_front(req)
         return True
 
-    def batch_health(self, worker: WorkerState, unavailable: bool, now: float,
-                     model: Optional[str] = None) -> Optional[float]:
-        """Circuit breaker, per (worker, model): a batch of ``model`` (None: every model of the
-        worker) that came back all UNAVAILABLE takes ``worker`` out of rotation for that model
-        for its back-off (returned, in seconds); a good batch resets the back-off."""
-        name = worker.name
-        keys = [(name, m) for m in ((model,) if model is not None else worker.models)]
+    def batch_health(self, worker: WorkerState, unavailable: bool, now: float, model: str) -> Optional[float]:
+        """Circuit breaker, per (worker, model): a batch of ``model`` that came back all
+        UNAVAILABLE takes ``worker`` out of rotation for that model for its back-off (returned,
+        in seconds); a good batch resets the back-off."""
+        key = (worker.name, model)
         if not unavailable:
-            for key in keys:
-                self.backoff.pop(key, None)
+            self.backoff.pop(key, None)
             return None
-        if self.state.workers.get(name) is not worker or name in self.leaving_workers:
+        if self.state.workers.get(worker.name) is not worker or key in self.suspended or \
+                worker.name in self.leaving_workers:
             return None  # (a leaving worker is out for good: suspended, the breaker brought it back)
-        keys = [key for key in keys if key not in self.suspended]
-        if not keys:
-            return None
-        backoff = self.backoff.get(keys[0], self.breaker_backoff_s)
-        for key in keys:
-            self.backoff[key] = min(backoff * 2, self.breaker_backoff_max_s)
-            self.suspended[key] = (now + backoff, worker)
-        self.state.suspend(worker, [m for _, m in keys])
+        backoff = self.backoff.get(key, self.breaker_backoff_s)
+        self.backoff[key] = min(backoff * 2, self.breaker_backoff_max_s)
+        self.suspended[key] = (now + backoff, worker)
+        self.state.suspend(worker, (model,))
         return backoff
 
     def _forget_breaker(self, name: str) -> None:
+        """The breaker's state of every model of worker ``name`` (gone, leaving, registering again)."""
         for table in (self.suspended, self.backoff):
             for key in [key for key in table if key[0] == name]:
                 del table[key]
@@ -484,8 +479,7 @@ class RequestCore:
         if w is None:
             return None
         self.departures += 1
-        for key in [key for key in self.suspended if key[0] == name]:
-            del self.suspended[key]
+        self._forget_breaker(name)
         self.leaving_workers.discard(name)
         # Newest batch and request first: each goes to the head of its queue, so the oldest ends
         # there first, in the order they came (they came back reversed).

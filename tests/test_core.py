@@ -257,19 +257,19 @@ def test_circuit_breaker_backs_off_doubling_and_resets_on_success():
     core = make_core(ends, breaker_backoff_s=0.5, breaker_backoff_max_s=1.5)
     gpu = core.state.workers["gpu0"]
     core.add_worker(WorkerState("cpu0", "cpu", {"m": 8}), 0.0)
-    assert core.batch_health(gpu, True, 0.0) == 0.5
+    assert core.batch_health(gpu, True, 0.0, "m") == 0.5
     assert gpu not in core.state.serving["m"] and core.next_wake() == 0.5
     req = core.admit("m", 1, 1, 5.0, 0.1, req_id=1)
     (batch,) = core.decide(0.1)
     assert batch.worker.name == "cpu0"  # the suspended GPU is not offered work
     core.decide(0.5)
     assert gpu in core.state.serving["m"]  # back, half-open
-    assert core.batch_health(gpu, True, 0.6) == 1.0  # failed again: doubled
+    assert core.batch_health(gpu, True, 0.6, "m") == 1.0  # failed again: doubled
     core.decide(1.6)
-    assert core.batch_health(gpu, True, 1.7) == 1.5  # capped
+    assert core.batch_health(gpu, True, 1.7, "m") == 1.5  # capped
     core.decide(3.2)
-    core.batch_health(gpu, False, 3.3)  # a good batch
-    assert core.batch_health(gpu, True, 3.4) == 0.5  # back to the first back-off
+    core.batch_health(gpu, False, 3.3, "m")  # a good batch
+    assert core.batch_health(gpu, True, 3.4, "m") == 0.5  # back to the first back-off
     assert req.state == 1  # untouched by all this
 
 
@@ -302,7 +302,7 @@ def test_a_request_that_outlives_its_models_only_worker_out_of_rotation_is_unava
     request is still DEADLINE_EXCEEDED."""
     ends = Ends()
     core = make_core(ends, breaker_backoff_s=8.0)
-    core.batch_health(core.state.workers["gpu0"], True, 0.0)
+    core.batch_health(core.state.workers["gpu0"], True, 0.0, "m")
     core.admit("m", 1, 1, 1.0, 0.0, req_id=1)
     core.decide(1.5)
     assert ends.failed == {1: Status.UNAVAILABLE}
@@ -324,7 +324,7 @@ def test_unavailable_requests_are_retried_on_another_worker_once():
     (batch,) = core.decide(0.0)
     assert batch.worker is gpu
     core.complete(batch.batch_id, None, 0.01)
-    core.batch_health(gpu, True, 0.01)
+    core.batch_health(gpu, True, 0.01, "m")
     assert core.retry_elsewhere(req, gpu, 0.01) is True
     (again,) = core.decide(0.01)
     assert again.worker is cpu and again.requests == [req]
@@ -784,7 +784,7 @@ def test_a_leaving_worker_gets_no_new_batch_and_its_batch_in_flight_completes():
     done = core.complete(batch.batch_id, 0.001, 0.002)
     assert [r.req_id for r in done.requests] == [1]
     # its batch came back all UNAVAILABLE: the breaker's back-off must not bring it back after
-    assert core.batch_health(done.worker, True, 0.002) is None
+    assert core.batch_health(done.worker, True, 0.002, "m") is None
     assert core.decide(5.0) == []
     core.add_worker(WorkerState("w1", "gpu", {"m": 8}), 5.0)
     assert _sent(core, 5.0) == [("w1", [2])]

@@ -883,7 +883,7 @@ def test_a_request_behind_a_head_only_an_absent_worker_takes_goes_to_a_free_work
     if out_of_rotation == "leaving":
         core.leaving("cpu_big")
     else:
-        core.batch_health(core.state.workers["cpu_big"], True, 1.0)
+        core.batch_health(core.state.workers["cpu_big"], True, 1.0, "m")
     head = core.admit("m", 3, 1, 0.0, 1.0)
     behind = core.admit("m", 2, 1, 0.0, 1.0)
     sent = [(b.worker.name, [r.seq for r in b.requests]) for b in core.decide(1.0)]
