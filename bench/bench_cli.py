@@ -7,10 +7,8 @@ import contextlib
 import sys
 from pathlib import Path
 
-from batchyard.protocol import Status
-
 from .harness import LoadSpec, analyse, run_load, scrape, server_split
-from .report import table, write_outputs
+from .report import table, unavailable_of_sent, write_outputs
 
 # The load modes, one a run: (flag, argument). The harness lets the closed loop win over the
 # rest, and a file of intervals or a profile over a rate, so a second mode was dropped unsaid and
@@ -160,7 +158,7 @@ def main(args) -> int:
     if args.out:
         write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model}")
         print(f"(written to {Path(args.out)}/)")
-    lost = sum(r.summary.get("failed_of_sent", {}).get(str(int(Status.UNAVAILABLE)), 0) for r in reports)
+    lost = sum(unavailable_of_sent(r) for r in reports)
     if lost:  # the node went away or could not be reached mid-run: the numbers do not measure it (it exited 0)
         print(f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE (the node went away or "
               "could not be reached): the run does not measure it", file=sys.stderr)

@@ -7,8 +7,8 @@ batches). Printed per policy: each class's p50 and p99 (ms).
 
 ``--beside-every-cpu``: the seeds' GPU (0.15 s + 0.02 s an item, max batch 64) and two CPUs (0.08 s
 an item), x1000; 60 s of 40 urgent (normal, then high) requests/s, which alone ask step 1's
-reservation for every CPU, beside 6 low ones/s; trace seeds 1-3. Printed: each class's p50 and
-p99 (s), and the low class's kept up with or not.
+reservation for every CPU, beside 6 low ones/s; trace seeds 1-3. Printed per policy (mcb,
+escape:2): each class's p50 and p99 (s).
 """
 
 from __future__ import annotations

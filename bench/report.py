@@ -54,6 +54,12 @@ def _status_name(status: int) -> str:
         return f"status {status}"
 
 
+def unavailable_of_sent(r: Report) -> int:
+    """The requests sent in ``r``'s windows that failed UNAVAILABLE, whenever they failed: the
+    node went away or could not be reached (``batchyard bench`` exits 1 on any)."""
+    return r.summary.get("failed_of_sent", {}).get(str(int(Status.UNAVAILABLE)), 0)
+
+
 def table(reports: list[Report]) -> str:
     width = max([26, *(len(r.label) + 1 for r in reports)])  # (a longer label pushed every column out of line)
     head = (f"{'target':<{width}}{'offered/s':>10}{'tput/s':>9}{'good/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}"
@@ -64,7 +70,7 @@ def table(reports: list[Report]) -> str:
         errs = sum(s["errors"].values())
         offered = f"{r.offered_rps:>10.1f}" if r.offered_rps else f"{'-':>10}"  # a closed loop offers no rate
         stable = "n/a" if r.stable is None else "yes" if r.stable else "NO"
-        lost = s.get("failed_of_sent", {}).get(str(int(Status.UNAVAILABLE)), 0)
+        lost = unavailable_of_sent(r)
         lines.append(f"{r.label:<{width}}{offered}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
                      f"{s['p90_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['p999_ms']:>8.2f}{errs:>8}  "
                      f"{stable}{'' if r.schedule_kept else ' (generator behind schedule)'}"
