@@ -34,7 +34,7 @@ from .client_pool import Region, ShmPool
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
 from .shm import CLIENT_REAP_ENTRIES, ShmError, reap_orphans
-from .validation import item_nbytes
+from .validation import item_nbytes, over_inline_limit_hint
 
 _DTYPE_NAMES: dict = {}
 
@@ -466,7 +466,7 @@ class ClientCodec:
         total = sum(frame.nbytes for frame in frames)
         if total > limit:
             raise InvalidArgument(f"inline payload {total} bytes exceeds max_inline_bytes {limit}; "
-                                  + ("send large tensors through shared memory" if self.shared_memory else
+                                  + (over_inline_limit_hint(True) if self.shared_memory else
                                      "this client sends tensors inline (shared_memory=False, a tcp endpoint's "
                                      "default): raise the node's max_inline_bytes, or send them through shared "
                                      "memory (an ipc endpoint, or shared_memory=True where the node sets "
