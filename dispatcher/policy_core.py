@@ -337,7 +337,7 @@ def queues_by_urgency(state: SchedulerState, now: float,
         if q.requests:
             longest = longest_batch(state, model)
             aging = _aging_for(longest)  # (aging_period, with the longest batch kept for below)
-            q.promote_aged(now, aging)
+            q.promote_aged(now, aging, (1 + LATE_MARGIN) * longest)
             out.append((model, q, longest, aging))
     if len(out) < 2:
         return [(model, q, aging) for model, q, _, aging in out]

@@ -11,7 +11,7 @@ import numpy as np
 
 from batchyard.bench.priority_padding import beside_every_cpu
 from batchyard.bench.simulator import Device, simulate
-from batchyard.bench.traces import poisson, with_classes
+from batchyard.bench.traces import merge, poisson, with_classes
 from batchyard.core import RequestCore
 from batchyard.cost_model import CostCurve
 from batchyard.policy import AGING_S, make_policy
@@ -57,11 +57,65 @@ def test_aging_does_not_merge_the_classes_of_a_slow_model():
     period = aging_period(core.state, "m")
     assert period == 8 * (LAUNCH_S + PER_ITEM_S * MAX_BATCH) > 100 * AGING_S
     core.state.workers["amx0"].inflight, core.state.workers["amx0"].busy_until = 1, 10.0  # busy
-    low = core.admit("m", 1, 2, 60.0, 0.0, req_id=1)
+    # (A timeout that leaves it more than a full batch once it is due: promote_aged's lead.)
+    low = core.admit("m", 1, 2, 3 * period, 0.0, req_id=1)
     core.decide(1.0)  # waited 20x AGING_S: still low
     assert low.priority == 2
     core.decide(period * 2 + 0.01)
     assert low.priority == 1
+
+
+def _high_beside_a_low_flood(low_timeout_s: float, low_rate: float = 120.0) -> tuple[float, float, int]:
+    """SIMULATED: one worker at 20 ms + 10 ms an item, max batch 8 (80 items/s); high at 5/s for
+    30 s, beside low at ``low_rate``/s. -> (high p99 alone, high p99 beside it, low served)."""
+    dev = [Device("sim0", "gpu", 0.020, 0.010, max_batch=8)]
+    high = poisson(5.0, 150, seed=7)
+    high.priority[:] = 0
+    low = poisson(low_rate, int(30 * low_rate), seed=8)
+    low.priority[:] = 2
+    low.timeout[:] = low_timeout_s
+    alone = simulate("mcb", high, dev)
+    res = simulate("mcb", merge(high, low), dev)
+    ok = res.status == 0
+    return (float(np.percentile(alone.latency, 99)), float(np.percentile(res.latency[ok & (res.priority == 0)], 99)),
+            int((ok & (res.priority == 2)).sum()))
+
+
+def test_a_low_flood_whose_timeout_outlasts_aging_does_not_rise_into_the_high_class():
+    """Aging moves up requests the classes above keep waiting, not a flood waiting for its own
+    backlog: with 30 s timeouts (three aging periods are 2.4 s here) every low request rose into
+    the high class, and the high class's p99 was 14.2 s against 58 ms alone; the flood is still
+    served whole."""
+    p99_alone, p99_flood, low_served = _high_beside_a_low_flood(30.0)
+    assert p99_flood < 3 * p99_alone
+    assert low_served == 3600
+
+
+def test_low_requests_the_high_class_keeps_waiting_still_rise_by_aging():
+    """High work past the worker's capacity (90/s on 80): the low class's requests still rise
+    and are served within seconds, not at the end of the high stream."""
+    dev = [Device("sim0", "gpu", 0.020, 0.010, max_batch=8)]
+    high = poisson(90.0, 2700, seed=9)
+    high.priority[:] = 0
+    low = poisson(5.0, 150, seed=10)
+    low.priority[:] = 2
+    res = simulate("mcb", merge(high, low), dev)
+    low_ok = (res.status == 0) & (res.priority == 2)
+    assert low_ok.sum() == 150 and np.percentile(res.latency[low_ok], 99) < 10.0
+
+
+def test_aging_moves_up_only_what_the_classes_above_keep_waiting():
+    q = ModelQueue("m")
+    first = Request(1, "m", 1, 2, 0.0, math.inf)
+    q.push(first)
+    for i in range(2, 10):
+        q.push(Request(i, "m", 1, 2, 0.0, math.inf))
+    assert len(q.take(4, newest_first=1 << 2)) == 4  # low work sent since it was queued (a flood's, newest
+    # first): it waits for its own class
+    assert q.promote_aged(3 * AGING_S, AGING_S) == 0 and first.priority == 2
+    q.push(Request(10, "m", 5, 0, 3 * AGING_S, math.inf))
+    assert len(q.take(5)) == 1  # now more high items than low ones went ahead of it
+    assert q.promote_aged(3 * AGING_S, AGING_S) >= 1 and first.priority == 1
 
 
 def test_the_aging_period_does_not_follow_the_learned_batch_cap():
