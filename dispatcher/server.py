@@ -484,7 +484,7 @@ class Dispatcher:
                 continue
             if status == Status.UNAVAILABLE and self.core.retry_elsewhere(req, w, now):
                 continue
-            if not finish(req):
+            if not finish(req, now):
                 continue
             timing = P.Timing(queue_us=int((req.dispatched_at - req.arrival) * 1e6), compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
@@ -570,8 +570,9 @@ class Dispatcher:
             spec = self.specs.get(msg.model)
             if spec is None:
                 # The SDK and the front door ask this before an inference: theirs for a model not
-                # served end here, and are counted here.
-                self.metrics.unknown_model()
+                # served end here, and are counted here (an LLM model is served, to `generate`).
+                if msg.model not in self.llm.core.models():
+                    self.metrics.unknown_model()
                 reply = P.ModelInfoReply(v=P.PROTOCOL_VERSION, id=msg.id, status=Status.UNKNOWN_MODEL,
                                          message=self._unknown_model(msg.model))
             else:
@@ -617,8 +618,9 @@ class Dispatcher:
         if spec is None:
             # Not counted under the name asked for: as in Triton, a model it does not serve has no
             # series, and any client could otherwise add series without end (each scrape renders
-            # them all on this thread).
-            self.metrics.unknown_model()
+            # them all on this thread). An LLM model is served, to `generate`: not counted.
+            if msg.model not in self.llm.core.models():
+                self.metrics.unknown_model()
             self._reply(identity, P.error_reply(msg.id, Status.UNKNOWN_MODEL, self._unknown_model(msg.model)))
             return
         files = None

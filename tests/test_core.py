@@ -54,6 +54,25 @@ def test_a_request_whose_deadline_passes_in_flight_is_answered_once_and_its_late
     assert core.state.workers["gpu0"].free  # the slot came back all the same
 
 
+def test_a_result_that_comes_back_past_the_deadline_before_its_expiry_ran_is_deadline_exceeded():
+    """The deadline's timer and the batch's return race: a batch back at 10.5 ms of a 10 ms
+    timeout, read before the expiry ran, was answered OK past its deadline (live, 2-5 of ~800
+    a run, by up to 4 ms). It ends as the timer would have ended it, its batch over (no release
+    to wait for)."""
+    ends = Ends()
+    core = make_core(ends)
+    req = core.admit("m", 1, 1, 0.010, 0.0, client=b"c", req_id=1)
+    in_time = core.admit("m", 1, 1, 1.0, 0.0, client=b"c", req_id=2)
+    (batch,) = core.decide(0.0)
+    assert batch.requests == [req, in_time]
+    assert core.complete(batch.batch_id, 0.0105, 0.0105) is batch
+    assert core.finish(req, 0.0105) is False and core.finish(in_time, 0.0105) is True
+    assert ends.failed == {1: Status.DEADLINE_EXCEEDED} and not req.answered_in_flight
+    assert not core.requests and not core.by_client_id
+    core.decide(0.011)  # the expiry, when it runs, finds it ended: one answer
+    assert ends.failed == {1: Status.DEADLINE_EXCEEDED} and not ends.twice
+
+
 def test_worker_loss_retries_once_then_fails_unavailable():
     """Failed because its worker is gone for sure, the request is answered as ended: answered in
     flight, its client kept the memory reserved for a release that never came."""
