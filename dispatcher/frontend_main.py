@@ -65,7 +65,8 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
     core = KServeCore(client, open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port),
                                                 os.environ.get(NODE_INSTANCE_ENV, "")),
-                      default_timeout_s=node.dispatcher.default_timeout_s, strict_readiness=fe.strict_readiness)
+                      default_timeout_s=node.dispatcher.default_timeout_s, strict_readiness=fe.strict_readiness,
+                      llm_models=frozenset(m.name for m in node.llm_models))
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 

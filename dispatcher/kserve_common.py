@@ -108,11 +108,16 @@ def _shown(model: str) -> str:
     return model if len(model) <= 200 else model[:200] + "..."
 
 
-def unknown_model(model: str) -> KServeError:
+LLM_ROUTE = "an LLM model: POST /v1/completions"
+
+
+def unknown_model(model: str, llm: bool = False) -> KServeError:
     """Triton 2.51 (nvidia-pytriton's tritonserver, asked the same): NOT_FOUND, HTTP 404, for an
     infer, metadata or config request naming a model it does not have. This answered
-    INVALID_ARGUMENT / 400, the code of older Tritons."""
-    return KServeError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{_shown(model)}' is not found")
+    INVALID_ARGUMENT / 400, the code of older Tritons. An LLM model of the node (``llm``) is none
+    of the KServe routes': the words say where it is served."""
+    where = f" ({LLM_ROUTE})" if llm else ""
+    return KServeError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{_shown(model)}' is not found{where}")
 
 
 def stats_unavailable(model: str, version_given: bool) -> KServeError:
@@ -464,7 +469,8 @@ def _count_failure(c: np.ndarray, t0: int) -> None:
 class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
-    def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None, strict_readiness: bool = True):
+    def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None, strict_readiness: bool = True,
+                 llm_models: frozenset = frozenset()):
         from .kserve_shm import ShmRegions  # it imports this module's errors
 
         self.client = client  # batchyard.AsyncClient
@@ -476,6 +482,10 @@ class KServeCore:
         self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
         self.stats = NodeStats(self.shm.dir_fd)
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
+        # The node's LLM models: served by the OpenAI routes, none of the KServe ones but the
+        # readiness probes (the index called one READY, then every call on it "unknown model" in
+        # Triton's words alone, counted as a model the node does not serve).
+        self.llm_models = frozenset(llm_models)
         self._refresh: Optional[asyncio.Future] = None
         self.stopping = False  # set by stop_waiting: requests in flight are answered UNAVAILABLE
 
@@ -498,8 +508,8 @@ class KServeCore:
         that is no integer is refused first, as Triton parses it before it looks the model up."""
         v = parse_version(version)
         spec = self.client.specs.get(model)
-        if spec is None and not 1 <= len(model) <= 128:  # no model can have it (protocol.Name)
-            raise unknown_model(model)
+        if spec is None and (model in self.llm_models or not 1 <= len(model) <= 128):  # (128: protocol.Name)
+            raise unknown_model(model, model in self.llm_models)
         if spec is None:
             try:
                 spec = await self.client.model_info(model, timeout=5.0)
@@ -553,8 +563,11 @@ class KServeCore:
         ready = await self.ready_models()
         if ready is None:
             raise KServeError(grpc.StatusCode.UNAVAILABLE, "the dispatcher does not answer")
+        # An LLM model is ready as its OpenAI route serves it (a probe of /v2/models/{m}/ready
+        # tells whether completions can run); the reason says it is none of the KServe routes'.
         index = [{"name": m, "version": "1", "state": "READY" if m in ready else "UNAVAILABLE",
-                  "reason": "" if m in ready else "no worker serving it is registered"}
+                  "reason": (LLM_ROUTE if m in self.llm_models else
+                             "" if m in ready else "no worker serving it is registered")}
                  for m in sorted(self._models | ready)]
         return [i for i in index if i["state"] == "READY"] if ready_only else index
 
@@ -606,7 +619,7 @@ class KServeCore:
             await self.ready_models()
         totals = self.stats.totals()
         zero = np.zeros(len(S.FIELDS), np.int64)
-        names = [model] if model else sorted(set(totals) | self._models)
+        names = [model] if model else sorted((set(totals) | self._models) - self.llm_models)
         return [stats_json(n, totals.get(n, zero)) for n in names]
 
     def close(self) -> None:

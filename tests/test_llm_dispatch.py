@@ -128,7 +128,7 @@ def llm_node(run_dir):
     _tokenizer(Path(run_dir))
     port, grpc_port = free_port(), free_port()
     cfg = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
-                                                 default_timeout_s=DEFAULT_TIMEOUT_S),
+                                                 default_timeout_s=DEFAULT_TIMEOUT_S, metrics_port=free_port()),
                      llm_models=(LlmModelConfig(name="tiny", path=run_dir),),
                      frontend=FrontendConfig(grpc_port=grpc_port, http_port=port)).validate()
     path = Path(run_dir) / "node.toml"
@@ -225,6 +225,41 @@ def test_infer_to_an_llm_model_says_it_takes_generate(llm_node):
     with Client(address) as c:
         with pytest.raises(UnknownModel, match="'tiny' is an LLM model: send it `generate`"):
             c.infer("tiny", {"x": [[1.0]]})
+
+
+def test_the_kserve_routes_name_an_llm_model_as_one_and_count_it_nowhere(llm_node, run_dir):
+    """The KServe index called the LLM model READY (as its readiness probe does: completions
+    can run); then its metadata, config and infer were Triton's "unknown model" in Triton's words
+    alone, and each counted in batchyard_unknown_model_requests_total, though the node serves it
+    (to /v1/completions)."""
+    import tomllib
+
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    address, _, url = llm_node
+    client = th.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        assert client.get_model_repository_index() == [
+            {"name": "tiny", "version": "1", "state": "READY", "reason": "an LLM model: POST /v1/completions"}]
+        assert client.is_server_ready() and client.is_model_ready("tiny")
+        assert client.get_inference_statistics()["model_stats"] == []  # it has no KServe statistics
+        for call in (client.get_model_metadata, client.get_model_config,
+                     lambda m: client.infer(m, [th.InferInput("x", [1, 1], "FP32")])):
+            with pytest.raises(InferenceServerException, match=r"'tiny' is not found \(an LLM model: POST "
+                                                               r"/v1/completions\)") as e:
+                call("tiny")
+            assert e.value.status() == "404"
+    finally:
+        client.close()
+    with Client(address) as c:
+        with pytest.raises(UnknownModel, match="is an LLM model"):
+            c.model_info("tiny")
+        c.status()  # every reply above has been sent
+    port = tomllib.loads((Path(run_dir) / "node.toml").read_text())["dispatcher"]["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert "\nbatchyard_unknown_model_requests_total 0\n" in text
 
 
 def test_generate_to_a_tensor_model_says_it_takes_infer(start_node):
