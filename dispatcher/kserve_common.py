@@ -382,7 +382,9 @@ def check_input(spec: P.ModelSpec, name: str, dtype: str, shape: list[int]) -> N
     if dtype != t.dtype:
         raise invalid(f"inference input '{name}' data-type is '{NP_TO_KSERVE.get(dtype, dtype)}', but model "
                       f"'{spec.name}' expects '{NP_TO_KSERVE.get(t.dtype, t.dtype)}'")
-    if len(shape) != len(t.shape) + 1 or tuple(shape[1:]) != tuple(t.shape) or not 1 <= shape[0] <= spec.max_batch:
+    item = tuple(shape[1:])
+    if (not shape or item != tuple(t.shape) and not (item == (1,) and not t.shape)  # [B, 1]: model_config's dims
+            or not 1 <= shape[0] <= spec.max_batch):
         raise invalid(f"unexpected shape for input '{name}' for model '{spec.name}'. Expected "
                       f"{[-1, *t.shape]} (batch 1..{spec.max_batch}), got {list(shape)}")
 
@@ -412,18 +414,34 @@ def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:
                       f"missing required input(s) {missing}")
 
 
+def unreshaped(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inputs of one value an item sent as ``[B, 1]``, as ``model_config``'s ``dims: [1]`` says,
+    taken as the ``[B]`` the model has (Triton's reshape); ``[B]`` itself as before."""
+    one = {t.name for t in spec.inputs if not t.shape}
+    if not one:
+        return inputs
+    return {n: a.reshape(a.shape[0]) if n in one and a.ndim == 2 and a.shape[1] == 1 else a
+            for n, a in inputs.items()}
+
+
 def model_metadata(spec: P.ModelSpec) -> dict:
-    """KServe's model metadata: the batch dimension is -1 (variable), as Triton shows it."""
-    conv = lambda ts: [{"name": t.name, "datatype": NP_TO_KSERVE[t.dtype], "shape": [-1, *t.shape]} for t in ts]
+    """KServe's model metadata: the batch dimension is -1 (variable), as Triton shows it; a
+    tensor of one value an item is [-1, 1], its ``model_config`` dims (perf_analyzer sizes its
+    inputs from these: with [-1] it could not set their shape)."""
+    conv = lambda ts: [{"name": t.name, "datatype": NP_TO_KSERVE[t.dtype], "shape": [-1, *(t.shape or (1,))]}
+                       for t in ts]
     return {"name": spec.name, "versions": ["1"], "platform": PLATFORM,
             "inputs": conv(spec.inputs), "outputs": conv(spec.outputs)}
 
 
 def model_config(spec: P.ModelSpec) -> dict:
     """Triton's model configuration, the fields tritonclient and perf_analyzer read (dims
-    without the batch dimension, as with max_batch_size > 0)."""
-    conv = lambda ts: [{"name": t.name, "data_type": "TYPE_" + NP_TO_KSERVE[t.dtype], "dims": list(t.shape)}
-                       for t in ts]
+    without the batch dimension, as with max_batch_size > 0). A tensor of one value an item is
+    Triton's ``dims: [1]`` with ``reshape: {shape: []}``: ``dims: []`` is no Triton's (it refuses
+    such a config), and perf_analyzer stopped on it ("unable to set shape for the input")."""
+    def conv(ts):
+        return [{"name": t.name, "data_type": "TYPE_" + NP_TO_KSERVE[t.dtype], "dims": list(t.shape) or [1],
+                 **({} if t.shape else {"reshape": {"shape": []}})} for t in ts]
     return {"name": spec.name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": spec.max_batch,
             "input": conv(spec.inputs), "output": conv(spec.outputs)}
 
@@ -580,6 +598,7 @@ class KServeCore:
         counts the request failed, as its client gets no answer: counted a success, it was
         one in the statistics."""
         spec = await self.spec(model)
+        inputs = unreshaped(spec, inputs)
         check_inputs(spec, inputs)
         c = self.stats.counters(model)
         t0 = time.perf_counter_ns()

@@ -1781,6 +1781,39 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     assert seen == [sent]
 
 
+def test_a_tensor_of_one_value_an_item_is_tritons_dims_1_with_a_reshape_and_takes_b_by_1(tmp_path):
+    """Its config said dims [] (no Triton's: tritonserver refuses it at load) and its metadata
+    [-1]: perf_analyzer stopped at once, "unable to set shape for the input", over gRPC and HTTP.
+    Now dims [1] with reshape [] and metadata [-1, 1], as Triton's; [B, 1] is taken as the
+    model's [B], and [B] still is."""
+    from batchyard.kserve_common import check_declared_input, model_config, model_metadata
+
+    spec = P.ModelSpec("s", (P.TensorSpec("x", "float32", ()),), (P.TensorSpec("y", "int64", ()),), max_batch=8)
+    cfg = model_config(spec)
+    assert cfg["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [1], "reshape": {"shape": []}}]
+    assert cfg["output"][0]["dims"] == [1] and cfg["output"][0]["reshape"] == {"shape": []}
+    assert model_metadata(spec)["inputs"][0]["shape"] == [-1, 1]
+    check_declared_input(spec, "x", "FP32", [2, 1])  # a shared-memory input, as declared
+    with pytest.raises(KServeError, match="unexpected shape"):
+        check_declared_input(spec, "x", "FP32", [2, 2])
+    seen = []
+
+    class FakeClient:
+        specs = {"s": spec}
+
+        async def infer(self, model, inputs, priority, timeout):
+            seen.append(inputs["x"].shape)
+            return type("Out", (), {"timing": None})()
+
+    core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")))
+    try:
+        for x in (np.zeros((3, 1), np.float32), np.zeros(3, np.float32)):
+            asyncio.run(core.infer("s", {"x": x}))
+    finally:
+        core.close()
+    assert seen == [(3,), (3,)]
+
+
 def test_inputs_of_different_batch_sizes_are_refused_at_the_door_in_tritons_words(tmp_path):
     """Each shape fine alone, the batch sizes apart: the dispatcher refused it, and the front
     door counted a failure in ModelStatistics, where Triton refuses it before inference and
