@@ -1,9 +1,14 @@
 """The classes' latency where low items may pad an urgent batch (SIMULATED: docs/policy.md,
-step 2). ``python -m batchyard.bench.priority_padding [--beside-every-cpu]``
+step 2). ``python -m batchyard.bench.priority_padding [--beside-every-cpu | --flood]``
 
 One worker at 20 ms + 1 ms an item, max batch 8; 6,000 Poisson arrivals, 20/60/20 % high,
 normal and low, no deadlines, at 60, 120 and 200 req/s (the worker serves ~290 req/s in full
 batches). Printed per policy: each class's p50 and p99 (ms).
+
+``--flood``: high requests at 5/s for 30 s beside a low flood at 120/s (1.5x one worker of 20 ms
++ 10 ms an item, max batch 8) whose timeout is 1, 2, 5 or 30 s; trace seeds 1-3 (--seeds).
+Printed per policy: the high class's p50 and p99 (ms) alone and beside the flood, and the low
+requests served (docs/policy.md, step 0: aging).
 
 ``--beside-every-cpu``: the seeds' GPU (0.15 s + 0.02 s an item, max batch 64) and two CPUs (0.08 s
 an item), x1000; 60 s of 40 urgent (normal, then high) requests/s, which alone ask step 1's
@@ -53,13 +58,45 @@ def beside_every_cpu(urgent_class: int, seed: int, policy: str = "mcb", seconds:
     return out
 
 
+FLOOD_DEVICES = [Device("sim0", "gpu", 0.020, 0.010, max_batch=8)]
+
+
+def flood(low_timeout_s: float, seed: int, policy: str = "mcb", low_rate: float = 120.0,
+          seconds: float = 30.0) -> dict:
+    """High at 5/s beside a low flood (module docstring): the high class's p50/p99 (ms) alone and
+    beside it, and the low requests served of those sent."""
+    high = poisson(5.0, int(5 * seconds), seed=seed)
+    high.priority[:] = 0
+    low = poisson(low_rate, int(low_rate * seconds), seed=seed + 100)
+    low.priority[:] = 2
+    low.timeout[:] = low_timeout_s
+    alone = simulate(policy, high, FLOOD_DEVICES).latency * 1e3
+    res = simulate(policy, merge(high, low), FLOOD_DEVICES)
+    ok = res.status == 0
+    beside = res.latency[ok & (res.priority == 0)] * 1e3
+    return {"alone": (float(np.percentile(alone, 50)), float(np.percentile(alone, 99))),
+            "beside": (float(np.percentile(beside, 50)), float(np.percentile(beside, 99))),
+            "low_served": int((ok & (res.priority == 2)).sum()), "low_sent": len(low)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[60.0, 120.0, 200.0])
     ap.add_argument("--policies", nargs="+", default=["mcb", "greedy"])
     ap.add_argument("--beside-every-cpu", action="store_true",
                     help="a light low stream beside an urgent one that takes every CPU (module docstring)")
+    ap.add_argument("--flood", action="store_true", help="high work beside a low flood of long timeouts (docstring)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="trace seeds of --flood")
     args = ap.parse_args(argv)
+    if args.flood:
+        for seed in args.seeds:
+            for timeout in (1.0, 2.0, 5.0, 30.0):
+                for policy in ("mcb", "escape:2"):
+                    r = flood(timeout, seed, policy)
+                    print(f"seed {seed} low timeout {timeout:4.0f} s {policy:8s} high alone p50/p99 "
+                          f"{r['alone'][0]:5.0f}/{r['alone'][1]:5.0f} ms, beside the flood {r['beside'][0]:6.0f}/"
+                          f"{r['beside'][1]:6.0f} ms | low served {r['low_served']} of {r['low_sent']}")
+        return
     if args.beside_every_cpu:
         for urgent_class in (1, 0):
             for seed in (1, 2, 3):

@@ -142,9 +142,9 @@ class ModelQueue:
         items were sent since it was queued as of its own class and those below (``starved``).
         One that waits for its own class's backlog (a flood) stays: moved up, a low flood whose
         timeout outlasted three periods rose into the high class whole, and every high request
-        waited behind its backlog (SIMULATED: one worker at 20 ms + 10 ms an item, max batch 8,
-        high at 5/s beside low at 120/s with 30 s timeouts: the high class's p99 14.2 s, 58 ms
-        alone). Nor does a head with less than ``lead`` left before its deadline: it would cut
+        waited behind its backlog (SIMULATED, ``priority_padding --flood``: one worker at 20 ms +
+        10 ms an item, high at 5/s beside low at 120/s with 30 s timeouts: the high class's p99
+        12.4-14.1 s, now 118-126 ms, 51-59 ms alone). Nor does a head with less than ``lead`` left before its deadline: it would cut
         the batch it goes first in to what still ends in time."""
         moved = 0
         for prio in (1, 2):
