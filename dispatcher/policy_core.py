@@ -281,6 +281,41 @@ def _aging_for(longest: float) -> float:
     return max(AGING_S, AGING_BATCHES * longest)
 
 
+def low_overloads(state: SchedulerState, model: str, now: float) -> bool:
+    """Whether the low class is what takes the model past its workers' capacity (full batches
+    on each, as if each served it alone): the high and normal items arrive at less than it, all
+    items at more. Aging then keeps low requests in their class (``ModelQueue.promote_aged``):
+    it bounds their wait where urgent work takes the workers, or where the node keeps up with
+    everyone; past what the workers can do because of the low class, moving it up only handed
+    its overload to the urgent classes."""
+    low = state.low_rate(model, now)
+    if low <= 0.0:
+        return False
+    capacity = sum(w.models[model] / max(state.cost(model, w.path).predict(w.models[model]), 1e-9)
+                   for w in state.serving.get(model, ()))
+    a = state.arrivals.get(model + "#urgent")
+    urgent = a.rate(now) if a is not None else 0.0
+    return urgent < capacity and urgent + low > (1 + LOW_OVERLOAD_MARGIN) * capacity
+
+
+# How far past the workers' capacity the arrivals must be for the low class to count as
+# overloading them: the rate estimates swing by about this much at a steady rate, and near the
+# capacity a low class held in place only made the urgent batches smaller (SIMULATED, two
+# workers of 80 items/s, 150/s of 10/30/60 % high/normal/low: every class's p99 up to 4x).
+LOW_OVERLOAD_MARGIN = 0.25
+
+
+def low_held(state: SchedulerState, model: str, aging: float, now: float) -> bool:
+    """Whether aging keeps the model's low class in place: its low class overloaded the workers
+    (``low_overloads``) within the aging period. The rate estimates dip between arrivals: judged
+    at each decision alone, a flood at 1.5x the capacity read below it now and then (66 of
+    120/s), and each dip moved its whole due backlog up at once (73 to 1,133 requests)."""
+    if low_overloads(state, model, now):
+        state.low_held_until[model] = now + aging
+        return True
+    return now < state.low_held_until.get(model, -math.inf)
+
+
 def longest_batch(state: SchedulerState, model: str) -> float:
     """The predicted time of the longest full batch (its max batch) of a worker serving ``model``."""
     return max((state.cost(model, w.path).predict(w.models[model]) for w in state.serving.get(model, ())),
@@ -337,7 +372,7 @@ def queues_by_urgency(state: SchedulerState, now: float,
         if q.requests:
             longest = longest_batch(state, model)
             aging = _aging_for(longest)  # (aging_period, with the longest batch kept for below)
-            q.promote_aged(now, aging, (1 + LATE_MARGIN) * longest)
+            q.promote_aged(now, aging, (1 + LATE_MARGIN) * longest, low_held(state, model, aging, now))
             out.append((model, q, longest, aging))
     if len(out) < 2:
         return [(model, q, aging) for model, q, _, aging in out]

@@ -329,11 +329,9 @@ class MarginalCost(PerModelPolicy):
             # 2. Urgent items go out on their own: padding their batch with low items would
             #    make them wait for the low items' compute — but for the low items that cost
             #    them at most PAD_SHARE of their batch's time (a launch-heavy worker's).
-            #    Requests that aging moved up go first but are no reason to keep the low
-            #    class out: with nothing asked urgent queued, every item may go.
             urgent = q.class_items[0] + q.class_items[1]
             b = q.items
-            if 0 < urgent < q.items and q.urgent_asked():
+            if 0 < urgent < q.items:
                 b = urgent + _low_padding(state, model, q, ws, urgent, q.items - urgent, now)
             # 2b. Low-only work is background while urgent requests have arrived within the aging
             #     period (the horizon over which classes are kept apart at all): its batches are
@@ -515,13 +513,14 @@ class MarginalCost(PerModelPolicy):
         aside = []
         try:
             for _ in range(ahead):
-                # (Taken, not removed: put back at the front, they count as never sent.)
-                aside += q.take(head_request(q).items)
+                big = head_request(q)
+                q.remove(big)
+                aside.append(big)
             x = min((x for x in free if x.models[model] >= r.items),
                     key=lambda x: state.start_time(x, now) + state.cost(model, x.path).predict(r.items))
             items = min(state.batch_cap(model, x, background), x.models[model])
             urgent = q.class_items[0] + q.class_items[1]
-            if 0 < urgent < q.items and q.urgent_asked():
+            if 0 < urgent < q.items:
                 items = min(items, urgent)  # urgent work is never padded with low work (step 2)
             return MarginalCost._send_to(state, model, q, x, max(items, r.items), idx, now, d)
         finally:
@@ -581,8 +580,7 @@ class MarginalCost(PerModelPolicy):
     @staticmethod
     def _eligible(state: SchedulerState, model: str, q: ModelQueue, all_ws: list[WorkerState], now: float,
                   d: Decision) -> list[WorkerState]:
-        # (Requests aging moved up are served first, but on what the reservation leaves.)
-        urgent = q.urgent_asked()
+        urgent = q.class_items[0] + q.class_items[1]
         lam_u = state.urgent_rate(model, now) if not urgent and len(all_ws) > 1 and not state.closed else 0.0
         if lam_u <= URGENT_RATE:
             return all_ws

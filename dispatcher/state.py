@@ -29,7 +29,7 @@ _STEPS_FROM = (0, 1, 3)
 class Request:
     __slots__ = ("seq", "model", "items", "priority", "asked_priority", "arrival", "deadline", "state",
                  "retries", "dispatched_at", "client", "req_id", "frames", "batch_id", "answered_in_flight",
-                 "shm_files", "writes_shm", "suspect", "probe", "sent_before")
+                 "shm_files", "writes_shm", "suspect", "probe")
 
     def __init__(self, seq: int, model: str, items: int, priority: int, arrival: float,
                  deadline: float, client: Any = None, req_id: int = 0,
@@ -58,13 +58,12 @@ class Request:
         # Admitted although the curves said it could not make its deadline (probe_due): it runs,
         # and what it measures corrects them; judged by its deadline alone.
         self.probe = False
-        self.sent_before: Optional[tuple] = None  # its queue's ``sent`` when it was queued (aging)
 
 
 class ModelQueue:
     """FIFO per priority for one model; counts queued requests and items."""
 
-    __slots__ = ("model", "by_priority", "requests", "items", "class_items", "aged", "sent")
+    __slots__ = ("model", "by_priority", "requests", "items", "class_items")
 
     def __init__(self, model: str):
         self.model = model
@@ -72,20 +71,11 @@ class ModelQueue:
         self.requests = 0
         self.items = 0
         self.class_items = [0] * N_PRIORITIES
-        self.aged = [0] * N_PRIORITIES  # items in each class that aging moved up into it
-        self.sent = [0] * N_PRIORITIES  # items taken by the class their clients asked for (less those put back)
 
     def _counted(self, req: Request, prio: int, sign: int) -> None:
         self.class_items[prio] += sign * req.items
-        if req.asked_priority != prio:
-            self.aged[prio] += sign * req.items
-
-    def urgent_asked(self) -> int:
-        """Items queued that their clients asked high or normal for (aging moves others up)."""
-        return self.class_items[0] + self.class_items[1] - self.aged[0] - self.aged[1]
 
     def push(self, req: Request) -> None:
-        req.sent_before = tuple(self.sent)
         self.by_priority[req.priority].append(req)
         self.requests += 1
         self.items += req.items
@@ -93,7 +83,6 @@ class ModelQueue:
 
     def push_front(self, req: Request) -> None:
         """Put a request back at the head of its class (a retry after a worker died)."""
-        self.sent[req.asked_priority] -= req.items
         self.by_priority[req.priority].appendleft(req)
         self.requests += 1
         self.items += req.items
@@ -128,9 +117,8 @@ class ModelQueue:
             n = sum(r.items for r in removed)
             self.items -= n
             self.class_items[prio] -= n
-            self.aged[prio] -= sum(r.items for r in removed if r.asked_priority != prio)
 
-    def promote_aged(self, now: float, age_s: float, lead: float = 0.0) -> int:
+    def promote_aged(self, now: float, age_s: float, lead: float = 0.0, hold_low: bool = False) -> int:
         """Aging: a request that waited ``age_s`` times its class in that class moves up one
         class, so a low request's wait is bounded however much high-priority work keeps arriving:
         a low one is normal after 2 ``age_s`` and high after 3, a normal one high after 1 (a class
@@ -138,20 +126,19 @@ class ModelQueue:
         ``age_s``). (Each step was measured from the arrival: a low request became high at its
         first look past 2 ``age_s``, with the normal class's wait spent in the low one.)
 
-        Only a request the classes above it keep waiting moves up: at least as many of their
-        items were sent since it was queued as of its own class and those below (``starved``).
-        One that waits for its own class's backlog (a flood) stays: moved up, a low flood whose
-        timeout outlasted three periods rose into the high class whole, and every high request
-        waited behind its backlog (SIMULATED, ``priority_padding --flood``: one worker at 20 ms +
-        10 ms an item, high at 5/s beside low at 120/s with 30 s timeouts: the high class's p99
-        12.4-14.1 s, now 118-126 ms, 51-59 ms alone). Nor does a head with less than ``lead`` left before its deadline: it would cut
-        the batch it goes first in to what still ends in time."""
+        Not a head with less than ``lead`` left before its deadline: it would cut the batch it
+        goes first in to what still ends in time. Nor, with ``hold_low``, a request its client
+        asked low for: the low class is what overloads the node (``policy_core.low_overloads``),
+        and moved up it rose into the high class whole and every high request waited behind its
+        backlog (SIMULATED, ``priority_padding --flood``: one worker at 20 ms + 10 ms an item,
+        high at 5/s beside low at 120/s with 30 s timeouts: the high class's p99 12.4-14.1 s,
+        51-59 ms alone)."""
         moved = 0
         for prio in (1, 2):
             q, up = self.by_priority[prio], self.by_priority[prio - 1]
             # The waits of the classes from the asked one down to this one, from the arrival.
             while (q and now - q[0].arrival >= age_s * (_STEPS_FROM[q[0].asked_priority] - _STEPS_FROM[prio - 1])
-                   and q[0].deadline - now >= lead and self.starved(q[0], prio)):
+                   and q[0].deadline - now >= lead and not (hold_low and q[0].asked_priority == 2)):
                 req = q.popleft()
                 self._counted(req, prio, -1)
                 req.priority = prio - 1
@@ -159,14 +146,6 @@ class ModelQueue:
                 self._counted(req, prio - 1, 1)
                 moved += 1
         return moved
-
-    def starved(self, req: Request, prio: int) -> bool:
-        """Whether the classes above ``prio`` had at least as many items sent since ``req`` was
-        queued as ``prio`` and the classes below it (by the classes their clients asked for)."""
-        if req.sent_before is None:
-            return True
-        since = [n - m for n, m in zip(self.sent, req.sent_before)]
-        return sum(since[:prio]) >= sum(since[prio:])
 
     def oldest_arrival(self) -> float:
         return min((q[0].arrival for q in self.by_priority if q), default=float("inf"))
@@ -183,7 +162,6 @@ class ModelQueue:
                 req = q.pop() if newest else q.popleft()
                 room -= req.items
                 self._counted(req, prio, -1)
-                self.sent[req.asked_priority] += req.items
                 out.append(req)
             if q:
                 break  # the head of this class does not fit: keep priority order
@@ -209,7 +187,6 @@ class ModelQueue:
                     req = q.popleft()
                     room -= req.items
                     self._counted(req, prio, -1)
-                    self.sent[req.asked_priority] += req.items
                     out.append(req)
                 else:
                     full = True  # one this worker takes is left: keep priority order
@@ -269,6 +246,8 @@ class SchedulerState:
     # model -> until when it counts as overloaded: a queued request of it expired (or was shed as
     # late) at most its own timeout ago (policy_core.congested)
     overloaded_until: dict[str, float] = field(default_factory=dict)
+    # model -> until when aging keeps its low class in place (policy_core.low_overloads)
+    low_held_until: dict[str, float] = field(default_factory=dict)
     # No request is admitted any more (the dispatcher drains): no wait for an arrival pays, and a
     # policy that waited held the queue beside free workers until the drain ran out.
     closed: bool = False
