@@ -583,9 +583,13 @@ class KServeCore:
             raise KServeError(grpc.StatusCode.UNAVAILABLE, "the dispatcher does not answer")
         # An LLM model is ready as its OpenAI route serves it (a probe of /v2/models/{m}/ready
         # tells whether completions can run); the reason says it is none of the KServe routes'.
-        index = [{"name": m, "version": "1", "state": "READY" if m in ready else "UNAVAILABLE",
-                  "reason": (LLM_ROUTE if m in self.llm_models else
-                             "" if m in ready else "no worker serving it is registered")}
+        def reason(m: str) -> str:
+            why = "" if m in ready else "no worker serving it is registered"
+            if m in self.llm_models:
+                why = f"{why} ({LLM_ROUTE})" if why else LLM_ROUTE
+            return why
+
+        index = [{"name": m, "version": "1", "state": "READY" if m in ready else "UNAVAILABLE", "reason": reason(m)}
                  for m in sorted(self._models | ready)]
         return [i for i in index if i["state"] == "READY"] if ready_only else index
 

@@ -288,6 +288,10 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
         with pytest.raises(Unavailable, match="'gpu'"):
             c.generate("tiny", [1, 2, 3], timeout=5)
     assert _ready(url + "/v2/models/tiny/ready") != 200 and _ready(url + "/v2/health/ready") != 200
+    # Why it is not ready, and where it is served (the index said only the second).
+    assert _http(url + "/v2/repository/index", {}) == (200, [
+        {"name": "tiny", "version": "1", "state": "UNAVAILABLE",
+         "reason": "no worker serving it is registered (an LLM model: POST /v1/completions)"}])
 
 
 def _ready(url: str) -> int:
