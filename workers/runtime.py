@@ -261,6 +261,8 @@ class WorkerRuntime:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
                     break
+            if not announced and unanswered and rc == 0:
+                announced = self._registered_on_stop(sock)
             if self._in_executor or announced:
                 # Registered, a batch the dispatcher sent before it knew of the stop may be in the
                 # socket (max_inflight > 1: one behind the one running): left there, the dispatcher
@@ -325,6 +327,25 @@ class WorkerRuntime:
             reply = then(raw, compute_us)
             if reply is not None:
                 sock.send_multipart(reply, copy=False)
+
+    def _registered_on_stop(self, sock) -> bool:
+        """A stop that came with a registration unanswered: whether the dispatcher's answer was
+        on its way (it registered this worker, and may have sent batches right behind it, which
+        are run here). Gone at once, the worker left them unanswered, and the dispatcher took
+        them for batches it died running: under load, a SIGTERM just after `registered` was sent
+        made the worker exit 0 with nothing said (tests/test_failures.py::
+        test_a_worker_stopped_with_a_second_batch_queued_answers_both, 2 runs in 6)."""
+        registered = False
+        while sock.poll(0 if registered else REGISTERED_ON_STOP_WAIT_MS):
+            frames = sock.recv_multipart(copy=False)
+            msg = P.to_worker_decoder.decode(frames[0].buffer)
+            if type(msg) is P.Registered:
+                registered = True
+            elif type(msg) is P.Batch and registered:
+                out = self.run_batch(msg, frames[1:])
+                if out is not None:
+                    sock.send_multipart(out, copy=False)
+        return registered
 
     def _finish_in_flight(self, sock, poller, announced: bool) -> None:
         """Stopping with batches in an asynchronous executor (Triton): their replies go out
@@ -509,6 +530,9 @@ class WorkerRuntime:
 # good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
 STOP_GRACE_S = 15.0
 LEAVING_NOTED_WAIT_S = 1.0  # an idle stopping worker's wait for the dispatcher's `leaving_noted`
+# A worker stopped with its registration unanswered waits this long for the answer (a dispatcher
+# that is there answers within milliseconds; one that is not costs the stop this much).
+REGISTERED_ON_STOP_WAIT_MS = 100
 
 
 def out_of_memory(e: BaseException) -> bool:
