@@ -246,8 +246,8 @@ class SchedulerState:
     # model -> until when it counts as overloaded: a queued request of it expired (or was shed as
     # late) at most its own timeout ago (policy_core.congested)
     overloaded_until: dict[str, float] = field(default_factory=dict)
-    # model -> until when aging keeps its low class in place (policy_core.low_overloads)
-    low_held_until: dict[str, float] = field(default_factory=dict)
+    # models whose low class aging keeps in place (policy_core.low_held)
+    low_held: set[str] = field(default_factory=set)
     # No request is admitted any more (the dispatcher drains): no wait for an arrival pays, and a
     # policy that waited held the queue beside free workers until the drain ran out.
     closed: bool = False
