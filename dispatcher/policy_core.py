@@ -281,50 +281,58 @@ def _aging_for(longest: float) -> float:
     return max(AGING_S, AGING_BATCHES * longest)
 
 
-def _low_load(state: SchedulerState, model: str, now: float) -> tuple[float, float, float]:
-    """(capacity, urgent rate, low rate) of ``model``, items/s: capacity is full batches on each
-    of its workers, as if each served it alone."""
+def _class_load(state: SchedulerState, model: str, cls: int, now: float) -> tuple[float, float, float]:
+    """(capacity, rate of the classes above ``cls``, rate of ``cls``) of ``model``, items/s, by
+    the classes the clients asked for: capacity is full batches on each of its workers, as if
+    each served it alone."""
     capacity = sum(w.models[model] / max(state.cost(model, w.path).predict(w.models[model]), 1e-9)
                    for w in state.serving.get(model, ()))
-    a = state.arrivals.get(model + "#urgent")
-    return capacity, a.rate(now) if a is not None else 0.0, state.low_rate(model, now)
+    urgent = state.rate_of(model, "#urgent", now)
+    if cls == 2:
+        return capacity, urgent, state.low_rate(model, now)
+    high = state.rate_of(model, "#high", now)
+    return capacity, high, max(urgent - high, 0.0)
 
 
-def low_overloads(state: SchedulerState, model: str, now: float) -> bool:
-    """Whether the low class is what takes the model past its workers' capacity: the high and
-    normal items arrive at less than it, all items at more than LOW_OVERLOAD_MARGIN past it.
-    Aging then keeps low requests in their class (``low_held``): it bounds their wait where
-    urgent work takes the workers, or where the node keeps up with everyone; past what the
-    workers can do because of the low class, moving it up only handed its overload to the
-    urgent classes."""
-    capacity, urgent, low = _low_load(state, model, now)
-    return low > 0.0 and urgent < capacity and urgent + low > (1 + LOW_OVERLOAD_MARGIN) * capacity
+def class_overloads(state: SchedulerState, model: str, cls: int, now: float) -> bool:
+    """Whether class ``cls`` (normal or low) is what takes the model past its workers' capacity:
+    the classes above it arrive at less than it, they and it at more than LOW_OVERLOAD_MARGIN
+    past it. Aging then keeps that class's requests in their class (``class_held``): it bounds
+    their wait where the classes above take the workers, or where the node keeps up with
+    everyone; past what the workers can do because of the class itself, moving it up only
+    handed its overload to the classes above."""
+    capacity, above, own = _class_load(state, model, cls, now)
+    return own > 0.0 and above < capacity and above + own > (1 + LOW_OVERLOAD_MARGIN) * capacity
 
 
-# How far past the workers' capacity the arrivals must be for the low class to count as
-# overloading them: the rate estimates swing by about this much at a steady rate, and near the
-# capacity a low class held in place only made the urgent batches smaller (SIMULATED, two
-# workers of 80 items/s, 150/s of 10/30/60 % high/normal/low: every class's p99 up to 4x).
+# How far past the workers' capacity the arrivals must be for a class to count as overloading
+# them: the rate estimates swing by about this much at a steady rate, and near the capacity a
+# low class held in place only made the urgent batches smaller (SIMULATED, two workers of 80
+# items/s, 150/s of 10/30/60 % high/normal/low: every class's p99 up to 4x).
 LOW_OVERLOAD_MARGIN = 0.25
 
 
-def low_held(state: SchedulerState, model: str, aging: float, low_queued: int, now: float) -> bool:
-    """Whether aging keeps the model's low class in place: from when its low class overloads
-    the workers (``low_overloads``) until its queue holds no more than the spare capacity (the
-    urgent work's left over) clears in an aging period. Released on the rate alone, the hold
-    lapsed whenever the estimate dipped (a flood of 1.5x the capacity read 66 of 120/s between
-    arrivals) and when the flood ended, and each lapse moved the whole due backlog up at once:
-    1,400 requests of 30 s timeouts after a flood, ahead of the high requests that came next
-    (SIMULATED, ``priority_padding --flood``, seeds 3, 4, 7: the high class's p99 17.3-18.6 s)."""
-    if low_overloads(state, model, now):
-        state.low_held.add(model)
+def class_held(state: SchedulerState, model: str, cls: int, aging: float, queued: int, now: float) -> bool:
+    """Whether aging keeps the model's class ``cls`` in place: from when it overloads the
+    workers (``class_overloads``) until its ``queued`` items are no more than the spare capacity
+    (what the classes above leave) clears in an aging period. Released on the rate alone, the
+    hold lapsed whenever the estimate dipped (a flood of 1.5x the capacity read 66 of 120/s
+    between arrivals) and when the flood ended, and each lapse moved the whole due backlog up at
+    once: 1,400 requests of 30 s timeouts after a flood, ahead of the high requests that came
+    next (SIMULATED, ``priority_padding --flood``, seeds 3, 4, 7: the high class's p99
+    17.3-18.6 s)."""
+    key = (model, cls)
+    if key not in state.held_classes and not queued:
+        return False  # nothing of it to move up: no need to look
+    if class_overloads(state, model, cls, now):
+        state.held_classes.add(key)
         return True
-    if model not in state.low_held:
+    if key not in state.held_classes:
         return False
-    capacity, urgent, _ = _low_load(state, model, now)
-    if low_queued > max(capacity - urgent, 0.0) * aging:
+    capacity, above, _ = _class_load(state, model, cls, now)
+    if queued > max(capacity - above, 0.0) * aging:
         return True
-    state.low_held.discard(model)
+    state.held_classes.discard(key)
     return False
 
 
@@ -384,7 +392,9 @@ def queues_by_urgency(state: SchedulerState, now: float,
         if q.requests:
             longest = longest_batch(state, model)
             aging = _aging_for(longest)  # (aging_period, with the longest batch kept for below)
-            q.promote_aged(now, aging, (1 + LATE_MARGIN) * longest, low_held(state, model, aging, q.class_items[2], now))
+            held = (False, class_held(state, model, 1, aging, q.class_items[1], now),
+                    class_held(state, model, 2, aging, q.class_items[2], now))
+            q.promote_aged(now, aging, (1 + LATE_MARGIN) * longest, held)
             out.append((model, q, longest, aging))
     if len(out) < 2:
         return [(model, q, aging) for model, q, _, aging in out]

@@ -118,7 +118,7 @@ class ModelQueue:
             self.items -= n
             self.class_items[prio] -= n
 
-    def promote_aged(self, now: float, age_s: float, lead: float = 0.0, hold_low: bool = False) -> int:
+    def promote_aged(self, now: float, age_s: float, lead: float = 0.0, held: tuple = (False,) * N_PRIORITIES) -> int:
         """Aging: a request that waited ``age_s`` times its class in that class moves up one
         class, so a low request's wait is bounded however much high-priority work keeps arriving:
         a low one is normal after 2 ``age_s`` and high after 3, a normal one high after 1 (a class
@@ -127,10 +127,10 @@ class ModelQueue:
         first look past 2 ``age_s``, with the normal class's wait spent in the low one.)
 
         Not a head with less than ``lead`` left before its deadline: it would cut the batch it
-        goes first in to what still ends in time. Nor, with ``hold_low``, a request its client
-        asked low for: the low class is what overloads the node (``policy_core.low_overloads``),
-        and moved up it rose into the high class whole and every high request waited behind its
-        backlog (SIMULATED, ``priority_padding --flood``: one worker at 20 ms + 10 ms an item,
+        goes first in to what still ends in time. Nor a request of a class its client asked for
+        that ``held`` names (by class): that class is what overloads the node
+        (``policy_core.class_held``), and moved up a low flood rose into the high class whole and
+        every high request waited behind its backlog (SIMULATED, ``priority_padding --flood``: one worker at 20 ms + 10 ms an item,
         high at 5/s beside low at 120/s with 30 s timeouts: the high class's p99 12.4-14.1 s,
         51-59 ms alone)."""
         moved = 0
@@ -138,7 +138,7 @@ class ModelQueue:
             q, up = self.by_priority[prio], self.by_priority[prio - 1]
             # The waits of the classes from the asked one down to this one, from the arrival.
             while (q and now - q[0].arrival >= age_s * (_STEPS_FROM[q[0].asked_priority] - _STEPS_FROM[prio - 1])
-                   and q[0].deadline - now >= lead and not (hold_low and q[0].asked_priority == 2)):
+                   and q[0].deadline - now >= lead and not held[q[0].asked_priority]):
                 req = q.popleft()
                 self._counted(req, prio, -1)
                 req.priority = prio - 1
@@ -246,8 +246,8 @@ class SchedulerState:
     # model -> until when it counts as overloaded: a queued request of it expired (or was shed as
     # late) at most its own timeout ago (policy_core.congested)
     overloaded_until: dict[str, float] = field(default_factory=dict)
-    # models whose low class aging keeps in place (policy_core.low_held)
-    low_held: set[str] = field(default_factory=set)
+    # (model, class) whose requests aging keeps in place (policy_core.class_held)
+    held_classes: set[tuple[str, int]] = field(default_factory=set)
     # No request is admitted any more (the dispatcher drains): no wait for an arrival pays, and a
     # policy that waited held the queue beside free workers until the drain ran out.
     closed: bool = False
@@ -297,14 +297,21 @@ class SchedulerState:
         return a
 
     def note_arrival(self, model: str, priority: int, items: int, now: float) -> None:
-        """Feed lambda(t): the model's total, the rate of classes above low (for reservation) and
-        the low class's (for its padding, ``policy_mcb._low_padding``)."""
+        """Feed lambda(t): the model's total, the rate of classes above low (for reservation), the
+        high class's and the low class's (for its padding, ``policy_mcb._low_padding``; and for
+        aging, ``policy_core.class_held``)."""
         self.arrival(model).arrive(now, items)
-        key = model + ("#urgent" if priority < 2 else "#low")
-        a = self.arrivals.get(key)
-        if a is None:
-            a = self.arrivals[key] = ArrivalRate()
-        a.arrive(now, items)
+        for key in (model + ("#urgent" if priority < 2 else "#low"),) + ((model + "#high",) if priority == 0 else ()):
+            a = self.arrivals.get(key)
+            if a is None:
+                a = self.arrivals[key] = ArrivalRate()
+            a.arrive(now, items)
+
+    def rate_of(self, model: str, key: str, now: float) -> float:
+        """The arrival rate of ``model``'s items of a key of ``note_arrival`` ("#urgent", "#high",
+        "#low"), items/s."""
+        a = self.arrivals.get(model + key)
+        return a.rate(now) if a is not None else 0.0
 
     def urgent_rate(self, model: str, now: float) -> float:
         """The rate of high and normal items that a reservation for them stands on: the arrival

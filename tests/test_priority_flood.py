@@ -15,7 +15,7 @@ from batchyard.bench.traces import merge, poisson, with_classes
 from batchyard.core import RequestCore
 from batchyard.cost_model import CostCurve
 from batchyard.policy import AGING_S, make_policy
-from batchyard.policy_core import aging_period, low_held, low_overloads, take_batch
+from batchyard.policy_core import aging_period, class_held, class_overloads, take_batch
 from batchyard.protocol import Status
 from batchyard.state import ModelQueue, Request, WorkerState
 
@@ -76,6 +76,24 @@ def test_a_low_flood_whose_timeout_outlasts_aging_does_not_rise_into_the_high_cl
         assert r["low_served"] == r["low_sent"]
 
 
+def test_a_normal_flood_does_not_rise_into_the_high_class_either():
+    """The same for the normal class: high at 5/s beside normal requests at 120/s (1.5x the
+    worker) with 30 s timeouts had 47 of 150 served within their 5 s timeouts, the
+    normal backlog ahead of them once it rose."""
+    from batchyard.bench.priority_padding import FLOOD_DEVICES
+
+    high = poisson(5.0, 150, seed=1)
+    high.priority[:] = 0
+    high.timeout[:] = 5.0
+    normal = poisson(120.0, 3600, seed=101)
+    normal.priority[:] = 1
+    normal.timeout[:] = 30.0
+    alone = np.percentile(simulate("mcb", high, FLOOD_DEVICES).latency, 99)
+    res = simulate("mcb", merge(high, normal), FLOOD_DEVICES)
+    ok_high = (res.status == 0) & (res.priority == 0)
+    assert ok_high.sum() == len(high) and np.percentile(res.latency[ok_high], 99) < 5 * alone
+
+
 def test_low_requests_the_high_class_keeps_waiting_still_rise_by_aging():
     """High work past the worker's capacity (90/s on 80): the low class's requests still rise
     and are served within seconds, not at the end of the high stream."""
@@ -94,29 +112,29 @@ def test_aging_keeps_the_low_class_in_place_only_where_it_is_what_overloads_the_
     st = core.state
     for t in np.arange(0.0, 2.0, 1 / 4):  # urgent at 4/s
         st.note_arrival("m", 1, 1, t)
-    assert not low_overloads(st, "m", 2.0)  # no low class
+    assert not class_overloads(st, "m", 2, 2.0)  # no low class
     for t in np.arange(0.0, 2.0, 1 / 3):  # low at 3/s: 7/s in all, within the 8.7
         st.note_arrival("m", 2, 1, t)
-    assert not low_overloads(st, "m", 2.0)
+    assert not class_overloads(st, "m", 2, 2.0)
     for t in np.arange(0.0, 2.0, 1 / 20):  # low at 23/s: past it, because of the low class
         st.note_arrival("m", 2, 1, t)
-    assert low_overloads(st, "m", 2.0)
+    assert class_overloads(st, "m", 2, 2.0)
     for t in np.arange(0.0, 2.0, 1 / 10):  # urgent at 14/s: urgent work alone takes the worker
         st.note_arrival("m", 1, 1, t)
-    assert not low_overloads(st, "m", 2.0)
+    assert not class_overloads(st, "m", 2, 2.0)
     for t in np.arange(2.0, 4.0, 1 / 20):  # low at 23/s beside urgent at 4/s again: the hold begins
         st.note_arrival("m", 2, 1, t)
-    assert low_held(st, "m", 29.5, 0, 4.0)
+    assert class_held(st, "m", 2, 29.5, 1, 4.0)
     # The flood over (its rates decayed by t = 60 s), the hold lasts while the low backlog is more
     # than the spare capacity (8.7 items/s) clears in an aging period (29.5 s): 256 items.
-    assert not low_overloads(st, "m", 60.0)
-    assert low_held(st, "m", 29.5, 300, 60.0)
-    assert not low_held(st, "m", 29.5, 200, 61.0) and not low_held(st, "m", 29.5, 300, 62.0)
+    assert not class_overloads(st, "m", 2, 60.0)
+    assert class_held(st, "m", 2, 29.5, 300, 60.0)
+    assert not class_held(st, "m", 2, 29.5, 200, 61.0) and not class_held(st, "m", 2, 29.5, 300, 62.0)
     q = ModelQueue("m")
     low, normal = Request(1, "m", 1, 2, 0.0, math.inf), Request(2, "m", 1, 1, 0.0, math.inf)
     q.push(low)
     q.push(normal)
-    assert q.promote_aged(3 * AGING_S, AGING_S, hold_low=True) == 1 and (low.priority, normal.priority) == (2, 0)
+    assert q.promote_aged(3 * AGING_S, AGING_S, held=(False, False, True)) == 1 and (low.priority, normal.priority) == (2, 0)
     assert q.promote_aged(3 * AGING_S, AGING_S) == 1 and low.priority == 1
 
 
