@@ -322,17 +322,29 @@ def class_held(state: SchedulerState, model: str, cls: int, aging: float, queued
     next (SIMULATED, ``priority_padding --flood``, seeds 3, 4, 7: the high class's p99
     17.3-18.6 s)."""
     key = (model, cls)
-    if key not in state.held_classes and not queued:
+    held = key in state.held_classes
+    if not held and not queued:
         return False  # nothing of it to move up: no need to look
     if class_overloads(state, model, cls, now):
-        state.held_classes.add(key)
-        return True
-    if key not in state.held_classes:
+        # Held once the overload has lasted an aging period, through dips shorter than one: a
+        # single reading (a warm-up's few arrivals, a dip of the classes above) latched the hold.
+        since, last = state.overloaded_since.get(key, (now, now))
+        if now - last > aging:
+            since = now
+        state.overloaded_since[key] = (since, now)
+        if now - since >= aging:
+            state.held_classes.add(key)
+            return True
+    if not held:
         return False
+    # Released once the class's queue is what the spare capacity clears in an aging period, or
+    # once the classes above alone take the workers: the class is no longer what overloads them
+    # (held then, it waited out its timeouts while aging was to bound its wait).
     capacity, above, _ = _class_load(state, model, cls, now)
-    if queued > max(capacity - above, 0.0) * aging:
+    if above < capacity and queued > (capacity - above) * aging:
         return True
     state.held_classes.discard(key)
+    state.overloaded_since.pop(key, None)
     return False
 
 

@@ -122,14 +122,24 @@ def test_aging_keeps_the_low_class_in_place_only_where_it_is_what_overloads_the_
     for t in np.arange(0.0, 2.0, 1 / 10):  # urgent at 14/s: urgent work alone takes the worker
         st.note_arrival("m", 1, 1, t)
     assert not class_overloads(st, "m", 2, 2.0)
-    for t in np.arange(2.0, 4.0, 1 / 20):  # low at 23/s beside urgent at 4/s again: the hold begins
+    st = minilm_core()[0].state
+    for t in np.arange(0.0, 45.0, 1 / 4):  # urgent at 4/s and low at 23/s for 45 s
+        st.note_arrival("m", 1, 1, t)
+    for t in np.arange(0.0, 45.0, 1 / 23):
         st.note_arrival("m", 2, 1, t)
-    assert class_held(st, "m", 2, 29.5, 1, 4.0)
-    # The flood over (its rates decayed by t = 60 s), the hold lasts while the low backlog is more
-    # than the spare capacity (8.7 items/s) clears in an aging period (29.5 s): 256 items.
-    assert not class_overloads(st, "m", 2, 60.0)
-    assert class_held(st, "m", 2, 29.5, 300, 60.0)
-    assert not class_held(st, "m", 2, 29.5, 200, 61.0) and not class_held(st, "m", 2, 29.5, 300, 62.0)
+    # Held once the overload has lasted an aging period (29.5 s here): not on its first reading.
+    assert not class_held(st, "m", 2, 29.5, 1, 5.0) and not class_held(st, "m", 2, 29.5, 1, 20.0)
+    assert class_held(st, "m", 2, 29.5, 1, 36.0)
+    # The flood over (its rates decayed by t = 100 s), the hold lasts while the low backlog is more
+    # than the spare capacity (8.7 items/s) clears in an aging period: 256 items.
+    assert not class_overloads(st, "m", 2, 100.0)
+    assert class_held(st, "m", 2, 29.5, 300, 100.0)
+    assert not class_held(st, "m", 2, 29.5, 200, 101.0) and not class_held(st, "m", 2, 29.5, 300, 102.0)
+    # Nor once the classes above alone take the worker: the low class no longer overloads it.
+    st.held_classes.add(("m", 2))
+    for t in np.arange(100.0, 130.0, 1 / 14):
+        st.note_arrival("m", 0, 1, t)
+    assert not class_held(st, "m", 2, 29.5, 300, 130.0)
     q = ModelQueue("m")
     low, normal = Request(1, "m", 1, 2, 0.0, math.inf), Request(2, "m", 1, 1, 0.0, math.inf)
     q.push(low)
