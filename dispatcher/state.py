@@ -248,8 +248,8 @@ class SchedulerState:
     overloaded_until: dict[str, float] = field(default_factory=dict)
     # (model, class) whose requests aging keeps in place (policy_core.class_held)
     held_classes: set[tuple[str, int]] = field(default_factory=set)
-    # (model, class) -> (since, last): when class_overloads said so first and last, within dips
-    overloaded_since: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    # (model, class) -> since when every look of class_overloads has said so
+    overloaded_since: dict[tuple[str, int], float] = field(default_factory=dict)
     # No request is admitted any more (the dispatcher drains): no wait for an arrival pays, and a
     # policy that waited held the queue beside free workers until the drain ran out.
     closed: bool = False

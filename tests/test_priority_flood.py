@@ -127,7 +127,7 @@ def test_aging_keeps_the_low_class_in_place_only_where_it_is_what_overloads_the_
         st.note_arrival("m", 1, 1, t)
     for t in np.arange(0.0, 45.0, 1 / 23):
         st.note_arrival("m", 2, 1, t)
-    # Held once the overload has lasted an aging period (29.5 s here): not on its first reading.
+    # Held once every look for an aging period (29.5 s here) has found the overload: not at the first.
     assert not class_held(st, "m", 2, 29.5, 1, 5.0) and not class_held(st, "m", 2, 29.5, 1, 20.0)
     assert class_held(st, "m", 2, 29.5, 1, 36.0)
     # The flood over (its rates decayed by t = 100 s), the hold lasts while the low backlog is more
