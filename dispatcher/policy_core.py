@@ -301,7 +301,10 @@ def class_overloads(state: SchedulerState, model: str, cls: int, now: float) -> 
     their wait where the classes above take the workers, or where the node keeps up with
     everyone; past what the workers can do because of the class itself, moving it up only
     handed its overload to the classes above."""
-    capacity, above, own = _class_load(state, model, cls, now)
+    return _overloads(*_class_load(state, model, cls, now))
+
+
+def _overloads(capacity: float, above: float, own: float) -> bool:
     return own > 0.0 and above < capacity and above + own > (1 + LOW_OVERLOAD_MARGIN) * capacity
 
 
@@ -325,7 +328,8 @@ def class_held(state: SchedulerState, model: str, cls: int, aging: float, queued
     held = key in state.held_classes
     if not held and not queued:
         return False  # nothing of it to move up: no need to look
-    if class_overloads(state, model, cls, now):
+    capacity, above, own = _class_load(state, model, cls, now)
+    if _overloads(capacity, above, own):
         # Held once every look for an aging period has said so: a single reading (a warm-up's
         # few arrivals, a dip of the classes above) latched the hold, and so did scattered ones
         # (1-3 % of the looks at a steady 1.125x the capacity, where the held low class then
@@ -341,7 +345,6 @@ def class_held(state: SchedulerState, model: str, cls: int, aging: float, queued
     # Released once the class's queue is what the spare capacity clears in an aging period, or
     # once the classes above alone take the workers: the class is no longer what overloads them
     # (held then, it waited out its timeouts while aging was to bound its wait).
-    capacity, above, _ = _class_load(state, model, cls, now)
     if above < capacity and queued > (capacity - above) * aging:
         return True
     state.held_classes.discard(key)

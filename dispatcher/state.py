@@ -72,21 +72,18 @@ class ModelQueue:
         self.items = 0
         self.class_items = [0] * N_PRIORITIES
 
-    def _counted(self, req: Request, prio: int, sign: int) -> None:
-        self.class_items[prio] += sign * req.items
-
     def push(self, req: Request) -> None:
         self.by_priority[req.priority].append(req)
         self.requests += 1
         self.items += req.items
-        self._counted(req, req.priority, 1)
+        self.class_items[req.priority] += req.items
 
     def push_front(self, req: Request) -> None:
         """Put a request back at the head of its class (a retry after a worker died)."""
         self.by_priority[req.priority].appendleft(req)
         self.requests += 1
         self.items += req.items
-        self._counted(req, req.priority, 1)
+        self.class_items[req.priority] += req.items
 
     def remove(self, req: Request) -> bool:
         try:
@@ -95,7 +92,7 @@ class ModelQueue:
             return False
         self.requests -= 1
         self.items -= req.items
-        self._counted(req, req.priority, -1)
+        self.class_items[req.priority] -= req.items
         return True
 
     def remove_many(self, reqs: list[Request]) -> None:
@@ -140,10 +137,10 @@ class ModelQueue:
             while (q and now - q[0].arrival >= age_s * (_STEPS_FROM[q[0].asked_priority] - _STEPS_FROM[prio - 1])
                    and q[0].deadline - now >= lead and not held[q[0].asked_priority]):
                 req = q.popleft()
-                self._counted(req, prio, -1)
                 req.priority = prio - 1
                 up.append(req)
-                self._counted(req, prio - 1, 1)
+                self.class_items[prio] -= req.items
+                self.class_items[prio - 1] += req.items
                 moved += 1
         return moved
 
@@ -161,7 +158,7 @@ class ModelQueue:
             while q and (q[-1] if newest else q[0]).items <= room:
                 req = q.pop() if newest else q.popleft()
                 room -= req.items
-                self._counted(req, prio, -1)
+                self.class_items[prio] -= req.items
                 out.append(req)
             if q:
                 break  # the head of this class does not fit: keep priority order
@@ -186,7 +183,7 @@ class ModelQueue:
                 elif q[0].items <= room and len(out) < limit:
                     req = q.popleft()
                     room -= req.items
-                    self._counted(req, prio, -1)
+                    self.class_items[prio] -= req.items
                     out.append(req)
                 else:
                     full = True  # one this worker takes is left: keep priority order
@@ -303,11 +300,9 @@ class SchedulerState:
         high class's and the low class's (for its padding, ``policy_mcb._low_padding``; and for
         aging, ``policy_core.class_held``)."""
         self.arrival(model).arrive(now, items)
-        for key in (model + ("#urgent" if priority < 2 else "#low"),) + ((model + "#high",) if priority == 0 else ()):
-            a = self.arrivals.get(key)
-            if a is None:
-                a = self.arrivals[key] = ArrivalRate()
-            a.arrive(now, items)
+        self.arrival(model + ("#urgent" if priority < 2 else "#low")).arrive(now, items)
+        if priority == 0:
+            self.arrival(model + "#high").arrive(now, items)
 
     def rate_of(self, model: str, key: str, now: float) -> float:
         """The arrival rate of ``model``'s items of a key of ``note_arrival`` ("#urgent", "#high",
@@ -323,8 +318,7 @@ class SchedulerState:
 
     def low_rate(self, model: str, now: float) -> float:
         """The arrival rate of low-priority items (as asked: aging does not move them here)."""
-        a = self.arrivals.get(model + "#low")
-        return a.rate(now) if a is not None else 0.0
+        return self.rate_of(model, "#low", now)
 
     def urgent_lapse(self, model: str, target: float, now: float) -> float:
         """When, with no new high or normal arrival, ``urgent_rate`` falls to ``target``."""
