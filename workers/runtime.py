@@ -244,9 +244,7 @@ class WorkerRuntime:
                 frames = sock.recv_multipart(copy=False)
                 msg = P.to_worker_decoder.decode(frames[0].buffer)
                 if type(msg) is P.Batch:
-                    out = self.run_batch(msg, frames[1:])
-                    if out is not None:
-                        sock.send_multipart(out, copy=False)
+                    self._run_and_reply(sock, msg, frames)
                 elif type(msg) is P.Registered:
                     unanswered = 0
                     if not registered:
@@ -342,9 +340,7 @@ class WorkerRuntime:
             if type(msg) is P.Registered:
                 registered = True
             elif type(msg) is P.Batch and registered:
-                out = self.run_batch(msg, frames[1:])
-                if out is not None:
-                    sock.send_multipart(out, copy=False)
+                self._run_and_reply(sock, msg, frames)
         return registered
 
     def _finish_in_flight(self, sock, poller, announced: bool) -> None:
@@ -378,9 +374,14 @@ class WorkerRuntime:
                 if type(msg) is P.LeavingNoted:
                     noted = True
                 elif type(msg) is P.Batch:
-                    out = self.run_batch(msg, frames[1:])
-                    if out is not None:
-                        sock.send_multipart(out, copy=False)
+                    self._run_and_reply(sock, msg, frames)
+
+    def _run_and_reply(self, sock, msg: P.Batch, frames: list) -> None:
+        """Run a batch from the socket (``frames``: its header first); its reply goes out now,
+        or from the loop when an asynchronous executor calls back."""
+        out = self.run_batch(msg, frames[1:])
+        if out is not None:
+            sock.send_multipart(out, copy=False)
 
     def run_batch(self, msg: P.Batch, frames: list) -> list | None:
         """Run one batch. Returns the reply frames, or None when an asynchronous executor
