@@ -382,9 +382,7 @@ def check_input(spec: P.ModelSpec, name: str, dtype: str, shape: list[int]) -> N
     if dtype != t.dtype:
         raise invalid(f"inference input '{name}' data-type is '{NP_TO_KSERVE.get(dtype, dtype)}', but model "
                       f"'{spec.name}' expects '{NP_TO_KSERVE.get(t.dtype, t.dtype)}'")
-    item = tuple(shape[1:])
-    if (not shape or item != tuple(t.shape) and not (item == (1,) and not t.shape)  # [B, 1]: model_config's dims
-            or not 1 <= shape[0] <= spec.max_batch):
+    if not shape or tuple(shape[1:]) not in (tuple(t.shape), dims(t)) or not 1 <= shape[0] <= spec.max_batch:
         raise invalid(f"unexpected shape for input '{name}' for model '{spec.name}'. Expected "
                       f"{[-1, *t.shape]} (batch 1..{spec.max_batch}), got {list(shape)}")
 
@@ -414,6 +412,13 @@ def check_inputs(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> None:
                       f"missing required input(s) {missing}")
 
 
+def dims(t: P.TensorSpec) -> tuple:
+    """A tensor's per-item shape as Triton's config states it: one value an item is ``[1]``
+    (with ``reshape: {shape: []}``), as ``dims: []`` is no Triton's (it refuses such a config,
+    and perf_analyzer stopped on it: "unable to set shape for the input")."""
+    return tuple(t.shape) or (1,)
+
+
 def unreshaped(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Inputs of one value an item sent as ``[B, 1]``, as ``model_config``'s ``dims: [1]`` says,
     taken as the ``[B]`` the model has (Triton's reshape); ``[B]`` itself as before."""
@@ -425,22 +430,18 @@ def unreshaped(spec: P.ModelSpec, inputs: dict[str, np.ndarray]) -> dict[str, np
 
 
 def model_metadata(spec: P.ModelSpec) -> dict:
-    """KServe's model metadata: the batch dimension is -1 (variable), as Triton shows it; a
-    tensor of one value an item is [-1, 1], its ``model_config`` dims (perf_analyzer sizes its
-    inputs from these: with [-1] it could not set their shape)."""
-    conv = lambda ts: [{"name": t.name, "datatype": NP_TO_KSERVE[t.dtype], "shape": [-1, *(t.shape or (1,))]}
-                       for t in ts]
+    """KServe's model metadata: the batch dimension is -1 (variable), as Triton shows it, then
+    the config's ``dims`` (perf_analyzer sizes its inputs from these)."""
+    conv = lambda ts: [{"name": t.name, "datatype": NP_TO_KSERVE[t.dtype], "shape": [-1, *dims(t)]} for t in ts]
     return {"name": spec.name, "versions": ["1"], "platform": PLATFORM,
             "inputs": conv(spec.inputs), "outputs": conv(spec.outputs)}
 
 
 def model_config(spec: P.ModelSpec) -> dict:
-    """Triton's model configuration, the fields tritonclient and perf_analyzer read (dims
-    without the batch dimension, as with max_batch_size > 0). A tensor of one value an item is
-    Triton's ``dims: [1]`` with ``reshape: {shape: []}``: ``dims: []`` is no Triton's (it refuses
-    such a config), and perf_analyzer stopped on it ("unable to set shape for the input")."""
+    """Triton's model configuration, the fields tritonclient and perf_analyzer read (``dims``
+    without the batch dimension, as with max_batch_size > 0)."""
     def conv(ts):
-        return [{"name": t.name, "data_type": "TYPE_" + NP_TO_KSERVE[t.dtype], "dims": list(t.shape) or [1],
+        return [{"name": t.name, "data_type": "TYPE_" + NP_TO_KSERVE[t.dtype], "dims": list(dims(t)),
                  **({} if t.shape else {"reshape": {"shape": []}})} for t in ts]
     return {"name": spec.name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": spec.max_batch,
             "input": conv(spec.inputs), "output": conv(spec.outputs)}
