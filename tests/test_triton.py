@@ -43,7 +43,8 @@ def triton(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     (repo / "dense_amx").symlink_to(REPO / "dense_amx")
     (repo / "misbehaving").symlink_to(TEST_MODELS / "misbehaving")
-    tl = TritonLocal(repo, models=["dense_amx", "misbehaving"]).start(ready_timeout_s=120)
+    (repo / "scalar_item").symlink_to(TEST_MODELS / "scalar_item")
+    tl = TritonLocal(repo, models=["dense_amx", "misbehaving", "scalar_item"]).start(ready_timeout_s=120)
     yield tl
     tl.close()
 
@@ -135,6 +136,27 @@ def test_spec_tensor_names_map_onto_tritons(start_node, triton):
     with node.client() as c:
         r = c.infer("tri", {"features": x})
     np.testing.assert_allclose(r["embedding"], direct(triton, x), rtol=1e-4, atol=1e-5)
+
+
+SCALAR = ModelConfig(name="sc", factory="", max_batch=64, inputs=(TensorConfig("x", "float32", ()),),
+                     outputs=(TensorConfig("y", "float32", ()),))
+
+
+@pytest.mark.parametrize("shm", ["auto", "none"])
+def test_a_model_of_one_value_an_item_is_served_through_tritons_reshape(start_node, triton, shm):
+    """Triton's batching models declare one value an item as dims [1] with reshape [] and take
+    it only in dims' shape: the check refused such a model for a spec of shape (), so no Triton
+    model could serve one."""
+    worker = WorkerConfig(name="gpu0", kind="triton", models=("sc",), warmup_sizes=(1, 8),
+                          triton=TritonConfig(url=triton.grpc_url, models={"sc": "scalar_item"}, shm=shm))
+    node = start_node([worker], models=(SCALAR,))
+    xs = [np.arange(n, dtype=np.float32) + n for n in (1, 3, 7, 1, 5)]
+    with node.client() as c:
+        res = [f.result() for f in [c.submit("sc", {"x": x}) for x in xs]]
+    for x, r in zip(xs, res):
+        assert r["y"].shape == x.shape
+        np.testing.assert_array_equal(r["y"], 2 * x)
+        assert r.timing.path == "gpu"
 
 
 def test_large_batches_travel_by_shared_memory_not_grpc_bodies(start_node, triton):
@@ -908,7 +930,7 @@ def test_no_tensor_byte_lands_in_the_first_bytes_of_a_region():
         _, inputs, outputs, layout, _ = ex._prepare("tri", {"x": np.full((64, 1024), 7.0, np.float32)}, slot)
         assert bytes(slot.inp.seg.mm[:REGION_GUARD]) == bytes(REGION_GUARD)
         assert np.frombuffer(slot.inp.seg.mm, np.float32, 4, REGION_GUARD).tolist() == [7.0] * 4
-        assert min(off for _, _, off in layout) >= REGION_GUARD
+        assert min(off for _, _, off, _ in layout) >= REGION_GUARD
     finally:
         ex.close()
 

@@ -344,13 +344,16 @@ def test_triton_regions_pick_system_shm_without_a_gpu_and_refuse_cuda_clearly():
         r.close()
 
 
-def _triton_cfg(max_batch=64, dims=(1024,), dtype="TYPE_FP32", dynamic=False):
+def _triton_cfg(max_batch=64, dims=(1024,), dtype="TYPE_FP32", dynamic=False, reshape=None):
     mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
     cfg = mc.ModelConfig(name="dense", max_batch_size=max_batch)
     for kind, name in ((cfg.input, "x"), (cfg.output, "y")):
         t = kind.add()
         t.name, t.data_type = name, mc.DataType.Value(dtype)
         t.dims.extend(dims)
+        if reshape is not None:
+            t.reshape.SetInParent()  # present even when empty: Triton's idiom for one value an item
+            t.reshape.shape.extend(reshape)
     if dynamic:
         cfg.dynamic_batching.max_queue_delay_microseconds = 100
     return cfg
@@ -371,6 +374,28 @@ def test_triton_model_config_is_checked_against_the_spec(cfg_kw, problem):
     spec = ModelSpec("m", (TensorSpec("x", "float32", (1024,)),), (TensorSpec("y", "float32", (1024,)),), 64)
     check = check_model_config(_triton_cfg(**cfg_kw), spec)
     assert check.warnings == []
+    if problem is None:
+        assert check.problems == []
+    else:
+        assert any(problem in p for p in check.problems), check.problems
+
+
+@pytest.mark.parametrize("spec_shape, cfg_kw, wire, problem", [
+    ((), {"dims": (1,), "reshape": ()}, (1,), None),  # one value an item, as Triton declares it
+    ((1,), {"dims": (1,), "reshape": ()}, None, None),  # the spec in dims' shape: sent as is
+    ((2, 8), {"dims": (16,), "reshape": (2, 8)}, (16,), None),
+    ((), {"dims": (-1,), "reshape": ()}, None, "has reshape [] as spec 'm''s per-item shape, but dims [-1]"),
+    ((3,), {"dims": (1,), "reshape": ()}, None, "input 'x' has dims [1] and reshape [], spec 'm' has per-item shape [3]"),
+    ((), {"dims": (1,)}, None, "input 'x' has dims [1], spec 'm' has per-item shape []"),  # no reshape: refused
+])
+def test_a_triton_tensor_with_a_reshape_fits_a_spec_of_either_shape(spec_shape, cfg_kw, wire, problem):
+    """A spec with one value an item could not be served by any batching Triton model (their
+    dims cannot be empty; Triton's idiom is dims [1] with reshape []): the check refused it."""
+    from batchyard.workers.triton_model_check import check_model_config
+
+    spec = ModelSpec("m", (TensorSpec("x", "float32", spec_shape),), (TensorSpec("y", "float32", spec_shape),), 64)
+    check = check_model_config(_triton_cfg(**cfg_kw), spec)
+    assert check.wire_dims == ({} if wire is None else {"x": wire, "y": wire})
     if problem is None:
         assert check.problems == []
     else:

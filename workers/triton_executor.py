@@ -151,6 +151,7 @@ class TritonExecutor:
         self.url = url
         self.model_names = model_names or {}
         self.tensor_names = tensor_names or {}  # model -> {spec tensor: Triton tensor} where they differ
+        self.wire_dims: dict[str, dict[str, tuple[int, ...]]] = {}  # model -> {spec tensor: Triton's dims}, reshaped ones
         self.inflight = inflight
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -207,6 +208,7 @@ class TritonExecutor:
             log.warning("%s", w)
         if check.problems:
             raise CannotStart("; ".join(check.problems))
+        self.wire_dims[spec.name] = check.wire_dims
         if self.use_shm:
             in_b = max(sum(item_nbytes(t) for t in s.inputs) * s.max_batch for s in self.specs.values())
             out_b = max(sum(item_nbytes(t) for t in s.outputs) * s.max_batch for s in self.specs.values())
@@ -450,12 +452,15 @@ class TritonExecutor:
     def _prepare(self, model: str, inputs: dict[str, np.ndarray], slot: _Slot | None):
         spec = self.specs[model]
         rename = self.tensor_names.get(model, {})
+        wire = self.wire_dims.get(model, {})
         n = next(iter(inputs.values())).shape[0]
         g = self.grpc
         t_inputs, t_outputs, out_layout = [], [], []
         off = REGION_GUARD
         for t in spec.inputs:
             arr = np.ascontiguousarray(inputs[t.name])
+            if t.name in wire:  # the same bytes in the shape Triton takes (its dims; the model sees its reshape)
+                arr = arr.reshape((n, *wire[t.name]))
             inp = g.InferInput(rename.get(t.name, t.name), list(arr.shape), TRITON_DTYPE[t.dtype])
             if slot is not None:
                 slot.inp.write(off, arr)
@@ -472,27 +477,27 @@ class TritonExecutor:
             if slot is not None:
                 out.set_shared_memory(slot.out.name, nbytes, off)
             t_outputs.append(out)
-            out_layout.append((t, tname, off))
+            out_layout.append((t, tname, off, wire.get(t.name, t.shape)))
             off += nbytes
         return self.model_names.get(model, model), t_inputs, t_outputs, out_layout, n
 
     def _read(self, result, out_layout, n: int, slot: _Slot | None) -> dict[str, np.ndarray]:
         out = {}
-        for t, tname, off in out_layout:
+        for t, tname, off, wire_shape in out_layout:
             # With outputs in shared memory, the region holds the data (not result.as_numpy), as
             # many bytes as the spec's shape: an output Triton says is of another shape or type
             # left the rest of them the previous batch's, another client's output. In gRPC bodies
             # such an output was cast to the spec's type further on and returned OK.
             told = result.get_output(tname)
             got = (told.datatype, list(told.shape)) if told is not None else ("missing", [])
-            want = (TRITON_DTYPE[t.dtype], [n, *t.shape])
+            want = (TRITON_DTYPE[t.dtype], [n, *wire_shape])
             if got != want:
                 raise TritonModelError(f"Triton's output {tname!r} is {got[0]} {got[1]}; the spec says "
                                        f"{want[0]} {want[1]}")
             if slot is not None:
                 out[t.name] = slot.out.read(off, t.dtype, (n, *t.shape))
             else:
-                out[t.name] = result.as_numpy(tname)
+                out[t.name] = result.as_numpy(tname).reshape((n, *t.shape))
         return out
 
     def run(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -6,6 +6,12 @@ Refusals (the worker cannot serve the model): a missing tensor, a required Trito
 does not feed, a different dtype, a fixed
 dimension that differs from the spec, a ``max_batch_size`` below Batchyard's ``max_batch``, or a
 non-batching model (``max_batch_size: 0``) whose first dimension is fixed.
+
+A batching model's tensor with a ``reshape`` fits a spec whose per-item shape is either its
+``dims`` or its ``reshape``. In the second case the tensor travels in ``dims``' shape, the only
+one Triton takes on the wire ("Expected [-1,1], got [3]" for a scalar item sent as [3]), and
+comes back in it: ``wire_dims`` says which tensors, and their fixed ``dims``. Triton's own idiom
+for one value an item is ``dims: [1] reshape: { shape: [] }``.
 Warnings (it works, but worse): ``dynamic_batching`` on, which re-batches our batches and adds
 Triton's own queue delay (seed 000, pitfall 1).
 """
@@ -25,6 +31,13 @@ TRITON_DTYPE = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "uint16": "UIN
 class ConfigCheck:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # spec tensor name -> the per-item shape Triton takes and returns (its dims, the spec's is its reshape)
+    wire_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def fits(dims: list[int], shape: tuple[int, ...]) -> bool:
+    """Triton's ``dims`` (-1: any size) take a per-item ``shape``."""
+    return len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
 
 
 def check_model_config(cfg, spec: ModelSpec, tensor_names: dict[str, str] | None = None) -> ConfigCheck:
@@ -61,9 +74,21 @@ def check_model_config(cfg, spec: ModelSpec, tensor_names: dict[str, str] | None
                                         f"the first dimension must be -1 to take Batchyard's batches")
                     continue
                 dims = dims[1:]
-            if len(dims) != len(t.shape) or any(d != -1 and d != s for d, s in zip(dims, t.shape)):
-                out.problems.append(f"{where} {kind} {tname!r} has dims {dims}, spec {spec.name!r} has "
-                                    f"per-item shape {list(t.shape)}")
+            if fits(dims, t.shape):
+                continue
+            reshape = list(tt.reshape.shape) if batching and tt.HasField("reshape") else None
+            if reshape is not None and fits(reshape, t.shape):
+                if -1 not in dims:
+                    out.wire_dims[t.name] = tuple(dims)
+                    continue
+                # The size of a -1 on the wire would follow from the item's: not done.
+                out.problems.append(f"{where} {kind} {tname!r} has reshape {reshape} as spec {spec.name!r}'s "
+                                    f"per-item shape, but dims {dims} with a variable dimension; give the "
+                                    f"spec the dims' shape, or fix the dims")
+                continue
+            also = f" and reshape {reshape}" if reshape is not None else ""
+            out.problems.append(f"{where} {kind} {tname!r} has dims {dims}{also}, spec {spec.name!r} has "
+                                f"per-item shape {list(t.shape)}")
     mapped = {names.get(t.name, t.name) for t in spec.inputs}
     for tt in cfg.input:
         # An input Triton needs that no spec tensor feeds: every batch failed INVALID_ARGUMENT
