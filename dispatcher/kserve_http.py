@@ -104,6 +104,13 @@ async def _json_errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        if request.path == "/v1" or request.path.startswith("/v1/"):
+            # The OpenAI routes' paths answer in OpenAI's shape, as its server does for a path it
+            # lacks: an OpenAI client reads error.message and error.type.
+            what = "Invalid URL" if e.status == 404 else e.reason
+            return web.json_response({"error": {"message": f"{what} ({request.method} {request.path})",
+                                                "type": "invalid_request_error", "param": None, "code": None}},
+                                     status=e.status)
         return web.json_response({"error": f"{e.reason}: {request.method} {request.path}"}, status=e.status)
     except KServeError as e:  # a handler that left its request's error to this: its own status, not a 500
         return _error(e)

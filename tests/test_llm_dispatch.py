@@ -337,6 +337,13 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs")):
         status, err = _http(url + "/v1/completions", body)
         assert status == code and word in err["error"]["message"], (body, status, err)
+    # A path or method the OpenAI routes lack: OpenAI's error shape too (it was Triton's, a string).
+    for path, body, code, message in (("/v1/chat/completions", {"model": "tiny"}, 404,
+                                       "Invalid URL (POST /v1/chat/completions)"),
+                                      ("/v1/completions", None, 405, "Method Not Allowed (GET /v1/completions)")):
+        status, err = _http(url + path, body)
+        assert (status, err) == (code, {"error": {"message": message, "type": "invalid_request_error",
+                                                  "param": None, "code": None}})
 
 
 _json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 65, 2 ** 65), st.floats(), st.text(max_size=6))
