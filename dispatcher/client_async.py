@@ -79,9 +79,13 @@ class AsyncClient(CodecAccess):
                  pool_bytes: int = 64 << 20, ctx: Optional[zmq.Context] = None,
                  curve_server_key: Optional[bytes] = None, curve_keys: Optional[tuple[bytes, bytes]] = None,
                  shared_memory: Optional[bool] = None):
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:  # asyncio's own words name no way out
+            raise RuntimeError("AsyncClient needs a running event loop: create it inside a coroutine "
+                               "(e.g. under asyncio.run), or use batchyard.client.Client outside asyncio") from None
         self._codec = ClientCodec(address, shm_threshold=shm_threshold, pool_bytes=pool_bytes,
                                   shared_memory=shared_memory)
-        self.loop = asyncio.get_running_loop()
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         try:

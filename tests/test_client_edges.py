@@ -344,6 +344,14 @@ def test_an_async_client_dropped_without_close_is_collected_and_frees_its_socket
     assert after <= before + 2, (before, after)
 
 
+def test_an_async_client_made_outside_an_event_loop_says_where_to_make_it_and_leaves_nothing_open(run_dir):
+    """It raised asyncio's bare "no running event loop", after its codec was made."""
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(RuntimeError, match="AsyncClient needs a running event loop: create it inside a coroutine"):
+        AsyncClient(f"ipc://{run_dir}/nobody")
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
 def test_bad_arguments_raise_the_sdks_invalid_argument_not_a_bare_python_error(run_dir):
     """Each raised a bare OverflowError or TypeError, which `except BatchyardError` let through:
     an alloc_array of 2**63 bytes or more (the pool's file size is a C long), a status count past
