@@ -46,6 +46,7 @@ from typing import Callable, Optional, TypeVar
 
 from .exit_codes import EX_CONFIG, EX_SOFTWARE
 from .config import NodeConfig, to_toml
+from .private_tmp import PrivateDir
 from .sd_notify import child_env, notify, watchdog_interval_s
 from .transport import node_client_keys
 
@@ -748,8 +749,8 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
     # again from its file, an edit made on disk while the node ran reached the next child that
     # restarted (a typo gave up a crashed worker and front door for good, a changed port moved
     # the front door's).
-    snapshot_dir = tempfile.TemporaryDirectory(prefix="by-up-")
-    snapshot = Path(snapshot_dir.name) / Path(config_path).name
+    snapshot_dir = PrivateDir("by-up-")  # an `up` killed outright leaves it to the next one's start
+    snapshot = snapshot_dir.path / Path(config_path).name
     snapshot.write_text(f"# {os.path.abspath(config_path)} as `batchyard up` (pid {os.getpid()}) validated it at "
                         "start: its children run this copy\n" + to_toml(node))
     sup = Supervisor(snapshot, node, log_level, child_watchdog=True)

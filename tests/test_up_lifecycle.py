@@ -541,6 +541,38 @@ def test_ctrl_c_to_ups_process_group_stops_the_node_in_order(run_dir):
         _kill(up)
 
 
+def test_a_private_folder_of_an_owner_killed_outright_goes_at_the_next_ones_start(tmp_path, monkeypatch):
+    """`up` killed with SIGKILL left its config copy in /tmp/by-up-*, triton-local its backend
+    folder in /tmp/by-triton-*, one per kill: the next one's start removes those whose owner is
+    gone, and only those."""
+    import tempfile
+
+    from batchyard.private_tmp import PrivateDir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    alive = PrivateDir("by-up-")
+    code = ("import signal, tempfile, sys; tempfile.tempdir = sys.argv[1]; from batchyard.private_tmp import "
+            "PrivateDir; print(PrivateDir('by-up-').path, flush=True); signal.pause()")
+    try:
+        owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, cwd=ROOT)
+        try:
+            killed = Path(_line_with(owner.stdout, b"by-up-", 60).decode().strip())
+        finally:
+            _kill(owner)
+        (killed / "node.toml").write_text("# its config copy")
+        no_lock = tmp_path / "by-up-older"  # made before owners held a lock, or a moment before its lock
+        no_lock.mkdir()
+        other = tmp_path / "by-triton-x"
+        other.mkdir()
+        mine = PrivateDir("by-up-")
+        assert not killed.exists(), "the killed owner's folder was left"
+        assert alive.path.is_dir() and no_lock.is_dir() and other.is_dir() and mine.path.is_dir()
+        mine.cleanup()
+        assert not mine.path.exists()
+    finally:
+        alive.cleanup()
+
+
 def test_the_shared_memory_of_a_child_killed_hard_is_reaped_at_the_stop(tmp_path):
     """A front door killed with SIGKILL left its 64 MiB pool in /dev/shm after the node stopped,
     and the front doors' registry folder (the last one out removes it; killed, none did): the

@@ -33,9 +33,10 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
+
+from batchyard.private_tmp import PrivateDir
 
 from .triton_regions import cuda_device_count
 
@@ -113,7 +114,8 @@ class TritonLocal:
         self.stub_site = stub_site
         self.models = models  # load only these (explicit model control); None: the whole repository
         self.proc: subprocess.Popen | None = None
-        self.workdir = Path(tempfile.mkdtemp(prefix="by-triton-"))
+        self._workdir = PrivateDir("by-triton-")  # one killed outright leaves it to the next one's start
+        self.workdir = self._workdir.path
         # The python backend names its /dev/shm regions <prefix><uuid>: ours alone start with this.
         self.shm_prefix = f"by_triton_{os.getpid()}_{secrets.token_hex(4)}_"
         self._reaper = False  # serve(): stubs orphaned by a crashed server become our children
@@ -290,7 +292,7 @@ class TritonLocal:
 
     def close(self) -> None:
         self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._workdir.cleanup()
 
     def __enter__(self):
         return self.start()
