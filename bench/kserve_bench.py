@@ -21,12 +21,17 @@
               gRPC requests, one at a time, while HTTP infer requests of --mib MiB of JSON
               tensor data (float32, 4 MiB an item) are served; the longest small request during
               each is how long the process's loop was held.
+  tensors     large tensors (--mib MiB in and out a request, -b 4 of a [256, 1024] float32 item per
+              MiB), one at a time from perf_analyzer (the C++ load tool, so no Python client's
+              cost): its average latency and the front door's CPU a request, over gRPC and HTTP,
+              in the request body and in system shared memory.
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
     .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads] [--floor]
     .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
     .venv/bin/python -m batchyard.bench.kserve_bench stall --mib 62 --n 3
+    .venv/bin/python -m batchyard.bench.kserve_bench tensors --mib 4 --n 100
 """
 
 from __future__ import annotations
@@ -418,6 +423,39 @@ def stall(mib: float, n: int) -> None:
     print(f"  small requests in all: p50 {1e3 * float(np.median([s for _, s in small])):.1f} ms")
 
 
+def tensors(mib: int, n: int) -> None:
+    import re
+    import subprocess
+    import sys
+
+    item = ModelConfig(name="big", max_batch=mib, inputs=(TensorConfig("x", "float32", (256, 1024)),),
+                       outputs=(TensorConfig("y", "float32", (256, 1024)),))
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
+        node = noop_node(d, 1, models=(item,))
+        with running_node(node) as sup:
+            front = _node_processes(sup)["frontend#0"]
+            print(f"{mib} MiB in and out a request, one at a time, {n} requests a case (perf_analyzer):")
+            for protocol, port in (("grpc", node.frontend.grpc_port), ("http", node.frontend.http_port)):
+                for shm in ((), ("--shared-memory", "system")):
+                    cpu0 = sum(front.cpu_times()[:2])
+                    out = subprocess.run(
+                        [sys.executable, "-m", "batchyard.bench.perf_analyzer", "-m", "big", "-b", str(mib), "-i",
+                         protocol, "-u", f"127.0.0.1:{port}", *shm, "--concurrency-range", "1",
+                         "--measurement-mode", "count_windows", "--measurement-request-count", str(n), "-s", "50"],
+                        capture_output=True, text=True, timeout=600).stdout
+                    cpu = sum(front.cpu_times()[:2]) - cpu0
+                    sent = sum(int(c) for c in re.findall(r"Request count: (\d+)", out)) or 1
+                    m = re.search(r"Concurrency: 1, throughput: [\d.]+ infer/sec, latency (\d+) usec", out)
+                    where = "shared memory" if shm else "body"
+                    if m is None:
+                        print(f"  {protocol:4s} {where:13s} perf_analyzer failed: {out[-300:]}")
+                        continue
+                    # perf_analyzer's warm-up and its windows' requests all reached the front door;
+                    # its counts are the measured windows': the CPU a request is an upper bound.
+                    print(f"  {protocol:4s} {where:13s} average latency {int(m.group(1)) / 1e3:6.1f} ms, "
+                          f"front door {cpu / sent * 1e3:5.1f} ms of CPU a request (at most)")
+
+
 def main(argv=None) -> None:
     from .commands import number
 
@@ -442,8 +480,13 @@ def main(argv=None) -> None:
     p = sub.add_parser("stall")
     p.add_argument("--mib", type=float, default=62.0, help="JSON size (under the 64 MiB JSON limit)")
     p.add_argument("--n", type=int, default=3)
+    p = sub.add_parser("tensors")
+    p.add_argument("--mib", type=int, default=4, help="MiB in and out a request (items of 1 MiB)")
+    p.add_argument("--n", type=int, default=100, help="requests a measurement window")
     a = ap.parse_args(argv)
-    if a.cmd == "stall":
+    if a.cmd == "tensors":
+        tensors(a.mib, a.n)
+    elif a.cmd == "stall":
         stall(a.mib, a.n)
     elif a.cmd == "status":
         status_cost(a.fill, a.n)

@@ -25,6 +25,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_grpc_wire import InferAnswer, parse_infer_request, raw_bytes, serialize_infer, serialize_stream
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
 
@@ -105,16 +106,15 @@ def _uses_shm(request) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
 
 
-# What the stream's wrapping adds to an answer, at most: the infer_response field's tag and
-# length, and its triton_final_response parameter (34 bytes).
-STREAM_WRAP_BYTES = 64
-
-
-def _stream_answer(response, error: str = "") -> service_pb2.ModelStreamInferResponse:
-    out = service_pb2.ModelStreamInferResponse(error_message=error, infer_response=response)
+def _mark_final(response) -> None:
     # Triton marks every stream response so; a model that is not decoupled answers once.
     # Streaming clients (PyTriton's among them) wait for it to end a request.
-    out.infer_response.parameters["triton_final_response"].bool_param = True
+    response.parameters["triton_final_response"].bool_param = True
+
+
+def _stream_error(response, error: str) -> service_pb2.ModelStreamInferResponse:
+    out = service_pb2.ModelStreamInferResponse(error_message=error, infer_response=response)
+    _mark_final(out.infer_response)
     return out
 
 
@@ -249,12 +249,12 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request):
             try:
-                return await self._infer(request, context, wrap=_stream_answer)
+                return await self._infer(request, context, stream=True)
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
                 if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
                     log.exception("stream request for model %r failed", request.model_name)
                     e = KServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
-                return _stream_answer(service_pb2.ModelInferResponse(
+                return _stream_error(service_pb2.ModelInferResponse(
                     model_name=request.model_name, id=request.id, model_version=request.model_version),
                     as_kserve(e).message)
 
@@ -277,9 +277,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             for task in (reader, *running):
                 task.cancel()
 
-    async def _infer(self, request, context, wrap=None):
-        """The answer to ``request``, as ``wrap`` makes the message sent of it (the stream's);
-        one past the send limit is an error, which counts the request failed."""
+    async def _infer(self, request, context, stream: bool = False) -> InferAnswer:
+        """The answer to ``request`` (``stream``: on ModelStreamInfer); one past the send limit is
+        an error, which counts the request failed."""
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
         shm = self.core.shm
@@ -323,23 +323,25 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             timeout = uint_param(request.parameters, "timeout", ("int64_param",), cast=True)
             limit, by_deadline = timeout_s(timeout, left)
 
-            def reply(out) -> object:
-                resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+            def reply(out) -> InferAnswer:
+                head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+                raw = []
                 for name, region in wanted:
                     arr = out[name]
-                    resp.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
+                    head.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
                     if region is not None:
                         region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
-                        resp.raw_output_contents.append(b"")  # keeps later outputs at their index
+                        raw.append(b"")  # keeps later outputs at their index
                     else:
-                        resp.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
-                # Measured before the stream wraps it: the wrapping copies it, and protobuf cannot
-                # copy a message past 2 GiB (the stream answered "internal error: DecodeError").
-                # Once only: ByteSize() encodes the whole answer (~450 ms for 256 MiB, on the loop).
-                size = resp.ByteSize() + (STREAM_WRAP_BYTES if wrap is not None else 0)
-                if size > self.max_send_bytes:
+                        raw.append(raw_bytes(arr))
+                if stream:
+                    _mark_final(head)
+                answer = InferAnswer(head, raw, stream)
+                # Counted, not encoded (ByteSize encoded the whole answer: ~450 ms for 256 MiB, on
+                # the loop); past 2 GiB protobuf could not even copy it into the stream's message.
+                if (size := answer.nbytes()) > self.max_send_bytes:
                     raise too_large(size, self.max_send_bytes)
-                return wrap(resp) if wrap is not None else resp
+                return answer
 
             _, message = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
                                                grpc_deadline=by_deadline, reply=reply)
@@ -396,6 +398,32 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(e.code, e.message)
 
 
+class _Handlers:
+    """Takes the handlers tritonclient's generated code registers (its serializers, its method
+    names), for two to be changed before they reach the server."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers, given again in the form below
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _add_servicer(servicer: KServeServicer, server) -> None:
+    """``servicer`` on ``server`` as tritonclient's generated code adds it, except ModelInfer's
+    and ModelStreamInfer's requests and answers, whose raw tensor bytes stay out of protobuf
+    (kserve_grpc_wire)."""
+    taken = _Handlers()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, taken)
+    handlers = taken.handlers
+    handlers["ModelInfer"] = handlers["ModelInfer"]._replace(request_deserializer=parse_infer_request,
+                                                             response_serializer=serialize_infer)
+    handlers["ModelStreamInfer"] = handlers["ModelStreamInfer"]._replace(request_deserializer=parse_infer_request,
+                                                                         response_serializer=serialize_stream)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
+    server.add_registered_method_handlers(taken.service, handlers)
+
+
 async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = (1 << 31) - 1,
                      idle_timeout_s: float = 75.0) -> grpc.aio.Server:
     """A started grpc.aio server on host:port, sharing the port with this node's other front-door
@@ -407,8 +435,7 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
     server = grpc.aio.server(options=opts)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(core, port, host, max_message_bytes),
-                                                                server)
+    _add_servicer(KServeServicer(core, port, host, max_message_bytes), server)
     try:
         # An IPv6 address in brackets: "::1:8001" read as one address, on port 443.
         bound = server.add_insecure_port(f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}")
