@@ -1504,6 +1504,24 @@ def test_a_json_number_past_a_double_is_refused_not_read_as_infinity(front_door,
     assert status == 200, text
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_batch_past_the_models_max_batch_is_refused_in_tritons_words(front_door, protocol):
+    """perf_analyzer -b 17 against a max_batch_size 16 model: Triton says "inference request
+    batch-size must be <= 16 for 'sum'"; the front door said its shape words."""
+    client = (tgrpc if protocol == "grpc" else thttp).InferenceServerClient(
+        front_door.grpc_url if protocol == "grpc" else front_door.http_url)
+    mod = tgrpc if protocol == "grpc" else thttp
+    try:
+        x = mod.InferInput("x", [17, 4], "FP32")
+        x.set_data_from_numpy(np.ones((17, 4), np.float32))
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("sum", [x])
+        assert e.value.message().endswith("inference request batch-size must be <= 16 for 'sum'"), e.value.message()
+        assert e.value.status() in ("StatusCode.INVALID_ARGUMENT", "400")
+    finally:
+        client.close()
+
+
 def test_a_shape_whose_element_count_overflows_gets_the_shape_check(front_door):
     """[2**32, 2**32, 0] counts no element, as its (empty) data: numpy's reshape then failed, and
     the answer was "malformed inference request: ValueError: cannot reshape ...". The declared

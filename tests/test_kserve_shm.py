@@ -303,7 +303,7 @@ def test_a_region_read_is_checked_against_the_model_before_any_byte_is_copied(re
         a = registry()
         a.register("big", path.rsplit("/", 1)[1], 0, 1 << 40)
         for size, shape, match in ((1 << 31, [1, 4], "unexpected total byte size 2147483648 for input 'x', expecting 16"),
-                                   (1 << 40, [1 << 38, 4], r"unexpected shape for input 'x' for model 'm'"),
+                                   (1 << 40, [1 << 38, 4], r"inference request batch-size must be <= 8 for 'm'"),
                                    (16, [1, 4, 1], r"unexpected shape"), (16, [1, 4], None)):
             if match is None:
                 assert a.read("big", 0, size, "FP32", shape, "x", SPEC).shape == (1, 4)
