@@ -60,6 +60,8 @@ def _split_raw_inputs(data: bytes):
             return b"".join(rest), raw
         start = i
         key, i = _read_varint(data, i)
+        if i - start > 5 or key >> 32:  # protobuf refuses a tag past 32 bits or 5 bytes
+            return None
         kind = key & 7
         if kind == 2:
             length, i = _read_varint(data, i)
