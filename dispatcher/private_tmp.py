@@ -20,8 +20,13 @@ class PrivateDir:
     def __init__(self, prefix: str):
         sweep(prefix)
         self.path = Path(tempfile.mkdtemp(prefix=prefix))
-        self._lock = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Locked under another name, then renamed: a sweep that opened the lock between its
+        # creation and its locking found it free and removed a live owner's folder (1 start in
+        # ~400 beside a sweeping loop, a review's run). The lock stays with the file renamed.
+        unlocked = self.path / (LOCK + ".new")
+        self._lock = os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
+        os.rename(unlocked, self.path / LOCK)
 
     def cleanup(self) -> None:
         if self._lock >= 0:

@@ -573,6 +573,31 @@ def test_a_private_folder_of_an_owner_killed_outright_goes_at_the_next_ones_star
         alive.cleanup()
 
 
+def test_a_sweep_between_a_private_folders_making_and_its_locking_leaves_it(tmp_path, monkeypatch):
+    """Another start's sweep that opened the lock file before its owner had locked it found it
+    free and removed the live owner's folder: its config copy could not be written."""
+    import tempfile
+
+    from batchyard import private_tmp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    flock, swept = private_tmp.fcntl.flock, []
+
+    def flock_after_another_sweep(fd, op):
+        if not swept:
+            swept.append("sweeping")
+            swept.append(private_tmp.sweep("by-up-"))
+        return flock(fd, op)
+
+    monkeypatch.setattr(private_tmp.fcntl, "flock", flock_after_another_sweep)
+    owner = private_tmp.PrivateDir("by-up-")
+    try:
+        assert swept[1] == [] and owner.path.is_dir(), swept
+        (owner.path / "node.toml").write_text("# its config copy")
+    finally:
+        owner.cleanup()
+
+
 def test_the_shared_memory_of_a_child_killed_hard_is_reaped_at_the_stop(tmp_path):
     """A front door killed with SIGKILL left its 64 MiB pool in /dev/shm after the node stopped,
     and the front doors' registry folder (the last one out removes it; killed, none did): the
