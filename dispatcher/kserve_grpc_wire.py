@@ -18,6 +18,9 @@ from tritonclient.grpc import service_pb2
 # input, output...), it is parsed by protobuf alone: a request of millions of tiny fields would
 # hold the loop in the scan below.
 MAX_SCANNED_FIELDS = 1024
+# Below this size a request is parsed by protobuf alone: its copies cost less than the scan in
+# Python (1.6 against 4.3 us for a [1, 16] float32 input).
+SCAN_FROM_BYTES = 64 << 10
 _RAW_INPUT = service_pb2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 
 # Wire tags (field number << 3 | 2, length-delimited): ModelInferResponse.raw_output_contents,
@@ -97,7 +100,7 @@ def _read_varint(data: bytes, i: int) -> tuple[int, int]:
 
 def parse_infer_request(data: bytes):
     """ModelInfer's and ModelStreamInfer's request deserializer."""
-    split = _split_raw_inputs(data)
+    split = _split_raw_inputs(data) if len(data) >= SCAN_FROM_BYTES else None
     if split is None:
         return service_pb2.ModelInferRequest.FromString(data)
     rest, raw = split
