@@ -1068,17 +1068,19 @@ def test_an_output_of_another_type_than_the_spec_fails_the_batch(triton, other_d
 
 # ---------------------------------------------------------------- a model Triton is (re)loading
 GATED_MODEL = """import os
-import time
+import select
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    def initialize(self, args):  # loading lasts until the test creates the gate file (60 s at most)
-        end = time.monotonic() + 60
-        while not os.path.exists(os.path.join(os.path.dirname(__file__), "gate")) and time.monotonic() < end:
-            time.sleep(0.02)
+    def initialize(self, args):  # loading lasts until the test opens the gate (60 s at most)
+        # The gate is a FIFO: readable once the test has written to it (no writer yet: select
+        # waits), whether that came before this opened it or after.
+        gate = os.open(os.path.join(os.path.dirname(__file__), "gate"), os.O_RDONLY | os.O_NONBLOCK)
+        select.select([gate], [], [], 60)
+        os.close(gate)
 
     def execute(self, requests):
         return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
@@ -1088,26 +1090,39 @@ class TritonPythonModel:
 
 @pytest.fixture
 def gated(triton):
-    """A model in the shared Triton's repository, not loaded; its load lasts until ``gate`` exists."""
+    """A model in the shared Triton's repository, not loaded; its load lasts until ``release()``."""
     model = triton.repo / "gated"
     (model / "1").mkdir(parents=True, exist_ok=True)
     (model / "1" / "model.py").write_text(GATED_MODEL)
     (model / "config.pbtxt").write_text(OTHER_DTYPE_CONFIG.replace('"other_dtype"', '"gated"'))
     gate = model / "1" / "gate"
     gate.unlink(missing_ok=True)
+    os.mkfifo(gate)
+    opened: list[int] = []
+
+    def release() -> None:
+        # Read and write, so it never waits for a reader; the byte stays in the FIFO, for a load
+        # that opens it later too, while this end is open (to the fixture's end).
+        if not opened:
+            opened.append(os.open(gate, os.O_RDWR))
+            os.write(opened[0], b"go")
+
     loads: list[threading.Thread] = []
-    yield types.SimpleNamespace(name="gated", gate=gate, loads=loads)
-    gate.touch()  # a load still waiting ends now
-    for t in loads:
-        t.join(60)
-    ctl = grpcclient.InferenceServerClient(triton.grpc_url)
+    yield types.SimpleNamespace(name="gated", release=release, loads=loads)
+    release()  # a load still waiting ends now
     try:
-        ctl.unload_model("gated")
+        for t in loads:
+            t.join(60)
+        ctl = grpcclient.InferenceServerClient(triton.grpc_url)
+        try:
+            ctl.unload_model("gated")
+        finally:
+            ctl.close()
+        t0 = time.monotonic()
+        while "UNLOADING" in _states(triton, "gated"):  # the next test sees it not loaded
+            assert time.monotonic() - t0 < 60
     finally:
-        ctl.close()
-    t0 = time.monotonic()
-    while "UNLOADING" in _states(triton, "gated"):  # the next test sees it not loaded
-        assert time.monotonic() - t0 < 60
+        os.close(opened[0])
 
 
 def _states(tl, name: str) -> list[str]:
@@ -1147,13 +1162,13 @@ def test_a_worker_started_while_triton_loads_its_model_waits_for_it(triton, gate
     try:
         while starting.is_alive() and "not ready (attempt 1, LOADING)" not in caplog.text:
             pass
-        gated.gate.touch()  # the load ends: the model is READY
+        gated.release()  # the load ends: the model is READY
         starting.join(60)
         assert outcome == ["loaded"], outcome
         x = np.full((2, 16), 3.0, np.float32)
         np.testing.assert_array_equal(ex.run("m", {"x": x})["y"], x * 2)
     finally:
-        gated.gate.touch()
+        gated.release()
         starting.join(60)
         ex.close()
 
