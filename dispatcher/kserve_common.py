@@ -382,9 +382,10 @@ def check_input(spec: P.ModelSpec, name: str, dtype: str, shape: list[int]) -> N
     if dtype != t.dtype:
         raise invalid(f"inference input '{name}' data-type is '{NP_TO_KSERVE.get(dtype, dtype)}', but model "
                       f"'{spec.name}' expects '{NP_TO_KSERVE.get(t.dtype, t.dtype)}'")
-    if shape and tuple(shape[1:]) in (tuple(t.shape), dims(t)) and shape[0] > spec.max_batch:
+    item_fits = bool(shape) and tuple(shape[1:]) in (tuple(t.shape), dims(t))
+    if item_fits and shape[0] > spec.max_batch:
         raise invalid(f"inference request batch-size must be <= {spec.max_batch} for '{spec.name}'")
-    if not shape or tuple(shape[1:]) not in (tuple(t.shape), dims(t)) or not 1 <= shape[0] <= spec.max_batch:
+    if not item_fits or shape[0] < 1:
         raise invalid(f"unexpected shape for input '{name}' for model '{spec.name}'. Expected "
                       f"{[-1, *t.shape]} (batch 1..{spec.max_batch}), got {list(shape)}")
 

@@ -25,7 +25,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
-from .kserve_grpc_wire import InferAnswer, parse_infer_request, raw_bytes, serialize_infer, serialize_stream
+from .kserve_grpc_wire import InferAnswer, parse_infer_request, raw_bytes, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
 
@@ -417,9 +417,9 @@ def _add_servicer(servicer: KServeServicer, server) -> None:
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, taken)
     handlers = taken.handlers
     handlers["ModelInfer"] = handlers["ModelInfer"]._replace(request_deserializer=parse_infer_request,
-                                                             response_serializer=serialize_infer)
+                                                             response_serializer=serialize_answer)
     handlers["ModelStreamInfer"] = handlers["ModelStreamInfer"]._replace(request_deserializer=parse_infer_request,
-                                                                         response_serializer=serialize_stream)
+                                                                         response_serializer=serialize_answer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
     server.add_registered_method_handlers(taken.service, handlers)
 

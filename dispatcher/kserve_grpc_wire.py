@@ -125,27 +125,21 @@ class InferAnswer:
     def __init__(self, head, raw: list, stream: bool = False):
         self.head, self.raw, self.stream = head, raw, stream
 
-    def _parts(self) -> list:
-        parts = [self.head.SerializeToString()]
-        for data in self.raw:
-            parts += (_RAW_OUTPUT, _varint(len(data)), data)
-        if self.stream:
-            parts[:0] = (_STREAM_RESPONSE, _varint(sum(map(len, parts))))
-        return parts
-
     def nbytes(self) -> int:
         """The encoded size, without encoding the outputs' bytes."""
         inner = self.head.ByteSize() + sum(len(_RAW_OUTPUT) + len(_varint(len(d))) + len(d) for d in self.raw)
         return inner + (len(_STREAM_RESPONSE) + len(_varint(inner)) if self.stream else 0)
 
     def serialize(self) -> bytes:
-        return b"".join(self._parts())
+        parts = [self.head.SerializeToString()]
+        for data in self.raw:
+            parts += (_RAW_OUTPUT, _varint(len(data)), data)
+        if self.stream:
+            parts[:0] = (_STREAM_RESPONSE, _varint(sum(map(len, parts))))
+        return b"".join(parts)
 
 
-def serialize_infer(answer) -> bytes:
-    """ModelInfer's response serializer: an InferAnswer, or a plain message (none is built
-    otherwise today, but gRPC's own path must stay open)."""
+def serialize_answer(answer) -> bytes:
+    """ModelInfer's and ModelStreamInfer's response serializer: an InferAnswer, or a plain
+    message (a stream's error answer, a ModelStreamInferResponse)."""
     return answer.serialize() if type(answer) is InferAnswer else answer.SerializeToString()
-
-
-serialize_stream = serialize_infer  # ModelStreamInfer's: an InferAnswer(stream=True) or a ModelStreamInferResponse

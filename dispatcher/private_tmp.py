@@ -35,11 +35,11 @@ class PrivateDir:
             self._lock = -1
 
 
-def sweep(prefix: str, where: str | None = None) -> list[str]:
-    """Remove this user's folders ``<where>/<prefix>*`` whose owner is gone (their lock is
-    free); returns their paths. One without a lock yet (just made) or another user's is kept."""
+def sweep(prefix: str) -> list[str]:
+    """Remove this user's folders ``<tmp>/<prefix>*`` whose owner is gone (their lock is free);
+    returns their paths. One without a lock yet (just made) or another user's is kept."""
     gone = []
-    with os.scandir(where or tempfile.gettempdir()) as entries:
+    with os.scandir(tempfile.gettempdir()) as entries:
         for e in entries:
             if not e.name.startswith(prefix):
                 continue

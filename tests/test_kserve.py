@@ -474,7 +474,7 @@ def test_a_grpc_request_on_the_edge_is_read_or_refused_as_protobuf_does(wire, mo
 def test_a_grpc_answer_encodes_as_protobuf_would_with_its_raw_outputs_written_once(request, raw, stream):
     """The answer's raw outputs are appended to the rest of its encoding: protobuf reads the same
     message, the stream's wrapping included, and its size is counted without encoding it."""
-    from batchyard.kserve_grpc_wire import InferAnswer, serialize_infer, serialize_stream
+    from batchyard.kserve_grpc_wire import InferAnswer, serialize_answer
 
     head = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
     for t in request.inputs:
@@ -483,7 +483,7 @@ def test_a_grpc_answer_encodes_as_protobuf_would_with_its_raw_outputs_written_on
     want.CopyFrom(head)
     want.raw_output_contents.extend(raw)
     answer = InferAnswer(head, [memoryview(b) for b in raw], stream)
-    wire = (serialize_stream if stream else serialize_infer)(answer)
+    wire = serialize_answer(answer)
     if stream:
         want = service_pb2.ModelStreamInferResponse(infer_response=want)
         assert service_pb2.ModelStreamInferResponse.FromString(wire) == want

@@ -12,6 +12,7 @@ A batching model's tensor with a ``reshape`` fits a spec whose per-item shape is
 one Triton takes on the wire ("Expected [-1,1], got [3]" for a scalar item sent as [3]), and
 comes back in it: ``wire_dims`` says which tensors, and their fixed ``dims``. Triton's own idiom
 for one value an item is ``dims: [1] reshape: { shape: [] }``.
+
 Warnings (it works, but worse): ``dynamic_batching`` on, which re-batches our batches and adds
 Triton's own queue delay (seed 000, pitfall 1).
 """
