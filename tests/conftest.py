@@ -31,6 +31,15 @@ from batchyard.shm import live_segments, reap_orphans
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Captured output and logs with a lone surrogate (tests feed the workers undecodable text on
+    # purpose) could not be sent from an xdist worker: the whole run stopped with INTERNALERROR.
+    report = (yield).get_result()
+    report.sections = [(title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+                       for title, text in report.sections]
+
 SUM_MODEL = ModelConfig(name="sum", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (4,)),),
                         outputs=(TensorConfig("y", "float32", (2,)),))
