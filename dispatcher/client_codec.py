@@ -34,7 +34,7 @@ from .client_pool import Region, ShmPool
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Unavailable, error_for
 from .protocol import Status
 from .shm import CLIENT_REAP_ENTRIES, ShmError, reap_orphans
-from .validation import item_nbytes, over_inline_limit_hint
+from .validation import item_nbytes
 
 _DTYPE_NAMES: dict = {}
 
@@ -466,7 +466,10 @@ class ClientCodec:
         total = sum(frame.nbytes for frame in frames)
         if total > limit:
             raise InvalidArgument(f"inline payload {total} bytes exceeds max_inline_bytes {limit}; "
-                                  + (over_inline_limit_hint(True) if self.shared_memory else
+                                  + (f"this client sends tensors under its shm_threshold ({self.shm_threshold} bytes) "
+                                     "inline: lower shm_threshold, or pass arrays made by alloc_array(), to send them "
+                                     "through shared memory, or raise the node's max_inline_bytes"
+                                     if self.shared_memory else
                                      "this client sends tensors inline (shared_memory=False, a tcp endpoint's "
                                      "default): raise the node's max_inline_bytes, or send them through shared "
                                      "memory (an ipc endpoint, or shared_memory=True where the node sets "

@@ -327,7 +327,10 @@ def test_a_client_cannot_use_another_clients_shared_memory(start_node):
 def test_oversized_inline_payload_is_refused_with_a_hint(start_node):
     node = start_node([sim_worker()], max_inline_bytes=1024)
     with node.client(shm_threshold=1 << 30) as c:  # force inline
-        with pytest.raises(InvalidArgument, match="exceeds max_inline_bytes 1024; send large tensors through shared memory"):
+        # The hint names what keeps these tensors inline here: the client's threshold (it said
+        # "send large tensors through shared memory", which this client believed it did).
+        with pytest.raises(InvalidArgument, match=r"exceeds max_inline_bytes 1024; this client sends tensors under "
+                                                  r"its shm_threshold \(1073741824 bytes\) inline: lower shm_threshold"):
             c.infer("big", {"x": np.zeros((1, 256, 1024), np.float32)})
     with node.client() as c:  # the default SDK threshold sends it by shared memory: accepted
         assert c.infer("big", {"x": np.zeros((1, 256, 1024), np.float32)})["y"].shape == (1, 256, 1024)
