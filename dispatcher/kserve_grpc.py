@@ -64,6 +64,20 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
 # A tensor's shared-memory parameters and the one protobuf field each is read from, as Triton
 # 2.51 reads them (ParseSharedMemoryParams): a value in another field is refused. Read from
 # whichever field was set, a bool_param offset of true read as offset 1 and served garbage.
+# What one ModelStreamInfer stream may hold of answers its client has not read yet before the
+# front door stops reading its requests (one segment of the Batchyard client's pool).
+STREAM_HELD_BYTES = 64 << 20
+# Counted for each answer besides its outputs' bytes: its messages and task (a million tiny
+# answers must count too).
+STREAM_ANSWER_OVERHEAD = 1024
+
+
+def _held_bytes(answer) -> int:
+    """What a finished stream answer holds until it is sent: its outputs' bytes (views of the
+    pool, for an InferAnswer) and a little more."""
+    return STREAM_ANSWER_OVERHEAD + (sum(map(len, answer.raw)) if type(answer) is InferAnswer else 0)
+
+
 _SHM_KINDS = {"shared_memory_region": "string_param", "shared_memory_offset": "int64_param",
               "shared_memory_byte_size": "int64_param"}
 
@@ -243,9 +257,23 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         tritonclient's default request id is ""); an error answers its request only, in
         ``error_message``, as Triton's stream does; so does an answer past the send limit (gRPC
         ended the stream on it, and the answers behind it were lost). A client that closes the
-        stream withdraws what it still has queued."""
+        stream withdraws what it still has queued. A client that does not read its answers is
+        not read either once STREAM_HELD_BYTES of them wait to be sent: read on, the answers of
+        its requests piled up in the front door's pool (a review's client held 704 MiB of it, kept
+        after the stream ended), and gRPC's flow control now holds back its sends instead."""
         order: asyncio.Queue = asyncio.Queue()  # each request's answer, running, in arrival order
         running: set = set()
+        held = 0  # bytes of the answers finished and not yet sent
+        room = asyncio.Event()  # set while held is within STREAM_HELD_BYTES
+        room.set()
+
+        def finished(task) -> None:
+            nonlocal held
+            running.discard(task)
+            if not task.cancelled():
+                held += _held_bytes(task.result())
+                if held > STREAM_HELD_BYTES:
+                    room.clear()
 
         async def answer(request):
             try:
@@ -263,15 +291,20 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 async for request in request_iterator:
                     task = asyncio.ensure_future(answer(request))
                     running.add(task)
-                    task.add_done_callback(running.discard)
+                    task.add_done_callback(finished)
                     order.put_nowait(task)
+                    await room.wait()
             finally:
                 order.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
             while (task := await order.get()) is not None:
-                yield await task
+                sent = await task
+                yield sent
+                held -= _held_bytes(sent)
+                if held <= STREAM_HELD_BYTES:
+                    room.set()
             await reader  # its failure (a broken stream) is the stream's
         finally:
             for task in (reader, *running):

@@ -633,6 +633,46 @@ def test_a_stream_answers_in_the_order_its_requests_came(front_door):
     assert got == ["slow", "sum", "Request for unknown model: 'nope' is not found"]
 
 
+def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_all_in_order(monkeypatch):
+    """A stream client that sent on without reading its answers had all of them held by the
+    front door (answers hold their outputs in its pool: 704 MiB in a review, kept after the
+    stream). Once STREAM_HELD_BYTES of answers wait, its requests are no longer read (gRPC's
+    flow control holds the client back); reading its answers lets the rest through, in order."""
+    from batchyard import kserve_grpc
+    from batchyard.kserve_grpc_wire import InferAnswer
+
+    monkeypatch.setattr(kserve_grpc, "STREAM_HELD_BYTES", 64 << 10)
+    answer_bytes = 4 << 10
+    pulled = 0
+
+    async def requests():  # a client with requests to send for ever
+        nonlocal pulled
+        while True:
+            await asyncio.sleep(0)  # (gives the loop a turn, as a read from the network does)
+            pulled += 1
+            yield service_pb2.ModelInferRequest(model_name="sum", id=str(pulled))
+
+    async def infer(request, context, stream=False):  # answered at once, outputs in the pool
+        head = service_pb2.ModelInferResponse(model_name="sum", id=request.id)
+        return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
+
+    async def main():
+        servicer = kserve_grpc.KServeServicer(None)
+        servicer._infer = infer
+        answers = servicer.ModelStreamInfer(requests(), None)
+        ids = [(await anext(answers)).head.id]
+        for _ in range(5_000):  # every turn the reader could take; no time passes
+            await asyncio.sleep(0)
+        read_unanswered = pulled
+        ids += [(await anext(answers)).head.id for _ in range(4 * read_unanswered)]
+        await answers.aclose()
+        return read_unanswered, ids
+
+    read_unanswered, ids = asyncio.run(main())
+    assert read_unanswered <= (64 << 10) // answer_bytes + 2  # it read ~5,000 before
+    assert ids == [str(i) for i in range(1, len(ids) + 1)]
+
+
 def test_repository_index_lists_the_models_and_load_is_refused(front_door):
     """As a Triton in model-control mode NONE: the index lists the node's models and their
     state; load and unload are refused with UNAVAILABLE (HTTP 503)."""
