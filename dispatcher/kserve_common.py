@@ -21,7 +21,7 @@ import numpy as np
 from . import kserve_stats as S
 from . import protocol as P
 from .client_codec import dtype_name
-from .errors import BatchyardError
+from .errors import BatchyardError, Overloaded
 from .kserve_stats import NodeStats
 from .llm_routing import PREFILL_CPU
 
@@ -510,6 +510,18 @@ class KServeCore:
         self.llm_models = frozenset(llm_models)
         self._refresh: Optional[asyncio.Future] = None
         self.stopping = False  # set by stop_waiting: requests in flight are answered UNAVAILABLE
+
+    def input_array(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
+        """An array to read a shared-memory input into: in the Batchyard client's pool when the
+        client sends one that big through it, which then goes on by reference (read into plain
+        memory, it was copied into the pool again), else plain memory."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes and nbytes >= self.client.shm_threshold:
+            try:
+                return self.client.alloc_array(shape, dtype)
+            except Overloaded:  # a full pool: plain memory, which the send copies or refuses as before
+                pass
+        return np.empty(shape, dtype)
 
     def stop_waiting(self) -> None:
         """At the end of a stop's grace: every request still waiting on the node is answered

@@ -325,7 +325,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             check_input_name(spec, t.name)
             region = _shm_param(t.parameters, t.name)
             if region is not None:
-                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec, uid)
+                inputs[t.name] = shm.read(*region, t.datatype, shape, t.name, spec, uid, self.core.input_array)
             elif request.raw_input_contents:
                 if t.HasField("contents"):
                     raise invalid(f"contents field must not be specified when using raw_input_contents for "

@@ -423,7 +423,7 @@ class KServeHttp:
                 region = _shm(tp)
                 if region is None:
                     raise invalid(f"input '{name}': 'shared_memory_region' must name a registered region")
-                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec, uid)
+                inputs[name] = self.core.shm.read(*region, datatype, shape, name, spec, uid, self.core.input_array)
             elif source == "binary_data_size":
                 n = _uint(tp, "binary_data_size")
                 if pos + n > len(binary):

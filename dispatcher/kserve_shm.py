@@ -33,7 +33,7 @@ import re
 import socket
 import stat
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import grpc
 import numpy as np
@@ -88,7 +88,12 @@ class OutputRegion:
         size = os.fstat(self.fd).st_size
         if self.start + arr.nbytes > size:  # shrunk since: a write would grow the client's file
             raise _shrunk(self.name, self.start, arr.nbytes, size)
-        os.pwrite(self.fd, np.ascontiguousarray(arr).tobytes(), self.start)
+        # From the array's own bytes (the worker's output in the front door's pool): tobytes()
+        # first copied the whole output once more, into fresh memory.
+        data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(data):  # one pwrite moves at most ~2 GiB
+            done += os.pwrite(self.fd, data[done:], self.start + done)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -476,19 +481,24 @@ class ShmRegions:
         return OutputRegion(name, offset, byte_size, os.dup(r.fd), start)
 
     def read(self, name: str, offset: int, byte_size: int, datatype: str, shape: list[int], tensor: str,
-             spec, uid: Optional[int] = 0) -> np.ndarray:
+             spec, uid: Optional[int] = 0, empty: Callable = np.empty) -> np.ndarray:
         """A copy of the tensor in the region: the client may reuse its memory as soon as the
         reply comes, and the region may be unregistered while the request is queued. The
         declaration is checked against the model ``spec`` and ``byte_size`` against it first, so
-        that no more is read than one batch of the model takes."""
+        that no more is read than one batch of the model takes. ``empty(shape, dtype)`` makes the
+        array read into (the front door's: one in its Batchyard pool, sent on without a copy)."""
         check_declared_input(spec, tensor, datatype, shape)
         dt = check_byte_size(tensor, datatype, shape, byte_size)
         r, start = self._range(name, offset, byte_size, uid)
-        buf = bytearray(byte_size)
-        got = os.preadv(r.fd, [buf], start)
-        if got < byte_size:
-            raise _shrunk(name, start, byte_size, os.fstat(r.fd).st_size)
-        return np.frombuffer(buf, dtype=dt).reshape(shape)
+        arr = empty(shape, dt)
+        buf = memoryview(arr.reshape(-1).view(np.uint8))
+        done = 0
+        while done < byte_size:  # one read moves at most ~2 GiB
+            got = os.preadv(r.fd, [buf[done:]], start + done)
+            if got == 0:
+                raise _shrunk(name, start, byte_size, os.fstat(r.fd).st_size)
+            done += got
+        return arr
 
     def close(self) -> None:
         """Unmap this process's regions. The registrations stay while another front door of the

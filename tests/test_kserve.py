@@ -4,6 +4,7 @@ HTTP clients and their asyncio variants, against a node run by `batchyard up` wi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import importlib.util
@@ -904,6 +905,38 @@ def test_shm_register_infer_unregister(front_door, proto):
         c.unregister_system_shared_memory()
         for region in (shm_in, shm_out):
             tshm.destroy_shared_memory_region(region)
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_large_shm_inputs_refilled_between_calls_are_each_read_as_they_are(front_door, proto):
+    """An input in a region, past the SDK's shared-memory threshold, is read straight into the
+    front door's pool and sent on from there: each call computes on what the region holds at
+    that call, and the answers of calls at once are their own."""
+    mod, url = (tgrpc, front_door.grpc_url) if proto == "grpc" else (thttp, front_door.http_url)
+    c = mod.InferenceServerClient(url)
+    xs = [np.random.default_rng(seed).random((2, 1024, 1024), dtype=np.float32) for seed in range(4)]  # 8 MiB
+    tag = f"by_kserve_big_{os.getpid()}_{proto}"
+    region = shared_memory.SharedMemory(tag, create=True, size=2 * xs[0].nbytes)
+    try:
+        c.register_system_shared_memory("big_in", f"/{tag}", 2 * xs[0].nbytes)
+        i = mod.InferInput("x", list(xs[0].shape), "FP32")
+        for x in xs[:2]:  # refilled, one call after another
+            np.ndarray(x.shape, x.dtype, buffer=region.buf)[...] = x
+            i.set_shared_memory("big_in", x.nbytes)
+            np.testing.assert_array_equal(c.infer("huge", [i]).as_numpy("y"), front_door.sdk("huge", x))
+        ins = []
+        for k, x in enumerate(xs[2:]):  # two at once, each from its own half of the region
+            np.ndarray(x.shape, x.dtype, buffer=region.buf, offset=k * x.nbytes)[...] = x
+            ins.append(mod.InferInput("x", list(x.shape), "FP32"))
+            ins[-1].set_shared_memory("big_in", x.nbytes, offset=k * x.nbytes)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda i: mod.InferenceServerClient(url).infer("huge", [i]).as_numpy("y"), ins))
+        for y, x in zip(got, xs[2:]):
+            np.testing.assert_array_equal(y, front_door.sdk("huge", x))
+    finally:
+        c.unregister_system_shared_memory("big_in")
+        region.close()
+        region.unlink()
 
 
 def test_a_client_of_another_user_cannot_name_reach_or_drop_a_users_memory(front_door):
