@@ -43,7 +43,8 @@ def test_percentiles_are_those_of_the_requests_completed_in_the_windows(start_no
     for p, key in ((50, "p50_ms"), (90, "p90_ms"), (99, "p99_ms")):
         assert rep.summary[key] == pytest.approx(np.percentile(lat_ms, p), rel=1e-9), p
     assert rep.summary["path_gpu"]["served"] == rep.summary["served"]
-    assert rep.schedule_kept
+    # Not whether the generator kept its schedule: that is the machine's load (a CI run beside
+    # another test at once lagged 9.5 ms at p99); the next test checks that a lag is flagged.
 
 
 def test_latency_counts_from_the_schedule_and_a_generator_that_fell_behind_is_flagged():
