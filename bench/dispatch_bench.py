@@ -1,4 +1,4 @@
-"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|c|d|e|f|g|all]``.
+"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|c|d|e|f|g|h|all]``.
 
 (a) added latency, one request in flight, no-op worker: client -> dispatcher -> worker minus
     client -> worker directly; the same for pyzmq's C ``zmq.proxy`` and a bare Python uvloop
@@ -12,6 +12,9 @@
     a wake-up, which is what a node shares its core with the model for
 (g) one decision's time when 1,000 requests expire behind 1,000 / 10,000 / 100,000 patient ones
     of their class (the decision code alone, no sockets)
+(h) the sender's CPU for one ZeroMQ send on ipc (two frames, as a request's) back to back, after
+    a 10 ms idle gap slept, and after one spun, against a pipe write that wakes a thread after a
+    gap: what each message of a hop costs at a low rate, where the processes sleep between them
 
 The paths are built in bench/noop_paths.py. Each mode runs ``--runs`` times, alternating the
 paths inside a run; medians are reported, and written to ``--json``. This machine is shared
@@ -389,6 +392,71 @@ def bench_g(runs: int = 3) -> dict:
     return out
 
 
+def bench_h(runs: int = 3, n: int = 200, gap_s: float = 0.01) -> dict:
+    import threading
+
+    def sends(wait) -> list[int]:
+        with tempfile.TemporaryDirectory(prefix="by-db-", dir="/tmp") as d, zmq.Context() as ctx:
+            router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+            router.bind(f"ipc://{d}/h")
+            dealer.connect(f"ipc://{d}/h")
+
+            def drain():
+                while router.recv_multipart()[-1] != b"stop":
+                    pass
+            t = threading.Thread(target=drain)
+            t.start()
+            cpu = []
+            for _ in range(n):
+                wait()
+                c0 = time.thread_time_ns()
+                dealer.send_multipart([b"h" * 200, b"p" * 64])
+                cpu.append(time.thread_time_ns() - c0)
+            dealer.send_multipart([b"stop"])
+            t.join()
+            router.close(0)
+            dealer.close(0)
+            return cpu
+
+    def spin():
+        end = time.perf_counter() + gap_s
+        while time.perf_counter() < end:
+            pass
+
+    def pipe_wakes() -> list[int]:
+        r, w = os.pipe()
+
+        def drain():
+            while os.read(r, 1) != b"s":
+                pass
+        t = threading.Thread(target=drain)
+        t.start()
+        cpu = []
+        for _ in range(n):
+            time.sleep(gap_s)
+            c0 = time.thread_time_ns()
+            os.write(w, b"x")
+            cpu.append(time.thread_time_ns() - c0)
+        os.write(w, b"s")
+        t.join()
+        os.close(r)
+        os.close(w)
+        return cpu
+
+    cases = {"zmq send, back to back": lambda: sends(lambda: None),
+             f"zmq send, {gap_s * 1e3:.0f} ms slept before": lambda: sends(lambda: time.sleep(gap_s)),
+             f"zmq send, {gap_s * 1e3:.0f} ms spun before": lambda: sends(spin),
+             f"pipe write waking a thread, {gap_s * 1e3:.0f} ms slept before": pipe_wakes}
+    out = {name: [] for name in cases}
+    for _ in range(runs):
+        for name, case in cases.items():
+            out[name].append(float(np.median(case())) / 1e3)
+    for name, meds in out.items():
+        print(f"(h) {name:48s} sender CPU median {np.median(meds):6.1f} us (runs: "
+              + ", ".join(f"{m:.1f}" for m in meds) + ")")
+    return {name: {"cpu_us_median": float(np.median(meds)), "runs_us": meds} for name, meds in out.items()}
+
+
 def record(path: str, results: dict) -> None:
     """Merge this invocation's modes into the JSON file, so separate invocations accumulate."""
     p = Path(path)
@@ -401,12 +469,12 @@ def record(path: str, results: dict) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "all"])
+    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "h", "all"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--capacity", type=float, default=0.0, help="(e): routed capacity in req/s (0: measure it)")
     ap.add_argument("--json", default="bench/results/dispatch_bench.json", help="merge results here ('' : don't)")
     args = ap.parse_args(argv)
-    which = {"a", "b", "c", "d", "e", "f", "g"} if "all" in args.which else set(args.which)
+    which = {"a", "b", "c", "d", "e", "f", "g", "h"} if "all" in args.which else set(args.which)
     meta = {"command": "python -m batchyard.bench.dispatch_bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
     load = ", ".join(f"{x:.1f}" for x in meta["loadavg_at_start"])
@@ -432,6 +500,8 @@ def main(argv=None) -> None:
         out["f_cpu_per_request"] = bench_f(runs=args.runs)
     if "g" in which:
         out["g_expiry_decision_ms"] = bench_g(runs=args.runs)
+    if "h" in which:
+        out["h_send_after_idle_us"] = bench_h(runs=args.runs)
     if args.json:
         record(args.json, {k: {"meta": meta, "result": v} for k, v in out.items()})
 
