@@ -642,7 +642,7 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
     from batchyard import kserve_grpc
     from batchyard.kserve_grpc_wire import InferAnswer
 
-    monkeypatch.setattr(kserve_grpc, "STREAM_HELD_BYTES", 64 << 10)
+    monkeypatch.setattr(kserve_grpc, "STREAM_HELD_BYTES", 64 << 10, raising=False)
     answer_bytes = 4 << 10
     pulled = 0
 
