@@ -21,7 +21,7 @@ import numpy as np
 from . import kserve_stats as S
 from . import protocol as P
 from .client_codec import dtype_name
-from .errors import BatchyardError, Overloaded
+from .errors import BatchyardError
 from .kserve_stats import NodeStats
 from .llm_routing import PREFILL_CPU
 
@@ -519,7 +519,9 @@ class KServeCore:
         if nbytes and nbytes >= self.client.shm_threshold:
             try:
                 return self.client.alloc_array(shape, dtype)
-            except Overloaded:  # a full pool: plain memory, which the send copies or refuses as before
+            except BatchyardError:
+                # A full pool, or a client closed by a stop: plain memory, and the request then
+                # fails as it did before (a stop's UNAVAILABLE; here it was an INTERNAL error).
                 pass
         return np.empty(shape, dtype)
 

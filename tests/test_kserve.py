@@ -2054,6 +2054,45 @@ def test_a_request_the_stop_cuts_off_is_unavailable_whether_it_waited_on_its_spe
     assert "the server is stopping" in e.value.message
 
 
+def test_a_shared_memory_input_read_during_the_stop_is_answered_unavailable_too(tmp_path):
+    """Inputs in a region are read into the Batchyard client's pool: with the client closed by the
+    stop, that failed (Cancelled) before the request reached the node, and the answer was an
+    INTERNAL error instead of the stop's UNAVAILABLE."""
+    from batchyard.errors import Cancelled
+
+    spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
+
+    class ClosedByTheStop:
+        specs = {"m": spec}
+        shm_threshold = 0  # every input through the pool
+
+        def alloc_array(self, shape, dtype):
+            raise Cancelled("client closed")
+
+        async def infer(self, model, inputs, priority, timeout):
+            raise Cancelled("client closed")
+
+        def close(self):
+            pass
+
+    seg = shared_memory.SharedMemory(f"by_kserve_stop_{os.getpid()}", create=True, size=8)
+    core = KServeCore(ClosedByTheStop(), ShmRegions(str(tmp_path / "registry")))
+    try:
+        core.shm.register("in", f"/{seg.name}", 0, 8)
+        core.stop_waiting()
+
+        async def request():
+            x = core.shm.read("in", 0, 8, "FP32", [1, 2], "x", spec, 0, core.input_array)
+            return await core.infer("m", {"x": x})
+        with pytest.raises(KServeError) as e:
+            asyncio.run(request())
+    finally:
+        core.close()
+        seg.close()
+        seg.unlink()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "the server is stopping" in e.value.message
+
+
 @pytest.mark.parametrize("strict, served, want", [(True, {"a", "b"}, True), (True, {"a"}, False),
                                                   (False, {"a"}, True), (False, set(), False)])
 def test_server_readiness_is_strict_as_tritons_unless_configured_not(tmp_path, strict, served, want):
