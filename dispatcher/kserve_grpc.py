@@ -412,16 +412,21 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # ---------------------------------------------------------------- errors
     @staticmethod
     async def _call(context, coro):
+        # The abort is raised after the except blocks, not in them: raised there, it kept the
+        # request's error as its context, and with it the frames of the request's coroutines and
+        # their inputs (in the Batchyard client's pool) until the cycle collector ran. 200 refused
+        # 8 MiB shared-memory requests grew the pool from 1 segment of 64 MiB to 7.
         try:
             return await coro
         except (KServeError, *MALFORMED) as e:
             e = as_kserve(e)
-            await context.abort(e.code, e.message)
+            code, message = e.code, e.message
         except grpc.aio.AbortError:  # aborted already, with its own code
             raise
         except Exception as e:  # noqa: BLE001 -- INTERNAL with its kind, not gRPC's UNKNOWN naming a class
             log.exception("request failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
+        await context.abort(code, message)
 
     @staticmethod
     async def _sync(context, fn, *args):
