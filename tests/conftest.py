@@ -191,7 +191,11 @@ def no_leaked_shm():
     # This process's segments only: other test runs on the machine create and free their own.
     before = set(live_segments(os.getpid()))
     yield
-    reap_orphans(grace_s=0)  # the test's child processes are gone: their unlocked segments go
+    # The test's child processes are gone: their unlocked segments go. Not a segment still being
+    # created (".new", unlocked for an instant), which may be another pytest process's (xdist):
+    # with no grace for those, this sweep removed one in that instant (87 of 94,594 creations
+    # beside a sweeping loop, a review's run), and its creator failed.
+    reap_orphans()
     leaked = set(live_segments(os.getpid())) - before
     for name in leaked:  # clean up so one failure does not cascade, then fail
         os.unlink(os.path.join("/dev/shm", name))
