@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Optional
 
 import grpc
@@ -20,7 +21,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
 from .client_codec import dtype_name
-from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
+from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             check_declared_input, check_element_count, check_input_name, check_new_input,
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
@@ -28,6 +29,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, raw_bytes, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
+from .validation import item_nbytes
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -64,18 +66,38 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
 # A tensor's shared-memory parameters and the one protobuf field each is read from, as Triton
 # 2.51 reads them (ParseSharedMemoryParams): a value in another field is refused. Read from
 # whichever field was set, a bool_param offset of true read as offset 1 and served garbage.
-# What one ModelStreamInfer stream may hold of answers its client has not read yet before the
-# front door stops reading its requests (one segment of the Batchyard client's pool).
+# What one ModelStreamInfer stream may hold, of requests read and not yet answered to a client
+# that reads its answers, before the front door stops reading it (one segment of the Batchyard
+# client's pool).
 STREAM_HELD_BYTES = 64 << 20
-# Counted for each answer besides its outputs' bytes: its messages and task (a million tiny
-# answers must count too).
+# Counted for each request besides its tensors' bytes: its messages and task (a million tiny
+# ones must count too).
 STREAM_ANSWER_OVERHEAD = 1024
+_ITEMSIZES = {kind: np.dtype(dtype).itemsize for kind, dtype in KSERVE_TO_NP.items()}
 
 
 def _held_bytes(answer) -> int:
     """What a finished stream answer holds until it is sent: its outputs' bytes (views of the
     pool, for an InferAnswer) and a little more."""
     return STREAM_ANSWER_OVERHEAD + (sum(map(len, answer.raw)) if type(answer) is InferAnswer else 0)
+
+
+def _stream_reservation(request, specs: dict) -> int:
+    """What a stream request may hold from when it is read until its answer is sent: its inputs'
+    bytes and its outputs' at the model's sizes (the Batchyard client's pool takes both when it
+    is sent), and a little more. Counted when read: counted only once answered, a slow model's
+    requests, running, reserved their outputs without bound (640 MiB for 600 of 1 MiB)."""
+    nbytes, items = STREAM_ANSWER_OVERHEAD, 0
+    for t in request.inputs:
+        itemsize = _ITEMSIZES.get(t.datatype)
+        if itemsize is not None:
+            nbytes += max(0, math.prod(t.shape)) * itemsize
+        if not items and t.shape:
+            items = max(0, t.shape[0])
+    spec = specs.get(request.model_name)
+    if spec is not None:
+        nbytes += items * sum(item_nbytes(t) for t in spec.outputs)
+    return nbytes
 
 
 _SHM_KINDS = {"shared_memory_region": "string_param", "shared_memory_offset": "int64_param",
@@ -257,23 +279,33 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         tritonclient's default request id is ""); an error answers its request only, in
         ``error_message``, as Triton's stream does; so does an answer past the send limit (gRPC
         ended the stream on it, and the answers behind it were lost). A client that closes the
-        stream withdraws what it still has queued. A client that does not read its answers is
-        not read either once STREAM_HELD_BYTES of them wait to be sent: read on, the answers of
-        its requests piled up in the front door's pool (a review's client held 704 MiB of it, kept
-        after the stream ended), and gRPC's flow control now holds back its sends instead."""
+        stream withdraws what it still has queued. A stream is not read on while its requests
+        read and not yet answered may hold more than STREAM_HELD_BYTES (their tensors, at their
+        sizes; gRPC's flow control then holds back the client's sends): read on, a client that
+        did not read its answers had every one of them held in the front door's pool (704 MiB in
+        a review, kept after the stream ended)."""
         order: asyncio.Queue = asyncio.Queue()  # each request's answer, running, in arrival order
         running: set = set()
-        held = 0  # bytes of the answers finished and not yet sent
+        reserved: dict = {}  # each request's task -> what it may hold until its answer is sent
+        held = 0  # their sum
         room = asyncio.Event()  # set while held is within STREAM_HELD_BYTES
         room.set()
 
-        def finished(task) -> None:
+        def hold(task, nbytes: int) -> None:
             nonlocal held
+            held += nbytes - reserved.get(task, 0)
+            reserved[task] = nbytes
+            if held > STREAM_HELD_BYTES:
+                room.clear()
+
+        def finished(task) -> None:
             running.discard(task)
-            if not task.cancelled():
-                held += _held_bytes(task.result())
-                if held > STREAM_HELD_BYTES:
-                    room.clear()
+            # An answer past what its request reserved (a model whose spec was not known yet)
+            # counts at its size, unless it is sent already (this callback may come after the
+            # answer went: counted then, it was never given back, and the stream stalled).
+            if (task in reserved and not task.cancelled()
+                    and (size := _held_bytes(task.result())) > reserved[task]):
+                hold(task, size)
 
         async def answer(request):
             try:
@@ -290,6 +322,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for request in request_iterator:
                     task = asyncio.ensure_future(answer(request))
+                    hold(task, _stream_reservation(request, self.core.client.specs))
                     running.add(task)
                     task.add_done_callback(finished)
                     order.put_nowait(task)
@@ -300,9 +333,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.ensure_future(read())
         try:
             while (task := await order.get()) is not None:
-                sent = await task
-                yield sent
-                held -= _held_bytes(sent)
+                yield await task
+                held -= reserved.pop(task)
                 if held <= STREAM_HELD_BYTES:
                     room.set()
             await reader  # its failure (a broken stream) is the stream's

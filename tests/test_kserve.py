@@ -634,16 +634,23 @@ def test_a_stream_answers_in_the_order_its_requests_came(front_door):
     assert got == ["slow", "sum", "Request for unknown model: 'nope' is not found"]
 
 
-def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_all_in_order(monkeypatch):
+@pytest.mark.parametrize("model", ["fast", "slow"])
+def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_all_in_order(monkeypatch, model):
     """A stream client that sent on without reading its answers had all of them held by the
     front door (answers hold their outputs in its pool: 704 MiB in a review, kept after the
-    stream). Once STREAM_HELD_BYTES of answers wait, its requests are no longer read (gRPC's
-    flow control holds the client back); reading its answers lets the rest through, in order."""
+    stream). Requests are now counted when read, at their tensors' sizes, until their answers
+    are sent: past STREAM_HELD_BYTES the stream is not read on (gRPC's flow control holds the
+    client back), whether its answers wait to be sent ("fast") or its model has not answered
+    yet ("slow": counted only once answered, 600 running requests reserved 640 MiB). Reading
+    its answers lets the rest through, in order."""
+    import types
+
     from batchyard import kserve_grpc
     from batchyard.kserve_grpc_wire import InferAnswer
 
     monkeypatch.setattr(kserve_grpc, "STREAM_HELD_BYTES", 64 << 10, raising=False)
     answer_bytes = 4 << 10
+    spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (1024,)),))
     pulled = 0
 
     async def requests():  # a client with requests to send for ever
@@ -651,21 +658,29 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
         while True:
             await asyncio.sleep(0)  # (gives the loop a turn, as a read from the network does)
             pulled += 1
-            yield service_pb2.ModelInferRequest(model_name="sum", id=str(pulled))
-
-    async def infer(request, context, stream=False):  # answered at once, outputs in the pool
-        head = service_pb2.ModelInferResponse(model_name="sum", id=request.id)
-        return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
+            request = service_pb2.ModelInferRequest(model_name="sum", id=str(pulled))
+            request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+            yield request
 
     async def main():
-        servicer = kserve_grpc.KServeServicer(None)
+        model_done = asyncio.Event()
+        if model == "fast":
+            model_done.set()
+
+        async def infer(request, context, stream=False):  # outputs in the pool
+            await model_done.wait()
+            head = service_pb2.ModelInferResponse(model_name="sum", id=request.id)
+            return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
+
+        servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec})))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
-        ids = [(await anext(answers)).head.id]
+        first = asyncio.ensure_future(anext(answers))
         for _ in range(5_000):  # every turn the reader could take; no time passes
             await asyncio.sleep(0)
         read_unanswered = pulled
-        ids += [(await anext(answers)).head.id for _ in range(4 * read_unanswered)]
+        model_done.set()
+        ids = [(await first).head.id] + [(await anext(answers)).head.id for _ in range(4 * read_unanswered)]
         await answers.aclose()
         return read_unanswered, ids
 
