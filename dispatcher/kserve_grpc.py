@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import Optional
 
 import grpc
@@ -82,22 +81,42 @@ def _held_bytes(answer) -> int:
     return STREAM_ANSWER_OVERHEAD + (sum(map(len, answer.raw)) if type(answer) is InferAnswer else 0)
 
 
-def _stream_reservation(request, specs: dict) -> int:
+def _capped_nbytes(shape, itemsize: int) -> int:
+    """A tensor's bytes, counted no further than past STREAM_HELD_BYTES (or 0 for a dimension
+    below 1): the declared shape is not checked yet, and the product of a shape of 40,000
+    dimensions of 2**62 held the loop 3.2 s (a review's request)."""
+    nbytes = itemsize
+    for d in shape:
+        if d < 1:
+            return 0
+        nbytes *= d
+        if nbytes > STREAM_HELD_BYTES:
+            return STREAM_HELD_BYTES + 1
+    return nbytes
+
+
+def _stream_reservation(request, specs: dict) -> tuple[int, int]:
     """What a stream request may hold from when it is read until its answer is sent: its inputs'
     bytes and its outputs' at the model's sizes (the Batchyard client's pool takes both when it
-    is sent), and a little more. Counted when read: counted only once answered, a slow model's
-    requests, running, reserved their outputs without bound (640 MiB for 600 of 1 MiB)."""
-    nbytes, items = STREAM_ANSWER_OVERHEAD, 0
+    is sent), its id (said back in its answer) and a little more. Counted when read: counted only
+    once answered, a slow model's requests, running, reserved their outputs without bound (640
+    MiB for 600 of 1 MiB). And what one full batch of its model takes (0 while its spec is not
+    known), which a stream may always hold: with 24 MiB outputs and 300 ms batches, a stream
+    held to 64 MiB ran batches of 2 and served a third of the requests a second."""
+    nbytes, items = STREAM_ANSWER_OVERHEAD + len(request.id), 0
     for t in request.inputs:
         itemsize = _ITEMSIZES.get(t.datatype)
         if itemsize is not None:
-            nbytes += max(0, math.prod(t.shape)) * itemsize
+            nbytes += _capped_nbytes(t.shape, itemsize)
         if not items and t.shape:
-            items = max(0, t.shape[0])
+            items = min(max(0, t.shape[0]), STREAM_HELD_BYTES)
+    batch = 0
     spec = specs.get(request.model_name)
     if spec is not None:
-        nbytes += items * sum(item_nbytes(t) for t in spec.outputs)
-    return nbytes
+        per_item = sum(item_nbytes(t) for t in spec.outputs)
+        nbytes += items * per_item
+        batch = spec.max_batch * (per_item + sum(item_nbytes(t) for t in spec.inputs))
+    return nbytes, batch
 
 
 _SHM_KINDS = {"shared_memory_region": "string_param", "shared_memory_offset": "int64_param",
@@ -280,22 +299,24 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         ``error_message``, as Triton's stream does; so does an answer past the send limit (gRPC
         ended the stream on it, and the answers behind it were lost). A client that closes the
         stream withdraws what it still has queued. A stream is not read on while its requests
-        read and not yet answered may hold more than STREAM_HELD_BYTES (their tensors, at their
-        sizes; gRPC's flow control then holds back the client's sends): read on, a client that
-        did not read its answers had every one of them held in the front door's pool (704 MiB in
-        a review, kept after the stream ended)."""
+        read and not yet answered may hold more than STREAM_HELD_BYTES, or than one full batch
+        of the largest model it asked for (their tensors, at their sizes; gRPC's flow control
+        then holds back the client's sends): read on, a client that did not read its answers had
+        every one of them held in the front door's pool (704 MiB in a review, kept after the
+        stream ended)."""
         order: asyncio.Queue = asyncio.Queue()  # each request's answer, running, in arrival order
         running: set = set()
         reserved: dict = {}  # each request's task -> what it may hold until its answer is sent
         held = 0  # their sum
-        room = asyncio.Event()  # set while held is within STREAM_HELD_BYTES
+        limit = STREAM_HELD_BYTES  # or a full batch of the largest model the stream asked for
+        room = asyncio.Event()  # set while held is within the limit
         room.set()
 
         def hold(task, nbytes: int) -> None:
             nonlocal held
             held += nbytes - reserved.get(task, 0)
             reserved[task] = nbytes
-            if held > STREAM_HELD_BYTES:
+            if held > limit:
                 room.clear()
 
         def finished(task) -> None:
@@ -319,10 +340,13 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     as_kserve(e).message)
 
         async def read():
+            nonlocal limit
             try:
                 async for request in request_iterator:
                     task = asyncio.ensure_future(answer(request))
-                    hold(task, _stream_reservation(request, self.core.client.specs))
+                    nbytes, batch = _stream_reservation(request, self.core.client.specs)
+                    limit = max(limit, batch)
+                    hold(task, nbytes)
                     running.add(task)
                     task.add_done_callback(finished)
                     order.put_nowait(task)
@@ -335,7 +359,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             while (task := await order.get()) is not None:
                 yield await task
                 held -= reserved.pop(task)
-                if held <= STREAM_HELD_BYTES:
+                if held <= limit:
                     room.set()
             await reader  # its failure (a broken stream) is the stream's
         finally:

@@ -650,7 +650,8 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
 
     monkeypatch.setattr(kserve_grpc, "STREAM_HELD_BYTES", 64 << 10, raising=False)
     answer_bytes = 4 << 10
-    spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (1024,)),))
+    spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (1024,)),),
+                       max_batch=4)  # a full batch (16 KiB) within the limit
     pulled = 0
 
     async def requests():  # a client with requests to send for ever
@@ -687,6 +688,58 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
     read_unanswered, ids = asyncio.run(main())
     assert read_unanswered <= (64 << 10) // answer_bytes + 2  # it read ~5,000 before
     assert ids == [str(i) for i in range(1, len(ids) + 1)]
+
+
+def test_a_stream_may_always_hold_a_full_batch_of_its_model_and_counts_shapes_without_multiplying_them_out():
+    """Held to 64 MiB, a stream to a model of 24 MiB outputs ran batches of 2 (with 300 ms
+    batches it served a third of the requests a second); and the declared shape, not checked
+    yet, was multiplied out whole (40,000 dimensions of 2**62 held the loop 3.2 s)."""
+    import types
+
+    from batchyard import kserve_grpc
+
+    big = P.ModelSpec("seg", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (6, 1024, 1024)),),
+                      max_batch=16)
+    specs = {"seg": big}
+    request = service_pb2.ModelInferRequest(model_name="seg", id="r1")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    nbytes, batch = kserve_grpc._stream_reservation(request, specs)
+    assert nbytes == kserve_grpc.STREAM_ANSWER_OVERHEAD + 2 + 16 + (24 << 20)
+    assert batch == 16 * (16 + (24 << 20)) > kserve_grpc.STREAM_HELD_BYTES
+
+    huge = service_pb2.ModelInferRequest(model_name="seg")
+    huge.inputs.add(name="x", datatype="FP32", shape=[1, 2**62, 2**62, 3])
+    nbytes, _ = kserve_grpc._stream_reservation(huge, specs)
+    assert nbytes <= kserve_grpc.STREAM_ANSWER_OVERHEAD + kserve_grpc.STREAM_HELD_BYTES + 1 + (24 << 20)
+
+    pulled = 0
+
+    async def requests():
+        nonlocal pulled
+        while True:
+            await asyncio.sleep(0)
+            pulled += 1
+            yield request
+
+    async def main():
+        never = asyncio.Event()
+
+        async def infer(request, context, stream=False):  # a slow model: nothing answered yet
+            await never.wait()
+
+        servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs=specs)))
+        servicer._infer = infer
+        answers = servicer.ModelStreamInfer(requests(), None)
+        first = asyncio.ensure_future(anext(answers))
+        for _ in range(2_000):
+            await asyncio.sleep(0)
+        first.cancel()  # the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await answers.aclose()
+        return pulled
+
+    assert 16 <= asyncio.run(main()) <= 18  # a full batch, not 2 (nor all)
 
 
 def test_repository_index_lists_the_models_and_load_is_refused(front_door):
