@@ -102,7 +102,8 @@ def _stream_reservation(request, specs: dict) -> tuple[int, int]:
     once answered, a slow model's requests, running, reserved their outputs without bound (640
     MiB for 600 of 1 MiB). And what one full batch of its model takes (0 while its spec is not
     known), which a stream may always hold: with 24 MiB outputs and 300 ms batches, a stream
-    held to 64 MiB ran batches of 2 and served a third of the requests a second."""
+    held to 64 MiB could have 2 requests running, so batches of at most 2, and it served a
+    third of the requests a second."""
     nbytes, items = STREAM_ANSWER_OVERHEAD + len(request.id), 0
     for t in request.inputs:
         itemsize = _ITEMSIZES.get(t.datatype)
@@ -114,7 +115,7 @@ def _stream_reservation(request, specs: dict) -> tuple[int, int]:
     spec = specs.get(request.model_name)
     if spec is not None:
         per_item = sum(item_nbytes(t) for t in spec.outputs)
-        nbytes += items * per_item
+        nbytes += min(items * per_item, STREAM_HELD_BYTES + 1)
         batch = spec.max_batch * (per_item + sum(item_nbytes(t) for t in spec.inputs))
     return nbytes, batch
 
@@ -470,8 +471,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _call(context, coro):
         # The abort is raised after the except blocks, not in them: raised there, it kept the
         # request's error as its context, and with it the frames of the request's coroutines and
-        # their inputs (in the Batchyard client's pool) until the cycle collector ran. 200 refused
-        # 8 MiB shared-memory requests grew the pool from 1 segment of 64 MiB to 7.
+        # their inputs (in the Batchyard client's pool) until the cycle collector ran: requests
+        # refused after reading 8 MiB of shared memory grew the pool from 1 segment of 64 MiB to
+        # 6 after 200 of them, 7 after 400.
         try:
             return await coro
         except (KServeError, *MALFORMED) as e:
