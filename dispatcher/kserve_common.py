@@ -251,6 +251,13 @@ def check_element_count(name: str, shape: list[int], count: int) -> None:
                       f"{math.prod(shape)} for shape {list(shape)}")
 
 
+def byte_view(arr: np.ndarray) -> memoryview:
+    """``arr``'s bytes in C order, without a copy where it is contiguous (and writable where
+    ``arr`` is). The view keeps the array, and so the memory it is in (an output in the Batchyard
+    client's pool is freed with its last view), until it is let go."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
 def tensor_from_bytes(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     dt = check_byte_size(name, datatype, shape, len(data))
     return np.frombuffer(data, dtype=dt).reshape(shape)

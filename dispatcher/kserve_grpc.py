@@ -21,11 +21,11 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
-                            check_declared_input, check_element_count, check_input_name, check_new_input,
+                            byte_view, check_declared_input, check_element_count, check_input_name, check_new_input,
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
-from .kserve_grpc_wire import InferAnswer, parse_infer_request, raw_bytes, serialize_answer
+from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
 from .validation import item_nbytes
@@ -62,9 +62,6 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
     return value
 
 
-# A tensor's shared-memory parameters and the one protobuf field each is read from, as Triton
-# 2.51 reads them (ParseSharedMemoryParams): a value in another field is refused. Read from
-# whichever field was set, a bool_param offset of true read as offset 1 and served garbage.
 # What one ModelStreamInfer stream may hold, of requests read and not yet answered to a client
 # that reads its answers, before the front door stops reading it (one segment of the Batchyard
 # client's pool).
@@ -110,7 +107,7 @@ def _stream_reservation(request, specs: dict) -> tuple[int, int]:
         if itemsize is not None:
             nbytes += _capped_nbytes(t.shape, itemsize)
         if not items and t.shape:
-            items = min(max(0, t.shape[0]), STREAM_HELD_BYTES)
+            items = max(0, t.shape[0])
     batch = 0
     spec = specs.get(request.model_name)
     if spec is not None:
@@ -120,6 +117,9 @@ def _stream_reservation(request, specs: dict) -> tuple[int, int]:
     return nbytes, batch
 
 
+# A tensor's shared-memory parameters and the one protobuf field each is read from, as Triton
+# 2.51 reads them (ParseSharedMemoryParams): a value in another field is refused. Read from
+# whichever field was set, a bool_param offset of true read as offset 1 and served garbage.
 _SHM_KINDS = {"shared_memory_region": "string_param", "shared_memory_offset": "int64_param",
               "shared_memory_byte_size": "int64_param"}
 
@@ -423,7 +423,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
                         raw.append(b"")  # keeps later outputs at their index
                     else:
-                        raw.append(raw_bytes(arr))
+                        raw.append(byte_view(arr))
                 if stream:
                     _mark_final(head)
                 answer = InferAnswer(head, raw, stream)

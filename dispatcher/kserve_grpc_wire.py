@@ -11,7 +11,6 @@ order, and a repeated field's values in the order they come.
 
 from __future__ import annotations
 
-import numpy as np
 from tritonclient.grpc import service_pb2
 
 # Past this many fields at the request's top level (one per input's raw contents, parameter,
@@ -106,13 +105,6 @@ def parse_infer_request(data: bytes):
     rest, raw = split
     message = service_pb2.ModelInferRequest.FromString(rest)
     return InferRequest(message, raw) if raw else message
-
-
-def raw_bytes(arr: np.ndarray) -> memoryview:
-    """``arr``'s bytes in C order, without a copy where it is contiguous. The view keeps the
-    array, and so the memory it is in (an output in the client's pool is freed with its last
-    view), until the answer is sent."""
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
 class InferAnswer:

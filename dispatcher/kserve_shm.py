@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Optional
 import grpc
 import numpy as np
 
-from .kserve_common import KServeError, check_byte_size, check_declared_input, invalid
+from .kserve_common import KServeError, byte_view, check_byte_size, check_declared_input, invalid
 
 # Region keys Batchyard itself creates (client pools, the Triton worker's regions with its local
 # tritonserver): other clients' tensors live there, so a KServe client may not name them (the
@@ -90,7 +90,7 @@ class OutputRegion:
             raise _shrunk(self.name, self.start, arr.nbytes, size)
         # From the array's own bytes (the worker's output in the front door's pool): tobytes()
         # first copied the whole output once more, into fresh memory.
-        data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        data = byte_view(arr)
         done = 0
         while done < len(data):  # one pwrite moves at most ~2 GiB
             done += os.pwrite(self.fd, data[done:], self.start + done)
@@ -491,7 +491,7 @@ class ShmRegions:
         dt = check_byte_size(tensor, datatype, shape, byte_size)
         r, start = self._range(name, offset, byte_size, uid)
         arr = empty(shape, dt)
-        buf = memoryview(arr.reshape(-1).view(np.uint8))
+        buf = byte_view(arr)
         done = 0
         while done < byte_size:  # one read moves at most ~2 GiB
             got = os.preadv(r.fd, [buf[done:]], start + done)
