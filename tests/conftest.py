@@ -40,6 +40,7 @@ def pytest_runtest_makereport(item, call):
     report.sections = [(title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
                        for title, text in report.sections]
 
+
 SUM_MODEL = ModelConfig(name="sum", factory="batchyard.workers.models:mlp", max_batch=16,
                         inputs=(TensorConfig("x", "float32", (4,)),),
                         outputs=(TensorConfig("y", "float32", (2,)),))
