@@ -35,7 +35,7 @@ PLATFORM = "batchyard"
 SERVER_NAME = "batchyard"
 # Triton's names (its core's server.cc) of the protocol extensions this front door serves: a
 # KServe client may look here before it sends binary tensors or shared-memory references.
-EXTENSIONS = ["model_repository", "model_configuration", "system_shared_memory", "cuda_shared_memory",
+EXTENSIONS = ["classification", "model_repository", "model_configuration", "system_shared_memory", "cuda_shared_memory",
               "binary_tensor_data", "parameters", "statistics"]
 VERSION = 1  # the one version of every model
 

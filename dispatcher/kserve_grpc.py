@@ -25,6 +25,7 @@ from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, S
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
+from .kserve_classify import check_classifiable, classify, serialize_bytes
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
@@ -60,6 +61,19 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
             return value % 2**64
         raise invalid(f"invalid value for '{key}', expected value >= 0.")
     return value
+
+
+def _class_count(params) -> int:
+    """An output's ``classification`` parameter (tritonclient's class_count) as Triton's gRPC reads
+    it: an int64_param above 0; 0 when absent."""
+    if "classification" not in params:
+        return 0
+    p = params["classification"]
+    if p.WhichOneof("parameter_choice") != "int64_param":
+        raise invalid("invalid value type for 'classification' parameter, expected int64_param")
+    if p.int64_param <= 0:
+        raise invalid("invalid value for 'classification' parameter, expected >= 0")
+    return p.int64_param
 
 
 # What one ModelStreamInfer stream may hold, of requests read and not yet answered to a client
@@ -416,8 +430,13 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             def reply(out) -> InferAnswer:
                 head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
                 raw = []
-                for name, region in wanted:
+                for name, classes, region in wanted:
                     arr = out[name]
+                    if classes:
+                        labels = classify(arr, classes)
+                        head.outputs.add(name=name, datatype="BYTES", shape=labels.shape)
+                        raw.append(serialize_bytes(labels))
+                        continue
                     head.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
                     if region is not None:
                         region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
@@ -440,27 +459,32 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             close_outputs(wanted)
 
     def _requested_outputs(self, request, spec, inputs: dict,
-                           uid: Optional[int]) -> list[tuple[str, Optional[OutputRegion]]]:
-        """(name, its shm region or None) per output to return; all of the model's when none
-        named. The regions are held until ``close_outputs``. An output named twice is returned
-        once, as its first mention asks (Triton 2.51 answers it once; this returned it twice)."""
+                           uid: Optional[int]) -> list[tuple[str, int, Optional[OutputRegion]]]:
+        """(name, its class count or 0, its shm region or None) per output to return; all of the
+        model's when none named. The regions are held until ``close_outputs``. An output named
+        twice is returned once, as its first mention asks (Triton 2.51 answers it once; this
+        returned it twice)."""
         if not request.outputs:
-            return [(t.name, None) for t in spec.outputs]
-        names = {t.name for t in spec.outputs}
+            return [(t.name, 0, None) for t in spec.outputs]
+        dtypes = {t.name: t.dtype for t in spec.outputs}
         wanted, seen = [], set()
         try:
             for o in request.outputs:
-                if o.name not in names:
+                if o.name not in dtypes:
                     raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
-                if "classification" in o.parameters:  # tritonclient's class_count
-                    raise invalid(f"output '{o.name}': classification is not supported")
+                # Every mention's parameters are Triton's to check, in its order (its infer_handler.h).
+                region = _shm_param(o.parameters, o.name)
+                classes = _class_count(o.parameters)
+                if region is not None and classes:
+                    raise invalid("output can't set both 'shared_memory_region' and 'classification'")
+                if classes:
+                    check_classifiable(NP_TO_KSERVE.get(dtypes[o.name], dtypes[o.name]))
                 if o.name in seen:
                     continue
                 seen.add(o.name)
-                region = _shm_param(o.parameters, o.name)
                 if region is not None:
                     region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs), uid)
-                wanted.append((o.name, region))
+                wanted.append((o.name, classes, region))
         except BaseException:
             close_outputs(wanted)
             raise

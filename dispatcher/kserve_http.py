@@ -28,6 +28,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KS
                             batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
+from .kserve_classify import check_classifiable, classify, serialize_bytes
 from .kserve_shm import close_outputs
 from .tcp_peer import peer_uid
 
@@ -365,7 +366,7 @@ class KServeHttp:
         if _is_raw(request):
             header, params = {}, {}
             inputs = self._raw_input(spec, body)
-            wanted = [(t.name, True, None) for t in spec.outputs]  # Triton answers a raw request in binary
+            wanted = [(t.name, True, 0, None) for t in spec.outputs]  # Triton answers a raw request in binary
         else:
             header, binary = _split(request, body)
             params = _field(header, "parameters", dict, {})
@@ -378,8 +379,18 @@ class KServeHttp:
             # fails the request in the statistics, where made after it the request was counted a
             # success while its client got a 400.
             outputs, chunks, finite = [], [], True
-            for name, binary_out, region in wanted:
+            for name, binary_out, classes, region in wanted:
                 arr = out[name]
+                if classes:
+                    labels = classify(arr, classes)
+                    o = {"name": name, "datatype": "BYTES", "shape": list(labels.shape)}
+                    if binary_out:
+                        chunks.append(serialize_bytes(labels))
+                        o["parameters"] = {"binary_data_size": len(chunks[-1])}
+                    else:  # (ASCII: digits, '.', ':', and nan / inf)
+                        o["data"] = [b.decode() for b in labels.reshape(-1)]
+                    outputs.append(o)
+                    continue
                 o = {"name": name, "datatype": NP_TO_KSERVE[dtype_name(arr.dtype)], "shape": list(arr.shape)}
                 if region is not None:
                     # As Triton: name, datatype and shape only. tritonclient's C++ HTTP client (and
@@ -452,19 +463,19 @@ class KServeHttp:
 
     def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict,
                            uid: Optional[int]) -> list:
-        """(name, binary?, shm region or None) per output to return. None named: all of them, binary
+        """(name, binary?, class count or 0, shm region or None) per output to return. None named: all of them, binary
         as the request's ``binary_data_output`` says; a named one is binary only if its own
         ``binary_data`` says so (Triton: the request's setting is for outputs not named). An
         output named twice is returned once, as its first mention asks (as Triton 2.51)."""
         requested = _outputs_named(header)
         if not requested:
-            return [(t.name, binary_default, None) for t in spec.outputs]
-        names = {t.name for t in spec.outputs}
+            return [(t.name, binary_default, 0, None) for t in spec.outputs]
+        dtypes = {t.name: t.dtype for t in spec.outputs}
         wanted, seen = [], set()
         try:
             for o in requested:
                 name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
-                if name not in names:
+                if name not in dtypes:
                     raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
                 region, binary = _shm(op), _bool(op, "binary_data", False)
                 if region is not None:  # (Triton's ValidateOutputParameter, in its words)
@@ -473,14 +484,15 @@ class KServeHttp:
                     if binary:
                         raise invalid("Output can't set both 'shared_memory_region' and 'binary_data'")
                 # Triton reads 0 classes as none asked: the tensor as usual.
-                if _uint(op, "classification"):
-                    raise invalid(f"output '{name}': classification is not supported")
+                classes = _uint(op, "classification")
+                if classes:
+                    check_classifiable(NP_TO_KSERVE.get(dtypes[name], dtypes[name]))
                 if name in seen:
                     continue
                 seen.add(name)
                 if region is not None:  # held until close_outputs: nothing may raise before it is in wanted
                     region = self.core.shm.output(*region, name, output_nbytes(spec, name, inputs), uid)
-                wanted.append((name, binary, region))
+                wanted.append((name, binary, classes, region))
         except BaseException:
             close_outputs(wanted)
             raise

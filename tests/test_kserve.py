@@ -827,8 +827,8 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_request_on_every_path(front
 
 def test_server_metadata_lists_every_extension_served(front_door):
     """A KServe client may look for binary_tensor_data before it sends binary tensors."""
-    served = {"binary_tensor_data", "system_shared_memory", "cuda_shared_memory", "model_repository",
-              "model_configuration", "parameters", "statistics"}
+    served = {"binary_tensor_data", "classification", "system_shared_memory", "cuda_shared_memory",
+              "model_repository", "model_configuration", "parameters", "statistics"}
     assert set(tgrpc.InferenceServerClient(front_door.grpc_url).get_server_metadata(as_json=True)["extensions"]) == served
     assert set(thttp.InferenceServerClient(front_door.http_url).get_server_metadata()["extensions"]) == served
 
@@ -1486,7 +1486,6 @@ BAD_CASES = {
                     "400"),
     "wrong dtype": ("sum", X.astype(np.float64), "FP64", "data-type is 'FP64', but model 'sum' expects 'FP32'",
                     "INVALID_ARGUMENT", "400"),
-    "classification": ("sum", X, "FP32", "classification is not supported", "INVALID_ARGUMENT", "400"),
 }
 
 
@@ -1495,14 +1494,13 @@ def test_bad_requests_get_tritons_codes(front_door, case):
     """An unknown model answered INVALID_ARGUMENT / 400, the code of older Tritons; 2.51 says
     NOT_FOUND / 404."""
     model, x, dtype, text, grpc_code, http_code = BAD_CASES[case]
-    classify = case == "classification"  # tritonclient's class_count
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     with pytest.raises(InferenceServerException, match=text) as e:
-        g.infer(model, [_grpc_input(x, dtype)], outputs=[tgrpc.InferRequestedOutput("y", class_count=1)] if classify else None)
+        g.infer(model, [_grpc_input(x, dtype)])
     assert e.value.status() == f"StatusCode.{grpc_code}"
     h = thttp.InferenceServerClient(front_door.http_url)
     with pytest.raises(InferenceServerException, match=text) as e:
-        h.infer(model, [_http_input(x, dtype)], outputs=[thttp.InferRequestedOutput("y", class_count=1)] if classify else None)
+        h.infer(model, [_http_input(x, dtype)])
     assert e.value.status() == http_code
 
 
@@ -1950,6 +1948,57 @@ def test_an_http_output_asking_zero_classes_is_the_tensor(front_door):
         "v2/models/sum/infer", json.dumps(_with_output({"classification": 0})), None, None)
     assert r.status_code == 200, r.read()
     np.testing.assert_allclose(json.loads(r.read())["outputs"][0]["data"], front_door.sdk("sum", X).ravel())
+
+
+def test_classification_answers_each_items_top_classes_as_triton_does(front_door):
+    """tritonclient's ``class_count`` (Triton's classification extension) was refused: each batch
+    item's top k, largest first, as "value:index" strings in a BYTES tensor of [B, min(k, classes)],
+    over gRPC, its aio client, and HTTP in binary and in JSON. (``sum`` answers [s, s] an item:
+    equal values, ranked by index.)"""
+    x = np.array([[1, 2, 3, 4], [0, 0, 0, 1], [9, 9, 9, 9]], np.float32)
+    y = front_door.sdk("sum", x)[:, 0]
+    want = {k: np.array([[f"{v:f}:{j}".encode() for j in range(min(k, 2))] for v in y], dtype=object) for k in (1, 5)}
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    for k in (1, 5):
+        r = g.infer("sum", [_grpc_input(x)], outputs=[tgrpc.InferRequestedOutput("y", class_count=k)])
+        assert r.get_output("y").datatype == "BYTES"
+        np.testing.assert_array_equal(r.as_numpy("y"), want[k])
+
+    async def aio():
+        async with tgrpc_aio.InferenceServerClient(front_door.grpc_url) as c:
+            return await c.infer("sum", [_grpc_input(x)], outputs=[tgrpc_aio.InferRequestedOutput("y", class_count=1)])
+
+    np.testing.assert_array_equal(asyncio.run(aio()).as_numpy("y"), want[1])
+    h = thttp.InferenceServerClient(front_door.http_url)
+    for binary in (True, False):
+        r = h.infer("sum", [_http_input(x)], outputs=[thttp.InferRequestedOutput("y", binary_data=binary, class_count=5)])
+        assert r.get_output("y")["datatype"] == "BYTES" and r.get_output("y")["shape"] == [3, 2]
+        got = r.as_numpy("y")
+        np.testing.assert_array_equal(got if binary else np.vectorize(str.encode, otypes=[object])(got), want[5])
+
+
+@pytest.mark.parametrize("params, says", [
+    ({"classification": ("string_param", "2")},
+     "invalid value type for 'classification' parameter, expected int64_param"),
+    ({"classification": ("int64_param", 0)}, "invalid value for 'classification' parameter, expected >= 0"),
+    ({"classification": ("int64_param", -3)}, "invalid value for 'classification' parameter, expected >= 0"),
+    # (tritonclient refuses to ask it; Triton checks it before it looks the region up)
+    ({"classification": ("int64_param", 1), "shared_memory_region": ("string_param", "unregistered"),
+      "shared_memory_byte_size": ("int64_param", 24)},
+     "output can't set both 'shared_memory_region' and 'classification'"),
+])
+def test_a_grpc_classification_asked_wrong_is_refused_in_tritons_words(front_door, params, says):
+    from tritonclient.grpc import service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    req.inputs.add(name="x", datatype="FP32", shape=[3, 4])
+    req.raw_input_contents.append(X.tobytes())
+    o = req.outputs.add(name="y")
+    for key, (field, value) in params.items():
+        setattr(o.parameters[key], field, value)
+    with grpc.insecure_channel(front_door.grpc_url) as ch, pytest.raises(grpc.RpcError) as e:
+        service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == says, e.value.details()
 
 
 def test_an_optional_member_that_is_null_reads_as_absent(front_door):
@@ -2542,10 +2591,10 @@ def test_outputs_come_in_the_models_order_and_protocol_quirks_as_tritons():
     for name in ("w", "y"):
         request.outputs.add(name=name)
     servicer = KServeServicer.__new__(KServeServicer)
-    assert [n for n, _ in servicer._requested_outputs(request, spec, {}, None)] == ["y", "w"]
+    assert [n for n, _, _ in servicer._requested_outputs(request, spec, {}, None)] == ["y", "w"]
     http = KServeHttp.__new__(KServeHttp)
     header = {"outputs": [{"name": "w"}, {"name": "y", "parameters": {"binary_data": True}}]}
-    assert [(n, b) for n, b, _ in http._requested_outputs(header, spec, False, {}, None)] == [("y", True), ("w", False)]
+    assert [(n, b) for n, b, _, _ in http._requested_outputs(header, spec, False, {}, None)] == [("y", True), ("w", False)]
     params = service_pb2.ModelInferRequest().parameters
     params["timeout"].int64_param = -5
     assert uint_param(params, "timeout", ("int64_param",), cast=True) == 2**64 - 5

@@ -107,6 +107,36 @@ def test_same_outputs_as_calling_triton_directly(start_node, triton):
     assert max(r.timing.batch_size for r in res) > 1
 
 
+@pytest.mark.parametrize("classes", [5, 2000])
+def test_the_front_doors_classification_is_tritons(triton, classes):
+    """What the KServe front door answers for tritonclient's class_count (``kserve_classify``) is
+    what Triton answers for the same tensor, string for string, over gRPC and HTTP (2000 classes
+    asked of 1024: all of them, ranked)."""
+    import tritonclient.http as httpclient
+
+    from batchyard.kserve_classify import classify
+
+    x = np.random.default_rng(7).standard_normal((3, 1024)).astype(np.float32)
+    want = classify(direct(triton, x), classes)
+    assert want.shape == (3, min(classes, 1024))
+    c = grpcclient.InferenceServerClient(triton.grpc_url)
+    h = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")
+    try:
+        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        got = c.infer("dense_amx", [inp], outputs=[grpcclient.InferRequestedOutput("y", class_count=classes)])
+        np.testing.assert_array_equal(got.as_numpy("y"), want)
+        hin = httpclient.InferInput("x", list(x.shape), "FP32")
+        hin.set_data_from_numpy(x)
+        got = h.infer("dense_amx", [hin], outputs=[httpclient.InferRequestedOutput("y", binary_data=False,
+                                                                                   class_count=classes)])
+        assert got.get_output("y")["shape"] == list(want.shape)
+        np.testing.assert_array_equal(got.as_numpy("y"), want.astype(str))
+    finally:
+        c.close()
+        h.close()
+
+
 def test_two_executors_in_one_process_keep_their_regions_apart(triton):
     # Each load() clears the regions registered under its prefix (a killed predecessor's): with
     # one prefix per process the second executor took the first one's names, and the first read
