@@ -20,7 +20,9 @@
   stall       what one large JSON request costs everyone else of its front-door process: small
               gRPC requests, one at a time, while HTTP infer requests of --mib MiB of JSON
               tensor data (float32, 4 MiB an item) are served; the longest small request during
-              each is how long the process's loop was held.
+              each is how long the process's loop was held. With --classes, the large request
+              is a gRPC one whose --items items of a million FP32 outputs each are ranked
+              (Triton's classification, the top --classes).
   tensors     large tensors (--mib MiB in and out a request, -b 4 of a [256, 1024] float32 item per
               MiB), one at a time from perf_analyzer (the C++ load tool, so no Python client's
               cost): its average latency and the front door's CPU a request, over gRPC and HTTP,
@@ -31,6 +33,7 @@
     .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads] [--floor]
     .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
     .venv/bin/python -m batchyard.bench.kserve_bench stall --mib 62 --n 3
+    .venv/bin/python -m batchyard.bench.kserve_bench stall --classes 2147483647 --items 4 --n 3
     .venv/bin/python -m batchyard.bench.kserve_bench tensors --mib 4 --n 100
 """
 
@@ -56,6 +59,8 @@ NOOP = ModelConfig(name="noop", max_batch=64, inputs=(TensorConfig("x", "float32
 X = np.ones((1, 16), np.float32)
 BIG = ModelConfig(name="big", max_batch=16, inputs=(TensorConfig("x", "float32", (1024, 1024)),),
                   outputs=(TensorConfig("y", "float32", (2,)),))
+WIDE = ModelConfig(name="wide", max_batch=8, inputs=(TensorConfig("x", "float32", (1,)),),
+                   outputs=(TensorConfig("y", "float32", (1_000_000,)),))
 
 
 def _free_port() -> int:
@@ -365,23 +370,36 @@ def status_cost(fill: int, n: int) -> None:
                     print(f"  {name:13s} {1e6 * (cpu1 - cpu0) / n:7.0f} us CPU, {1e6 * (t1 - t0) / n:7.0f} us round trip")
 
 
-def stall(mib: float, n: int) -> None:
+def stall(mib: float, n: int, classes: int = 0, items: int = 4) -> None:
+    """``classes``: the big request is instead a gRPC one of ``items`` items to a model of a
+    million FP32 outputs an item, that output asked as its top ``classes`` (Triton's
+    classification)."""
     import json
     import threading
     import urllib.request
 
     import tritonclient.grpc as tg
 
-    rng = np.random.default_rng(0)
-    per_item = len(json.dumps(rng.standard_normal(1024 * 1024).astype(np.float32).tolist()))
-    items = max(1, int(mib * 2**20 // per_item))
-    data = rng.standard_normal((items, 1024, 1024)).astype(np.float32)
-    body = json.dumps({"inputs": [{"name": "x", "shape": list(data.shape), "datatype": "FP32",
-                                   "data": data.ravel().tolist()}]}).encode()
+    if classes:
+        big_request = _classified_request(items, classes)
+    else:
+        rng = np.random.default_rng(0)
+        per_item = len(json.dumps(rng.standard_normal(1024 * 1024).astype(np.float32).tolist()))
+        items = max(1, int(mib * 2**20 // per_item))
+        data = rng.standard_normal((items, 1024, 1024)).astype(np.float32)
+        body = json.dumps({"inputs": [{"name": "x", "shape": list(data.shape), "datatype": "FP32",
+                                       "data": data.ravel().tolist()}]}).encode()
     with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
-        node = noop_node(d, 1, (NOOP, BIG))
+        node = noop_node(d, 1, (NOOP, WIDE if classes else BIG))
         with running_node(node):
             url = f"http://127.0.0.1:{node.frontend.http_port}/v2/models/big/infer"
+            if classes:
+                def big() -> str:
+                    return big_request(f"127.0.0.1:{node.frontend.grpc_port}")
+            else:
+                def big() -> str:
+                    with urllib.request.urlopen(urllib.request.Request(url, body, method="POST"), timeout=300) as r:
+                        return str(r.status)
             g = tg.InferenceServerClient(f"127.0.0.1:{node.frontend.grpc_port}")
             gi = tg.InferInput("x", [1, 16], "FP32")
             gi.set_data_from_numpy(X)
@@ -403,12 +421,12 @@ def stall(mib: float, n: int) -> None:
             th = threading.Thread(target=probe)
             th.start()
             try:
-                print(f"stall: {len(body) / 2**20:.1f} MiB of JSON ({items} items), one front-door process")
+                print(f"stall: {items} items of a million FP32 outputs, their top {classes} asked (gRPC)" if classes
+                      else f"stall: {len(body) / 2**20:.1f} MiB of JSON ({items} items)", "one front-door process")
                 for _ in range(n):
                     done.wait(0.5)
                     t0 = time.perf_counter()
-                    with urllib.request.urlopen(urllib.request.Request(url, body, method="POST"), timeout=300) as r:
-                        status = r.status
+                    status = big()
                     t1 = time.perf_counter()
                     # The small request held during the big one comes back after it: wait for a
                     # small request that started after it.
@@ -421,6 +439,27 @@ def stall(mib: float, n: int) -> None:
                 done.set()
                 th.join()
     print(f"  small requests in all: p50 {1e3 * float(np.median([s for _, s in small])):.1f} ms")
+
+
+def _classified_request(items: int, classes: int):
+    """A sender of one ModelInfer of ``items`` items to WIDE, its output asked as its top
+    ``classes``: its status ("OK", or the gRPC code) and the answer's shape."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="wide")
+    req.inputs.add(name="x", datatype="FP32", shape=[items, 1])
+    req.raw_input_contents.append(np.ones((items, 1), np.float32).tobytes())
+    req.outputs.add(name="y").parameters["classification"].int64_param = classes
+
+    def send(url: str) -> str:
+        with grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", (1 << 31) - 1)]) as ch:
+            try:
+                r = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=300)
+            except grpc.RpcError as e:
+                return e.code().name
+        return f"OK {list(r.outputs[0].shape)}"
+    return send
 
 
 def tensors(mib: int, n: int) -> None:
@@ -480,6 +519,9 @@ def main(argv=None) -> None:
     p = sub.add_parser("stall")
     p.add_argument("--mib", type=float, default=62.0, help="JSON size (under the 64 MiB JSON limit)")
     p.add_argument("--n", type=int, default=3)
+    p.add_argument("--classes", type=int, default=0,
+                   help="instead, a classified gRPC request: the top CLASSES of a million FP32 outputs an item")
+    p.add_argument("--items", type=int, default=4, help="items of the classified request")
     p = sub.add_parser("tensors")
     p.add_argument("--mib", type=int, default=4, help="MiB in and out a request (items of 1 MiB)")
     p.add_argument("--n", type=int, default=100, help="requests a measurement window")
@@ -487,7 +529,7 @@ def main(argv=None) -> None:
     if a.cmd == "tensors":
         tensors(a.mib, a.n)
     elif a.cmd == "stall":
-        stall(a.mib, a.n)
+        stall(a.mib, a.n, a.classes, a.items)
     elif a.cmd == "status":
         status_cost(a.fill, a.n)
     elif a.cmd == "latency":

@@ -10,6 +10,7 @@ Triton (which often matches on the code, sometimes on the text) behaves the same
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import re
 import time
@@ -625,7 +626,7 @@ class KServeCore:
         timeout is the gRPC call's deadline, ``from_batchyard``). ``reply``: makes the answer of
         the outputs, returned in their place; its KServeError (an answer too large to send)
         counts the request failed, as its client gets no answer: counted a success, it was
-        one in the statistics."""
+        one in the statistics. It may return an awaitable of the answer."""
         spec = await self.spec(model)
         inputs = unreshaped(spec, inputs)
         check_inputs(spec, inputs)
@@ -645,8 +646,10 @@ class KServeCore:
         else:
             try:
                 answer = reply(out)
-            except Exception:  # a KServeError (too large to send), an output region's OSError: no answer
-                _count_failure(c, t0)
+                if inspect.isawaitable(answer):  # one that ranks classes off the loop (kserve_classify)
+                    answer = await answer
+            except BaseException:  # a KServeError (too large to send), an output region's OSError,
+                _count_failure(c, t0)  # a cancellation while ranking: no answer
                 raise
         _count_success(c, t0, inputs, out)
         return spec, answer

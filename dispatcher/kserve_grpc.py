@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Optional
 
 import grpc
@@ -25,7 +26,7 @@ from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, S
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
-from .kserve_classify import check_classifiable, classify, serialize_bytes
+from .kserve_classify import check_classifiable, class_count, ranked_off_loop
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
@@ -63,17 +64,17 @@ def uint_param(params, key: str, kinds: tuple[str, ...], cast: bool = False) -> 
     return value
 
 
-def _class_count(params) -> int:
+def _class_count(params) -> Optional[int]:
     """An output's ``classification`` parameter (tritonclient's class_count) as Triton's gRPC reads
-    it: an int64_param above 0; 0 when absent."""
+    it: an int64_param above 0, kept as its uint32 (2**32 asks 0 classes); None when absent."""
     if "classification" not in params:
-        return 0
+        return None
     p = params["classification"]
     if p.WhichOneof("parameter_choice") != "int64_param":
         raise invalid("invalid value type for 'classification' parameter, expected int64_param")
     if p.int64_param <= 0:
         raise invalid("invalid value for 'classification' parameter, expected >= 0")
-    return p.int64_param
+    return class_count(p.int64_param)
 
 
 # What one ModelStreamInfer stream may hold, of requests read and not yet answered to a client
@@ -427,30 +428,39 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             timeout = uint_param(request.parameters, "timeout", ("int64_param",), cast=True)
             limit, by_deadline = timeout_s(timeout, left)
 
-            def reply(out) -> InferAnswer:
+            ranked = [(name, classes) for name, classes, _ in wanted if classes is not None]
+
+            def answer(out, labels: dict) -> InferAnswer:
                 head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
                 raw = []
                 for name, classes, region in wanted:
                     arr = out[name]
-                    if classes:
-                        labels = classify(arr, classes)
-                        head.outputs.add(name=name, datatype="BYTES", shape=labels.shape)
-                        raw.append(serialize_bytes(labels))
-                        continue
-                    head.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
                     if region is not None:
                         region.write(arr, name)  # (Triton 2.51 names no region in the answer: nor does this)
-                        raw.append(b"")  # keeps later outputs at their index
-                    else:
-                        raw.append(byte_view(arr))
+                    if classes is not None:  # (with a region too where two mentions asked each, as Triton)
+                        shape, data = labels[name]
+                        head.outputs.add(name=name, datatype="BYTES", shape=shape)
+                        raw.append(data)
+                        continue
+                    head.outputs.add(name=name, datatype=NP_TO_KSERVE[dtype_name(arr.dtype)], shape=arr.shape)
+                    # b"" for a region's keeps later outputs at their index
+                    raw.append(b"" if region is not None else byte_view(arr))
                 if stream:
                     _mark_final(head)
-                answer = InferAnswer(head, raw, stream)
+                message = InferAnswer(head, raw, stream)
                 # Counted, not encoded (ByteSize encoded the whole answer: ~450 ms for 256 MiB, on
                 # the loop); past 2 GiB protobuf could not even copy it into the stream's message.
-                if (size := answer.nbytes()) > self.max_send_bytes:
+                if (size := message.nbytes()) > self.max_send_bytes:
                     raise too_large(size, self.max_send_bytes)
-                return answer
+                return message
+
+            def reply(out):
+                if not ranked:
+                    return answer(out, {})
+
+                async def classified() -> InferAnswer:  # ranked off the loop where large
+                    return answer(out, {name: await ranked_off_loop(out[name], classes, True) for name, classes in ranked})
+                return classified()
 
             _, message = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
                                                grpc_deadline=by_deadline, reply=reply)
@@ -459,36 +469,44 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             close_outputs(wanted)
 
     def _requested_outputs(self, request, spec, inputs: dict,
-                           uid: Optional[int]) -> list[tuple[str, int, Optional[OutputRegion]]]:
-        """(name, its class count or 0, its shm region or None) per output to return; all of the
-        model's when none named. The regions are held until ``close_outputs``. An output named
-        twice is returned once, as its first mention asks (Triton 2.51 answers it once; this
-        returned it twice)."""
+                           uid: Optional[int]) -> list[tuple[str, Optional[int], Optional[OutputRegion]]]:
+        """(name, its class count or None, its shm region or None) per output to return; all of
+        the model's when none named. The regions are held until ``close_outputs``. An output
+        named more than once is returned once (Triton 2.51 answers it once; this returned it
+        twice), with the region of the first mention that names one and the class count of the
+        first that asks one, as Triton keeps each (its infer_handler.h: one map of each,
+        ``emplace``): asked plain then classified, it is classified; in a region by one mention
+        and classified by another, it is written to the region and answered classified."""
         if not request.outputs:
-            return [(t.name, 0, None) for t in spec.outputs]
-        dtypes = {t.name: t.dtype for t in spec.outputs}
-        wanted, seen = [], set()
+            return [(t.name, None, None) for t in spec.outputs]
+        tensors = {t.name: t for t in spec.outputs}
+        found: dict[str, list] = {}  # name -> [class count, region]
         try:
             for o in request.outputs:
-                if o.name not in dtypes:
+                t = tensors.get(o.name)
+                if t is None:
                     raise invalid(f"unexpected inference output '{o.name}' for model '{spec.name}'")
-                # Every mention's parameters are Triton's to check, in its order (its infer_handler.h).
+                # Every mention's parameters are Triton's to check, in its order; each region
+                # named is looked up, as Triton's GetMemoryInfo does for every mention.
                 region = _shm_param(o.parameters, o.name)
                 classes = _class_count(o.parameters)
-                if region is not None and classes:
+                if region is not None and classes is not None:
                     raise invalid("output can't set both 'shared_memory_region' and 'classification'")
-                if classes:
-                    check_classifiable(NP_TO_KSERVE.get(dtypes[o.name], dtypes[o.name]))
-                if o.name in seen:
-                    continue
-                seen.add(o.name)
+                if classes is not None:
+                    check_classifiable(NP_TO_KSERVE.get(t.dtype, t.dtype), math.prod(t.shape))
+                entry = found.setdefault(o.name, [None, None])
                 if region is not None:
                     region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs), uid)
-                wanted.append((o.name, classes, region))
+                    if entry[1] is None:
+                        entry[1] = region
+                    else:
+                        region.close()
+                if entry[0] is None:
+                    entry[0] = classes
         except BaseException:
-            close_outputs(wanted)
+            close_outputs(list(found.values()))
             raise
-        return in_model_order(spec, wanted)
+        return in_model_order(spec, [(name, classes, region) for name, (classes, region) in found.items()])
 
     # ---------------------------------------------------------------- errors
     @staticmethod

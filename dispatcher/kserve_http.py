@@ -24,11 +24,11 @@ from aiohttp import web
 from . import __version__
 from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body
-from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
+from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UINT64_MAX, KServeCore, KServeError, as_kserve,
                             batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
-from .kserve_classify import check_classifiable, classify, serialize_bytes
+from .kserve_classify import check_classifiable, class_count, ranked_off_loop
 from .kserve_shm import close_outputs
 from .tcp_peer import peer_uid
 
@@ -366,7 +366,7 @@ class KServeHttp:
         if _is_raw(request):
             header, params = {}, {}
             inputs = self._raw_input(spec, body)
-            wanted = [(t.name, True, 0, None) for t in spec.outputs]  # Triton answers a raw request in binary
+            wanted = [(t.name, True, None, None) for t in spec.outputs]  # Triton answers a raw request in binary
         else:
             header, binary = _split(request, body)
             params = _field(header, "parameters", dict, {})
@@ -374,21 +374,21 @@ class KServeHttp:
             uid = _client_uid(request) if _uses_shm(header) else None
             inputs = self._inputs(spec, header, binary, uid)
             wanted = self._requested_outputs(header, spec, _bool(params, "binary_data_output", False), inputs, uid)
-        def answer(out) -> tuple[list, list, bool]:
+        def answer(out, labels: dict) -> tuple[list, list, bool]:
             # Made inside core.infer (as the gRPC route's): a region that cannot take an output
             # fails the request in the statistics, where made after it the request was counted a
             # success while its client got a 400.
             outputs, chunks, finite = [], [], True
             for name, binary_out, classes, region in wanted:
                 arr = out[name]
-                if classes:
-                    labels = classify(arr, classes)
-                    o = {"name": name, "datatype": "BYTES", "shape": list(labels.shape)}
+                if classes is not None:
+                    shape, data = labels[name]
+                    o = {"name": name, "datatype": "BYTES", "shape": shape}
                     if binary_out:
-                        chunks.append(serialize_bytes(labels))
-                        o["parameters"] = {"binary_data_size": len(chunks[-1])}
-                    else:  # (ASCII: digits, '.', ':', and nan / inf)
-                        o["data"] = [b.decode() for b in labels.reshape(-1)]
+                        chunks.append(data)
+                        o["parameters"] = {"binary_data_size": len(data)}
+                    else:  # (ASCII: digits, '.', '-', ':', nan, inf)
+                        o["data"] = data
                     outputs.append(o)
                     continue
                 o = {"name": name, "datatype": NP_TO_KSERVE[dtype_name(arr.dtype)], "shape": list(arr.shape)}
@@ -406,11 +406,22 @@ class KServeHttp:
                 outputs.append(o)
             return outputs, chunks, finite
 
+        ranked = [(name, binary_out, classes) for name, binary_out, classes, _ in wanted if classes is not None]
+
+        def reply(out):
+            if not ranked:
+                return answer(out, {})
+
+            async def classified():  # ranked off the loop where large
+                return answer(out, {name: await ranked_off_loop(out[name], classes, binary_out)
+                                    for name, binary_out, classes in ranked})
+            return classified()
+
         try:
             rid = _field(header, "id", str, "")
             _, (outputs, chunks, finite) = await self.core.infer(
                 model, inputs, priority=_uint(params, "priority"), timeout=timeout_s(_uint(params, "timeout"))[0],
-                reply=answer)
+                reply=reply)
         finally:
             close_outputs(wanted)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}
@@ -463,19 +474,19 @@ class KServeHttp:
 
     def _requested_outputs(self, header: dict, spec, binary_default: bool, inputs: dict,
                            uid: Optional[int]) -> list:
-        """(name, binary?, class count or 0, shm region or None) per output to return. None named: all of them, binary
+        """(name, binary?, class count or None, shm region or None) per output to return. None named: all of them, binary
         as the request's ``binary_data_output`` says; a named one is binary only if its own
         ``binary_data`` says so (Triton: the request's setting is for outputs not named). An
         output named twice is returned once, as its first mention asks (as Triton 2.51)."""
         requested = _outputs_named(header)
         if not requested:
-            return [(t.name, binary_default, 0, None) for t in spec.outputs]
-        dtypes = {t.name: t.dtype for t in spec.outputs}
+            return [(t.name, binary_default, None, None) for t in spec.outputs]
+        tensors = {t.name: t for t in spec.outputs}
         wanted, seen = [], set()
         try:
             for o in requested:
                 name, op = _field(o, "name", str), _field(o, "parameters", dict, {})
-                if name not in dtypes:
+                if name not in tensors:
                     raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
                 region, binary = _shm(op), _bool(op, "binary_data", False)
                 if region is not None:  # (Triton's ValidateOutputParameter, in its words)
@@ -483,10 +494,15 @@ class KServeHttp:
                         raise invalid("Output can't set both 'shared_memory_region' and 'classification'")
                     if binary:
                         raise invalid("Output can't set both 'shared_memory_region' and 'binary_data'")
-                # Triton reads 0 classes as none asked: the tensor as usual.
+                # Triton keeps the count as a uint32 and reads 0 classes as none asked (2**32 too):
+                # the tensor as usual.
                 classes = _uint(op, "classification")
-                if classes:
-                    check_classifiable(NP_TO_KSERVE.get(dtypes[name], dtypes[name]))
+                if classes > UINT64_MAX:  # (Triton's JSON reader refuses it too, 500)
+                    raise invalid(f"Unable to parse 'classification': expected an unsigned 64-bit integer, got {classes}")
+                classes = class_count(classes) or None
+                if classes is not None:
+                    t = tensors[name]
+                    check_classifiable(NP_TO_KSERVE.get(t.dtype, t.dtype), math.prod(t.shape))
                 if name in seen:
                     continue
                 seen.add(name)

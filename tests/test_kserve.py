@@ -81,15 +81,17 @@ def front_door():
 
 
 @contextlib.contextmanager
-def _node_with_front_door(dispatcher=None, **frontend):
+def _node_with_front_door(dispatcher=None, models=None, workers=None, **frontend):
+    """``models`` and ``workers``: the node's, where not this module's own."""
     run_dir = tempfile.mkdtemp(prefix="by-", dir="/tmp")
     grpc_port, http_port = _free_port(), _free_port()
     cfg = NodeConfig(
         dispatcher=DispatcherConfig(**{"frontend": f"ipc://{run_dir}/fe", "backend": f"ipc://{run_dir}/be",
                                        "heartbeat_interval_s": 0.1, "worker_dead_after_s": 0.6, **(dispatcher or {})}),
-        models=(SUM_MODEL, SLOW_MODEL, SOLO_MODEL, HUGE_MODEL),
-        workers=(sim_worker("sim0", models=("sum", "huge")), sim_worker("slow0", models=("slow",), launch_us=300_000.0),
-                 sim_worker("solo0", models=("solo",))),
+        models=models or (SUM_MODEL, SLOW_MODEL, SOLO_MODEL, HUGE_MODEL),
+        workers=workers or (sim_worker("sim0", models=("sum", "huge")),
+                            sim_worker("slow0", models=("slow",), launch_us=300_000.0),
+                            sim_worker("solo0", models=("solo",))),
         frontend=FrontendConfig(grpc_port=grpc_port, http_port=http_port, **frontend)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
@@ -1999,6 +2001,77 @@ def test_a_grpc_classification_asked_wrong_is_refused_in_tritons_words(front_doo
     with grpc.insecure_channel(front_door.grpc_url) as ch, pytest.raises(grpc.RpcError) as e:
         service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == says, e.value.details()
+
+
+def _classified_grpc(front_door, *mentions):
+    """ModelInfer of ``sum`` on X, output ``y`` asked once per mention (its parameters: name ->
+    (field, value)); the answer's y (datatype, shape, raw bytes)."""
+    from tritonclient.grpc import service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="sum")
+    req.inputs.add(name="x", datatype="FP32", shape=[3, 4])
+    req.raw_input_contents.append(X.tobytes())
+    for params in mentions:
+        o = req.outputs.add(name="y")
+        for key, (field, value) in params.items():
+            setattr(o.parameters[key], field, value)
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        r = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    (y,), (raw,) = r.outputs, r.raw_output_contents
+    return y.datatype, list(y.shape), raw
+
+
+def test_a_grpc_class_count_keeps_its_low_32_bits_as_tritons_does(front_door):
+    """Triton keeps the count as a uint32: 2**32 + 1 asks 1 class, and 2**32 none, a [B, 0] tensor
+    (tritonserver 2.51's answers; the front door ranked min(count, classes))."""
+    y = front_door.sdk("sum", X)[:, 0]
+    one = b"".join(struct.pack("<I", len(s)) + s for s in (f"{v:f}:0".encode() for v in y))
+    assert _classified_grpc(front_door, {"classification": ("int64_param", 2**32 + 1)}) == ("BYTES", [3, 1], one)
+    assert _classified_grpc(front_door, {"classification": ("int64_param", 2**32)}) == ("BYTES", [3, 0], b"")
+
+
+def test_an_output_named_twice_over_grpc_is_classified_if_either_mention_asks_as_tritons(front_door):
+    """Triton keeps, of an output named twice, the first mention's class count that has one and
+    the first mention's region that names one: asked plain and then classified, it is classified
+    (the front door answered the plain tensor); in a region by one mention and classified by the
+    other, either way round, it is written to the region and answered classified (the front door
+    answered the plain tensor, or left the region unwritten)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "pkg_resources is deprecated"
+        import tritonclient.utils.shared_memory as tshm
+    datatype, shape, _ = _classified_grpc(front_door, {}, {"classification": ("int64_param", 1)})
+    assert (datatype, shape) == ("BYTES", [3, 1])
+    tag = f"by_kserve_{os.getpid()}_twice"
+    out = tshm.create_shared_memory_region("twice", f"/{tag}", 24)
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    try:
+        c.register_system_shared_memory("twice", f"/{tag}", 24)
+        region = {"shared_memory_region": ("string_param", "twice"), "shared_memory_byte_size": ("int64_param", 24)}
+        classified = {"classification": ("int64_param", 1)}
+        for mentions in ((region, classified), (classified, region)):
+            tshm.set_shared_memory_region(out, [np.zeros((3, 2), np.float32)])
+            datatype, shape, _ = _classified_grpc(front_door, *mentions)
+            assert (datatype, shape) == ("BYTES", [3, 1])
+            np.testing.assert_array_equal(tshm.get_contents_as_numpy(out, np.float32, [3, 2]), front_door.sdk("sum", X))
+    finally:
+        c.unregister_system_shared_memory("twice")
+        tshm.destroy_shared_memory_region(out)
+
+
+@pytest.mark.parametrize("count, classified", [(2**32 + 1, True), (2**32, False)])
+def test_an_http_class_count_keeps_its_low_32_bits_as_tritons_does(front_door, count, classified):
+    """2**32 + 1 asks 1 class; 2**32, like 0, none: the tensor as usual (tritonserver 2.51's answers)."""
+    r = thttp.InferenceServerClient(front_door.http_url)._post(
+        "v2/models/sum/infer", json.dumps(_with_output({"classification": count})), None, None)
+    assert r.status_code == 200, r.read()
+    (y,) = json.loads(r.read())["outputs"]
+    assert (y["datatype"], y["shape"]) == (("BYTES", [3, 1]) if classified else ("FP32", [3, 2]))
+
+
+def test_an_http_class_count_past_uint64_is_refused(front_door):
+    r = thttp.InferenceServerClient(front_door.http_url)._post(
+        "v2/models/sum/infer", json.dumps(_with_output({"classification": 2**64})), None, None)
+    assert r.status_code == 400 and b"expected an unsigned 64-bit integer" in r.read()
 
 
 def test_an_optional_member_that_is_null_reads_as_absent(front_door):

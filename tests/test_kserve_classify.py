@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from batchyard.kserve_classify import classify, serialize_bytes
+from batchyard.kserve_classify import MAX_ITEM_ELEMENTS, class_count, classify, ranked, ranked_off_loop, serialize_bytes
 from batchyard.kserve_common import KServeError
 
 
@@ -20,6 +20,28 @@ def test_the_count_is_cut_to_an_items_elements_which_are_flattened():
     x = np.arange(12, dtype=np.int32).reshape(1, 3, 4)  # one item of 12 elements
     out = classify(x, 100)
     assert out.shape == (1, 12) and out[0, 0] == b"11:11" and out[0, -1] == b"0:0"
+
+
+def _glibc_f(v: float) -> bytes:
+    """What C's std::to_string writes of ``v``: glibc's %f."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(512)
+    ctypes.CDLL(None).snprintf(buf, 512, b"%f", ctypes.c_double(v))
+    return buf.value
+
+
+def test_floats_are_written_as_glibcs_percent_f_the_sign_of_a_nan_too():
+    """Python's %f drops a NaN's sign, glibc's (Triton's std::to_string) writes "-nan": what 0/0
+    and inf - inf give on x86 (a review found the front door writing "nan" where Triton wrote "-nan")."""
+    with np.errstate(invalid="ignore"):
+        computed_nan = np.float32(np.inf) - np.float32(np.inf)
+    values = [computed_nan, -computed_nan, np.inf, -np.inf, -0.0, 0.0, 1e-45, 3.4028235e38, -2.5, 0.1, 123456.789]
+    for dtype in (np.float32, np.float64):
+        x = np.array(values, dtype)
+        for s in classify(x[None], len(values))[0]:
+            text, index = s.rsplit(b":", 1)
+            assert text == _glibc_f(float(x[int(index)])), (s, x[int(index)])
 
 
 def test_integers_are_written_in_decimal_floats_as_cs_to_string_writes_them():
@@ -40,6 +62,28 @@ def test_the_ranking_is_a_sort_by_value_then_index_with_nan_first(values, k):
     key = [(0 if np.isnan(v) else 1, 0.0 if np.isnan(v) else -v, i) for i, v in enumerate(values)]
     want = [i for *_, i in sorted(key)][:k]
     assert [int(s.split(b":")[1]) for s in classify(row[None], k)[0]] == want
+
+
+def test_a_count_is_kept_as_tritons_uint32_and_zero_classes_is_an_empty_item():
+    assert [class_count(n) for n in (5, 2**32, 2**32 + 1, 2**63 - 1)] == [5, 0, 1, 2**32 - 1]
+    assert classify(np.ones((2, 3), np.float32), 0).shape == (2, 0)
+
+
+def test_an_item_past_tritons_million_elements_is_refused_before_it_is_ranked():
+    with pytest.raises(KServeError, match="classification output tensor too large"):
+        classify(np.zeros((1, MAX_ITEM_ELEMENTS + 1), np.float32), 1)
+    assert classify(np.zeros((1, MAX_ITEM_ELEMENTS), np.float32), 1).shape == (1, 1)
+
+
+@pytest.mark.parametrize("shape, k", [((2, 6), 3), ((4, 300_000), 5), ((3, 1000), 1000)])
+@pytest.mark.parametrize("binary", [True, False])
+def test_a_ranking_off_the_loop_is_the_same(shape, k, binary):
+    import asyncio
+
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    labels = classify(x, k)
+    want = serialize_bytes(labels) if binary else [s.decode() for s in labels.reshape(-1)]
+    assert asyncio.run(ranked_off_loop(x, k, binary)) == ranked(x, k, binary) == (list(labels.shape), want)
 
 
 @pytest.mark.parametrize("dtype, name", [(np.float16, "FP16"), (np.bool_, "BOOL")])

@@ -107,34 +107,46 @@ def test_same_outputs_as_calling_triton_directly(start_node, triton):
     assert max(r.timing.batch_size for r in res) > 1
 
 
-@pytest.mark.parametrize("classes", [5, 2000])
-def test_the_front_doors_classification_is_tritons(triton, classes):
-    """What the KServe front door answers for tritonclient's class_count (``kserve_classify``) is
-    what Triton answers for the same tensor, string for string, over gRPC and HTTP (2000 classes
-    asked of 1024: all of them, ranked)."""
+def test_the_front_doors_classification_is_tritons(triton):
+    """tritonclient's class_count through Batchyard's KServe front door (a node whose Triton
+    worker serves dense_amx) gets what Triton answers to the same request, string for string, over
+    gRPC and HTTP: the top 5; 2000 classes of 1024 (all, ranked); 2**32 + 1, which Triton keeps as
+    its low 32 bits (1); over HTTP, 2**32 (0: none asked, the plain tensor)."""
     import tritonclient.http as httpclient
-
-    from batchyard.kserve_classify import classify
+    from test_kserve import _node_with_front_door
 
     x = np.random.default_rng(7).standard_normal((3, 1024)).astype(np.float32)
-    want = classify(direct(triton, x), classes)
-    assert want.shape == (3, min(classes, 1024))
-    c = grpcclient.InferenceServerClient(triton.grpc_url)
-    h = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")
-    try:
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        got = c.infer("dense_amx", [inp], outputs=[grpcclient.InferRequestedOutput("y", class_count=classes)])
-        np.testing.assert_array_equal(got.as_numpy("y"), want)
-        hin = httpclient.InferInput("x", list(x.shape), "FP32")
-        hin.set_data_from_numpy(x)
-        got = h.infer("dense_amx", [hin], outputs=[httpclient.InferRequestedOutput("y", binary_data=False,
-                                                                                   class_count=classes)])
-        assert got.get_output("y")["shape"] == list(want.shape)
-        np.testing.assert_array_equal(got.as_numpy("y"), want.astype(str))
-    finally:
-        c.close()
-        h.close()
+
+    def both(url_grpc, url_http, model, classes):
+        g, h = grpcclient.InferenceServerClient(url_grpc), httpclient.InferenceServerClient(url_http)
+        try:
+            gi, hi = grpcclient.InferInput("x", [3, 1024], "FP32"), httpclient.InferInput("x", [3, 1024], "FP32")
+            gi.set_data_from_numpy(x)
+            hi.set_data_from_numpy(x)
+            got = [g.infer(model, [gi], outputs=[grpcclient.InferRequestedOutput("y", class_count=classes)])]
+            for binary in (True, False):
+                got.append(h.infer(model, [hi], outputs=[
+                    httpclient.InferRequestedOutput("y", binary_data=binary, class_count=classes)]))
+            return [(r.get_output("y").datatype if i == 0 else r.get_output("y")["datatype"], r.as_numpy("y"))
+                    for i, r in enumerate(got)]
+        finally:
+            g.close()
+            h.close()
+
+    with _node_with_front_door(models=(TRI,), workers=(gpu_worker(triton),)) as fd:
+        for classes in (5, 2000, 2**32 + 1):
+            tri = both(triton.grpc_url, f"127.0.0.1:{triton.http_port}", "dense_amx", classes)
+            ours = both(fd.grpc_url, fd.http_url, "tri", classes)
+            for (tri_type, tri_y), (our_type, our_y) in zip(tri, ours):
+                assert our_type == tri_type == "BYTES"
+                np.testing.assert_array_equal(our_y, tri_y)
+            assert tri[0][1].shape == (3, min(classes % 2**32, 1024))
+        h = httpclient.InferenceServerClient(fd.http_url)
+        hi = httpclient.InferInput("x", [3, 1024], "FP32")
+        hi.set_data_from_numpy(x)
+        plain = h.infer("tri", [hi], outputs=[httpclient.InferRequestedOutput("y", class_count=2**32)])
+        assert plain.get_output("y")["datatype"] == "FP32"
+        np.testing.assert_allclose(plain.as_numpy("y"), direct(triton, x), rtol=1e-4, atol=1e-5)
 
 
 def test_two_executors_in_one_process_keep_their_regions_apart(triton):
