@@ -58,38 +58,58 @@ def check_classifiable(datatype: str, item_elements: int) -> None:
 def classify(arr: np.ndarray, count: int) -> np.ndarray:
     """``arr`` ([B, ...], one of the ranked types) as its classification: an object array of
     bytes, [B, min(count, elements an item)]."""
-    rows = arr.reshape(arr.shape[0], -1)
-    check_classifiable(NP_TO_KSERVE.get(arr.dtype.name, arr.dtype.name), rows.shape[1])
-    k = min(count, rows.shape[1])
-    out = np.empty((rows.shape[0], k), dtype=object)
-    if k == 0:
-        return out
-    floats = rows.dtype.kind == "f"
-    for b, row in enumerate(rows):
-        top = _top(row, k)
-        values = row[top]
-        # Ascending by value, then by descending index; reversed: the largest first, equal ones
-        # by index.
-        order = np.lexsort((-top, values))[::-1]
-        pairs = zip(values[order].tolist(), top[order].tolist())
-        out[b] = [(_float_text(v) if floats else str(v)).encode() + b":%d" % j for v, j in pairs]
+    shape, chunks = _labels(arr, count)
+    out = np.empty(shape, dtype=object)
+    flat, i = out.reshape(-1), 0
+    for chunk in chunks:
+        flat[i:i + len(chunk)] = [s.encode() for s in chunk]
+        i += len(chunk)
     return out
 
 
 def ranked(arr: np.ndarray, count: int, binary: bool) -> tuple[list[int], object]:
     """``arr``'s classification as it goes on the wire: (shape, its binary form) or, for JSON,
     (shape, its strings)."""
-    labels = classify(arr, count)
-    return list(labels.shape), serialize_bytes(labels) if binary else [b.decode() for b in labels.reshape(-1)]
+    shape, chunks = _labels(arr, count)
+    if not binary:
+        return shape, [s for chunk in chunks for s in chunk]
+    return shape, b"".join(serialize_bytes(s.encode() for s in chunk) for chunk in chunks)
 
 
-async def ranked_off_loop(arr: np.ndarray, count: int, binary: bool) -> tuple[list[int], object]:
-    """``ranked``, in a worker thread where it is large enough to hold the event loop (made and
-    serialized there: serialized on the loop, 4 million strings still held it 0.75 s)."""
+async def ranked_off_loop(arr: np.ndarray, count: int, binary: bool, executor) -> tuple[list[int], object]:
+    """``ranked``, on ``executor`` (one thread: rankings one at a time, as on Triton's response
+    thread) where it is large enough to hold the event loop. Three at once in the default
+    executor took the front door from 651 to 1,096 MiB, and their pure-Python string making
+    held the loop 839 ms through the GIL (a review's probe)."""
     rows = arr.shape[0]
     if arr.size >= OFF_LOOP_ELEMENTS or rows * min(count, arr.size // max(rows, 1)) >= OFF_LOOP_STRINGS:
-        return await asyncio.to_thread(ranked, arr, count, binary)
+        return await asyncio.get_running_loop().run_in_executor(executor, ranked, arr, count, binary)
     return ranked(arr, count, binary)
+
+
+# Strings are made CHUNK at a time: a million values' tolist() at once held the GIL (and so the
+# event loop) ~100 ms, and all of an item's strings at once doubled the ranking's peak memory.
+CHUNK = 1 << 16
+
+
+def _labels(arr: np.ndarray, count: int):
+    """The classification's shape, and its strings in C order, in lists of at most CHUNK."""
+    n = math.prod(arr.shape[1:])
+    rows = arr.reshape(arr.shape[0], n)
+    check_classifiable(NP_TO_KSERVE.get(arr.dtype.name, arr.dtype.name), n)
+    k = min(count, n)
+    text = _float_text if rows.dtype.kind == "f" else str
+
+    def chunks():
+        for row in rows if k else ():
+            top = _top(row, k)
+            # Ascending by value, then by descending index; reversed: the largest first, equal
+            # ones by index.
+            top = top[np.lexsort((-top, row[top]))[::-1]]
+            for start in range(0, k, CHUNK):
+                idx = top[start:start + CHUNK]
+                yield [f"{text(v)}:{j}" for v, j in zip(row[idx].tolist(), idx.tolist())]
+    return [rows.shape[0], k], chunks()
 
 
 def _float_text(v: float) -> str:
@@ -116,7 +136,7 @@ def _top(row: np.ndarray, k: int) -> np.ndarray:
     return np.concatenate([above, np.flatnonzero(row == cut)[:k - above.size]])
 
 
-def serialize_bytes(strings: np.ndarray) -> bytes:
-    """A BYTES tensor's binary form (raw gRPC contents, HTTP binary data): each element as its
-    length (4 bytes, little-endian) and its bytes, in C order."""
-    return b"".join(struct.pack("<I", len(s)) + s for s in strings.reshape(-1))
+def serialize_bytes(strings) -> bytes:
+    """A BYTES tensor's binary form (raw gRPC contents, HTTP binary data) of its elements in C
+    order (bytes each): each as its length (4 bytes, little-endian) and its bytes."""
+    return b"".join(struct.pack("<I", len(s)) + s for s in strings)

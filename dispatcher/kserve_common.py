@@ -14,6 +14,7 @@ import inspect
 import math
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import grpc
@@ -518,6 +519,9 @@ class KServeCore:
         self.llm_models = frozenset(llm_models)
         self._refresh: Optional[asyncio.Future] = None
         self.stopping = False  # set by stop_waiting: requests in flight are answered UNAVAILABLE
+        # Classified outputs ranked off the event loop, one at a time (kserve_classify); its
+        # thread starts at the first such ranking.
+        self.ranker = ThreadPoolExecutor(1, thread_name_prefix="ranking")
 
     def input_array(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
         """An array to read a shared-memory input into: in the Batchyard client's pool when the
@@ -648,8 +652,13 @@ class KServeCore:
                 answer = reply(out)
                 if inspect.isawaitable(answer):  # one that ranks classes off the loop (kserve_classify)
                     answer = await answer
-            except BaseException:  # a KServeError (too large to send), an output region's OSError,
-                _count_failure(c, t0)  # a cancellation while ranking: no answer
+            except asyncio.CancelledError:
+                # The client left while its classes were ranked: the model had served it, and
+                # Triton counts that a success (its backend reports before the ranking).
+                _count_success(c, t0, inputs, out)
+                raise
+            except Exception:  # a KServeError (too large to send), an output region's OSError: no answer
+                _count_failure(c, t0)
                 raise
         _count_success(c, t0, inputs, out)
         return spec, answer
@@ -674,5 +683,8 @@ class KServeCore:
         return [stats_json(n, totals.get(n, zero)) for n in names]
 
     def close(self) -> None:
+        # A ranking running goes on to its end (a thread cannot be stopped; the interpreter's
+        # exit waits for it, seconds at most: MAX_ITEM_ELEMENTS an item); those queued never start.
+        self.ranker.shutdown(wait=False, cancel_futures=True)
         self.stats.close()
         self.shm.close()

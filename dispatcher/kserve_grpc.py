@@ -459,7 +459,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     return answer(out, {})
 
                 async def classified() -> InferAnswer:  # ranked off the loop where large
-                    return answer(out, {name: await ranked_off_loop(out[name], classes, True) for name, classes in ranked})
+                    return answer(out, {name: await ranked_off_loop(out[name], classes, True, self.core.ranker)
+                                        for name, classes in ranked})
                 return classified()
 
             _, message = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
@@ -496,7 +497,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     check_classifiable(NP_TO_KSERVE.get(t.dtype, t.dtype), math.prod(t.shape))
                 entry = found.setdefault(o.name, [None, None])
                 if region is not None:
-                    region = self.core.shm.output(*region, o.name, output_nbytes(spec, o.name, inputs), uid)
+                    # A later mention's region is looked up (registered, its range in bounds), not
+                    # measured against the output: Triton's allocator sees the first one only.
+                    nbytes = output_nbytes(spec, o.name, inputs) if entry[1] is None else None
+                    region = self.core.shm.output(*region, o.name, nbytes, uid)
                     if entry[1] is None:
                         entry[1] = region
                     else:

@@ -413,7 +413,7 @@ class KServeHttp:
                 return answer(out, {})
 
             async def classified():  # ranked off the loop where large
-                return answer(out, {name: await ranked_off_loop(out[name], classes, binary_out)
+                return answer(out, {name: await ranked_off_loop(out[name], classes, binary_out, self.core.ranker)
                                     for name, binary_out, classes in ranked})
             return classified()
 
@@ -504,6 +504,8 @@ class KServeHttp:
                     t = tensors[name]
                     check_classifiable(NP_TO_KSERVE.get(t.dtype, t.dtype), math.prod(t.shape))
                 if name in seen:
+                    if region is not None:  # looked up as Triton looks up every mention's (its first is used)
+                        self.core.shm.output(*region, name, None, uid).close()
                     continue
                 seen.add(name)
                 if region is not None:  # held until close_outputs: nothing may raise before it is in wanted

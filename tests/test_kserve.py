@@ -2058,6 +2058,36 @@ def test_an_output_named_twice_over_grpc_is_classified_if_either_mention_asks_as
         tshm.destroy_shared_memory_region(out)
 
 
+def test_a_later_mention_of_an_output_has_its_region_looked_up_not_measured_as_in_triton(front_door):
+    """Triton looks up the region of every mention of an output (an unregistered one is refused,
+    over gRPC and HTTP; the front door took the first mention alone over HTTP) but measures only
+    the one it writes, the first (a later mention's region too small for the output was refused
+    INTERNAL over gRPC, where Triton answers)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "pkg_resources is deprecated"
+        import tritonclient.utils.shared_memory as tshm
+    tag = f"by_kserve_{os.getpid()}_later"
+    out = tshm.create_shared_memory_region("later", f"/{tag}", 24)
+    g = tgrpc.InferenceServerClient(front_door.grpc_url)
+    try:
+        g.register_system_shared_memory("later", f"/{tag}", 24)
+        whole = {"shared_memory_region": ("string_param", "later"), "shared_memory_byte_size": ("int64_param", 24)}
+        four = {"shared_memory_region": ("string_param", "later"), "shared_memory_byte_size": ("int64_param", 4)}
+        assert _classified_grpc(front_door, whole, four)[:2] == ("FP32", [3, 2])
+        np.testing.assert_array_equal(tshm.get_contents_as_numpy(out, np.float32, [3, 2]), front_door.sdk("sum", X))
+        nowhere = {"shared_memory_region": ("string_param", "nowhere"), "shared_memory_byte_size": ("int64_param", 24)}
+        with pytest.raises(grpc.RpcError, match="Unable to find shared memory region: 'nowhere'"):
+            _classified_grpc(front_door, whole, nowhere)
+        body = _with_output({})
+        body["outputs"].append({"name": "y", "parameters": {"shared_memory_region": "nowhere",
+                                                            "shared_memory_byte_size": 24}})
+        r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
+        assert r.status_code == 404 and b"Unable to find shared memory region: 'nowhere'" in r.read()
+    finally:
+        g.unregister_system_shared_memory("later")
+        tshm.destroy_shared_memory_region(out)
+
+
 @pytest.mark.parametrize("count, classified", [(2**32 + 1, True), (2**32, False)])
 def test_an_http_class_count_keeps_its_low_32_bits_as_tritons_does(front_door, count, classified):
     """2**32 + 1 asks 1 class; 2**32, like 0, none: the tensor as usual (tritonserver 2.51's answers)."""
@@ -2150,6 +2180,42 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     finally:
         core.close()
     assert seen == [sent]
+
+
+def test_a_client_that_leaves_while_its_classes_are_ranked_counts_a_success_as_in_triton(tmp_path):
+    """The model served it; Triton counts it a success (its backend reports before the frontend
+    ranks). The ranking, awaited off the loop, counted it a failure when its caller was cancelled."""
+    spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
+
+    class FakeClient:
+        specs = {"m": spec}
+
+        async def infer(self, model, inputs, priority, timeout):
+            return type("Out", (), {"timing": None})()
+
+    async def run(core):
+        ranking = asyncio.get_running_loop().create_future()  # a ranking that has not ended
+
+        def reply(out):
+            async def ranked():
+                ranking.set_result(None)
+                await asyncio.get_running_loop().create_future()
+            return ranked()
+        call = asyncio.ensure_future(core.infer("m", {"x": np.zeros((3, 2), np.float32)}, reply=reply))
+        await ranking
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    from batchyard import kserve_stats as S
+
+    core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")))
+    try:
+        asyncio.run(run(core))
+        c = core.stats.counters("m")
+        assert (c[S.SUCCESS], c[S.FAIL], c[S.ITEMS]) == (1, 0, 3)
+    finally:
+        core.close()
 
 
 def test_a_tensor_of_one_value_an_item_is_tritons_dims_1_with_a_reshape_and_takes_b_by_1(tmp_path):

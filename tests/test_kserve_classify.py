@@ -75,15 +75,18 @@ def test_an_item_past_tritons_million_elements_is_refused_before_it_is_ranked():
     assert classify(np.zeros((1, MAX_ITEM_ELEMENTS), np.float32), 1).shape == (1, 1)
 
 
-@pytest.mark.parametrize("shape, k", [((2, 6), 3), ((4, 300_000), 5), ((3, 1000), 1000)])
+@pytest.mark.parametrize("shape, k", [((2, 6), 3), ((4, 300_000), 5), ((3, 1000), 1000), ((2, 200_000), 200_000),
+                                      ((0, 5), 3)])
 @pytest.mark.parametrize("binary", [True, False])
 def test_a_ranking_off_the_loop_is_the_same(shape, k, binary):
     import asyncio
+    import concurrent.futures
 
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     labels = classify(x, k)
-    want = serialize_bytes(labels) if binary else [s.decode() for s in labels.reshape(-1)]
-    assert asyncio.run(ranked_off_loop(x, k, binary)) == ranked(x, k, binary) == (list(labels.shape), want)
+    want = serialize_bytes(labels.reshape(-1)) if binary else [s.decode() for s in labels.reshape(-1)]
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        assert asyncio.run(ranked_off_loop(x, k, binary, executor)) == ranked(x, k, binary) == (list(labels.shape), want)
 
 
 @pytest.mark.parametrize("dtype, name", [(np.float16, "FP16"), (np.bool_, "BOOL")])
@@ -93,5 +96,4 @@ def test_types_triton_cannot_rank_are_refused_in_its_words(dtype, name):
 
 
 def test_the_binary_form_is_each_strings_length_then_its_bytes():
-    out = np.array([[b"ab", b""]], dtype=object)
-    assert serialize_bytes(out) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00"
+    assert serialize_bytes([b"ab", b""]) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00"
