@@ -214,16 +214,28 @@ def _thread_name(pid: int, tid: int) -> str:
         return "?"  # it ended meanwhile
 
 
+def _switches(pid: int, tid: int) -> int:
+    """A thread's voluntary context switches so far: each a time it slept and was woken."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    except (OSError, StopIteration):
+        return 0  # it ended meanwhile
+
+
 def _node_cpu(procs: dict, threads: bool = False) -> dict:
-    """(user, system) CPU seconds of each node process; with ``threads`` also of each of its
-    threads, summed by thread name ("dispatcher/main", "frontend#0/event_engine", ...)."""
+    """(user, system) CPU seconds and voluntary context switches of each node process (summed
+    over its threads: /proc's count for the process is its main thread's); with ``threads``
+    also of each of its threads, summed by thread name ("dispatcher/main",
+    "frontend#0/event_engine", ...)."""
     out = {}
     for name, p in procs.items():
-        out[name] = tuple(p.cpu_times()[:2])
-        for t in p.threads() if threads else ():
+        ts = p.threads()
+        out[name] = (*p.cpu_times()[:2], sum(_switches(p.pid, t.id) for t in ts))
+        for t in ts if threads else ():
             key = f"{name}/{_thread_name(p.pid, t.id)}"
-            u, s = out.get(key, (0.0, 0.0))
-            out[key] = (u + t.user_time, s + t.system_time)
+            u, s, w = out.get(key, (0.0, 0.0, 0))
+            out[key] = (u + t.user_time, s + t.system_time, w + _switches(p.pid, t.id))
     return out
 
 
@@ -252,21 +264,23 @@ async def _poisson_load(url: str, protocol: str, rate: float, seconds: float) ->
 def _cpu_per_request(procs: dict, url: str, protocol: str, rate: float, seconds: float,
                      threads: bool = False) -> tuple[int, float, dict]:
     """An idle window, then ``seconds`` of Poisson load on ``url``: (requests, their rate,
-    {name: (user, system) ms of CPU a request}), each process's idle CPU/s subtracted. A thread
-    that never ran in either window (gRPC's timer, ZeroMQ's reaper) is left out."""
+    {name: (user, system) ms of CPU a request, voluntary context switches a request}), each
+    process's idle rates subtracted. A thread that never ran in either window (gRPC's timer,
+    ZeroMQ's reaper) is left out."""
     t0, idle0 = time.perf_counter(), _node_cpu(procs, threads)
     time.sleep(seconds)  # the idle window: timers and heartbeats cost this much without requests
     t1, idle1 = time.perf_counter(), _node_cpu(procs, threads)
     n = asyncio.run(_poisson_load(url, protocol, rate, seconds))
     t2, busy = time.perf_counter(), _node_cpu(procs, threads)
     per_s = n / (t2 - t1)
-    zero = (0.0, 0.0)  # a thread that started after a snapshot
+    zero = (0.0, 0.0, 0)  # a thread that started after a snapshot
     out = {}
     for name in busy:
         b, i1, i0 = busy[name], idle1.get(name, zero), idle0.get(name, zero)
         if "/" in name and b == i0:
             continue
-        out[name] = tuple(1e3 * ((b[k] - i1[k]) / (t2 - t1) - (i1[k] - i0[k]) / (t1 - t0)) / per_s for k in (0, 1))
+        out[name] = tuple(scale * ((b[k] - i1[k]) / (t2 - t1) - (i1[k] - i0[k]) / (t1 - t0)) / per_s
+                          for k, scale in ((0, 1e3), (1, 1e3), (2, 1)))
     return n, per_s, out
 
 
@@ -278,9 +292,9 @@ def cpu(rate: float, seconds: float, protocol: str, threads: bool = False) -> No
             n, per_s, per = _cpu_per_request(_node_processes(sup), f"127.0.0.1:{port}", protocol, rate, seconds,
                                              threads)
     print(f"CPU per request, no-op model, {protocol}, {n} requests at {per_s:.1f}/s offered {rate:.0f}/s "
-          "(user + system ms):")
-    for name, (user, system) in per.items():
-        print(f"  {name:32s} {user:6.3f} + {system:6.3f} = {user + system:6.3f} ms")
+          "(user + system ms; times the thread slept and was woken):")
+    for name, (user, system, woken) in per.items():
+        print(f"  {name:32s} {user:6.3f} + {system:6.3f} = {user + system:6.3f} ms, woken {woken:5.1f}")
 
 
 def _bare_server(protocol: str, port: int, ready) -> None:
@@ -346,8 +360,8 @@ def floor(rate: float, seconds: float, protocol: str) -> None:
     finally:
         proc.kill()
         proc.join()
-    user, system = per[name]
-    print(f"  {name:32s} {user:6.3f} + {system:6.3f} = {user + system:6.3f} ms")
+    user, system, woken = per[name]
+    print(f"  {name:32s} {user:6.3f} + {system:6.3f} = {user + system:6.3f} ms, woken {woken:5.1f}")
 
 
 def status_cost(fill: int, n: int) -> None:

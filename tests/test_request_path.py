@@ -564,9 +564,12 @@ def test_status_shows_learned_curves_and_arrival_rate(start_node):
         st = c.status()
     curve = st.curves["sum/gpu"]
     assert st.policy == "mcb" and curve["samples"] >= 9
-    # Learned online from the batches (the prior is 10 us an item). The simulated worker sleeps its
-    # 500 us an item, and on a loaded machine sleeps overrun: 748 us was learnt with both cores busy.
-    assert 400 <= curve["per_item_us"] <= 1500
+    # Learned online from the batches (the prior is 10 us an item). The simulated worker sleeps
+    # 2 ms + 500 us an item, and on a loaded machine sleeps overrun, the small batches' as much as
+    # the large: the fit's slope is a difference of noisy times (748 us an item was learnt with
+    # both cores busy, 274 in one CI run, where 400-1500 was asserted). What a batch was measured
+    # to take is never less than its sleep.
+    assert curve["knots_us"]["1"] >= 2500 and curve["knots_us"]["8"] >= 6000
     assert st.arrival_rate["sum"] > 0 and sum(st.decisions.values()) >= 9
     late = st.decision_lateness["arrival"]  # one sample per step that read a request
     assert late["n"] >= 9 and 0 <= late["p50_us"] <= late["p99_us"] <= late["max_us"]
