@@ -2626,6 +2626,12 @@ PARITY_HTTP = [
     ("GET", "v2/systemsharedmemory/region/nope/status", None),
     ("POST", "v2/systemsharedmemory/region/nope/unregister", None),
     ("POST", "v2/systemsharedmemory/region/r/register", {"offset": 0, "byte_size": 16}),
+    # Triton's classification extension (a count Triton cannot read is its 500, the front door's 400)
+    ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "y", "parameters": {"classification": 2}}]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "y", "parameters": {
+        "classification": 2**32 + 1}}]}),
+    ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "y", "parameters": {
+        "classification": 1, "shared_memory_region": "nope", "shared_memory_byte_size": 8}}]}),
 ]
 
 
@@ -2666,6 +2672,12 @@ def test_grpc_answers_with_tritons_status_codes(front_door, triton_sum):
 
     typed = pb.ModelInferRequest(model_name="sum")
     typed.inputs.add(name="x", datatype="FP32", shape=[3, 4]).contents.int_contents.extend(range(12))
+
+    def classified(field, value):  # Triton's classification extension
+        r = infer()
+        setattr(r.outputs.add(name="y").parameters["classification"], field, value)
+        return r
+
     calls = [("ModelInfer", infer("nope")), ("ModelInfer", infer("")), ("ModelInfer", infer(version="3")),
              ("ModelInfer", infer(version="x")), ("ModelInfer", infer(outputs=["z"])),
              ("ModelInfer", infer(outputs=["y", "y"])), ("ModelInfer", infer(shape=(17, 4), raw=bytes(272))),
@@ -2680,7 +2692,10 @@ def test_grpc_answers_with_tritons_status_codes(front_door, triton_sum):
              ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name="nope")),
              ("SystemSharedMemoryRegister",
               pb.SystemSharedMemoryRegisterRequest(name="r", key="/by_none", byte_size=8)),
-             ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name="nope"))]
+             ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name="nope")),
+             *[("ModelInfer", classified(field, value)) for field, value in (
+                 ("int64_param", 2), ("int64_param", 2**32), ("int64_param", 0), ("string_param", "2"),
+                 ("bool_param", True))]]
 
     def code(url, fn, req):
         with grpc.insecure_channel(url) as ch:
