@@ -683,8 +683,9 @@ class KServeCore:
         return [stats_json(n, totals.get(n, zero)) for n in names]
 
     def close(self) -> None:
-        # A ranking running goes on to its end (a thread cannot be stopped; the interpreter's
-        # exit waits for it, seconds at most: MAX_ITEM_ELEMENTS an item); those queued never start.
+        # Those queued never start. One running has been abandoned by the servers' stop before
+        # this (their calls cancelled): it ends at its next item or chunk (kserve_classify), and
+        # the interpreter's exit waits for that.
         self.ranker.shutdown(wait=False, cancel_futures=True)
         self.stats.close()
         self.shm.close()

@@ -2626,7 +2626,7 @@ PARITY_HTTP = [
     ("GET", "v2/systemsharedmemory/region/nope/status", None),
     ("POST", "v2/systemsharedmemory/region/nope/unregister", None),
     ("POST", "v2/systemsharedmemory/region/r/register", {"offset": 0, "byte_size": 16}),
-    # Triton's classification extension (a count Triton cannot read is its 500, the front door's 400)
+    # Triton's classification extension (classes asked, 2**32 + 1 of them: 1, and in a region too)
     ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "y", "parameters": {"classification": 2}}]}),
     ("POST", "v2/models/sum/infer", {"inputs": [_XJ], "outputs": [{"name": "y", "parameters": {
         "classification": 2**32 + 1}}]}),
