@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-import threading
+import threading  # (the front-door process's only: the dispatcher never imports this module)
 from typing import Optional
 
 import numpy as np
@@ -57,26 +57,15 @@ def check_classifiable(datatype: str, item_elements: int) -> None:
         raise invalid("classification output tensor too large")
 
 
-def classify(arr: np.ndarray, count: int) -> np.ndarray:
-    """``arr`` ([B, ...], one of the ranked types) as its classification: an object array of
-    bytes, [B, min(count, elements an item)]."""
-    shape, chunks = _labels(arr, count)
-    out = np.empty(shape, dtype=object)
-    flat, i = out.reshape(-1), 0
-    for chunk in chunks:
-        flat[i:i + len(chunk)] = [s.encode() for s in chunk]
-        i += len(chunk)
-    return out
-
-
 class Abandoned(Exception):
     """A ranking stopped because its caller no longer waits for it."""
 
 
 def ranked(arr: np.ndarray, count: int, binary: bool,
            abandoned: Optional[threading.Event] = None) -> tuple[list[int], object]:
-    """``arr``'s classification as it goes on the wire: (shape, its binary form) or, for JSON,
-    (shape, its strings). Once ``abandoned`` is set, Abandoned at the next item or chunk."""
+    """``arr``'s classification ([B, ...], one of the ranked types) as it goes on the wire:
+    (shape, its binary form) or, for JSON, (shape, its strings); the shape is
+    [B, min(count, elements an item)]. Once ``abandoned`` is set, Abandoned at the next item or chunk."""
     shape, chunks = _labels(arr, count, abandoned)
     if not binary:
         return shape, [s for chunk in chunks for s in chunk]
@@ -100,6 +89,19 @@ async def ranked_off_loop(arr: np.ndarray, count: int, binary: bool, executor) -
             abandoned.set()  # (one still queued is cancelled by asyncio: it never starts)
             raise
     return ranked(arr, count, binary)
+
+
+def answer_ranked(answer, out, ranked: list, executor):
+    """``answer(out, labels)`` where ``ranked`` ((name, count, binary) of each classified output)
+    is empty; else an awaitable of it, with ``labels[name]`` each such output's ``ranked`` form,
+    made off the loop where large (``ranked_off_loop``). The gRPC and HTTP routes' reply."""
+    if not ranked:
+        return answer(out, {})
+
+    async def classified():
+        return answer(out, {name: await ranked_off_loop(out[name], count, binary, executor)
+                            for name, count, binary in ranked})
+    return classified()
 
 
 # Strings are made CHUNK at a time: a million values' tolist() at once held the GIL (and so the

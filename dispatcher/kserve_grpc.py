@@ -26,7 +26,7 @@ from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, S
                             check_parameter_names,
                             cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
-from .kserve_classify import check_classifiable, class_count, ranked_off_loop
+from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
 from .tcp_peer import bound_address, grpc_peer, peer_uid
@@ -428,7 +428,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             timeout = uint_param(request.parameters, "timeout", ("int64_param",), cast=True)
             limit, by_deadline = timeout_s(timeout, left)
 
-            ranked = [(name, classes) for name, classes, _ in wanted if classes is not None]
+            ranked = [(name, classes, True) for name, classes, _ in wanted if classes is not None]
 
             def answer(out, labels: dict) -> InferAnswer:
                 head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
@@ -454,17 +454,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     raise too_large(size, self.max_send_bytes)
                 return message
 
-            def reply(out):
-                if not ranked:
-                    return answer(out, {})
-
-                async def classified() -> InferAnswer:  # ranked off the loop where large
-                    return answer(out, {name: await ranked_off_loop(out[name], classes, True, self.core.ranker)
-                                        for name, classes in ranked})
-                return classified()
-
-            _, message = await self.core.infer(request.model_name, inputs, priority=priority, timeout=limit,
-                                               grpc_deadline=by_deadline, reply=reply)
+            _, message = await self.core.infer(
+                request.model_name, inputs, priority=priority, timeout=limit, grpc_deadline=by_deadline,
+                reply=lambda out: answer_ranked(answer, out, ranked, self.core.ranker))
             return message
         finally:
             close_outputs(wanted)

@@ -28,7 +28,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
                             batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
-from .kserve_classify import check_classifiable, class_count, ranked_off_loop
+from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_shm import close_outputs
 from .tcp_peer import peer_uid
 
@@ -406,22 +406,13 @@ class KServeHttp:
                 outputs.append(o)
             return outputs, chunks, finite
 
-        ranked = [(name, binary_out, classes) for name, binary_out, classes, _ in wanted if classes is not None]
-
-        def reply(out):
-            if not ranked:
-                return answer(out, {})
-
-            async def classified():  # ranked off the loop where large
-                return answer(out, {name: await ranked_off_loop(out[name], classes, binary_out, self.core.ranker)
-                                    for name, binary_out, classes in ranked})
-            return classified()
+        ranked = [(name, classes, binary_out) for name, binary_out, classes, _ in wanted if classes is not None]
 
         try:
             rid = _field(header, "id", str, "")
             _, (outputs, chunks, finite) = await self.core.infer(
                 model, inputs, priority=_uint(params, "priority"), timeout=timeout_s(_uint(params, "timeout"))[0],
-                reply=reply)
+                reply=lambda out: answer_ranked(answer, out, ranked, self.core.ranker))
         finally:
             close_outputs(wanted)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}

@@ -2030,22 +2030,33 @@ def test_a_grpc_class_count_keeps_its_low_32_bits_as_tritons_does(front_door):
     assert _classified_grpc(front_door, {"classification": ("int64_param", 2**32)}) == ("BYTES", [3, 0], b"")
 
 
+@contextlib.contextmanager
+def _registered_output_region(front_door, name: str):
+    """A 24-byte region of this process's (``sum``'s output for X), registered with the front door
+    over gRPC as ``name``: (tritonclient's shared-memory utilities, the region's handle)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "pkg_resources is deprecated"
+        import tritonclient.utils.shared_memory as tshm
+    tag = f"by_kserve_{os.getpid()}_{name}"
+    out = tshm.create_shared_memory_region(name, f"/{tag}", 24)
+    c = tgrpc.InferenceServerClient(front_door.grpc_url)
+    try:
+        c.register_system_shared_memory(name, f"/{tag}", 24)
+        yield tshm, out
+    finally:
+        c.unregister_system_shared_memory(name)
+        tshm.destroy_shared_memory_region(out)
+
+
 def test_an_output_named_twice_over_grpc_is_classified_if_either_mention_asks_as_tritons(front_door):
     """Triton keeps, of an output named twice, the first mention's class count that has one and
     the first mention's region that names one: asked plain and then classified, it is classified
     (the front door answered the plain tensor); in a region by one mention and classified by the
     other, either way round, it is written to the region and answered classified (the front door
     answered the plain tensor, or left the region unwritten)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "pkg_resources is deprecated"
-        import tritonclient.utils.shared_memory as tshm
     datatype, shape, _ = _classified_grpc(front_door, {}, {"classification": ("int64_param", 1)})
     assert (datatype, shape) == ("BYTES", [3, 1])
-    tag = f"by_kserve_{os.getpid()}_twice"
-    out = tshm.create_shared_memory_region("twice", f"/{tag}", 24)
-    c = tgrpc.InferenceServerClient(front_door.grpc_url)
-    try:
-        c.register_system_shared_memory("twice", f"/{tag}", 24)
+    with _registered_output_region(front_door, "twice") as (tshm, out):
         region = {"shared_memory_region": ("string_param", "twice"), "shared_memory_byte_size": ("int64_param", 24)}
         classified = {"classification": ("int64_param", 1)}
         for mentions in ((region, classified), (classified, region)):
@@ -2053,9 +2064,6 @@ def test_an_output_named_twice_over_grpc_is_classified_if_either_mention_asks_as
             datatype, shape, _ = _classified_grpc(front_door, *mentions)
             assert (datatype, shape) == ("BYTES", [3, 1])
             np.testing.assert_array_equal(tshm.get_contents_as_numpy(out, np.float32, [3, 2]), front_door.sdk("sum", X))
-    finally:
-        c.unregister_system_shared_memory("twice")
-        tshm.destroy_shared_memory_region(out)
 
 
 def test_a_later_mention_of_an_output_has_its_region_looked_up_not_measured_as_in_triton(front_door):
@@ -2063,14 +2071,7 @@ def test_a_later_mention_of_an_output_has_its_region_looked_up_not_measured_as_i
     over gRPC and HTTP; the front door took the first mention alone over HTTP) but measures only
     the one it writes, the first (a later mention's region too small for the output was refused
     INTERNAL over gRPC, where Triton answers)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "pkg_resources is deprecated"
-        import tritonclient.utils.shared_memory as tshm
-    tag = f"by_kserve_{os.getpid()}_later"
-    out = tshm.create_shared_memory_region("later", f"/{tag}", 24)
-    g = tgrpc.InferenceServerClient(front_door.grpc_url)
-    try:
-        g.register_system_shared_memory("later", f"/{tag}", 24)
+    with _registered_output_region(front_door, "later") as (tshm, out):
         whole = {"shared_memory_region": ("string_param", "later"), "shared_memory_byte_size": ("int64_param", 24)}
         four = {"shared_memory_region": ("string_param", "later"), "shared_memory_byte_size": ("int64_param", 4)}
         assert _classified_grpc(front_door, whole, four)[:2] == ("FP32", [3, 2])
@@ -2083,9 +2084,6 @@ def test_a_later_mention_of_an_output_has_its_region_looked_up_not_measured_as_i
                                                             "shared_memory_byte_size": 24}})
         r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
         assert r.status_code == 404 and b"Unable to find shared memory region: 'nowhere'" in r.read()
-    finally:
-        g.unregister_system_shared_memory("later")
-        tshm.destroy_shared_memory_region(out)
 
 
 @pytest.mark.parametrize("count, classified", [(2**32 + 1, True), (2**32, False)])
