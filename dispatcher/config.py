@@ -251,6 +251,14 @@ class FrontendConfig(_Table):
     # as inherited. A request costs a front door ~1.5 ms of CPU in Python's gRPC: on a worker's
     # core that is time its model does not get (docs/frontend.md, "Cost").
     cpus: tuple[NonNeg, ...] = ()
+    # Triton's trace extension (docs/frontend.md, "Traces"): the file traces are written to, and
+    # the node's trace setting at its start, as tritonserver's --trace-config file=, level=,
+    # rate=, count= and log-frequency=. Clients may change the setting, never the file.
+    trace_file: str = ""
+    trace_level: Literal["OFF", "TIMESTAMPS"] = "OFF"
+    trace_rate: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] = 1000  # one request in this many
+    trace_count: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1  # traces to take; -1: no limit
+    trace_log_frequency: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] = 0
 
 
 # The engines workers/cuda_executors.py's TensorRTExecutor builds (kind "tensorrt").
@@ -376,6 +384,12 @@ class NodeConfig(_Table):
         if f is not None and (f.grpc_port == f.http_port or not (f.grpc_port or f.http_port)):
             raise ConfigError(f"[frontend] grpc_port ({f.grpc_port}) and http_port ({f.http_port}) must differ, "
                               f"and at least one be set")
+        if f is not None and f.trace_file and not os.path.isabs(f.trace_file):
+            # A front door started by systemd runs in /: a relative name wrote traces there.
+            raise ConfigError(f"[frontend] trace_file {f.trace_file!r} must be an absolute path")
+        if f is not None and f.trace_level != "OFF" and not (f.trace_file and f.trace_rate):
+            raise ConfigError(f"[frontend] trace_level {f.trace_level!r} needs a trace_file and a trace_rate "
+                              "above 0 (as tritonserver refuses a trace level without a file)")
         _check_ports_apart(self._tcp_ports())
         self._check_triton_urls()
         return self

@@ -49,6 +49,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .client_async import AsyncClient
     from .kserve_common import KServeCore
     from .kserve_shm import NODE_INSTANCE_ENV, open_registry, registry_dir
+    from .kserve_trace import Setting, Tracer
     from .sd_notify import announce_ready
 
     fe, d = node.frontend, node.dispatcher
@@ -62,11 +63,14 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
                     d.frontend, d.max_inline_bytes)
     client = AsyncClient(d.frontend, shared_memory=True if over_tcp and d.allow_shm_over_tcp else None,
                          **node_client_keys(d, d.frontend))
-    # One shared-memory registry for every front-door process on these ports (Triton's is server-wide).
-    core = KServeCore(client, open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port),
-                                                os.environ.get(NODE_INSTANCE_ENV, "")),
-                      default_timeout_s=node.dispatcher.default_timeout_s, strict_readiness=fe.strict_readiness,
-                      llm_models=frozenset(m.name for m in node.llm_models))
+    # One shared-memory registry for every front-door process on these ports (Triton's is server-wide),
+    # which also holds the node's statistics and trace setting.
+    shm = open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port), os.environ.get(NODE_INSTANCE_ENV, ""))
+    tracer = Tracer(Setting((fe.trace_level,), fe.trace_rate, fe.trace_count, fe.trace_log_frequency), fe.trace_file,
+                    shm.dir_fd)
+    core = KServeCore(client, shm, default_timeout_s=node.dispatcher.default_timeout_s,
+                      strict_readiness=fe.strict_readiness, llm_models=frozenset(m.name for m in node.llm_models),
+                      tracer=tracer)
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 

@@ -38,7 +38,7 @@ SERVER_NAME = "batchyard"
 # Triton's names (its core's server.cc) of the protocol extensions this front door serves: a
 # KServe client may look here before it sends binary tensors or shared-memory references.
 EXTENSIONS = ["classification", "model_repository", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "binary_tensor_data", "parameters", "statistics"]
+              "binary_tensor_data", "parameters", "statistics", "trace"]
 VERSION = 1  # the one version of every model
 
 
@@ -501,8 +501,9 @@ class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
     def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None, strict_readiness: bool = True,
-                 llm_models: frozenset = frozenset()):
+                 llm_models: frozenset = frozenset(), tracer=None):
         from .kserve_shm import ShmRegions  # it imports this module's errors
+        from .kserve_trace import Tracer  # it imports this module's errors
 
         self.client = client  # batchyard.AsyncClient
         # A request with no `timeout` parameter (and no gRPC deadline) gets the node's
@@ -512,6 +513,8 @@ class KServeCore:
         self.strict_readiness = strict_readiness
         self.shm = shm if shm is not None else ShmRegions()  # default: this process's own registry
         self.stats = NodeStats(self.shm.dir_fd)
+        # Triton's trace extension: the node's trace setting, and the traces this process takes.
+        self.tracer = tracer if tracer is not None else Tracer(dir_fd=self.shm.dir_fd)
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
         # The node's LLM models: served by the OpenAI routes, none of the KServe ones but the
         # readiness probes (the index called one READY, then every call on it "unknown model" in
@@ -625,17 +628,21 @@ class KServeCore:
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], priority: int = 0,
                     timeout: Optional[float] = None, grpc_deadline: bool = False,
-                    reply: Optional[Callable] = None) -> tuple[P.ModelSpec, object]:
+                    reply: Optional[Callable] = None, trace=None) -> tuple[P.ModelSpec, object]:
         """-> (spec, outputs by name) or KServeError with Triton's code (``grpc_deadline``: the
         timeout is the gRPC call's deadline, ``from_batchyard``). ``reply``: makes the answer of
         the outputs, returned in their place; its KServeError (an answer too large to send)
         counts the request failed, as its client gets no answer: counted a success, it was
-        one in the statistics. It may return an awaitable of the answer."""
+        one in the statistics. It may return an awaitable of the answer. ``trace``: the
+        request's (kserve_trace), given the times of its way through the node."""
         spec = await self.spec(model)
         inputs = unreshaped(spec, inputs)
         check_inputs(spec, inputs)
         c = self.stats.counters(model)
         t0 = time.perf_counter_ns()
+        if trace is not None:
+            trace.stamp("REQUEST_START")
+        out = None
         try:
             out = await self.client.infer(model, inputs, priority=priority_class(priority),
                                           timeout=self.default_timeout_s if timeout is None else timeout)
@@ -645,6 +652,10 @@ class KServeCore:
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             _count_failure(c, t0)
             raise
+        finally:
+            if trace is not None:
+                trace.stamp_reply(out.timing if out is not None else None)
+                trace.stamp("REQUEST_END")
         if reply is None:
             answer = out
         else:
@@ -661,6 +672,8 @@ class KServeCore:
                 _count_failure(c, t0)
                 raise
         _count_success(c, t0, inputs, out)
+        if trace is not None:
+            trace.stamp("INFER_RESPONSE_COMPLETE")
         return spec, answer
 
     async def model_stats(self, model: str, version: str = "") -> list[dict]:
@@ -687,5 +700,6 @@ class KServeCore:
         # this (their calls cancelled): it ends at its next item or chunk (kserve_classify), and
         # the interpreter's exit waits for that.
         self.ranker.shutdown(wait=False, cancel_futures=True)
+        self.tracer.close()
         self.stats.close()
         self.shm.close()

@@ -3,8 +3,8 @@ grpc.aio, translated onto Batchyard through ``KServeCore``. The generated stubs 
 tritonclient ships, so the messages are exactly those its clients and perf_analyzer send.
 
 Repository control answers as a Triton in model-control mode NONE does (the index lists the
-node's models; load and unload are refused); trace and log settings, which Batchyard does not
-have, are UNIMPLEMENTED with a message that says so.
+node's models; load and unload are refused); trace settings are Triton's (kserve_trace); log
+settings, which Batchyard does not have, are UNIMPLEMENTED with a message that says so.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Optional
 
 import grpc
@@ -29,6 +30,7 @@ from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, S
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
 from .kserve_shm import OutputRegion, close_outputs
+from .kserve_trace import Trace, parse_update
 from .tcp_peer import bound_address, grpc_peer, peer_uid
 from .validation import item_nbytes
 
@@ -263,7 +265,19 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(e.code, e.message)
 
     async def TraceSetting(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Batchyard has no trace settings (Triton's trace extension)")
+        return await self._call(context, self._trace_setting(request))
+
+    async def _trace_setting(self, request):
+        model = request.model_name
+        if model and not await self.core.model_ready(model):  # as Triton: a model not ready is unknown here
+            raise invalid(f"Request for unknown model : {model}")
+        tracer = self.core.tracer
+        if request.settings:
+            tracer.update(model, parse_update({k: list(v.value) for k, v in request.settings.items()}, http=False))
+        out = service_pb2.TraceSettingResponse()
+        for k, v in tracer.settings(model).items():
+            out.settings[k].value.extend(v if isinstance(v, list) else [v])
+        return out
 
     async def LogSettings(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Batchyard has no log settings (Triton's logging extension)")
@@ -305,7 +319,30 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---------------------------------------------------------------- inference
     async def ModelInfer(self, request, context):
-        return await self._call(context, self._infer(request, context))
+        trace = self._trace(request)
+        if trace is None:
+            return await self._call(context, self._infer(request, context))
+        context.add_done_callback(lambda _: self._sent(trace))  # (an error's answer too)
+        answer = await self._call(context, self._infer(request, context, trace=trace))
+        trace.stamp("GRPC_SEND_START")
+        return answer
+
+    def _trace(self, request) -> Optional[Trace]:
+        """The request's trace when its trace setting samples it. gRPC hands the handler a whole
+        request: its wait for it, Triton's GRPC_WAITREAD, is not seen here, and both ends are
+        the handler's start."""
+        trace = self.core.tracer.sample(request.model_name, request.id)
+        if trace is not None:
+            now = time.monotonic_ns()
+            trace.stamp("GRPC_WAITREAD_START", now)
+            trace.stamp("GRPC_WAITREAD_END", now)
+        return trace
+
+    def _sent(self, trace: Trace) -> None:
+        if not any(name == "GRPC_SEND_START" for name, _ in trace.stamps):  # an error's answer
+            trace.stamp("GRPC_SEND_START")
+        trace.stamp("GRPC_SEND_END")
+        self.core.tracer.finish(trace)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """tritonclient's ``start_stream`` / ``stream_infer``: every request of the stream runs as
@@ -344,9 +381,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     and (size := _held_bytes(task.result())) > reserved[task]):
                 hold(task, size)
 
-        async def answer(request):
+        traces: dict = {}  # each traced request's task -> its trace
+
+        async def answer(request, trace):
             try:
-                return await self._infer(request, context, stream=True)
+                return await self._infer(request, context, stream=True, trace=trace)
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
                 if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
                     log.exception("stream request for model %r failed", request.model_name)
@@ -359,7 +398,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             nonlocal limit
             try:
                 async for request in request_iterator:
-                    task = asyncio.ensure_future(answer(request))
+                    trace = self._trace(request)
+                    task = asyncio.ensure_future(answer(request, trace))
+                    if trace is not None:
+                        traces[task] = trace
                     nbytes, batch = _stream_reservation(request, self.core.client.specs)
                     limit = max(limit, batch)
                     hold(task, nbytes)
@@ -373,7 +415,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.ensure_future(read())
         try:
             while (task := await order.get()) is not None:
-                yield await task
+                message = await task
+                trace = traces.pop(task, None)
+                if trace is None:
+                    yield message
+                else:
+                    trace.stamp("GRPC_SEND_START")
+                    try:
+                        yield message
+                    finally:  # (the stream may end here)
+                        self._sent(trace)
                 held -= reserved.pop(task)
                 if held <= limit:
                     room.set()
@@ -381,10 +432,12 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             for task in (reader, *running):
                 task.cancel()
+            for trace in traces.values():  # requests the stream ended before answering
+                self.core.tracer.finish(trace)
 
-    async def _infer(self, request, context, stream: bool = False) -> InferAnswer:
+    async def _infer(self, request, context, stream: bool = False, trace: Optional[Trace] = None) -> InferAnswer:
         """The answer to ``request`` (``stream``: on ModelStreamInfer); one past the send limit is
-        an error, which counts the request failed."""
+        an error, which counts the request failed. ``trace``: the request's, when it is traced."""
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
         shm = self.core.shm
@@ -456,7 +509,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
             _, message = await self.core.infer(
                 request.model_name, inputs, priority=priority, timeout=limit, grpc_deadline=by_deadline,
-                reply=lambda out: answer_ranked(answer, out, ranked, self.core.ranker))
+                reply=lambda out: answer_ranked(answer, out, ranked, self.core.ranker), trace=trace)
             return message
         finally:
             close_outputs(wanted)

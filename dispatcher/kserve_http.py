@@ -30,6 +30,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_shm import close_outputs
+from .kserve_trace import Trace, parse_update
 from .tcp_peer import peer_uid
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -266,7 +267,9 @@ class KServeHttp:
                 web.post(c + "/unregister", self.cuda_unregister),
                 web.post("/v2/repository/index", self.repository_index),
                 web.post("/v2/repository/models/{model}/load", self.model_control),
-                web.post("/v2/repository/models/{model}/unload", self.model_control)]
+                web.post("/v2/repository/models/{model}/unload", self.model_control),
+                web.get("/v2/trace/setting", self.trace_setting), web.post("/v2/trace/setting", self.trace_setting),
+                web.get(m + "/trace/setting", self.trace_setting), web.post(m + "/trace/setting", self.trace_setting)]
 
     # ---------------------------------------------------------------- health and metadata
     async def live(self, request):
@@ -313,6 +316,23 @@ class KServeHttp:
     async def model_control(self, request):
         return _error(model_control_refused(request.match_info["model"]))
 
+    # ---------------------------------------------------------------- trace settings (kserve_trace)
+    async def trace_setting(self, request):
+        model = request.match_info.get("model", "")
+        tracer = self.core.tracer
+        try:
+            if model and not await self.core.model_ready(model):  # as Triton: a model not ready is unknown here
+                raise invalid(f"Request for unknown model : {model}")
+            if request.method == "POST":
+                body = await read_body(request, MAX_JSON_BYTES)
+                settings = decode_json(body) if bytes(body).strip() else {}  # an empty body asks nothing
+                if not isinstance(settings, dict):
+                    raise invalid("the trace setting request must be a JSON object")
+                tracer.update(model, parse_update(settings, http=True))
+            return web.json_response(tracer.settings(model))
+        except (KServeError, *MALFORMED) as e:
+            return _error(as_kserve(e, "trace setting request"))
+
     # ---------------------------------------------------------------- system shared memory
     async def shm_register(self, request):
         try:
@@ -354,15 +374,33 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- inference
     async def infer(self, request):
+        trace = self.core.tracer.sample(request.match_info["model"])
+        if trace is None:
+            try:
+                return await self._infer(request)
+            except (KServeError, *MALFORMED) as e:
+                return _error(as_kserve(e))
+        trace.stamp("HTTP_RECV_START")  # (aiohttp has read the headers)
         try:
-            return await self._infer(request)
-        except (KServeError, *MALFORMED) as e:
-            return _error(as_kserve(e))
+            try:
+                response = await self._infer(request, trace)
+            except (KServeError, *MALFORMED) as e:
+                response = _error(as_kserve(e))
+            # Sent here, not by aiohttp after the return, to see when it is done.
+            trace.stamp("HTTP_SEND_START")
+            await response.prepare(request)
+            await response.write_eof()
+            trace.stamp("HTTP_SEND_END")
+            return response
+        finally:
+            self.core.tracer.finish(trace)
 
-    async def _infer(self, request) -> web.Response:
+    async def _infer(self, request, trace: Optional[Trace] = None) -> web.Response:
         model = request.match_info["model"]
         spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
         body = await read_body(request, MAX_JSON_BYTES + batch_input_bytes(spec))
+        if trace is not None:
+            trace.stamp("HTTP_RECV_END")
         if _is_raw(request):
             header, params = {}, {}
             inputs = self._raw_input(spec, body)
@@ -410,9 +448,11 @@ class KServeHttp:
 
         try:
             rid = _field(header, "id", str, "")
+            if trace is not None:
+                trace.request_id = rid
             _, (outputs, chunks, finite) = await self.core.infer(
                 model, inputs, priority=_uint(params, "priority"), timeout=timeout_s(_uint(params, "timeout"))[0],
-                reply=lambda out: answer_ranked(answer, out, ranked, self.core.ranker))
+                reply=lambda out: answer_ranked(answer, out, ranked, self.core.ranker), trace=trace)
         finally:
             close_outputs(wanted)
         reply = {"model_name": model, "model_version": "1", "outputs": outputs}

@@ -99,6 +99,13 @@ class Timing(msgspec.Struct):
     path: str  # "cpu" | "gpu"
     worker: str
     simulated: bool = False  # served by a simulated device: its timings are not real hardware
+    # The dispatcher's clock (CLOCK_MONOTONIC, ns) when the request reached it, when its batch
+    # went to the worker, and when the worker's answer came back: the front door's traces
+    # (kserve_trace) place them beside its own. 0: not known (a dispatcher before these).
+    arrival_ns: int = 0
+    dispatched_ns: int = 0
+    done_ns: int = 0
+    compute_end_ns: int = 0  # the worker's, when its compute_us ended (protocol.BatchDone)
 
 
 # ---------------------------------------------------------------- client -> dispatcher
@@ -343,6 +350,9 @@ class BatchDone(msgspec.Struct, tag="batch_done", tag_field="type"):
     # time includes one-time kernel builds (the first call at a new size measured 25-35 %
     # slower, once 10x): the dispatcher does not learn from it.
     first_of_size: bool = False
+    # When its compute ended, on the worker's CLOCK_MONOTONIC (ns; 0: not known): the front
+    # door's traces place the model's run, compute_us long, before it.
+    compute_end_ns: int = 0
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", tag_field="type"):

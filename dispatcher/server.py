@@ -488,7 +488,9 @@ class Dispatcher:
                 continue
             timing = P.Timing(queue_us=int((req.dispatched_at - req.arrival) * 1e6), compute_us=msg.compute_us,
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
-                              worker=msg.worker, simulated=simulated)
+                              worker=msg.worker, simulated=simulated, arrival_ns=int(req.arrival * 1e9),
+                              dispatched_ns=int(req.dispatched_at * 1e9), done_ns=int(now * 1e9),
+                              compute_end_ns=msg.compute_end_ns)
             if status == Status.OK:
                 served = True
                 metrics.request_ok(req.model, path, req.asked_priority, req.items, timing.queue_us, timing.compute_us,

@@ -855,3 +855,16 @@ def test_a_command_given_an_argument_it_cannot_use_says_which_in_one_line(tmp_pa
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].endswith(message.format(tmp=tmp_path)), r.stderr
     assert "B=" not in r.stdout  # calibrate: no worker was measured first
+
+
+@pytest.mark.parametrize("frontend, says", [
+    ('trace_file = "trace.json"', "[frontend] trace_file 'trace.json' must be an absolute path"),
+    ('trace_level = "TIMESTAMPS"', "[frontend] trace_level 'TIMESTAMPS' needs a trace_file"),
+    ('trace_file = "/tmp/t.json"\ntrace_level = "TIMESTAMPS"\ntrace_rate = 0', "needs a trace_file and a trace_rate"),
+    ('trace_level = "TENSORS"', "trace_level"),
+    ('trace_count = -2', "trace_count"),
+])
+def test_a_trace_setting_the_front_door_cannot_follow_is_refused_at_start(tmp_path, frontend, says):
+    """As tritonserver refuses --trace-config level= without a file; a relative file was written
+    wherever the front door ran (systemd's /)."""
+    assert says in load_error(tmp_path, NODE + f"\n[frontend]\ngrpc_port = 9001\n{frontend}\n")

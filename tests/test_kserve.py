@@ -43,6 +43,7 @@ from batchyard.client import Client
 from batchyard.config import DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, TensorConfig, to_toml
 from batchyard.kserve_common import KServeCore, KServeError, tensor_from_list
 from batchyard.kserve_shm import ShmRegions
+from batchyard.kserve_trace import Tracer
 
 from conftest import ROOT, SUM_MODEL, Node, sim_worker
 
@@ -670,12 +671,13 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
         if model == "fast":
             model_done.set()
 
-        async def infer(request, context, stream=False):  # outputs in the pool
+        async def infer(request, context, stream=False, trace=None):  # outputs in the pool
             await model_done.wait()
             head = service_pb2.ModelInferResponse(model_name="sum", id=request.id)
             return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
 
-        servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec})))
+        servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec}),
+                                                                    tracer=Tracer()))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
         first = asyncio.ensure_future(anext(answers))
@@ -728,10 +730,11 @@ def test_a_stream_may_always_hold_a_full_batch_of_its_model_and_counts_shapes_wi
     async def main():
         never = asyncio.Event()
 
-        async def infer(request, context, stream=False):  # a slow model: nothing answered yet
+        async def infer(request, context, stream=False, trace=None):  # a slow model: nothing answered yet
             await never.wait()
 
-        servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs=specs)))
+        servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs=specs),
+                                                                    tracer=Tracer()))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
         first = asyncio.ensure_future(anext(answers))
@@ -775,10 +778,10 @@ def test_versions_and_unknown_paths_answer_as_triton(front_door):
             call()
         assert e.value.status() in ("StatusCode.NOT_FOUND", "404")
     with pytest.raises(InferenceServerException, match="Not Found") as e:
-        h.get_trace_settings()
+        h.get_log_settings()
     assert e.value.status() == "404"
-    with pytest.raises(InferenceServerException, match="no trace settings") as e:
-        g.get_trace_settings()
+    with pytest.raises(InferenceServerException, match="no log settings") as e:
+        g.get_log_settings()
     assert e.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
@@ -830,7 +833,7 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_request_on_every_path(front
 def test_server_metadata_lists_every_extension_served(front_door):
     """A KServe client may look for binary_tensor_data before it sends binary tensors."""
     served = {"binary_tensor_data", "classification", "system_shared_memory", "cuda_shared_memory",
-              "model_repository", "model_configuration", "parameters", "statistics"}
+              "model_repository", "model_configuration", "parameters", "statistics", "trace"}
     assert set(tgrpc.InferenceServerClient(front_door.grpc_url).get_server_metadata(as_json=True)["extensions"]) == served
     assert set(thttp.InferenceServerClient(front_door.http_url).get_server_metadata()["extensions"]) == served
 
@@ -2706,6 +2709,38 @@ def test_grpc_answers_with_tritons_status_codes(front_door, triton_sum):
     got = [(fn, str(req)[:60], code(triton_sum.grpc_url, fn, req), code(front_door.grpc_url, fn, req))
            for fn, req in calls]
     assert [g for g in got if g[2] != g[3]] == [], "(call, request, Triton, Batchyard)"
+
+
+# Trace settings, right and wrong, as tritonclient sends them (Triton's trace extension). Neither
+# server has a trace file; every update that succeeds is made on both, and undone at the end.
+PARITY_TRACE = [
+    ("", {}), ("sum", {}), ("nope", {}), ("", {"trace_rate": "x"}), ("", {"trace_rate": "-1"}),
+    ("", {"trace_count": "-2"}), ("", {"trace_count": "3"}), ("", {"trace_count": "99999999999"}),
+    ("", {"trace_file": "/tmp/elsewhere"}), ("", {"trace_level": ["TIMESTAMPS"]}),
+    ("", {"trace_level": ["OFF", "TIMESTAMPS"]}), ("sum", {"trace_rate": "7", "log_frequency": "2"}),
+    ("sum", {"trace_rate": None}), ("sum", {}), ("", {"log_frequency": "12abc", "other": "1"}),
+    ("", {"trace_rate": None, "trace_count": None, "log_frequency": None})]
+
+
+def test_trace_settings_answer_as_tritons(front_door, triton_sum):
+    """The same trace settings asked of Triton 2.51 and of the front door, over HTTP and gRPC:
+    the same answers, or the same status and words."""
+    def ask(mod, url, model, settings):
+        c = mod.InferenceServerClient(url)
+        try:
+            got = c.update_trace_settings(model, settings) if settings else c.get_trace_settings(model)
+            got = got if mod is thttp else {k: list(v["value"]) for k, v in
+                                           c.get_trace_settings(model, as_json=True)["settings"].items()}
+            return {k: v for k, v in got.items() if k != "trace_file"} if mod is thttp else \
+                {k: v if k == "trace_level" else v[0] for k, v in got.items() if k != "trace_file"}
+        except InferenceServerException as e:
+            return e.status(), e.message()
+
+    got = [(mod.__name__, model, settings, ask(mod, f"127.0.0.1:{triton_sum.http_port if mod is thttp else triton_sum.grpc_port}",
+                                                model, settings),
+            ask(mod, front_door.http_url if mod is thttp else front_door.grpc_url, model, settings))
+           for mod in (thttp, tgrpc) for model, settings in PARITY_TRACE]
+    assert [g for g in got if g[3] != g[4]] == [], "(client, model, settings, Triton, Batchyard)"
 
 
 def test_an_input_the_model_lacks_is_refused_before_its_data_is_read(front_door):

@@ -318,11 +318,11 @@ class WorkerRuntime:
 
     def _send_completed(self, sock) -> None:
         while self._completed:  # batches an asynchronous executor finished
-            then, raw, compute_us, term = self._completed.popleft()
+            then, raw, compute_us, end_ns, term = self._completed.popleft()
             self._by_term[term] -= 1
             if not self._by_term[term]:
                 del self._by_term[term]
-            reply = then(raw, compute_us)
+            reply = then(raw, compute_us, end_ns)
             if reply is not None:
                 sock.send_multipart(reply, copy=False)
 
@@ -407,7 +407,7 @@ class WorkerRuntime:
             self._submit(msg.model, inputs, functools.partial(self._submitted_done, msg, items, spec, first,
                                                               self._term), self._term)
             return None
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # (CLOCK_MONOTONIC, as the dispatcher's and front door's clocks)
         try:
             raw = self.executor.run(msg.model, inputs)
         except ExecutorUnavailable as e:
@@ -421,22 +421,23 @@ class WorkerRuntime:
             raw = self._each_alone(msg.model, items, spec, e)
             # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
             return self._finish(msg, items, spec, raw, 0, None)
-        return self._finish(msg, items, spec, raw, int((time.perf_counter() - t0) * 1e6), None, first)
+        t1 = time.perf_counter()
+        return self._finish(msg, items, spec, raw, int((t1 - t0) * 1e6), None, first, int(t1 * 1e9))
 
     def _submit(self, model: str, inputs: dict, then, term: int) -> None:
-        """Hand a batch to an asynchronous executor; ``then(raw, compute_us)`` runs on the loop when
+        """Hand a batch to an asynchronous executor; ``then(raw, compute_us, end_ns)`` runs on the loop when
         it completes and returns the reply frames, or None when there is none to send yet.
         ``term``: the registration its batch came in."""
         def done(raw, compute_us):
             # Runs on the executor's thread: hand over to the loop, never touch the socket here.
-            self._completed.append((then, raw, compute_us, term))
+            self._completed.append((then, raw, compute_us, time.monotonic_ns(), term))
             self._wake()
 
         self._by_term[term] += 1
         self.executor.submit(model, inputs, done)
 
     def _submitted_done(self, msg: P.Batch, items: list, spec, first: bool, term: int, raw,
-                        compute_us: int) -> list | None:
+                        compute_us: int, end_ns: int = 0) -> list | None:
         """A batch the asynchronous executor completed. One the model failed runs again one
         request at a time, as ``_each_alone`` does for the others: one request Triton refused
         failed every client's request batched with it."""
@@ -444,7 +445,7 @@ class WorkerRuntime:
             good = [it for it in items if it.error is None]
             if len(good) >= 2:
                 return self._next_alone(_LoneRuns(msg, items, spec, raw, good, term))
-        return self._finish(msg, items, spec, raw, compute_us, None, first)
+        return self._finish(msg, items, spec, raw, compute_us, None, first, end_ns)
 
     def _next_alone(self, runs: "_LoneRuns") -> list | None:
         """Submit the next request of ``runs`` alone (one at a time: the failed batch's slot in
@@ -462,7 +463,7 @@ class WorkerRuntime:
         # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
         return self._finish(runs.msg, runs.items, runs.spec, raw, 0, None)
 
-    def _alone_done(self, runs: "_LoneRuns", it, raw, compute_us: int) -> list | None:
+    def _alone_done(self, runs: "_LoneRuns", it, raw, compute_us: int, end_ns: int = 0) -> list | None:
         if not isinstance(raw, BaseException):
             try:
                 runs.outs.append(check_outputs(raw, runs.spec, it.items))
@@ -505,7 +506,8 @@ class WorkerRuntime:
                     error_text(batch_failure), len(failed), len(good))
         return {t.name: np.concatenate([o[t.name] for o in outs]) for t in spec.outputs}
 
-    def _finish(self, msg: P.Batch, items, spec, raw, compute_us: int, batch_error, first: bool = False) -> list:
+    def _finish(self, msg: P.Batch, items, spec, raw, compute_us: int, batch_error, first: bool = False,
+                compute_end_ns: int = 0) -> list:
         outputs = None
         if isinstance(raw, BaseException):
             if isinstance(raw, ExecutorUnavailable):
@@ -522,7 +524,8 @@ class WorkerRuntime:
                 batch_error, compute_us = (Status.INTERNAL, f"model {msg.model!r}: {e}"), 0
         results, out_frames = write_results(items, outputs, batch_error, self.cache, spec)
         header = P.encode(P.BatchDone(batch_id=msg.batch_id, worker=self.name, compute_us=compute_us,
-                                      results=results, first_of_size=first))
+                                      results=results, first_of_size=first,
+                                      compute_end_ns=compute_end_ns if compute_us else 0))
         return [header, *out_frames]
 
 

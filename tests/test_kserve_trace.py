@@ -1,0 +1,269 @@
+"""Triton's trace extension in the front door (dispatcher/kserve_trace.py): the settings as
+Triton reads and answers them, sampling, the node-wide count and settings, and the trace file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from tritonclient.utils import InferenceServerException
+
+from batchyard import protocol as P
+from batchyard.kserve_common import KServeError
+from batchyard.kserve_trace import Setting, Trace, Tracer, parse_update
+
+X = np.arange(12, dtype=np.float32).reshape(3, 4)
+ON = {"level": ("TIMESTAMPS",), "rate": 1}
+
+
+@pytest.fixture
+def shared_dir(tmp_path):
+    """A registry directory as the node's front doors share it."""
+    (tmp_path / "registry").mkdir()
+    fd = os.open(tmp_path / "registry", os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.close(fd)
+
+
+def _tracer(tmp_path, dir_fd=None, **default) -> Tracer:
+    return Tracer(Setting(**default), str(tmp_path / "trace.json"), dir_fd)
+
+
+def _error(fn) -> tuple[str, str]:
+    with pytest.raises(KServeError) as e:
+        fn()
+    return e.value.code.name, e.value.message
+
+
+# ------------------------------------------------------------------ parsing
+@pytest.mark.parametrize("http", [True, False])
+def test_settings_are_parsed_with_tritons_rules_and_words(http):
+    """As tritonserver 2.51's http_server.cc / grpc_server.cc read them (std::stoi, a uint32 cast)."""
+    v = (lambda s: s) if http else (lambda s: [s])
+    parse = lambda d: parse_update(d, http)  # noqa: E731
+    assert parse({"trace_rate": v("-1")}) == {"rate": 2**32 - 1}  # Triton answers 4294967295
+    assert parse({"trace_rate": v(" 12abc"), "log_frequency": v("3")}) == {"rate": 12, "log_frequency": 3}
+    assert parse({"trace_count": v("-1"), "trace_level": ["TIMESTAMPS"]}) == {"count": -1, "level": ("TIMESTAMPS",)}
+    assert parse({"trace_level": ["OFF"], "trace_mode": v("x"), "other": v("1")}) == {"level": ("OFF",)}
+    assert _error(lambda: parse({"trace_rate": v("x")})) == ("INVALID_ARGUMENT", "Unable to parse 'trace_rate', got: x")
+    assert _error(lambda: parse({"trace_count": v("-2")})) == (
+        "INVALID_ARGUMENT", f"Unable to parse 'trace_count'. Expecting value >= -1, got:{'' if http else ' '}-2")
+    assert _error(lambda: parse({"log_frequency": v("99999999999")})) == (
+        "INVALID_ARGUMENT", "Unable to parse 'log_frequency', value is out of range [ 0, 4294967295 ], got: 99999999999")
+    assert _error(lambda: parse({"trace_file": v("/etc/passwd")})) == (
+        "UNIMPLEMENTED", "trace file location can not be updated through network protocol")
+    assert _error(lambda: parse({"trace_level": ["OFF", "TIMESTAMPS"]}))[1] == \
+        "Expect only one trace level 'OFF' is specified"
+    # Triton ignores a level it does not know, and changed nothing; TENSORS is not Batchyard's.
+    assert _error(lambda: parse({"trace_level": ["TIMESTAMP"]}))[0] == "INVALID_ARGUMENT"
+    assert _error(lambda: parse({"trace_level": ["TENSORS"]}))[0] == "UNIMPLEMENTED"
+
+
+def test_clearing_a_setting_is_null_over_http_and_no_values_over_grpc():
+    assert parse_update({"trace_rate": None, "trace_level": None}, True) == {"rate": None, "level": None}
+    assert parse_update({"trace_rate": [], "trace_level": []}, False) == {"rate": None, "level": None}
+    assert _error(lambda: parse_update({"trace_rate": ["1", "2"]}, False))[1] == "expect only 1 value for 'trace_rate'"
+    # Triton answers 500 "attempt to access JSON non-string as string": the request's fault.
+    assert _error(lambda: parse_update({"trace_rate": 5}, True))[0] == "INVALID_ARGUMENT"
+
+
+# ------------------------------------------------------------------ settings
+def test_a_model_follows_the_global_setting_where_it_sets_nothing(tmp_path):
+    t = _tracer(tmp_path)
+    assert t.settings() == {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
+                            "trace_file": str(tmp_path / "trace.json"), "trace_mode": "triton"}
+    t.update("m", {"rate": 2})
+    t.update("", {"level": ("TIMESTAMPS",), "count": 5})
+    assert (t.settings("m")["trace_rate"], t.settings("m")["trace_level"], t.settings("m")["trace_count"]) == \
+        ("2", ["TIMESTAMPS"], "5")
+    assert t.settings("other")["trace_rate"] == "1000"
+    t.update("m", {"rate": None})  # nothing of its own left: the global setting whole
+    assert t.settings("m") == t.settings()
+    t.update("", {"count": None, "level": None})  # back to the node's config
+    assert t.settings()["trace_count"] == "-1" and t.settings()["trace_level"] == ["OFF"]
+    t.close()
+
+
+def test_a_setting_that_would_trace_and_cannot_is_refused_as_triton_refuses_it(tmp_path):
+    nowhere = Tracer(Setting(), "")
+    assert _error(lambda: nowhere.update("", {"level": ("TIMESTAMPS",)}))[1] == \
+        "Attempting to set invalid trace setting :trace file name is not given"
+    t = _tracer(tmp_path)
+    assert _error(lambda: t.update("m", {"level": ("TIMESTAMPS",), "rate": 0}))[1] == \
+        "Attempting to set invalid trace setting :sample rate must be non-zero"
+    t.update("", {"rate": 0})  # allowed while it traces nothing
+    assert t.settings()["trace_rate"] == "0" and t.settings("m")["trace_level"] == ["OFF"]
+    nowhere.close()
+    t.close()
+
+
+# ------------------------------------------------------------------ sampling
+def test_every_rate_th_request_is_traced_while_the_count_lasts(tmp_path):
+    t = _tracer(tmp_path, **ON)
+    t.update("", {"rate": 3, "count": 2})
+    got = [t.sample("m", f"r{i}") for i in range(12)]
+    assert [i for i, tr in enumerate(got) if tr is not None] == [2, 5]  # the 3rd and 6th, then the count is spent
+    assert t.settings()["trace_count"] == "0" and [got[2].id, got[5].id] == [1, 2]
+    t.update("", {"count": -1, "level": ("OFF",)})
+    assert t.sample("m") is None
+    t.close()
+
+
+def test_off_costs_a_read_and_takes_no_lock(tmp_path, monkeypatch):
+    t = _tracer(tmp_path)
+    t.sample("m")  # its first look at the settings
+    import fcntl
+    monkeypatch.setattr(fcntl, "flock", lambda *a: pytest.fail("locked with tracing off"))
+    assert all(t.sample("m") is None for _ in range(100))
+    monkeypatch.undo()
+    t.close()
+
+
+def test_the_settings_count_and_ids_are_the_nodes_across_front_door_processes(tmp_path, shared_dir):
+    a = _tracer(tmp_path, shared_dir, **ON)
+    b = _tracer(tmp_path, shared_dir, **ON)  # a second process joining: it keeps the node's setting
+    a.update("", {"count": 3})
+    assert b.settings()["trace_count"] == "3"
+    traces = [a.sample("m"), b.sample("m"), a.sample("m"), b.sample("m"), a.sample("m")]
+    assert [tr.id if tr else None for tr in traces] == [1, 2, 3, None, None]
+    assert a.settings()["trace_count"] == b.settings()["trace_count"] == "0"
+    b.update("m", {"count": 1})  # the model's own count, seen by the other process
+    assert a.sample("m").id == 4 and a.sample("m") is None
+    a.close()
+    b.close()
+
+
+# ------------------------------------------------------------------ the trace file
+def _trace(tracer: Tracer, model: str = "m", rid: str = "") -> Trace:
+    tr = tracer.sample(model, rid)
+    tr.stamp("REQUEST_START", 10_000)
+    tr.stamp_reply(P.Timing(queue_us=5, compute_us=2, total_us=9, batch_size=1, path="cpu", worker="w",
+                            arrival_ns=15_000, dispatched_ns=20_000, done_ns=29_000, compute_end_ns=26_000))
+    tr.stamp("REQUEST_END", 30_000)
+    return tr
+
+
+def test_a_trace_is_tritons_records_and_the_file_a_json_array_after_each(tmp_path, shared_dir):
+    (tmp_path / "trace.json").write_text("an earlier run's")
+    a, b = _tracer(tmp_path, shared_dir, **ON), _tracer(tmp_path, shared_dir, **ON)
+    a.finish(_trace(a, rid="r1"))
+    records = json.loads((tmp_path / "trace.json").read_text())  # the node's first trace started it afresh
+    assert records == [{"id": 1, "model_name": "m", "model_version": 1, "request_id": "r1"},
+                       *({"id": 1, "timestamps": [{"name": n, "ns": ns}]} for n, ns in (
+                           ("REQUEST_START", 10_000), ("QUEUE_START", 15_000), ("COMPUTE_START", 20_000),
+                           ("COMPUTE_INPUT_END", 24_000), ("COMPUTE_OUTPUT_START", 26_000), ("COMPUTE_END", 29_000),
+                           ("REQUEST_END", 30_000)))]
+    b.finish(_trace(b))
+    records = json.loads((tmp_path / "trace.json").read_text())
+    assert len(records) == 16 and records[8] == {"id": 2, "model_name": "m", "model_version": 1}  # no empty id
+    a.close()
+    b.close()
+
+
+def test_the_dispatchers_times_are_never_placed_before_the_front_doors():
+    """Its arrival is the start of the step that read the request, which may precede its send."""
+    tr = Trace(1, "m", "", 0, "")
+    tr.stamp("REQUEST_START", 100)
+    tr.stamp_reply(P.Timing(queue_us=0, compute_us=50, total_us=0, batch_size=1, path="cpu", worker="w",
+                            arrival_ns=90, dispatched_ns=95, done_ns=120, compute_end_ns=400))
+    assert [ns for _, ns in tr.stamps] == [100, 100, 100, 100, 120, 120]
+    tr = Trace(2, "m", "", 0, "")
+    tr.stamp_reply(P.Timing(queue_us=0, compute_us=0, total_us=0, batch_size=1, path="cpu", worker="w"))
+    assert tr.stamps == []  # a dispatcher that sends no times
+
+
+def test_log_frequency_writes_every_n_traces_to_the_next_index_and_the_rest_at_close(tmp_path):
+    t = _tracer(tmp_path, **ON)
+    t.update("", {"log_frequency": 2})
+    for _ in range(5):
+        t.finish(_trace(t))
+    assert sorted(os.listdir(tmp_path)) == ["trace.json.0", "trace.json.1"]
+    t.close()
+    assert [len(json.loads((tmp_path / f"trace.json.{i}").read_text())) for i in range(3)] == [16, 16, 8]
+
+
+def test_a_trace_that_cannot_be_written_is_logged_not_raised(tmp_path, caplog):
+    t = Tracer(Setting(("TIMESTAMPS",), 1), str(tmp_path / "no-such-folder" / "trace.json"))
+    t.finish(_trace(t))
+    assert "could not be written" in caplog.text
+    t.close()
+
+
+# ------------------------------------------------------------------ through a node
+@pytest.fixture(scope="module")
+def traced_front_door(tmp_path_factory):
+    from test_kserve import _node_with_front_door
+
+    trace_file = tmp_path_factory.mktemp("trace") / "trace.json"
+    with _node_with_front_door(processes=2, trace_file=str(trace_file)) as fd:
+        fd.trace_file = trace_file
+        yield fd
+
+
+def _records(path) -> dict[int, dict]:
+    """The trace file's traces by id: {"head": its first record, "stamps": {name: ns}}."""
+    out: dict[int, dict] = {}
+    for r in json.loads(path.read_text()):
+        t = out.setdefault(r["id"], {"stamps": {}})
+        if "model_name" in r:
+            t["head"] = r
+        for s in r.get("timestamps", ()):
+            t["stamps"][s["name"]] = s["ns"]
+    return out
+
+
+def test_traced_requests_over_grpc_http_and_a_stream_carry_the_nodes_times_in_order(traced_front_door):
+    """Updated through one front-door process, the setting holds in the other too (each client
+    below is a new connection, which SO_REUSEPORT spreads over both)."""
+    fd = traced_front_door
+    g, h = tgrpc.InferenceServerClient(fd.grpc_url), thttp.InferenceServerClient(fd.http_url)
+    assert g.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}, as_json=True)
+    for _ in range(4):
+        s = thttp.InferenceServerClient(fd.http_url).get_trace_settings()
+        assert (s["trace_level"], s["trace_rate"], s["trace_file"]) == (["TIMESTAMPS"], "1", str(fd.trace_file))
+    gi, hi = tgrpc.InferInput("x", [3, 4], "FP32"), thttp.InferInput("x", [3, 4], "FP32")
+    gi.set_data_from_numpy(X)
+    hi.set_data_from_numpy(X)
+    g.infer("sum", [gi], request_id="grpc")
+    h.infer("sum", [hi], request_id="http")
+    answers = []
+    g.start_stream(callback=lambda result, error: answers.append((result, error)))
+    g.async_stream_infer("sum", [gi], request_id="stream")
+    g.stop_stream()  # (waits for the stream's answers)
+    assert answers and answers[0][1] is None
+    wrong = thttp.InferInput("x", [3, 5], "FP32")
+    wrong.set_data_from_numpy(np.zeros((3, 5), np.float32))
+    with pytest.raises(InferenceServerException):
+        h.infer("sum", [wrong])
+    g.update_trace_settings(settings={"trace_level": ["OFF"]})
+    traces = {t["head"].get("request_id", ""): t for t in _records(fd.trace_file).values()}
+    assert set(traces) == {"grpc", "http", "stream", ""} and {t["head"]["model_name"] for t in traces.values()} == {"sum"}
+    node = ("REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START",
+            "COMPUTE_END", "REQUEST_END", "INFER_RESPONSE_COMPLETE")
+    for rid, proto in (("grpc", "GRPC"), ("stream", "GRPC"), ("http", "HTTP")):
+        first, last = (("GRPC_WAITREAD_END",) if proto == "GRPC" else ("HTTP_RECV_START", "HTTP_RECV_END"),
+                       (f"{proto}_SEND_START", f"{proto}_SEND_END"))
+        stamps = traces[rid]["stamps"]
+        order = [*first, *node, *last]
+        assert [stamps[n] for n in order] == sorted(stamps[n] for n in order), (rid, stamps)
+        assert stamps[order[-1]] - stamps[order[0]] < 60e9
+    # The refused request: its front door's times, none of the node's.
+    assert {"HTTP_RECV_START", "HTTP_SEND_END"} <= set(traces[""]["stamps"]) and \
+        "QUEUE_START" not in traces[""]["stamps"]
+
+
+def test_trace_settings_of_a_model_the_node_lacks_are_tritons_error(traced_front_door):
+    fd = traced_front_door
+    with pytest.raises(InferenceServerException, match="Request for unknown model : nope") as e:
+        thttp.InferenceServerClient(fd.http_url).get_trace_settings("nope")
+    assert e.value.status() == "400"
+    with pytest.raises(InferenceServerException, match="Request for unknown model : nope") as e:
+        tgrpc.InferenceServerClient(fd.grpc_url).update_trace_settings("nope", {"trace_rate": "2"})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException, match="can not be updated") as e:
+        thttp.InferenceServerClient(fd.http_url).update_trace_settings(settings={"trace_file": "/tmp/elsewhere"})
+    assert e.value.status() == "501"
