@@ -67,7 +67,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     # which also holds the node's statistics and trace setting.
     shm = open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port), os.environ.get(NODE_INSTANCE_ENV, ""))
     tracer = Tracer(Setting((fe.trace_level,), fe.trace_rate, fe.trace_count, fe.trace_log_frequency), fe.trace_file,
-                    shm.dir_fd)
+                    shm.dir_fd, node_clock=not over_tcp)
     core = KServeCore(client, shm, default_timeout_s=node.dispatcher.default_timeout_s,
                       strict_readiness=fe.strict_readiness, llm_models=frozenset(m.name for m in node.llm_models),
                       tracer=tracer)

@@ -654,7 +654,8 @@ class KServeCore:
             raise
         finally:
             if trace is not None:
-                trace.stamp_reply(out.timing if out is not None else None)
+                # (the dispatcher's times, where they are on this host's clock)
+                trace.stamp_reply(out.timing if out is not None and self.tracer.node_clock else None)
                 trace.stamp("REQUEST_END")
         if reply is None:
             answer = out

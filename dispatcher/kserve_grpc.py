@@ -319,23 +319,20 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---------------------------------------------------------------- inference
     async def ModelInfer(self, request, context):
-        trace = self._trace(request)
-        if trace is None:
-            return await self._call(context, self._infer(request, context))
-        context.add_done_callback(lambda _: self._sent(trace))  # (an error's answer too)
-        answer = await self._call(context, self._infer(request, context, trace=trace))
-        trace.stamp("GRPC_SEND_START")
+        traced: list = []  # the request's trace, once its model is known and its setting samples it
+        answer = await self._call(context, self._infer(request, context, traced=traced, read=time.monotonic_ns()))
+        if traced:
+            traced[0].stamp("GRPC_SEND_START")  # (an error's answer: at its call's end, _sent)
         return answer
 
-    def _trace(self, request) -> Optional[Trace]:
+    def _trace(self, request, read: int) -> Optional[Trace]:
         """The request's trace when its trace setting samples it. gRPC hands the handler a whole
-        request: its wait for it, Triton's GRPC_WAITREAD, is not seen here, and both ends are
-        the handler's start."""
+        request (``read``: the handler's start): its wait for it, Triton's GRPC_WAITREAD, is not
+        seen here, and both ends are that instant."""
         trace = self.core.tracer.sample(request.model_name, request.id)
         if trace is not None:
-            now = time.monotonic_ns()
-            trace.stamp("GRPC_WAITREAD_START", now)
-            trace.stamp("GRPC_WAITREAD_END", now)
+            trace.stamp("GRPC_WAITREAD_START", read)
+            trace.stamp("GRPC_WAITREAD_END", read)
         return trace
 
     def _sent(self, trace: Trace) -> None:
@@ -383,9 +380,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         traces: dict = {}  # each traced request's task -> its trace
 
-        async def answer(request, trace):
+        async def answer(request, read: int):
+            traced: list = []
             try:
-                return await self._infer(request, context, stream=True, trace=trace)
+                return await self._infer(request, context, stream=True, traced=traced, read=read)
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
                 if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
                     log.exception("stream request for model %r failed", request.model_name)
@@ -393,15 +391,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 return _stream_error(service_pb2.ModelInferResponse(
                     model_name=request.model_name, id=request.id, model_version=request.model_version),
                     as_kserve(e).message)
+            finally:
+                if traced:  # for the writer below (or, should the stream end first, its end)
+                    traces[asyncio.current_task()] = traced[0]
 
         async def read():
             nonlocal limit
             try:
                 async for request in request_iterator:
-                    trace = self._trace(request)
-                    task = asyncio.ensure_future(answer(request, trace))
-                    if trace is not None:
-                        traces[task] = trace
+                    task = asyncio.ensure_future(answer(request, time.monotonic_ns()))
                     nbytes, batch = _stream_reservation(request, self.core.client.specs)
                     limit = max(limit, batch)
                     hold(task, nbytes)
@@ -435,11 +433,18 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             for trace in traces.values():  # requests the stream ended before answering
                 self.core.tracer.finish(trace)
 
-    async def _infer(self, request, context, stream: bool = False, trace: Optional[Trace] = None) -> InferAnswer:
+    async def _infer(self, request, context, stream: bool = False, traced: Optional[list] = None,
+                     read: int = 0) -> InferAnswer:
         """The answer to ``request`` (``stream``: on ModelStreamInfer); one past the send limit is
-        an error, which counts the request failed. ``trace``: the request's, when it is traced."""
+        an error, which counts the request failed. ``traced``: gets the request's trace, when its
+        setting samples it (``read``: when the handler had it)."""
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
+        trace = None if traced is None else self._trace(request, read)  # (as Triton: known models only)
+        if trace is not None:
+            traced.append(trace)
+            if not stream:
+                context.add_done_callback(lambda _: self._sent(trace))  # (an error's answer too)
         shm = self.core.shm
         uid = self._uid(context) if _uses_shm(request) else None
         inputs: dict[str, np.ndarray] = {}

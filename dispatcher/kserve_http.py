@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from typing import Optional
 
 import msgspec
@@ -30,7 +31,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_shm import close_outputs
-from .kserve_trace import Trace, parse_update
+from .kserve_trace import parse_update
 from .tcp_peer import peer_uid
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -326,9 +327,8 @@ class KServeHttp:
             if request.method == "POST":
                 body = await read_body(request, MAX_JSON_BYTES)
                 settings = decode_json(body) if bytes(body).strip() else {}  # an empty body asks nothing
-                if not isinstance(settings, dict):
-                    raise invalid("the trace setting request must be a JSON object")
-                tracer.update(model, parse_update(settings, http=True))
+                if isinstance(settings, dict):  # (Triton finds no setting in any other JSON value)
+                    tracer.update(model, parse_update(settings, http=True))
             return web.json_response(tracer.settings(model))
         except (KServeError, *MALFORMED) as e:
             return _error(as_kserve(e, "trace setting request"))
@@ -374,30 +374,31 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- inference
     async def infer(self, request):
-        trace = self.core.tracer.sample(request.match_info["model"])
-        if trace is None:
-            try:
-                return await self._infer(request)
-            except (KServeError, *MALFORMED) as e:
-                return _error(as_kserve(e))
-        trace.stamp("HTTP_RECV_START")  # (aiohttp has read the headers)
+        traced: list = []  # the request's trace, once its model is known and its setting samples it
+        received = time.monotonic_ns()  # (aiohttp has read the headers)
         try:
             try:
-                response = await self._infer(request, trace)
+                response = await self._infer(request, traced, received)
             except (KServeError, *MALFORMED) as e:
                 response = _error(as_kserve(e))
-            # Sent here, not by aiohttp after the return, to see when it is done.
-            trace.stamp("HTTP_SEND_START")
-            await response.prepare(request)
-            await response.write_eof()
-            trace.stamp("HTTP_SEND_END")
+            if traced:
+                # Sent here, not by aiohttp after the return, to see when it is done.
+                traced[0].stamp("HTTP_SEND_START")
+                await response.prepare(request)
+                await response.write_eof()
+                traced[0].stamp("HTTP_SEND_END")
             return response
         finally:
-            self.core.tracer.finish(trace)
+            if traced:
+                self.core.tracer.finish(traced[0])
 
-    async def _infer(self, request, trace: Optional[Trace] = None) -> web.Response:
+    async def _infer(self, request, traced: list, received: int) -> web.Response:
         model = request.match_info["model"]
         spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
+        trace = self.core.tracer.sample(model)  # (as Triton: a model it does not serve is not traced)
+        if trace is not None:
+            traced.append(trace)
+            trace.stamp("HTTP_RECV_START", received)
         body = await read_body(request, MAX_JSON_BYTES + batch_input_bytes(spec))
         if trace is not None:
             trace.stamp("HTTP_RECV_END")

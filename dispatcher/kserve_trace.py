@@ -43,10 +43,11 @@ OFF, TIMESTAMPS, TENSORS = "OFF", "TIMESTAMPS", "TENSORS"
 FIELDS = ("level", "rate", "count", "log_frequency")
 # Triton's names of them in the API (trace_file and trace_mode are answered, never set).
 API_NAMES = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count", "log_frequency": "log_frequency"}
-STATE_FILE = "trace"  # in the registry directory
+STATE_FILE = "trace"  # in the registry directory: the header
+SETTINGS_FILE = "trace-setting.json"  # beside it, replaced whole at each change (a kill mid-write leaves the old one)
 HEADER = 4  # int64s before the settings' JSON: generation, last trace id, next file index, file started
 GEN, LAST_ID, NEXT_INDEX, STARTED = range(HEADER)
-_INT = re.compile(r"\s*[+-]?\d+")  # what C++'s std::stoi reads of a string (its prefix)
+_INT = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")  # what C++'s std::stoi reads of a string (its prefix; ASCII only)
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
@@ -187,10 +188,18 @@ class Tracer:
     ``default``: the config's setting (the global one at the node's start, and what clearing a
     global field goes back to); ``file``: where traces are written ("" : nowhere, so no level
     but OFF can be set); ``dir_fd``: the node's registry directory, or None for this process's
-    own settings."""
+    own settings (a front door whose registry is its own: its traces then go to
+    ``file``.pid-<pid>, where another such process cannot overwrite them). ``node_clock``: the
+    dispatcher's times are on this host's clock (an ipc endpoint); over tcp they are left out.
+    """
 
-    def __init__(self, default: Setting = Setting(), file: str = "", dir_fd: Optional[int] = None):
-        self.default, self.file = default, file
+    def __init__(self, default: Setting = Setting(), file: str = "", dir_fd: Optional[int] = None,
+                 node_clock: bool = True):
+        self.default, self.node_clock = default, node_clock
+        self.file = f"{file}.pid-{os.getpid()}" if file and dir_fd is None else file
+        self._dir_fd = dir_fd
+        self._local = b""  # the settings, where the process keeps its own
+        self._closed = False
         if dir_fd is None:
             self._fd = os.memfd_create("batchyard-trace", os.MFD_CLOEXEC)
         else:
@@ -198,8 +207,7 @@ class Tracer:
                                dir_fd=dir_fd)
         with self._locked():
             if os.fstat(self._fd).st_size < HEADER * 8:  # the node's first front door: the config's setting
-                os.ftruncate(self._fd, 0)
-                os.pwrite(self._fd, bytes(HEADER * 8), 0)
+                os.ftruncate(self._fd, HEADER * 8)
                 self._write({"global": default.to_json(), "specified": [], "models": {}})
         self._map = mmap.mmap(self._fd, HEADER * 8)
         self._header = np.ndarray(HEADER, np.int64, buffer=self._map)
@@ -219,13 +227,23 @@ class Tracer:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _read(self) -> dict:
-        size = os.fstat(self._fd).st_size
-        return json.loads(os.pread(self._fd, size - HEADER * 8, HEADER * 8))
+        if self._dir_fd is None:
+            return json.loads(self._local)
+        fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            return json.loads(f.read())
 
     def _write(self, state: dict) -> None:
         data = json.dumps(state).encode()
-        os.pwrite(self._fd, data, HEADER * 8)
-        os.ftruncate(self._fd, HEADER * 8 + len(data))
+        if self._dir_fd is None:
+            self._local = data
+            return
+        tmp = f"{SETTINGS_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self._dir_fd)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, SETTINGS_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def _publish(self, state: dict) -> None:
         """Under the lock: new settings, then their generation, which tells the other processes.
@@ -287,11 +305,11 @@ class Tracer:
                         g[k] = list(v) if k == "level" else v
                         specified.add(k)
                 s = _setting(g)
-            if s.level != (OFF,):
+            if s.level != (OFF,) and (s.rate == 0 or not self.file or s.count == 0):
+                # Triton's reasons; a spent count (0) is invalid too, with none given
                 why = ("sample rate must be non-zero" if s.rate == 0 else
                        "trace file name is not given" if not self.file else "")
-                if why:
-                    raise invalid(f"Attempting to set invalid trace setting :{why}")
+                raise invalid(f"Attempting to set invalid trace setting :{why}")
             if model:
                 if mine:
                     state["models"][model] = mine
@@ -307,6 +325,8 @@ class Tracer:
         """A trace for this request when its setting samples it (Triton's SampleTrace: every
         ``rate``-th request this process sees under the setting, while its count lasts), else
         None. Costs a shared-memory read when nothing is traced."""
+        if self._closed:
+            return None
         if int(self._header[GEN]) != self._gen:
             self._refresh()
         if not self._on:
@@ -338,7 +358,10 @@ class Tracer:
     def finish(self, trace: Trace) -> None:
         """The trace is complete: appended to the trace file now, or held until its setting's
         log_frequency of them are, then written to the file's next index. A failed write is
-        logged, never the request's failure."""
+        logged, never the request's failure. (One that ends after the front door closed this,
+        a request cancelled late in its stop, is dropped.)"""
+        if self._closed:
+            return
         try:
             if trace.log_frequency == 0:
                 self._append(trace.json())
@@ -388,6 +411,9 @@ class Tracer:
 
     def close(self) -> None:
         """Writes what this process holds (Triton writes a setting's traces when it ends)."""
+        if self._closed:
+            return
+        self._closed = True
         self._write_held()
         self._header = None  # (its view of the map, which would keep the map from closing)
         with contextlib.suppress(BufferError):

@@ -133,6 +133,8 @@ class Dispatcher:
         self._socket_files.append(transport.bind(self.frontend, cfg.frontend, cfg, frontend=True))
         self._socket_files.append(transport.bind(self.backend, cfg.backend, cfg, frontend=False))
         self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
+        # A worker's own clock is this host's only over ipc (its compute_end_ns, in replies' timing).
+        self.workers_on_host = not transport.is_tcp(cfg.backend)
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
         self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
@@ -490,7 +492,7 @@ class Dispatcher:
                               total_us=int((now - req.arrival) * 1e6), batch_size=batch.items, path=path,
                               worker=msg.worker, simulated=simulated, arrival_ns=int(req.arrival * 1e9),
                               dispatched_ns=int(req.dispatched_at * 1e9), done_ns=int(now * 1e9),
-                              compute_end_ns=msg.compute_end_ns)
+                              compute_end_ns=msg.compute_end_ns if self.workers_on_host else 0)
             if status == Status.OK:
                 served = True
                 metrics.request_ok(req.model, path, req.asked_priority, req.items, timing.queue_us, timing.compute_us,

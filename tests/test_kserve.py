@@ -671,7 +671,7 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
         if model == "fast":
             model_done.set()
 
-        async def infer(request, context, stream=False, trace=None):  # outputs in the pool
+        async def infer(request, context, stream=False, **_):  # outputs in the pool
             await model_done.wait()
             head = service_pb2.ModelInferResponse(model_name="sum", id=request.id)
             return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
@@ -730,7 +730,7 @@ def test_a_stream_may_always_hold_a_full_batch_of_its_model_and_counts_shapes_wi
     async def main():
         never = asyncio.Event()
 
-        async def infer(request, context, stream=False, trace=None):  # a slow model: nothing answered yet
+        async def infer(request, context, stream=False, **_):  # a slow model: nothing answered yet
             await never.wait()
 
         servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs=specs),

@@ -72,8 +72,8 @@ def test_clearing_a_setting_is_null_over_http_and_no_values_over_grpc():
 
 
 # ------------------------------------------------------------------ settings
-def test_a_model_follows_the_global_setting_where_it_sets_nothing(tmp_path):
-    t = _tracer(tmp_path)
+def test_a_model_follows_the_global_setting_where_it_sets_nothing(tmp_path, shared_dir):
+    t = _tracer(tmp_path, shared_dir)
     assert t.settings() == {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
                             "trace_file": str(tmp_path / "trace.json"), "trace_mode": "triton"}
     t.update("m", {"rate": 2})
@@ -89,6 +89,7 @@ def test_a_model_follows_the_global_setting_where_it_sets_nothing(tmp_path):
 
 
 def test_a_setting_that_would_trace_and_cannot_is_refused_as_triton_refuses_it(tmp_path):
+    """Triton 2.51's reasons; a count of 0 (set, or spent) has none."""
     nowhere = Tracer(Setting(), "")
     assert _error(lambda: nowhere.update("", {"level": ("TIMESTAMPS",)}))[1] == \
         "Attempting to set invalid trace setting :trace file name is not given"
@@ -97,6 +98,13 @@ def test_a_setting_that_would_trace_and_cannot_is_refused_as_triton_refuses_it(t
         "Attempting to set invalid trace setting :sample rate must be non-zero"
     t.update("", {"rate": 0})  # allowed while it traces nothing
     assert t.settings()["trace_rate"] == "0" and t.settings("m")["trace_level"] == ["OFF"]
+    assert _error(lambda: t.update("", {"level": ("TIMESTAMPS",), "rate": 1, "count": 0}))[1] == \
+        "Attempting to set invalid trace setting :"
+    t.update("", {"level": ("TIMESTAMPS",), "rate": 1, "count": 1})
+    t.sample("m")  # the count spent: the setting, and a model's that follows it, cannot change now but to trace again
+    assert _error(lambda: t.update("", {"rate": 2}))[0] == _error(lambda: t.update("m", {"rate": 3}))[0] == \
+        "INVALID_ARGUMENT"
+    t.update("", {"count": 5})
     nowhere.close()
     t.close()
 
@@ -176,12 +184,12 @@ def test_the_dispatchers_times_are_never_placed_before_the_front_doors():
     assert tr.stamps == []  # a dispatcher that sends no times
 
 
-def test_log_frequency_writes_every_n_traces_to_the_next_index_and_the_rest_at_close(tmp_path):
-    t = _tracer(tmp_path, **ON)
+def test_log_frequency_writes_every_n_traces_to_the_next_index_and_the_rest_at_close(tmp_path, shared_dir):
+    t = _tracer(tmp_path, shared_dir, **ON)
     t.update("", {"log_frequency": 2})
     for _ in range(5):
         t.finish(_trace(t))
-    assert sorted(os.listdir(tmp_path)) == ["trace.json.0", "trace.json.1"]
+    assert sorted(os.listdir(tmp_path)) == ["registry", "trace.json.0", "trace.json.1"]
     t.close()
     assert [len(json.loads((tmp_path / f"trace.json.{i}").read_text())) for i in range(3)] == [16, 16, 8]
 
@@ -190,7 +198,25 @@ def test_a_trace_that_cannot_be_written_is_logged_not_raised(tmp_path, caplog):
     t = Tracer(Setting(("TIMESTAMPS",), 1), str(tmp_path / "no-such-folder" / "trace.json"))
     t.finish(_trace(t))
     assert "could not be written" in caplog.text
+    late = _trace(t)
     t.close()
+    t.finish(late)  # a request that ended after the front door closed this: dropped, not raised
+    assert t.sample("m") is None
+
+
+def test_a_front_door_with_a_registry_of_its_own_writes_traces_no_other_can_overwrite(tmp_path):
+    """Its registry its own (another user made the node's first), its setting is its own too:
+    sharing the file, two such processes each truncated it and numbered traces from 1."""
+    t = _tracer(tmp_path, **ON)
+    t.finish(_trace(t))
+    assert t.settings()["trace_file"] == str(tmp_path / f"trace.json.pid-{os.getpid()}")
+    assert len(json.loads((tmp_path / f"trace.json.pid-{os.getpid()}").read_text())) == 8
+    t.close()
+
+
+def test_numbers_are_read_as_c_reads_them_not_as_python_reads_unicode():
+    for text in ("\u0663", "\xa05"):  # Arabic-Indic 3; a no-break space then 5: Triton refuses both
+        assert _error(lambda: parse_update({"trace_rate": text}, True))[0] == "INVALID_ARGUMENT"
 
 
 # ------------------------------------------------------------------ through a node
@@ -254,6 +280,23 @@ def test_traced_requests_over_grpc_http_and_a_stream_carry_the_nodes_times_in_or
     # The refused request: its front door's times, none of the node's.
     assert {"HTTP_RECV_START", "HTTP_SEND_END"} <= set(traces[""]["stamps"]) and \
         "QUEUE_START" not in traces[""]["stamps"]
+
+
+def test_requests_for_a_model_the_node_lacks_are_not_traced(traced_front_door):
+    """As Triton: they spent the node's trace count, and wrote any name a client chose."""
+    fd = traced_front_door
+    g, h = tgrpc.InferenceServerClient(fd.grpc_url), thttp.InferenceServerClient(fd.http_url)
+    g.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "2"})
+    gi, hi = tgrpc.InferInput("x", [3, 4], "FP32"), thttp.InferInput("x", [3, 4], "FP32")
+    gi.set_data_from_numpy(X)
+    hi.set_data_from_numpy(X)
+    for call in (lambda: g.infer("nope", [gi]), lambda: h.infer("nope", [hi])):
+        with pytest.raises(InferenceServerException):
+            call()
+    assert h.get_trace_settings()["trace_count"] == "2"
+    g.infer("sum", [gi], request_id="after-nope")
+    g.update_trace_settings(settings={"trace_level": ["OFF"], "trace_count": "-1"})
+    assert "nope" not in {t["head"]["model_name"] for t in _records(fd.trace_file).values()}
 
 
 def test_trace_settings_of_a_model_the_node_lacks_are_tritons_error(traced_front_door):
