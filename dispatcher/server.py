@@ -133,8 +133,7 @@ class Dispatcher:
         self._socket_files.append(transport.bind(self.frontend, cfg.frontend, cfg, frontend=True))
         self._socket_files.append(transport.bind(self.backend, cfg.backend, cfg, frontend=False))
         self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
-        # A worker's own clock is this host's only over ipc (its compute_end_ns, in replies' timing).
-        self.workers_on_host = not transport.is_tcp(cfg.backend)
+        self.workers_on_host = self._workers_on_host(cfg)
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
         self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
@@ -193,6 +192,12 @@ class Dispatcher:
         self.timer.close()
         if self.stopped is not None and not self.stopped.done():
             self.stopped.set_result(None)
+
+    @staticmethod
+    def _workers_on_host(cfg) -> bool:
+        """Whether the workers' clocks are this host's (an ipc endpoint): their compute_end_ns is
+        passed on in replies' timing only then (the front door's traces place it beside its own)."""
+        return not transport.is_tcp(cfg.backend)
 
     # ------------------------------------------------------------------ the step
     def _on_timer(self) -> None:

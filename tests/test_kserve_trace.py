@@ -310,3 +310,60 @@ def test_trace_settings_of_a_model_the_node_lacks_are_tritons_error(traced_front
     with pytest.raises(InferenceServerException, match="can not be updated") as e:
         thttp.InferenceServerClient(fd.http_url).update_trace_settings(settings={"trace_file": "/tmp/elsewhere"})
     assert e.value.status() == "501"
+
+
+@pytest.mark.parametrize("node_clock", [True, False])
+def test_the_dispatchers_times_are_left_out_when_they_come_from_another_hosts_clock(tmp_path, node_clock):
+    """A front door that reaches its dispatcher over tcp: the dispatcher's CLOCK_MONOTONIC is
+    another host's, and placed beside the front door's its times said nothing."""
+    import asyncio
+
+    from batchyard.kserve_common import KServeCore
+    from batchyard.kserve_shm import ShmRegions
+
+    spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
+    timing = P.Timing(queue_us=1, compute_us=1, total_us=3, batch_size=1, path="cpu", worker="w",
+                      arrival_ns=10**15, dispatched_ns=10**15 + 1000, done_ns=10**15 + 3000, compute_end_ns=10**15 + 2000)
+
+    class FakeClient:
+        specs = {"m": spec}
+
+        async def infer(self, model, inputs, priority, timeout):
+            return type("Out", (), {"timing": timing, "__getitem__": lambda self, k: np.zeros((1, 2))})()
+
+    tracer = Tracer(Setting(("TIMESTAMPS",), 1), str(tmp_path / "trace.json"), node_clock=node_clock)
+    core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")), tracer=tracer)
+    try:
+        trace = tracer.sample("m")
+        asyncio.run(core.infer("m", {"x": np.zeros((1, 2), np.float32)}, trace=trace))
+    finally:
+        core.close()
+    names = [n for n, _ in trace.stamps]
+    assert names[:1] + names[-2:] == ["REQUEST_START", "REQUEST_END", "INFER_RESPONSE_COMPLETE"]
+    assert ("QUEUE_START" in names) == ("COMPUTE_INPUT_END" in names) == node_clock
+
+
+def test_a_dispatcher_reaching_its_workers_over_tcp_sends_no_worker_clock():
+    from batchyard.config import DispatcherConfig
+    from batchyard.server import Dispatcher
+
+    for backend, on_host in (("ipc:///tmp/x", True), ("tcp://127.0.0.1:5555", False)):
+        cfg = DispatcherConfig(frontend="ipc:///tmp/fe", backend=backend)
+        assert Dispatcher._workers_on_host(cfg) is on_host, backend
+
+
+def test_the_nodes_setting_is_replaced_whole_so_a_process_killed_writing_it_leaves_the_last_one(tmp_path, shared_dir,
+                                                                                             monkeypatch):
+    a = _tracer(tmp_path, shared_dir, **ON)
+    a.update("", {"rate": 7})
+
+    def killed(*args, **kw):  # the process dies between writing the new setting and putting it in place
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        a.update("", {"rate": 9})
+    monkeypatch.undo()
+    b = _tracer(tmp_path, shared_dir, **ON)
+    assert b.settings()["trace_rate"] == "7"
+    a.close()
+    b.close()
