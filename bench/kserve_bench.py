@@ -15,7 +15,8 @@
               a bare server of the same protocol (grpc.aio or aiohttp on uvloop, a fixed reply,
               no Batchyard) under the same load: what the protocol library alone costs. With
               --trace-rate N, the front door traces one request in N (level TIMESTAMPS, to a
-              file of the run's own): what Triton's trace extension costs.
+              file of the run's own, or kept at --trace-file for Triton's trace_summary.py):
+              what Triton's trace extension costs, and where a request's time goes.
   status      the dispatcher's CPU per status request, full and brief (what a readiness probe
               asks), against a model-info request, after --fill requests have filled the
               decision-lateness rings the full status summarises.
@@ -32,7 +33,7 @@
 
     .venv/bin/python -m batchyard.bench.kserve_bench latency --n 2000
     .venv/bin/python -m batchyard.bench.kserve_bench throughput --processes 1 2 4 --seconds 5
-    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads] [--floor] [--trace-rate 1]
+    .venv/bin/python -m batchyard.bench.kserve_bench cpu --rate 40 --seconds 15 --protocol grpc [--threads] [--floor] [--trace-rate 1 [--trace-file /tmp/trace.json]]
     .venv/bin/python -m batchyard.bench.kserve_bench status --fill 70000 --n 1000
     .venv/bin/python -m batchyard.bench.kserve_bench stall --mib 62 --n 3
     .venv/bin/python -m batchyard.bench.kserve_bench stall --classes 2147483647 --items 4 --n 3
@@ -286,14 +287,16 @@ def _cpu_per_request(procs: dict, url: str, protocol: str, rate: float, seconds:
     return n, per_s, out
 
 
-def cpu(rate: float, seconds: float, protocol: str, threads: bool = False, trace_rate: int = 0) -> None:
+def cpu(rate: float, seconds: float, protocol: str, threads: bool = False, trace_rate: int = 0,
+        trace_file: str = "") -> None:
     import msgspec
 
     with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as d:
         node = noop_node(d, 1)
         if trace_rate:
             node = msgspec.structs.replace(node, frontend=msgspec.structs.replace(
-                node.frontend, trace_file=f"{d}/trace.json", trace_level="TIMESTAMPS", trace_rate=trace_rate))
+                node.frontend, trace_file=os.path.abspath(trace_file) if trace_file else f"{d}/trace.json",
+                trace_level="TIMESTAMPS", trace_rate=trace_rate))
         with running_node(node) as sup:
             port = node.frontend.grpc_port if protocol == "grpc" else node.frontend.http_port
             n, per_s, per = _cpu_per_request(_node_processes(sup), f"127.0.0.1:{port}", protocol, rate, seconds,
@@ -536,6 +539,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", action="store_true", help="also each process's threads, by thread name")
     p.add_argument("--floor", action="store_true", help="also a bare server of the protocol, no Batchyard")
     p.add_argument("--trace-rate", type=int, default=0, help="trace one request in this many (0: tracing off)")
+    p.add_argument("--trace-file", default="", help="with --trace-rate: keep the traces here")
     p = sub.add_parser("status")
     p.add_argument("--fill", type=int, default=70_000)
     p.add_argument("--n", type=int, default=1000)
@@ -558,7 +562,7 @@ def main(argv=None) -> None:
     elif a.cmd == "latency":
         latency(a.n)
     elif a.cmd == "cpu":
-        cpu(a.rate, a.seconds, a.protocol, a.threads, a.trace_rate)
+        cpu(a.rate, a.seconds, a.protocol, a.threads, a.trace_rate, a.trace_file)
         if a.floor:
             floor(a.rate, a.seconds, a.protocol)
     else:
