@@ -378,10 +378,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     and (size := _held_bytes(task.result())) > reserved[task]):
                 hold(task, size)
 
-        traces: dict = {}  # each traced request's task -> its trace
+        traces: dict = {}  # each request's task -> its trace, once sampled (a list of it)
 
-        async def answer(request, read: int):
-            traced: list = []
+        async def answer(request, read: int, traced: list):
             try:
                 return await self._infer(request, context, stream=True, traced=traced, read=read)
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
@@ -391,15 +390,14 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 return _stream_error(service_pb2.ModelInferResponse(
                     model_name=request.model_name, id=request.id, model_version=request.model_version),
                     as_kserve(e).message)
-            finally:
-                if traced:  # for the writer below (or, should the stream end first, its end)
-                    traces[asyncio.current_task()] = traced[0]
 
         async def read():
             nonlocal limit
             try:
                 async for request in request_iterator:
-                    task = asyncio.ensure_future(answer(request, time.monotonic_ns()))
+                    traced: list = []  # (known from the start: a stream cancelled before the answer lost it)
+                    task = asyncio.ensure_future(answer(request, time.monotonic_ns(), traced))
+                    traces[task] = traced
                     nbytes, batch = _stream_reservation(request, self.core.client.specs)
                     limit = max(limit, batch)
                     hold(task, nbytes)
@@ -414,7 +412,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             while (task := await order.get()) is not None:
                 message = await task
-                trace = traces.pop(task, None)
+                traced = traces.pop(task)
+                trace = traced[0] if traced else None
                 if trace is None:
                     yield message
                 else:
@@ -430,8 +429,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             for task in (reader, *running):
                 task.cancel()
-            for trace in traces.values():  # requests the stream ended before answering
-                self.core.tracer.finish(trace)
+            for traced in traces.values():  # requests the stream ended before answering
+                for trace in traced:
+                    self.core.tracer.finish(trace)
 
     async def _infer(self, request, context, stream: bool = False, traced: Optional[list] = None,
                      read: int = 0) -> InferAnswer:

@@ -326,9 +326,9 @@ class KServeHttp:
                 raise invalid(f"Request for unknown model : {model}")
             if request.method == "POST":
                 body = await read_body(request, MAX_JSON_BYTES)
-                settings = decode_json(body) if bytes(body).strip() else {}  # an empty body asks nothing
-                if isinstance(settings, dict):  # (Triton finds no setting in any other JSON value)
-                    tracer.update(model, parse_update(settings, http=True))
+                settings = decode_json(body) if bytes(body).strip() else {}
+                # Triton finds no field in JSON that is no object, and makes the setting anew all the same.
+                tracer.update(model, parse_update(settings if isinstance(settings, dict) else {}, http=True))
             return web.json_response(tracer.settings(model))
         except (KServeError, *MALFORMED) as e:
             return _error(as_kserve(e, "trace setting request"))

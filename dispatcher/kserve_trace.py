@@ -200,6 +200,7 @@ class Tracer:
         self._dir_fd = dir_fd
         self._local = b""  # the settings, where the process keeps its own
         self._closed = False
+        self._last_error = ""
         if dir_fd is None:
             self._fd = os.memfd_create("batchyard-trace", os.MFD_CLOEXEC)
         else:
@@ -208,7 +209,7 @@ class Tracer:
         with self._locked():
             if os.fstat(self._fd).st_size < HEADER * 8:  # the node's first front door: the config's setting
                 os.ftruncate(self._fd, HEADER * 8)
-                self._write({"global": default.to_json(), "specified": [], "models": {}})
+                self._write(self._initial())
         self._map = mmap.mmap(self._fd, HEADER * 8)
         self._header = np.ndarray(HEADER, np.int64, buffer=self._map)
         self._gen = -1
@@ -226,10 +227,20 @@ class Tracer:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    def _initial(self) -> dict:
+        return {"global": self.default.to_json(), "specified": [], "models": {}}
+
     def _read(self) -> dict:
+        """Under the lock. A setting that is not there (a front door killed between making the
+        header and the setting: every later request of the node failed on it) is the config's."""
         if self._dir_fd is None:
             return json.loads(self._local)
-        fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        try:
+            fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            state = self._initial()
+            self._write(state)
+            return state
         with os.fdopen(fd, "rb") as f:
             return json.loads(f.read())
 
@@ -269,6 +280,10 @@ class Tracer:
     # -------------------------------------------------------------- settings
     def settings(self, model: str = "") -> dict:
         """Triton's answer: the model's setting (the global one's where it has none of its own)."""
+        with _unreadable_as_internal():
+            return self._settings(model)
+
+    def _settings(self, model: str) -> dict:
         self._refresh()
         with self._locked():  # the counts as they are now (sampled traces take them down)
             state = self._read()
@@ -285,6 +300,10 @@ class Tracer:
         not set follows the global one; a global field cleared goes back to the config's; a
         model left with no field of its own follows the global setting whole. A setting that
         would trace and cannot is refused."""
+        with _unreadable_as_internal():
+            self._update(model, new)
+
+    def _update(self, model: str, new: dict) -> None:
         with self._locked():
             state = self._read()
             if model:
@@ -324,9 +343,20 @@ class Tracer:
     def sample(self, model: str, request_id: str = "") -> Optional[Trace]:
         """A trace for this request when its setting samples it (Triton's SampleTrace: every
         ``rate``-th request this process sees under the setting, while its count lasts), else
-        None. Costs a shared-memory read when nothing is traced."""
+        None. Costs a shared-memory read when nothing is traced. The node's setting that cannot
+        be read or written (its folder full: clients' shared-memory regions share /dev/shm) is
+        logged, and the request goes untraced: it failed INTERNAL."""
         if self._closed:
             return None
+        try:
+            return self._sample(model, request_id)
+        except (OSError, ValueError) as e:
+            if str(e) != self._last_error:  # (once a kind, not once a request)
+                self._last_error = str(e)
+                log.error("the node's trace setting could not be read or written; requests go untraced: %s", e)
+            return None
+
+    def _sample(self, model: str, request_id: str) -> Optional[Trace]:
         if int(self._header[GEN]) != self._gen:
             self._refresh()
         if not self._on:
@@ -369,8 +399,9 @@ class Tracer:
             held = self._held.setdefault((trace.owner, trace.log_frequency), [])
             held.append(trace.json())
             if len(held) >= trace.log_frequency:
-                self._write_index(held)
-                held.clear()
+                full = held[:]
+                held.clear()  # (written or not: held again, a failing disk grew them without bound)
+                self._write_index(full)
         except OSError as e:
             log.error("trace %d could not be written to %s: %s", trace.id, self.file, e)
 
@@ -378,17 +409,26 @@ class Tracer:
         """Onto the trace file, kept a JSON array after every write (Triton's closes its array at
         exit); the node's first trace starts the file afresh, as a Triton server's does."""
         with self._locked():
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            # (no link followed: a link planted where the file goes had another file truncated)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
             if not self._header[STARTED]:
                 flags |= os.O_TRUNC
             fd = os.open(self.file, flags, 0o640)
             try:
                 self._header[STARTED] = 1
                 size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) == b"]":
-                    os.pwrite(fd, f",{records}]".encode(), size - 1)
-                else:
-                    os.pwrite(fd, f"[{records}]".encode(), size)
+                closed = size and os.pread(fd, 1, size - 1) == b"]"
+                data = f",{records}]".encode() if closed else f"[{records}]".encode()
+                at = size - 1 if closed else size
+                try:
+                    if os.pwrite(fd, data, at) != len(data):  # a full disk writes part of it
+                        raise OSError(f"wrote part of the trace ({len(data)} bytes) only")
+                except OSError:
+                    # The file as it was, still a JSON array: a trace cut short left it none for good.
+                    os.ftruncate(fd, size)
+                    if closed:
+                        os.pwrite(fd, b"]", size - 1)
+                    raise
             finally:
                 os.close(fd)
 
@@ -396,7 +436,8 @@ class Tracer:
         with self._locked():
             index = int(self._header[NEXT_INDEX])
             self._header[NEXT_INDEX] += 1
-        fd = os.open(f"{self.file}.{index}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        fd = os.open(f"{self.file}.{index}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o640)
         with os.fdopen(fd, "w") as f:
             f.write("[" + ",".join(held) + "]")
 
@@ -419,6 +460,16 @@ class Tracer:
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)
+
+
+@contextlib.contextmanager
+def _unreadable_as_internal():
+    """The node's setting that cannot be read or written (its folder full) is INTERNAL with the
+    reason, not a traceback."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        raise KServeError(grpc.StatusCode.INTERNAL, f"the node's trace setting could not be read or written: {e}") from None
 
 
 def _effective(g: dict, mine: dict) -> dict:

@@ -367,3 +367,119 @@ def test_the_nodes_setting_is_replaced_whole_so_a_process_killed_writing_it_leav
     assert b.settings()["trace_rate"] == "7"
     a.close()
     b.close()
+
+
+# ------------------------------------------------------------------ failures (a second review's)
+def test_a_full_disk_leaves_the_trace_file_a_json_array_and_is_logged(tmp_path, shared_dir, monkeypatch, caplog):
+    t = _tracer(tmp_path, shared_dir, **ON)
+    t.finish(_trace(t))
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: real(fd, data[:10], at))  # ENOSPC part-way
+    t.finish(_trace(t))
+    monkeypatch.undo()
+    assert "could not be written" in caplog.text
+    t.finish(_trace(t))
+    assert [r["id"] for r in json.loads((tmp_path / "trace.json").read_text()) if "model_name" in r] == [1, 3]
+    t.close()
+
+
+def test_a_setting_that_cannot_be_written_leaves_requests_untraced_not_failed(tmp_path, shared_dir, monkeypatch,
+                                                                              caplog):
+    """Clients' shared-memory regions fill /dev/shm, where the node's setting lives: each traced
+    request failed INTERNAL with a traceback."""
+    t = _tracer(tmp_path, shared_dir, **ON)
+    t.update("", {"count": 5})
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", full)
+    assert [t.sample("m") for _ in range(3)] == [None] * 3
+    assert caplog.text.count("requests go untraced") == 1
+    assert _error(lambda: t.update("", {"count": 4})) == (
+        "INTERNAL", "the node's trace setting could not be read or written: [Errno 28] No space left on device")
+    monkeypatch.undo()
+    assert t.sample("m") is not None
+    t.close()
+
+
+def test_a_setting_missing_from_the_nodes_folder_is_the_configs_not_every_requests_failure(tmp_path, shared_dir):
+    """A front door killed between making the header and the setting left the header alone, and
+    the next one of the run failed every request on it."""
+    t = _tracer(tmp_path, shared_dir, rate=7)
+    os.unlink("trace-setting.json", dir_fd=shared_dir)
+    u = _tracer(tmp_path, shared_dir, rate=7)
+    assert u.sample("m") is None and u.settings()["trace_rate"] == "7"
+    t.close()
+    u.close()
+
+
+def test_a_link_planted_where_traces_go_is_not_followed(tmp_path, shared_dir, caplog):
+    (tmp_path / "precious").write_text("precious")
+    (tmp_path / "trace.json").symlink_to(tmp_path / "precious")
+    (tmp_path / "trace.json.0").symlink_to(tmp_path / "precious")
+    t = _tracer(tmp_path, shared_dir, **ON)
+    t.finish(_trace(t))
+    t.update("", {"log_frequency": 1})
+    t.finish(_trace(t))
+    assert (tmp_path / "precious").read_text() == "precious" and caplog.text.count("could not be written") == 2
+    t.close()
+
+
+def test_a_cancelled_stream_writes_the_traces_of_the_requests_it_had_read(tmp_path, shared_dir):
+    """Its requests' traces were known only when each answered: cancelled first, their traces
+    were lost, their count spent."""
+    import asyncio
+    import types
+
+    from tritonclient.grpc import service_pb2
+
+    from batchyard import kserve_grpc
+
+    tracer = _tracer(tmp_path, shared_dir, **ON)
+    spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (2,)),))
+    servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec}),
+                                                                tracer=tracer))
+
+    async def infer(request, context, stream=False, traced=None, read=0):  # sampled as the real one; never answers
+        traced.append(servicer._trace(request, read))
+        await asyncio.get_running_loop().create_future()
+    servicer._infer = infer
+
+    async def requests():
+        for i in range(3):
+            yield service_pb2.ModelInferRequest(model_name="sum", id=f"r{i}")
+        await asyncio.get_running_loop().create_future()  # a client that sends no more
+
+    async def main():
+        answers = servicer.ModelStreamInfer(requests(), None)
+        first = asyncio.ensure_future(anext(answers))
+        for _ in range(100):  # every turn the reader and the requests could take; no time passes
+            await asyncio.sleep(0)
+        first.cancel()  # the client cancels the stream
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    asyncio.run(main())
+    heads = [r for r in json.loads((tmp_path / "trace.json").read_text()) if "model_name" in r]
+    assert sorted(h["request_id"] for h in heads) == ["r0", "r1", "r2"]
+    tracer.close()
+
+
+def test_a_post_of_json_that_is_no_object_makes_the_setting_anew_as_tritons(traced_front_door):
+    """Triton 2.51 answers `[]`, `null` and `{}` alike: a setting made anew, refused once the
+    count is spent ("Attempting to set invalid trace setting :"); `[]` and `null` were 200 here."""
+    import urllib.error
+    import urllib.request
+
+    fd = traced_front_door
+    h = thttp.InferenceServerClient(fd.http_url)
+    h.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"})
+    hi = thttp.InferInput("x", [3, 4], "FP32")
+    hi.set_data_from_numpy(X)
+    h.infer("sum", [hi])  # the count spent
+    for body in (b"[]", b"null", b"{}"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(f"http://{fd.http_url}/v2/trace/setting", body,
+                                                          method="POST"), timeout=30)
+        assert (e.value.code, json.loads(e.value.read())) == (400, {"error": "Attempting to set invalid trace setting :"})
+    h.update_trace_settings(settings={"trace_level": ["OFF"], "trace_count": "-1"})
