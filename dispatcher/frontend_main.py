@@ -49,7 +49,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .client_async import AsyncClient
     from .kserve_common import KServeCore
     from .kserve_shm import NODE_INSTANCE_ENV, open_registry, registry_dir
-    from .kserve_trace import Setting, Tracer
+    from .kserve_trace import Setting, Tracer, trace_file_problem
     from .sd_notify import announce_ready
 
     fe, d = node.frontend, node.dispatcher
@@ -68,6 +68,8 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     shm = open_registry(registry_dir(fe.host, fe.grpc_port, fe.http_port), os.environ.get(NODE_INSTANCE_ENV, ""))
     tracer = Tracer(Setting((fe.trace_level,), fe.trace_rate, fe.trace_count, fe.trace_log_frequency), fe.trace_file,
                     shm.dir_fd, node_clock=not over_tcp)
+    if fe.trace_file and (why := trace_file_problem(fe.trace_file)):
+        log.error("[frontend] trace_file %s: %s; traces will not be written", fe.trace_file, why)
     core = KServeCore(client, shm, default_timeout_s=node.dispatcher.default_timeout_s,
                       strict_readiness=fe.strict_readiness, llm_models=frozenset(m.name for m in node.llm_models),
                       tracer=tracer)

@@ -200,7 +200,7 @@ class Tracer:
         self._dir_fd = dir_fd
         self._local = b""  # the settings, where the process keeps its own
         self._closed = False
-        self._last_error = ""
+        self._last_error = self._last_write_error = ""
         if dir_fd is None:
             self._fd = os.memfd_create("batchyard-trace", os.MFD_CLOEXEC)
         else:
@@ -239,7 +239,7 @@ class Tracer:
             fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
         except FileNotFoundError:
             state = self._initial()
-            self._write(state)
+            self._publish(state)  # (a new generation: the other processes drop what they had)
             return state
         with os.fdopen(fd, "rb") as f:
             return json.loads(f.read())
@@ -252,9 +252,14 @@ class Tracer:
         tmp = f"{SETTINGS_FILE}.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=self._dir_fd)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, SETTINGS_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, SETTINGS_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir_fd)
+            raise
 
     def _publish(self, state: dict) -> None:
         """Under the lock: new settings, then their generation, which tells the other processes.
@@ -403,19 +408,21 @@ class Tracer:
                 held.clear()  # (written or not: held again, a failing disk grew them without bound)
                 self._write_index(full)
         except OSError as e:
-            log.error("trace %d could not be written to %s: %s", trace.id, self.file, e)
+            if str(e) != self._last_write_error:  # (once a kind, not once a trace)
+                self._last_write_error = str(e)
+                log.error("trace %d could not be written to %s (and more may not be): %s", trace.id, self.file, e)
 
     def _append(self, records: str) -> None:
         """Onto the trace file, kept a JSON array after every write (Triton's closes its array at
         exit); the node's first trace starts the file afresh, as a Triton server's does."""
         with self._locked():
-            # (no link followed: a link planted where the file goes had another file truncated)
-            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
             if not self._header[STARTED]:
-                flags |= os.O_TRUNC
-            fd = os.open(self.file, flags, 0o640)
-            try:
+                self._start_file(f"[{records}]".encode())
                 self._header[STARTED] = 1
+                return
+            # (no link followed: a link planted where the file goes had another file truncated)
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+            try:
                 size = os.fstat(fd).st_size
                 closed = size and os.pread(fd, 1, size - 1) == b"]"
                 data = f",{records}]".encode() if closed else f"[{records}]".encode()
@@ -431,6 +438,20 @@ class Tracer:
                     raise
             finally:
                 os.close(fd)
+
+    def _start_file(self, data: bytes) -> None:
+        """The node's first trace: a new file put in the old one's place whole (a link there is
+        replaced, not followed), so a first write that fails leaves the old file as it was."""
+        tmp = f"{self.file}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.file)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _write_index(self, held: list[str]) -> None:
         with self._locked():
@@ -460,6 +481,21 @@ class Tracer:
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)
+
+
+def trace_file_problem(path: str) -> str:
+    """Why traces cannot be written to ``path`` on this host ("" when they can): a front door
+    says so at its start. Not a config error: a unit's own view of the file system (PrivateTmp,
+    ProtectSystem) may differ from the host's where the config is checked, and tracing must never
+    stop a node from serving."""
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.path.isdir(folder):
+        return f"there is no folder {folder}"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable here (under the shipped units, use /var/log/batchyard)"
+    return ""
 
 
 @contextlib.contextmanager

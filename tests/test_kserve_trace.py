@@ -418,11 +418,49 @@ def test_a_link_planted_where_traces_go_is_not_followed(tmp_path, shared_dir, ca
     (tmp_path / "trace.json").symlink_to(tmp_path / "precious")
     (tmp_path / "trace.json.0").symlink_to(tmp_path / "precious")
     t = _tracer(tmp_path, shared_dir, **ON)
-    t.finish(_trace(t))
+    t.finish(_trace(t))  # the node's first trace: a file of its own in the link's place
     t.update("", {"log_frequency": 1})
-    t.finish(_trace(t))
-    assert (tmp_path / "precious").read_text() == "precious" and caplog.text.count("could not be written") == 2
+    t.finish(_trace(t))  # through the link: refused
+    assert (tmp_path / "precious").read_text() == "precious" and caplog.text.count("could not be written") == 1
+    assert not (tmp_path / "trace.json").is_symlink() and len(json.loads((tmp_path / "trace.json").read_text())) == 8
     t.close()
+
+
+def test_a_first_trace_that_cannot_be_written_leaves_the_old_file_whole(tmp_path, shared_dir, monkeypatch):
+    (tmp_path / "trace.json").write_text('[{"id":1}]')
+    t = _tracer(tmp_path, shared_dir, **ON)
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", full)
+    t.finish(_trace(t))
+    monkeypatch.undo()
+    assert (tmp_path / "trace.json").read_text() == '[{"id":1}]' and sorted(os.listdir(tmp_path)) == [
+        "registry", "trace.json"]
+    t.close()
+
+
+def test_a_setting_healed_from_the_config_reaches_every_process(tmp_path, shared_dir):
+    a, b = _tracer(tmp_path, shared_dir), _tracer(tmp_path, shared_dir)
+    a.update("m", {"level": ("TIMESTAMPS",), "rate": 1})
+    assert b.sample("m") is not None
+    os.unlink("trace-setting.json", dir_fd=shared_dir)
+    assert a.settings("m")["trace_level"] == ["OFF"]  # the config's
+    assert b.sample("m") is None  # (it traced on, by what it held)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("where, says", [("/", "is a folder"), ("/no/such/folder/trace.json", "there is no folder"),
+                                         ("/tmp/trace.json", "")])
+def test_a_trace_file_that_cannot_be_written_here_is_said_at_the_front_doors_start(where, says, monkeypatch):
+    """Said, not a config error: a unit's view of the file system may differ from where the
+    config is checked (PrivateTmp), and the node serves on."""
+    from batchyard.kserve_trace import trace_file_problem
+
+    assert says in trace_file_problem(where) and bool(says) == bool(trace_file_problem(where))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only folder (as root, none is)
+    assert "is not writable here" in trace_file_problem("/tmp/trace.json")
 
 
 def test_a_cancelled_stream_writes_the_traces_of_the_requests_it_had_read(tmp_path, shared_dir):
