@@ -280,13 +280,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def batchyard_server(cpus: list, control: set = frozenset()):
+def batchyard_server(cpus: list, control: set = frozenset(), trace_file: str = ""):
     """``taskset -c <cpus> batchyard up`` with the front door (with ``control``, the dispatcher
     and the front door pinned there by the config, as a deployment would); stopped with SIGTERM
-    as systemd would."""
+    as systemd would. ``trace_file``: the front door's ([frontend] trace_file; tracing OFF)."""
     with tempfile.TemporaryDirectory(prefix="by-vs-node-") as d:
         port, hport, mport = free_port(), free_port(), free_port()
         node = minilm_node(d, cpus, grpc_port=port, metrics_port=mport, control=tuple(sorted(control)), http_port=hport)
+        if trace_file:
+            node = msgspec.structs.replace(node, frontend=msgspec.structs.replace(node.frontend, trace_file=trace_file))
         cfg = Path(d) / "node.toml"
         cfg.write_text(to_toml(node))
         # The worker pins itself to its config's cpus, which must be in the mask it inherits.
@@ -340,9 +342,11 @@ def triton_repo(delay_us: int, instances: int, into: Path) -> Path:
 
 
 @contextlib.contextmanager
-def triton_server(delay_us: int, cpus: list, control: set = frozenset()):
+def triton_server(delay_us: int, cpus: list, control: set = frozenset(), trace_file: str = ""):
+    """``trace_file``: tritonserver's (--trace-config triton,file=; tracing OFF)."""
     with tempfile.TemporaryDirectory(prefix="by-vs-tri-") as d:
-        tl = TritonLocal(triton_repo(delay_us, len(cpus), Path(d)), models=["model_amx"])
+        traced = (f"--trace-config=triton,file={trace_file}", "--trace-config=level=OFF") if trace_file else ()
+        tl = TritonLocal(triton_repo(delay_us, len(cpus), Path(d)), models=["model_amx"], extra_args=traced)
         with on_cpus(set(cpus)):  # tritonserver and the stubs it forks inherit this mask
             tl.start(READY_TIMEOUT_S)
         if control:

@@ -521,3 +521,18 @@ def test_a_post_of_json_that_is_no_object_makes_the_setting_anew_as_tritons(trac
                                                           method="POST"), timeout=30)
         assert (e.value.code, json.loads(e.value.read())) == (400, {"error": "Attempting to set invalid trace setting :"})
     h.update_trace_settings(settings={"trace_level": ["OFF"], "trace_count": "-1"})
+
+
+def test_the_span_bench_reads_a_front_doors_trace_file(tmp_path, shared_dir):
+    """bench/traced_hops.py measures Batchyard and Triton from their trace files alike."""
+    from batchyard.bench.traced_hops import SPANS, spans
+
+    t = _tracer(tmp_path, shared_dir, **ON)
+    whole = _trace(t)
+    whole.stamps[:0] = [("GRPC_WAITREAD_START", 9_000), ("GRPC_WAITREAD_END", 9_000)]
+    whole.stamps += [("GRPC_SEND_START", 31_000), ("GRPC_SEND_END", 33_000)]
+    t.finish(whole)
+    t.finish(_trace(t))  # no protocol timestamps: not a whole one
+    got = spans(tmp_path / "trace.json")
+    assert got.shape == (1, len(SPANS)) and list(got[0]) == [1, 5, 5, 4, 2, 3, 1, 1, 2, 24]
+    t.close()

@@ -101,7 +101,7 @@ def pytriton_root() -> Path:
 class TritonLocal:
     def __init__(self, model_repository: str | Path, grpc_port: int = 0, http_port: int = 0,
                  metrics_port: int = 0, log_verbose: int = 0, stub_site: str | None = None,
-                 models: list[str] | None = None, host: str = "127.0.0.1"):
+                 models: list[str] | None = None, host: str = "127.0.0.1", extra_args: tuple = ()):
         self.repo = Path(model_repository).resolve()
         # The address its three servers bind. Triton's default is every interface, and its
         # shared-memory API answers anyone who reaches it: from another host, a node's regions
@@ -113,6 +113,7 @@ class TritonLocal:
         self.log_verbose = log_verbose
         self.stub_site = stub_site
         self.models = models  # load only these (explicit model control); None: the whole repository
+        self.extra_args = tuple(extra_args)  # more tritonserver options (a bench's --trace-config)
         self.proc: subprocess.Popen | None = None
         self._workdir = PrivateDir("by-triton-")  # one killed outright leaves it to the next one's start
         self.workdir = self._workdir.path
@@ -171,6 +172,7 @@ class TritonLocal:
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         if self.models is not None:
             cmd += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in self.models]
+        cmd += self.extra_args
         parent = os.getpid()
         with open(self.workdir / "tritonserver.log", "wb") as out:
             self.proc = subprocess.Popen(cmd, env=self._env(), stdout=out, stderr=subprocess.STDOUT,
