@@ -228,7 +228,7 @@ class Tracer:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _initial(self) -> dict:
-        return {"global": self.default.to_json(), "specified": [], "models": {}}
+        return {"global": self.default.to_json(), "models": {}}
 
     def _read(self) -> dict:
         """Under the lock. A setting that is not there (a front door killed between making the
@@ -249,17 +249,7 @@ class Tracer:
         if self._dir_fd is None:
             self._local = data
             return
-        tmp = f"{SETTINGS_FILE}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self._dir_fd)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, SETTINGS_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._dir_fd)
-            raise
+        _replace_whole(SETTINGS_FILE, data, 0o600, self._dir_fd)
 
     def _publish(self, state: dict) -> None:
         """Under the lock: new settings, then their generation, which tells the other processes.
@@ -320,14 +310,9 @@ class Tracer:
                         mine[k] = list(v) if k == "level" else v
                 s = _setting(_effective(state["global"], mine))
             else:
-                g, specified = dict(state["global"]), set(state["specified"])
+                g, default = dict(state["global"]), self.default.to_json()
                 for k, v in new.items():
-                    if v is None:
-                        g[k] = self.default.to_json()[k]
-                        specified.discard(k)
-                    else:
-                        g[k] = list(v) if k == "level" else v
-                        specified.add(k)
+                    g[k] = default[k] if v is None else list(v) if k == "level" else v
                 s = _setting(g)
             if s.level != (OFF,) and (s.rate == 0 or not self.file or s.count == 0):
                 # Triton's reasons; a spent count (0) is invalid too, with none given
@@ -340,7 +325,7 @@ class Tracer:
                 else:
                     state["models"].pop(model, None)
             else:
-                state["global"], state["specified"] = g, sorted(specified)
+                state["global"] = g
             self._publish(state)
         self._refresh()
 
@@ -417,7 +402,9 @@ class Tracer:
         exit); the node's first trace starts the file afresh, as a Triton server's does."""
         with self._locked():
             if not self._header[STARTED]:
-                self._start_file(f"[{records}]".encode())
+                # The node's first trace: the old file replaced whole (a link there is replaced,
+                # not followed), so a first write that fails leaves it as it was.
+                _replace_whole(self.file, f"[{records}]".encode(), 0o640)
                 self._header[STARTED] = 1
                 return
             # (no link followed: a link planted where the file goes had another file truncated)
@@ -438,20 +425,6 @@ class Tracer:
                     raise
             finally:
                 os.close(fd)
-
-    def _start_file(self, data: bytes) -> None:
-        """The node's first trace: a new file put in the old one's place whole (a link there is
-        replaced, not followed), so a first write that fails leaves the old file as it was."""
-        tmp = f"{self.file}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.file)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def _write_index(self, held: list[str]) -> None:
         with self._locked():
@@ -496,6 +469,21 @@ def trace_file_problem(path: str) -> str:
     if not os.access(folder, os.W_OK):
         return f"the folder {folder} is not writable here (under the shipped units, use /var/log/batchyard)"
     return ""
+
+
+def _replace_whole(path: str, data: bytes, mode: int, dir_fd: Optional[int] = None) -> None:
+    """``path`` (in ``dir_fd``) becomes a new file of ``data``, or stays as it was: written beside
+    it, then renamed over it. A process killed or a disk full part-way leaves the old one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 @contextlib.contextmanager
