@@ -15,7 +15,7 @@ import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import grpc
 import numpy as np
@@ -676,6 +676,17 @@ class KServeCore:
         if trace is not None:
             trace.stamp("INFER_RESPONSE_COMPLETE")
         return spec, answer
+
+    async def trace_setting(self, model: str, changes: Optional[Callable[[], Awaitable[dict]]] = None) -> dict:
+        """Triton's trace setting of ``model`` ("": the global one), after the changes that
+        ``changes`` reads from the request (kserve_trace.parse_update; None: a read). A model the
+        node does not serve, or not yet, is Triton's INVALID_ARGUMENT, and its first error: the
+        changes are read after that check, as Triton reads them."""
+        if model and not await self.model_ready(model):
+            raise invalid(f"Request for unknown model : {model}")
+        if changes is not None:
+            self.tracer.update(model, await changes())
+        return self.tracer.settings(model)
 
     async def model_stats(self, model: str, version: str = "") -> list[dict]:
         """Triton's statistics of ``model``, or of every model of the node (zeros for those not

@@ -268,14 +268,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, self._trace_setting(request))
 
     async def _trace_setting(self, request):
-        model = request.model_name
-        if model and not await self.core.model_ready(model):  # as Triton: a model not ready is unknown here
-            raise invalid(f"Request for unknown model : {model}")
-        tracer = self.core.tracer
-        if request.settings:
-            tracer.update(model, parse_update({k: list(v.value) for k, v in request.settings.items()}, http=False))
+        async def changes() -> dict:
+            return parse_update({k: list(v.value) for k, v in request.settings.items()}, http=False)
         out = service_pb2.TraceSettingResponse()
-        for k, v in tracer.settings(model).items():
+        # (no settings: a read)
+        for k, v in (await self.core.trace_setting(request.model_name, changes if request.settings else None)).items():
             out.settings[k].value.extend(v if isinstance(v, list) else [v])
         return out
 

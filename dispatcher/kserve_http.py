@@ -319,17 +319,14 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- trace settings (kserve_trace)
     async def trace_setting(self, request):
-        model = request.match_info.get("model", "")
-        tracer = self.core.tracer
-        try:
-            if model and not await self.core.model_ready(model):  # as Triton: a model not ready is unknown here
-                raise invalid(f"Request for unknown model : {model}")
-            if request.method == "POST":
-                body = await read_body(request, MAX_JSON_BYTES)
-                settings = decode_json(body) if bytes(body).strip() else {}
-                # Triton finds no field in JSON that is no object, and makes the setting anew all the same.
-                tracer.update(model, parse_update(settings if isinstance(settings, dict) else {}, http=True))
-            return web.json_response(tracer.settings(model))
+        async def changes() -> dict:
+            body = await read_body(request, MAX_JSON_BYTES)
+            settings = decode_json(body) if bytes(body).strip() else {}
+            # Triton finds no field in JSON that is no object, and makes the setting anew all the same.
+            return parse_update(settings if isinstance(settings, dict) else {}, http=True)
+        try:  # (a GET reads)
+            return web.json_response(await self.core.trace_setting(request.match_info.get("model", ""),
+                                                                   changes if request.method == "POST" else None))
         except (KServeError, *MALFORMED) as e:
             return _error(as_kserve(e, "trace setting request"))
 
