@@ -90,7 +90,9 @@ RENDER_CREDIT_S = 0.05
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock``: seconds, for the render share (a test gives one it steps itself)."""
+        self._clock = clock
         self.ok: dict[tuple[str, str, int], list] = {}  # (model, path, prio) -> [n, items, queue, compute, total]
         self.failures: dict[tuple[str, int, int], int] = {}  # (model, status, prio) -> n
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
@@ -100,7 +102,7 @@ class Metrics:
         self._text = ""
         self._text_of: tuple | None = None  # (changes, ScrapeState) the text shows
         self._credit_s = RENDER_CREDIT_S
-        self._credit_at = time.perf_counter()
+        self._credit_at = clock()
         self._labels: dict[tuple, str] = {}  # series key -> its escaped label text (made once)
 
     # ---------------------------------------------------------------- hot path
@@ -161,7 +163,7 @@ class Metrics:
         state: the last text again when nothing it shows has changed, or while rendering has had
         its share of the thread (RENDER_SHARE)."""
         state = ScrapeState(pending, decisions, curves, rates, in_flight or {}, llm_curves or {})
-        now = time.perf_counter()
+        now = self._clock()
         self._credit_s = min(RENDER_CREDIT_S, self._credit_s + (now - self._credit_at) * RENDER_SHARE)
         self._credit_at = now
         if self._text_of is not None and (self._credit_s <= 0 or self._text_of == (self.changes, state)):
@@ -170,7 +172,7 @@ class Metrics:
         # A copy, nested values too: a caller that fills the same dicts again, or changes a curve's
         # own dict, must not make the old text look current.
         self._text_of = (self.changes, copy.deepcopy(state))
-        done = time.perf_counter()
+        done = self._clock()
         self._credit_s -= done - now
         self._credit_at = done
         return self._text
