@@ -90,9 +90,12 @@ RENDER_CREDIT_S = 0.05
 
 
 class Metrics:
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        """``clock``: seconds, for the render share (a test gives one it steps itself)."""
-        self._clock = clock
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        """``clock`` refills the render share, ``cpu_clock`` measures what a render spends of it:
+        the thread's CPU time, so a render the host preempted is not charged for the wait (on a
+        loaded host one was, and the next scrapes got stale text). A test gives clocks it steps."""
+        self._clock, self._cpu_clock = clock, cpu_clock
         self.ok: dict[tuple[str, str, int], list] = {}  # (model, path, prio) -> [n, items, queue, compute, total]
         self.failures: dict[tuple[str, int, int], int] = {}  # (model, status, prio) -> n
         self.exec_count: dict[tuple[str, str], int] = {}  # (model, path) -> batches
@@ -168,13 +171,13 @@ class Metrics:
         self._credit_at = now
         if self._text_of is not None and (self._credit_s <= 0 or self._text_of == (self.changes, state)):
             return self._text
+        cpu = self._cpu_clock()
         self._text = self._write(state)
         # A copy, nested values too: a caller that fills the same dicts again, or changes a curve's
         # own dict, must not make the old text look current.
         self._text_of = (self.changes, copy.deepcopy(state))
-        done = self._clock()
-        self._credit_s -= done - now
-        self._credit_at = done
+        self._credit_s -= self._cpu_clock() - cpu
+        self._credit_at = self._clock()
         return self._text
 
     def _label(self, key: tuple, make: Callable[[], str]) -> str:

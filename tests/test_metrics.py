@@ -357,8 +357,8 @@ def test_metrics_carry_the_llm_decisions_and_curves_that_status_shows(llm_dispat
         assert total(m, "batchyard_llm_cost_per_item_us", model="m", curve=curve) == pytest.approx(c["coef"][1] * 1e6)
 
 
-def _registry_of(n_models: int) -> tuple:
-    m = Metrics()
+def _registry_of(n_models: int, **metrics_args) -> tuple:
+    m = Metrics(**metrics_args)
     for i in range(n_models):
         m.model_served(f"model_{i}")
         for path in ("cpu", "gpu"):
@@ -372,14 +372,14 @@ def _registry_of(n_models: int) -> tuple:
 
 def test_a_scrape_storm_takes_a_bounded_share_of_the_dispatchers_thread():
     # Each scrape rendered on the dispatcher's one thread (33 ms at 100 models): a scraper in a
-    # loop held it all the time, and every client's round trip waited. The clock is the test's:
-    # a render takes 33 ms of it and the thread's other work 1 ms between two scrapes, so the
+    # loop held it all the time, and every client's round trip waited. The clocks are the test's:
+    # a render takes 33 ms of them and the thread's other work 1 ms between two scrapes, so the
     # share does not depend on how loaded the machine running the test is (on a busy CI host the
     # wall-clock version of this test measured preemption, not the rule).
     from batchyard.metrics import RENDER_CREDIT_S, RENDER_SHARE
 
     now = [0.0]
-    m = Metrics(clock=lambda: now[0])
+    m = Metrics(clock=lambda: now[0], cpu_clock=lambda: now[0])
     _, state = _registry_of(0)
     m.model_served("model_0", "cpu")
     write = m._write
@@ -405,15 +405,39 @@ def test_a_scrape_storm_takes_a_bounded_share_of_the_dispatchers_thread():
     assert oldest < 0.033 / RENDER_SHARE + 0.05
 
 
+def test_a_render_the_host_preempted_does_not_make_the_next_scrapes_stale():
+    # The render share was charged in wall-clock time: a render preempted for 200 ms on a busy
+    # host spent the whole credit, and the scrapes of the next ~2 s got its text, counts missing.
+    wall, cpu = [0.0], [0.0]
+    m, state = _registry_of(1, clock=lambda: wall[0], cpu_clock=lambda: cpu[0])
+    write = m._write
+
+    def preempted(s):
+        wall[0] += 0.2
+        cpu[0] += 0.001
+        return write(s)
+
+    m._write = preempted
+    before = total(_parse(m.render(*state)), "nv_inference_request_success", model="model_0")
+    m.request_ok("model_0", "cpu", 1, 1, 100, 200, 400)
+    wall[0] += 0.001
+    assert total(_parse(m.render(*state)), "nv_inference_request_success", model="model_0") == before + 1
+
+
 def test_an_occasional_scrape_shows_every_count_so_far():
-    m, state = _registry_of(100)
+    # Scrapes 15 s apart (Prometheus' default) on the test's clock: on the wall clock a loaded CI
+    # host made the first render spend the credit, and the second scrape, at once, got its text.
+    now = [0.0]
+    m, state = _registry_of(100, clock=lambda: now[0])
     before = total(_parse(m.render(*state)), "nv_inference_request_success", model="model_7")
     m.request_ok("model_7", "gpu", 1, 1, 100, 200, 400)
     m.request_failed("model_7", Status.OVERLOADED, 1)
+    now[0] += 15
     after = _parse(m.render(*state))
     assert total(after, "nv_inference_request_success", model="model_7") == before + 1
     assert total(after, "nv_inference_request_failure", model="model_7", reason="REJECTED") == 1
     state[0]["model_7"] = 5  # a queue grew, no counter moved
+    now[0] += 15
     assert total(_parse(m.render(*state)), "nv_inference_pending_request_count", model="model_7") == 5
 
 
