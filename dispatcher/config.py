@@ -229,6 +229,19 @@ class DispatcherConfig(_Table):
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
+class RestrictedApisConfig(_Table):
+    """One ``[[frontend.restricted_apis]]`` table, as tritonserver's
+    ``--http-restricted-api=<apis>:<header>=<value>`` and ``--grpc-restricted-protocol=``: the
+    APIs named answer only requests that carry ``header`` with ``value`` (docs/frontend.md,
+    "Restricted APIs")."""
+
+    apis: tuple[Literal["health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+                        "statistics", "trace", "logging"], ...]
+    header: str
+    value: str  # (checked by _check_restricted_apis, whose messages never show it)
+    protocols: tuple[Literal["grpc", "http"], ...] = ("grpc", "http")
+
+
 class FrontendConfig(_Table):
     """The KServe v2 / Triton-protocol front door (dispatcher/frontend_main.py); 0 = that side off."""
 
@@ -259,6 +272,7 @@ class FrontendConfig(_Table):
     trace_rate: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] = 1000  # one request in this many
     trace_count: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1  # traces to take; -1: no limit
     trace_log_frequency: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] = 0
+    restricted_apis: tuple[RestrictedApisConfig, ...] = ()
 
 
 # The engines workers/cuda_executors.py's TensorRTExecutor builds (kind "tensorrt").
@@ -391,6 +405,8 @@ class NodeConfig(_Table):
         if f is not None and f.trace_level != "OFF" and not (f.trace_file and f.trace_rate):
             raise ConfigError(f"[frontend] trace_level {f.trace_level!r} needs a trace_file and a trace_rate "
                               "above 0 (as tritonserver refuses a trace level without a file)")
+        if f is not None:
+            _check_restricted_apis(f.restricted_apis)
         _check_ports_apart(self._tcp_ports())
         self._check_triton_urls()
         return self
@@ -864,6 +880,34 @@ def _did_you_mean(word: str, candidates, shown=repr) -> str:
     by_lower = {str(c).lower(): str(c) for c in candidates}  # case slips count as close too
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
     return f" (did you mean {shown(by_lower[close[0]])}?)" if close else ""
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # RFC 9110's token
+_HEADER_VALUE = re.compile(r"[!-~]([ -~]*[!-~])?")  # visible ASCII, spaces inside only
+
+
+def _check_restricted_apis(rules: tuple[RestrictedApisConfig, ...]) -> None:
+    """Each API restricted by one table at most on each protocol (tritonserver refuses an API in
+    two groups too): with two headers, which one opens it?"""
+    first: dict[tuple[str, str], int] = {}
+    for i, rule in enumerate(rules):
+        where = f"[frontend] restricted_apis[{i}]"
+        for key in ("apis", "protocols"):
+            if not getattr(rule, key):
+                raise ConfigError(f"{where}: {key} is empty: the table restricts nothing")
+        if not _HEADER_NAME.fullmatch(rule.header):
+            raise ConfigError(f"{where}: header {rule.header!r} is no header name (letters, digits and "
+                              "!#$%&'*+.^_`|~-)")
+        if not _HEADER_VALUE.fullmatch(rule.value):
+            what = "printable ASCII, spaces only inside" if rule.value else "set"
+            raise ConfigError(f"{where}: value must be {what} (what HTTP and gRPC both carry unchanged; "
+                              "the value is not shown here)")
+        for protocol in rule.protocols:
+            for api in rule.apis:
+                j = first.setdefault((protocol, api), i)
+                if j != i:
+                    raise ConfigError(f"{where}: apis: {api!r} is restricted over {protocol} by "
+                                      f"restricted_apis[{j}] already; an API has one header")
 
 
 def _check_unique(table: str, names: list[str]) -> None:

@@ -97,11 +97,12 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
                 extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
                                           node.dispatcher.default_timeout_s, stopping=lambda: core.stopping).routes()
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
-                                           idle_timeout_s=fe.idle_timeout_s)
+                                           idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 
-            grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes, fe.idle_timeout_s)
+            grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes, fe.idle_timeout_s,
+                                           restricted_apis=fe.restricted_apis)
         watchdog = announce_ready(loop)
         log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(), fe.host,
                  fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend,

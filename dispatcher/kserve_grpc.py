@@ -29,6 +29,7 @@ from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, S
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
+from .kserve_restrict import GrpcRestrictions, Restrictions
 from .kserve_shm import OutputRegion, close_outputs
 from .kserve_trace import Trace, parse_update
 from .tcp_peer import bound_address, grpc_peer, peer_uid
@@ -614,16 +615,19 @@ def _add_servicer(servicer: KServeServicer, server) -> None:
 
 
 async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = (1 << 31) - 1,
-                     idle_timeout_s: float = 75.0) -> grpc.aio.Server:
+                     idle_timeout_s: float = 75.0, restricted_apis=()) -> grpc.aio.Server:
     """A started grpc.aio server on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT: the kernel spreads connections over them). ``idle_timeout_s``: a
     connection with no call in flight for that long is closed (GOAWAY; a client's channel opens
     a new one at its next call), as an idle HTTP connection is. gRPC's default keeps it for ever:
-    a client that opened connections and stopped calling held a descriptor each."""
+    a client that opened connections and stopped calling held a descriptor each.
+    ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict); without
+    any for gRPC no interceptor runs."""
+    restrictions = Restrictions(restricted_apis, "grpc")
     opts = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000)))]
-    server = grpc.aio.server(options=opts)
+    server = grpc.aio.server(options=opts, interceptors=[GrpcRestrictions(restrictions)] if restrictions else None)
     _add_servicer(KServeServicer(core, port, host, max_message_bytes), server)
     try:
         # An IPv6 address in brackets: "::1:8001" read as one address, on port 443.

@@ -30,6 +30,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
+from .kserve_restrict import Restrictions, http_middleware
 from .kserve_shm import close_outputs
 from .kserve_trace import parse_update
 from .tcp_peer import peer_uid
@@ -547,12 +548,15 @@ class KServeHttp:
 
 
 async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,
-                     extra_routes=(), idle_timeout_s: float = 75.0) -> web.AppRunner:
+                     extra_routes=(), idle_timeout_s: float = 75.0, restricted_apis=()) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode.
     ``idle_timeout_s``: a connection waiting for a request (none yet, headers unfinished, or
-    idle after an answer) is closed after it, and a body that stalls that long answers 408."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
+    idle after an answer) is closed after it, and a body that stalls that long answers 408.
+    ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict)."""
+    restrictions = Restrictions(restricted_apis, "http")
+    middlewares = [_json_errors, *([http_middleware(restrictions)] if restrictions else [])]
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[BODY_STALL_S] = idle_timeout_s
     app.add_routes(KServeHttp(core).routes())
     app.add_routes(list(extra_routes))
