@@ -49,6 +49,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     from .client_async import AsyncClient
     from .kserve_common import KServeCore
     from .kserve_shm import NODE_INSTANCE_ENV, open_registry, registry_dir
+    from .kserve_logging import LogSettings, setting_of_level
     from .kserve_trace import Setting, Tracer, trace_file_problem
     from .sd_notify import announce_ready
 
@@ -70,18 +71,28 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
                     shm.dir_fd, node_clock=not over_tcp)
     if fe.trace_file and (why := trace_file_problem(fe.trace_file)):
         log.error("[frontend] trace_file %s: %s; traces will not be written", fe.trace_file, why)
+    logs = LogSettings(setting_of_level(logging.getLogger().getEffectiveLevel()), shm.dir_fd)
     core = KServeCore(client, shm, default_timeout_s=node.dispatcher.default_timeout_s,
                       strict_readiness=fe.strict_readiness, llm_models=frozenset(m.name for m in node.llm_models),
-                      tracer=tracer)
+                      tracer=tracer, logs=logs)
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 
+    log_setting_error = ""
+
     def sweep_regions() -> None:
-        nonlocal sweeper
+        nonlocal sweeper, log_setting_error
         try:
             core.shm.sweep()
         except OSError:
             log.exception("shared-memory regions could not be swept")
+        try:  # a log setting made through another front-door process of the node
+            logs.refresh()
+            log_setting_error = ""
+        except (OSError, ValueError) as e:
+            if str(e) != log_setting_error:  # (said once, not every sweep)
+                log.error("the node's log setting cannot be read: %s", e)
+            log_setting_error = str(e)
         sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
 
     sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import re
 import time
@@ -27,6 +28,8 @@ from .errors import BatchyardError
 from .kserve_stats import NodeStats
 from .llm_routing import PREFILL_CPU
 
+log = logging.getLogger("batchyard.frontend")
+
 # KServe datatype <-> numpy dtype name. Model configs write the same names with a TYPE_ prefix.
 KSERVE_TO_NP = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
                 "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
@@ -38,7 +41,7 @@ SERVER_NAME = "batchyard"
 # Triton's names (its core's server.cc) of the protocol extensions this front door serves: a
 # KServe client may look here before it sends binary tensors or shared-memory references.
 EXTENSIONS = ["classification", "model_repository", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "binary_tensor_data", "parameters", "statistics", "trace"]
+              "binary_tensor_data", "parameters", "statistics", "trace", "logging"]
 VERSION = 1  # the one version of every model
 
 
@@ -501,7 +504,7 @@ class KServeCore:
     """The protocol-independent half of the front door: specs, readiness, inference, stats."""
 
     def __init__(self, client, shm=None, default_timeout_s: Optional[float] = None, strict_readiness: bool = True,
-                 llm_models: frozenset = frozenset(), tracer=None):
+                 llm_models: frozenset = frozenset(), tracer=None, logs=None):
         from .kserve_shm import ShmRegions  # it imports this module's errors
         from .kserve_trace import Tracer  # it imports this module's errors
 
@@ -515,6 +518,9 @@ class KServeCore:
         self.stats = NodeStats(self.shm.dir_fd)
         # Triton's trace extension: the node's trace setting, and the traces this process takes.
         self.tracer = tracer if tracer is not None else Tracer(dir_fd=self.shm.dir_fd)
+        # The node's log setting (kserve_logging.LogSettings), None: Triton's logging extension
+        # is not served (a core in a test, whose process's logging is not the front door's).
+        self.logs = logs
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
         # The node's LLM models: served by the OpenAI routes, none of the KServe ones but the
         # readiness probes (the index called one READY, then every call on it "unknown model" in
@@ -648,6 +654,8 @@ class KServeCore:
                                           timeout=self.default_timeout_s if timeout is None else timeout)
         except BatchyardError as e:
             _count_failure(c, t0)
+            if log.isEnabledFor(logging.DEBUG):  # (Triton's verbose log; kserve_logging)
+                log.debug("infer %s: %s after %.3f ms", model, type(e).__name__, (time.perf_counter_ns() - t0) / 1e6)
             raise self._stopped(e) or from_batchyard(e, model, grpc_deadline) from None
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             _count_failure(c, t0)
@@ -673,6 +681,9 @@ class KServeCore:
                 _count_failure(c, t0)
                 raise
         _count_success(c, t0, inputs, out)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("infer %s: %d item(s) served in %.3f ms", model, next(iter(inputs.values())).shape[0],
+                      (time.perf_counter_ns() - t0) / 1e6)
         if trace is not None:
             trace.stamp("INFER_RESPONSE_COMPLETE")
         return spec, answer
@@ -713,5 +724,7 @@ class KServeCore:
         # the interpreter's exit waits for that.
         self.ranker.shutdown(wait=False, cancel_futures=True)
         self.tracer.close()
+        if self.logs is not None:
+            self.logs.close()
         self.stats.close()
         self.shm.close()

@@ -29,6 +29,7 @@ from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, S
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
+from .kserve_logging import parse_grpc_update
 from .kserve_restrict import GrpcRestrictions, Restrictions
 from .kserve_shm import OutputRegion, close_outputs
 from .kserve_trace import Trace, parse_update
@@ -278,7 +279,24 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return out
 
     async def LogSettings(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Batchyard has no log settings (Triton's logging extension)")
+        logs = self.core.logs
+        if logs is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this front door serves no log settings")
+        try:
+            if request.settings:
+                logs.update(parse_grpc_update(request.settings))
+            setting = logs.settings()
+        except KServeError as e:
+            await context.abort(e.code, e.message)
+        out = service_pb2.LogSettingsResponse()
+        for key, value in setting.items():
+            if isinstance(value, bool):
+                out.settings[key].bool_param = value
+            elif isinstance(value, int):
+                out.settings[key].uint32_param = value % (1 << 32)  # (Triton's int32, as uint32)
+            else:
+                out.settings[key].string_param = value
+        return out
 
     # ---------------------------------------------------------------- system shared memory
     async def SystemSharedMemoryRegister(self, request, context):

@@ -18,6 +18,7 @@ import math
 import time
 from typing import Optional
 
+import grpc
 import msgspec
 import numpy as np
 from aiohttp import web
@@ -30,6 +31,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
+from .kserve_logging import parse_http_update
 from .kserve_restrict import Restrictions, http_middleware
 from .kserve_shm import close_outputs
 from .kserve_trace import parse_update
@@ -271,7 +273,8 @@ class KServeHttp:
                 web.post("/v2/repository/models/{model}/load", self.model_control),
                 web.post("/v2/repository/models/{model}/unload", self.model_control),
                 web.get("/v2/trace/setting", self.trace_setting), web.post("/v2/trace/setting", self.trace_setting),
-                web.get(m + "/trace/setting", self.trace_setting), web.post(m + "/trace/setting", self.trace_setting)]
+                web.get(m + "/trace/setting", self.trace_setting), web.post(m + "/trace/setting", self.trace_setting),
+                web.get("/v2/logging", self.log_settings), web.post("/v2/logging", self.log_settings)]
 
     # ---------------------------------------------------------------- health and metadata
     async def live(self, request):
@@ -330,6 +333,24 @@ class KServeHttp:
                                                                    changes if request.method == "POST" else None))
         except (KServeError, *MALFORMED) as e:
             return _error(as_kserve(e, "trace setting request"))
+
+    # ---------------------------------------------------------------- log settings (kserve_logging)
+    async def log_settings(self, request):
+        logs = self.core.logs
+        try:
+            if logs is None:
+                raise KServeError(grpc.StatusCode.UNIMPLEMENTED, "this front door serves no log settings")
+            if request.method == "POST":
+                body = await read_body(request, MAX_JSON_BYTES)
+                try:
+                    settings = json.loads(bytes(body))
+                except (ValueError, RecursionError):  # (Triton's words for an empty body; RapidJSON's own for the rest)
+                    raise KServeError(grpc.StatusCode.INTERNAL, "failed to parse the request JSON buffer: " + (
+                        "invalid JSON" if bytes(body).strip() else "The document is empty. at 0")) from None
+                logs.update(parse_http_update(settings))
+            return web.json_response(logs.settings())
+        except (KServeError, *MALFORMED) as e:
+            return _error(as_kserve(e, "log settings request"))
 
     # ---------------------------------------------------------------- system shared memory
     async def shm_register(self, request):

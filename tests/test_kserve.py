@@ -777,12 +777,12 @@ def test_versions_and_unknown_paths_answer_as_triton(front_door):
         with pytest.raises(InferenceServerException, match=text) as e:
             call()
         assert e.value.status() in ("StatusCode.NOT_FOUND", "404")
-    with pytest.raises(InferenceServerException, match="Not Found") as e:
-        h.get_log_settings()
-    assert e.value.status() == "404"
-    with pytest.raises(InferenceServerException, match="no log settings") as e:
-        g.get_log_settings()
-    assert e.value.status() == "StatusCode.UNIMPLEMENTED"
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://{front_door.http_url}/v2/nope", timeout=30)
+    assert e.value.code == 404 and json.loads(e.value.read()) == {"error": "Not Found: GET /v2/nope"}
 
 
 def test_version_strings_are_read_as_triton_reads_them(front_door):
@@ -833,7 +833,7 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_request_on_every_path(front
 def test_server_metadata_lists_every_extension_served(front_door):
     """A KServe client may look for binary_tensor_data before it sends binary tensors."""
     served = {"binary_tensor_data", "classification", "system_shared_memory", "cuda_shared_memory",
-              "model_repository", "model_configuration", "parameters", "statistics", "trace"}
+              "model_repository", "model_configuration", "parameters", "statistics", "trace", "logging"}
     assert set(tgrpc.InferenceServerClient(front_door.grpc_url).get_server_metadata(as_json=True)["extensions"]) == served
     assert set(thttp.InferenceServerClient(front_door.http_url).get_server_metadata()["extensions"]) == served
 
@@ -2741,6 +2741,67 @@ def test_trace_settings_answer_as_tritons(front_door, triton_sum):
             ask(mod, front_door.http_url if mod is thttp else front_door.grpc_url, model, settings))
            for mod in (thttp, tgrpc) for model, settings in PARITY_TRACE]
     assert [g for g in got if g[3] != g[4]] == [], "(client, model, settings, Triton, Batchyard)"
+
+
+# Log settings, right and wrong (Triton's logging extension), ending where both servers started.
+PARITY_LOG_HTTP = [b"", b"{}", b'{"log_file": "/tmp/x"}', b'{"log_file": null}', b'{"log_file": ""}',
+                   b'{"log_info": "true"}', b'{"log_info": false}', b'{"log_warning": false, "log_error": false}',
+                   b'{"log_verbose_level": -1}', b'{"log_verbose_level": 1.5}', b'{"log_verbose_level": 4294967299}',
+                   b'{"log_format": "iso8601"}', b'{"log_format": 1}', b'{"log_format": "ISO8601"}', b"[]", b"null",
+                   b'{"other": 1, "log_error": null}',
+                   b'{"log_info": true, "log_warning": true, "log_error": true, "log_verbose_level": 0, '
+                   b'"log_format": "default"}']
+PARITY_LOG_GRPC = [{}, {"log_file": ("string_param", "")}, {"log_info": ("string_param", "true")},
+                   {"log_info": ("bool_param", False)}, {"log_verbose_level": ("bool_param", True)},
+                   {"log_verbose_level": ("uint32_param", 3)}, {"log_format": ("string_param", "bad")},
+                   {"log_format": ("uint32_param", 1)}, {"log_format": ("string_param", "ISO8601"), "x": ("bool_param", 1)},
+                   {"log_info": ("bool_param", True), "log_verbose_level": ("uint32_param", 0),
+                    "log_format": ("string_param", "default")}]
+
+
+def test_log_settings_answer_as_tritons(front_door, triton_sum):
+    """The same log settings asked of Triton 2.51 and of the front door, over HTTP and gRPC: the
+    same answers, or the same status and words."""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def http(port, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/logging", data=body, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def grpc_call(url, settings):
+        req = service_pb2.LogSettingsRequest()
+        for key, (kind, value) in settings.items():
+            setattr(req.settings[key], kind, value)
+        with grpc.insecure_channel(url) as ch:
+            try:
+                answer = service_pb2_grpc.GRPCInferenceServiceStub(ch).LogSettings(req, timeout=30)
+                return "OK", {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in answer.settings.items()}
+            except grpc.RpcError as e:
+                return e.code().name, e.details()
+
+    fd_http = int(front_door.http_url.rsplit(":", 1)[1])
+    got = [("http", body, http(triton_sum.http_port, body), http(fd_http, body)) for body in PARITY_LOG_HTTP]
+    got += [("grpc", settings, grpc_call(triton_sum.grpc_url, settings), grpc_call(front_door.grpc_url, settings))
+            for settings in PARITY_LOG_GRPC]
+    assert [g for g in got if g[2] != g[3]] == [], "(protocol, request, Triton, Batchyard)"
+    assert got[-1][3][1]["log_verbose_level"] == 0 and got[-1][3][1]["log_info"] is True  # (as both started)
+    deep = b"[" * 100_000 + b"]" * 100_000  # (json's RecursionError was a 400 naming it)
+    assert http(fd_http, deep) == (500, {"error": "failed to parse the request JSON buffer: invalid JSON"})
+    # The setting is the node's: made through one connection, every front-door process answers it
+    # (8 connections: SO_REUSEPORT spreads them over the two processes).
+    try:
+        assert http(fd_http, b'{"log_warning": false}')[1]["log_warning"] is False
+        assert {grpc_call(front_door.grpc_url, {})[1]["log_warning"] for _ in range(8)} == {False}
+    finally:
+        assert http(fd_http, b'{"log_warning": true}')[1]["log_warning"] is True
 
 
 def test_an_input_the_model_lacks_is_refused_before_its_data_is_read(front_door):

@@ -37,7 +37,7 @@ def test_every_grpc_method_and_http_route_has_tritons_category():
     routes = [r.path for r in KServeHttp.__new__(KServeHttp).routes()]
     routes += [r.path for r in OpenAiCompletions.__new__(OpenAiCompletions).routes()]
     assert [r for r in routes if http_category(r) is None] == []
-    assert {http_category(r) for r in routes} == set(CATEGORIES) - {"logging"}  # (no HTTP log settings yet)
+    assert {http_category(r) for r in routes} == set(CATEGORIES)
     for path, category in [
             ("/v2/health/live", "health"), ("/v2/health/ready", "health"), ("/v2/models/m/ready", "health"),
             ("/v2/models/m/versions/1/ready", "health"), ("/v2", "metadata"), ("/v2/models/m", "metadata"),
