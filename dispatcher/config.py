@@ -882,7 +882,7 @@ def _did_you_mean(word: str, candidates, shown=repr) -> str:
     return f" (did you mean {shown(by_lower[close[0]])}?)" if close else ""
 
 
-_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # RFC 9110's token
+_HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # gRPC's metadata key (in any case: HTTP's are), within HTTP's token
 _HEADER_VALUE = re.compile(r"[!-~]([ -~]*[!-~])?")  # visible ASCII, spaces inside only
 
 
@@ -895,9 +895,12 @@ def _check_restricted_apis(rules: tuple[RestrictedApisConfig, ...]) -> None:
         for key in ("apis", "protocols"):
             if not getattr(rule, key):
                 raise ConfigError(f"{where}: {key} is empty: the table restricts nothing")
-        if not _HEADER_NAME.fullmatch(rule.header):
-            raise ConfigError(f"{where}: header {rule.header!r} is no header name (letters, digits and "
-                              "!#$%&'*+.^_`|~-)")
+        if any(c in rule.header for c in "=:"):  # tritonserver's <header>=<value>, in one key
+            raise ConfigError(f"{where}: header holds '=' or ':': name the header alone, and its value in "
+                              "value (the header is not shown here: it may hold the value)")
+        if not _HEADER_NAME.fullmatch(rule.header) or rule.header.lower().endswith("-bin"):
+            raise ConfigError(f"{where}: header {rule.header!r} is no name both HTTP and gRPC carry as text "
+                              "(letters, digits, '-', '_' and '.'; not ending '-bin', gRPC's binary headers)")
         if not _HEADER_VALUE.fullmatch(rule.value):
             what = "printable ASCII, spaces only inside" if rule.value else "set"
             raise ConfigError(f"{where}: value must be {what} (what HTTP and gRPC both carry unchanged; "

@@ -32,7 +32,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_logging import parse_http_update
-from .kserve_restrict import Restrictions, http_middleware
+from .kserve_restrict import Restrictions, restrict_routes
 from .kserve_shm import close_outputs
 from .kserve_trace import parse_update
 from .tcp_peer import peer_uid
@@ -575,12 +575,9 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
     ``idle_timeout_s``: a connection waiting for a request (none yet, headers unfinished, or
     idle after an answer) is closed after it, and a body that stalls that long answers 408.
     ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict)."""
-    restrictions = Restrictions(restricted_apis, "http")
-    middlewares = [_json_errors, *([http_middleware(restrictions)] if restrictions else [])]
-    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app[BODY_STALL_S] = idle_timeout_s
-    app.add_routes(KServeHttp(core).routes())
-    app.add_routes(list(extra_routes))
+    app.add_routes(restrict_routes([*KServeHttp(core).routes(), *extra_routes], Restrictions(restricted_apis, "http")))
     # handler_cancellation: an HTTP client that hangs up withdraws its request, as a cancelled
     # gRPC call does; aiohttp's default lets the handler run on, and the abandoned request then
     # still took its place in a batch on a worker.

@@ -26,6 +26,7 @@ GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
               "statistics", "trace", "logging")
 
+SERVICE = "/inference.GRPCInferenceService/"  # a method's full name starts so
 # Each gRPC method of inference.GRPCInferenceService, by its category (as Triton registers them).
 GRPC_CATEGORY = {
     "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
@@ -44,9 +45,9 @@ GRPC_CATEGORY = {
 
 
 def http_category(path: str) -> Optional[str]:
-    """The category of an HTTP route, by its path (a route's pattern, or a request's path); None
-    for a path the front door does not serve (it answers 404 whoever asks). The OpenAI routes of
-    the LLM mode are inference, as Triton's generate is."""
+    """The category of an HTTP route, by its pattern (``/v2/models/{model}/infer``); None for
+    one Triton has no category for. The OpenAI routes of the LLM mode are inference, as
+    Triton's generate is."""
     parts = path.strip("/").split("/")
     if parts[0] == "v1":
         return "inference"
@@ -126,19 +127,22 @@ class GrpcRestrictions(grpc.aio.ServerInterceptor):
         self.restrictions = restrictions
 
     async def intercept_service(self, continuation, details):
-        method = details.method.rsplit("/", 1)[-1]
+        method = details.method[len(SERVICE):] if details.method.startswith(SERVICE) else ""
         missing = self.restrictions.refusal(GRPC_CATEGORY.get(method),
                                             lambda name: _first(details.invocation_metadata, name))
         if missing is None:
             return await continuation(details)
         message = grpc_refusal_message(missing)
 
-        async def refuse(_request, context):
+        async def refuse(_requests, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
+        # A streaming handler for every method: one for a unary request read it whole first (up
+        # to [frontend] max_request_bytes, 2 GiB) from any client, header or not. The wire is
+        # the same for both, and this one never asks for the request.
         if method == "ModelStreamInfer":
             return grpc.stream_stream_rpc_method_handler(refuse)
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def _first(metadata, name: str) -> Optional[str]:
@@ -148,15 +152,46 @@ def _first(metadata, name: str) -> Optional[str]:
     return None
 
 
-def http_middleware(restrictions: Restrictions):
-    """The aiohttp middleware that answers a request to a restricted route without its header 403,
-    before its body is read."""
+def restrict_routes(routes: list, restrictions: Restrictions) -> list:
+    """``routes`` (aiohttp RouteDefs), those of a restricted category refusing a request without
+    its header 403, before its body is read. The category is the route's, known from its pattern
+    when the app is made: classified from a request's path, a model name holding "%2F" (aiohttp
+    routes on the path with it encoded) passed for no route at all, and was let through."""
+    out = []
+    for r in routes:
+        category = http_category(r.path)
+        if restrictions.refusal(category, lambda name: None) is None:  # (not restricted)
+            out.append(r)
+            continue
+        out.append(web.RouteDef(r.method, r.path, _checked(r.handler, category, restrictions),
+                                {**r.kwargs, "expect_handler": _checked_expect(category, restrictions)}))
+    return out
 
-    @web.middleware
-    async def restricted(request: web.Request, handler):
-        missing = restrictions.refusal(http_category(request.path), request.headers.get)
-        if missing is None:
-            return await handler(request)
-        return web.json_response({"error": http_refusal_message(missing)}, status=403)
 
-    return restricted
+def _refused(request: web.Request, category: str, restrictions: Restrictions) -> Optional[web.Response]:
+    missing = restrictions.refusal(category, request.headers.get)
+    return None if missing is None else web.json_response({"error": http_refusal_message(missing)}, status=403)
+
+
+def _checked(handler, category: str, restrictions: Restrictions):
+    async def checked(request: web.Request):
+        refused = _refused(request, category, restrictions)
+        return refused if refused is not None else await handler(request)
+    return checked
+
+
+def _checked_expect(category: str, restrictions: Restrictions):
+    """A request with "Expect: 100-continue" is refused before the client is told to send its
+    body (aiohttp answers the Expect before any handler or middleware runs)."""
+    async def expect(request: web.Request):
+        refused = _refused(request, category, restrictions)
+        if refused is not None:
+            return refused
+        # aiohttp's own answer (its default expect handler, which is private to it)
+        if request.version == (1, 1):
+            if request.headers.get("Expect", "").lower() != "100-continue":
+                raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect', '')}")
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # (as aiohttp's: the interim answer is no part of the answer's size)
+        return None
+    return expect
