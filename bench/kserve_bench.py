@@ -4,6 +4,8 @@
               through the front door with tritonclient gRPC and HTTP, inline and with input and
               output in system shared memory (grpc-shm, http-shm); the difference is what the
               front door adds.
+  restricted  the same, one request at a time, through two like nodes, one whose inference is
+              a restricted API asked with its header, one without: what the check costs.
   throughput  max completed requests/s through gRPC with 1, 2 and 4 front-door processes on
               one port (SO_REUSEPORT), driven by closed-loop tritonclient.grpc.aio load
               processes holding many requests in flight on several connections each.
@@ -53,8 +55,8 @@ import time
 
 import numpy as np
 
-from batchyard.config import (DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, SimConfig, TensorConfig,
-                              WorkerConfig)
+from batchyard.config import (DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, RestrictedApisConfig, SimConfig,
+                              TensorConfig, WorkerConfig)
 from batchyard.supervisor import running_node
 
 NOOP = ModelConfig(name="noop", max_batch=64, inputs=(TensorConfig("x", "float32", (16,)),),
@@ -72,13 +74,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def noop_node(run_dir: str, processes: int, models: tuple = (NOOP,)) -> NodeConfig:
+def noop_node(run_dir: str, processes: int, models: tuple = (NOOP,), restricted_apis: tuple = ()) -> NodeConfig:
     return NodeConfig(
         dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),
         models=models,
         workers=(WorkerConfig(name="sim0", kind="sim", models=tuple(m.name for m in models), max_inflight=4,
                               sim=SimConfig(launch_us=20.0, per_item_us=1.0)),),
-        frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(), processes=processes)).validate()
+        frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(), processes=processes,
+                                restricted_apis=restricted_apis)).validate()
+
+
+# --restricted: a second node whose inference is restricted, asked with the header (the check runs
+# and passes on every request).
+BENCH_RESTRICTION = RestrictedApisConfig(apis=("inference",), header="bench-key", value="bench")
 
 
 def _pcts(samples_s: list[float]) -> tuple[float, float]:
@@ -520,6 +528,48 @@ def tensors(mib: int, n: int) -> None:
                           f"front door {cpu / sent * 1e3:5.1f} ms of CPU a request (at most)")
 
 
+def restriction_cost(n: int) -> None:
+    """p50/p99 of one request at a time through two like nodes, one whose inference is a
+    restricted API asked with its header (the check runs and passes), one without restrictions;
+    gRPC and HTTP, the four paths interleaved so that each node's processes idle alike."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, rules in (("plain", ()), ("restricted", (BENCH_RESTRICTION,))):
+            node = noop_node(stack.enter_context(tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp")), 1,
+                             restricted_apis=rules)
+            stack.enter_context(running_node(node))
+            urls[name] = (f"127.0.0.1:{node.frontend.grpc_port}", f"127.0.0.1:{node.frontend.http_port}")
+        gi = tg.InferInput("x", [1, 16], "FP32")
+        gi.set_data_from_numpy(X)
+        hi = th.InferInput("x", [1, 16], "FP32")
+        hi.set_data_from_numpy(X)
+        paths = {}
+        for name, (g_url, h_url) in urls.items():
+            g, h = tg.InferenceServerClient(g_url), th.InferenceServerClient(h_url)
+            key = name == "restricted"
+            paths[f"grpc-{name}"] = (lambda g=g, key=key:
+                                     g.infer("noop", [gi], headers={"triton-grpc-protocol-bench-key": "bench"}
+                                             if key else None))
+            paths[f"http-{name}"] = lambda h=h, key=key: h.infer("noop", [hi], headers={"bench-key": "bench"}
+                                                                 if key else None)
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for _ in range(50):
+            for f in paths.values():
+                f()
+        for _ in range(n):
+            for k, f in paths.items():
+                t = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t)
+    print(f"restricted APIs, one request at a time, n={n} per path (us):")
+    for k in paths:
+        p50, p99 = _pcts(times[k])
+        print(f"  {k:16s} p50 {p50:8.0f}  p99 {p99:8.0f}")
+
+
 def main(argv=None) -> None:
     from .commands import number
 
@@ -527,6 +577,8 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("latency")
     p.add_argument("--n", type=int, default=2000)
+    p = sub.add_parser("restricted")
+    p.add_argument("--n", type=int, default=1000)
     p = sub.add_parser("throughput")
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--seconds", type=float, default=5.0)
@@ -561,6 +613,8 @@ def main(argv=None) -> None:
         status_cost(a.fill, a.n)
     elif a.cmd == "latency":
         latency(a.n)
+    elif a.cmd == "restricted":
+        restriction_cost(a.n)
     elif a.cmd == "cpu":
         cpu(a.rate, a.seconds, a.protocol, a.threads, a.trace_rate, a.trace_file)
         if a.floor:
