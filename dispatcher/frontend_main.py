@@ -82,6 +82,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
 
     def sweep_regions() -> None:
         nonlocal sweeper, log_setting_error
+        sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)  # first: whatever fails below, it runs again
         try:
             core.shm.sweep()
         except OSError:
@@ -93,7 +94,6 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             if str(e) != log_setting_error:  # (said once, not every sweep)
                 log.error("the node's log setting cannot be read: %s", e)
             log_setting_error = str(e)
-        sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
 
     sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
     try:

@@ -293,7 +293,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if isinstance(value, bool):
                 out.settings[key].bool_param = value
             elif isinstance(value, int):
-                out.settings[key].uint32_param = value % (1 << 32)  # (Triton's int32, as uint32)
+                out.settings[key].uint32_param = value
             else:
                 out.settings[key].string_param = value
         return out

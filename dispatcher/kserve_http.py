@@ -342,11 +342,12 @@ class KServeHttp:
                 raise KServeError(grpc.StatusCode.UNIMPLEMENTED, "this front door serves no log settings")
             if request.method == "POST":
                 body = await read_body(request, MAX_JSON_BYTES)
-                try:
-                    settings = json.loads(bytes(body))
+                raw = bytes(body)
+                try:  # (a key given twice: its first value, as Triton's reader keeps)
+                    settings = json.loads(raw, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
                 except (ValueError, RecursionError):  # (Triton's words for an empty body; RapidJSON's own for the rest)
                     raise KServeError(grpc.StatusCode.INTERNAL, "failed to parse the request JSON buffer: " + (
-                        "invalid JSON" if bytes(body).strip() else "The document is empty. at 0")) from None
+                        "invalid JSON" if raw.strip() else f"The document is empty. at {len(raw)}")) from None
                 logs.update(parse_http_update(settings))
             return web.json_response(logs.settings())
         except (KServeError, *MALFORMED) as e:

@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
 from typing import Optional
 
@@ -44,9 +45,10 @@ def setting_of_level(level: int) -> dict:
 
 
 def _verbose(value: int) -> int:
-    """What Triton keeps of a verbose level: an int32 (the low 32 bits, read signed)."""
+    """What Triton 2.51 makes of a verbose level: the low 32 bits, read as an int32, and 0 where
+    that is negative (2**32 + 3 is 3; 2**31 + 5 and 2**64 - 1 are 0)."""
     value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
+    return 0 if value >= 1 << 31 else value
 
 
 def parse_http_update(body) -> dict:
@@ -106,6 +108,7 @@ class LogSettings:
 
     def __init__(self, default: dict, dir_fd: Optional[int] = None):
         self._dir_fd = dir_fd
+        self._default = dict(default)
         self._setting = dict(default)
         self._seen: Optional[tuple] = None  # (inode, mtime) of the file the setting was read from
         self._switch = _LevelSwitch()
@@ -113,17 +116,22 @@ class LogSettings:
         for handler in logging.getLogger().handlers:
             self._formatters[handler] = handler.formatter
             handler.addFilter(self._switch)
+        self._level = logging.getLogger("batchyard").level  # (restored at close)
         self._lock_fd = None
         if dir_fd is not None:
             self._lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                                     dir_fd=dir_fd)
         self._apply()
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):  # (a file that cannot be read: the start setting)
             self.refresh()
 
     def close(self) -> None:
-        for handler in logging.getLogger().handlers:
+        """This process's logging back as it was (what is logged after the front door closed)."""
+        for handler, formatter in self._formatters.items():
             handler.removeFilter(self._switch)
+            handler.setFormatter(formatter)
+        self._formatters.clear()
+        logging.getLogger("batchyard").setLevel(self._level)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -148,27 +156,36 @@ class LogSettings:
         return st.st_ino, st.st_mtime_ns
 
     def refresh(self) -> None:
-        """Reads the node's setting again where its file changed, and applies it."""
-        if self._dir_fd is None or (seen := self._stat()) == self._seen or seen is None:
+        """Reads the node's setting again where its file changed, and applies it: a file gone is
+        the start setting again (every process then agrees). OSError or ValueError where the file
+        cannot be read, or is no setting this module wrote; the setting in force stays."""
+        if self._dir_fd is None or (seen := self._stat()) == self._seen:
             return
-        fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        if seen is None:
+            self._setting, self._seen = dict(self._default), None
+            self._apply()
+            return
+        # O_NONBLOCK: a FIFO planted there is refused below, not waited on (with the loop held).
+        fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=self._dir_fd)
         with os.fdopen(fd, "rb") as f:
-            setting = json.loads(f.read())
-            seen = (os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_mtime_ns)
-        self._setting.update({k: setting[k] for k in self._setting if k in setting})
-        self._seen = seen
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{SETTINGS_FILE} is not a regular file")
+            setting = _checked(json.loads(f.read(1 << 16)))
+        self._setting, self._seen = setting, (st.st_ino, st.st_mtime_ns)
         self._apply()
 
     # -------------------------------------------------------------- the calls
     def settings(self) -> dict:
-        """Triton's answer (log_verbose_level as Triton reports its int32, unsigned)."""
+        """Triton's answer."""
         try:
             self.refresh()
         except (OSError, ValueError) as e:
             raise KServeError(grpc.StatusCode.INTERNAL, f"the node's log setting cannot be read: {e}") from None
         s = self._setting
         return {"log_file": "", **{k: s[k] for k in _BOOLS},
-                "log_verbose_level": s["log_verbose_level"] % (1 << 64), "log_format": s["log_format"]}
+                "log_verbose_level": s["log_verbose_level"], "log_format": s["log_format"]}
 
     def update(self, changes: dict) -> None:
         """Applies ``changes`` (from parse_http_update / parse_grpc_update) to the node's setting:
@@ -177,7 +194,10 @@ class LogSettings:
             return
         try:
             with self._locked():
-                self.refresh()
+                try:
+                    self.refresh()
+                except (OSError, ValueError):  # a file that cannot be read (a link, a FIFO): replaced
+                    pass
                 setting = {**self._setting, **changes}
                 if self._dir_fd is not None:
                     _replace_whole(SETTINGS_FILE, json.dumps(setting).encode(), 0o600, self._dir_fd)
@@ -205,9 +225,22 @@ class LogSettings:
                 handler.setFormatter(formatter)
 
 
+def _checked(setting) -> dict:
+    """``setting`` as read from the node's file, or ValueError where it is no setting of this
+    module's shape (the file is the node's user's to edit; one of another shape stopped every
+    front door's sweep, and a restarted front door at its start)."""
+    if (not isinstance(setting, dict) or set(setting) != {*_BOOLS, "log_verbose_level", "log_format"}
+            or not all(isinstance(setting[k], bool) for k in _BOOLS)
+            or type(setting["log_verbose_level"]) is not int or not 0 <= setting["log_verbose_level"] < 1 << 31
+            or setting["log_format"] not in FORMATS):
+        raise ValueError(f"{SETTINGS_FILE} holds no log setting")
+    return setting
+
+
 class _LevelSwitch(logging.Filter):
-    """Passes a record while its level is on: INFO, WARNING and ERROR (CRITICAL with it) each
-    switched apart, as Triton's; DEBUG while the verbose level is above 0."""
+    """Passes a record while its level is on: INFO, WARNING and ERROR each switched apart, as
+    Triton's; DEBUG while the verbose level is above 0; CRITICAL always (Triton has no such
+    level, and a front door started at --log-level CRITICAL writes those)."""
 
     def __init__(self):
         super().__init__()
@@ -216,6 +249,8 @@ class _LevelSwitch(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         level = record.levelno
+        if level >= logging.CRITICAL:
+            return True
         if level >= logging.ERROR:
             return self.on.get(logging.ERROR, True)
         if level >= logging.WARNING:

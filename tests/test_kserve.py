@@ -2747,13 +2747,15 @@ def test_trace_settings_answer_as_tritons(front_door, triton_sum):
 PARITY_LOG_HTTP = [b"", b"{}", b'{"log_file": "/tmp/x"}', b'{"log_file": null}', b'{"log_file": ""}',
                    b'{"log_info": "true"}', b'{"log_info": false}', b'{"log_warning": false, "log_error": false}',
                    b'{"log_verbose_level": -1}', b'{"log_verbose_level": 1.5}', b'{"log_verbose_level": 4294967299}',
+                   b'{"log_verbose_level": 2147483653}', b"  ", b'{"log_info": false, "log_info": true}',
                    b'{"log_format": "iso8601"}', b'{"log_format": 1}', b'{"log_format": "ISO8601"}', b"[]", b"null",
                    b'{"other": 1, "log_error": null}',
                    b'{"log_info": true, "log_warning": true, "log_error": true, "log_verbose_level": 0, '
                    b'"log_format": "default"}']
 PARITY_LOG_GRPC = [{}, {"log_file": ("string_param", "")}, {"log_info": ("string_param", "true")},
                    {"log_info": ("bool_param", False)}, {"log_verbose_level": ("bool_param", True)},
-                   {"log_verbose_level": ("uint32_param", 3)}, {"log_format": ("string_param", "bad")},
+                   {"log_verbose_level": ("uint32_param", 3)}, {"log_verbose_level": ("uint32_param", 2147483653)},
+                   {"log_format": ("string_param", "bad")},
                    {"log_format": ("uint32_param", 1)}, {"log_format": ("string_param", "ISO8601"), "x": ("bool_param", 1)},
                    {"log_info": ("bool_param", True), "log_verbose_level": ("uint32_param", 0),
                     "log_format": ("string_param", "default")}]

@@ -54,7 +54,7 @@ def test_grpc_updates_are_read_with_tritons_rules_and_words():
                                             log_format=("string_param", "default"), x=("bool_param", True))) == {
         "log_info": False, "log_verbose_level": 7, "log_format": "default"}
     assert parse_grpc_update(_grpc_settings(log_verbose_level=("uint32_param", (1 << 32) - 1))) == {
-        "log_verbose_level": -1}
+        "log_verbose_level": 0}
     assert _error(lambda: parse_grpc_update(_grpc_settings(log_file=("string_param", "")))) == (
         501, "UNIMPLEMENTED", "log file location can not be updated through network protocol")
     assert _error(lambda: parse_grpc_update(_grpc_settings(log_error=("string_param", "true")))) == (
@@ -120,7 +120,9 @@ def test_the_setting_switches_the_front_doors_records(captured, tmp_path):
     captured.truncate(0)
     captured.seek(0)
     logging.getLogger("batchyard.frontend").info("after")  # closed: the process's handlers as they were
-    assert "after" in captured.getvalue()
+    logging.getLogger("batchyard.frontend").debug("no-debug")
+    assert "after" in captured.getvalue() and "no-debug" not in captured.getvalue()
+    assert captured.getvalue()[10] == " "  # the handler's own timestamps again, not ISO 8601's
 
 
 def test_a_change_through_one_process_reaches_the_others(captured, tmp_path):
@@ -156,10 +158,61 @@ def test_a_setting_that_cannot_be_written_changes_nothing(captured, tmp_path):
         os.close(dir_fd)
 
 
-def test_an_unsigned_verbose_level_past_int32_reads_back_as_tritons():
+def test_a_verbose_level_past_int32_reads_back_as_tritons():
+    # Triton keeps the low 32 bits as an int32, and a negative one as 0 (2**31 + 5 read back as
+    # 2**64 - 2**31 + 5 here)
     logs = LogSettings(START, None)
     try:
-        logs.update(parse_http_update({"log_verbose_level": (1 << 31) + 5}))
-        assert logs.settings()["log_verbose_level"] == (1 << 64) - (1 << 31) + 5
+        for asked, kept in [((1 << 32) + 3, 3), ((1 << 31) + 5, 0), ((1 << 64) - 1, 0), ((1 << 31) - 1, (1 << 31) - 1)]:
+            logs.update(parse_http_update({"log_verbose_level": asked}))
+            assert logs.settings()["log_verbose_level"] == kept, asked
+        assert parse_grpc_update(_grpc_settings(log_verbose_level=("uint32_param", (1 << 31) + 5))) == {
+            "log_verbose_level": 0}
     finally:
         logs.close()
+
+
+@pytest.mark.parametrize("planted", ["null", '{"log_info": true}', "not json", "fifo", "link", "folder"])
+def test_a_setting_file_no_front_door_wrote_is_refused_and_the_next_update_replaces_it(captured, tmp_path, planted):
+    # A file of another shape (null) raised TypeError: it stopped each front door's 1 s sweep for
+    # good, answered the settings calls 400, and a restarted front door exited at its start (up
+    # restarted it for ever). A FIFO held the loop in open(); a link could not be replaced.
+    path = tmp_path / "log-setting.json"
+    if planted == "fifo":
+        os.mkfifo(path)
+    elif planted == "link":
+        path.symlink_to(tmp_path / "elsewhere")
+    elif planted == "folder":
+        path.mkdir()
+    else:
+        path.write_text(planted)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    logs = LogSettings(START, dir_fd)  # a front door (re)started beside it: the start setting
+    try:
+        status, code, message = _error(logs.settings)
+        assert (status, code) == (500, "INTERNAL") and "the node's log setting cannot be read" in message
+        logging.getLogger("batchyard.frontend").info("served")
+        assert "served" in captured.getvalue()
+        if planted == "folder":  # (nothing can replace a folder: the update says so)
+            assert _error(lambda: logs.update({"log_info": False}))[:2] == (500, "INTERNAL")
+            return
+        logs.update({"log_info": False})  # ...replaces it whole
+        assert logs.settings()["log_info"] is False and path.is_file() and not path.is_symlink()
+        assert not (tmp_path / "elsewhere").exists()
+    finally:
+        logs.close()
+        os.close(dir_fd)
+
+
+def test_a_setting_file_removed_is_the_start_setting_in_every_process(captured, tmp_path):
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    one, other = LogSettings(START, dir_fd), LogSettings(START, dir_fd)
+    try:
+        one.update({"log_info": False})
+        assert other.settings()["log_info"] is False
+        (tmp_path / "log-setting.json").unlink()
+        assert one.settings()["log_info"] is True and one.settings() == other.settings()
+    finally:
+        one.close()
+        other.close()
+        os.close(dir_fd)
