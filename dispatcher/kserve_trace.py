@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -232,17 +233,26 @@ class Tracer:
 
     def _read(self) -> dict:
         """Under the lock. A setting that is not there (a front door killed between making the
-        header and the setting: every later request of the node failed on it) is the config's."""
+        header and the setting: every later request of the node failed on it), or that no front
+        door wrote (another shape, a FIFO: one of another shape raised TypeError out of every
+        request's sampling, and a FIFO held the loop in open), is the config's."""
         if self._dir_fd is None:
             return json.loads(self._local)
         try:
-            fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
-        except FileNotFoundError:
+            # O_NONBLOCK: a FIFO is refused below, not waited on
+            fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self._dir_fd)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise ValueError("not a regular file")
+                return _checked_state(json.loads(f.read(1 << 20)))
+        except (FileNotFoundError, ValueError) as e:
+            if not isinstance(e, FileNotFoundError):
+                log.error("the node's trace setting %s is none a front door wrote (%s): the config's setting "
+                          "replaces it", SETTINGS_FILE, e)
             state = self._initial()
             self._publish(state)  # (a new generation: the other processes drop what they had)
             return state
-        with os.fdopen(fd, "rb") as f:
-            return json.loads(f.read())
 
     def _write(self, state: dict) -> None:
         data = json.dumps(state).encode()
@@ -494,6 +504,19 @@ def _unreadable_as_internal():
         yield
     except (OSError, ValueError) as e:
         raise KServeError(grpc.StatusCode.INTERNAL, f"the node's trace setting could not be read or written: {e}") from None
+
+
+def _checked_state(state) -> dict:
+    """The node's setting as _write wrote it, or ValueError."""
+    def fields(d, all_of: bool) -> bool:
+        return (isinstance(d, dict) and (set(d) == set(FIELDS) if all_of else set(d) <= set(FIELDS))
+                and all(isinstance(v, list) and all(isinstance(x, str) for x in v) if k == "level"
+                        else type(v) is int for k, v in d.items()))
+
+    if not (isinstance(state, dict) and set(state) == {"global", "models"} and fields(state["global"], True)
+            and isinstance(state["models"], dict) and all(fields(m, False) for m in state["models"].values())):
+        raise ValueError("no trace setting of this version's shape")
+    return state
 
 
 def _effective(g: dict, mine: dict) -> dict:

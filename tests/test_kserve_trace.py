@@ -413,6 +413,24 @@ def test_a_setting_missing_from_the_nodes_folder_is_the_configs_not_every_reques
     u.close()
 
 
+@pytest.mark.parametrize("planted", ["null", '{"global": {}, "models": {}}', "fifo"])
+def test_a_setting_no_front_door_wrote_is_the_configs_not_every_requests_failure(tmp_path, shared_dir, planted):
+    # A setting of another shape raised TypeError out of every request's sampling; a FIFO held
+    # the loop in open().
+    t = _tracer(tmp_path, shared_dir, rate=7)
+    os.unlink("trace-setting.json", dir_fd=shared_dir)
+    if planted == "fifo":
+        os.mkfifo("trace-setting.json", dir_fd=shared_dir)
+    else:
+        with open(os.open("trace-setting.json", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=shared_dir), "w") as f:
+            f.write(planted)
+    t._header[0] += 1  # (as a change published by another process)
+    assert t.sample("m") is None and t.settings()["trace_rate"] == "7"
+    t.update("", {"rate": 3})
+    assert t.settings()["trace_rate"] == "3"
+    t.close()
+
+
 def test_a_link_planted_where_traces_go_is_not_followed(tmp_path, shared_dir, caplog):
     (tmp_path / "precious").write_text("precious")
     (tmp_path / "trace.json").symlink_to(tmp_path / "precious")
