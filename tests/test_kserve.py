@@ -2587,6 +2587,14 @@ _TRITON_SUM = {
 def triton_sum(tmp_path_factory):
     """A real tritonserver (nvidia-pytriton's) serving a python-backend `sum` of the front door's
     inputs and outputs."""
+    with triton_serving_sum(tmp_path_factory) as tl:
+        yield tl
+
+
+@contextlib.contextmanager
+def triton_serving_sum(tmp_path_factory, extra_args: tuple = ()):
+    """A started tritonserver serving `sum` (skips the test where the wheel is missing), with
+    more tritonserver options; always stopped."""
     if importlib.util.find_spec("pytriton") is None:
         pytest.skip("needs nvidia-pytriton's tritonserver")
     from batchyard.workers.triton_local import TritonLocal
@@ -2595,7 +2603,7 @@ def triton_sum(tmp_path_factory):
     for rel, text in _TRITON_SUM.items():
         (repo / "sum" / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / "sum" / rel).write_text(text)
-    tl = TritonLocal(repo, models=["sum"]).start(ready_timeout_s=120)
+    tl = TritonLocal(repo, models=["sum"], extra_args=extra_args).start(ready_timeout_s=120)
     try:
         yield tl
     finally:

@@ -4,7 +4,6 @@ everyone, and the refusals are Triton 2.51's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
@@ -309,20 +308,10 @@ def test_a_refused_request_is_answered_before_its_body_is_read(restricted_front_
 # ---------------------------------------------------------------- against Triton 2.51
 @pytest.fixture(scope="module")
 def triton_restricted(tmp_path_factory):
-    if importlib.util.find_spec("pytriton") is None:
-        pytest.skip("needs nvidia-pytriton's tritonserver")
-    from batchyard.workers.triton_local import TritonLocal
-    from test_kserve import _TRITON_SUM
+    from test_kserve import triton_serving_sum
 
-    repo = tmp_path_factory.mktemp("triton-repo")
-    for rel, text in _TRITON_SUM.items():
-        (repo / "sum" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / "sum" / rel).write_text(text)
-    tl = TritonLocal(repo, models=["sum"], extra_args=TRITON_ARGS).start(ready_timeout_s=120)
-    try:
+    with triton_serving_sum(tmp_path_factory, TRITON_ARGS) as tl:
         yield tl
-    finally:
-        tl.close()
 
 
 def test_restricted_apis_answer_as_tritons(restricted_front_door, triton_restricted):
