@@ -273,6 +273,13 @@ class FrontendConfig(_Table):
     trace_count: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1  # traces to take; -1: no limit
     trace_log_frequency: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] = 0
     restricted_apis: tuple[RestrictedApisConfig, ...] = ()
+    # gRPC over TLS, as tritonserver's --grpc-use-ssl with --grpc-server-cert / --grpc-server-key
+    # (PEM files, absolute paths, read at the front door's start); with grpc_tls_client_ca, as
+    # --grpc-use-ssl-mutual with --grpc-root-cert: a client must present a certificate that CA
+    # signed. Empty: plaintext. HTTP stays plaintext, as Triton's (a proxy in front gives it TLS).
+    grpc_tls_cert: str = ""
+    grpc_tls_key: str = ""
+    grpc_tls_client_ca: str = ""
 
 
 # The engines workers/cuda_executors.py's TensorRTExecutor builds (kind "tensorrt").
@@ -407,6 +414,7 @@ class NodeConfig(_Table):
                               "above 0 (as tritonserver refuses a trace level without a file)")
         if f is not None:
             _check_restricted_apis(f.restricted_apis)
+            _check_grpc_tls(f)
         _check_ports_apart(self._tcp_ports())
         self._check_triton_urls()
         return self
@@ -880,6 +888,22 @@ def _did_you_mean(word: str, candidates, shown=repr) -> str:
     by_lower = {str(c).lower(): str(c) for c in candidates}  # case slips count as close too
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
     return f" (did you mean {shown(by_lower[close[0]])}?)" if close else ""
+
+
+def _check_grpc_tls(f: "FrontendConfig") -> None:
+    """The TLS keys' rules that span them; the files themselves are read at the front door's
+    start (a host that runs only the node's workers, or `status`, need not hold them)."""
+    for key in ("grpc_tls_cert", "grpc_tls_key", "grpc_tls_client_ca"):
+        path = getattr(f, key)
+        if path and not os.path.isabs(path):  # (a front door started by systemd runs in /)
+            raise ConfigError(f"[frontend] {key} {path!r} must be an absolute path")
+    if bool(f.grpc_tls_cert) != bool(f.grpc_tls_key):
+        raise ConfigError("[frontend] grpc_tls_cert and grpc_tls_key go together: set both (TLS) or neither")
+    if f.grpc_tls_client_ca and not f.grpc_tls_cert:
+        raise ConfigError("[frontend] grpc_tls_client_ca needs grpc_tls_cert and grpc_tls_key: clients are "
+                          "asked for a certificate only over TLS")
+    if f.grpc_tls_cert and not f.grpc_port:
+        raise ConfigError("[frontend] grpc_tls_cert is set but grpc_port is 0 (gRPC off)")
 
 
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # gRPC's metadata key (in any case: HTTP's are), within HTTP's token

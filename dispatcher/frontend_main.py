@@ -110,13 +110,16 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
                                            idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis)
         if fe.grpc_port:
-            from .kserve_grpc import start_grpc
+            from .kserve_grpc import server_credentials, start_grpc
 
+            tls = server_credentials(fe.grpc_tls_cert, fe.grpc_tls_key, fe.grpc_tls_client_ca) if fe.grpc_tls_cert \
+                else None
             grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes, fe.idle_timeout_s,
-                                           restricted_apis=fe.restricted_apis)
+                                           restricted_apis=fe.restricted_apis, credentials=tls)
         watchdog = announce_ready(loop)
-        log.info("front door pid %d: gRPC %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(), fe.host,
-                 fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend,
+        log.info("front door pid %d: gRPC%s %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(),
+                 " (TLS, client certificates)" if fe.grpc_tls_client_ca else " (TLS)" if fe.grpc_tls_cert else "",
+                 fe.host, fe.grpc_port or "off", fe.host, fe.http_port or "off", node.dispatcher.frontend,
                  sorted(os.sched_getaffinity(0)))
         await stop.wait()
     finally:
@@ -205,7 +208,9 @@ def run_frontend(node: NodeConfig) -> int:
         loop.run_until_complete(serve_until_signalled())
     except OSError as e:  # a port taken by something that is not a front door of this node
         log.error("front door cannot start: %s", e)
-        return 1
+        from .kserve_grpc import TlsFileError
+
+        return EX_CONFIG if isinstance(e, TlsFileError) else 1  # (no restart reads the file better)
     finally:
         loop.close()
     return 0

@@ -632,15 +632,45 @@ def _add_servicer(servicer: KServeServicer, server) -> None:
     server.add_registered_method_handlers(taken.service, handlers)
 
 
+class TlsFileError(OSError):
+    """A TLS file of the config that cannot be read: the front door cannot serve gRPC."""
+
+
+def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
+    """gRPC's TLS credentials from PEM files (``client_ca``: clients must present a certificate it
+    signed); TlsFileError naming the config key of a file that cannot be read."""
+    pem = {}
+    for name, path in (("grpc_tls_cert", cert), ("grpc_tls_key", key), ("grpc_tls_client_ca", client_ca)):
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    pem[name] = f.read()
+            except OSError as e:
+                raise TlsFileError(f"[frontend] {name} {path}: {e.strerror or e}") from None
+            # (gRPC says only "Failed to bind" of a file that is no PEM)
+            marker = b"PRIVATE KEY-----" if name == "grpc_tls_key" else b"-----BEGIN CERTIFICATE-----"
+            if marker not in pem[name]:
+                raise TlsFileError(f"[frontend] {name} {path}: no PEM {'private key' if name == 'grpc_tls_key' else 'certificate'} in it")
+    return grpc.ssl_server_credentials([(pem["grpc_tls_key"], pem["grpc_tls_cert"])],
+                                       root_certificates=pem.get("grpc_tls_client_ca"),
+                                       require_client_auth="grpc_tls_client_ca" in pem)
+
+
+def _tls_hint(credentials) -> str:
+    return "" if credentials is None else (" (over TLS: or the certificate and key are none gRPC can use together; "
+                                           "gRPC's log above says which)")
+
+
 async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = (1 << 31) - 1,
-                     idle_timeout_s: float = 75.0, restricted_apis=()) -> grpc.aio.Server:
+                     idle_timeout_s: float = 75.0, restricted_apis=(),
+                     credentials: Optional[grpc.ServerCredentials] = None) -> grpc.aio.Server:
     """A started grpc.aio server on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT: the kernel spreads connections over them). ``idle_timeout_s``: a
     connection with no call in flight for that long is closed (GOAWAY; a client's channel opens
     a new one at its next call), as an idle HTTP connection is. gRPC's default keeps it for ever:
     a client that opened connections and stopped calling held a descriptor each.
     ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict); without
-    any for gRPC no interceptor runs."""
+    any for gRPC no interceptor runs. ``credentials``: TLS (server_credentials), or plaintext."""
     restrictions = Restrictions(restricted_apis, "grpc")
     opts = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -649,10 +679,12 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
     _add_servicer(KServeServicer(core, port, host, max_message_bytes), server)
     try:
         # An IPv6 address in brackets: "::1:8001" read as one address, on port 443.
-        bound = server.add_insecure_port(f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}")
+        address = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError as e:  # grpcio raises where older ones returned 0: one line, not a traceback
-        raise OSError(f"cannot bind gRPC to {host}:{port}: {e}") from None
+        raise OSError(f"cannot bind gRPC to {host}:{port}: {e}{_tls_hint(credentials)}") from None
     if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+        raise OSError(f"cannot bind gRPC to {host}:{port}{_tls_hint(credentials)}")
     await server.start()
     return server
