@@ -97,6 +97,11 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
 
     sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
     try:
+        tls = None
+        if fe.grpc_port and fe.grpc_tls_cert:  # (before anything serves: a file it cannot use stops it)
+            from .kserve_tls import server_credentials
+
+            tls = server_credentials(fe.grpc_tls_cert, fe.grpc_tls_key, fe.grpc_tls_client_ca)
         # HTTP first: a client that sees the gRPC port ready finds HTTP ready too (tests wait so).
         if fe.http_port:
             from .kserve_http import start_http
@@ -110,12 +115,14 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
                                            idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis)
         if fe.grpc_port:
-            from .kserve_grpc import server_credentials, start_grpc
+            from .kserve_grpc import start_grpc
 
-            tls = server_credentials(fe.grpc_tls_cert, fe.grpc_tls_key, fe.grpc_tls_client_ca) if fe.grpc_tls_cert \
-                else None
             grpc_server = await start_grpc(core, fe.host, fe.grpc_port, fe.max_request_bytes, fe.idle_timeout_s,
                                            restricted_apis=fe.restricted_apis, credentials=tls)
+        if fe.grpc_tls_client_ca and fe.http_port:
+            log.warning("gRPC asks clients for certificates ([frontend] grpc_tls_client_ca), but the HTTP port %s "
+                        "serves the same models in plaintext without them: set http_port = 0 to serve only "
+                        "clients with a certificate (or put a proxy that asks for one in front of it)", fe.http_port)
         watchdog = announce_ready(loop)
         log.info("front door pid %d: gRPC%s %s:%s, HTTP %s:%s, dispatcher %s, cpus %s", os.getpid(),
                  " (TLS, client certificates)" if fe.grpc_tls_client_ca else " (TLS)" if fe.grpc_tls_cert else "",
@@ -208,7 +215,7 @@ def run_frontend(node: NodeConfig) -> int:
         loop.run_until_complete(serve_until_signalled())
     except OSError as e:  # a port taken by something that is not a front door of this node
         log.error("front door cannot start: %s", e)
-        from .kserve_grpc import TlsFileError
+        from .kserve_tls import TlsFileError
 
         return EX_CONFIG if isinstance(e, TlsFileError) else 1  # (no restart reads the file better)
     finally:

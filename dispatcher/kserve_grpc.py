@@ -632,30 +632,6 @@ def _add_servicer(servicer: KServeServicer, server) -> None:
     server.add_registered_method_handlers(taken.service, handlers)
 
 
-class TlsFileError(OSError):
-    """A TLS file of the config that cannot be read: the front door cannot serve gRPC."""
-
-
-def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
-    """gRPC's TLS credentials from PEM files (``client_ca``: clients must present a certificate it
-    signed); TlsFileError naming the config key of a file that cannot be read."""
-    pem = {}
-    for name, path in (("grpc_tls_cert", cert), ("grpc_tls_key", key), ("grpc_tls_client_ca", client_ca)):
-        if path:
-            try:
-                with open(path, "rb") as f:
-                    pem[name] = f.read()
-            except OSError as e:
-                raise TlsFileError(f"[frontend] {name} {path}: {e.strerror or e}") from None
-            # (gRPC says only "Failed to bind" of a file that is no PEM)
-            marker = b"PRIVATE KEY-----" if name == "grpc_tls_key" else b"-----BEGIN CERTIFICATE-----"
-            if marker not in pem[name]:
-                raise TlsFileError(f"[frontend] {name} {path}: no PEM {'private key' if name == 'grpc_tls_key' else 'certificate'} in it")
-    return grpc.ssl_server_credentials([(pem["grpc_tls_key"], pem["grpc_tls_cert"])],
-                                       root_certificates=pem.get("grpc_tls_client_ca"),
-                                       require_client_auth="grpc_tls_client_ca" in pem)
-
-
 def _tls_hint(credentials) -> str:
     return "" if credentials is None else (" (over TLS: or the certificate and key are none gRPC can use together; "
                                            "gRPC's log above says which)")

@@ -102,33 +102,62 @@ def test_tls_keys_that_cannot_work_together_are_a_config_error(keys, message):
                    models=(SUM_MODEL,), frontend=FrontendConfig(**keys)).validate()
 
 
-@pytest.mark.parametrize("bad", ["missing key", "no certificate"])
+# What a front door given each bad TLS file says (its key and file named), all exit EX_CONFIG.
+BAD_TLS = {
+    "missing key": "[frontend] grpc_tls_key {d}/server.key: No such file or directory",
+    "no certificate": "[frontend] grpc_tls_cert {d}/server.pem and grpc_tls_key {d}/server.key: not a PEM certificate "
+                      "and the private key that goes with it",
+    "key of another certificate": "[frontend] grpc_tls_cert {d}/server.pem and grpc_tls_key {d}/server.key: not a "
+                                  "PEM certificate and the private key that goes with it",
+    "encrypted key": "[frontend] grpc_tls_key {d}/server.key: it is encrypted",
+    "fifo": "[frontend] grpc_tls_key {d}/server.key: not a regular file",
+    "huge": "[frontend] grpc_tls_cert {d}/server.pem: larger than 1 MiB",
+    "client ca no pem": "[frontend] grpc_tls_client_ca {d}/ca.pem: no PEM certificates",
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_TLS))
 def test_a_tls_file_the_front_door_cannot_use_stops_it_with_a_config_exit(tmp_path, certs, bad):
-    # The front door says which key and file, and exits EX_CONFIG (`up` then stops the node, as
-    # for any config error, rather than restarting it for ever). A file of no PEM was gRPC's
-    # "Failed to bind to address", exit 1, restarted for ever.
+    # The front door says which key and file, and exits EX_CONFIG before it serves anything (`up`
+    # then stops the node, as for any config error). gRPC said only "Failed to bind to address" of
+    # a file that was no PEM, a key of another certificate or an encrypted one, exit 1, and the
+    # front door was restarted for ever; a FIFO held it, deaf to SIGTERM.
+    import os
+    import sys
+
     from batchyard.config import DispatcherConfig, NodeConfig, to_toml
     from batchyard.exit_codes import EX_CONFIG
 
     from conftest import ROOT, SUM_MODEL
     from test_kserve import _free_port
 
+    cert, key, ca = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
+    cert.write_text((certs / "server.pem").read_text())
+    key.write_text((certs / "server.key").read_text())
+    ca.write_text((certs / "client.pem").read_text())
+    if bad == "missing key":
+        key.unlink()
+    elif bad == "no certificate":
+        cert.write_text("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")
+    elif bad == "key of another certificate":
+        key.write_text((certs / "client.key").read_text())
+    elif bad == "encrypted key":
+        subprocess.run(["openssl", "pkey", "-in", str(certs / "server.key"), "-aes256", "-passout", "pass:x",
+                        "-out", str(key)], check=True, capture_output=True)
+    elif bad == "fifo":
+        key.unlink()
+        os.mkfifo(key)
+    elif bad == "huge":
+        cert.write_bytes(cert.read_bytes() * (2 + (1 << 20) // len(cert.read_bytes())))
+    elif bad == "client ca no pem":
+        ca.write_text("nothing")
     node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
                       models=(SUM_MODEL,),
-                      frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(),
-                                              grpc_tls_cert=str(tmp_path / "server.pem"),
-                                              grpc_tls_key=str(tmp_path / "server.key"))).validate()
-    (tmp_path / "server.pem").write_text("not a certificate" if bad == "no certificate"
-                                         else (certs / "server.pem").read_text())
-    if bad != "missing key":
-        (tmp_path / "server.key").write_text((certs / "server.key").read_text())
+                      frontend=FrontendConfig(grpc_port=_free_port(), http_port=_free_port(), grpc_tls_cert=str(cert),
+                                              grpc_tls_key=str(key), grpc_tls_client_ca=str(ca))).validate()
     path = tmp_path / "node.toml"
     path.write_text(to_toml(node))
-    import sys
-
     done = subprocess.run([sys.executable, "-m", "batchyard.cli", "frontend", "--config", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == EX_CONFIG
-    assert {"missing key": f"[frontend] grpc_tls_key {tmp_path}/server.key: No such file or directory",
-            "no certificate": f"[frontend] grpc_tls_cert {tmp_path}/server.pem: no PEM certificate in it"}[bad] \
-        in done.stderr
+    assert done.returncode == EX_CONFIG, done.stderr[-2000:]
+    assert BAD_TLS[bad].format(d=tmp_path) in done.stderr, done.stderr[-2000:]
