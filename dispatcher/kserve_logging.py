@@ -14,18 +14,16 @@ The dispatcher and the workers are other processes: their logs keep the level th
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
-import stat
 import time
 from typing import Optional
 
 import grpc
 
 from .kserve_common import KServeError
-from .kserve_trace import _replace_whole
+from .node_files import flocked, read_small_file, replace_whole
 
 SETTINGS_FILE = "log-setting.json"  # in the registry folder, replaced whole at each change
 LOCK_FILE = "log-setting.lock"  # held while a change is read, made and written
@@ -137,17 +135,6 @@ class LogSettings:
             self._lock_fd = None
 
     # -------------------------------------------------------------- the node's file
-    @contextlib.contextmanager
-    def _locked(self):
-        if self._lock_fd is None:
-            yield
-            return
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
     def _stat(self) -> Optional[tuple]:
         try:
             st = os.stat(SETTINGS_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
@@ -165,15 +152,8 @@ class LogSettings:
             self._setting, self._seen = dict(self._default), None
             self._apply()
             return
-        # O_NONBLOCK: a FIFO planted there is refused below, not waited on (with the loop held).
-        fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=self._dir_fd)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{SETTINGS_FILE} is not a regular file")
-            setting = _checked(json.loads(f.read(1 << 16)))
-        self._setting, self._seen = setting, (st.st_ino, st.st_mtime_ns)
+        self._setting = _checked(json.loads(read_small_file(SETTINGS_FILE, 1 << 16, self._dir_fd, follow_links=False)))
+        self._seen = seen
         self._apply()
 
     # -------------------------------------------------------------- the calls
@@ -193,14 +173,14 @@ class LogSettings:
         if not changes:
             return
         try:
-            with self._locked():
+            with flocked(self._lock_fd):
                 try:
                     self.refresh()
                 except (OSError, ValueError):  # a file that cannot be read (a link, a FIFO): replaced
                     pass
                 setting = {**self._setting, **changes}
                 if self._dir_fd is not None:
-                    _replace_whole(SETTINGS_FILE, json.dumps(setting).encode(), 0o600, self._dir_fd)
+                    replace_whole(SETTINGS_FILE, json.dumps(setting).encode(), 0o600, self._dir_fd)
                     self._seen = self._stat()
         except (OSError, ValueError) as e:
             raise KServeError(grpc.StatusCode.INTERNAL, f"the node's log setting cannot be written: {e}") from None

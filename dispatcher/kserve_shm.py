@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 
 from .kserve_common import KServeError, byte_view, check_byte_size, check_declared_input, invalid
+from .node_files import flocked
 
 # Region keys Batchyard itself creates (client pools, the Triton worker's regions with its local
 # tritonserver): other clients' tensors live there, so a KServe client may not name them (the
@@ -373,19 +374,11 @@ class ShmRegions:
         self._drop_local(name)
         self.local[name] = region
 
-    @contextlib.contextmanager
     def _registering(self):
         """The registry's lock, across the node's front-door processes, for a count and the
         publish it allows (a registration is a few file operations: held that long); none without
         a registry (one process)."""
-        if self._dir_fd < 0:
-            yield
-            return
-        fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._dir_fd, fcntl.LOCK_UN)
+        return flocked(self._dir_fd if self._dir_fd >= 0 else None)
 
     def unregister(self, name: str = "", uid: Optional[int] = 0) -> None:
         """One region, or all when ``name`` is empty: of the regions ``uid`` may use; an unknown

@@ -10,11 +10,11 @@ that does not go with its certificate, or one that needs a passphrase, is named 
 
 from __future__ import annotations
 
-import os
 import ssl
-import stat
 
 import grpc
+
+from .node_files import read_small_file
 
 MAX_PEM_BYTES = 1 << 20  # a certificate chain or a CA bundle is kilobytes; /dev/zero is not
 
@@ -25,17 +25,11 @@ class TlsFileError(OSError):
 
 def _read(key: str, path: str) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_small_file(path, MAX_PEM_BYTES)
     except OSError as e:
         raise TlsFileError(f"[frontend] {key} {path}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise TlsFileError(f"[frontend] {key} {path}: not a regular file")
-        data = f.read(MAX_PEM_BYTES + 1)
-    if len(data) > MAX_PEM_BYTES:
-        raise TlsFileError(f"[frontend] {key} {path}: larger than {MAX_PEM_BYTES >> 20} MiB, no PEM file")
-    return data
+    except ValueError as e:
+        raise TlsFileError(f"[frontend] {key} {path}: {e}") from None
 
 
 def _needs_passphrase():

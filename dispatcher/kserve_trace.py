@@ -22,13 +22,11 @@ for a sampled request or an update.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import mmap
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -37,6 +35,7 @@ import grpc
 import numpy as np
 
 from .kserve_common import KServeError, invalid
+from .node_files import flocked, read_small_file, replace_whole
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -46,6 +45,7 @@ FIELDS = ("level", "rate", "count", "log_frequency")
 API_NAMES = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count", "log_frequency": "log_frequency"}
 STATE_FILE = "trace"  # in the registry directory: the header
 SETTINGS_FILE = "trace-setting.json"  # beside it, replaced whole at each change (a kill mid-write leaves the old one)
+MAX_SETTING_BYTES = 1 << 20  # the node's setting file: a few hundred bytes a model
 HEADER = 4  # int64s before the settings' JSON: generation, last trace id, next file index, file started
 GEN, LAST_ID, NEXT_INDEX, STARTED = range(HEADER)
 _INT = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")  # what C++'s std::stoi reads of a string (its prefix; ASCII only)
@@ -220,13 +220,8 @@ class Tracer:
         self._held: dict[tuple, list[str]] = {}  # traces waiting for their log_frequency, by (setting, N)
 
     # -------------------------------------------------------------- the shared state
-    @contextlib.contextmanager
     def _locked(self):
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return flocked(self._fd)
 
     def _initial(self) -> dict:
         return {"global": self.default.to_json(), "models": {}}
@@ -239,13 +234,8 @@ class Tracer:
         if self._dir_fd is None:
             return json.loads(self._local)
         try:
-            # O_NONBLOCK: a FIFO is refused below, not waited on
-            fd = os.open(SETTINGS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=self._dir_fd)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise ValueError("not a regular file")
-                return _checked_state(json.loads(f.read(1 << 20)))
+            return _checked_state(json.loads(read_small_file(SETTINGS_FILE, MAX_SETTING_BYTES, self._dir_fd,
+                                                             follow_links=False)))
         except (FileNotFoundError, ValueError) as e:
             if not isinstance(e, FileNotFoundError):
                 log.error("the node's trace setting %s is none a front door wrote (%s): the config's setting "
@@ -259,7 +249,7 @@ class Tracer:
         if self._dir_fd is None:
             self._local = data
             return
-        _replace_whole(SETTINGS_FILE, data, 0o600, self._dir_fd)
+        replace_whole(SETTINGS_FILE, data, 0o600, self._dir_fd)
 
     def _publish(self, state: dict) -> None:
         """Under the lock: new settings, then their generation, which tells the other processes.
@@ -414,7 +404,7 @@ class Tracer:
             if not self._header[STARTED]:
                 # The node's first trace: the old file replaced whole (a link there is replaced,
                 # not followed), so a first write that fails leaves it as it was.
-                _replace_whole(self.file, f"[{records}]".encode(), 0o640)
+                replace_whole(self.file, f"[{records}]".encode(), 0o640)
                 self._header[STARTED] = 1
                 return
             # (no link followed: a link planted where the file goes had another file truncated)
@@ -479,21 +469,6 @@ def trace_file_problem(path: str) -> str:
     if not os.access(folder, os.W_OK):
         return f"the folder {folder} is not writable here (under the shipped units, use /var/log/batchyard)"
     return ""
-
-
-def _replace_whole(path: str, data: bytes, mode: int, dir_fd: Optional[int] = None) -> None:
-    """``path`` (in ``dir_fd``) becomes a new file of ``data``, or stays as it was: written beside
-    it, then renamed over it. A process killed or a disk full part-way leaves the old one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
 
 
 @contextlib.contextmanager
