@@ -78,22 +78,14 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 
-    log_setting_error = ""
-
     def sweep_regions() -> None:
-        nonlocal sweeper, log_setting_error
+        nonlocal sweeper
         sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)  # first: whatever fails below, it runs again
         try:
             core.shm.sweep()
         except OSError:
             log.exception("shared-memory regions could not be swept")
-        try:  # a log setting made through another front-door process of the node
-            logs.refresh()
-            log_setting_error = ""
-        except (OSError, ValueError) as e:
-            if str(e) != log_setting_error:  # (said once, not every sweep)
-                log.error("the node's log setting cannot be read: %s", e)
-            log_setting_error = str(e)
+        logs.follow()  # a log setting made through another front-door process of the node
 
     sweeper = loop.call_later(SHM_SWEEP_S, sweep_regions)
     try:

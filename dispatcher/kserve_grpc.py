@@ -632,11 +632,6 @@ def _add_servicer(servicer: KServeServicer, server) -> None:
     server.add_registered_method_handlers(taken.service, handlers)
 
 
-def _tls_hint(credentials) -> str:
-    return "" if credentials is None else (" (over TLS: or the certificate and key are none gRPC can use together; "
-                                           "gRPC's log above says which)")
-
-
 async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: int = (1 << 31) - 1,
                      idle_timeout_s: float = 75.0, restricted_apis=(),
                      credentials: Optional[grpc.ServerCredentials] = None) -> grpc.aio.Server:
@@ -659,8 +654,8 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
         bound = (server.add_insecure_port(address) if credentials is None
                  else server.add_secure_port(address, credentials))
     except RuntimeError as e:  # grpcio raises where older ones returned 0: one line, not a traceback
-        raise OSError(f"cannot bind gRPC to {host}:{port}: {e}{_tls_hint(credentials)}") from None
+        raise OSError(f"cannot bind gRPC to {host}:{port}: {e}") from None
     if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}{_tls_hint(credentials)}")
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()
     return server

@@ -109,6 +109,7 @@ class LogSettings:
         self._default = dict(default)
         self._setting = dict(default)
         self._seen: Optional[tuple] = None  # (inode, mtime) of the file the setting was read from
+        self._last_error = ""  # the last failure follow() logged
         self._switch = _LevelSwitch()
         self._formatters: dict = {}  # each handler's formatter at the start ("default")
         for handler in logging.getLogger().handlers:
@@ -155,6 +156,16 @@ class LogSettings:
         self._setting = _checked(json.loads(read_small_file(SETTINGS_FILE, 1 << 16, self._dir_fd, follow_links=False)))
         self._seen = seen
         self._apply()
+
+    def follow(self) -> None:
+        """refresh(), its failure logged (once a kind, not at every sweep) rather than raised."""
+        try:
+            self.refresh()
+            self._last_error = ""
+        except (OSError, ValueError) as e:
+            if str(e) != self._last_error:
+                log.error("the node's log setting cannot be read: %s", e)
+            self._last_error = str(e)
 
     # -------------------------------------------------------------- the calls
     def settings(self) -> dict:

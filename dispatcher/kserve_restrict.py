@@ -97,6 +97,9 @@ class Restrictions:
     def __bool__(self) -> bool:
         return bool(self._of)
 
+    def restricts(self, category: Optional[str]) -> bool:
+        return category in self._of
+
     def refusal(self, category: Optional[str], header: Callable[[str], Optional[str]]) -> Optional[str]:
         """None where the request may go on, else the header it lacks (as the config writes it).
         ``header(name)``: the request's first value of a header (``name`` in lower case: HTTP's
@@ -160,7 +163,7 @@ def restrict_routes(routes: list, restrictions: Restrictions) -> list:
     out = []
     for r in routes:
         category = http_category(r.path)
-        if restrictions.refusal(category, lambda name: None) is None:  # (not restricted)
+        if not restrictions.restricts(category):
             out.append(r)
             continue
         out.append(web.RouteDef(r.method, r.path, _checked(r.handler, category, restrictions),
