@@ -699,6 +699,15 @@ class KServeCore:
             self.tracer.update(model, await changes())
         return self.tracer.settings(model)
 
+    def log_setting(self, changes: Optional[Callable[[], dict]] = None) -> dict:
+        """Triton's log settings after the changes ``changes`` reads from the request
+        (kserve_logging.parse_*_update; None: a read); UNIMPLEMENTED where this core serves none."""
+        if self.logs is None:
+            raise KServeError(grpc.StatusCode.UNIMPLEMENTED, "this front door serves no log settings")
+        if changes is not None:
+            self.logs.update(changes())
+        return self.logs.settings()
+
     async def model_stats(self, model: str, version: str = "") -> list[dict]:
         """Triton's statistics of ``model``, or of every model of the node (zeros for those not
         asked for yet), summed over the node's front-door processes. A model or version the node

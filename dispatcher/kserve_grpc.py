@@ -279,15 +279,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return out
 
     async def LogSettings(self, request, context):
-        logs = self.core.logs
-        if logs is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this front door serves no log settings")
-        try:
-            if request.settings:
-                logs.update(parse_grpc_update(request.settings))
-            setting = logs.settings()
-        except KServeError as e:
-            await context.abort(e.code, e.message)
+        setting = await self._sync(context, self.core.log_setting,
+                                   (lambda: parse_grpc_update(request.settings)) if request.settings else None)
         out = service_pb2.LogSettingsResponse()
         for key, value in setting.items():
             if isinstance(value, bool):

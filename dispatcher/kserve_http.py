@@ -336,20 +336,17 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- log settings (kserve_logging)
     async def log_settings(self, request):
-        logs = self.core.logs
         try:
-            if logs is None:
-                raise KServeError(grpc.StatusCode.UNIMPLEMENTED, "this front door serves no log settings")
+            changes = None
             if request.method == "POST":
-                body = await read_body(request, MAX_JSON_BYTES)
-                raw = bytes(body)
+                raw = bytes(await read_body(request, MAX_JSON_BYTES))
                 try:  # (a key given twice: its first value, as Triton's reader keeps)
                     settings = json.loads(raw, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
                 except (ValueError, RecursionError):  # (Triton's words for an empty body; RapidJSON's own for the rest)
                     raise KServeError(grpc.StatusCode.INTERNAL, "failed to parse the request JSON buffer: " + (
                         "invalid JSON" if raw.strip() else f"The document is empty. at {len(raw)}")) from None
-                logs.update(parse_http_update(settings))
-            return web.json_response(logs.settings())
+                changes = lambda: parse_http_update(settings)  # noqa: E731 -- read after the core's own check
+            return web.json_response(self.core.log_setting(changes))
         except (KServeError, *MALFORMED) as e:
             return _error(as_kserve(e, "log settings request"))
 
