@@ -1,0 +1,172 @@
+"""Triton's generate extension on the front door's HTTP port: ``POST
+/v2/models/{m}[/versions/{v}]/generate`` and ``.../generate_stream``, a request of plain JSON
+members where ``infer`` takes typed tensors.
+
+A member of the body that names one of the model's inputs is that input: one JSON value or a
+flat array of them, shaped from the model's metadata as Triton shapes it (``generate_shape``).
+The members of ``parameters`` are read the same way. Any other member is, to Triton, a request
+parameter for the model to read; Batchyard's models read none, so such a member is checked as
+Triton checks it (a string, a number or a boolean) and goes no further. ``priority`` and
+``timeout`` are such members too: Triton's generate does not give them to its scheduler either.
+
+The answer holds ``model_name``, ``model_version``, the request's ``id`` when it has one, and
+each output by name: a lone value where the output holds one element, else a flat array, as
+Triton writes them. ``generate_stream`` sends that answer as one Server-Sent Event (a Batchyard
+model answers a request once). A request refused before it runs is a JSON error under its
+status from either route; one whose run fails is, from ``generate_stream``, the event
+``data: {"error": ...}`` under the status of that error, as Triton sends it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from aiohttp import web
+
+from . import protocol as P
+from .http_body import MAX_JSON_BYTES, read_body
+from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as_kserve, check_inputs, dims,
+                            invalid, tensor_from_list, unreshaped)
+from .kserve_json import encode_json, finite_float
+
+PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
+EVENT_STREAM = "text/event-stream; charset=utf-8"
+
+
+class _Members(dict):
+    """A JSON object with its members in the order written, a key written twice kept twice:
+    Triton adds such an input twice and refuses the second time."""
+    __slots__ = ("members",)
+
+
+def _object(pairs: list) -> _Members:
+    obj = _Members(pairs)
+    obj.members = pairs
+    return obj
+
+
+def parse_body(raw: bytes) -> _Members:
+    """The request body as a JSON object; Triton's words for one that is not."""
+    if not raw.strip():
+        raise invalid(f"failed to parse the request JSON buffer: The document is empty. at {len(raw)}")
+    try:
+        body = json.loads(raw, object_pairs_hook=_object, parse_float=finite_float)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested past json's depth
+        raise invalid(f"failed to parse the request JSON buffer: {e}") from None
+    if not isinstance(body, _Members):
+        raise invalid("attempt to get members for non-object")
+    return body
+
+
+def request_id(body: dict) -> str:
+    """The body's ``id``: Triton reads it before anything else and takes only a string."""
+    rid = body.get("id", "")
+    if not isinstance(rid, str):
+        raise invalid("Unable to parse 'id': attempt to access JSON non-string as string")
+    return rid
+
+
+def generate_shape(name: str, metadata_shape: list[int], count: int) -> list[int]:
+    """The shape Triton gives ``count`` values of an input whose metadata shape (batch dimension
+    first, -1 where it varies) is ``metadata_shape``: the fixed dimensions divide the count, the
+    innermost varying one takes what is left, the other varying ones 1."""
+    shape = list(metadata_shape)
+    for d in reversed(shape):
+        if d != -1:
+            if d == 0 or count % d:
+                raise invalid(f"The schema can not convert input '{name}' to tensor with proper shape")
+            count //= d
+    for i in reversed(range(len(shape))):
+        if shape[i] == -1:
+            shape[i], count = count, 1
+    if count != 1:
+        raise invalid(f"The schema can not convert input '{name}' to tensor with proper shape")
+    return shape
+
+
+def generate_inputs(spec: P.ModelSpec, body: _Members) -> dict[str, np.ndarray]:
+    """The model's input tensors a generate request names, checked as Triton converts them."""
+    tensors = {t.name: t for t in spec.inputs}
+    if PARAMETERS in body and PARAMETERS in tensors:
+        raise invalid(f"Keyword '{PARAMETERS}' for nested schema also given as input tensor name")
+    inputs: dict[str, np.ndarray] = {}
+    for name, value in body.members:
+        if name != PARAMETERS:
+            _member(tensors, inputs, name, value)
+            continue
+        if not isinstance(value, _Members):
+            raise invalid(f"Expected JSON object for keyword: '{name}': attempt to access JSON non-object as object")
+        try:
+            for inner, v in value.members:
+                _member(tensors, inputs, inner, v)
+        except KServeError as e:
+            raise invalid(f"Converting keyword: '{name}': {e.message}") from None
+    return inputs
+
+
+def _member(tensors: dict, inputs: dict, name: str, value) -> None:
+    t = tensors.get(name)
+    if t is None:  # a request parameter to Triton; Batchyard's models take none
+        if value is None or isinstance(value, (list, dict)):
+            raise invalid(f"parameter '{name}' has invalid type. It should be either 'int', 'bool', or 'string'.")
+        return
+    if name in inputs:
+        raise invalid(f"input '{name}' already exists in request")
+    values = value if isinstance(value, list) else [value]
+    datatype = NP_TO_KSERVE[t.dtype]
+    shape = generate_shape(name, [-1, *dims(t)], len(values))
+    inputs[name] = tensor_from_list(name, datatype, shape, values)
+
+
+def generate_answer(model: str, rid: str, outputs) -> tuple[dict, bool]:
+    """The answer's JSON object, its members in Triton's order (by name: Triton keeps them in an
+    ordered map, where ``id``, ``model_name`` and ``model_version`` win over an output of the
+    same name), and whether every value in it is finite."""
+    members: dict = {"model_name": model, "model_version": "1"}
+    if rid:  # Triton leaves an empty id out
+        members["id"] = rid
+    finite = True
+    for name, arr in outputs.items():
+        if name in members:
+            continue
+        flat = np.asarray(arr).reshape(-1)
+        finite = finite and (flat.dtype.kind != "f" or bool(np.isfinite(flat).all()))
+        values = flat.tolist()
+        members[name] = values[0] if len(values) == 1 else values
+    return dict(sorted(members.items())), finite
+
+
+def _error_body(e: KServeError, streaming: bool) -> bytes:
+    text = json.dumps({"error": e.message}).encode()
+    return b"data: " + text + b"\n\n" if streaming else text
+
+
+async def serve_generate(core: KServeCore, request: web.Request, streaming: bool) -> web.Response:
+    """One generate (``streaming``: generate_stream) request, answered."""
+    model = request.match_info["model"]
+    try:
+        spec = await core.spec(model, request.match_info.get("version", ""))
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # (Triton's check, before the body is read)
+            raise invalid("Unsupported content-encoding, only 'identity' is supported.")
+        body = parse_body(bytes(await read_body(request, MAX_JSON_BYTES)))
+        rid = request_id(body)
+        inputs = unreshaped(spec, generate_inputs(spec, body))
+        check_inputs(spec, inputs)  # refused here, a JSON error from either route, as Triton's
+    except (KServeError, *MALFORMED) as e:
+        e = as_kserve(e, "generate request")
+        return web.Response(body=_error_body(e, False), status=e.http_status, content_type="application/json",
+                            headers=e.headers or None)
+    try:
+        _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)))
+    except KServeError as e:
+        return _answer(_error_body(e, streaming), streaming, e.http_status)
+    return _answer(b"data: " + text + b"\n\n" if streaming else text, streaming)
+
+
+def _answer(body: bytes, streaming: bool, status: int = 200) -> web.Response:
+    if streaming:
+        return web.Response(body=body, status=status, headers={"Content-Type": EVENT_STREAM})
+    return web.Response(body=body, status=status, content_type="application/json")
+
