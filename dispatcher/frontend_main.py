@@ -98,14 +98,17 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
         if fe.http_port:
             from .kserve_http import start_http
 
-            extra = ()
+            extra, llm_generate = (), None
             if node.llm_models:  # the LLM mode's OpenAI-compatible completions, on the same port
+                from .llm_generate import LlmGenerate
                 from .openai_http import OpenAiCompletions
 
-                extra = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
-                                          node.dispatcher.default_timeout_s, stopping=lambda: core.stopping).routes()
+                completions = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
+                                                node.dispatcher.default_timeout_s, stopping=lambda: core.stopping)
+                extra, llm_generate = completions.routes(), LlmGenerate(completions)
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
-                                           idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis)
+                                           idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis,
+                                           llm_generate=llm_generate)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from . import protocol as P
 from .http_body import MAX_JSON_BYTES, read_body
-from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as_kserve, check_inputs, dims,
-                            invalid, tensor_from_list, unreshaped)
+from .kserve_common import (MALFORMED, NP_TO_KSERVE, VERSION, KServeCore, KServeError, as_kserve, check_inputs,
+                            dims, invalid, parse_version, tensor_from_list, unknown_version, unreshaped)
 from .kserve_json import encode_json, finite_float
 
 PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
@@ -120,21 +120,27 @@ def _member(tensors: dict, inputs: dict, name: str, value) -> None:
 
 
 def generate_answer(model: str, rid: str, outputs) -> tuple[dict, bool]:
-    """The answer's JSON object, its members in Triton's order (by name: Triton keeps them in an
-    ordered map, where ``id``, ``model_name`` and ``model_version`` win over an output of the
-    same name), and whether every value in it is finite."""
-    members: dict = {"model_name": model, "model_version": "1"}
-    if rid:  # Triton leaves an empty id out
-        members["id"] = rid
-    finite = True
+    """The answer's JSON object of a model's output tensors, and whether every value in it is
+    finite: a lone value where an output holds one element, else a flat array."""
+    values, finite = {}, True
     for name, arr in outputs.items():
-        if name in members:
-            continue
         flat = np.asarray(arr).reshape(-1)
         finite = finite and (flat.dtype.kind != "f" or bool(np.isfinite(flat).all()))
-        values = flat.tolist()
-        members[name] = values[0] if len(values) == 1 else values
-    return dict(sorted(members.items())), finite
+        listed = flat.tolist()
+        values[name] = listed[0] if len(listed) == 1 else listed
+    return answer_members(model, rid, values), finite
+
+
+def answer_members(model: str, rid: str, values: dict) -> dict:
+    """``values`` with ``model_name``, ``model_version`` and the request's ``id`` (left out when
+    empty), in Triton's order: by name, Triton keeping them in an ordered map, where those three
+    win over an output of the same name."""
+    members: dict = {"model_name": model, "model_version": "1"}
+    if rid:
+        members["id"] = rid
+    for name, value in values.items():
+        members.setdefault(name, value)
+    return dict(sorted(members.items()))
 
 
 def _error_body(e: KServeError, streaming: bool) -> bytes:
@@ -142,24 +148,37 @@ def _error_body(e: KServeError, streaming: bool) -> bytes:
     return b"data: " + text + b"\n\n" if streaming else text
 
 
-async def serve_generate(core: KServeCore, request: web.Request, streaming: bool) -> web.Response:
-    """One generate (``streaming``: generate_stream) request, answered."""
+async def serve_generate(core: KServeCore, request: web.Request, streaming: bool, llm=None) -> web.Response:
+    """One generate (``streaming``: generate_stream) request, answered. ``llm``: the LLM mode's
+    (llm_generate.LlmGenerate), for its models."""
     model = request.match_info["model"]
+    version = request.match_info.get("version", "")
+    for_llm = llm is not None and model in core.llm_models
     try:
-        spec = await core.spec(model, request.match_info.get("version", ""))
+        if for_llm:  # (no ModelSpec: its engine takes text, not tensors)
+            if parse_version(version) not in (-1, VERSION):
+                raise unknown_version(model, version)
+        else:
+            spec = await core.spec(model, version)
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):  # (Triton's check, before the body is read)
             raise invalid("Unsupported content-encoding, only 'identity' is supported.")
         body = parse_body(bytes(await read_body(request, MAX_JSON_BYTES)))
         rid = request_id(body)
-        inputs = unreshaped(spec, generate_inputs(spec, body))
-        check_inputs(spec, inputs)  # refused here, a JSON error from either route, as Triton's
+        if not for_llm:
+            inputs = unreshaped(spec, generate_inputs(spec, body))
+            check_inputs(spec, inputs)  # refused here, a JSON error from either route, as Triton's
     except (KServeError, *MALFORMED) as e:
         e = as_kserve(e, "generate request")
         return web.Response(body=_error_body(e, False), status=e.http_status, content_type="application/json",
                             headers=e.headers or None)
     try:
-        _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)))
+        if for_llm:
+            # (its refusals come after the body is read, as the vLLM backend's come from the
+            # model: under a stream, an event)
+            text = encode_json(answer_members(model, rid, await llm.answer(model, body, streaming)), True)
+        else:
+            _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)))
     except KServeError as e:
         return _answer(_error_body(e, streaming), streaming, e.http_status)
     return _answer(b"data: " + text + b"\n\n" if streaming else text, streaming)
@@ -169,4 +188,3 @@ def _answer(body: bytes, streaming: bool, status: int = 200) -> web.Response:
     if streaming:
         return web.Response(body=body, status=status, headers={"Content-Type": EVENT_STREAM})
     return web.Response(body=body, status=status, content_type="application/json")
-

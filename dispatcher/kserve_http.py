@@ -210,8 +210,9 @@ def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
 
 class KServeHttp:
 
-    def __init__(self, core: KServeCore):
+    def __init__(self, core: KServeCore, llm_generate=None):
         self.core = core
+        self.llm_generate = llm_generate  # the LLM mode's generate (llm_generate.LlmGenerate), or None
 
     def routes(self) -> list:
         m = "/v2/models/{model}"
@@ -361,10 +362,10 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- inference
     async def generate(self, request):  # Triton's generate extension (kserve_generate)
-        return await serve_generate(self.core, request, streaming=False)
+        return await serve_generate(self.core, request, streaming=False, llm=self.llm_generate)
 
     async def generate_stream(self, request):
-        return await serve_generate(self.core, request, streaming=True)
+        return await serve_generate(self.core, request, streaming=True, llm=self.llm_generate)
 
     async def infer(self, request):
         traced: list = []  # the request's trace, once its model is known and its setting samples it
@@ -543,15 +544,17 @@ class KServeHttp:
 
 
 async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,
-                     extra_routes=(), idle_timeout_s: float = 75.0, restricted_apis=()) -> web.AppRunner:
+                     extra_routes=(), idle_timeout_s: float = 75.0, restricted_apis=(),
+                     llm_generate=None) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode.
     ``idle_timeout_s``: a connection waiting for a request (none yet, headers unfinished, or
     idle after an answer) is closed after it, and a body that stalls that long answers 408.
-    ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict)."""
+    ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict).
+    ``llm_generate``: the LLM mode's answers to Triton's generate for its models (llm_generate)."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app[BODY_STALL_S] = idle_timeout_s
-    app.add_routes(restrict_routes([*KServeHttp(core).routes(), *extra_routes], Restrictions(restricted_apis, "http")))
+    app.add_routes(restrict_routes([*KServeHttp(core, llm_generate).routes(), *extra_routes], Restrictions(restricted_apis, "http")))
     # handler_cancellation: an HTTP client that hangs up withdraws its request, as a cancelled
     # gRPC call does; aiohttp's default lets the handler run on, and the abandoned request then
     # still took its place in a batch on a worker.

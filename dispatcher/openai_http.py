@@ -126,7 +126,7 @@ class OpenAiCompletions:
                 t.cancel()
         choices, usage_in, usage_out, timings = [], 0, 0, []
         for i, (ids, out) in enumerate(zip(prompts, outs)):
-            choices.append({"index": i, "text": self._decode(model, list(out)), "logprobs": None,
+            choices.append({"index": i, "text": self.decode(model, list(out)), "logprobs": None,
                             "finish_reason": "length"})
             usage_in, usage_out = usage_in + len(ids), usage_out + len(out)
             t = out.timing
@@ -144,11 +144,11 @@ class OpenAiCompletions:
             # Each prompt is a request of its own: 100,000 of them held the loop 6 s before one ran.
             raise OpenAiError(400, f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
         if isinstance(prompt, str):
-            prompts = await self._encode(model, [prompt])
+            prompts = await self.encode(model, [prompt])
         elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = await self._encode(model, prompt)
+            prompts = await self.encode(model, prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p)
                                                          for p in prompt):
             prompts = prompt
@@ -173,7 +173,7 @@ class OpenAiCompletions:
             tok = self._tokenizers[model] = Tokenizer.from_file(str(path))
         return tok
 
-    async def _encode(self, model: str, texts: list[str]) -> list[list[int]]:
+    async def encode(self, model: str, texts: list[str]) -> list[list[int]]:
         _check_text_length(texts)
         tok = self._tokenizer(model)
         try:
@@ -186,7 +186,7 @@ class OpenAiCompletions:
             raise OpenAiError(400, "the prompt is empty after tokenization", param="prompt")
         return [e.ids for e in encodings]
 
-    def _decode(self, model: str, ids: list[int]) -> str:
+    def decode(self, model: str, ids: list[int]) -> str:
         try:
             return self._tokenizer(model).decode(ids)
         except OpenAiError:

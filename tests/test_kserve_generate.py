@@ -254,3 +254,32 @@ def triton_sum(tmp_path_factory):
 
     with triton_serving_sum(tmp_path_factory) as tl:
         yield tl
+
+
+# ---------------------------------------------------------------- LLM models (llm_generate)
+def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
+    from batchyard.llm_generate import read_request
+
+    prompt, switches, max_tokens = read_request(
+        {"text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0}, "return_num_output_tokens": True}, False)
+    assert (prompt, max_tokens) == ("hi", 5)
+    assert switches == {"return_num_output_tokens": True, "exclude_input_in_output": False}  # the prompt comes first
+    assert read_request({"text_input": ["hi"], "stream": [True]}, True)[1] == {"stream": True,
+                                                                                "exclude_input_in_output": True}
+    assert read_request({"text_input": "hi", "id": "7"}, False)[2] == 16  # vLLM's default
+    for body, streaming, words in [
+            ({"parameters": {"max_tokens": 5}}, False, "missing required input(s) ['text_input']"),
+            ({"text_input": 5}, False, "input 'text_input' must be a string"),
+            ({"text_input": "hi", "stream": True}, False, "generate expects model to produce exactly 1 response"),
+            ({"text_input": "hi", "stream": True, "exclude_input_in_output": False}, True,
+             "When streaming, `exclude_input_in_output` = False is not allowed."),
+            ({"text_input": "hi", "temperature": 0.7}, False, "only greedy decoding is served"),
+            ({"text_input": "hi", "max_tokens": 0}, False, "max_tokens must be a positive integer"),
+            ({"text_input": "hi", "top_p": 0.9}, False, "sampling parameter 'top_p' is not supported"),
+            ({"text_input": "hi", "sampling_parameters": "{}"}, False, "input 'sampling_parameters' is not supported"),
+            ({"text_input": "hi", "max_tokens": 3, "parameters": {"max_tokens": 4}}, False,
+             "parameter 'max_tokens' is given twice"),
+            ({"text_input": "hi", "parameters": {"text_input": "ho"}}, False, "input 'text_input' already exists")]:
+        with pytest.raises(KServeError) as e:
+            read_request(body, streaming)
+        assert words in e.value.message, body

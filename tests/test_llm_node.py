@@ -15,6 +15,7 @@ import random
 import shutil
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -108,6 +109,42 @@ def test_openai_completions_on_the_front_door(node):
         out = json.loads(r.read())
     assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 6
     assert isinstance(out["choices"][0]["text"], str) and out["batchyard"][0]["stand_in"] is True
+
+
+def _post_json(url: str, body: dict) -> tuple[int, str, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers["Content-Type"], r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+def test_tritons_generate_answers_as_its_vllm_backend_does(node):
+    """A Triton + vLLM client's request: the same greedy text as /v1/completions, after the prompt
+    unless it asks for the completion alone, with the outputs it asks for."""
+    _, url = node
+    prompt = "the cache moves from one engine"
+    status, _, text = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 6})
+    assert status == 200
+    completion = json.loads(text)["choices"][0]["text"]
+    status, kind, text = _post_json(url + "/v2/models/tiny/generate", {
+        "text_input": prompt, "parameters": {"stream": False, "temperature": 0, "max_tokens": 6}, "id": "q1"})
+    assert (status, kind) == (200, "application/json")
+    assert json.loads(text) == {"id": "q1", "model_name": "tiny", "model_version": "1", "text_output": prompt + completion}
+    status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {
+        "text_input": prompt, "stream": True, "max_tokens": 6, "return_num_output_tokens": True,
+        "return_num_input_tokens": True, "return_finish_reason": True})
+    assert (status, kind) == (200, "text/event-stream; charset=utf-8") and text.count(b"data: ") == 1
+    event = json.loads(text[len(b"data: "):])
+    assert event["text_output"] == completion and event["num_output_tokens"] == 6
+    assert event["num_input_tokens"] > 0 and event["finish_reason"] == "length"
+    # a refusal after the body is read: under a stream, an event with its status
+    status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {"text_input": prompt, "top_p": 0.5})
+    assert (status, kind) == (400, "text/event-stream; charset=utf-8")
+    assert b"'top_p' is not supported" in text
+    status, _, text = _post_json(url + "/v2/models/tiny/generate", {"text_input": prompt, "stream": True})
+    assert status == 500 and b"exactly 1 response" in text
 
 
 def test_a_request_past_its_deadline_is_stopped_in_its_engine(node):
