@@ -6,6 +6,8 @@
               front door adds.
   restricted  the same, one request at a time, through two like nodes, one whose inference is
               a restricted API asked with its header, one without: what the check costs.
+  generate    the same, one request at a time over one HTTP connection: Triton's generate and
+              generate_stream (plain JSON members) against infer with the same tensor in JSON.
   throughput  max completed requests/s through gRPC with 1, 2 and 4 front-door processes on
               one port (SO_REUSEPORT), driven by closed-loop tritonclient.grpc.aio load
               processes holding many requests in flight on several connections each.
@@ -48,6 +50,7 @@ import argparse
 import contextlib
 import asyncio
 import multiprocessing as mp
+import json
 import os
 import socket
 import tempfile
@@ -570,6 +573,45 @@ def restriction_cost(n: int) -> None:
         print(f"  {k:16s} p50 {p50:8.0f}  p99 {p99:8.0f}")
 
 
+def generate_cost(n: int) -> None:
+    """p50/p99 of one request at a time over one kept-alive HTTP connection (the same client code
+    for each path): infer with the tensor in JSON, generate and generate_stream with it as a plain
+    member, the three interleaved."""
+    import http.client
+
+    values = X.ravel().tolist()
+    bodies = {"infer": ("/v2/models/noop/infer", json.dumps(
+                  {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": values}]})),
+              "generate": ("/v2/models/noop/generate", json.dumps({"x": values})),
+              "generate_stream": ("/v2/models/noop/generate_stream", json.dumps({"x": values}))}
+    with tempfile.TemporaryDirectory(prefix="by-kb-", dir="/tmp") as run_dir:
+        node = noop_node(run_dir, 1)
+        with running_node(node):
+            conn = http.client.HTTPConnection("127.0.0.1", node.frontend.http_port, timeout=30)
+
+            def post(path: str, body: str) -> None:
+                conn.request("POST", path, body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                text = r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{path}: {r.status} {text[:200]!r}")
+
+            times: dict[str, list[float]] = {k: [] for k in bodies}
+            for _ in range(50):
+                for path, body in bodies.values():
+                    post(path, body)
+            for _ in range(n):
+                for k, (path, body) in bodies.items():
+                    t = time.perf_counter()
+                    post(path, body)
+                    times[k].append(time.perf_counter() - t)
+            conn.close()
+    print(f"generate against infer (JSON), one request at a time over one HTTP connection, n={n} per path (us):")
+    for k in bodies:
+        p50, p99 = _pcts(times[k])
+        print(f"  {k:16s} p50 {p50:8.0f}  p99 {p99:8.0f}")
+
+
 def main(argv=None) -> None:
     from .commands import number
 
@@ -578,6 +620,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("latency")
     p.add_argument("--n", type=int, default=2000)
     p = sub.add_parser("restricted")
+    p.add_argument("--n", type=int, default=1000)
+    p = sub.add_parser("generate")
     p.add_argument("--n", type=int, default=1000)
     p = sub.add_parser("throughput")
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
@@ -615,6 +659,8 @@ def main(argv=None) -> None:
         latency(a.n)
     elif a.cmd == "restricted":
         restriction_cost(a.n)
+    elif a.cmd == "generate":
+        generate_cost(a.n)
     elif a.cmd == "cpu":
         cpu(a.rate, a.seconds, a.protocol, a.threads, a.trace_rate, a.trace_file)
         if a.floor:
