@@ -36,14 +36,22 @@ _WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
           "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
 
-async def read_body(request: web.Request, limit: int = 0) -> bytes:
+def too_large(size: int, limit: int, sent_so_far: bool = False) -> str:
+    """Triton's words for a JSON body past the limit (``sent_so_far``: of at least ``size`` bytes)."""
+    return (f"request JSON size of {'at least ' if sent_so_far else ''}{size} bytes exceeds the maximum allowed "
+            f"input size of {limit} bytes")
+
+
+async def read_body(request: web.Request, limit: int = 0, raw_limit: int = 0) -> bytes:
     """The request's body, decompressed; INVALID_ARGUMENT (400) for one that cannot be read,
     does not decompress, uses an encoding other than gzip and deflate, or inflates past
     ``limit`` (at most the application's ``client_max_size``, which is also the default): the
-    most a route can use, so that a small upload cannot make the process hold gigabytes."""
+    most a route can use, so that a small upload cannot make the process hold gigabytes.
+    ``raw_limit``: a body as sent of more bytes is refused as soon as it passes them (a JSON
+    route's own bound, where ``client_max_size`` is the binary tensors' too)."""
     global _inflating
     try:
-        raw = await _read_raw(request)
+        raw = await _read_raw(request, raw_limit)
     except web.RequestPayloadError as e:  # e.g. a chunked body that breaks off: the client's fault
         raise invalid(f"the request body cannot be read: {e}") from None
     except ConnectionResetError:  # the client hung up mid-body: nobody to answer, no server error
@@ -63,15 +71,18 @@ async def read_body(request: web.Request, limit: int = 0) -> bytes:
         return await asyncio.to_thread(inflate, raw, wbits, min(limit, cap) if limit else cap)
 
 
-async def _read_raw(request: web.Request) -> bytes:
+async def _read_raw(request: web.Request, raw_limit: int = 0) -> bytes:
     """The body as sent, as ``request.read()`` reads it (up to ``client_max_size``, 413 past it),
     but waiting at most the application's BODY_STALL_S for each next chunk, and no longer than
     that plus one second per MIN_BODY_RATE bytes received for the whole body: a body that stalls
     or trickles answers 408 (it held its descriptor for as long as the client kept sending).
     aiohttp then reads what is left of the body for its lingering time, and closes the
-    connection."""
+    connection. Past ``raw_limit`` bytes (when given), INVALID_ARGUMENT, as Triton words a JSON
+    body past its limit."""
     stall = request.app.get(BODY_STALL_S)
     cap = request.client_max_size
+    if raw_limit and (request.content_length or 0) > raw_limit:  # refused before it is read
+        raise invalid(too_large(request.content_length, raw_limit))
     body = bytearray()
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -91,6 +102,8 @@ async def _read_raw(request: web.Request) -> bytes:
         if not chunk:
             return bytes(body)
         body.extend(chunk)
+        if raw_limit and len(body) > raw_limit:  # (a chunked body, of no announced length)
+            raise invalid(too_large(len(body), raw_limit, sent_so_far=True))
         if cap and len(body) > cap:
             raise web.HTTPRequestEntityTooLarge(max_size=cap, actual_size=len(body))
 

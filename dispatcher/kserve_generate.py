@@ -19,11 +19,8 @@ status from either route; one whose run fails is, from ``generate_stream``, the 
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Optional
 
-import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -32,90 +29,27 @@ from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import (MALFORMED, NP_TO_KSERVE, VERSION, KServeCore, KServeError, as_kserve,
                             check_declared_input, check_inputs, dims, invalid, parse_version, tensor_from_list,
                             unknown_version, unreshaped)
-from .kserve_json import encode_json, finite_float
+from .kserve_json import decode_json, encode_json
 
 PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
 EVENT_STREAM = "text/event-stream; charset=utf-8"
 
 
-class _Members(dict):
-    """A JSON object, each key with its first value (RapidJSON's ``Find``, which Triton reads
-    members with, finds the first), and ``members``: (key, that value) in the order written, a key
-    written twice listed twice (Triton adds such an input twice, and refuses the second)."""
-    __slots__ = ("members",)
-
-
-def _object(pairs: list) -> _Members:
-    obj = _Members()
-    for k, v in pairs:
-        obj.setdefault(k, v)
-    obj.members = [(k, obj[k]) for k, _ in pairs]
-    return obj
-
-
-def _members_of(obj: dict) -> _Members:
-    out = _Members(obj)
-    out.members = list(obj.items())
-    return out
-
-
-def parse_body(raw: bytes) -> _Members:
-    """The request body as a JSON object, read with ``json`` (slow: a Python call for each object
-    in it; see read_generate_body); Triton's words for a body that is no object."""
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object, read as infer's JSON is (msgspec; what it refuses, by
+    ``json``); Triton's words for one that is empty or no object. A key written twice has its
+    last value (Triton's reader finds the first, and refuses an input written twice): reading
+    each object as its members, in Python, cost 18x msgspec's time and twice its memory, on the
+    front door's loop."""
     if not raw.strip():
         raise invalid(f"failed to parse the request JSON buffer: The document is empty. at {len(raw)}")
     try:
-        body = json.loads(raw, object_pairs_hook=_object, parse_float=finite_float)
+        body = decode_json(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: JSON nested past json's depth
         raise invalid(f"failed to parse the request JSON buffer: {e}") from None
-    if not isinstance(body, _Members):
+    if not isinstance(body, dict):
         raise invalid("attempt to get members for non-object")
     return body
-
-
-# Past this many members (the body's and its parameters'), a body is read the slow way: each
-# name is looked for in the whole body once.
-_FAST_MEMBERS = 32
-
-
-def parse_body_fast(raw: bytes) -> Optional[_Members]:
-    """The body as ``parse_body`` reads it, read by msgspec (~18x faster, half the memory, for
-    tensor data); None where only ``parse_body`` reads it right: a key that may be written twice
-    (msgspec keeps its last value), an escape (which could spell a name another way), more than
-    ``_FAST_MEMBERS`` members, or what msgspec refuses (NaN, malformed JSON)."""
-    if b"\\" in raw:
-        return None
-    try:
-        obj = msgspec.json.decode(raw)
-    except msgspec.MsgspecError:
-        return None
-    if not isinstance(obj, dict):
-        raise invalid("attempt to get members for non-object")
-    nested = obj.get(PARAMETERS)
-    names = [*obj, *(nested if isinstance(nested, dict) else ())]
-    if len(names) > _FAST_MEMBERS:
-        return None
-    for name in names:  # (without escapes, every occurrence of a key is its name in quotes)
-        if raw.count(b'"' + name.encode() + b'"') > 1:
-            return None
-    body = _members_of(obj)
-    if isinstance(nested, dict):
-        body[PARAMETERS] = _members_of(nested)
-        body.members = [(k, body[k]) for k, _ in body.members]
-    return body
-
-
-async def read_generate_body(request: web.Request) -> _Members:
-    """The request's body as a JSON object, of at most ``MAX_JSON_BYTES`` (as infer's JSON), read
-    by msgspec where it can be, else by ``json`` on a thread (seconds for tens of MiB)."""
-    too_big = "request JSON size of {} bytes exceeds the maximum allowed input size of {} bytes"
-    if (request.content_length or 0) > MAX_JSON_BYTES:  # (refused before it is read)
-        raise invalid(too_big.format(request.content_length, MAX_JSON_BYTES))
-    raw = bytes(await read_body(request, MAX_JSON_BYTES))
-    if len(raw) > MAX_JSON_BYTES:  # (a chunked body)
-        raise invalid(too_big.format(len(raw), MAX_JSON_BYTES))
-    body = parse_body_fast(raw)
-    return body if body is not None else await asyncio.to_thread(parse_body, raw)
 
 
 def request_id(body: dict) -> str:
@@ -144,20 +78,20 @@ def generate_shape(name: str, metadata_shape: list[int], count: int) -> list[int
     return shape
 
 
-def generate_inputs(spec: P.ModelSpec, body: _Members) -> dict[str, np.ndarray]:
+def generate_inputs(spec: P.ModelSpec, body: dict) -> dict[str, np.ndarray]:
     """The model's input tensors a generate request names, checked as Triton converts them, each
     against the model before its values are converted."""
     if PARAMETERS in body and any(t.name == PARAMETERS for t in spec.inputs):
         raise invalid(f"Keyword '{PARAMETERS}' for nested schema also given as input tensor name")
     inputs: dict[str, np.ndarray] = {}
-    for name, value in body.members:
+    for name, value in body.items():
         if name != PARAMETERS:
             _member(spec, inputs, name, value)
             continue
-        if not isinstance(value, _Members):
+        if not isinstance(value, dict):
             raise invalid(f"Expected JSON object for keyword: '{name}': attempt to access JSON non-object as object")
         try:
-            for inner, v in value.members:
+            for inner, v in value.items():
                 _member(spec, inputs, inner, v)
         except KServeError as e:
             raise invalid(f"Converting keyword: '{name}': {e.message}") from None
@@ -224,7 +158,7 @@ async def serve_generate(core: KServeCore, request: web.Request, streaming: bool
         # refuses "Identity" and an empty one too)
         if request.headers.get("Content-Encoding", "identity") != "identity":
             raise invalid("Unsupported content-encoding, only 'identity' is supported.")
-        body = await read_generate_body(request)
+        body = parse_body(bytes(await read_body(request, MAX_JSON_BYTES, raw_limit=MAX_JSON_BYTES)))
         rid = request_id(body)
         if not for_llm:
             inputs = unreshaped(spec, generate_inputs(spec, body))

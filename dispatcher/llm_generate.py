@@ -7,10 +7,12 @@ The backend's inputs are members of the body (or of its ``parameters``): ``text_
 ``exclude_input_in_output`` (false: the prompt is written before the completion, the backend's
 default, and true when streaming); ``stream``; ``return_finish_reason``,
 ``return_num_input_tokens`` and ``return_num_output_tokens`` for the outputs of those names.
-Every other member is a sampling parameter, as the backend reads its request's parameters:
-``max_tokens`` (16 when left out, vLLM's default) and ``temperature``, which must be 0 or left
-out (Batchyard decodes greedily; vLLM's default would sample). Any other sampling parameter is
-refused rather than ignored, as on ``/v1/completions``.
+Every other member is a sampling parameter, as the backend reads its request's parameters, and
+converted to its type as the backend does (``"4"`` is 4 tokens): ``max_tokens`` (16 when left
+out, vLLM's default) and ``temperature``, which must be 0 or left out (Batchyard decodes greedily;
+vLLM's default would sample). Any other sampling parameter is refused rather than ignored, as on
+``/v1/completions``. Batchyard's engines decode ``max_tokens`` tokens, past an end-of-sequence
+token too (``finish_reason`` "length"), where the backend stops at one ("stop").
 
 ``stream`` true is served by ``generate_stream`` only, as one event holding the whole completion
 (Batchyard's engines answer once); from ``generate`` it is Triton's error for a model that
@@ -40,13 +42,29 @@ MANY_ANSWERS = ("generate expects model to produce exactly 1 response, use gener
                 "generates various number of responses")
 
 
+def _shown(value) -> str:
+    """A JSON value in an error, at a cost that does not grow with it."""
+    if isinstance(value, (list, dict)):
+        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    return repr(value[:80] + "..." if isinstance(value, str) and len(value) > 80 else value)
+
+
 def _one(name: str, value, kind: type):
     """An input given as a value or a list of one (the backend reads the first of a tensor)."""
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if kind is bool and not isinstance(value, bool) or kind is str and not isinstance(value, str):
-        raise invalid(f"input '{name}' must be {'a boolean' if kind is bool else 'a string'}, got {value!r:.80}")
+        raise invalid(f"input '{name}' must be {'a boolean' if kind is bool else 'a string'}, got {_shown(value)}")
     return value
+
+
+def _sampling(name: str, value, kind: type):
+    """A sampling parameter converted as the backend converts it (``int("4")``, ``int(4.0)``,
+    ``float("0")``: TritonSamplingParams.from_dict casts each to its SamplingParams type)."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise invalid(f"{name} must be {'an integer' if kind is int else 'a number'}, got {_shown(value)}") from None
 
 
 def read_request(body: dict, streaming: bool) -> tuple[str, dict, int]:
@@ -77,12 +95,12 @@ def read_request(body: dict, streaming: bool) -> tuple[str, dict, int]:
     if prepend and stream:
         raise invalid("When streaming, `exclude_input_in_output` = False is not allowed.")
     switches["exclude_input_in_output"] = not prepend
-    max_tokens = seen.pop("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKEN_ID:
-        raise invalid(f"max_tokens must be a positive integer, got {max_tokens!r:.80}")
-    temperature = seen.pop("temperature", 0)
-    if isinstance(temperature, bool) or temperature not in (0, 0.0):
-        raise invalid(f"only greedy decoding is served: temperature must be 0, got {temperature!r:.80}")
+    max_tokens = _sampling("max_tokens", seen.pop("max_tokens", 16), int)
+    if not 1 <= max_tokens <= MAX_TOKEN_ID:
+        raise invalid(f"max_tokens must be a positive integer, got {max_tokens}")
+    temperature = _sampling("temperature", seen.pop("temperature", 0), float)
+    if temperature != 0:
+        raise invalid(f"only greedy decoding is served: temperature must be 0, got {temperature:g}")
     for name, value in seen.items():
         if name in _NOT_SAMPLING:
             continue

@@ -9,13 +9,12 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from batchyard import protocol as P
 from batchyard.config import ModelConfig, TensorConfig
 from batchyard.kserve_common import KServeError
-from batchyard.kserve_generate import (generate_answer, generate_inputs, generate_shape, parse_body, parse_body_fast,
-                                       request_id)
+from batchyard.kserve_generate import generate_answer, generate_inputs, generate_shape, parse_body, request_id
 
 from conftest import SUM_MODEL, sim_worker
 
@@ -76,7 +75,6 @@ def test_members_name_inputs_parameters_or_nothing_a_model_reads():
     got = generate_inputs(spec, body)
     assert list(got) == ["x"] and got["x"].dtype == np.float32 and got["x"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     for raw, words in [
-            (b'{"x": [1, 2, 3, 4], "x": [5, 6, 7, 8]}', "input 'x' already exists in request"),
             (b'{"x": [1, 2, 3, 4], "parameters": {"x": [1, 2, 3, 4]}}',
              "Converting keyword: 'parameters': input 'x' already exists in request"),
             (b'{"x": [1, 2, 3, 4], "parameters": 3}',
@@ -99,41 +97,12 @@ def test_a_batch_past_the_models_is_refused_before_its_values_are_converted():
         "inference request batch-size must be <= 16 for 'sum'"
 
 
-def test_a_key_written_twice_takes_its_first_value_as_tritons_reader():
-    body = parse_body(b'{"id": "a", "id": 5, "x": [1, 2, 3, 4], "p": 1, "p": [1]}')
-    assert request_id(body) == "a"
-    assert list(generate_inputs(_spec(SUM_MODEL), body)) == ["x"]  # p: 1 both times, a valid parameter
-
-
-_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False,
-                            allow_infinity=False) | st.text(max_size=6),
-                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
-                                                                                         max_size=4), max_leaves=12)
-_NAMES = st.sampled_from(["x", "id", "parameters", "p", "q", "\u00e9", "x\"y"])
-
-
-@settings(max_examples=300, deadline=None)
-@given(members=st.lists(st.tuples(_NAMES, _JSON_VALUES | st.dictionaries(_NAMES, _JSON_VALUES, max_size=3)),
-                        max_size=6), spaces=st.booleans())
-def test_the_fast_reading_reads_a_body_as_the_slow_one_or_leaves_it_to_it(members, spaces):
-    """msgspec's reading of a body (the fast path) gives the same members, values and order as
-    ``json``'s with every key's first value, or declines it: a key written twice, at any depth."""
-    sep = ", " if spaces else ","
-    raw = ("{" + sep.join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in members) + "}").encode()
-    slow, fast = parse_body(raw), parse_body_fast(raw)
-    if fast is None:
-        return
-    assert fast.members == slow.members and dict(fast) == dict(slow) and list(fast) == list(slow)
-    if isinstance(slow.get("parameters"), dict):
-        assert fast["parameters"].members == slow["parameters"].members
-
-
-def test_a_body_msgspec_reads_goes_the_fast_way():
-    raw = json.dumps({"x": list(range(64)), "id": "q", "parameters": {"temperature": 0}}).encode()
-    assert parse_body_fast(raw) is not None
-    for slow in (b'{"x": [1], "x": [2]}', b'{"x": [1], "parameters": {"x": [2]}}', b'{"x": [NaN]}',
-                 b'{"\\u0078": [1], "x": [2]}'):
-        assert parse_body_fast(slow) is None, slow
+def test_a_key_written_twice_has_its_last_value():
+    """A documented difference: Triton's reader finds a key's first value (and refuses an input
+    written twice); Batchyard reads the body as infer's JSON, with msgspec, which keeps the last."""
+    body = parse_body(b'{"id": "a", "id": "b", "x": [1, 2, 3, 4], "x": [5, 6, 7, 8]}')
+    assert request_id(body) == "b"
+    assert generate_inputs(_spec(SUM_MODEL), body)["x"].tolist() == [[5, 6, 7, 8]]
 
 
 def test_an_input_named_parameters_cannot_also_be_the_nested_members():
@@ -145,6 +114,7 @@ def test_an_input_named_parameters_cannot_also_be_the_nested_members():
 
 @pytest.mark.parametrize("raw,words", [
     (b"", "failed to parse the request JSON buffer: The document is empty. at 0"),
+    (b"[1, 2]", "attempt to get members for non-object"),
     (b"  ", "failed to parse the request JSON buffer: The document is empty. at 2"),
     (b"[]", "attempt to get members for non-object"), (b"null", "attempt to get members for non-object")])
 def test_a_body_that_is_no_object_is_refused_in_tritons_words(raw, words):
@@ -251,6 +221,26 @@ def test_a_body_past_the_json_limit_is_refused_before_it_is_read(generate_node):
     assert b"request JSON size of 70000000 bytes exceeds the maximum allowed input size of 67108864 bytes" in answer
 
 
+def test_a_chunked_body_past_the_json_limit_is_refused_as_it_passes_it(generate_node):
+    import socket
+
+    chunk = b"[" + b"1," * (1 << 19) + b"1]"  # 1 MiB a chunk, of no length announced
+    with socket.create_connection(tuple(generate_node.http_url.split(":"))) as s:
+        s.sendall(b"POST /v2/models/sum/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        s.settimeout(30)
+        sent = 0
+        try:
+            while sent <= 80 << 20:  # (it must be refused before the client has sent 80 MiB)
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"request JSON size of at least" in answer and b"67108864 bytes" in answer
+
+
 def test_head_is_not_served_on_get_routes_as_tritons(generate_node):
     for path in ("v2/health/live", "v2/models/sum", "v2/models/sum/generate"):
         assert _post(generate_node.http_url, path, None, method="HEAD")[0] == 405, path
@@ -270,12 +260,11 @@ PARITY = [
     ({"x": _X, "parameters": {"x": _X}}, None, True), ({"parameters": {"x": _X, "priority": 1}}, None, True),
     ({"x": _X, "parameters": {"sub": {"x": 1}}}, None, True), ({"x": _X, "parameters": {}}, None, True),
     ({"x": _X, "parameters": {"parameters": 1}}, None, True), ({"x": _X, "id": ""}, None, True),
-    ('{"x": [1,2,3,4], "x": [5,6,7,8]}', None, True), ({"x": list(range(68))}, None, True),
+    ({"x": list(range(68))}, None, True),
     ({"x": _X, "priority": 5, "timeout": -3, "triton_foo": 1, "sequence_id": 5}, None, True),
     ({"x": _X}, {"Content-Encoding": "gzip"}, True), ({}, None, False), ({"text_input": "hi"}, None, False),
     ({"x": []}, None, False), ({"x": [1, 2, 3, "4"]}, None, False), ({"x": [True, False, 1, 2]}, None, False),
     ({"x": _X, "id": 42}, None, True), ({"x": _X, "parameters": None}, None, True), ("", None, True),
-    ('{"id": "a", "id": 5, "x": [1, 2, 3, 4]}', None, True), ('{"x": [1, 2, 3, 4], "p": 1, "p": [1]}', None, True),
     ({"x": _X}, {"Content-Encoding": "Identity"}, True), ({"x": _X}, {"Content-Encoding": "identity"}, True),
     ("[]", None, True), ("nope", None, False)]
 PATHS = ["v2/models/sum/generate", "v2/models/sum/generate_stream", "v2/models/nope/generate",
@@ -331,6 +320,9 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
     assert read_request({"text_input": ["hi"], "stream": [True]}, True)[1] == {"stream": True,
                                                                                 "exclude_input_in_output": True}
     assert read_request({"text_input": "hi", "id": "7"}, False)[2] == 16  # vLLM's default
+    # converted as the backend converts them: int("4"), int(4.0), float("0")
+    assert read_request({"text_input": "hi", "max_tokens": "4", "temperature": "0"}, False)[2] == 4
+    assert read_request({"text_input": "hi", "parameters": {"max_tokens": 4.0, "temperature": False}}, False)[2] == 4
     for body, streaming, words in [
             ({"parameters": {"max_tokens": 5}}, False, "missing required input(s) ['text_input']"),
             ({"text_input": 5}, False, "input 'text_input' must be a string"),
@@ -339,6 +331,8 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
              "When streaming, `exclude_input_in_output` = False is not allowed."),
             ({"text_input": "hi", "temperature": 0.7}, False, "only greedy decoding is served"),
             ({"text_input": "hi", "max_tokens": 0}, False, "max_tokens must be a positive integer"),
+            ({"text_input": "hi", "max_tokens": "4.0"}, False, "max_tokens must be an integer, got '4.0'"),
+            ({"text_input": "hi", "max_tokens": [4] * 10**6}, False, "got an array of 1000000 items"),
             ({"text_input": "hi", "top_p": 0.9}, False, "sampling parameter 'top_p' is not supported"),
             ({"text_input": "hi", "sampling_parameters": "{}"}, False, "input 'sampling_parameters' is not supported"),
             ({"text_input": "hi", "max_tokens": 3, "parameters": {"max_tokens": 4}}, False,
