@@ -75,6 +75,14 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     core = KServeCore(client, shm, default_timeout_s=node.dispatcher.default_timeout_s,
                       strict_readiness=fe.strict_readiness, llm_models=frozenset(m.name for m in node.llm_models),
                       tracer=tracer, logs=logs)
+    completions = None
+    if node.llm_models:  # the LLM mode: OpenAI's completions, and Triton's protocols as its vLLM backend's
+        from .llm_generate import LlmGenerate
+        from .openai_http import OpenAiCompletions
+
+        completions = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
+                                        node.dispatcher.default_timeout_s, stopping=lambda: core.stopping)
+        core.llm = LlmGenerate(completions)
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 
@@ -98,17 +106,9 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
         if fe.http_port:
             from .kserve_http import start_http
 
-            extra, llm_generate = (), None
-            if node.llm_models:  # the LLM mode's OpenAI-compatible completions, on the same port
-                from .llm_generate import LlmGenerate
-                from .openai_http import OpenAiCompletions
-
-                completions = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
-                                                node.dispatcher.default_timeout_s, stopping=lambda: core.stopping)
-                extra, llm_generate = completions.routes(), LlmGenerate(completions)
-            http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes, extra_routes=extra,
-                                           idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis,
-                                           llm_generate=llm_generate)
+            http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes,
+                                           extra_routes=completions.routes() if completions else (),
+                                           idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc
 

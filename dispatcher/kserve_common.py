@@ -495,6 +495,18 @@ def _count_success(c: np.ndarray, t0: int, inputs: dict[str, np.ndarray], out) -
     c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
 
 
+def _count_llm_success(c: np.ndarray, t0: int) -> None:
+    """An LLM request served: one item of one execution, its whole time compute (as the
+    dispatcher's metrics count a generate request)."""
+    took = time.perf_counter_ns() - t0
+    c[S.SUCCESS] += 1
+    c[S.SUCCESS_NS] += took
+    c[S.ITEMS] += 1
+    c[S.COMPUTE_NS] += took
+    c[S.EXEC_PPM] += S.PPM
+    c[S.LAST_MS] = int(time.time() * 1000)
+
+
 def _count_failure(c: np.ndarray, t0: int) -> None:
     c[S.FAIL] += 1
     c[S.FAIL_NS] += time.perf_counter_ns() - t0
@@ -522,10 +534,11 @@ class KServeCore:
         # is not served (a core in a test, whose process's logging is not the front door's).
         self.logs = logs
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
-        # The node's LLM models: served by the OpenAI routes, none of the KServe ones but the
-        # readiness probes (the index called one READY, then every call on it "unknown model" in
-        # Triton's words alone, counted as a model the node does not serve).
+        # The node's LLM models: served by the OpenAI routes, and through Triton's protocols as
+        # Triton's vLLM backend is (llm_generate: metadata, config, generate, ModelStreamInfer),
+        # by ``llm`` (an llm_generate.LlmGenerate, set by the front door of a node that has them).
         self.llm_models = frozenset(llm_models)
+        self.llm = None
         self._refresh: Optional[asyncio.Future] = None
         self.stopping = False  # set by stop_waiting: requests in flight are answered UNAVAILABLE
         # Classified outputs ranked off the event loop, one at a time (kserve_classify); its
@@ -575,6 +588,29 @@ class KServeCore:
         if v not in (-1, VERSION):
             raise unknown_version(model, version)
         return spec
+
+    def llm_model(self, model: str, version: str = "") -> bool:
+        """Whether ``model`` is an LLM model this front door serves through Triton's protocols
+        (a version other than the one served is Triton's NOT_FOUND, as for any model)."""
+        if self.llm is None or model not in self.llm_models:
+            return False
+        if parse_version(version) not in (-1, VERSION):
+            raise unknown_version(model, version)
+        return True
+
+    async def llm_run(self, model: str, run: Awaitable[dict]) -> dict:
+        """An LLM model's run through Triton's protocols (llm_generate), counted in its
+        statistics: a success, or a failure whatever failed it (the backend's refusals are the
+        model's, in Triton)."""
+        c = self.stats.counters(model)
+        t0 = time.perf_counter_ns()
+        try:
+            members = await run
+        except BaseException:
+            _count_failure(c, t0)
+            raise
+        _count_llm_success(c, t0)
+        return members
 
     async def ready_models(self) -> Optional[frozenset]:
         """Models served by at least one registered worker (None when the dispatcher does not
@@ -715,7 +751,8 @@ class KServeCore:
         if model:
             v = parse_version(version)
             try:
-                await self.spec(model)
+                if not (self.llm is not None and model in self.llm_models):
+                    await self.spec(model)
             except KServeError as e:
                 raise (stats_unavailable(model, False) if e.code == grpc.StatusCode.NOT_FOUND else e) from None
             if v not in (-1, VERSION):
@@ -724,7 +761,10 @@ class KServeCore:
             await self.ready_models()
         totals = self.stats.totals()
         zero = np.zeros(len(S.FIELDS), np.int64)
-        names = [model] if model else sorted((set(totals) | self._models) - self.llm_models)
+        # (an LLM model counts its requests through Triton's protocols; with no front door that
+        # serves it so, it has no statistics)
+        unserved = self.llm_models if self.llm is None else frozenset()
+        names = [model] if model else sorted((set(totals) | self._models) - unserved)
         return [stats_json(n, totals.get(n, zero)) for n in names]
 
     def close(self) -> None:

@@ -26,9 +26,8 @@ from aiohttp import web
 
 from . import protocol as P
 from .http_body import MAX_JSON_BYTES, read_body
-from .kserve_common import (MALFORMED, NP_TO_KSERVE, VERSION, KServeCore, KServeError, as_kserve,
-                            check_declared_input, check_inputs, dims, invalid, parse_version, tensor_from_list,
-                            unknown_version, unreshaped)
+from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as_kserve, check_declared_input,
+                            check_inputs, dims, invalid, tensor_from_list, unreshaped)
 from .kserve_json import decode_json, encode_json
 
 PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
@@ -142,17 +141,14 @@ def _error_body(e: KServeError, streaming: bool) -> bytes:
     return b"data: " + text + b"\n\n" if streaming else text
 
 
-async def serve_generate(core: KServeCore, request: web.Request, streaming: bool, llm=None) -> web.Response:
-    """One generate (``streaming``: generate_stream) request, answered. ``llm``: the LLM mode's
-    (llm_generate.LlmGenerate), for its models."""
+async def serve_generate(core: KServeCore, request: web.Request, streaming: bool) -> web.Response:
+    """One generate (``streaming``: generate_stream) request, answered; an LLM model's by the
+    LLM mode's (``core.llm``, llm_generate)."""
     model = request.match_info["model"]
     version = request.match_info.get("version", "")
-    for_llm = llm is not None and model in core.llm_models
     try:
-        if for_llm:  # (no ModelSpec: its engine takes text, not tensors)
-            if parse_version(version) not in (-1, VERSION):
-                raise unknown_version(model, version)
-        else:
+        for_llm = core.llm_model(model, version)  # (no ModelSpec: its engine takes text, not tensors)
+        if not for_llm:
             spec = await core.spec(model, version)
         # Triton's check, before the body is read: the header's exact value (tritonserver 2.51
         # refuses "Identity" and an empty one too)
@@ -171,7 +167,7 @@ async def serve_generate(core: KServeCore, request: web.Request, streaming: bool
         if for_llm:
             # (its refusals come after the body is read, as the vLLM backend's come from the
             # model: under a stream, an event)
-            text = encode_json(answer_members(model, rid, await llm.answer(model, body, streaming)), True)
+            text = encode_json(answer_members(model, rid, await core.llm_run(model, core.llm.answer(model, body, streaming))), True)
         else:
             _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)))
     except KServeError as e:

@@ -33,6 +33,7 @@ from .kserve_logging import parse_grpc_update
 from .kserve_restrict import GrpcRestrictions, Restrictions
 from .kserve_shm import OutputRegion, close_outputs
 from .kserve_trace import Trace, parse_update
+from .llm_generate import DECOUPLED_GRPC, grpc_outputs, grpc_request, llm_config, llm_metadata, read_backend_request
 from .tcp_peer import bound_address, grpc_peer, peer_uid
 from .validation import item_nbytes
 
@@ -236,10 +237,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
+        if await self._sync(context, self.core.llm_model, request.name, request.version):
+            return json_format.ParseDict(llm_metadata(request.name), service_pb2.ModelMetadataResponse())
         md = await self._call(context, self.core.spec(request.name, request.version))
         return json_format.ParseDict(model_metadata(md), service_pb2.ModelMetadataResponse())
 
     async def ModelConfig(self, request, context):
+        if await self._sync(context, self.core.llm_model, request.name, request.version):
+            cfg = json_format.ParseDict(llm_config(request.name), model_config_pb2.ModelConfig())
+            return service_pb2.ModelConfigResponse(config=cfg)
         spec = await self._call(context, self.core.spec(request.name, request.version))
         cfg = json_format.ParseDict(model_config(spec), model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=cfg)
@@ -447,6 +453,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """The answer to ``request`` (``stream``: on ModelStreamInfer); one past the send limit is
         an error, which counts the request failed. ``traced``: gets the request's trace, when its
         setting samples it (``read``: when the handler had it)."""
+        if self.core.llm_model(request.model_name, request.model_version):
+            if not stream:  # (Triton's answer for a decoupled model)
+                raise KServeError(grpc.StatusCode.UNIMPLEMENTED, DECOUPLED_GRPC)
+            return await self._llm_infer(request)
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
         trace = None if traced is None else self._trace(request, read)  # (as Triton: known models only)
@@ -527,6 +537,22 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return message
         finally:
             close_outputs(wanted)
+
+    async def _llm_infer(self, request) -> InferAnswer:
+        """An LLM model's answer on a stream, as Triton's vLLM backend answers (llm_generate):
+        the whole completion in one response, marked final."""
+        inputs, params = grpc_request(request.model_name, request)
+        async def run() -> dict:  # (a refusal of the backend's counts as the model's failure)
+            return await self.core.llm.run(request.model_name, *read_backend_request(inputs, params, streaming=True))
+
+        members = await self.core.llm_run(request.model_name, run())
+        head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        raw = []
+        for name, datatype, data in grpc_outputs(members):
+            head.outputs.add(name=name, datatype=datatype, shape=[1])
+            raw.append(data)
+        _mark_final(head)
+        return InferAnswer(head, raw, stream=True)
 
     def _requested_outputs(self, request, spec, inputs: dict,
                            uid: Optional[int]) -> list[tuple[str, Optional[int], Optional[OutputRegion]]]:

@@ -33,6 +33,7 @@ from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UI
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_generate import serve_generate
 from .kserve_json import decode_json, encode_json
+from .llm_generate import DECOUPLED_HTTP, llm_config, llm_metadata
 from .kserve_logging import parse_http_update
 from .kserve_restrict import Restrictions, restrict_routes
 from .kserve_shm import close_outputs
@@ -210,9 +211,8 @@ def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
 
 class KServeHttp:
 
-    def __init__(self, core: KServeCore, llm_generate=None):
+    def __init__(self, core: KServeCore):
         self.core = core
-        self.llm_generate = llm_generate  # the LLM mode's generate (llm_generate.LlmGenerate), or None
 
     def routes(self) -> list:
         m = "/v2/models/{model}"
@@ -263,14 +263,20 @@ class KServeHttp:
         return web.json_response({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
 
     async def metadata(self, request):
+        model = request.match_info["model"]
         try:
-            return web.json_response(model_metadata(await self.core.spec(request.match_info["model"], _version(request))))
+            if self.core.llm_model(model, _version(request)):
+                return web.json_response(llm_metadata(model))
+            return web.json_response(model_metadata(await self.core.spec(model, _version(request))))
         except KServeError as e:
             return _error(e)
 
     async def config(self, request):
+        model = request.match_info["model"]
         try:
-            return web.json_response(model_config(await self.core.spec(request.match_info["model"], _version(request))))
+            if self.core.llm_model(model, _version(request)):
+                return web.json_response(llm_config(model))
+            return web.json_response(model_config(await self.core.spec(model, _version(request))))
         except KServeError as e:
             return _error(e)
 
@@ -362,10 +368,10 @@ class KServeHttp:
 
     # ---------------------------------------------------------------- inference
     async def generate(self, request):  # Triton's generate extension (kserve_generate)
-        return await serve_generate(self.core, request, streaming=False, llm=self.llm_generate)
+        return await serve_generate(self.core, request, streaming=False)
 
     async def generate_stream(self, request):
-        return await serve_generate(self.core, request, streaming=True, llm=self.llm_generate)
+        return await serve_generate(self.core, request, streaming=True)
 
     async def infer(self, request):
         traced: list = []  # the request's trace, once its model is known and its setting samples it
@@ -388,6 +394,8 @@ class KServeHttp:
 
     async def _infer(self, request, traced: list, received: int) -> web.Response:
         model = request.match_info["model"]
+        if self.core.llm_model(model, _version(request)):  # (Triton's answer for a decoupled model)
+            raise KServeError(grpc.StatusCode.UNIMPLEMENTED, DECOUPLED_HTTP)
         spec = await self.core.spec(model, _version(request))  # an unknown model (version) is the first error
         trace = self.core.tracer.sample(model)  # (as Triton: a model it does not serve is not traced)
         if trace is not None:
@@ -544,17 +552,15 @@ class KServeHttp:
 
 
 async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,
-                     extra_routes=(), idle_timeout_s: float = 75.0, restricted_apis=(),
-                     llm_generate=None) -> web.AppRunner:
+                     extra_routes=(), idle_timeout_s: float = 75.0, restricted_apis=()) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
     processes (SO_REUSEPORT). ``extra_routes``: e.g. the OpenAI completions of the LLM mode.
     ``idle_timeout_s``: a connection waiting for a request (none yet, headers unfinished, or
     idle after an answer) is closed after it, and a body that stalls that long answers 408.
-    ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict).
-    ``llm_generate``: the LLM mode's answers to Triton's generate for its models (llm_generate)."""
+    ``restricted_apis``: the config's ``[[frontend.restricted_apis]]`` (kserve_restrict)."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app[BODY_STALL_S] = idle_timeout_s
-    app.add_routes(restrict_routes([*KServeHttp(core, llm_generate).routes(), *extra_routes], Restrictions(restricted_apis, "http")))
+    app.add_routes(restrict_routes([*KServeHttp(core).routes(), *extra_routes], Restrictions(restricted_apis, "http")))
     # handler_cancellation: an HTTP client that hangs up withdraws its request, as a cancelled
     # gRPC call does; aiohttp's default lets the handler run on, and the abandoned request then
     # still took its place in a batch on a worker.

@@ -1,26 +1,32 @@
-"""Triton's generate extension for the LLM mode's models, in the shape Triton's vLLM backend
-gives it, so a client written against Triton + vLLM runs unchanged:
-``POST /v2/models/{m}/generate`` with ``{"text_input": "...", "parameters": {"max_tokens": 16}}``
-answers ``{"model_name": m, "model_version": "1", "text_output": "<prompt><completion>"}``.
+"""The LLM mode's models through Triton's protocols, in the shape Triton's vLLM backend gives
+them, so a client written against Triton + vLLM runs unchanged: Triton's generate extension
+(``POST /v2/models/{m}/generate`` with ``{"text_input": "...", "parameters": {"max_tokens": 16}}``
+answers ``{"model_name": m, "model_version": "1", "text_output": "<prompt><completion>"}``), and
+gRPC ``ModelStreamInfer`` with the backend's tensors (tritonclient's ``stream_infer``,
+perf_analyzer ``--streaming``).
 
-The backend's inputs are members of the body (or of its ``parameters``): ``text_input``;
-``exclude_input_in_output`` (false: the prompt is written before the completion, the backend's
-default, and true when streaming); ``stream``; ``return_finish_reason``,
-``return_num_input_tokens`` and ``return_num_output_tokens`` for the outputs of those names.
-Every other member is a sampling parameter, as the backend reads its request's parameters, and
-converted to its type as the backend does (``"4"`` is 4 tokens): ``max_tokens`` (16 when left
-out, vLLM's default) and ``temperature``, which must be 0 or left out (Batchyard decodes greedily;
-vLLM's default would sample). Any other sampling parameter is refused rather than ignored, as on
-``/v1/completions``. Batchyard's engines decode ``max_tokens`` tokens, past an end-of-sequence
-token too (``finish_reason`` "length"), where the backend stops at one ("stop").
+The backend's inputs: ``text_input``; ``exclude_input_in_output`` (false: the prompt is written
+before the completion, the backend's default, and true when streaming); ``stream``;
+``sampling_parameters`` (a JSON object in a string, read in place of the request's parameters,
+as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` and
+``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
+generate, its members that are no input, and those of its ``parameters``) are the sampling
+parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
+(16 when left out, vLLM's default) and ``temperature``, which must be 0 or left out (Batchyard
+decodes greedily; vLLM's default would sample). Any other sampling parameter is refused rather
+than ignored, as on ``/v1/completions``. Batchyard's engines decode ``max_tokens`` tokens, past
+an end-of-sequence token too (``finish_reason`` "length"), where the backend stops at one.
 
-``stream`` true is served by ``generate_stream`` only, as one event holding the whole completion
-(Batchyard's engines answer once); from ``generate`` it is Triton's error for a model that
-answers more than once.
+The backend's model is decoupled: Triton refuses it ModelInfer and HTTP infer, and so does this
+(``DECOUPLED_*``). ``stream`` true is served by ``generate_stream`` and ModelStreamInfer, as one
+response holding the whole completion (Batchyard's engines answer once); from ``generate`` it is
+Triton's error for a model that answers more than once.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from typing import Optional
 
 import grpc
@@ -30,23 +36,48 @@ from .kserve_common import KServeError, from_batchyard, invalid
 from .openai_http import OpenAiCompletions, OpenAiError
 from .protocol import MAX_TOKEN_ID
 
-# The vLLM backend's inputs that Batchyard serves, with their kinds; its others (images,
-# logprobs, sampling_parameters as a string) are refused.
-_BOOL_INPUTS = ("exclude_input_in_output", "stream", "return_finish_reason", "return_num_input_tokens",
-                "return_num_output_tokens")
-_REFUSED_INPUTS = ("sampling_parameters", "image", "return_cumulative_logprob", "return_logprobs")
-_INPUTS = ("text_input", *_BOOL_INPUTS, *_REFUSED_INPUTS)
+# The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others
+# (images, logprobs) are refused.
+BACKEND_INPUTS = (("text_input", "BYTES", False), ("stream", "BOOL", True), ("sampling_parameters", "BYTES", True),
+                  ("exclude_input_in_output", "BOOL", True), ("return_finish_reason", "BOOL", True),
+                  ("return_num_input_tokens", "BOOL", True), ("return_num_output_tokens", "BOOL", True))
+# Its outputs: (name, KServe datatype, dims).
+BACKEND_OUTPUTS = (("text_output", "BYTES", [-1]), ("finish_reason", "BYTES", [-1]),
+                   ("num_input_tokens", "UINT32", [1]), ("num_output_tokens", "UINT32", [-1]))
+_BOOL_INPUTS = tuple(name for name, datatype, _ in BACKEND_INPUTS if datatype == "BOOL")
+_REFUSED_INPUTS = ("image", "return_cumulative_logprob", "return_logprobs")
+INPUT_NAMES = frozenset((*(name for name, _, _ in BACKEND_INPUTS), *_REFUSED_INPUTS))
 # Members a client sends for Triton itself, not for the sampler.
-_NOT_SAMPLING = ("id", "parameters")
+_NOT_SAMPLING = ("id",)
 MANY_ANSWERS = ("generate expects model to produce exactly 1 response, use generate stream for model that "
                 "generates various number of responses")
+DECOUPLED_GRPC = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+
+
+def llm_metadata(model: str) -> dict:
+    """KServe's model metadata of an LLM model, as Triton shows the vLLM backend's."""
+    return {"name": model, "versions": ["1"], "platform": "vllm",
+            "inputs": [{"name": n, "datatype": d, "shape": [1]} for n, d, _ in BACKEND_INPUTS],
+            "outputs": [{"name": n, "datatype": d, "shape": dims} for n, d, dims in BACKEND_OUTPUTS]}
+
+
+def llm_config(model: str) -> dict:
+    """Triton's model configuration of an LLM model, as the vLLM backend completes it: no batch
+    dimension, optional inputs, decoupled (perf_analyzer then asks for ``--streaming``)."""
+    kind = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT32": "TYPE_UINT32"}
+    return {"name": model, "platform": "vllm", "backend": "vllm", "max_batch_size": 0,
+            "input": [{"name": n, "data_type": kind[d], "dims": [1], "optional": optional}
+                      for n, d, optional in BACKEND_INPUTS],
+            "output": [{"name": n, "data_type": kind[d], "dims": dims} for n, d, dims in BACKEND_OUTPUTS],
+            "model_transaction_policy": {"decoupled": True}}
 
 
 def _shown(value) -> str:
     """A JSON value in an error, at a cost that does not grow with it."""
     if isinstance(value, (list, dict)):
         return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
-    return repr(value[:80] + "..." if isinstance(value, str) and len(value) > 80 else value)
+    return repr(value[:80] + "..." if isinstance(value, (str, bytes)) and len(value) > 80 else value)
 
 
 def _one(name: str, value, kind: type):
@@ -67,27 +98,47 @@ def _sampling(name: str, value, kind: type):
         raise invalid(f"{name} must be {'an integer' if kind is int else 'a number'}, got {_shown(value)}") from None
 
 
-def read_request(body: dict, streaming: bool) -> tuple[str, dict, int]:
-    """-> (prompt, the backend's switches by name, max_tokens) of a generate request's body."""
-    members = [(k, v) for k, v in body.items() if k != "parameters"]
+def read_generate_body(body: dict, streaming: bool) -> tuple[str, dict, int]:
+    """-> (prompt, the backend's switches by name, max_tokens) of a generate request's body: its
+    members and those of its ``parameters`` that name the backend's inputs are those inputs,
+    the others the request's parameters."""
     nested = body.get("parameters", {})
     if not isinstance(nested, dict):
         raise invalid("Expected JSON object for keyword: 'parameters': attempt to access JSON non-object as object")
-    seen: dict = {}
-    for name, value in [*members, *nested.items()]:
-        if name in seen:
-            raise invalid(f"input '{name}' already exists in request" if name in _INPUTS else
+    inputs: dict = {}
+    params: dict = {}
+    for name, value in [*((k, v) for k, v in body.items() if k != "parameters"), *nested.items()]:
+        into = inputs if name in INPUT_NAMES else params
+        if name in into:
+            raise invalid(f"input '{name}' already exists in request" if into is inputs else
                           f"parameter '{name}' is given twice (in the body and in its parameters)")
-        seen[name] = value
-    if "text_input" not in seen:
+        if into is params and (value is None or isinstance(value, (list, dict))):  # (Triton's HTTP layer)
+            raise invalid(f"parameter '{name}' has invalid type. It should be either 'int', 'bool', or 'string'.")
+        into[name] = value
+    return read_backend_request(inputs, params, streaming)
+
+
+def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[str, dict, int]:
+    """-> (prompt, switches, max_tokens) from the backend's inputs by name (values, or lists of
+    one) and the request's parameters, as the backend reads them."""
+    if "text_input" not in inputs:
         raise invalid("expected 1 inputs but got 0 inputs: missing required input(s) ['text_input']")
-    prompt = _one("text_input", seen.pop("text_input"), str)
+    prompt = _one("text_input", inputs["text_input"], str)
     if not prompt:
         raise invalid("input 'text_input' is empty")
-    switches = {name: _one(name, seen.pop(name), bool) for name in _BOOL_INPUTS if name in seen}
+    switches = {name: _one(name, inputs[name], bool) for name in _BOOL_INPUTS if name in inputs}
     for name in _REFUSED_INPUTS:
-        if name in seen:
+        if name in inputs:
             raise invalid(f"input '{name}' is not supported by Batchyard's LLM mode")
+    if "sampling_parameters" in inputs:  # in place of the request's parameters, as the backend reads it
+        text = _one("sampling_parameters", inputs["sampling_parameters"], str)
+        try:
+            params = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise invalid(f"input 'sampling_parameters' is not JSON: {e}") from None
+        if not isinstance(params, dict):
+            raise invalid(f"input 'sampling_parameters' must be a JSON object, got {_shown(params)}")
+    params = {k: v for k, v in params.items() if v is not None}  # (the backend's vLLM defaults)
     stream = switches.get("stream", False)
     if stream and not streaming:
         raise KServeError(grpc.StatusCode.INTERNAL, MANY_ANSWERS)
@@ -95,32 +146,105 @@ def read_request(body: dict, streaming: bool) -> tuple[str, dict, int]:
     if prepend and stream:
         raise invalid("When streaming, `exclude_input_in_output` = False is not allowed.")
     switches["exclude_input_in_output"] = not prepend
-    max_tokens = _sampling("max_tokens", seen.pop("max_tokens", 16), int)
+    max_tokens = _sampling("max_tokens", params.pop("max_tokens", 16), int)
     if not 1 <= max_tokens <= MAX_TOKEN_ID:
         raise invalid(f"max_tokens must be a positive integer, got {max_tokens}")
-    temperature = _sampling("temperature", seen.pop("temperature", 0), float)
+    temperature = _sampling("temperature", params.pop("temperature", 0), float)
     if temperature != 0:
         raise invalid(f"only greedy decoding is served: temperature must be 0, got {temperature:g}")
-    for name, value in seen.items():
-        if name in _NOT_SAMPLING:
-            continue
-        if value is None or isinstance(value, (list, dict)):
-            raise invalid(f"parameter '{name}' has invalid type. It should be either 'int', 'bool', or 'string'.")
-        raise invalid(f"sampling parameter '{name}' is not supported by Batchyard's LLM mode")
+    for name in params:
+        if name not in _NOT_SAMPLING:
+            raise invalid(f"sampling parameter '{name}' is not supported by Batchyard's LLM mode")
     return prompt, switches, max_tokens
 
 
+# Request parameters Triton takes for itself (its scheduler's, its protocol's): not the model's.
+_TRITON_PARAMETERS = frozenset(("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                                "binary_data_output", "triton_enable_empty_final_response"))
+
+
+def _bytes_elements(name: str, data: bytes) -> list[bytes]:
+    """A raw BYTES tensor's elements: each a 4-byte little-endian length, then its bytes."""
+    out, pos = [], 0
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise invalid(f"input '{name}': the BYTES data ends inside an element's length")
+        (n,) = struct.unpack_from("<I", data, pos)
+        if pos + 4 + n > len(data):
+            raise invalid(f"input '{name}': an element of {n} bytes runs past the {len(data)} bytes of its data")
+        out.append(bytes(data[pos + 4:pos + 4 + n]))
+        pos += 4 + n
+    return out
+
+
+def _text(name: str, value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"input '{name}' is not UTF-8 text: {e}") from None
+
+
+def grpc_request(model: str, request) -> tuple[dict, dict]:
+    """(the backend's inputs by name, as lists of values; the request's parameters) of a
+    ModelInferRequest, its tensors raw or typed. Shared memory is not served for these models."""
+    want = {name: datatype for name, datatype, _ in BACKEND_INPUTS}
+    inputs: dict = {}
+    raw = iter(request.raw_input_contents)
+    for t in request.inputs:
+        if t.name in inputs:
+            raise invalid(f"input '{t.name}' already exists in request")
+        if t.name not in want:
+            raise invalid(f"unexpected inference input '{t.name}' for model '{model}'")
+        if "shared_memory_region" in t.parameters:
+            raise invalid(f"input '{t.name}': an LLM model takes no shared-memory input")
+        if t.datatype != want[t.name]:
+            raise invalid(f"inference input '{t.name}' data-type is '{t.datatype}', but model '{model}' expects "
+                          f"'{want[t.name]}'")
+        if request.raw_input_contents:
+            data = next(raw, None)
+            if data is None:
+                raise invalid(f"expected raw input content for input '{t.name}' "
+                              f"({len(request.raw_input_contents)} given for {len(request.inputs)} inputs)")
+            values = _bytes_elements(t.name, data) if t.datatype == "BYTES" else [bool(b) for b in data]
+        else:
+            values = list(t.contents.bytes_contents if t.datatype == "BYTES" else t.contents.bool_contents)
+        if not values:
+            raise invalid(f"input '{t.name}' holds no element")
+        inputs[t.name] = [_text(t.name, v) for v in values] if t.datatype == "BYTES" else values
+    params = {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in request.parameters.items()
+              if k not in _TRITON_PARAMETERS and p.WhichOneof("parameter_choice")}
+    return inputs, params
+
+
+def grpc_outputs(members: dict) -> list[tuple[str, str, bytes]]:
+    """The backend's outputs as (name, KServe datatype, raw contents), each of one element."""
+    out = []
+    for name, datatype, _ in BACKEND_OUTPUTS:
+        if name in members:
+            value = members[name]
+            if datatype == "BYTES":
+                data = value.encode()
+                out.append((name, datatype, struct.pack("<I", len(data)) + data))
+            else:
+                out.append((name, datatype, struct.pack("<I", value)))
+    return out
+
+
 class LlmGenerate:
-    """The generate extension's answers for LLM models, from the completions route's engines and
+    """The answers of LLM models to Triton's protocols, from the completions route's engines and
     tokenizers."""
 
     def __init__(self, completions: OpenAiCompletions):
         self.completions = completions
 
-    async def answer(self, model: str, body: dict, streaming: bool, timeout: Optional[float] = None) -> dict:
-        """The answer's members besides model_name, model_version and id (KServeError for the
-        request's fault or its run's)."""
-        prompt, switches, max_tokens = read_request(body, streaming)
+    async def answer(self, model: str, body: dict, streaming: bool) -> dict:
+        """A generate request's answer: its members besides model_name, model_version and id
+        (KServeError for the request's fault or its run's)."""
+        return await self.run(model, *read_generate_body(body, streaming))
+
+    async def run(self, model: str, prompt: str, switches: dict, max_tokens: int,
+                  timeout: Optional[float] = None) -> dict:
+        """The backend's outputs by name, as JSON values (text, a number)."""
         try:
             (ids,) = await self.completions.encode(model, [prompt])
             out = await self.completions.client.generate(

@@ -310,8 +310,52 @@ def triton_sum(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- LLM models (llm_generate)
+def test_an_llm_models_metadata_and_config_are_the_vllm_backends_in_tritons_messages():
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2, service_pb2
+
+    from batchyard.llm_generate import llm_config, llm_metadata
+
+    cfg = json_format.ParseDict(llm_config("tiny"), model_config_pb2.ModelConfig())
+    assert cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+    assert [(i.name, i.optional) for i in cfg.input][:2] == [("text_input", False), ("stream", True)]
+    md = json_format.ParseDict(llm_metadata("tiny"), service_pb2.ModelMetadataResponse())
+    assert md.inputs[0].datatype == "BYTES" and md.outputs[0].name == "text_output"
+
+
+def test_an_llm_streams_tensors_read_raw_or_typed():
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    from batchyard.llm_generate import grpc_outputs, grpc_request
+
+    r = service_pb2.ModelInferRequest(model_name="tiny")
+    r.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    r.inputs.add(name="stream", datatype="BOOL", shape=[1])
+    r.raw_input_contents.append(serialize_byte_tensor(np.array(["héllo".encode()], dtype=object)).item())
+    r.raw_input_contents.append(b"\x01")
+    r.parameters["max_tokens"].int64_param = 3
+    r.parameters["priority"].int64_param = 1  # Triton's own, not the model's
+    assert grpc_request("tiny", r) == ({"text_input": ["héllo"], "stream": [True]}, {"max_tokens": 3})
+    typed = service_pb2.ModelInferRequest(model_name="tiny")
+    typed.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"hi")
+    assert grpc_request("tiny", typed)[0] == {"text_input": ["hi"]}
+    for build, words in [
+            (lambda q: q.inputs.add(name="text_input", datatype="FP32", shape=[1]), "data-type is 'FP32'"),
+            (lambda q: q.inputs.add(name="nope", datatype="BYTES", shape=[1]), "unexpected inference input 'nope'"),
+            (lambda q: (q.inputs.add(name="text_input", datatype="BYTES", shape=[1]),
+                        q.raw_input_contents.append(b"\x09\x00\x00\x00ab")), "runs past"),
+            (lambda q: (q.inputs.add(name="text_input", datatype="BYTES", shape=[1]),
+                        q.raw_input_contents.append(b"\x02\x00\x00\x00\xff\xfe")), "is not UTF-8 text")]:
+        q = service_pb2.ModelInferRequest(model_name="tiny")
+        build(q)
+        assert words in _refused(grpc_request, "tiny", q)
+    assert grpc_outputs({"text_output": "ab", "num_output_tokens": 2}) == [
+        ("text_output", "BYTES", b"\x02\x00\x00\x00ab"), ("num_output_tokens", "UINT32", b"\x02\x00\x00\x00")]
+
+
 def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
-    from batchyard.llm_generate import read_request
+    from batchyard.llm_generate import read_generate_body as read_request
 
     prompt, switches, max_tokens = read_request(
         {"text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0}, "return_num_output_tokens": True}, False)
@@ -323,6 +367,9 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
     # converted as the backend converts them: int("4"), int(4.0), float("0")
     assert read_request({"text_input": "hi", "max_tokens": "4", "temperature": "0"}, False)[2] == 4
     assert read_request({"text_input": "hi", "parameters": {"max_tokens": 4.0, "temperature": False}}, False)[2] == 4
+    # sampling_parameters, a JSON object in a string, in place of the parameters (its nulls: vLLM's defaults)
+    assert read_request({"text_input": "hi", "max_tokens": 9,
+                         "sampling_parameters": '{"max_tokens": "3", "top_p": null}'}, False)[2] == 3
     for body, streaming, words in [
             ({"parameters": {"max_tokens": 5}}, False, "missing required input(s) ['text_input']"),
             ({"text_input": 5}, False, "input 'text_input' must be a string"),
@@ -332,9 +379,12 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
             ({"text_input": "hi", "temperature": 0.7}, False, "only greedy decoding is served"),
             ({"text_input": "hi", "max_tokens": 0}, False, "max_tokens must be a positive integer"),
             ({"text_input": "hi", "max_tokens": "4.0"}, False, "max_tokens must be an integer, got '4.0'"),
-            ({"text_input": "hi", "max_tokens": [4] * 10**6}, False, "got an array of 1000000 items"),
+            ({"text_input": "hi", "max_tokens": [4] * 10**6}, False, "parameter 'max_tokens' has invalid type"),
+            ({"text_input": "hi", "sampling_parameters": "{\"max_tokens\": [4, 4]}"}, False, "got an array of 2 items"),
             ({"text_input": "hi", "top_p": 0.9}, False, "sampling parameter 'top_p' is not supported"),
-            ({"text_input": "hi", "sampling_parameters": "{}"}, False, "input 'sampling_parameters' is not supported"),
+            ({"text_input": "hi", "sampling_parameters": "[1]"}, False, "'sampling_parameters' must be a JSON object"),
+            ({"text_input": "hi", "sampling_parameters": "{"}, False, "'sampling_parameters' is not JSON"),
+            ({"text_input": "hi", "image": "x"}, False, "input 'image' is not supported"),
             ({"text_input": "hi", "max_tokens": 3, "parameters": {"max_tokens": 4}}, False,
              "parameter 'max_tokens' is given twice"),
             ({"text_input": "hi", "parameters": {"text_input": "ho"}}, False, "input 'text_input' already exists")]:

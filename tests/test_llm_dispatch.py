@@ -12,8 +12,10 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 import zmq
@@ -227,31 +229,51 @@ def test_infer_to_an_llm_model_says_it_takes_generate(llm_node):
             c.infer("tiny", {"x": [[1.0]]})
 
 
-def test_the_kserve_routes_name_an_llm_model_as_one_and_count_it_nowhere(llm_node, run_dir):
-    """The KServe index called the LLM model READY (as its readiness probe does: completions
-    can run); then its metadata, config and infer were Triton's "unknown model" in Triton's words
-    alone, and each counted in batchyard_unknown_model_requests_total, though the node serves it
-    (to /v1/completions)."""
+def test_the_kserve_routes_serve_an_llm_model_as_tritons_vllm_backend_and_count_it_nowhere(llm_node, run_dir):
+    """An LLM model's metadata and config are the vLLM backend's (decoupled), so perf_analyzer
+    and tritonclient set up its requests; infer is refused as Triton refuses a decoupled model.
+    Before, all three were Triton's "unknown model", counted in
+    batchyard_unknown_model_requests_total though the node serves it."""
     import tomllib
 
+    import tritonclient.grpc as tg
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
     address, _, url = llm_node
     client = th.InferenceServerClient(url.removeprefix("http://"))
+    grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
+    gclient = tg.InferenceServerClient(grpc_url)
     try:
         assert client.get_model_repository_index() == [
             {"name": "tiny", "version": "1", "state": "READY", "reason": "an LLM model: POST /v1/completions"}]
         assert client.is_server_ready() and client.is_model_ready("tiny")
-        assert client.get_inference_statistics()["model_stats"] == []  # it has no KServe statistics
-        for call in (client.get_model_metadata, client.get_model_config,
-                     lambda m: client.infer(m, [th.InferInput("x", [1, 1], "FP32")])):
-            with pytest.raises(InferenceServerException, match=r"'tiny' is not found \(an LLM model: POST "
-                                                               r"/v1/completions\)") as e:
-                call("tiny")
-            assert e.value.status() == "404"
+        [stats] = client.get_inference_statistics()["model_stats"]  # its requests through Triton's protocols
+        assert stats["name"] == "tiny" and stats["inference_stats"]["success"]["count"] == 0
+        md = client.get_model_metadata("tiny")
+        assert [(i["name"], i["datatype"], i["shape"]) for i in md["inputs"]][:2] == [
+            ("text_input", "BYTES", [1]), ("stream", "BOOL", [1])]
+        assert md["outputs"][0] == {"name": "text_output", "datatype": "BYTES", "shape": [-1]}
+        cfg = client.get_model_config("tiny")
+        assert cfg["model_transaction_policy"] == {"decoupled": True} and cfg["max_batch_size"] == 0
+        assert gclient.get_model_metadata("tiny", as_json=True)["inputs"][0]["name"] == "text_input"
+        assert gclient.get_model_config("tiny", as_json=True)["config"]["model_transaction_policy"]["decoupled"]
+        with pytest.raises(InferenceServerException, match="version 2 is not found"):
+            client.get_model_metadata("tiny", model_version="2")
+        text = th.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"the cache"], dtype=object))
+        with pytest.raises(InferenceServerException,
+                           match="HTTP end point doesn't support models with decoupled transaction policy"):
+            client.infer("tiny", [text])
+        gtext = tg.InferInput("text_input", [1], "BYTES")
+        gtext.set_data_from_numpy(np.array([b"the cache"], dtype=object))
+        with pytest.raises(InferenceServerException,
+                           match="ModelInfer RPC doesn't support models with decoupled transaction policy") as e:
+            gclient.infer("tiny", [gtext])
+        assert e.value.status() == "StatusCode.UNIMPLEMENTED"
     finally:
         client.close()
+        gclient.close()
     with Client(address) as c:
         with pytest.raises(UnknownModel, match="is an LLM model"):
             c.model_info("tiny")
@@ -260,6 +282,99 @@ def test_the_kserve_routes_name_an_llm_model_as_one_and_count_it_nowhere(llm_nod
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         text = r.read().decode()
     assert "\nbatchyard_unknown_model_requests_total 0\n" in text
+
+
+def _stream_infer(grpc_url: str, inputs: dict, parameters: Optional[dict] = None) -> list:
+    """(result, error) of each response of one request on tritonclient's stream."""
+    import queue
+
+    import tritonclient.grpc as tg
+
+    answers: queue.Queue = queue.Queue()
+    client = tg.InferenceServerClient(grpc_url)
+    tensors = []
+    for name, value in inputs.items():
+        arr = np.array([value], dtype=object if isinstance(value, bytes) else bool)
+        t = tg.InferInput(name, [1], "BYTES" if isinstance(value, bytes) else "BOOL")
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("tiny", tensors, request_id="r1", parameters=parameters)
+        got = [answers.get(timeout=30)]
+        client.stop_stream()  # (waits for the stream to end: no response may follow)
+        while not answers.empty():
+            got.append(answers.get_nowait())
+        return got
+    finally:
+        client.close()
+
+
+def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, run_dir):
+    """tritonclient's stream_infer with the backend's tensors (its samples/client.py): the same
+    text as /v1/completions, in one response marked final; sampling_parameters in place of the
+    request's parameters, as the backend reads them; a refusal is that request's error."""
+    import tomllib
+
+    _, _, url = llm_node
+    grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
+    prompt = "the cache moves"
+    status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5})
+    assert status == 200
+    completion = body["choices"][0]["text"]
+    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": True,
+                                                 "return_num_output_tokens": True},
+                                      parameters={"max_tokens": 5, "temperature": 0})
+    assert error is None
+    assert result.as_numpy("text_output").tolist() == [completion.encode()]
+    assert result.as_numpy("num_output_tokens").tolist() == [5]
+    response = result.get_response()
+    assert response.id == "r1" and response.parameters["triton_final_response"].bool_param
+    # sampling_parameters (a JSON string, numbers as strings too) wins over the parameters
+    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": False,
+                                                 "sampling_parameters": b'{"max_tokens": "5"}'},
+                                      parameters={"max_tokens": 2})
+    assert error is None and result.as_numpy("text_output").tolist() == [(prompt + completion).encode()]
+    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"top_p": 0.5})
+    assert result is None and "sampling parameter 'top_p' is not supported" in str(error)
+    # generate, the same text
+    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 5,
+                                                             "exclude_input_in_output": True})
+    assert (status, body) == (200, {"model_name": "tiny", "model_version": "1", "text_output": completion})
+    # counted as Triton counts them: 3 served, the refused one failed (/v1/completions: not here)
+    status, body = _http(url + "/v2/models/tiny/stats")
+    stats = body["model_stats"][0]
+    assert (stats["inference_stats"]["success"]["count"], stats["inference_stats"]["fail"]["count"],
+            stats["inference_count"], stats["execution_count"]) == (3, 1, 3, 3)
+
+
+def test_perf_analyzer_streams_to_an_llm_model_as_to_tritons_vllm_backend(llm_node, run_dir, tmp_path):
+    """Triton's load tool, as it drives a vLLM backend model: it reads the model's metadata and
+    config (decoupled: --streaming), sends the backend's tensors from --input-data, and its run
+    ends 0 with every request answered."""
+    import re
+    import tomllib
+
+    from batchyard.bench import perf_analyzer
+
+    grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
+    data = tmp_path / "prompts.json"
+    data.write_text(json.dumps({"data": [{"text_input": ["the cache moves"], "stream": [True],
+                                          "sampling_parameters": ['{"max_tokens": 4}']},
+                                         {"text_input": ["from one engine"], "stream": [True],
+                                          "sampling_parameters": ['{"max_tokens": 8}']}]}))
+    args = ["-m", "tiny", "-u", grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data),
+            "--concurrency-range", "2", "--measurement-mode", "count_windows", "--measurement-request-count", "30",
+            "-s", "1000", "--max-trials", "3"]
+    try:
+        cmd, env = perf_analyzer.command(args)
+    except perf_analyzer.PerfAnalyzerMissing as e:
+        pytest.skip(str(e))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "Unable to" not in out and "had error" not in out and "Failed" not in out, out
+    assert int(re.search(r"Successful request count: (\d+)", r.stdout).group(1)) > 0, out
 
 
 def test_generate_to_a_tensor_model_says_it_takes_infer(start_node):
