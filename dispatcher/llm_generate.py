@@ -33,7 +33,7 @@ import grpc
 
 from .errors import BatchyardError
 from .kserve_common import KServeError, from_batchyard, invalid
-from .openai_http import OpenAiCompletions, OpenAiError
+from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError
 from .protocol import MAX_TOKEN_ID
 
 # The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others
@@ -132,6 +132,8 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
             raise invalid(f"input '{name}' is not supported by Batchyard's LLM mode")
     if "sampling_parameters" in inputs:  # in place of the request's parameters, as the backend reads it
         text = _one("sampling_parameters", inputs["sampling_parameters"], str)
+        if len(text) > MAX_SAMPLING_JSON:  # (parsed on the loop: 30 MiB of it held it 2.6 s)
+            raise invalid(f"input 'sampling_parameters' of {len(text)} characters: at most {MAX_SAMPLING_JSON}")
         try:
             params = json.loads(text)
         except (ValueError, RecursionError) as e:
@@ -163,18 +165,23 @@ _TRITON_PARAMETERS = frozenset(("sequence_id", "sequence_start", "sequence_end",
                                 "binary_data_output", "triton_enable_empty_final_response"))
 
 
-def _bytes_elements(name: str, data: bytes) -> list[bytes]:
-    """A raw BYTES tensor's elements: each a 4-byte little-endian length, then its bytes."""
-    out, pos = [], 0
-    while pos < len(data):
-        if pos + 4 > len(data):
-            raise invalid(f"input '{name}': the BYTES data ends inside an element's length")
-        (n,) = struct.unpack_from("<I", data, pos)
-        if pos + 4 + n > len(data):
-            raise invalid(f"input '{name}': an element of {n} bytes runs past the {len(data)} bytes of its data")
-        out.append(bytes(data[pos + 4:pos + 4 + n]))
-        pos += 4 + n
-    return out
+# The largest text input: a prompt within /v1/completions' character limit, at 4 bytes a
+# character (UTF-8's most); past it, refused before it is decoded or tokenized.
+MAX_TEXT_BYTES = 4 * MAX_PROMPT_CHARS
+MAX_SAMPLING_JSON = 1 << 16  # sampling_parameters' JSON: a few small members, read on the loop
+
+
+def _one_bytes_element(name: str, data: bytes) -> bytes:
+    """A raw BYTES tensor's one element (a 4-byte little-endian length, then its bytes): the
+    backend's inputs hold one, and a tensor of millions of elements, split into Python objects,
+    held the loop seconds."""
+    if len(data) < 4:
+        raise invalid(f"input '{name}': the BYTES data ends inside an element's length")
+    (n,) = struct.unpack_from("<I", data, 0)
+    if 4 + n != len(data):
+        raise invalid(f"input '{name}': unexpected number of elements or bytes: one element of {n} bytes "
+                      f"declared, {len(data)} bytes of data (it holds one element)")
+    return bytes(data[4:])
 
 
 def _text(name: str, value: bytes) -> str:
@@ -200,17 +207,26 @@ def grpc_request(model: str, request) -> tuple[dict, dict]:
         if t.datatype != want[t.name]:
             raise invalid(f"inference input '{t.name}' data-type is '{t.datatype}', but model '{model}' expects "
                           f"'{want[t.name]}'")
+        if list(t.shape) != [1]:  # (the backend's dims, with no batch dimension)
+            shape = list(t.shape) if len(t.shape) <= 8 else f"a shape of {len(t.shape)} dimensions"
+            raise invalid(f"unexpected shape for input '{t.name}' for model '{model}'. Expected [1], got {shape}")
         if request.raw_input_contents:
             data = next(raw, None)
             if data is None:
                 raise invalid(f"expected raw input content for input '{t.name}' "
                               f"({len(request.raw_input_contents)} given for {len(request.inputs)} inputs)")
-            values = _bytes_elements(t.name, data) if t.datatype == "BYTES" else [bool(b) for b in data]
+            if t.datatype == "BOOL" and len(data) != 1:
+                raise invalid(f"input '{t.name}': {len(data)} bytes of BOOL data for one element")
+            value = _one_bytes_element(t.name, data) if t.datatype == "BYTES" else bool(data[0])
         else:
-            values = list(t.contents.bytes_contents if t.datatype == "BYTES" else t.contents.bool_contents)
-        if not values:
-            raise invalid(f"input '{t.name}' holds no element")
-        inputs[t.name] = [_text(t.name, v) for v in values] if t.datatype == "BYTES" else values
+            values = t.contents.bytes_contents if t.datatype == "BYTES" else t.contents.bool_contents
+            if len(values) != 1:
+                raise invalid(f"unexpected number of elements {len(values)} for input '{t.name}', expecting 1")
+            value = values[0]
+        if t.datatype == "BYTES" and len(value) > (MAX_TEXT_BYTES if t.name == "text_input" else MAX_SAMPLING_JSON):
+            raise invalid(f"input '{t.name}' of {len(value)} bytes: at most "
+                          f"{MAX_TEXT_BYTES if t.name == 'text_input' else MAX_SAMPLING_JSON}")
+        inputs[t.name] = [_text(t.name, value) if t.datatype == "BYTES" else value]
     params = {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in request.parameters.items()
               if k not in _TRITON_PARAMETERS and p.WhichOneof("parameter_choice")}
     return inputs, params

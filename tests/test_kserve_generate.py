@@ -344,9 +344,15 @@ def test_an_llm_streams_tensors_read_raw_or_typed():
             (lambda q: q.inputs.add(name="text_input", datatype="FP32", shape=[1]), "data-type is 'FP32'"),
             (lambda q: q.inputs.add(name="nope", datatype="BYTES", shape=[1]), "unexpected inference input 'nope'"),
             (lambda q: (q.inputs.add(name="text_input", datatype="BYTES", shape=[1]),
-                        q.raw_input_contents.append(b"\x09\x00\x00\x00ab")), "runs past"),
+                        q.raw_input_contents.append(b"\x09\x00\x00\x00ab")), "one element of 9 bytes declared, 6 bytes"),
             (lambda q: (q.inputs.add(name="text_input", datatype="BYTES", shape=[1]),
-                        q.raw_input_contents.append(b"\x02\x00\x00\x00\xff\xfe")), "is not UTF-8 text")]:
+                        q.raw_input_contents.append(b"\x02\x00\x00\x00\xff\xfe")), "is not UTF-8 text"),
+            (lambda q: q.inputs.add(name="text_input", datatype="BYTES", shape=[2, 1]), "Expected [1], got [2, 1]"),
+            (lambda q: q.inputs.add(name="stream", datatype="BOOL", shape=[1]).contents.bool_contents.extend(
+                [True, False]), "unexpected number of elements 2 for input 'stream', expecting 1"),
+            (lambda q: (q.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1]),
+                        q.raw_input_contents.append(serialize_byte_tensor(np.array([b"{" * 70_000], dtype=object)).item())),
+             "input 'sampling_parameters' of 70000 bytes: at most 65536")]:
         q = service_pb2.ModelInferRequest(model_name="tiny")
         build(q)
         assert words in _refused(grpc_request, "tiny", q)

@@ -31,6 +31,7 @@ from conftest import ROOT, free_port, sim_worker
 
 BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
 HOLD_TOKEN = 4094  # ... or hold it, unanswered, until the dispatcher aborts it
+HOLD_MAX_TOKENS = 77  # a request for this many tokens is held too, until aborted or released
 DEFAULT_TIMEOUT_S = 5.0  # the node's default_timeout_s
 
 
@@ -51,6 +52,7 @@ class ScriptedEngine(threading.Thread):
         self.jobs: list = []
         self.held: list = []  # jobs held for HOLD_TOKEN, until aborted
         self.held_any = threading.Event()
+        self.release = threading.Event()  # set: the held jobs are answered (the engine's thread sends)
         self.aborts: list = []
         self.aborted = threading.Event()
         self.registered = threading.Event()
@@ -67,12 +69,18 @@ class ScriptedEngine(threading.Thread):
                                       path="cpu" if self.role == "prefill-cpu" else "gpu")))
         try:
             while not self.stop.is_set():
+                if self.release.is_set():
+                    self.release.clear()
+                    for job in self.held:
+                        sock.send(P.encode(self._answer(job)))
+                    self.held.clear()
                 if not sock.poll(100):
                     continue
                 msg = P.to_worker_decoder.decode(sock.recv())
                 if type(msg) is P.Registered:
                     self.registered.set()
-                elif type(msg) is P.LlmJob and any(HOLD_TOKEN in p for p in msg.prompts):
+                elif type(msg) is P.LlmJob and (any(HOLD_TOKEN in p for p in msg.prompts)
+                                                or HOLD_MAX_TOKENS in msg.max_tokens):
                     self.jobs.append(msg)
                     self.held.append(msg)
                     self.held_any.set()
@@ -346,6 +354,68 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
     stats = body["model_stats"][0]
     assert (stats["inference_stats"]["success"]["count"], stats["inference_stats"]["fail"]["count"],
             stats["inference_count"], stats["execution_count"]) == (3, 1, 3, 3)
+
+
+def test_a_completion_on_a_stream_is_answered_when_done_not_after_those_before_it(llm_node, run_dir):
+    """As Triton answers a decoupled model's stream: a slow completion held back the answers of
+    every request behind it on the stream (the order of a model that is not decoupled)."""
+    import queue
+    import tomllib
+
+    import tritonclient.grpc as tg
+
+    _, engines, _ = llm_node
+    grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
+    answers: queue.Queue = queue.Queue()
+    client = tg.InferenceServerClient(grpc_url)
+
+    def text(prompt: bytes):
+        t = tg.InferInput("text_input", [1], "BYTES")
+        t.set_data_from_numpy(np.array([prompt], dtype=object))
+        return [t]
+
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("tiny", text(b"the cache"), request_id="slow",
+                                  parameters={"max_tokens": HOLD_MAX_TOKENS})
+        assert engines["gpu0"].held_any.wait(30)  # (a short prompt is prefilled on the gpu instance)
+        client.async_stream_infer("tiny", text(b"moves"), request_id="fast", parameters={"max_tokens": 3})
+        result, error = answers.get(timeout=30)
+        assert error is None and result.get_response().id == "fast"
+        engines["gpu0"].release.set()
+        result, error = answers.get(timeout=30)
+        assert error is None and result.get_response().id == "slow"
+        client.stop_stream()
+    finally:
+        client.close()
+
+
+def test_an_llm_models_tensors_are_one_element_each_checked_before_they_are_read(llm_node, run_dir):
+    """A raw text_input of millions of elements was split into Python objects first (2.4 s of the
+    front door's loop for 4M); now its shape and framing are checked, and the answer is the
+    request's error on the stream, which goes on."""
+    import tomllib
+
+    import tritonclient.grpc as tg
+    from tritonclient.utils import serialize_byte_tensor
+
+    grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
+    many = serialize_byte_tensor(np.array([b"a"] * 100_000, dtype=object)).item()
+    for shape, raw, words in [([100_000], many, "Expected [1], got [100000]"),
+                              ([1], many, "one element of 1 bytes declared"),
+                              ([1], b"\x05\x00\x00\x00ab", "one element of 5 bytes declared, 6 bytes")]:
+        client = tg.InferenceServerClient(grpc_url)
+        got = []
+        try:
+            t = tg.InferInput("text_input", shape, "BYTES")
+            t._raw_content = raw  # (tritonclient checks the shape against its own serialization)
+            client.start_stream(callback=lambda result, error: got.append((result, error)))
+            client.async_stream_infer("tiny", [t])
+            client.stop_stream()
+        finally:
+            client.close()
+        [(result, error)] = got
+        assert result is None and words in str(error), (shape, str(error))
 
 
 def test_perf_analyzer_streams_to_an_llm_model_as_to_tritons_vllm_backend(llm_node, run_dir, tmp_path):
