@@ -677,7 +677,7 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
             return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
 
         servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec}),
-                                                                    tracer=Tracer()))
+                                                                    tracer=Tracer(), llm=None))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
         first = asyncio.ensure_future(anext(answers))
@@ -709,14 +709,21 @@ def test_a_stream_may_always_hold_a_full_batch_of_its_model_and_counts_shapes_wi
     request = service_pb2.ModelInferRequest(model_name="seg", id="r1")
     request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
     nbytes, batch = kserve_grpc._stream_reservation(request, specs)
-    assert nbytes == kserve_grpc.STREAM_ANSWER_OVERHEAD + 2 + 16 + (24 << 20)
+    assert nbytes == kserve_grpc.STREAM_ANSWER_OVERHEAD + request.ByteSize() + 16 + (24 << 20)
     assert batch == 16 * (16 + (24 << 20)) > kserve_grpc.STREAM_HELD_BYTES
 
     for shape in ([1, 2**62, 2**62, 3], [2**62, 4]):  # refused later; counted up to the limit now
         huge = service_pb2.ModelInferRequest(model_name="seg")
         huge.inputs.add(name="x", datatype="FP32", shape=shape)
         nbytes, _ = kserve_grpc._stream_reservation(huge, specs)
-        assert nbytes <= kserve_grpc.STREAM_ANSWER_OVERHEAD + 2 * (kserve_grpc.STREAM_HELD_BYTES + 1), shape
+        assert nbytes <= kserve_grpc.STREAM_ANSWER_OVERHEAD + huge.ByteSize() + 2 * (kserve_grpc.STREAM_HELD_BYTES + 1), shape
+    # what a request holds beyond its tensors counts too: a parameter no model reads (a review
+    # held 279 MiB in 40 requests so), a BYTES tensor's raw contents (no item size to count by)
+    padded = service_pb2.ModelInferRequest(model_name="tiny")
+    padded.parameters["sequence_id"].string_param = "x" * (1 << 20)
+    padded.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    padded.raw_input_contents.append(b"y" * (1 << 20))
+    assert kserve_grpc._stream_reservation(padded, specs)[0] >= 2 << 20
 
     pulled = 0
 
@@ -734,7 +741,7 @@ def test_a_stream_may_always_hold_a_full_batch_of_its_model_and_counts_shapes_wi
             await never.wait()
 
         servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs=specs),
-                                                                    tracer=Tracer()))
+                                                                    tracer=Tracer(), llm=None))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
         first = asyncio.ensure_future(anext(answers))
