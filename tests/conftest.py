@@ -201,3 +201,22 @@ def no_leaked_shm():
     for name in leaked:  # clean up so one failure does not cascade, then fail
         os.unlink(os.path.join("/dev/shm", name))
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+
+
+def perf_analyzer_ran(args: list[str]) -> str:
+    """Triton's perf_analyzer run with ``args`` (skips the test where the binary is missing): its
+    output, after asserting the run ended 0 with no request failed and some served."""
+    import re
+
+    from batchyard.bench import perf_analyzer
+
+    try:
+        cmd, env = perf_analyzer.command(args)
+    except perf_analyzer.PerfAnalyzerMissing as e:
+        pytest.skip(str(e))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "Unable to" not in out and "had error" not in out and "Failed" not in out, out
+    assert int(re.search(r"Successful request count: (\d+)", r.stdout).group(1)) > 0, out
+    return r.stdout

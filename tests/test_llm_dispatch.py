@@ -27,7 +27,7 @@ from batchyard.errors import Cancelled, InvalidArgument, Unavailable, UnknownMod
 
 from batchyard.config import DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, to_toml
 
-from conftest import ROOT, free_port, sim_worker
+from conftest import ROOT, free_port, perf_analyzer_ran, sim_worker
 
 BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
 HOLD_TOKEN = 4094  # ... or hold it, unanswered, until the dispatcher aborts it
@@ -422,10 +422,7 @@ def test_perf_analyzer_streams_to_an_llm_model_as_to_tritons_vllm_backend(llm_no
     """Triton's load tool, as it drives a vLLM backend model: it reads the model's metadata and
     config (decoupled: --streaming), sends the backend's tensors from --input-data, and its run
     ends 0 with every request answered."""
-    import re
     import tomllib
-
-    from batchyard.bench import perf_analyzer
 
     grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
     data = tmp_path / "prompts.json"
@@ -436,15 +433,7 @@ def test_perf_analyzer_streams_to_an_llm_model_as_to_tritons_vllm_backend(llm_no
     args = ["-m", "tiny", "-u", grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data),
             "--concurrency-range", "2", "--measurement-mode", "count_windows", "--measurement-request-count", "30",
             "-s", "1000", "--max-trials", "3"]
-    try:
-        cmd, env = perf_analyzer.command(args)
-    except perf_analyzer.PerfAnalyzerMissing as e:
-        pytest.skip(str(e))
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    assert "Unable to" not in out and "had error" not in out and "Failed" not in out, out
-    assert int(re.search(r"Successful request count: (\d+)", r.stdout).group(1)) > 0, out
+    perf_analyzer_ran(args)
 
 
 def test_generate_to_a_tensor_model_says_it_takes_infer(start_node):
