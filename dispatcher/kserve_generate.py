@@ -14,12 +14,14 @@ each output by name: a lone value where the output holds one element, else a fla
 Triton writes them. ``generate_stream`` sends that answer as one Server-Sent Event (a Batchyard
 model answers a request once). A request refused before it runs is a JSON error under its
 status from either route; one whose run fails is, from ``generate_stream``, the event
-``data: {"error": ...}`` under the status of that error, as Triton sends it.
+``data: {"error": ...}`` under the status of that error, as Triton sends it. Requests are
+counted and traced as ``infer``'s. An LLM model's are answered by the LLM mode (llm_generate).
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 from aiohttp import web
@@ -141,21 +143,48 @@ def _error_body(e: KServeError, streaming: bool) -> bytes:
     return b"data: " + text + b"\n\n" if streaming else text
 
 
-async def serve_generate(core: KServeCore, request: web.Request, streaming: bool) -> web.Response:
+async def serve_generate(core: KServeCore, request: web.Request, streaming: bool) -> web.StreamResponse:
     """One generate (``streaming``: generate_stream) request, answered; an LLM model's by the
-    LLM mode's (``core.llm``, llm_generate)."""
+    LLM mode's (``core.llm``, llm_generate). A tensor model's request is traced as infer's are,
+    when the trace setting samples it (Triton traces generate requests too)."""
+    received = time.monotonic_ns()  # (aiohttp has read the headers)
+    traced: list = []  # the request's trace, once its model is known and its setting samples it
+    try:
+        response = await _serve_generate(core, request, streaming, traced, received)
+        if traced:  # sent here, not by aiohttp after the return, to see when it is done
+            traced[0].stamp("HTTP_SEND_START")
+            await response.prepare(request)
+            await response.write_eof()
+            traced[0].stamp("HTTP_SEND_END")
+        return response
+    finally:
+        if traced:
+            core.tracer.finish(traced[0])
+
+
+async def _serve_generate(core: KServeCore, request: web.Request, streaming: bool, traced: list,
+                          received: int) -> web.Response:
     model = request.match_info["model"]
     version = request.match_info.get("version", "")
+    trace = None
     try:
         for_llm = core.llm_model(model, version)  # (no ModelSpec: its engine takes text, not tensors)
         if not for_llm:
             spec = await core.spec(model, version)
+            trace = core.tracer.sample(model)  # (as Triton: a model it does not serve is not traced)
+            if trace is not None:
+                traced.append(trace)
+                trace.stamp("HTTP_RECV_START", received)
         # Triton's check, before the body is read: the header's exact value (tritonserver 2.51
         # refuses "Identity" and an empty one too)
         if request.headers.get("Content-Encoding", "identity") != "identity":
             raise invalid("Unsupported content-encoding, only 'identity' is supported.")
         body = parse_body(bytes(await read_body(request, MAX_JSON_BYTES, raw_limit=MAX_JSON_BYTES)))
+        if trace is not None:
+            trace.stamp("HTTP_RECV_END")
         rid = request_id(body)
+        if trace is not None:
+            trace.request_id = rid
         if not for_llm:
             inputs = unreshaped(spec, generate_inputs(spec, body))
             check_inputs(spec, inputs)  # refused here, a JSON error from either route, as Triton's
@@ -167,9 +196,11 @@ async def serve_generate(core: KServeCore, request: web.Request, streaming: bool
         if for_llm:
             # (its refusals come after the body is read, as the vLLM backend's come from the
             # model: under a stream, an event)
-            text = encode_json(answer_members(model, rid, await core.llm_run(model, core.llm.answer(model, body, streaming))), True)
+            members = await core.llm_run(model, core.llm.answer(model, body, streaming))
+            text = encode_json(answer_members(model, rid, members), True)
         else:
-            _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)))
+            _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)),
+                                       trace=trace)
     except KServeError as e:
         return _answer(_error_body(e, streaming), streaming, e.http_status)
     return _answer(b"data: " + text + b"\n\n" if streaming else text, streaming)

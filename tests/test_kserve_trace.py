@@ -282,6 +282,30 @@ def test_traced_requests_over_grpc_http_and_a_stream_carry_the_nodes_times_in_or
         "QUEUE_START" not in traces[""]["stamps"]
 
 
+def test_generate_requests_are_traced_as_infers(traced_front_door):
+    """Triton traces its generate extension's requests; they were left out here."""
+    import http.client
+
+    fd = traced_front_door
+    g = tgrpc.InferenceServerClient(fd.grpc_url)
+    g.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    try:
+        for path, rid in (("generate", "gen"), ("generate_stream", "gen-stream")):
+            conn = http.client.HTTPConnection(*fd.http_url.split(":"), timeout=30)
+            conn.request("POST", f"/v2/models/sum/{path}", json.dumps({"x": X.ravel().tolist(), "id": rid}))
+            assert conn.getresponse().status == 200
+            conn.close()
+    finally:
+        g.update_trace_settings(settings={"trace_level": ["OFF"]})
+    traces = {t["head"].get("request_id", ""): t for t in _records(fd.trace_file).values()}
+    order = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END",
+             "REQUEST_END", "HTTP_SEND_START", "HTTP_SEND_END")
+    for rid in ("gen", "gen-stream"):
+        stamps = traces[rid]["stamps"]
+        assert traces[rid]["head"]["model_name"] == "sum"
+        assert [stamps[n] for n in order] == sorted(stamps[n] for n in order), (rid, stamps)
+
+
 def test_requests_for_a_model_the_node_lacks_are_not_traced(traced_front_door):
     """As Triton: they spent the node's trace count, and wrote any name a client chose."""
     fd = traced_front_door
