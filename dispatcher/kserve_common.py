@@ -482,29 +482,21 @@ def stats_json(name: str, c) -> dict:
 
 
 # ------------------------------------------------------------------ the core
-def _count_success(c: np.ndarray, t0: int, inputs: dict[str, np.ndarray], out) -> None:
-    c[S.SUCCESS] += 1
-    c[S.SUCCESS_NS] += time.perf_counter_ns() - t0
-    items = next(iter(inputs.values())).shape[0]
-    c[S.ITEMS] += items
-    c[S.LAST_MS] = int(time.time() * 1000)
-    timing = out.timing
-    if timing is not None:
-        c[S.QUEUE_NS] += timing.queue_us * 1000
-        c[S.COMPUTE_NS] += timing.compute_us * 1000
-    c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
-
-
-def _count_llm_success(c: np.ndarray, t0: int) -> None:
-    """An LLM request served: one item of one execution, its whole time compute (as the
-    dispatcher's metrics count a generate request)."""
+def _count_success(c: np.ndarray, t0: int, items: int, timing, all_compute: bool = False) -> None:
+    """A request of ``items`` served; ``timing``: the dispatcher's (P.Timing, or None). An LLM
+    request (``all_compute``) is one item of one execution, its whole time compute, as the
+    dispatcher's metrics count a generate request."""
     took = time.perf_counter_ns() - t0
     c[S.SUCCESS] += 1
     c[S.SUCCESS_NS] += took
-    c[S.ITEMS] += 1
-    c[S.COMPUTE_NS] += took
-    c[S.EXEC_PPM] += S.PPM
+    c[S.ITEMS] += items
     c[S.LAST_MS] = int(time.time() * 1000)
+    if timing is not None:
+        c[S.QUEUE_NS] += timing.queue_us * 1000
+        c[S.COMPUTE_NS] += timing.compute_us * 1000
+    if all_compute:
+        c[S.COMPUTE_NS] += took
+    c[S.EXEC_PPM] += round(S.PPM * items / timing.batch_size) if timing is not None and timing.batch_size else S.PPM
 
 
 def _count_failure(c: np.ndarray, t0: int) -> None:
@@ -589,10 +581,14 @@ class KServeCore:
             raise unknown_version(model, version)
         return spec
 
+    def serves_llm(self, model: str) -> bool:
+        """Whether ``model`` is an LLM model this front door serves through Triton's protocols."""
+        return self.llm is not None and model in self.llm_models
+
     def llm_model(self, model: str, version: str = "") -> bool:
-        """Whether ``model`` is an LLM model this front door serves through Triton's protocols
-        (a version other than the one served is Triton's NOT_FOUND, as for any model)."""
-        if self.llm is None or model not in self.llm_models:
+        """serves_llm(), a version other than the one served being Triton's NOT_FOUND, as for
+        any model."""
+        if not self.serves_llm(model):
             return False
         if parse_version(version) not in (-1, VERSION):
             raise unknown_version(model, version)
@@ -609,7 +605,7 @@ class KServeCore:
         except BaseException:
             _count_failure(c, t0)
             raise
-        _count_llm_success(c, t0)
+        _count_success(c, t0, 1, None, all_compute=True)
         return members
 
     async def ready_models(self) -> Optional[frozenset]:
@@ -680,6 +676,7 @@ class KServeCore:
         spec = await self.spec(model)
         inputs = unreshaped(spec, inputs)
         check_inputs(spec, inputs)
+        items = next(iter(inputs.values())).shape[0]
         c = self.stats.counters(model)
         t0 = time.perf_counter_ns()
         if trace is not None:
@@ -711,14 +708,14 @@ class KServeCore:
             except asyncio.CancelledError:
                 # The client left while its classes were ranked: the model had served it, and
                 # Triton counts that a success (its backend reports before the ranking).
-                _count_success(c, t0, inputs, out)
+                _count_success(c, t0, items, out.timing)
                 raise
             except Exception:  # a KServeError (too large to send), an output region's OSError: no answer
                 _count_failure(c, t0)
                 raise
-        _count_success(c, t0, inputs, out)
+        _count_success(c, t0, items, out.timing)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("infer %s: %d item(s) served in %.3f ms", model, next(iter(inputs.values())).shape[0],
+            log.debug("infer %s: %d item(s) served in %.3f ms", model, items,
                       (time.perf_counter_ns() - t0) / 1e6)
         if trace is not None:
             trace.stamp("INFER_RESPONSE_COMPLETE")
@@ -751,7 +748,7 @@ class KServeCore:
         if model:
             v = parse_version(version)
             try:
-                if not (self.llm is not None and model in self.llm_models):
+                if not self.serves_llm(model):
                     await self.spec(model)
             except KServeError as e:
                 raise (stats_unavailable(model, False) if e.code == grpc.StatusCode.NOT_FOUND else e) from None
@@ -763,8 +760,8 @@ class KServeCore:
         zero = np.zeros(len(S.FIELDS), np.int64)
         # (an LLM model counts its requests through Triton's protocols; with no front door that
         # serves it so, it has no statistics)
-        unserved = self.llm_models if self.llm is None else frozenset()
-        names = [model] if model else sorted((set(totals) | self._models) - unserved)
+        names = [model] if model else sorted(m for m in set(totals) | self._models
+                                             if m not in self.llm_models or self.serves_llm(m))
         return [stats_json(n, totals.get(n, zero)) for n in names]
 
     def close(self) -> None:

@@ -21,7 +21,6 @@ counted and traced as ``infer``'s. An LLM model's are answered by the LLM mode (
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 from aiohttp import web
@@ -31,6 +30,7 @@ from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as_kserve, check_declared_input,
                             check_inputs, dims, invalid, tensor_from_list, unreshaped)
 from .kserve_json import decode_json, encode_json
+from .kserve_trace import http_traced
 
 PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
 EVENT_STREAM = "text/event-stream; charset=utf-8"
@@ -147,19 +147,8 @@ async def serve_generate(core: KServeCore, request: web.Request, streaming: bool
     """One generate (``streaming``: generate_stream) request, answered; an LLM model's by the
     LLM mode's (``core.llm``, llm_generate). A tensor model's request is traced as infer's are,
     when the trace setting samples it (Triton traces generate requests too)."""
-    received = time.monotonic_ns()  # (aiohttp has read the headers)
-    traced: list = []  # the request's trace, once its model is known and its setting samples it
-    try:
-        response = await _serve_generate(core, request, streaming, traced, received)
-        if traced:  # sent here, not by aiohttp after the return, to see when it is done
-            traced[0].stamp("HTTP_SEND_START")
-            await response.prepare(request)
-            await response.write_eof()
-            traced[0].stamp("HTTP_SEND_END")
-        return response
-    finally:
-        if traced:
-            core.tracer.finish(traced[0])
+    return await http_traced(core.tracer, request,
+                             lambda traced, received: _serve_generate(core, request, streaming, traced, received))
 
 
 async def _serve_generate(core: KServeCore, request: web.Request, streaming: bool, traced: list,

@@ -425,7 +425,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     hold(task, nbytes)
                     running.add(task)
                     task.add_done_callback(finished)
-                    if self.core.llm is not None and request.model_name in self.core.llm_models:
+                    if self.core.serves_llm(request.model_name):
                         # As Triton answers a decoupled model: when done, not after the requests
                         # before it (a slow completion held back every answer behind it).
                         decoupled.add(task)

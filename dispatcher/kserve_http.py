@@ -16,7 +16,6 @@ import functools
 import json
 import logging
 import math
-import time
 from typing import Optional
 
 import grpc
@@ -25,7 +24,7 @@ from aiohttp import web
 
 from . import __version__
 from .client_codec import dtype_name
-from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body
+from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body, too_large
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UINT64_MAX, KServeCore, KServeError, as_kserve,
                             batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
                             in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
@@ -37,7 +36,7 @@ from .llm_generate import DECOUPLED_HTTP, llm_config, llm_metadata
 from .kserve_logging import parse_http_update
 from .kserve_restrict import Restrictions, restrict_routes
 from .kserve_shm import close_outputs
-from .kserve_trace import parse_update
+from .kserve_trace import http_traced, parse_update
 from .tcp_peer import peer_uid
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -199,8 +198,7 @@ def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
         if not 0 <= n <= len(body):
             raise ValueError(f"{HEADER_LENGTH} {n} is beyond the body's {len(body)} bytes")
         if n > MAX_JSON_BYTES:
-            raise invalid(f"request JSON size of {n} bytes exceeds the maximum allowed input size of "
-                          f"{MAX_JSON_BYTES} bytes (send large tensors as binary data)")
+            raise invalid(too_large(n, MAX_JSON_BYTES) + " (send large tensors as binary data)")
         header = decode_json(body[:n])
     except (ValueError, RecursionError) as e:  # RecursionError: json's, for JSON nested past its depth
         raise invalid(f"failed to parse the request JSON buffer: {e}") from None
@@ -374,23 +372,13 @@ class KServeHttp:
         return await serve_generate(self.core, request, streaming=True)
 
     async def infer(self, request):
-        traced: list = []  # the request's trace, once its model is known and its setting samples it
-        received = time.monotonic_ns()  # (aiohttp has read the headers)
-        try:
+        async def answer(traced: list, received: int) -> web.Response:
             try:
-                response = await self._infer(request, traced, received)
+                return await self._infer(request, traced, received)
             except (KServeError, *MALFORMED) as e:
-                response = _error(as_kserve(e))
-            if traced:
-                # Sent here, not by aiohttp after the return, to see when it is done.
-                traced[0].stamp("HTTP_SEND_START")
-                await response.prepare(request)
-                await response.write_eof()
-                traced[0].stamp("HTTP_SEND_END")
-            return response
-        finally:
-            if traced:
-                self.core.tracer.finish(traced[0])
+                return _error(as_kserve(e))
+
+        return await http_traced(self.core.tracer, request, answer)
 
     async def _infer(self, request, traced: list, received: int) -> web.Response:
         model = request.match_info["model"]

@@ -496,3 +496,23 @@ def _checked_state(state) -> dict:
 
 def _effective(g: dict, mine: dict) -> dict:
     return {k: mine.get(k, g[k]) for k in FIELDS}
+
+
+async def http_traced(tracer: "Tracer", request, answer) -> object:
+    """The HTTP answer ``answer(traced, received)`` makes (it appends the request's trace to
+    ``traced`` once its model is known and its setting samples it; ``received``: when aiohttp had
+    the headers), sent here when traced, not by aiohttp after the return, to see when it is
+    done; the trace finished whatever happens."""
+    received = time.monotonic_ns()
+    traced: list = []
+    try:
+        response = await answer(traced, received)
+        if traced:
+            traced[0].stamp("HTTP_SEND_START")
+            await response.prepare(request)
+            await response.write_eof()
+            traced[0].stamp("HTTP_SEND_END")
+        return response
+    finally:
+        if traced:
+            tracer.finish(traced[0])

@@ -677,7 +677,7 @@ def test_a_stream_whose_client_reads_no_answers_stops_being_read_then_answers_al
             return InferAnswer(head, [memoryview(bytearray(answer_bytes))], stream)
 
         servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec}),
-                                                                    tracer=Tracer(), llm=None))
+                                                                    tracer=Tracer(), serves_llm=lambda model: False))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
         first = asyncio.ensure_future(anext(answers))
@@ -741,7 +741,7 @@ def test_a_stream_may_always_hold_a_full_batch_of_its_model_and_counts_shapes_wi
             await never.wait()
 
         servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs=specs),
-                                                                    tracer=Tracer(), llm=None))
+                                                                    tracer=Tracer(), serves_llm=lambda model: False))
         servicer._infer = infer
         answers = servicer.ModelStreamInfer(requests(), None)
         first = asyncio.ensure_future(anext(answers))

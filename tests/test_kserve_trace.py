@@ -518,7 +518,7 @@ def test_a_cancelled_stream_writes_the_traces_of_the_requests_it_had_read(tmp_pa
     tracer = _tracer(tmp_path, shared_dir, **ON)
     spec = P.ModelSpec("sum", (P.TensorSpec("x", "float32", (4,)),), (P.TensorSpec("y", "float32", (2,)),))
     servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec}),
-                                                                tracer=tracer, llm=None))
+                                                                tracer=tracer, serves_llm=lambda model: False))
 
     async def infer(request, context, stream=False, traced=None, read=0):  # sampled as the real one; never answers
         traced.append(servicer._trace(request, read))
