@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -217,14 +217,19 @@ class Client(CodecAccess):
         return self.submit(model, inputs, priority=priority, timeout=timeout).result()
 
     def submit_generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
-                        timeout: Optional[float] = None, route: Optional[str] = "") -> InferFuture:
+                        timeout: Optional[float] = None, route: Optional[str] = "",
+                        on_tokens: Optional[Callable[[list], None]] = None) -> InferFuture:
         """LLM mode: greedy generation after ``prompt`` (token ids); the future's result is a
         ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
-        or "gpu"; empty lets the dispatcher choose."""
+        or "gpu"; empty lets the dispatcher choose. ``on_tokens``: streams the generation; it
+        is called with each engine step's new token ids as they are decoded (on this client's
+        I/O thread: keep it short), all but the last step's, which only the result holds. The
+        result holds every token; those it has past the ones given to ``on_tokens`` are the rest."""
         if self.closed:
             raise self._io.closed_error()
-        rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route)
-        return self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S)
+        rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,
+                                                           on_tokens)
+        return self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S, on_tokens)
 
     def generate(self, model: str, prompt, max_tokens: int = 16, **kw) -> Generation:
         return self.submit_generate(model, prompt, max_tokens, **kw).result()
@@ -247,8 +252,9 @@ class Client(CodecAccess):
         rid, frames = self._codec.encode_status(min_registrations, wait, min_departures, brief)
         return self._send("status", rid, frames, [], {}, wait + timeout).result()
 
-    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> InferFuture:
+    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float,
+              on_tokens: Optional[Callable[[list], None]] = None) -> InferFuture:
         deadline = time.monotonic() + timeout
         fut = InferFuture(self, rid, deadline)
-        self._io.send(Pending(kind, regions, outputs, fut._settle), rid, frames, deadline)
+        self._io.send(Pending(kind, regions, outputs, fut._settle, on_tokens), rid, frames, deadline)
         return fut

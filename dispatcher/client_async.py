@@ -10,7 +10,7 @@ import collections
 import collections.abc
 import time
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -184,7 +184,8 @@ class AsyncClient(CodecAccess):
             raise RuntimeError("this AsyncClient's event loop is closed: an AsyncClient serves the loop it was "
                                "made in; make one in this loop")
 
-    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float) -> asyncio.Future:
+    def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float,
+              on_tokens: Optional[Callable[[list], None]] = None) -> asyncio.Future:
         if self.closed or self.loop.is_closed():
             if not self._forked:  # (a fork's child frees nothing of the parent's pool)
                 for region in (*regions, *outputs.values()):
@@ -203,7 +204,7 @@ class AsyncClient(CodecAccess):
             else:
                 fut.set_result(value)
 
-        self._codec.pending[rid] = Pending(kind, regions, outputs, resolve)
+        self._codec.pending[rid] = Pending(kind, regions, outputs, resolve, on_tokens)
         self._timers[rid] = self.loop.call_later(timeout, self._on_local_timeout, rid)
         if self._codec.refused:
             self.loop.call_soon(self._fail_lost, {rid}, self._codec.refused)
@@ -319,10 +320,12 @@ class AsyncClient(CodecAccess):
             raise
 
     async def generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
-                       timeout: Optional[float] = None, route: str = "") -> Generation:
-        """See Client.submit_generate."""
-        rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route)
-        fut = self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S)
+                       timeout: Optional[float] = None, route: str = "",
+                       on_tokens: Optional[Callable[[list], None]] = None) -> Generation:
+        """See Client.submit_generate. ``on_tokens`` is called on this client's event loop."""
+        rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,
+                                                           on_tokens)
+        fut = self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S, on_tokens)
         try:
             return await fut
         except asyncio.CancelledError:

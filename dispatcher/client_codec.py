@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import math
 import numbers
 import operator
@@ -35,6 +36,8 @@ from .errors import Cancelled, DeadlineExceeded, InvalidArgument, Overloaded, Un
 from .protocol import Status
 from .shm import CLIENT_REAP_ENTRIES, ShmError, reap_orphans
 from .validation import item_nbytes
+
+log = logging.getLogger("batchyard.client")
 
 _DTYPE_NAMES: dict = {}
 
@@ -224,13 +227,15 @@ def refused(e: ShmError) -> Overloaded:
 class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
-    __slots__ = ("kind", "regions", "outputs", "resolve")
+    __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens")
 
-    def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None]):
+    def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None],
+                 on_tokens: Optional[Callable[[list], None]] = None):
         self.kind = kind  # "infer" | "model_info" | "status"
         self.regions = regions  # input regions to free when the reply arrives
         self.outputs = outputs  # name -> Region the worker writes into
         self.resolve = resolve  # callable(result or exception)
+        self.on_tokens = on_tokens  # a streamed generation's: callable(the next tokens decoded)
 
 
 def node_opens_my_segments(address: str) -> bool:
@@ -569,11 +574,14 @@ class ClientCodec:
                           "memory: the request was not sent")
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
-                        route: str = "") -> tuple[int, list, float]:
+                        route: str = "", on_tokens=None) -> tuple[int, list, float]:
         """-> (id, frames, how long to wait for the reply). Without a ``timeout`` before a
         model_info reply said the node's default (an LLM-only client asks none), the request
         names none (``timeout_us`` 0: the node's default applies) and the wait is the node's to
-        end; a lost or stopped dispatcher still fails it (the connection's liveness)."""
+        end; a lost or stopped dispatcher still fails it (the connection's liveness). An
+        ``on_tokens`` (not None) streams it, and must be callable."""
+        if on_tokens is not None and not callable(on_tokens):
+            raise InvalidArgument(f"on_tokens must be callable (it is given each step's tokens), got {on_tokens!r:.80}")
         node_decides = timeout is None and self.node_timeout_s is None
         timeout = P.MAX_TIMEOUT_S if node_decides else self.call_timeout(timeout)
         prio = checked_priority(priority)
@@ -602,7 +610,8 @@ class ClientCodec:
         route = "" if route is None else route  # None: the dispatcher chooses, as HTTP's null
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
-                                priority=prio, timeout_us=0 if node_decides else timeout_us(timeout), route=route)
+                                priority=prio, timeout_us=0 if node_decides else timeout_us(timeout), route=route,
+                                stream=on_tokens is not None)
         return rid, [P.encode(msg)], timeout
 
     def encode_model_info(self, model: str) -> tuple[int, list]:
@@ -629,6 +638,14 @@ class ClientCodec:
             msg = P.reply_decoder.decode(frames[0])
         except P.DecodeError:
             return  # not ours to crash over; the request will time out with a clear message
+        if type(msg) is P.GenerateTokens:  # a streamed generation's next tokens; its reply follows
+            pend = self.pending.get(msg.id)
+            if pend is not None and pend.on_tokens is not None:
+                try:
+                    pend.on_tokens(msg.tokens)
+                except Exception:  # the caller's: its generation's reply still comes
+                    log.exception("on_tokens of request %d raised", msg.id)
+            return
         pend = self.pending.pop(msg.id, None) if msg.id is not None else None
         if pend is None:  # a late reply, or the release of an answered request's batch
             if type(msg) is P.InferReply and msg.in_flight:

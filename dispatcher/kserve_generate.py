@@ -20,6 +20,7 @@ counted and traced as ``infer``'s. An LLM model's are answered by the LLM mode (
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -31,6 +32,7 @@ from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as
                             check_inputs, dims, invalid, tensor_from_list, unreshaped)
 from .kserve_json import decode_json, encode_json
 from .kserve_trace import http_traced
+from .llm_generate import responses
 
 PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
 EVENT_STREAM = "text/event-stream; charset=utf-8"
@@ -181,6 +183,8 @@ async def _serve_generate(core: KServeCore, request: web.Request, streaming: boo
         e = as_kserve(e, "generate request")
         return web.Response(body=_error_body(e, False), status=e.http_status, content_type="application/json",
                             headers=e.headers or None)
+    if for_llm and streaming:
+        return await _llm_events(core, request, model, rid, body)
     try:
         if for_llm:
             # (its refusals come after the body is read, as the vLLM backend's come from the
@@ -193,6 +197,29 @@ async def _serve_generate(core: KServeCore, request: web.Request, streaming: boo
     except KServeError as e:
         return _answer(_error_body(e, streaming), streaming, e.http_status)
     return _answer(b"data: " + text + b"\n\n" if streaming else text, streaming)
+
+
+async def _llm_events(core: KServeCore, request: web.Request, model: str, rid: str,
+                      body: dict) -> web.StreamResponse:
+    """An LLM model's generate_stream: an event a response of its run (one, or one an engine
+    step under the ``stream`` switch), sent as it comes. The answer starts with its first
+    event: a run that fails before it is that error's event under its status, as a tensor
+    model's; after it, the error's event ends the stream."""
+    response = None
+    try:
+        # (closed at once when a write fails: the client left, and its generation stops)
+        async with contextlib.aclosing(responses(
+                lambda emit: core.llm_run(model, core.llm.answer(model, body, True, emit)))) as answers:
+            async for members in answers:
+                if response is None:
+                    response = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
+                    await response.prepare(request)
+                await response.write(b"data: " + encode_json(answer_members(model, rid, members), True) + b"\n\n")
+    except KServeError as e:
+        if response is None:
+            return _answer(_error_body(e, True), True, e.http_status)
+        await response.write(_error_body(e, True))
+    return response
 
 
 def _answer(body: bytes, streaming: bool, status: int = 200) -> web.Response:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import numpy as np
@@ -197,6 +197,15 @@ def _stream_error(response, error: str) -> service_pb2.ModelStreamInferResponse:
     out = service_pb2.ModelStreamInferResponse(error_message=error, infer_response=response)
     _mark_final(out.infer_response)
     return out
+
+
+def _sent_now(order: asyncio.Queue) -> Callable:
+    """-> emit(message): ``message`` queued on a stream to be sent next, in the place of a task."""
+    def emit(message) -> None:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(message)
+        order.put_nowait(done)
+    return emit
 
 
 def too_large(size: int, limit: int) -> KServeError:
@@ -400,9 +409,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         traces: dict = {}  # each request's task -> its trace, once sampled (a list of it)
 
-        async def answer(request, read: int, traced: list):
+        async def answer(request, read: int, traced: list, emit=None):
             try:
-                return await self._infer(request, context, stream=True, traced=traced, read=read)
+                return await self._infer(request, context, stream=True, traced=traced, read=read, emit=emit)
             except Exception as e:  # noqa: BLE001 -- answers its own request; the stream goes on
                 if not isinstance(e, (KServeError, *MALFORMED)):  # not the request's fault: say so once
                     log.exception("stream request for model %r failed", request.model_name)
@@ -418,14 +427,18 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for request in request_iterator:
                     traced: list = []  # (known from the start: a stream cancelled before the answer lost it)
-                    task = asyncio.ensure_future(answer(request, time.monotonic_ns(), traced))
+                    llm = self.core.serves_llm(request.model_name)
+                    # A decoupled model's responses before its last are sent as they come
+                    # (done futures in the order queue, nothing reserved or traced for them).
+                    emit = _sent_now(order) if llm else None
+                    task = asyncio.ensure_future(answer(request, time.monotonic_ns(), traced, emit))
                     traces[task] = traced
                     nbytes, batch = _stream_reservation(request, self.core.client.specs)
                     limit = max(limit, batch)
                     hold(task, nbytes)
                     running.add(task)
                     task.add_done_callback(finished)
-                    if self.core.serves_llm(request.model_name):
+                    if llm:
                         # As Triton answers a decoupled model: when done, not after the requests
                         # before it (a slow completion held back every answer behind it).
                         decoupled.add(task)
@@ -442,7 +455,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             while (task := await order.get()) is not None:
                 message = await task
-                traced = traces.pop(task)
+                traced = traces.pop(task, None)
                 trace = traced[0] if traced else None
                 if trace is None:
                     yield message
@@ -452,7 +465,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         yield message
                     finally:  # (the stream may end here)
                         self._sent(trace)
-                held -= reserved.pop(task)
+                held -= reserved.pop(task, 0)
                 if held <= limit:
                     room.set()
             await reader  # its failure (a broken stream) is the stream's
@@ -464,14 +477,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     self.core.tracer.finish(trace)
 
     async def _infer(self, request, context, stream: bool = False, traced: Optional[list] = None,
-                     read: int = 0) -> InferAnswer:
+                     read: int = 0, emit: Optional[Callable] = None) -> InferAnswer:
         """The answer to ``request`` (``stream``: on ModelStreamInfer); one past the send limit is
         an error, which counts the request failed. ``traced``: gets the request's trace, when its
-        setting samples it (``read``: when the handler had it)."""
+        setting samples it (``read``: when the handler had it). ``emit``: sends an LLM model's
+        responses before its last."""
         if self.core.llm_model(request.model_name, request.model_version):
             if not stream:  # (Triton's answer for a decoupled model)
                 raise KServeError(grpc.StatusCode.UNIMPLEMENTED, DECOUPLED_GRPC)
-            return await self._llm_infer(request)
+            return await self._llm_infer(request, emit)
         # An unknown model (then version) is the error to report first.
         spec = await self.core.spec(request.model_name, request.model_version)
         trace = None if traced is None else self._trace(request, read)  # (as Triton: known models only)
@@ -553,21 +567,28 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             close_outputs(wanted)
 
-    async def _llm_infer(self, request) -> InferAnswer:
+    async def _llm_infer(self, request, emit: Optional[Callable] = None) -> InferAnswer:
         """An LLM model's answer on a stream, as Triton's vLLM backend answers (llm_generate):
-        the whole completion in one response, marked final."""
+        the whole completion in one response, marked final; under its ``stream`` input, one
+        response an engine step, given to ``emit`` but the last, returned marked final."""
         inputs, params = grpc_request(request.model_name, request)
-        async def run() -> dict:  # (a refusal of the backend's counts as the model's failure)
-            return await self.core.llm.run(request.model_name, *read_backend_request(inputs, params, streaming=True))
 
-        members = await self.core.llm_run(request.model_name, run())
-        head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-        raw = []
-        for name, datatype, data in grpc_outputs(members):
-            head.outputs.add(name=name, datatype=datatype, shape=[1])
-            raw.append(data)
-        _mark_final(head)
-        return InferAnswer(head, raw, stream=True)
+        def response(members: dict, final: bool) -> InferAnswer:
+            head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+            raw = []
+            for name, datatype, data in grpc_outputs(members):
+                head.outputs.add(name=name, datatype=datatype, shape=[1])
+                raw.append(data)
+            head.parameters["triton_final_response"].bool_param = final  # (Triton marks each)
+            return InferAnswer(head, raw, stream=True)
+
+        step = None if emit is None else (lambda members: emit(response(members, final=False)))
+
+        async def run() -> dict:  # (a refusal of the backend's counts as the model's failure)
+            return await self.core.llm.run(request.model_name, *read_backend_request(inputs, params, streaming=True),
+                                           emit=step)
+
+        return response(await self.core.llm_run(request.model_name, run()), final=True)
 
     def _requested_outputs(self, request, spec, inputs: dict,
                            uid: Optional[int]) -> list[tuple[str, Optional[int], Optional[OutputRegion]]]:

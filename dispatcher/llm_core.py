@@ -23,7 +23,7 @@ import heapq
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from . import protocol as P
 from .llm_fit import LearnedCurves, prefill_features
@@ -52,6 +52,7 @@ class LlmRequest:
     done: bool = False
     priority: int = P.PRIORITY_NORMAL  # as asked: metrics are labelled by it (routing ignores it)
     job_id: int = -1  # the job it is in, while one runs it
+    stream: bool = False  # its client takes the tokens as they are decoded (GenerateRequest.stream)
 
 
 @dataclass(eq=False)
@@ -270,7 +271,7 @@ class LlmCore:
             return Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
         r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
-                       seq=next(self._ids), priority=msg.priority)
+                       seq=next(self._ids), priority=msg.priority, stream=msg.stream)
         self.requests[r.seq] = r
         self.open_by_model[model] = self.open_by_model.get(model, 0) + 1
         self._compact_deadlines()
@@ -338,7 +339,7 @@ class LlmCore:
         w.busy_until = max(now, w.busy_until) + first + step
         job = Job(next(self._ids), w, "generate", [r], now, running_at_send=len(w.jobs))
         self._start(job, P.LlmJob(job_id=job.job_id, kind="generate", seqs=[r.seq], prompts=[r.prompt],
-                                  max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq]))
+                                  max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq], stream=r.stream))
 
     def _start(self, job: Job, msg: P.LlmJob) -> None:
         job.expected_end = job.worker.busy_until
@@ -425,6 +426,16 @@ class LlmCore:
         return True
 
     # ------------------------------------------------------------------ completions
+    def streamed(self, msg: P.LlmTokens) -> Optional[LlmRequest]:
+        """The open request whose decoded tokens ``msg`` holds, or None: sent by a worker that
+        does not run that job (one declared lost), for a request answered already (its
+        deadline, a cancel; the abort is on its way), or of a job that is not its generate job."""
+        job = self.jobs.get(msg.job_id)
+        if job is None or job.worker.name != msg.worker or job.kind != "generate":
+            return None
+        r = self.requests.get(msg.seq)
+        return r if r is not None and r.stream and r.job_id == job.job_id and not r.done else None
+
     def complete(self, msg: P.LlmDone, now: float) -> list:
         """A job ended: hand prefilled requests on to a GPU, return the requests that finished."""
         job = self.jobs.get(msg.job_id)

@@ -18,21 +18,25 @@ than ignored, as on ``/v1/completions``. Batchyard's engines decode ``max_tokens
 an end-of-sequence token too (``finish_reason`` "length"), where the backend stops at one.
 
 The backend's model is decoupled: Triton refuses it ModelInfer and HTTP infer, and so does this
-(``DECOUPLED_*``). ``stream`` true is served by ``generate_stream`` and ModelStreamInfer, as one
-response holding the whole completion (Batchyard's engines answer once); from ``generate`` it is
-Triton's error for a model that answers more than once.
+(``DECOUPLED_*``). ``stream`` true is served by ``generate_stream`` and ModelStreamInfer as the
+backend streams: a response for each engine step, its ``text_output`` the text that step's
+tokens complete (llm_text), ``num_output_tokens`` the step's tokens, ``finish_reason`` "None"
+but on the last, which is marked final; from ``generate`` it is Triton's error for a model that
+answers more than once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
-from typing import Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
 from .errors import BatchyardError
 from .kserve_common import KServeError, from_batchyard, invalid
+from .llm_text import TextPieces
 from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError
 from .protocol import MAX_TOKEN_ID
 
@@ -253,28 +257,65 @@ class LlmGenerate:
     def __init__(self, completions: OpenAiCompletions):
         self.completions = completions
 
-    async def answer(self, model: str, body: dict, streaming: bool) -> dict:
+    async def answer(self, model: str, body: dict, streaming: bool,
+                     emit: Optional[Callable[[dict], None]] = None) -> dict:
         """A generate request's answer: its members besides model_name, model_version and id
-        (KServeError for the request's fault or its run's)."""
-        return await self.run(model, *read_generate_body(body, streaming))
+        (KServeError for the request's fault or its run's). ``emit``: see ``run``."""
+        return await self.run(model, *read_generate_body(body, streaming), emit=emit)
 
     async def run(self, model: str, prompt: str, switches: dict, max_tokens: int,
-                  timeout: Optional[float] = None) -> dict:
-        """The backend's outputs by name, as JSON values (text, a number)."""
+                  timeout: Optional[float] = None, emit: Optional[Callable[[dict], None]] = None) -> dict:
+        """The backend's outputs by name, as JSON values (text, a number). Under the ``stream``
+        switch, ``emit`` is called with those of each engine step but the last, whose are
+        returned (the stream's final response)."""
+        streamed = bool(switches.get("stream")) and emit is not None
         try:
             (ids,) = await self.completions.encode(model, [prompt])
+            decode = lambda tokens: self.completions.decode(model, tokens)  # noqa: E731
+            pieces = TextPieces(decode)
+
+            def on_tokens(tokens: list) -> None:
+                emit(_outputs(switches, pieces.push(tokens), len(ids), len(tokens), final=False))
+
             out = await self.completions.client.generate(
-                model, ids, max_tokens, timeout=timeout or self.completions.default_timeout_s)
-            text = self.completions.decode(model, list(out))
+                model, ids, max_tokens, timeout=timeout or self.completions.default_timeout_s,
+                on_tokens=on_tokens if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:
             raise from_batchyard(e, model) from None
-        members = {"text_output": text if switches["exclude_input_in_output"] else prompt + text}
-        if switches.get("return_finish_reason"):
-            members["finish_reason"] = "length"  # (max_tokens decoded, as on /v1/completions)
-        if switches.get("return_num_input_tokens"):
-            members["num_input_tokens"] = len(ids)
-        if switches.get("return_num_output_tokens"):
-            members["num_output_tokens"] = len(out)
-        return members
+        if streamed:
+            return _outputs(switches, pieces.rest(list(out)), len(ids), len(out) - len(pieces.tokens), final=True)
+        text = decode(list(out))
+        return _outputs(switches, text if switches["exclude_input_in_output"] else prompt + text, len(ids), len(out),
+                        final=True)
+
+
+def _outputs(switches: dict, text: str, n_in: int, n_out: int, final: bool) -> dict:
+    """One response's outputs, as the backend's ``create_response`` makes them: ``finish_reason``
+    is ``str`` of vLLM's, "None" until the last (max_tokens decoded, as on /v1/completions);
+    under a stream, ``num_output_tokens`` counts the response's own tokens."""
+    members = {"text_output": text}
+    if switches.get("return_finish_reason"):
+        members["finish_reason"] = "length" if final else "None"
+    if switches.get("return_num_input_tokens"):
+        members["num_input_tokens"] = n_in
+    if switches.get("return_num_output_tokens"):
+        members["num_output_tokens"] = n_out
+    return members
+
+
+async def responses(run: Callable[[Callable[[dict], None]], Awaitable[dict]]) -> AsyncIterator[dict]:
+    """The responses of a streamed run, ``run(emit)``: what it emits, as it emits it, then what
+    it returns. Its exception is raised after the responses emitted before it."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+    task = asyncio.ensure_future(run(queue.put_nowait))
+    # (emitted from the client's reply handling, before the reply that ends the run)
+    task.add_done_callback(lambda _: queue.put_nowait(done))
+    try:
+        while (item := await queue.get()) is not done:
+            yield item
+        yield task.result()
+    finally:
+        task.cancel()

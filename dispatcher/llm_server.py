@@ -67,6 +67,12 @@ class LlmDesk:
             self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
                                                            tokens=f.tokens, timing=f.timing)))
 
+    def on_tokens(self, msg: P.LlmTokens) -> None:
+        """A streamed request's tokens, as its engine decoded them, on to its client."""
+        r = self.core.streamed(msg)
+        if r is not None and msg.tokens:
+            self._reply(r.client, P.encode(P.GenerateTokens(v=P.PROTOCOL_VERSION, id=r.req_id, tokens=msg.tokens)))
+
     def heartbeat(self, name: str, now: float) -> bool:
         return self.core.heartbeat(name, now)
 

@@ -4,7 +4,14 @@ Text prompts are tokenized here, in the front-door process, with the model folde
 ``tokenizer.json`` (the ``tokenizers`` library, no transformers), so the dispatcher only ever
 sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. Decoding is
 greedy: ``temperature`` must be 0 or left out; ``n`` 1. Not supported yet, and refused with a
-400 naming the field rather than ignored: ``stream``, ``logprobs``, ``echo``, ``best_of`` > 1.
+400 naming the field rather than ignored: ``logprobs``, ``echo``, ``best_of`` > 1.
+
+``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
+its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
+{"include_usage": true}`` a chunk of the usage, then ``data: [DONE]``. The answer starts with its
+first chunk, so a request refused before a token came (overloaded, its deadline) is the JSON
+error under its status, as without ``stream``; an error after that is an ``error`` event, then
+``[DONE]`` (vLLM's server does the same).
 
 Replies carry OpenAI's fields plus ``batchyard``: the route (prefill-cpu or gpu), the
 instances, TTFT, KV tokens moved and ``stand_in`` (the "gpu" instance is a CPU engine).
@@ -17,12 +24,15 @@ import itertools
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 from aiohttp import web
 
 from . import errors
+from .client_codec import Generation
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
+from .llm_text import TextPieces
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
@@ -42,7 +52,7 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
-_UNSUPPORTED = {"stream": False, "logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None,
+_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None,
                 "presence_penalty": 0, "frequency_penalty": 0}
 
 
@@ -52,10 +62,12 @@ class OpenAiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param or None,
+                          "code": self.code or None}}
+
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.kind,
-                                            "param": self.param or None, "code": self.code or None}},
-                                 status=self.status)
+        return web.json_response(self.body(), status=self.status)
 
 
 class OpenAiCompletions:
@@ -79,14 +91,19 @@ class OpenAiCompletions:
     async def completions(self, request) -> web.Response:
         try:
             return await self._completions(request)
-        except OpenAiError as e:
-            return e.response()
-        except errors.BatchyardError as e:
-            if e.status == Status.CANCELLED and self.stopping():
-                return OpenAiError(503, STOPPING_MESSAGE, _KIND[503]).response()
-            status = _HTTP.get(e.status, 500)
-            code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
-            return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code).response()
+        except (OpenAiError, errors.BatchyardError) as e:
+            return self._as_openai(e).response()
+
+    def _as_openai(self, e: Exception) -> OpenAiError:
+        if isinstance(e, OpenAiError):
+            return e
+        if not isinstance(e, errors.BatchyardError):  # (after a stream's start: its error event)
+            return OpenAiError(500, f"internal error: {type(e).__name__}", "server_error")
+        if e.status == Status.CANCELLED and self.stopping():
+            return OpenAiError(503, STOPPING_MESSAGE, _KIND[503])
+        status = _HTTP.get(e.status, 500)
+        code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
+        return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code)
 
     async def _completions(self, request) -> web.Response:
         try:
@@ -113,7 +130,10 @@ class OpenAiCompletions:
                                     or not 0 < timeout <= 86400):
             raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
         route = _route(body)
+        stream, include_usage = _stream_options(body)
         prompts = await self._prompts(model, body.get("prompt"))
+        if stream:
+            return await self._stream(request, model, prompts, max_tokens, route, timeout, include_usage)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
         tasks = [asyncio.ensure_future(self.client.generate(model, ids, max_tokens, route=route,
@@ -124,20 +144,68 @@ class OpenAiCompletions:
         finally:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
-        choices, usage_in, usage_out, timings = [], 0, 0, []
-        for i, (ids, out) in enumerate(zip(prompts, outs)):
-            choices.append({"index": i, "text": self.decode(model, list(out)), "logprobs": None,
-                            "finish_reason": "length"})
-            usage_in, usage_out = usage_in + len(ids), usage_out + len(out)
-            t = out.timing
-            timings.append({"route": t.route, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker,
-                            "ttft_ms": t.ttft_us / 1e3, "total_ms": t.total_us / 1e3, "kv_tokens": t.kv_tokens,
-                            "stand_in": t.stand_in, "token_ids": list(out)})
+        choices = [{"index": i, "text": self.decode(model, list(out)), "logprobs": None, "finish_reason": "length"}
+                   for i, out in enumerate(outs)]
         return web.json_response({
             "id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices,
-            "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out},
-            "batchyard": timings})
+            "model": model, "choices": choices, "usage": _usage(prompts, outs),
+            "batchyard": [_timing(out) for out in outs]})
+
+    async def _stream(self, request, model: str, prompts: list, max_tokens: int, route: str,
+                      timeout: Optional[float], include_usage: bool) -> web.StreamResponse:
+        """The completions of ``prompts`` as Server-Sent Events, each prompt's chunks in order."""
+        head = {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        events: asyncio.Queue = asyncio.Queue()  # (prompt index, tokens | Generation | exception)
+        pieces = [TextPieces(lambda ids: self.decode(model, ids)) for _ in prompts]
+
+        async def run(i: int, ids: list) -> None:
+            try:
+                out = await self.client.generate(model, ids, max_tokens, route=route,
+                                                 timeout=timeout or self.default_timeout_s,
+                                                 on_tokens=lambda tokens: events.put_nowait((i, tokens)))
+            except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
+                events.put_nowait((i, e))
+            else:
+                events.put_nowait((i, out))
+
+        tasks = [asyncio.ensure_future(run(i, ids)) for i, ids in enumerate(prompts)]
+        response: Optional[web.StreamResponse] = None
+
+        async def send(chunk: dict) -> None:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(request)
+            await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+        outs: list = [None] * len(prompts)
+        try:
+            for _ in range(len(prompts)):
+                while True:
+                    i, got = await events.get()
+                    if isinstance(got, BaseException):
+                        if response is None:  # nothing sent yet: the error under its status
+                            raise got
+                        await send(self._as_openai(got).body())
+                        await response.write(b"data: [DONE]\n\n")
+                        return response
+                    if isinstance(got, Generation):
+                        break
+                    if piece := pieces[i].push(got):
+                        await send({**head, "choices": [{"index": i, "text": piece, "logprobs": None,
+                                                         "finish_reason": None}]})
+                outs[i] = got
+                await send({**head, "choices": [{"index": i, "text": pieces[i].rest(list(got)), "logprobs": None,
+                                                 "finish_reason": "length"}], "batchyard": _timing(got)})
+            if include_usage:
+                await send({**head, "choices": [], "usage": _usage(prompts, outs)})
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            for t in tasks:  # one failed, or the client hung up: the others stop in their engines
+                t.cancel()
 
     async def _prompts(self, model: str, prompt) -> list[list[int]]:
         if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
@@ -191,6 +259,42 @@ class OpenAiCompletions:
             return self._tokenizer(model).decode(ids)
         except OpenAiError:
             return ""  # token-id users without a tokenizer read batchyard[].token_ids
+
+
+def _usage(prompts: list, outs: list) -> dict:
+    done = [(ids, out) for ids, out in zip(prompts, outs) if out is not None]
+    n_in, n_out = sum(len(ids) for ids, _ in done), sum(len(out) for _, out in done)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def _timing(out) -> dict:
+    """Batchyard's account of one generation (the ``batchyard`` member)."""
+    t = out.timing
+    return {"route": t.route, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker,
+            "ttft_ms": t.ttft_us / 1e3, "total_ms": t.total_us / 1e3, "kv_tokens": t.kv_tokens,
+            "stand_in": t.stand_in, "token_ids": list(out)}
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """-> (stream, include_usage), as OpenAI reads them: null is the default."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise OpenAiError(400, f"stream must be a boolean, got {stream!r:.80}", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise OpenAiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise OpenAiError(400, f"stream_options takes include_usage only, got {options!r:.80}",
+                          param="stream_options")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise OpenAiError(400, f"stream_options.include_usage must be a boolean, got {usage!r:.80}",
+                          param="stream_options")
+    return stream, bool(usage)
 
 
 def _is_token(t) -> bool:

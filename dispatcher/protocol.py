@@ -177,7 +177,9 @@ Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
     """LLM mode: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids). Token
     ids travel in the header: a prompt of 32k tokens is ~100 KB of MessagePack, no tensor path
-    needed. ``route`` forces a path ("prefill-cpu" or "gpu"); empty lets the dispatcher choose."""
+    needed. ``route`` forces a path ("prefill-cpu" or "gpu"); empty lets the dispatcher choose.
+    ``stream``: the tokens are also sent as the engine decodes them, in ``generated_tokens``
+    messages, before the request's one reply (``generated``, which holds them all)."""
 
     v: int
     id: U64
@@ -187,6 +189,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_def
     priority: Priority = PRIORITY_NORMAL
     timeout_us: NonNeg = 0
     route: Route = ""
+    stream: bool = False
 
 
 ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest, ShmRegisterRequest,
@@ -289,7 +292,17 @@ class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defa
     timing: Optional[LlmTiming] = None
 
 
-ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply]
+class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type"):
+    """Tokens of a streamed generation (``GenerateRequest.stream``), as its engine decoded them:
+    the next ``tokens`` after those sent before. Not a reply: the request's reply
+    (``generated``) still comes, once, with every token, the last ones included."""
+
+    v: int
+    id: int
+    tokens: list[int]
+
+
+ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply, GenerateTokens]
 
 
 # ---------------------------------------------------------------- worker <-> dispatcher
@@ -386,7 +399,17 @@ class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
     results: list[LlmResult]
 
 
-WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, Leaving, LlmDone]
+class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type"):
+    """Tokens a streamed generate job's request decoded in one engine step (``LlmJob.stream``),
+    after those sent before; its last ones come in the job's LlmDone only."""
+
+    job_id: int
+    worker: str
+    seq: int
+    tokens: list[int]
+
+
+WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, Leaving, LlmDone, LlmTokens]
 
 
 class Batch(msgspec.Struct, tag="batch", tag_field="type"):
@@ -446,6 +469,8 @@ class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True
     # (vLLM's priority policy), so a request whose KV arrived after its CPU prefill still goes
     # ahead of the prompts that reached the dispatcher after it.
     order: list[int] = []
+    # generate jobs: send each step's tokens as decoded (LlmTokens), for a client that streams
+    stream: bool = False
 
 
 class LlmAbort(msgspec.Struct, tag="llm_abort", tag_field="type"):

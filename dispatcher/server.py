@@ -332,7 +332,7 @@ class Dispatcher:
             log.warning("dropping malformed worker message from %r: %s", identity, e)
             self._answer_malformed(frames[1].buffer, identity, str(e), now)
             return
-        if type(msg) in (P.BatchDone, P.Heartbeat, P.LlmDone, P.Goodbye, P.Leaving) and not self._sent_by(
+        if type(msg) in (P.BatchDone, P.Heartbeat, P.LlmDone, P.LlmTokens, P.Goodbye, P.Leaving) and not self._sent_by(
                 msg.worker, identity, frames):
             # A worker is its connection, not the name a message gives: anything on the workers'
             # socket could answer another worker's batch (its client got the forged output, the
@@ -349,6 +349,8 @@ class Dispatcher:
                                                      else P.Restart(worker=msg.worker, reason=hung)))
         elif type(msg) is P.LlmDone:
             self.llm.on_done(msg, now)
+        elif type(msg) is P.LlmTokens:
+            self.llm.on_tokens(msg)
         elif type(msg) is P.Leaving:
             if self.core.leaving(msg.worker):
                 log.info("worker %s is stopping: no new batch goes to it", msg.worker)

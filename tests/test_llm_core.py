@@ -687,3 +687,39 @@ def test_an_engine_restarted_with_the_same_pid_is_a_new_registration():
     assert h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 4.0, pid=1, peer="10.0.0.7", started="a1") == []
     lost = h.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 5.0, pid=1, peer="10.0.0.7", started="b2")
     assert [r.req_id for r in lost] == [2]
+
+
+def test_a_streamed_requests_tokens_reach_its_client_only_while_its_own_generate_job_runs_it():
+    """The dispatcher passes a streamed request's decoded tokens on to its client: not a
+    request that did not ask to stream, not from a worker that does not run the job (one
+    declared lost, or a stray), not a prefill job's, and not once the request was answered."""
+    from batchyard.llm_server import LlmDesk
+
+    sent, replies = [], []
+    desk = LlmDesk(lambda identity, header: sent.append(header) or True,
+                   lambda client, header: replies.append((client, P.reply_decoder.decode(header))), 30.0, 1.0, 10.0)
+    desk.core.add_worker("cpu0", b"cpu0", CPU, 0.0)
+    desk.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+    for rid, stream, route in ((1, True, "prefill-cpu"), (2, False, "gpu"), (3, True, "gpu")):
+        desk.on_generate(P.GenerateRequest(v=1, id=rid, model="m", prompt=[7] * 64, max_tokens=4, route=route,
+                                           stream=stream, timeout_us=1_000_000), b"c%d" % rid, 0.0, lambda m: "")
+    desk.decide(0.0)
+    jobs = {r.req_id: job for job in desk.core.jobs.values() for r in job.requests}
+    asked = sorted((m.kind, m.seqs[0] == jobs[3].requests[0].seq, m.stream)
+                   for m in map(P.to_worker_decoder.decode, sent))
+    assert asked == [("generate", False, False), ("generate", True, True), ("prefill", False, False)]
+    prefill, plain, streamed = jobs[1], jobs[2], jobs[3]
+    seq = {rid: job.requests[0].seq for rid, job in jobs.items()}
+    desk.on_tokens(P.LlmTokens(job_id=prefill.job_id, worker="cpu0", seq=seq[1], tokens=[5]))  # a prefill's
+    desk.on_tokens(P.LlmTokens(job_id=plain.job_id, worker="gpu0", seq=seq[2], tokens=[5]))  # not streamed
+    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="cpu0", seq=seq[3], tokens=[5]))  # not its worker
+    assert replies == []
+    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], tokens=[5, 6]))
+    assert replies == [(b"c3", P.GenerateTokens(v=1, id=3, tokens=[5, 6]))]
+    # answered (its deadline): the engine's next tokens go nowhere, and no second reply comes
+    desk.decide(2.0)
+    assert [(c, type(m).__name__, m.status) for c, m in replies[1:]] == [
+        (b"c1", "GenerateReply", Status.DEADLINE_EXCEEDED), (b"c2", "GenerateReply", Status.DEADLINE_EXCEEDED),
+        (b"c3", "GenerateReply", Status.DEADLINE_EXCEEDED)]
+    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], tokens=[7]))
+    assert len(replies) == 4

@@ -83,9 +83,18 @@ class ScriptedEngine(threading.Thread):
                                                 or HOLD_MAX_TOKENS in msg.max_tokens):
                     self.jobs.append(msg)
                     self.held.append(msg)
+                    if msg.stream:  # its first step decoded, then held
+                        for seq, prompt in zip(msg.seqs, msg.prompts):
+                            sock.send(P.encode(P.LlmTokens(job_id=msg.job_id, worker=self.name_, seq=seq,
+                                                           tokens=expected(prompt, 1))))
                     self.held_any.set()
                 elif type(msg) is P.LlmJob:
                     self.jobs.append(msg)
+                    if msg.stream:  # as a vLLM worker: each step's token as decoded, but the last step's
+                        for seq, prompt, n in zip(msg.seqs, msg.prompts, msg.max_tokens):
+                            for token in expected(prompt, n)[:-1]:
+                                sock.send(P.encode(P.LlmTokens(job_id=msg.job_id, worker=self.name_, seq=seq,
+                                                               tokens=[token])))
                     sock.send(P.encode(self._answer(msg)))
                 elif type(msg) is P.LlmAbort:  # as a vLLM worker: out of the engine, the job ends
                     self.aborts.append(msg)
@@ -320,29 +329,34 @@ def _stream_infer(grpc_url: str, inputs: dict, parameters: Optional[dict] = None
 
 def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, run_dir):
     """tritonclient's stream_infer with the backend's tensors (its samples/client.py): the same
-    text as /v1/completions, in one response marked final; sampling_parameters in place of the
-    request's parameters, as the backend reads them; a refusal is that request's error."""
+    text as /v1/completions, a response an engine step under ``stream`` (the last marked
+    final), one without; sampling_parameters in place of the request's parameters, as the
+    backend reads them; a refusal is that request's error."""
     import tomllib
 
     _, _, url = llm_node
     grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
-    prompt = "the cache moves"
+    prompt = "the"  # (the scripted engine's tokens after it are text of the tokenizer's)
     status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5})
     assert status == 200
     completion = body["choices"][0]["text"]
-    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": True,
-                                                 "return_num_output_tokens": True},
-                                      parameters={"max_tokens": 5, "temperature": 0})
-    assert error is None
-    assert result.as_numpy("text_output").tolist() == [completion.encode()]
-    assert result.as_numpy("num_output_tokens").tolist() == [5]
-    response = result.get_response()
-    assert response.id == "r1" and response.parameters["triton_final_response"].bool_param
+    assert len(completion) > 5
+    answers = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": True, "return_num_output_tokens": True,
+                                       "return_finish_reason": True}, parameters={"max_tokens": 5, "temperature": 0})
+    assert [error for _, error in answers] == [None] * 5  # the scripted engine decodes a token a step
+    results = [result for result, _ in answers]
+    assert b"".join(r.as_numpy("text_output")[0] for r in results) == completion.encode()
+    assert [r.as_numpy("num_output_tokens").tolist() for r in results] == [[1]] * 5
+    assert [r.as_numpy("finish_reason").tolist() for r in results] == [[b"None"]] * 4 + [[b"length"]]
+    responses = [r.get_response() for r in results]
+    assert {r.id for r in responses} == {"r1"}
+    assert [r.parameters["triton_final_response"].bool_param for r in responses] == [False] * 4 + [True]
     # sampling_parameters (a JSON string, numbers as strings too) wins over the parameters
     [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": False,
                                                  "sampling_parameters": b'{"max_tokens": "5"}'},
                                       parameters={"max_tokens": 2})
     assert error is None and result.as_numpy("text_output").tolist() == [(prompt + completion).encode()]
+    assert result.get_response().parameters["triton_final_response"].bool_param
     [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"top_p": 0.5})
     assert result is None and "sampling parameter 'top_p' is not supported" in str(error)
     # generate, the same text
@@ -476,6 +490,145 @@ def _ready(url: str) -> int:
         return e.code
 
 
+def test_a_streamed_generation_gives_its_tokens_as_decoded_then_its_one_reply(llm_node):
+    address, engines, _ = llm_node
+    prompt = [7] * 40
+    got: list = []
+    with Client(address) as c:
+        out = c.generate("tiny", prompt, max_tokens=6, route="gpu", on_tokens=got.extend)
+        plain = c.generate("tiny", prompt, max_tokens=6, route="gpu")
+    # Every step's tokens but the last, which the reply holds with all the others.
+    assert got == expected(prompt, 6)[:-1] and list(out) == list(plain) == expected(prompt, 6)
+    assert [j.stream for j in engines["gpu0"].jobs] == [True, False]  # asked of the engine only when streamed
+    with Client(address) as c, pytest.raises(InvalidArgument, match="on_tokens must be callable"):
+        c.generate("tiny", prompt, on_tokens=[])
+
+    async def run():
+        async with AsyncClient(address) as c:
+            pieces: list = []
+            # Routed through a CPU prefill: only the decoding (generate) job streams.
+            out = await c.generate("tiny", prompt, max_tokens=4, route="prefill-cpu", on_tokens=pieces.append)
+            return pieces, out
+
+    pieces, out = asyncio.run(run())
+    assert pieces == [[t] for t in expected(prompt, 4)[:-1]] and list(out) == expected(prompt, 4)
+    assert not engines["cpu0"].jobs[-1].stream and engines["gpu0"].jobs[-1].stream
+
+
+def _decode_ids(engines, ids: list) -> str:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json")).decode(ids)
+
+
+def _events(url: str, body: dict) -> tuple[int, str, list]:
+    """(status, content type, the data of each Server-Sent Event) of a POST."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, kind, text = r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, kind, text = e.code, e.headers["Content-Type"], e.read().decode()
+        if not kind.startswith("text/event-stream"):
+            return status, kind, [json.loads(text)]
+    assert text.endswith("\n\n"), text
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), text
+    return status, kind, [e[len("data: "):] for e in events]
+
+
+def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_answer(llm_node):
+    _, engines, url = llm_node
+    # (the scripted engine's tokens follow the prompt's sum: these are in the tokenizer's vocabulary)
+    body = {"model": "tiny", "prompt": [[40, 10], [200]], "max_tokens": 12}
+    status, plain = _http(url + "/v1/completions", body)
+    assert status == 200 and all(len(c["text"]) > 6 for c in plain["choices"]), plain
+    status, kind, events = _events(url + "/v1/completions",
+                                   {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and kind.startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = chunks.pop()
+    assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+    for i, choice in enumerate(plain["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert len(mine) > 2  # piece by piece, not one answer
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+    ends = [c for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(c["batchyard"]["token_ids"] for c in ends) == sorted(m["token_ids"] for m in plain["batchyard"])
+
+    # Refused before a token came (its deadline passed in the engine): the JSON error under its
+    # status, as without stream; the engine is told to stop it.
+    status, kind, [err] = _events(url + "/v1/completions", {"model": "tiny", "prompt": [HOLD_TOKEN, 1], "stream": True,
+                                                            "timeout": 0.3, "batchyard_route": "gpu"})
+    assert (status, kind.split(";")[0]) == (504, "application/json") and "deadline" in err["error"]["message"]
+    assert engines["gpu0"].aborted.wait(10)
+    # Failed after its first piece: an error event ends the stream (its status was sent: 200).
+    status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": [40], "stream": True,
+                                                             "timeout": 0.5, "max_tokens": HOLD_MAX_TOKENS})
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 3, events
+    first, err = json.loads(events[0]), json.loads(events[1])
+    assert first["choices"][0]["text"] == _decode_ids(engines, expected([40], 1)) != ""
+    assert err["error"]["type"] == "timeout_error" and "deadline" in err["error"]["message"]
+
+
+def test_tritons_generate_stream_sends_an_event_an_engine_step_under_stream(llm_node):
+    """As the vLLM backend streams: each step's text, the last event ending it; without
+    ``stream``, one event of the whole text (the prompt before it)."""
+    _, _, url = llm_node
+    status, plain = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 6})
+    completion = plain["choices"][0]["text"]
+    status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
+        "text_input": "the", "stream": True, "max_tokens": 6, "id": "s1", "return_num_output_tokens": True,
+        "return_finish_reason": True})
+    assert (status, kind) == (200, "text/event-stream; charset=utf-8")
+    events = [json.loads(e) for e in events]
+    assert len(events) == 6 and {e["id"] for e in events} == {"s1"}  # (the scripted engine: a token a step)
+    assert "".join(e["text_output"] for e in events) == completion and len(completion) > 5
+    assert [e["finish_reason"] for e in events] == ["None"] * 5 + ["length"]
+    assert [e["num_output_tokens"] for e in events] == [1] * 6
+    status, kind, [event] = _events(url + "/v2/models/tiny/generate_stream", {"text_input": "the", "max_tokens": 6})
+    assert status == 200 and json.loads(event)["text_output"] == "the" + completion
+    # failed before its first step: the error's event under its status, as before
+    status, kind, [event] = _events(url + "/v2/models/tiny/generate_stream", {
+        "text_input": "the", "stream": True, "max_tokens": HOLD_MAX_TOKENS, "timeout": 1})
+    assert status == 400 and "'timeout' is not supported" in json.loads(event)["error"]
+
+
+def test_streamed_text_pieces_join_to_the_whole_decoding(tmp_path):
+    """Byte-level tokens split characters over tokens: each piece holds whole characters, and
+    the pieces then the rest are the text of the whole generation."""
+    from tokenizers import Tokenizer
+
+    from batchyard.llm_text import TextPieces
+
+    _tokenizer(tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    decode = tok.decode
+    # "é" and "€" are 2 and 3 bytes: their byte tokens decode to U+FFFD alone
+    e_acute, euro = tok.encode("é").ids, tok.encode("€").ids
+    assert len(e_acute) == 2 and len(euro) == 3
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.one_of(st.integers(0, 299), st.just(e_acute), st.just(euro)), min_size=1, max_size=30),
+           st.lists(st.integers(1, 4), min_size=30, max_size=30), st.integers(0, 30))
+    def check(parts, steps, held):
+        tokens = [t for p in parts for t in (p if isinstance(p, list) else [p])]
+        pieces, text, at = TextPieces(decode), [], 0
+        for n in steps:
+            if at >= len(tokens) - held:
+                break
+            got = pieces.push(tokens[at:at + n])
+            assert "\ufffd" not in got or "\ufffd" in decode(tokens[:at + n])
+            text.append(got)
+            at += n
+        assert "".join(text) + pieces.rest(tokens) == decode(tokens)
+
+    check()
+
+
 def test_openai_completions_with_text_and_token_prompts(llm_node):
     _, engines, url = llm_node
     status, models = _http(url + "/v1/models")
@@ -502,7 +655,11 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
 
     for body, code, word in (({"model": "nope", "prompt": "x"}, 404, "nope"),
                              ({"model": "tiny", "prompt": "x", "temperature": 0.7}, 400, "temperature"),
-                             ({"model": "tiny", "prompt": "x", "stream": True}, 400, "stream"),
+                             ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+                             ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+                              "stream_options"),
+                             ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"usage": 1}}, 400,
+                              "include_usage"),
                              ({"model": "tiny", "prompt": [1] * 600}, 400, "max_model_len"),
                              ({"model": "tiny", "prompt": []}, 400, "prompt"),
                              ({"model": "tiny", "prompt": [1, 2], "timeout": "soon"}, 400, "timeout"),

@@ -109,6 +109,15 @@ def test_openai_completions_on_the_front_door(node):
         out = json.loads(r.read())
     assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 6
     assert isinstance(out["choices"][0]["text"], str) and out["batchyard"][0]["stand_in"] is True
+    # streamed: the same text, piece by piece as the engine decodes it
+    status, kind, text = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves from one engine",
+                                                              "max_tokens": 6, "stream": True})
+    assert (status, kind) == (200, "text/event-stream; charset=utf-8")
+    events = [e[len(b"data: "):] for e in text.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]" and len(events) > 2
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == out["choices"][0]["text"]
+    assert [c["finish_reason"] for c in chunks][-1] == "length"
 
 
 def _post_json(url: str, body: dict) -> tuple[int, str, bytes]:
@@ -135,10 +144,12 @@ def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {
         "text_input": prompt, "stream": True, "max_tokens": 6, "return_num_output_tokens": True,
         "return_num_input_tokens": True, "return_finish_reason": True})
-    assert (status, kind) == (200, "text/event-stream; charset=utf-8") and text.count(b"data: ") == 1
-    event = json.loads(text[len(b"data: "):])
-    assert event["text_output"] == completion and event["num_output_tokens"] == 6
-    assert event["num_input_tokens"] > 0 and event["finish_reason"] == "length"
+    assert (status, kind) == (200, "text/event-stream; charset=utf-8")
+    events = [json.loads(e[len(b"data: "):]) for e in text.split(b"\n\n") if e]
+    assert len(events) > 1  # an event an engine step, as the backend streams
+    assert "".join(e["text_output"] for e in events) == completion
+    assert sum(e["num_output_tokens"] for e in events) == 6 and all(e["num_input_tokens"] > 0 for e in events)
+    assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + ["length"]
     # a refusal after the body is read: under a stream, an event with its status
     status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {"text_input": prompt, "top_p": 0.5})
     assert (status, kind) == (400, "text/event-stream; charset=utf-8")

@@ -202,3 +202,48 @@ def test_a_moved_kv_entry_shared_by_two_prompts_is_neither_lost_to_one_nor_fatal
     server._start_job(decode_job(2, 6))  # its entry is gone (or never came): prefilled here instead
     assert server._step()
     assert [(m.job_id, [r.status for r in m.results]) for m in server.sock.sent] == [(1, [0]), (2, [0])]
+
+
+def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_done_holds(tmp_path, monkeypatch):
+    import types
+
+    _stub_vllm(monkeypatch)
+
+    class Engine:
+        """Decodes two tokens a step (DELTA outputs: the new ones only), max_tokens in all."""
+
+        def __init__(self):
+            self.reqs = {}
+
+        def add_request(self, rid, prompt, params, priority=0):
+            self.reqs[rid] = [params.max_tokens, 0]
+
+        def step(self):
+            outs = []
+            for rid, left in list(self.reqs.items()):
+                n = min(2, left[0] - left[1])
+                tokens = list(range(left[1], left[1] + n))
+                left[1] += n
+                finished = left[1] == left[0]
+                if finished:
+                    del self.reqs[rid]
+                outs.append(types.SimpleNamespace(request_id=rid, finished=finished, num_cached_tokens=0, outputs=[
+                    types.SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None)]))
+            return outs
+
+        def has_unfinished_requests(self):
+            return bool(self.reqs)
+
+        def abort_request(self, rids):
+            pass
+
+    server = _gpu_server(tmp_path, Engine())
+    server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[4], prompts=[[3] * 8], max_tokens=[5], stream=True))
+    server._start_job(P.LlmJob(job_id=2, kind="generate", seqs=[5], prompts=[[3] * 8], max_tokens=[3]))
+    while server.engine.has_unfinished_requests():
+        assert server._step()
+    tokens = [(m.job_id, m.seq, m.tokens) for m in server.sock.sent if type(m) is P.LlmTokens]
+    assert tokens == [(1, 4, [0, 1]), (1, 4, [2, 3])]  # the job that did not ask sends none
+    done = {m.job_id: m.results[0].tokens for m in server.sock.sent if type(m) is P.LlmDone}
+    assert done == {1: [0, 1, 2, 3, 4], 2: [0, 1, 2]}
+    assert type(server.sock.sent[-1]) is P.LlmDone and server.sock.sent[-1].job_id == 1  # its tokens came first

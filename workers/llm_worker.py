@@ -279,6 +279,10 @@ class LlmServer:
                 if not req.tokens:
                     req.first_s = now - req.job.t0
                 req.tokens.extend(comp.token_ids)
+                if req.job.msg.stream and req.job.msg.kind == "generate" and not out.finished:
+                    # (a finishing step's tokens go in the job's LlmDone, which holds them all)
+                    self.sock.send(P.encode(P.LlmTokens(job_id=req.job.msg.job_id, worker=self.name, seq=req.seq,
+                                                        tokens=list(comp.token_ids))))
             if out.finished:
                 reason = comp.finish_reason if comp is not None else None
                 if reason in ("length", "stop"):
