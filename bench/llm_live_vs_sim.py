@@ -81,7 +81,9 @@ def run_live(client, reqs: list[tuple[float, int, int]], seed: int, route: str =
         delay = t0 + at - time.monotonic()
         if delay > 0:
             time.sleep(delay)  # pacing a load generator, not synchronizing a test
-        futures[i] = client.submit_generate("tiny", prompts[i], max_tokens=out, timeout=600, route=route)
+        # (ignore_eos: the trace's output lengths, as the simulator runs them)
+        futures[i] = client.submit_generate("tiny", prompts[i], max_tokens=out, timeout=600, route=route,
+                                            ignore_eos=True)
     rows = []
     for (at, n, out), f in zip(reqs, futures):
         g = f.result()

@@ -218,17 +218,21 @@ class Client(CodecAccess):
 
     def submit_generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
                         timeout: Optional[float] = None, route: Optional[str] = "",
-                        on_tokens: Optional[Callable[[list], None]] = None) -> InferFuture:
+                        on_tokens: Optional[Callable[[list], None]] = None,
+                        ignore_eos: bool = False) -> InferFuture:
         """LLM mode: greedy generation after ``prompt`` (token ids); the future's result is a
         ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
         or "gpu"; empty lets the dispatcher choose. ``on_tokens``: streams the generation; it
         is called with each engine step's new token ids as they are decoded (on this client's
         I/O thread: keep it short), all but the last step's, which only the result holds. The
-        result holds every token; those it has past the ones given to ``on_tokens`` are the rest."""
+        result holds every token; those it has past the ones given to ``on_tokens`` are the rest.
+        The generation ends at the model's end-of-sequence token (the result's
+        ``finish_reason`` "stop", that token its last), or at ``max_tokens`` ("length");
+        ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are, as vLLM's parameter."""
         if self.closed:
             raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,
-                                                           on_tokens)
+                                                           on_tokens, ignore_eos)
         return self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S, on_tokens)
 
     def generate(self, model: str, prompt, max_tokens: int = 16, **kw) -> Generation:

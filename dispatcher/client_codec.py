@@ -187,11 +187,14 @@ class InferResult(dict):
 
 class Generation(list):
     """The generated token ids (a list), plus ``timing`` (LLM mode: TTFT, route, instances, KV
-    tokens moved, and whether the "gpu" instance is a CPU stand-in)."""
+    tokens moved, and whether the "gpu" instance is a CPU stand-in) and ``finish_reason``:
+    "stop" where it ended at the model's end-of-sequence token (the last of the ids), "length"
+    at max_tokens."""
 
-    def __init__(self, tokens: list, timing: Optional[P.LlmTiming]):
+    def __init__(self, tokens: list, timing: Optional[P.LlmTiming], finish_reason: str = "length"):
         super().__init__(tokens)
         self.timing = timing
+        self.finish_reason = finish_reason
 
 
 class EncodedInputs:
@@ -227,7 +230,7 @@ def refused(e: ShmError) -> Overloaded:
 class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
-    __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens")
+    __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens", "streamed")
 
     def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None],
                  on_tokens: Optional[Callable[[list], None]] = None):
@@ -236,6 +239,7 @@ class Pending:
         self.outputs = outputs  # name -> Region the worker writes into
         self.resolve = resolve  # callable(result or exception)
         self.on_tokens = on_tokens  # a streamed generation's: callable(the next tokens decoded)
+        self.streamed = 0  # tokens given to on_tokens
 
 
 def node_opens_my_segments(address: str) -> bool:
@@ -574,12 +578,15 @@ class ClientCodec:
                           "memory: the request was not sent")
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
-                        route: str = "", on_tokens=None) -> tuple[int, list, float]:
+                        route: str = "", on_tokens=None, ignore_eos: bool = False) -> tuple[int, list, float]:
         """-> (id, frames, how long to wait for the reply). Without a ``timeout`` before a
         model_info reply said the node's default (an LLM-only client asks none), the request
         names none (``timeout_us`` 0: the node's default applies) and the wait is the node's to
         end; a lost or stopped dispatcher still fails it (the connection's liveness). An
-        ``on_tokens`` (not None) streams it, and must be callable."""
+        ``on_tokens`` (not None) streams it, and must be callable. ``ignore_eos``: decode
+        max_tokens past the model's end-of-sequence token too."""
+        if not isinstance(ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos must be a boolean, got {ignore_eos!r:.40}")
         if on_tokens is not None and not callable(on_tokens):
             raise InvalidArgument(f"on_tokens must be callable (it is given each step's tokens), got {on_tokens!r:.80}")
         node_decides = timeout is None and self.node_timeout_s is None
@@ -611,7 +618,7 @@ class ClientCodec:
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
                                 priority=prio, timeout_us=0 if node_decides else timeout_us(timeout), route=route,
-                                stream=on_tokens is not None)
+                                stream=on_tokens is not None, ignore_eos=ignore_eos)
         return rid, [P.encode(msg)], timeout
 
     def encode_model_info(self, model: str) -> tuple[int, list]:
@@ -640,11 +647,18 @@ class ClientCodec:
             return  # not ours to crash over; the request will time out with a clear message
         if type(msg) is P.GenerateTokens:  # a streamed generation's next tokens; its reply follows
             pend = self.pending.get(msg.id)
-            if pend is not None and pend.on_tokens is not None:
-                try:
-                    pend.on_tokens(msg.tokens)
-                except Exception:  # the caller's: its generation's reply still comes
-                    log.exception("on_tokens of request %d raised", msg.id)
+            if pend is None or pend.on_tokens is None:
+                return
+            if msg.start != pend.streamed:
+                # A gap (a message lost past a full queue): the pieces stop here, and the
+                # reply's tokens past those given are the rest, in order.
+                pend.on_tokens = None
+                return
+            pend.streamed += len(msg.tokens)
+            try:
+                pend.on_tokens(msg.tokens)
+            except Exception:  # the caller's: its generation's reply still comes
+                log.exception("on_tokens of request %d raised", msg.id)
             return
         pend = self.pending.pop(msg.id, None) if msg.id is not None else None
         if pend is None:  # a late reply, or the release of an answered request's batch
@@ -678,7 +692,7 @@ class ClientCodec:
         elif pend.kind == "status":
             pend.resolve(msg)
         elif pend.kind == "generate":
-            pend.resolve(Generation(msg.tokens, msg.timing))
+            pend.resolve(Generation(msg.tokens, msg.timing, msg.finish_reason or "length"))
         else:
             try:
                 result = self._outputs(msg, frames[1:], pend.outputs)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 
+import grpc
 import numpy as np
 from aiohttp import web
 
@@ -33,6 +35,8 @@ from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as
 from .kserve_json import decode_json, encode_json
 from .kserve_trace import http_traced
 from .llm_generate import responses
+
+log = logging.getLogger("batchyard.frontend")
 
 PARAMETERS = "parameters"  # the one member Triton reads as a nested object of more members
 EVENT_STREAM = "text/event-stream; charset=utf-8"
@@ -215,7 +219,12 @@ async def _llm_events(core: KServeCore, request: web.Request, model: str, rid: s
                     response = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
                     await response.prepare(request)
                 await response.write(b"data: " + encode_json(answer_members(model, rid, members), True) + b"\n\n")
-    except KServeError as e:
+    except ConnectionResetError:  # the client left while an event was written: nobody to tell
+        return response
+    except Exception as e:  # noqa: BLE001 -- the request's answer, whatever failed it
+        if not isinstance(e, KServeError):
+            log.exception("generate_stream of model %r failed", model)
+            e = KServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
         if response is None:
             return _answer(_error_body(e, True), True, e.http_status)
         await response.write(_error_body(e, True))

@@ -199,11 +199,13 @@ def _stream_error(response, error: str) -> service_pb2.ModelStreamInferResponse:
     return out
 
 
-def _sent_now(order: asyncio.Queue) -> Callable:
-    """-> emit(message): ``message`` queued on a stream to be sent next, in the place of a task."""
+def _sent_now(order: asyncio.Queue, hold: Callable) -> Callable:
+    """-> emit(message): ``message`` queued on a stream to be sent next, in the place of a task,
+    held (``hold``) until it is sent, as an answer is."""
     def emit(message) -> None:
         done = asyncio.get_running_loop().create_future()
         done.set_result(message)
+        hold(done, _held_bytes(message))
         order.put_nowait(done)
     return emit
 
@@ -428,9 +430,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 async for request in request_iterator:
                     traced: list = []  # (known from the start: a stream cancelled before the answer lost it)
                     llm = self.core.serves_llm(request.model_name)
-                    # A decoupled model's responses before its last are sent as they come
-                    # (done futures in the order queue, nothing reserved or traced for them).
-                    emit = _sent_now(order) if llm else None
+                    # A decoupled model's responses before its last are sent as they come (done
+                    # futures in the order queue, held until sent: a client that reads none no
+                    # longer has more requests read while they pile up; not traced).
+                    emit = _sent_now(order, hold) if llm else None
                     task = asyncio.ensure_future(answer(request, time.monotonic_ns(), traced, emit))
                     traces[task] = traced
                     nbytes, batch = _stream_reservation(request, self.core.client.specs)

@@ -53,6 +53,7 @@ class LlmRequest:
     priority: int = P.PRIORITY_NORMAL  # as asked: metrics are labelled by it (routing ignores it)
     job_id: int = -1  # the job it is in, while one runs it
     stream: bool = False  # its client takes the tokens as they are decoded (GenerateRequest.stream)
+    ignore_eos: bool = False  # max_tokens past an end-of-sequence token too
 
 
 @dataclass(eq=False)
@@ -94,6 +95,7 @@ class Finished:
     request: LlmRequest
     tokens: list
     timing: P.LlmTiming
+    finish_reason: str = ""
 
 
 class LlmCore:
@@ -271,7 +273,7 @@ class LlmCore:
             return Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
         r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
-                       seq=next(self._ids), priority=msg.priority, stream=msg.stream)
+                       seq=next(self._ids), priority=msg.priority, stream=msg.stream, ignore_eos=msg.ignore_eos)
         self.requests[r.seq] = r
         self.open_by_model[model] = self.open_by_model.get(model, 0) + 1
         self._compact_deadlines()
@@ -339,7 +341,8 @@ class LlmCore:
         w.busy_until = max(now, w.busy_until) + first + step
         job = Job(next(self._ids), w, "generate", [r], now, running_at_send=len(w.jobs))
         self._start(job, P.LlmJob(job_id=job.job_id, kind="generate", seqs=[r.seq], prompts=[r.prompt],
-                                  max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq], stream=r.stream))
+                                  max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq], stream=r.stream,
+                                  ignore_eos=r.ignore_eos))
 
     def _start(self, job: Job, msg: P.LlmJob) -> None:
         job.expected_end = job.worker.busy_until
@@ -499,7 +502,7 @@ class LlmCore:
                              prefill_worker=r.prefill_worker, kv_tokens=res.kv_tokens,
                              predicted_ttft_cpu_us=_us(r.pred_cpu), predicted_ttft_gpu_us=_us(r.pred_gpu),
                              stand_in=stand_in)
-        return Finished(r, list(res.tokens), timing)
+        return Finished(r, list(res.tokens), timing, res.finish_reason)
 
     # ------------------------------------------------------------------ drain
     def begin_drain(self) -> None:

@@ -12,10 +12,10 @@ as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` 
 ``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
-(16 when left out, vLLM's default) and ``temperature``, which must be 0 or left out (Batchyard
-decodes greedily; vLLM's default would sample). Any other sampling parameter is refused rather
-than ignored, as on ``/v1/completions``. Batchyard's engines decode ``max_tokens`` tokens, past
-an end-of-sequence token too (``finish_reason`` "length"), where the backend stops at one.
+(16 when left out, vLLM's default), ``temperature``, which must be 0 or left out (Batchyard
+decodes greedily; vLLM's default would sample), and ``ignore_eos``. Any other sampling parameter
+is refused rather than ignored, as on ``/v1/completions``. A completion ends at the model's
+end-of-sequence token (``finish_reason`` "stop") or at ``max_tokens`` ("length"), as vLLM's.
 
 The backend's model is decoupled: Triton refuses it ModelInfer and HTTP infer, and so does this
 (``DECOUPLED_*``). ``stream`` true is served by ``generate_stream`` and ModelStreamInfer as the
@@ -155,6 +155,8 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
     max_tokens = _sampling("max_tokens", params.pop("max_tokens", 16), int)
     if not 1 <= max_tokens <= MAX_TOKEN_ID:
         raise invalid(f"max_tokens must be a positive integer, got {max_tokens}")
+    # (bool() of the value, as the backend converts it: the string "false" is true there too)
+    switches["ignore_eos"] = _sampling("ignore_eos", params.pop("ignore_eos", False), bool)
     temperature = _sampling("temperature", params.pop("temperature", 0), float)
     if temperature != 0:
         raise invalid(f"only greedy decoding is served: temperature must be 0, got {temperature:g}")
@@ -275,29 +277,30 @@ class LlmGenerate:
             pieces = TextPieces(decode)
 
             def on_tokens(tokens: list) -> None:
-                emit(_outputs(switches, pieces.push(tokens), len(ids), len(tokens), final=False))
+                emit(_outputs(switches, pieces.push(tokens), len(ids), len(tokens)))
 
             out = await self.completions.client.generate(
                 model, ids, max_tokens, timeout=timeout or self.completions.default_timeout_s,
-                on_tokens=on_tokens if streamed else None)
+                on_tokens=on_tokens if streamed else None, ignore_eos=switches["ignore_eos"])
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:
             raise from_batchyard(e, model) from None
         if streamed:
-            return _outputs(switches, pieces.rest(list(out)), len(ids), len(out) - len(pieces.tokens), final=True)
+            return _outputs(switches, pieces.rest(list(out)), len(ids), len(out) - len(pieces.tokens),
+                            out.finish_reason)
         text = decode(list(out))
         return _outputs(switches, text if switches["exclude_input_in_output"] else prompt + text, len(ids), len(out),
-                        final=True)
+                        out.finish_reason)
 
 
-def _outputs(switches: dict, text: str, n_in: int, n_out: int, final: bool) -> dict:
+def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: str = "None") -> dict:
     """One response's outputs, as the backend's ``create_response`` makes them: ``finish_reason``
-    is ``str`` of vLLM's, "None" until the last (max_tokens decoded, as on /v1/completions);
-    under a stream, ``num_output_tokens`` counts the response's own tokens."""
+    is ``str`` of vLLM's, "None" until the last ("stop" at an end-of-sequence token, "length" at
+    max_tokens); under a stream, ``num_output_tokens`` counts the response's own tokens."""
     members = {"text_output": text}
     if switches.get("return_finish_reason"):
-        members["finish_reason"] = "length" if final else "None"
+        members["finish_reason"] = finish_reason
     if switches.get("return_num_input_tokens"):
         members["num_input_tokens"] = n_in
     if switches.get("return_num_output_tokens"):

@@ -65,13 +65,15 @@ class LlmDesk:
             # So count / exec_count is 1 for an LLM model, and exec_count its generations.
             self.metrics.batch_done(r.model, f.timing.route)
             self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
-                                                           tokens=f.tokens, timing=f.timing)))
+                                                           tokens=f.tokens, timing=f.timing,
+                                                           finish_reason=f.finish_reason)))
 
     def on_tokens(self, msg: P.LlmTokens) -> None:
         """A streamed request's tokens, as its engine decoded them, on to its client."""
         r = self.core.streamed(msg)
         if r is not None and msg.tokens:
-            self._reply(r.client, P.encode(P.GenerateTokens(v=P.PROTOCOL_VERSION, id=r.req_id, tokens=msg.tokens)))
+            self._reply(r.client, P.encode(P.GenerateTokens(v=P.PROTOCOL_VERSION, id=r.req_id, start=msg.start,
+                                                            tokens=msg.tokens)))
 
     def heartbeat(self, name: str, now: float) -> bool:
         return self.core.heartbeat(name, now)

@@ -13,6 +13,10 @@ first chunk, so a request refused before a token came (overloaded, its deadline)
 error under its status, as without ``stream``; an error after that is an ``error`` event, then
 ``[DONE]`` (vLLM's server does the same).
 
+A completion ends at the model's end-of-sequence token (``finish_reason`` "stop", the token
+counted in ``completion_tokens`` and left out of the text as a special token) or at
+``max_tokens`` ("length"); vLLM's ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are.
+
 Replies carry OpenAI's fields plus ``batchyard``: the route (prefill-cpu or gpu), the
 instances, TTFT, KV tokens moved and ``stand_in`` (the "gpu" instance is a CPU engine).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Optional
@@ -35,6 +40,7 @@ from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextPieces
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
+log = logging.getLogger("batchyard.frontend")
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
          Status.OVERLOADED: 429, Status.UNAVAILABLE: 503, Status.CANCELLED: 499}
 # The error body's "type", by HTTP status.
@@ -97,7 +103,8 @@ class OpenAiCompletions:
     def _as_openai(self, e: Exception) -> OpenAiError:
         if isinstance(e, OpenAiError):
             return e
-        if not isinstance(e, errors.BatchyardError):  # (after a stream's start: its error event)
+        if not isinstance(e, errors.BatchyardError):  # (a stream's run: said once, here)
+            log.error("completion failed: %s", e, exc_info=e)
             return OpenAiError(500, f"internal error: {type(e).__name__}", "server_error")
         if e.status == Status.CANCELLED and self.stopping():
             return OpenAiError(503, STOPPING_MESSAGE, _KIND[503])
@@ -131,45 +138,57 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
         route = _route(body)
         stream, include_usage = _stream_options(body)
+        ignore_eos = body.get("ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
+        if ignore_eos is None:
+            ignore_eos = False
+        if not isinstance(ignore_eos, bool):
+            raise OpenAiError(400, f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
         prompts = await self._prompts(model, body.get("prompt"))
+        run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
         if stream:
-            return await self._stream(request, model, prompts, max_tokens, route, timeout, include_usage)
+            return await self._stream(request, model, prompts, max_tokens, run, include_usage)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
-        tasks = [asyncio.ensure_future(self.client.generate(model, ids, max_tokens, route=route,
-                                                            timeout=timeout or self.default_timeout_s))
-                 for ids in prompts]
+        tasks = [asyncio.ensure_future(self.client.generate(model, ids, max_tokens, **run)) for ids in prompts]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
-        choices = [{"index": i, "text": self.decode(model, list(out)), "logprobs": None, "finish_reason": "length"}
-                   for i, out in enumerate(outs)]
+        choices = [{"index": i, "text": self.decode(model, list(out)), "logprobs": None,
+                    "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
         return web.json_response({
             "id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(prompts, outs),
             "batchyard": [_timing(out) for out in outs]})
 
-    async def _stream(self, request, model: str, prompts: list, max_tokens: int, route: str,
-                      timeout: Optional[float], include_usage: bool) -> web.StreamResponse:
-        """The completions of ``prompts`` as Server-Sent Events, each prompt's chunks in order."""
+    async def _stream(self, request, model: str, prompts: list, max_tokens: int, run: dict,
+                      include_usage: bool) -> web.StreamResponse:
+        """The completions of ``prompts`` as Server-Sent Events, each prompt's chunks in order
+        (``run``: the generate calls' other arguments)."""
         head = {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
                 "model": model}
-        events: asyncio.Queue = asyncio.Queue()  # (prompt index, tokens | Generation | exception)
+        events: asyncio.Queue = asyncio.Queue()  # (prompt index, _DECODED | Generation | exception)
         pieces = [TextPieces(lambda ids: self.decode(model, ids)) for _ in prompts]
+        # Each prompt's tokens not yet sent: a client that reads slowly gets them merged into
+        # fewer chunks, rather than an event queued an engine step.
+        decoded: list = [[] for _ in prompts]
 
-        async def run(i: int, ids: list) -> None:
+        def on_tokens(i: int, tokens: list) -> None:
+            if not decoded[i]:
+                events.put_nowait((i, _DECODED))
+            decoded[i].extend(tokens)
+
+        async def generate(i: int, ids: list) -> None:
             try:
-                out = await self.client.generate(model, ids, max_tokens, route=route,
-                                                 timeout=timeout or self.default_timeout_s,
-                                                 on_tokens=lambda tokens: events.put_nowait((i, tokens)))
+                out = await self.client.generate(model, ids, max_tokens, **run,
+                                                 on_tokens=lambda tokens: on_tokens(i, tokens))
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:
                 events.put_nowait((i, out))
 
-        tasks = [asyncio.ensure_future(run(i, ids)) for i, ids in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(generate(i, ids)) for i, ids in enumerate(prompts)]
         response: Optional[web.StreamResponse] = None
 
         async def send(chunk: dict) -> None:
@@ -187,21 +206,24 @@ class OpenAiCompletions:
                     i, got = await events.get()
                     if isinstance(got, BaseException):
                         if response is None:  # nothing sent yet: the error under its status
-                            raise got
+                            raise self._as_openai(got) from None
                         await send(self._as_openai(got).body())
                         await response.write(b"data: [DONE]\n\n")
                         return response
                     if isinstance(got, Generation):
                         break
-                    if piece := pieces[i].push(got):
+                    tokens, decoded[i] = decoded[i], []
+                    if piece := pieces[i].push(tokens):
                         await send({**head, "choices": [{"index": i, "text": piece, "logprobs": None,
                                                          "finish_reason": None}]})
                 outs[i] = got
                 await send({**head, "choices": [{"index": i, "text": pieces[i].rest(list(got)), "logprobs": None,
-                                                 "finish_reason": "length"}], "batchyard": _timing(got)})
+                                                 "finish_reason": got.finish_reason}], "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
             await response.write(b"data: [DONE]\n\n")
+            return response
+        except ConnectionResetError:  # the client left while a chunk was written: nobody to tell
             return response
         finally:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
@@ -259,6 +281,9 @@ class OpenAiCompletions:
             return self._tokenizer(model).decode(ids)
         except OpenAiError:
             return ""  # token-id users without a tokenizer read batchyard[].token_ids
+
+
+_DECODED = object()  # a stream's event: tokens of that prompt wait to be sent
 
 
 def _usage(prompts: list, outs: list) -> dict:

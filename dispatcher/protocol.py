@@ -179,7 +179,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_def
     ids travel in the header: a prompt of 32k tokens is ~100 KB of MessagePack, no tensor path
     needed. ``route`` forces a path ("prefill-cpu" or "gpu"); empty lets the dispatcher choose.
     ``stream``: the tokens are also sent as the engine decodes them, in ``generated_tokens``
-    messages, before the request's one reply (``generated``, which holds them all)."""
+    messages, before the request's one reply (``generated``, which holds them all). The
+    generation ends at the model's end-of-sequence token (that token the last), or with
+    ``ignore_eos`` at ``max_tokens`` only, as vLLM's sampling parameter of that name."""
 
     v: int
     id: U64
@@ -190,6 +192,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_def
     timeout_us: NonNeg = 0
     route: Route = ""
     stream: bool = False
+    ignore_eos: bool = False
 
 
 ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest, ShmRegisterRequest,
@@ -290,15 +293,18 @@ class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defa
     message: str = ""
     tokens: list[int] = []
     timing: Optional[LlmTiming] = None
+    finish_reason: str = ""  # "stop": it decoded an end-of-sequence token; "length": max_tokens
 
 
 class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type"):
     """Tokens of a streamed generation (``GenerateRequest.stream``), as its engine decoded them:
-    the next ``tokens`` after those sent before. Not a reply: the request's reply
-    (``generated``) still comes, once, with every token, the last ones included."""
+    ``tokens`` from the generation's token ``start`` on. Not a reply: the request's reply
+    (``generated``) still comes, once, with every token, the last ones included. A client that
+    finds a gap (a message lost past a full queue) takes the rest from the reply."""
 
     v: int
-    id: int
+    id: U64
+    start: NonNeg
     tokens: list[int]
 
 
@@ -388,6 +394,7 @@ class LlmResult(msgspec.Struct, omit_defaults=True):
     tokens: list[int] = []
     first_token_s: float = 0.0  # job receipt -> this request's first token, on the worker's clock
     kv_tokens: int = 0  # prompt tokens loaded from the moved KV cache (decode jobs)
+    finish_reason: str = ""  # vLLM's: "stop" (an end-of-sequence token) or "length"
 
 
 class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
@@ -401,11 +408,12 @@ class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
 
 class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type"):
     """Tokens a streamed generate job's request decoded in one engine step (``LlmJob.stream``),
-    after those sent before; its last ones come in the job's LlmDone only."""
+    from its token ``start`` on; its last ones come in the job's LlmDone only."""
 
     job_id: int
     worker: str
     seq: int
+    start: int
     tokens: list[int]
 
 
@@ -471,6 +479,8 @@ class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True
     order: list[int] = []
     # generate jobs: send each step's tokens as decoded (LlmTokens), for a client that streams
     stream: bool = False
+    # generate jobs: decode max_tokens past the model's end-of-sequence tokens too
+    ignore_eos: bool = False
 
 
 class LlmAbort(msgspec.Struct, tag="llm_abort", tag_field="type"):

@@ -366,9 +366,12 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
     prompt, switches, max_tokens = read_request(
         {"text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0}, "return_num_output_tokens": True}, False)
     assert (prompt, max_tokens) == ("hi", 5)
-    assert switches == {"return_num_output_tokens": True, "exclude_input_in_output": False}  # the prompt comes first
+    assert switches == {"return_num_output_tokens": True, "exclude_input_in_output": False,  # the prompt comes first
+                        "ignore_eos": False}
     assert read_request({"text_input": ["hi"], "stream": [True]}, True)[1] == {"stream": True,
-                                                                                "exclude_input_in_output": True}
+                                                                                "exclude_input_in_output": True,
+                                                                                "ignore_eos": False}
+    assert read_request({"text_input": "hi", "ignore_eos": "false"}, False)[1]["ignore_eos"] is True  # bool(), as the backend
     assert read_request({"text_input": "hi", "id": "7"}, False)[2] == 16  # vLLM's default
     # converted as the backend converts them: int("4"), int(4.0), float("0")
     assert read_request({"text_input": "hi", "max_tokens": "4", "temperature": "0"}, False)[2] == 4

@@ -520,7 +520,7 @@ def test_a_cancelled_stream_writes_the_traces_of_the_requests_it_had_read(tmp_pa
     servicer = kserve_grpc.KServeServicer(types.SimpleNamespace(client=types.SimpleNamespace(specs={"sum": spec}),
                                                                 tracer=tracer, serves_llm=lambda model: False))
 
-    async def infer(request, context, stream=False, traced=None, read=0):  # sampled as the real one; never answers
+    async def infer(request, context, stream=False, traced=None, read=0, **_):  # sampled as the real one; never answers
         traced.append(servicer._trace(request, read))
         await asyncio.get_running_loop().create_future()
     servicer._infer = infer

@@ -511,6 +511,7 @@ def test_while_draining_an_unknown_model_is_counted_as_unknown_not_under_its_nam
 
 class _Generated(list):
     timing = P.LlmTiming(ttft_us=1, total_us=2, route="gpu", decode_worker="gpu0")
+    finish_reason = "length"
 
 
 class _FakeClient:
@@ -519,7 +520,8 @@ class _FakeClient:
     def __init__(self):
         self.asked: list = []
 
-    async def generate(self, model, prompt, max_tokens=16, *, priority="normal", timeout=None, route=""):
+    async def generate(self, model, prompt, max_tokens=16, *, priority="normal", timeout=None, route="",
+                       on_tokens=None, ignore_eos=False):
         self.asked.append((model, list(prompt), max_tokens))
         return _Generated([5] * max_tokens)
 
@@ -710,16 +712,16 @@ def test_a_streamed_requests_tokens_reach_its_client_only_while_its_own_generate
     assert asked == [("generate", False, False), ("generate", True, True), ("prefill", False, False)]
     prefill, plain, streamed = jobs[1], jobs[2], jobs[3]
     seq = {rid: job.requests[0].seq for rid, job in jobs.items()}
-    desk.on_tokens(P.LlmTokens(job_id=prefill.job_id, worker="cpu0", seq=seq[1], tokens=[5]))  # a prefill's
-    desk.on_tokens(P.LlmTokens(job_id=plain.job_id, worker="gpu0", seq=seq[2], tokens=[5]))  # not streamed
-    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="cpu0", seq=seq[3], tokens=[5]))  # not its worker
+    desk.on_tokens(P.LlmTokens(job_id=prefill.job_id, worker="cpu0", seq=seq[1], start=0, tokens=[5]))  # a prefill's
+    desk.on_tokens(P.LlmTokens(job_id=plain.job_id, worker="gpu0", seq=seq[2], start=0, tokens=[5]))  # not streamed
+    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="cpu0", seq=seq[3], start=0, tokens=[5]))  # not its worker
     assert replies == []
-    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], tokens=[5, 6]))
-    assert replies == [(b"c3", P.GenerateTokens(v=1, id=3, tokens=[5, 6]))]
+    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], start=0, tokens=[5, 6]))
+    assert replies == [(b"c3", P.GenerateTokens(v=1, id=3, start=0, tokens=[5, 6]))]
     # answered (its deadline): the engine's next tokens go nowhere, and no second reply comes
     desk.decide(2.0)
     assert [(c, type(m).__name__, m.status) for c, m in replies[1:]] == [
         (b"c1", "GenerateReply", Status.DEADLINE_EXCEEDED), (b"c2", "GenerateReply", Status.DEADLINE_EXCEEDED),
         (b"c3", "GenerateReply", Status.DEADLINE_EXCEEDED)]
-    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], tokens=[7]))
+    desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], start=0, tokens=[7]))
     assert len(replies) == 4

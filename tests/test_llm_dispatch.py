@@ -32,11 +32,24 @@ from conftest import ROOT, free_port, perf_analyzer_ran, sim_worker
 BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
 HOLD_TOKEN = 4094  # ... or hold it, unanswered, until the dispatcher aborts it
 HOLD_MAX_TOKENS = 77  # a request for this many tokens is held too, until aborted or released
+GAP_MAX_TOKENS = 55  # a streamed request for this many tokens loses its second step's message
 DEFAULT_TIMEOUT_S = 5.0  # the node's default_timeout_s
+
+
+EOS = 4000  # the scripted model's end-of-sequence token
 
 
 def expected(prompt, n):
     return [(sum(prompt) + i) % 4096 for i in range(n)]
+
+
+def decoded(job: P.LlmJob, prompt, n) -> tuple[list, str]:
+    """(tokens, finish reason) of the scripted engine: ``expected``, up to EOS unless the job
+    ignores it (a prefill decodes its one token whatever it is)."""
+    tokens = expected(prompt, n)
+    if job.kind == "generate" and not job.ignore_eos and EOS in tokens:
+        return tokens[:tokens.index(EOS) + 1], "stop"
+    return tokens, "length"
 
 
 class ScriptedEngine(threading.Thread):
@@ -86,15 +99,17 @@ class ScriptedEngine(threading.Thread):
                     if msg.stream:  # its first step decoded, then held
                         for seq, prompt in zip(msg.seqs, msg.prompts):
                             sock.send(P.encode(P.LlmTokens(job_id=msg.job_id, worker=self.name_, seq=seq,
-                                                           tokens=expected(prompt, 1))))
+                                                           start=0, tokens=expected(prompt, 1))))
                     self.held_any.set()
                 elif type(msg) is P.LlmJob:
                     self.jobs.append(msg)
                     if msg.stream:  # as a vLLM worker: each step's token as decoded, but the last step's
                         for seq, prompt, n in zip(msg.seqs, msg.prompts, msg.max_tokens):
-                            for token in expected(prompt, n)[:-1]:
+                            for start, token in enumerate(decoded(msg, prompt, n)[0][:-1]):
+                                if n == GAP_MAX_TOKENS and start == 1:
+                                    continue
                                 sock.send(P.encode(P.LlmTokens(job_id=msg.job_id, worker=self.name_, seq=seq,
-                                                               tokens=[token])))
+                                                               start=start, tokens=[token])))
                     sock.send(P.encode(self._answer(msg)))
                 elif type(msg) is P.LlmAbort:  # as a vLLM worker: out of the engine, the job ends
                     self.aborts.append(msg)
@@ -113,8 +128,9 @@ class ScriptedEngine(threading.Thread):
                 results.append(P.LlmResult(seq=seq, status=int(P.Status.INTERNAL), message="engine failed"))
                 continue
             kv = (len(prompt) // 32) * 32 if job.kv_from else 0
-            results.append(P.LlmResult(seq=seq, status=0, tokens=expected(prompt, n), first_token_s=0.0005,
-                                       kv_tokens=kv))
+            tokens, reason = decoded(job, prompt, n)
+            results.append(P.LlmResult(seq=seq, status=0, tokens=tokens, first_token_s=0.0005, kv_tokens=kv,
+                                       finish_reason=reason))
         return P.LlmDone(job_id=job.job_id, worker=self.name_, compute_s=0.001, results=results)
 
 
@@ -500,6 +516,11 @@ def test_a_streamed_generation_gives_its_tokens_as_decoded_then_its_one_reply(ll
     # Every step's tokens but the last, which the reply holds with all the others.
     assert got == expected(prompt, 6)[:-1] and list(out) == list(plain) == expected(prompt, 6)
     assert [j.stream for j in engines["gpu0"].jobs] == [True, False]  # asked of the engine only when streamed
+    # A step's message lost (past a full queue): the pieces stop at the gap, the reply has the rest.
+    with Client(address) as c:
+        got.clear()
+        out = c.generate("tiny", prompt, max_tokens=GAP_MAX_TOKENS, on_tokens=got.extend)
+    assert got == expected(prompt, 1) and list(out) == expected(prompt, GAP_MAX_TOKENS)
     with Client(address) as c, pytest.raises(InvalidArgument, match="on_tokens must be callable"):
         c.generate("tiny", prompt, on_tokens=[])
 
@@ -558,6 +579,11 @@ def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_a
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
     ends = [c for c in chunks if c["choices"][0]["finish_reason"]]
     assert sorted(c["batchyard"]["token_ids"] for c in ends) == sorted(m["token_ids"] for m in plain["batchyard"])
+    # a lost step: the same text all the same
+    status, gap = _http(url + "/v1/completions", {"model": "tiny", "prompt": [40], "max_tokens": GAP_MAX_TOKENS})
+    status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": [40], "stream": True,
+                                                             "max_tokens": GAP_MAX_TOKENS})
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == gap["choices"][0]["text"] != ""
 
     # Refused before a token came (its deadline passed in the engine): the JSON error under its
     # status, as without stream; the engine is told to stop it.
@@ -837,3 +863,41 @@ def test_completions_bodies_and_prompt_lists_past_their_limits_are_refused_at_on
     assert status == 400 and "1025 prompts in one request; at most 1024" in err["error"]["message"], err
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[1, 2]] * 3, "max_tokens": 2})
     assert status == 200 and len(out["choices"]) == 3
+
+
+def test_a_generation_ends_at_the_models_end_of_sequence_unless_it_ignores_it(llm_node):
+    """Every route and protocol: the tokens up to the end-of-sequence token, finish_reason
+    "stop"; with ignore_eos (vLLM's parameter), max_tokens of them, "length"."""
+    address, engines, url = llm_node
+    prompt = [3990, 5]  # the scripted tokens 3995 ... 4000 (EOS) ...
+    with Client(address) as c:
+        for route in ("gpu", "prefill-cpu"):
+            out = c.generate("tiny", prompt, max_tokens=10, route=route)
+            assert (list(out), out.finish_reason) == (list(range(3995, 4001)), "stop")
+            assert engines["gpu0"].jobs[-1].ignore_eos is False
+        out = c.generate("tiny", prompt, max_tokens=10, ignore_eos=True)
+        assert (list(out), out.finish_reason) == (list(range(3995, 4005)), "length")
+        assert engines["gpu0"].jobs[-1].ignore_eos is True
+        got: list = []
+        out = c.generate("tiny", prompt, max_tokens=10, on_tokens=got.extend)
+        assert got == list(range(3995, 4000)) and out.finish_reason == "stop"
+        with pytest.raises(InvalidArgument, match="ignore_eos must be a boolean"):
+            c.generate("tiny", prompt, ignore_eos="no")
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 6
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10,
+                                                  "ignore_eos": True})
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 10
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "ignore_eos": 1})
+    assert status == 400 and "ignore_eos" in out["error"]["message"]
+    status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10,
+                                                             "stream": True})
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "stop"
+    # Triton's generate, as the backend answers: finish_reason "stop"; ignore_eos a sampling parameter
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 10,
+                                                            "return_finish_reason": True})
+    assert status == 200 and out["finish_reason"] == "length"  # (no EOS after this prompt)
+    status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
+        "text_input": "the", "stream": True, "max_tokens": 3, "ignore_eos": "false", "return_finish_reason": True})
+    assert status == 200 and json.loads(events[-1])["finish_reason"] == "length"
+    assert engines["gpu0"].jobs[-1].ignore_eos is True  # bool("false"), as the backend converts it

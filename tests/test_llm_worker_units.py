@@ -242,8 +242,38 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
     server._start_job(P.LlmJob(job_id=2, kind="generate", seqs=[5], prompts=[[3] * 8], max_tokens=[3]))
     while server.engine.has_unfinished_requests():
         assert server._step()
-    tokens = [(m.job_id, m.seq, m.tokens) for m in server.sock.sent if type(m) is P.LlmTokens]
-    assert tokens == [(1, 4, [0, 1]), (1, 4, [2, 3])]  # the job that did not ask sends none
+    tokens = [(m.job_id, m.seq, m.start, m.tokens) for m in server.sock.sent if type(m) is P.LlmTokens]
+    assert tokens == [(1, 4, 0, [0, 1]), (1, 4, 2, [2, 3])]  # the job that did not ask sends none
     done = {m.job_id: m.results[0].tokens for m in server.sock.sent if type(m) is P.LlmDone}
     assert done == {1: [0, 1, 2, 3, 4], 2: [0, 1, 2]}
     assert type(server.sock.sent[-1]) is P.LlmDone and server.sock.sent[-1].job_id == 1  # its tokens came first
+
+
+def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignores_them(tmp_path, monkeypatch):
+    import json
+
+    from batchyard.workers.llm_engine import eos_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert eos_token_ids(tmp_path) == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, None, True]}))
+    assert eos_token_ids(tmp_path) == (2, 7)  # the generation config's, as transformers reads it
+    assert eos_token_ids(tmp_path / "nowhere") == ()
+
+    _stub_vllm(monkeypatch)
+
+    class Engine:
+        def __init__(self):
+            self.params = {}
+
+        def add_request(self, rid, prompt, params, priority=0):
+            self.params[rid.split("-")[0]] = params
+
+    server = _gpu_server(tmp_path, Engine())
+    server.eos = (2, 7)
+    server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[1], prompts=[[3] * 8], max_tokens=[5]))
+    server._start_job(P.LlmJob(job_id=2, kind="generate", seqs=[2], prompts=[[3] * 8], max_tokens=[5], ignore_eos=True))
+    server._start_job(P.LlmJob(job_id=3, kind="prefill", seqs=[3], prompts=[[3] * 8], max_tokens=[1]))
+    stops = {job: getattr(p, "stop_token_ids", None) for job, p in server.engine.params.items()}
+    assert stops == {"1": [2, 7], "2": None, "3": None}
+    assert all(p.ignore_eos for p in server.engine.params.values())  # (vLLM knows no EOS of its own here)

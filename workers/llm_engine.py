@@ -20,6 +20,7 @@ without it, and the connector class is built on first use (module ``__getattr__`
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -73,12 +74,32 @@ def check_job(job: P.LlmJob, max_model_len: int, vocab: int) -> list[str]:
     return out
 
 
-def sampling_kwargs(max_tokens: int, kv: str = "") -> dict:
-    """SamplingParams for a job's request: greedy, token ids only, exactly max_tokens tokens."""
+def sampling_kwargs(max_tokens: int, kv: str = "", eos: tuple = ()) -> dict:
+    """SamplingParams for a job's request: greedy, token ids only, max_tokens tokens, or fewer
+    where it decodes one of ``eos`` (the model's end-of-sequence ids; none: exactly max_tokens).
+    The engine runs without a tokenizer (skip_tokenizer_init), so vLLM knows no EOS of its own:
+    the model's are its stop tokens, and ``ignore_eos`` stays set for the EOS it does not know."""
     kw = dict(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    if eos:
+        kw["stop_token_ids"] = list(eos)
     if kv:
         kw["extra_args"] = {"kv_transfer_params": {"batchyard": kv}}
     return kw
+
+
+def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
+    """The model's end-of-sequence token ids, as transformers and vLLM read them: its
+    generation_config.json's ``eos_token_id`` (an id or a list), else its config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((Path(model_path) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        ids = tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+        if ids:
+            return ids
+    return ()
 
 
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:

@@ -34,8 +34,8 @@ from batchyard.proctitle import set_title
 from batchyard.protocol import Status
 from batchyard.sd_notify import notify
 
-from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, kv_entry, kv_root, prepare_kv_dir,
-                         sampling_kwargs, set_env, sweep_stale)
+from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, eos_token_ids, kv_entry, kv_root,
+                         prepare_kv_dir, sampling_kwargs, set_env, sweep_stale)
 from .runtime import error_text
 
 log = logging.getLogger("batchyard.worker")
@@ -82,8 +82,9 @@ class _WakeEvent(threading.Event):
 
 
 class LlmServer:
-    def __init__(self, node, wcfg, engine, root: Path, engine_msg: P.LlmEngine, vocab: int):
+    def __init__(self, node, wcfg, engine, root: Path, engine_msg: P.LlmEngine, vocab: int, eos: tuple = ()):
         self.node, self.name, self.engine, self.root, self.vocab = node, wcfg.name, engine, root, vocab
+        self.eos = eos  # the model's end-of-sequence token ids (llm_engine.eos_token_ids)
         self.block, self.max_len = engine_msg.block_size, engine_msg.max_model_len
         self.register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name, pid=os.getpid(),
                                             path="cpu" if engine_msg.role == "prefill-cpu" else "gpu", models=[],
@@ -234,7 +235,9 @@ class LlmServer:
                     # the worker failed every request it held and exited. Its own prefill instead.
                     log.warning("worker %s: the moved KV of job %d is gone: prefilled here", self.name, msg.job_id)
                     entry, loads = "", ""
-            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(max_tokens, loads))
+            # (a prefill decodes its one token whatever it is: the generate job decodes it again)
+            eos = () if msg.kind == "prefill" or msg.ignore_eos else self.eos
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(max_tokens, loads, eos))
             try:
                 order = msg.order[i] if len(msg.order) == len(msg.seqs) else 0
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(msg.prompts[i])), params,
@@ -282,22 +285,24 @@ class LlmServer:
                 if req.job.msg.stream and req.job.msg.kind == "generate" and not out.finished:
                     # (a finishing step's tokens go in the job's LlmDone, which holds them all)
                     self.sock.send(P.encode(P.LlmTokens(job_id=req.job.msg.job_id, worker=self.name, seq=req.seq,
+                                                        start=len(req.tokens) - len(comp.token_ids),
                                                         tokens=list(comp.token_ids))))
             if out.finished:
                 reason = comp.finish_reason if comp is not None else None
                 if reason in ("length", "stop"):
                     # Prefix caching is off, so every cached token came from the moved KV.
-                    self._finish(out.request_id, Status.OK, "", out.num_cached_tokens or 0)
+                    self._finish(out.request_id, Status.OK, "", out.num_cached_tokens or 0, reason)
                 else:
                     self._finish(out.request_id, Status.INTERNAL, f"LLM engine ended the request: {reason}")
         return True
 
-    def _finish(self, rid: str, status: Status, message: str, kv_tokens: int = 0) -> None:
+    def _finish(self, rid: str, status: Status, message: str, kv_tokens: int = 0, reason: str = "") -> None:
         req = self.reqs.pop(rid)
         ok = status == Status.OK
         req.job.results[req.seq] = P.LlmResult(seq=req.seq, status=int(status), message=message,
                                                tokens=req.tokens if ok else [],
-                                               first_token_s=req.first_s if ok else 0.0, kv_tokens=kv_tokens)
+                                               first_token_s=req.first_s if ok else 0.0, kv_tokens=kv_tokens,
+                                               finish_reason=reason)
         if req.kv_entry:
             self.kv_users[req.kv_entry] -= 1
             if self.kv_users[req.kv_entry] <= 0:  # the moved KV served its request: free the disk
@@ -397,4 +402,4 @@ def _start_and_serve(node, wcfg, started: float, built: list) -> int:
     engine_msg = P.LlmEngine(model=model.name, role=vcfg.role, stand_in=vcfg.stand_in, block_size=model.block_size,
                              max_model_len=model.max_model_len, max_num_seqs=vcfg.max_num_seqs,
                              prefill=prefill, decode=decode)
-    return LlmServer(node, wcfg, engine, root, engine_msg, vocab).serve(started)
+    return LlmServer(node, wcfg, engine, root, engine_msg, vocab, eos_token_ids(model.path)).serve(started)
