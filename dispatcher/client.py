@@ -219,7 +219,7 @@ class Client(CodecAccess):
     def submit_generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
                         timeout: Optional[float] = None, route: Optional[str] = "",
                         on_tokens: Optional[Callable[[list], None]] = None,
-                        ignore_eos: bool = False) -> InferFuture:
+                        ignore_eos: bool = False, sampling=None) -> InferFuture:
         """LLM mode: greedy generation after ``prompt`` (token ids); the future's result is a
         ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
         or "gpu"; empty lets the dispatcher choose. ``on_tokens``: streams the generation; it
@@ -228,11 +228,14 @@ class Client(CodecAccess):
         result holds every token; those it has past the ones given to ``on_tokens`` are the rest.
         The generation ends at the model's end-of-sequence token (the result's
         ``finish_reason`` "stop", that token its last), or at ``max_tokens`` ("length");
-        ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are, as vLLM's parameter."""
+        ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are, as vLLM's parameter.
+        ``sampling``: greedy when None, else a dict of vLLM's sampling parameters
+        (``{"temperature": 0.8, "top_p": 0.95, "seed": 7}``; also top_k, min_p and the
+        presence, frequency and repetition penalties), checked against vLLM's bounds."""
         if self.closed:
             raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,
-                                                           on_tokens, ignore_eos)
+                                                           on_tokens, ignore_eos, sampling)
         return self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S, on_tokens)
 
     def generate(self, model: str, prompt, max_tokens: int = 16, **kw) -> Generation:

@@ -321,10 +321,11 @@ class AsyncClient(CodecAccess):
 
     async def generate(self, model: str, prompt, max_tokens: int = 16, *, priority="normal",
                        timeout: Optional[float] = None, route: str = "",
-                       on_tokens: Optional[Callable[[list], None]] = None, ignore_eos: bool = False) -> Generation:
+                       on_tokens: Optional[Callable[[list], None]] = None, ignore_eos: bool = False,
+                       sampling=None) -> Generation:
         """See Client.submit_generate. ``on_tokens`` is called on this client's event loop."""
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,
-                                                           on_tokens, ignore_eos)
+                                                           on_tokens, ignore_eos, sampling)
         fut = self._send("generate", rid, frames, [], {}, timeout + REPLY_GRACE_S, on_tokens)
         try:
             return await fut

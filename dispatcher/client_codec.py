@@ -140,6 +140,21 @@ def _index(value) -> int:
     return operator.index(value)
 
 
+def checked_sampling(sampling) -> Optional[P.Sampling]:
+    """A generation's sampling (vLLM's names: temperature, top_p, top_k, min_p, seed and the
+    penalties) as a mapping or a ``Sampling``, checked against vLLM's bounds; None: greedy."""
+    if sampling is None:
+        return None
+    if isinstance(sampling, P.Sampling):  # (built directly, its fields were never checked)
+        sampling = msgspec.structs.asdict(sampling)
+    if not isinstance(sampling, Mapping):
+        raise InvalidArgument(f"sampling must be a dict of vLLM's sampling parameters, got {sampling!r:.80}")
+    try:
+        return msgspec.convert(dict(sampling), P.Sampling)
+    except msgspec.ValidationError as e:
+        raise InvalidArgument(f"sampling: {e}") from None
+
+
 def checked_priority(priority) -> int:
     """A class name ("high", "normal", "low") or its number (0, 1, 2), or InvalidArgument."""
     if isinstance(priority, str):
@@ -578,13 +593,14 @@ class ClientCodec:
                           "memory: the request was not sent")
 
     def encode_generate(self, model: str, prompt, max_tokens: int, priority, timeout: Optional[float],
-                        route: str = "", on_tokens=None, ignore_eos: bool = False) -> tuple[int, list, float]:
+                        route: str = "", on_tokens=None, ignore_eos: bool = False,
+                        sampling=None) -> tuple[int, list, float]:
         """-> (id, frames, how long to wait for the reply). Without a ``timeout`` before a
         model_info reply said the node's default (an LLM-only client asks none), the request
         names none (``timeout_us`` 0: the node's default applies) and the wait is the node's to
         end; a lost or stopped dispatcher still fails it (the connection's liveness). An
         ``on_tokens`` (not None) streams it, and must be callable. ``ignore_eos``: decode
-        max_tokens past the model's end-of-sequence token too."""
+        max_tokens past the model's end-of-sequence token too; ``sampling``: see checked_sampling."""
         if not isinstance(ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a boolean, got {ignore_eos!r:.40}")
         if on_tokens is not None and not callable(on_tokens):
@@ -618,7 +634,8 @@ class ClientCodec:
         rid = self.next_id()
         msg = P.GenerateRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, prompt=tokens, max_tokens=n,
                                 priority=prio, timeout_us=0 if node_decides else timeout_us(timeout), route=route,
-                                stream=on_tokens is not None, ignore_eos=ignore_eos)
+                                stream=on_tokens is not None, ignore_eos=ignore_eos,
+                                sampling=checked_sampling(sampling))
         return rid, [P.encode(msg)], timeout
 
     def encode_model_info(self, model: str) -> tuple[int, list]:

@@ -54,6 +54,7 @@ class LlmRequest:
     job_id: int = -1  # the job it is in, while one runs it
     stream: bool = False  # its client takes the tokens as they are decoded (GenerateRequest.stream)
     ignore_eos: bool = False  # max_tokens past an end-of-sequence token too
+    sampling: Optional[P.Sampling] = None  # None: greedy
 
 
 @dataclass(eq=False)
@@ -273,7 +274,8 @@ class LlmCore:
             return Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
         r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
-                       seq=next(self._ids), priority=msg.priority, stream=msg.stream, ignore_eos=msg.ignore_eos)
+                       seq=next(self._ids), priority=msg.priority, stream=msg.stream, ignore_eos=msg.ignore_eos,
+                       sampling=msg.sampling)
         self.requests[r.seq] = r
         self.open_by_model[model] = self.open_by_model.get(model, 0) + 1
         self._compact_deadlines()
@@ -342,7 +344,7 @@ class LlmCore:
         job = Job(next(self._ids), w, "generate", [r], now, running_at_send=len(w.jobs))
         self._start(job, P.LlmJob(job_id=job.job_id, kind="generate", seqs=[r.seq], prompts=[r.prompt],
                                   max_tokens=[r.max_tokens], kv_from=kv_from, order=[r.seq], stream=r.stream,
-                                  ignore_eos=r.ignore_eos))
+                                  ignore_eos=r.ignore_eos, sampling=r.sampling))
 
     def _start(self, job: Job, msg: P.LlmJob) -> None:
         job.expected_end = job.worker.busy_until

@@ -12,8 +12,9 @@ as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` 
 ``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
-(16 when left out, vLLM's default), ``temperature``, which must be 0 or left out (Batchyard
-decodes greedily; vLLM's default would sample), and ``ignore_eos``. Any other sampling parameter
+(16 when left out, vLLM's default), ``ignore_eos``, and the sampling ones: ``temperature``
+(0, greedy, when left out, where vLLM's default of 1 samples), ``top_p``, ``top_k``, ``min_p``,
+``seed`` and the presence, frequency and repetition penalties, within vLLM's bounds. Any other sampling parameter
 is refused rather than ignored, as on ``/v1/completions``. A completion ends at the model's
 end-of-sequence token (``finish_reason`` "stop") or at ``max_tokens`` ("length"), as vLLM's.
 
@@ -34,7 +35,8 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
-from .errors import BatchyardError
+from .client_codec import checked_sampling
+from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
 from .llm_text import TextPieces
 from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError
@@ -157,13 +159,22 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
         raise invalid(f"max_tokens must be a positive integer, got {max_tokens}")
     # (bool() of the value, as the backend converts it: the string "false" is true there too)
     switches["ignore_eos"] = _sampling("ignore_eos", params.pop("ignore_eos", False), bool)
-    temperature = _sampling("temperature", params.pop("temperature", 0), float)
-    if temperature != 0:
-        raise invalid(f"only greedy decoding is served: temperature must be 0, got {temperature:g}")
+    sampling = {name: _sampling(name, params.pop(name), kind) for name, kind in _SAMPLING_TYPES.items()
+                if name in params}
+    try:
+        switches["sampling"] = checked_sampling(sampling) if sampling else None
+    except InvalidArgument as e:
+        raise invalid(e.message) from None
     for name in params:
         if name not in _NOT_SAMPLING:
             raise invalid(f"sampling parameter '{name}' is not supported by Batchyard's LLM mode")
     return prompt, switches, max_tokens
+
+
+# The sampling parameters served, with the type the backend converts each to (SamplingParams'
+# annotations: Optional[int] is int).
+_SAMPLING_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
+                   "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float}
 
 
 # Request parameters Triton takes for itself (its scheduler's, its protocol's): not the model's.
@@ -281,7 +292,8 @@ class LlmGenerate:
 
             out = await self.completions.client.generate(
                 model, ids, max_tokens, timeout=timeout or self.completions.default_timeout_s,
-                on_tokens=on_tokens if streamed else None, ignore_eos=switches["ignore_eos"])
+                on_tokens=on_tokens if streamed else None, ignore_eos=switches["ignore_eos"],
+                sampling=switches["sampling"])
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:

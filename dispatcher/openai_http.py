@@ -3,8 +3,11 @@
 Text prompts are tokenized here, in the front-door process, with the model folder's
 ``tokenizer.json`` (the ``tokenizers`` library, no transformers), so the dispatcher only ever
 sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. Decoding is
-greedy: ``temperature`` must be 0 or left out; ``n`` 1. Not supported yet, and refused with a
-400 naming the field rather than ignored: ``logprobs``, ``echo``, ``best_of`` > 1.
+greedy unless the body samples: OpenAI's ``temperature``, ``top_p``, ``seed``,
+``presence_penalty`` and ``frequency_penalty``, and vLLM's ``top_k``, ``min_p`` and
+``repetition_penalty``, within vLLM's bounds (a 400 naming the field past them); ``n`` 1. Not
+supported yet, and refused with a 400 naming the field rather than ignored: ``logprobs``,
+``echo``, ``stop``, ``best_of`` > 1.
 
 ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
 its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
@@ -27,6 +30,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -38,6 +42,8 @@ from .client_codec import Generation
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextPieces
+from . import protocol as P
+from .client_codec import checked_sampling
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
 log = logging.getLogger("batchyard.frontend")
@@ -58,8 +64,8 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
-_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None,
-                "presence_penalty": 0, "frequency_penalty": 0}
+_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None}
+SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
 
 
 class OpenAiError(Exception):
@@ -126,7 +132,7 @@ class OpenAiCompletions:
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               param="model", code="model_not_found")
-        _check_supported(body)
+        sampling = _check_supported(body)
         max_tokens = body.get("max_tokens")
         if max_tokens is None:  # null is the default, as OpenAI takes it
             max_tokens = 16
@@ -144,7 +150,7 @@ class OpenAiCompletions:
         if not isinstance(ignore_eos, bool):
             raise OpenAiError(400, f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
         prompts = await self._prompts(model, body.get("prompt"))
-        run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
+        run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos, sampling=sampling)
         if stream:
             return await self._stream(request, model, prompts, max_tokens, run, include_usage)
         # A list of prompts runs at once, under the one deadline of the request (one after
@@ -356,18 +362,24 @@ def _route(body: dict) -> str:
     return route
 
 
-def _check_supported(body: dict) -> None:
+def _check_supported(body: dict) -> Optional[P.Sampling]:
+    """-> the body's sampling (None: greedy), once its fields are checked; OpenAiError naming
+    the first it refuses."""
     # Compared by type as well: False == 0 and True == 1, and "temperature": false, "n": true were served.
-    temperature = body.get("temperature", 0)
-    if isinstance(temperature, bool) or temperature not in (0, 0.0, None):
-        raise OpenAiError(400, f"only greedy decoding is served: temperature must be 0, got {temperature!r}",
-                          param="temperature")
     for key in ("n", "best_of"):
         if isinstance(body.get(key), bool) or body.get(key, 1) not in (1, None):
             raise OpenAiError(400, f"{key} must be 1, got {body[key]!r}", param=key)
     for key, default in _UNSUPPORTED.items():
         if not _asks_nothing(body.get(key, default), default):
             raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)
+    # OpenAI's sampling fields and vLLM's extensions (top_k, min_p, repetition_penalty); null
+    # is the default, as OpenAI takes it
+    given = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    try:
+        return checked_sampling(given) if given else None
+    except errors.InvalidArgument as e:
+        field = re.search(r"\$\.(\w+)", e.message)
+        raise OpenAiError(400, e.message, param=field.group(1) if field else "") from None
 
 
 def _asks_nothing(value, default) -> bool:

@@ -174,8 +174,24 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
 
+class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """How a generation picks each token: vLLM's SamplingParams of these names, within the
+    bounds vLLM checks. Temperature 0 (the default) is greedy; ``seed`` makes a sampled
+    generation the same each time, on either route (the decode instance draws every token)."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = 0  # 0 or -1: every token
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
+    seed: Optional[Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]] = None
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
-    """LLM mode: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids). Token
+    """LLM mode: generation of ``max_tokens`` tokens after ``prompt`` (token ids), greedy unless
+    ``sampling`` says otherwise. Token
     ids travel in the header: a prompt of 32k tokens is ~100 KB of MessagePack, no tensor path
     needed. ``route`` forces a path ("prefill-cpu" or "gpu"); empty lets the dispatcher choose.
     ``stream``: the tokens are also sent as the engine decodes them, in ``generated_tokens``
@@ -193,6 +209,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_def
     route: Route = ""
     stream: bool = False
     ignore_eos: bool = False
+    sampling: Optional[Sampling] = None
 
 
 ClientMessage = Union[InferRequest, ModelInfoRequest, StatusRequest, CancelRequest, ShmRegisterRequest,
@@ -481,6 +498,8 @@ class LlmJob(msgspec.Struct, tag="llm_job", tag_field="type", omit_defaults=True
     stream: bool = False
     # generate jobs: decode max_tokens past the model's end-of-sequence tokens too
     ignore_eos: bool = False
+    # generate jobs: how each token is picked (None: greedy); a prefill's one token is greedy
+    sampling: Optional[Sampling] = None
 
 
 class LlmAbort(msgspec.Struct, tag="llm_abort", tag_field="type"):

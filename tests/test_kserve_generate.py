@@ -366,11 +366,12 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
     prompt, switches, max_tokens = read_request(
         {"text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0}, "return_num_output_tokens": True}, False)
     assert (prompt, max_tokens) == ("hi", 5)
+    assert switches.pop("sampling").temperature == 0.0  # greedy
     assert switches == {"return_num_output_tokens": True, "exclude_input_in_output": False,  # the prompt comes first
                         "ignore_eos": False}
     assert read_request({"text_input": ["hi"], "stream": [True]}, True)[1] == {"stream": True,
                                                                                 "exclude_input_in_output": True,
-                                                                                "ignore_eos": False}
+                                                                                "ignore_eos": False, "sampling": None}
     assert read_request({"text_input": "hi", "ignore_eos": "false"}, False)[1]["ignore_eos"] is True  # bool(), as the backend
     assert read_request({"text_input": "hi", "id": "7"}, False)[2] == 16  # vLLM's default
     # converted as the backend converts them: int("4"), int(4.0), float("0")
@@ -385,12 +386,13 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
             ({"text_input": "hi", "stream": True}, False, "generate expects model to produce exactly 1 response"),
             ({"text_input": "hi", "stream": True, "exclude_input_in_output": False}, True,
              "When streaming, `exclude_input_in_output` = False is not allowed."),
-            ({"text_input": "hi", "temperature": 0.7}, False, "only greedy decoding is served"),
+            ({"text_input": "hi", "temperature": 2.7}, False, "Expected `float` <= 2.0 - at `$.temperature`"),
             ({"text_input": "hi", "max_tokens": 0}, False, "max_tokens must be a positive integer"),
             ({"text_input": "hi", "max_tokens": "4.0"}, False, "max_tokens must be an integer, got '4.0'"),
             ({"text_input": "hi", "max_tokens": [4] * 10**6}, False, "parameter 'max_tokens' has invalid type"),
             ({"text_input": "hi", "sampling_parameters": "{\"max_tokens\": [4, 4]}"}, False, "got an array of 2 items"),
-            ({"text_input": "hi", "top_p": 0.9}, False, "sampling parameter 'top_p' is not supported"),
+            ({"text_input": "hi", "best_of": 2}, False, "sampling parameter 'best_of' is not supported"),
+            ({"text_input": "hi", "top_p": "0.9x"}, False, "top_p must be a number, got '0.9x'"),
             ({"text_input": "hi", "sampling_parameters": "[1]"}, False, "'sampling_parameters' must be a JSON object"),
             ({"text_input": "hi", "sampling_parameters": "{"}, False, "'sampling_parameters' is not JSON"),
             ({"text_input": "hi", "image": "x"}, False, "input 'image' is not supported"),

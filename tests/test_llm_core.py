@@ -319,7 +319,7 @@ def test_a_request_that_forced_the_cpu_route_is_refused_when_the_last_cpu_instan
 
 
 @pytest.mark.parametrize("key, value", [("stop", ["("]), ("stop", "\n"), ("logit_bias", {"6": -100}),
-                                        ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+                                        ("presence_penalty", 2.5), ("frequency_penalty", "1"),
                                         ("temperature", False), ("n", True), ("best_of", True)])
 def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key, value):
     """Taken and ignored, a stop sequence answered 200 with the very text asked to stop at (and
@@ -521,7 +521,7 @@ class _FakeClient:
         self.asked: list = []
 
     async def generate(self, model, prompt, max_tokens=16, *, priority="normal", timeout=None, route="",
-                       on_tokens=None, ignore_eos=False):
+                       on_tokens=None, ignore_eos=False, sampling=None):
         self.asked.append((model, list(prompt), max_tokens))
         return _Generated([5] * max_tokens)
 

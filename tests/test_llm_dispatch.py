@@ -45,8 +45,10 @@ def expected(prompt, n):
 
 def decoded(job: P.LlmJob, prompt, n) -> tuple[list, str]:
     """(tokens, finish reason) of the scripted engine: ``expected``, up to EOS unless the job
-    ignores it (a prefill decodes its one token whatever it is)."""
-    tokens = expected(prompt, n)
+    ignores it (a prefill decodes its one token whatever it is); sampled, those of the prompt
+    followed by 1000 + its seed."""
+    sampled = job.sampling is not None and job.sampling.temperature > 0
+    tokens = expected([*prompt, 1000 + (job.sampling.seed or 0)] if sampled else prompt, n)
     if job.kind == "generate" and not job.ignore_eos and EOS in tokens:
         return tokens[:tokens.index(EOS) + 1], "stop"
     return tokens, "length"
@@ -373,8 +375,8 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
                                       parameters={"max_tokens": 2})
     assert error is None and result.as_numpy("text_output").tolist() == [(prompt + completion).encode()]
     assert result.get_response().parameters["triton_final_response"].bool_param
-    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"top_p": 0.5})
-    assert result is None and "sampling parameter 'top_p' is not supported" in str(error)
+    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"stop": "the"})
+    assert result is None and "sampling parameter 'stop' is not supported" in str(error)
     # generate, the same text
     status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 5,
                                                              "exclude_input_in_output": True})
@@ -573,7 +575,7 @@ def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_a
     assert usage["choices"] == [] and usage["usage"] == plain["usage"]
     for i, choice in enumerate(plain["choices"]):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
-        assert len(mine) > 2  # piece by piece, not one answer
+        assert len(mine) >= 2  # pieces before the last (a slow reader's merged), not one answer
         assert "".join(c["text"] for c in mine) == choice["text"]
         assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
@@ -680,7 +682,7 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
     assert status == 200, out  # null is the default, as for max_tokens (it was a 400)
 
     for body, code, word in (({"model": "nope", "prompt": "x"}, 404, "nope"),
-                             ({"model": "tiny", "prompt": "x", "temperature": 0.7}, 400, "temperature"),
+                             ({"model": "tiny", "prompt": "x", "temperature": 2.7}, 400, "temperature"),
                              ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
                              ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
                               "stream_options"),
@@ -901,3 +903,41 @@ def test_a_generation_ends_at_the_models_end_of_sequence_unless_it_ignores_it(ll
         "text_input": "the", "stream": True, "max_tokens": 3, "ignore_eos": "false", "return_finish_reason": True})
     assert status == 200 and json.loads(events[-1])["finish_reason"] == "length"
     assert engines["gpu0"].jobs[-1].ignore_eos is True  # bool("false"), as the backend converts it
+
+
+def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_are_refused(llm_node):
+    """vLLM's sampling parameters, from the SDK, /v1/completions (OpenAI's fields and vLLM's
+    extensions) and Triton's generate (converted as the backend converts them): the decode job
+    carries them, and the scripted engine's sampled tokens come back; greedy when none."""
+    address, engines, url = llm_node
+    prompt = [40, 10]
+    sampled = expected([*prompt, 1003], 6)  # the scripted engine's, at seed 3
+    with Client(address) as c:
+        out = c.generate("tiny", prompt, max_tokens=6, sampling={"temperature": 0.8, "top_p": 0.9, "seed": 3},
+                         route="prefill-cpu")
+        assert list(out) == sampled
+        job = engines["gpu0"].jobs[-1]
+        assert (job.sampling.temperature, job.sampling.top_p, job.sampling.seed) == (0.8, 0.9, 3)
+        assert engines["cpu0"].jobs[-1].sampling is None  # the prefill's one token is greedy
+        assert list(c.generate("tiny", prompt, max_tokens=6)) == expected(prompt, 6)
+        assert engines["gpu0"].jobs[-1].sampling is None
+        for bad, word in (({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
+                          ({"tempature": 1}, "tempature"), ({"seed": 1.5}, "seed"), ([0.5], "dict")):
+            with pytest.raises(InvalidArgument, match=word):
+                c.generate("tiny", prompt, sampling=bad)
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                                                  "temperature": 0.8, "top_p": 0.9, "seed": 3, "top_k": 40,
+                                                  "presence_penalty": 0.5, "repetition_penalty": 1.1})
+    assert status == 200 and out["batchyard"][0]["token_ids"] == sampled
+    s = engines["gpu0"].jobs[-1].sampling
+    assert (s.top_k, s.presence_penalty, s.repetition_penalty) == (40, 0.5, 1.1)
+    for body, param in (({"temperature": True}, "temperature"), ({"frequency_penalty": -3}, "frequency_penalty"),
+                        ({"seed": "7"}, "seed"), ({"min_p": 2}, "min_p")):
+        status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": "0.8",
+                                                            "parameters": {"seed": "3", "top_k": 40.0}})
+    assert status == 200 and engines["gpu0"].jobs[-1].sampling.seed == 3
+    assert engines["gpu0"].jobs[-1].sampling.top_k == 40
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "top_p": 1.5})
+    assert status == 400 and "top_p" in out["error"]

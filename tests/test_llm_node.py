@@ -81,6 +81,24 @@ def test_routed_requests_decode_with_the_moved_kv_exactly_as_the_gpu_instance_al
             assert alone.timing.kv_tokens == 0 and alone.timing.route == "gpu"
 
 
+def test_a_seeded_sampled_generation_is_the_same_on_either_route_and_each_time(node):
+    """vLLM's sampling through the node: the decode instance draws every token (the prefill's
+    one is greedy and thrown away), so a seed gives the same tokens routed or not, run again."""
+    cfg, _ = node
+    prompt = _prompt(100, seed=5)
+    sampling = {"temperature": 1.0, "top_p": 0.95, "seed": 11}
+    with Client(cfg.dispatcher.frontend) as c:
+        greedy = c.generate("tiny", prompt, max_tokens=16, route="gpu", timeout=120, ignore_eos=True)
+        alone = c.generate("tiny", prompt, max_tokens=16, route="gpu", timeout=120, ignore_eos=True, sampling=sampling)
+        routed = c.generate("tiny", prompt, max_tokens=16, route="prefill-cpu", timeout=120, ignore_eos=True,
+                            sampling=sampling)
+        again = c.generate("tiny", prompt, max_tokens=16, route="gpu", timeout=120, ignore_eos=True, sampling=sampling)
+        other = c.generate("tiny", prompt, max_tokens=16, route="gpu", timeout=120, ignore_eos=True,
+                           sampling={**sampling, "seed": 12})
+    assert list(alone) == list(routed) == list(again) and routed.timing.kv_tokens == 96
+    assert list(alone) != list(greedy) and list(other) != list(alone)  # it samples, and by its seed
+
+
 def test_the_dispatcher_routes_by_its_curves_and_learns_them(node):
     cfg, _ = node
     lengths = [24, 48, 600, 32, 900, 64]
@@ -151,9 +169,9 @@ def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     assert sum(e["num_output_tokens"] for e in events) == 6 and all(e["num_input_tokens"] > 0 for e in events)
     assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + ["length"]
     # a refusal after the body is read: under a stream, an event with its status
-    status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {"text_input": prompt, "top_p": 0.5})
+    status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {"text_input": prompt, "stop": "the"})
     assert (status, kind) == (400, "text/event-stream; charset=utf-8")
-    assert b"'top_p' is not supported" in text
+    assert b"'stop' is not supported" in text
     status, _, text = _post_json(url + "/v2/models/tiny/generate", {"text_input": prompt, "stream": True})
     assert status == 500 and b"exactly 1 response" in text
 

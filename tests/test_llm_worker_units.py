@@ -277,3 +277,13 @@ def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignore
     stops = {job: getattr(p, "stop_token_ids", None) for job, p in server.engine.params.items()}
     assert stops == {"1": [2, 7], "2": None, "3": None}
     assert all(p.ignore_eos for p in server.engine.params.values())  # (vLLM knows no EOS of its own here)
+    # sampling: a generate job's, as vLLM's parameters; a prefill's one token stays greedy
+    sampling = P.Sampling(temperature=0.8, top_k=40, seed=3)
+    server._start_job(P.LlmJob(job_id=4, kind="generate", seqs=[4], prompts=[[3] * 8], max_tokens=[5],
+                               sampling=sampling))
+    server._start_job(P.LlmJob(job_id=5, kind="prefill", seqs=[5], prompts=[[3] * 8], max_tokens=[1],
+                               sampling=sampling))
+    p4, p5 = server.engine.params["4"], server.engine.params["5"]
+    assert (p4.temperature, p4.top_k, p4.seed, p4.top_p, p4.max_tokens) == (0.8, 40, 3, 1.0, 5)
+    assert (p5.temperature, getattr(p5, "seed", None)) == (0.0, None)
+    assert not hasattr(server.engine.params["1"], "seed")  # greedy: vLLM's defaults

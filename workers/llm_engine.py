@@ -31,6 +31,8 @@ import time
 import zlib
 from pathlib import Path
 
+import msgspec
+
 from batchyard import protocol as P
 from batchyard.llm_routing import moved_tokens
 
@@ -74,12 +76,15 @@ def check_job(job: P.LlmJob, max_model_len: int, vocab: int) -> list[str]:
     return out
 
 
-def sampling_kwargs(max_tokens: int, kv: str = "", eos: tuple = ()) -> dict:
-    """SamplingParams for a job's request: greedy, token ids only, max_tokens tokens, or fewer
-    where it decodes one of ``eos`` (the model's end-of-sequence ids; none: exactly max_tokens).
-    The engine runs without a tokenizer (skip_tokenizer_init), so vLLM knows no EOS of its own:
-    the model's are its stop tokens, and ``ignore_eos`` stays set for the EOS it does not know."""
+def sampling_kwargs(max_tokens: int, kv: str = "", eos: tuple = (), sampling: P.Sampling | None = None) -> dict:
+    """SamplingParams for a job's request: token ids only, greedy unless ``sampling`` (its
+    fields are SamplingParams'), max_tokens tokens, or fewer where it decodes one of ``eos``
+    (the model's end-of-sequence ids; none: exactly max_tokens). The engine runs without a
+    tokenizer (skip_tokenizer_init), so vLLM knows no EOS of its own: the model's are its stop
+    tokens, and ``ignore_eos`` stays set for the EOS it does not know."""
     kw = dict(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    if sampling is not None:
+        kw.update((k, v) for k, v in msgspec.structs.asdict(sampling).items() if v is not None)
     if eos:
         kw["stop_token_ids"] = list(eos)
     if kv:

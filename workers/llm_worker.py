@@ -237,7 +237,9 @@ class LlmServer:
                     entry, loads = "", ""
             # (a prefill decodes its one token whatever it is: the generate job decodes it again)
             eos = () if msg.kind == "prefill" or msg.ignore_eos else self.eos
-            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(max_tokens, loads, eos))
+            sampling = None if msg.kind == "prefill" else msg.sampling
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA,
+                                    **sampling_kwargs(max_tokens, loads, eos, sampling))
             try:
                 order = msg.order[i] if len(msg.order) == len(msg.seqs) else 0
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(msg.prompts[i])), params,
