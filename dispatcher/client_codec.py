@@ -150,9 +150,22 @@ def checked_sampling(sampling) -> Optional[P.Sampling]:
     if not isinstance(sampling, Mapping):
         raise InvalidArgument(f"sampling must be a dict of vLLM's sampling parameters, got {sampling!r:.80}")
     try:
-        return msgspec.convert(dict(sampling), P.Sampling)
+        checked = msgspec.convert(dict(sampling), P.Sampling)
     except msgspec.ValidationError as e:
         raise InvalidArgument(f"sampling: {e}") from None
+    if "temperature" not in sampling:
+        # vLLM samples at 1 without one; greedy here, these would be taken and do nothing.
+        asked = [k for k, default in _SAMPLES_ONLY if sampling.get(k, default) not in (default, None)
+                 and not (k == "top_k" and sampling[k] == -1)]
+        if asked:
+            raise InvalidArgument(f"sampling: {asked[0]} is given without a temperature; Batchyard decodes greedily "
+                                  "when it is left out (vLLM samples at 1): give one, e.g. 1.0 - at "
+                                  f"`$.{asked[0]}`")
+    return checked
+
+
+# Sampling fields that change nothing at temperature 0 (vLLM resets them there).
+_SAMPLES_ONLY = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("seed", None))
 
 
 def checked_priority(priority) -> int:
@@ -666,7 +679,7 @@ class ClientCodec:
             pend = self.pending.get(msg.id)
             if pend is None or pend.on_tokens is None:
                 return
-            if msg.start != pend.streamed:
+            if msg.start not in (pend.streamed, -1):
                 # A gap (a message lost past a full queue): the pieces stop here, and the
                 # reply's tokens past those given are the rest, in order.
                 pend.on_tokens = None

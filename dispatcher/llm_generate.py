@@ -38,8 +38,7 @@ import grpc
 from .client_codec import checked_sampling
 from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
-from .llm_text import TextPieces
-from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError
+from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError, stop_strings
 from .protocol import MAX_TOKEN_ID
 
 # The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others
@@ -159,6 +158,10 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
         raise invalid(f"max_tokens must be a positive integer, got {max_tokens}")
     # (bool() of the value, as the backend converts it: the string "false" is true there too)
     switches["ignore_eos"] = _sampling("ignore_eos", params.pop("ignore_eos", False), bool)
+    try:  # (str or a list of str, as the backend leaves it for vLLM)
+        switches["stop"] = stop_strings(params.pop("stop", None), "stop")
+    except OpenAiError as e:
+        raise invalid(e.message) from None
     sampling = {name: _sampling(name, params.pop(name), kind) for name, kind in _SAMPLING_TYPES.items()
                 if name in params}
     try:
@@ -282,28 +285,27 @@ class LlmGenerate:
         switch, ``emit`` is called with those of each engine step but the last, whose are
         returned (the stream's final response)."""
         streamed = bool(switches.get("stream")) and emit is not None
+        given = 0  # tokens of the responses emitted
+
+        def on_text(piece: str, tokens: int) -> None:
+            nonlocal given
+            given += tokens
+            emit(_outputs(switches, piece, len(ids), tokens))
+
         try:
             (ids,) = await self.completions.encode(model, [prompt])
-            decode = lambda tokens: self.completions.decode(model, tokens)  # noqa: E731
-            pieces = TextPieces(decode)
-
-            def on_tokens(tokens: list) -> None:
-                emit(_outputs(switches, pieces.push(tokens), len(ids), len(tokens)))
-
-            out = await self.completions.client.generate(
-                model, ids, max_tokens, timeout=timeout or self.completions.default_timeout_s,
-                on_tokens=on_tokens if streamed else None, ignore_eos=switches["ignore_eos"],
-                sampling=switches["sampling"])
+            run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],
+                       sampling=switches["sampling"])
+            out = await self.completions.complete(model, ids, max_tokens, run, switches["stop"],
+                                                  on_text=on_text if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:
             raise from_batchyard(e, model) from None
         if streamed:
-            return _outputs(switches, pieces.rest(list(out)), len(ids), len(out) - len(pieces.tokens),
-                            out.finish_reason)
-        text = decode(list(out))
-        return _outputs(switches, text if switches["exclude_input_in_output"] else prompt + text, len(ids), len(out),
-                        out.finish_reason)
+            return _outputs(switches, out.rest, len(ids), len(out.tokens) - given, out.finish_reason)
+        text = out.text if switches["exclude_input_in_output"] else prompt + out.text
+        return _outputs(switches, text, len(ids), len(out.tokens), out.finish_reason)
 
 
 def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: str = "None") -> dict:

@@ -62,3 +62,50 @@ def _common_prefix(a: str, b: str) -> str:
             break
         n += 1
     return a[:n]
+
+
+class TextStream:
+    """A generation's text as its tokens come, cut before the first of ``stops`` (vLLM's stop
+    strings, left out of the text as vLLM leaves them by default). ``push`` gives what may be
+    sent now: while a stop string could still begin in the last characters decoded (one fewer
+    than the longest stop), they are held back, as vLLM's detokenizer holds them. ``finish``
+    gives the rest. ``stopped``: the stop string found, once found; the generation is then over."""
+
+    __slots__ = ("pieces", "stops", "hold", "text", "sent", "stopped")
+
+    def __init__(self, decode: Callable[[list], str], stops: tuple = ()):
+        self.pieces = TextPieces(decode)
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.text = ""  # decoded so far, cut at a stop string once one is found
+        self.sent = 0  # characters of it given
+        self.stopped = ""
+
+    @property
+    def tokens(self) -> list:
+        """The tokens pushed."""
+        return self.pieces.tokens
+
+    def push(self, tokens: list) -> str:
+        if self.stopped:
+            return ""
+        self.text += self.pieces.push(tokens)
+        return self._release(final=False)
+
+    def finish(self, tokens: list) -> str:
+        """``tokens``: every token of the generation."""
+        if not self.stopped:
+            self.text += self.pieces.rest(tokens)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stops and not self.stopped:
+            # A stop string beginning before the characters given would have been found then.
+            start = max(0, self.sent - self.hold)
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                at, self.stopped = min(hits)
+                self.text = self.text[:at]
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece

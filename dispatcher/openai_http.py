@@ -5,9 +5,12 @@ Text prompts are tokenized here, in the front-door process, with the model folde
 sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. Decoding is
 greedy unless the body samples: OpenAI's ``temperature``, ``top_p``, ``seed``,
 ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``top_k``, ``min_p`` and
-``repetition_penalty``, within vLLM's bounds (a 400 naming the field past them); ``n`` 1. Not
-supported yet, and refused with a 400 naming the field rather than ignored: ``logprobs``,
-``echo``, ``stop``, ``best_of`` > 1.
+``repetition_penalty``, within vLLM's bounds (a 400 naming the field past them; one that only
+matters when sampling, given without a temperature, is a 400 too: vLLM would sample at 1); ``n``
+1. ``stop`` (a string or a list) cuts the text before the first one found, left out as vLLM
+leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and stops the
+generation in its engine. Not supported yet, and refused with a 400 naming the field rather
+than ignored: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, ``best_of`` > 1.
 
 ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
 its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
@@ -33,15 +36,14 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from aiohttp import web
 
 from . import errors
-from .client_codec import Generation
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
-from .llm_text import TextPieces
+from .llm_text import TextStream
 from . import protocol as P
 from .client_codec import checked_sampling
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
@@ -64,7 +66,7 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
-_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "stop": None, "logit_bias": None}
+_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None}
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
 
 
@@ -149,46 +151,80 @@ class OpenAiCompletions:
             ignore_eos = False
         if not isinstance(ignore_eos, bool):
             raise OpenAiError(400, f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
+        stops = stop_strings(body.get("stop"), "stop")
         prompts = await self._prompts(model, body.get("prompt"))
         run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos, sampling=sampling)
         if stream:
-            return await self._stream(request, model, prompts, max_tokens, run, include_usage)
+            return await self._stream(request, model, prompts, max_tokens, run, stops, include_usage)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
-        tasks = [asyncio.ensure_future(self.client.generate(model, ids, max_tokens, **run)) for ids in prompts]
+        tasks = [asyncio.ensure_future(self.complete(model, ids, max_tokens, run, stops)) for ids in prompts]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
-        choices = [{"index": i, "text": self.decode(model, list(out)), "logprobs": None,
-                    "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
+        choices = [_choice(i, out.text, out) for i, out in enumerate(outs)]
         return web.json_response({
             "id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(prompts, outs),
             "batchyard": [_timing(out) for out in outs]})
 
-    async def _stream(self, request, model: str, prompts: list, max_tokens: int, run: dict,
+    async def complete(self, model: str, ids: list, max_tokens: int, run: dict, stops: tuple = (),
+                       on_text: Optional[Callable[[str, int], None]] = None) -> Completion:
+        """One prompt's completion, as text: its generation (``run``: the generate call's other
+        arguments), cut before the first of ``stops``, which then ends it in its engine.
+        ``on_text(piece, tokens)`` streams it: called at each engine step but the last with the
+        text that may be sent (llm_text.TextStream) and the step's token count; the rest is the
+        Completion's ``rest``."""
+        text = TextStream(lambda t: self.decode(model, t), stops)
+        stopped = asyncio.get_running_loop().create_future()
+
+        def on_tokens(tokens: list) -> None:
+            piece = text.push(tokens)
+            if on_text is not None and not stopped.done():
+                on_text(piece, len(tokens))
+            if text.stopped and not stopped.done():
+                stopped.set_result(None)
+
+        watch = on_text is not None or bool(text.stops)
+        task = asyncio.ensure_future(self.client.generate(model, ids, max_tokens, **run,
+                                                          on_tokens=on_tokens if watch else None))
+        try:
+            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()  # (a stop string: the SDK's cancel stops the generation in its engine)
+            stopped.cancel()
+        if text.stopped:
+            return Completion(text.text, "", list(text.tokens), "stop", text.stopped, None)
+        out = task.result()
+        if not watch:
+            return Completion(self.decode(model, list(out)), "", list(out), out.finish_reason, "", out.timing)
+        rest = text.finish(list(out))  # (a stop string in the last step's text is found here)
+        return Completion(text.text, rest, list(out), "stop" if text.stopped else out.finish_reason, text.stopped,
+                          out.timing)
+
+    async def _stream(self, request, model: str, prompts: list, max_tokens: int, run: dict, stops: tuple,
                       include_usage: bool) -> web.StreamResponse:
         """The completions of ``prompts`` as Server-Sent Events, each prompt's chunks in order
         (``run``: the generate calls' other arguments)."""
         head = {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
                 "model": model}
-        events: asyncio.Queue = asyncio.Queue()  # (prompt index, _DECODED | Generation | exception)
-        pieces = [TextPieces(lambda ids: self.decode(model, ids)) for _ in prompts]
-        # Each prompt's tokens not yet sent: a client that reads slowly gets them merged into
-        # fewer chunks, rather than an event queued an engine step.
-        decoded: list = [[] for _ in prompts]
+        events: asyncio.Queue = asyncio.Queue()  # (prompt index, _DECODED | Completion | exception)
+        # Each prompt's text not yet sent: a client that reads slowly gets it merged into fewer
+        # chunks, rather than an event queued an engine step.
+        decoded: list = [""] * len(prompts)
 
-        def on_tokens(i: int, tokens: list) -> None:
-            if not decoded[i]:
+        def on_text(i: int, piece: str) -> None:
+            if piece and not decoded[i]:
                 events.put_nowait((i, _DECODED))
-            decoded[i].extend(tokens)
+            decoded[i] += piece
 
         async def generate(i: int, ids: list) -> None:
             try:
-                out = await self.client.generate(model, ids, max_tokens, **run,
-                                                 on_tokens=lambda tokens: on_tokens(i, tokens))
+                out = await self.complete(model, ids, max_tokens, run, stops,
+                                          on_text=lambda piece, _tokens: on_text(i, piece))
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:
@@ -216,15 +252,15 @@ class OpenAiCompletions:
                         await send(self._as_openai(got).body())
                         await response.write(b"data: [DONE]\n\n")
                         return response
-                    if isinstance(got, Generation):
+                    if isinstance(got, Completion):
                         break
-                    tokens, decoded[i] = decoded[i], []
-                    if piece := pieces[i].push(tokens):
+                    piece, decoded[i] = decoded[i], ""
+                    if piece:
                         await send({**head, "choices": [{"index": i, "text": piece, "logprobs": None,
                                                          "finish_reason": None}]})
                 outs[i] = got
-                await send({**head, "choices": [{"index": i, "text": pieces[i].rest(list(got)), "logprobs": None,
-                                                 "finish_reason": got.finish_reason}], "batchyard": _timing(got)})
+                # (what on_text gave and this stream has not sent yet, then the rest)
+                await send({**head, "choices": [_choice(i, decoded[i] + got.rest, got)], "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
             await response.write(b"data: [DONE]\n\n")
@@ -292,18 +328,62 @@ class OpenAiCompletions:
 _DECODED = object()  # a stream's event: tokens of that prompt wait to be sent
 
 
+class Completion:
+    """One prompt's completion: its ``text`` (cut before a stop string), the ``rest`` of it past
+    the pieces a stream was given, its ``tokens``, ``finish_reason`` ("stop": an end-of-sequence
+    token or ``stop_reason``, the stop string found; "length"), and the generation's ``timing``
+    (None where a stop string ended it before its reply)."""
+
+    __slots__ = ("text", "rest", "tokens", "finish_reason", "stop_reason", "timing")
+
+    def __init__(self, text: str, rest: str, tokens: list, finish_reason: str, stop_reason: str, timing):
+        self.text, self.rest, self.tokens = text, rest, tokens
+        self.finish_reason, self.stop_reason, self.timing = finish_reason, stop_reason, timing
+
+
+def _choice(i: int, text: str, out: Completion) -> dict:
+    # stop_reason: vLLM's extension, the stop string that ended it (null otherwise)
+    return {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason or None}
+
+
 def _usage(prompts: list, outs: list) -> dict:
     done = [(ids, out) for ids, out in zip(prompts, outs) if out is not None]
-    n_in, n_out = sum(len(ids) for ids, _ in done), sum(len(out) for _, out in done)
+    n_in, n_out = sum(len(ids) for ids, _ in done), sum(len(out.tokens) for _, out in done)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
-def _timing(out) -> dict:
-    """Batchyard's account of one generation (the ``batchyard`` member)."""
+def _timing(out: Completion) -> dict:
+    """Batchyard's account of one generation (the ``batchyard`` member); a stop string that
+    ended it before its reply leaves the timings null."""
     t = out.timing
+    if t is None:
+        return {"route": None, "prefill_worker": None, "decode_worker": None, "ttft_ms": None, "total_ms": None,
+                "kv_tokens": None, "stand_in": None, "token_ids": out.tokens}
     return {"route": t.route, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker,
             "ttft_ms": t.ttft_us / 1e3, "total_ms": t.total_us / 1e3, "kv_tokens": t.kv_tokens,
-            "stand_in": t.stand_in, "token_ids": list(out)}
+            "stand_in": t.stand_in, "token_ids": out.tokens}
+
+
+MAX_STOPS = 64  # stop strings a request may give, each of at most MAX_STOP_CHARS
+MAX_STOP_CHARS = 1024
+
+
+def stop_strings(value, name: str) -> tuple:
+    """A request's stop strings: one, a list of them, or null (none); OpenAiError naming
+    ``name`` otherwise."""
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise OpenAiError(400, f"{name} must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+                               f"{MAX_STOP_CHARS} characters, got {_shown(value)}", param=name)
+    return tuple(dict.fromkeys(stops))
+
+
+def _shown(value) -> str:
+    return f"a list of {len(value)}" if isinstance(value, list) else f"{value!r:.80}"
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:

@@ -176,8 +176,10 @@ Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
 class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """How a generation picks each token: vLLM's SamplingParams of these names, within the
-    bounds vLLM checks. Temperature 0 (the default) is greedy; ``seed`` makes a sampled
-    generation the same each time, on either route (the decode instance draws every token)."""
+    bounds vLLM checks (``repetition_penalty`` from 0.01: below, float32 logits overflow and
+    every token comes out 0; ``seed`` from 0: vLLM takes -1 for none). Temperature 0 (the
+    default) is greedy; ``seed`` makes a sampled generation the same each time its logits are
+    (the decode instance draws every token, on either route)."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
@@ -185,8 +187,8 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
-    seed: Optional[Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]] = None
+    repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=1e6)] = 1.0
+    seed: Optional[U64] = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
@@ -321,8 +323,8 @@ class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type"):
 
     v: int
     id: U64
-    start: NonNeg
     tokens: list[int]
+    start: int = -1  # -1: not said (a dispatcher before it), so no gap can be found
 
 
 ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply, GenerateTokens]

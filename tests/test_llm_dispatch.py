@@ -375,8 +375,8 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
                                       parameters={"max_tokens": 2})
     assert error is None and result.as_numpy("text_output").tolist() == [(prompt + completion).encode()]
     assert result.get_response().parameters["triton_final_response"].bool_param
-    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"stop": "the"})
-    assert result is None and "sampling parameter 'stop' is not supported" in str(error)
+    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"best_of": 2})
+    assert result is None and "sampling parameter 'best_of' is not supported" in str(error)
     # generate, the same text
     status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 5,
                                                              "exclude_input_in_output": True})
@@ -922,7 +922,10 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
         assert list(c.generate("tiny", prompt, max_tokens=6)) == expected(prompt, 6)
         assert engines["gpu0"].jobs[-1].sampling is None
         for bad, word in (({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
-                          ({"tempature": 1}, "tempature"), ({"seed": 1.5}, "seed"), ([0.5], "dict")):
+                          ({"tempature": 1}, "tempature"), ({"seed": 1.5}, "seed"), ([0.5], "dict"),
+                          ({"seed": -1}, "seed"), ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+                          # greedy without a temperature, where vLLM samples at 1: refused, not ignored
+                          ({"top_p": 0.5, "seed": 3}, "top_p is given without a temperature")):
             with pytest.raises(InvalidArgument, match=word):
                 c.generate("tiny", prompt, sampling=bad)
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 6,
@@ -932,7 +935,7 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
     s = engines["gpu0"].jobs[-1].sampling
     assert (s.top_k, s.presence_penalty, s.repetition_penalty) == (40, 0.5, 1.1)
     for body, param in (({"temperature": True}, "temperature"), ({"frequency_penalty": -3}, "frequency_penalty"),
-                        ({"seed": "7"}, "seed"), ({"min_p": 2}, "min_p")):
+                        ({"seed": "7"}, "seed"), ({"min_p": 2}, "min_p"), ({"top_k": 5}, "top_k")):
         status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, **body})
         assert status == 400 and err["error"]["param"] == param, (body, err)
     status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": "0.8",
@@ -941,3 +944,46 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
     assert engines["gpu0"].jobs[-1].sampling.top_k == 40
     status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "top_p": 1.5})
     assert status == 400 and "top_p" in out["error"]
+
+
+def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_engine(llm_node):
+    """vLLM's stop strings: the text ends before the first one found (left out, as vLLM leaves
+    it), finish_reason "stop" and vLLM's stop_reason; the tokens decoded up to it are counted;
+    a stream holds back what could begin one; a generation cut short is stopped in its engine."""
+    _, engines, url = llm_node
+    body = {"model": "tiny", "prompt": [40], "max_tokens": 12}  # the scripted text: HIJKLMNOPQRS
+    for stop, text, tokens in (("LMN", "HIJK", 7), (["Q", "KL"], "HIJ", 5), ("ZZ", "HIJKLMNOPQRS", 12)):
+        status, out = _http(url + "/v1/completions", {**body, "stop": stop})
+        [choice] = out["choices"]
+        assert status == 200 and choice["text"] == text and out["usage"]["completion_tokens"] == tokens, (stop, out)
+        found = text != "HIJKLMNOPQRS"
+        assert (choice["finish_reason"], choice["stop_reason"]) == (("stop", "KL" if stop == ["Q", "KL"] else stop)
+                                                                    if found else ("length", None))
+        status, kind, events = _events(url + "/v1/completions", {**body, "stop": stop, "stream": True})
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == text and chunks[-1]["finish_reason"] == choice["finish_reason"]
+    # in the last step's text (only the reply has it)
+    status, out = _http(url + "/v1/completions", {**body, "max_tokens": 7, "stop": "MN"})
+    assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == ("HIJKL", "stop")
+    # found in the first step of a long generation: stopped in its engine, not decoded on
+    engines["gpu0"].aborted.clear()
+    status, out = _http(url + "/v1/completions", {**body, "max_tokens": HOLD_MAX_TOKENS, "stop": "H",
+                                                  "batchyard_route": "gpu"})
+    assert status == 200 and out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 1
+    assert engines["gpu0"].aborted.wait(10)
+    for stop in ("", ["a", 5], ["x"] * 65):
+        status, err = _http(url + "/v1/completions", {**body, "stop": stop})
+        assert status == 400 and err["error"]["param"] == "stop", stop
+    # Triton's generate, as the backend takes a stop sampling parameter
+    status, plain = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6,
+                                                              "exclude_input_in_output": True})
+    completion = plain["text_output"]
+    cut = completion.find(completion[3:5])
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "stop": completion[3:5],
+                                                            "exclude_input_in_output": True, "return_finish_reason": True})
+    assert (status, out["text_output"], out["finish_reason"]) == (200, completion[:cut], "stop")
+    status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
+        "text_input": "the", "max_tokens": 6, "stream": True, "return_finish_reason": True,
+        "sampling_parameters": json.dumps({"stop": [completion[3:5]]})})
+    events = [json.loads(e) for e in events]
+    assert "".join(e["text_output"] for e in events) == completion[:cut] and events[-1]["finish_reason"] == "stop"

@@ -136,6 +136,18 @@ def test_openai_completions_on_the_front_door(node):
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert "".join(c["text"] for c in chunks) == out["choices"][0]["text"]
     assert [c["finish_reason"] for c in chunks][-1] == "length"
+    # a stop string from the middle of that text: cut before it, streamed or not
+    text = out["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    for stream in (False, True):
+        status, kind, body = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves from one engine",
+                                                                  "max_tokens": 6, "stop": stop, "stream": stream})
+        if stream:
+            chunks = [json.loads(e[len(b"data: "):])["choices"][0] for e in body.split(b"\n\n")
+                      if e and e != b"data: [DONE]"]
+        else:
+            chunks = json.loads(body)["choices"]
+        assert "".join(c["text"] for c in chunks) == text[:text.find(stop)] and chunks[-1]["finish_reason"] == "stop"
 
 
 def _post_json(url: str, body: dict) -> tuple[int, str, bytes]:
@@ -169,9 +181,9 @@ def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     assert sum(e["num_output_tokens"] for e in events) == 6 and all(e["num_input_tokens"] > 0 for e in events)
     assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + ["length"]
     # a refusal after the body is read: under a stream, an event with its status
-    status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {"text_input": prompt, "stop": "the"})
+    status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {"text_input": prompt, "best_of": 2})
     assert (status, kind) == (400, "text/event-stream; charset=utf-8")
-    assert b"'stop' is not supported" in text
+    assert b"'best_of' is not supported" in text
     status, _, text = _post_json(url + "/v2/models/tiny/generate", {"text_input": prompt, "stream": True})
     assert status == 500 and b"exactly 1 response" in text
 

@@ -259,6 +259,11 @@ def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignore
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, None, True]}))
     assert eos_token_ids(tmp_path) == (2, 7)  # the generation config's, as transformers reads it
     assert eos_token_ids(tmp_path / "nowhere") == ()
+    # a chat model's tokenizer ends a turn with a token its configs do not name
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 9, "content": "<|im_end|>"}],
+                                                         "model": {"vocab": {"a": 3}}}))
+    assert eos_token_ids(tmp_path) == (9, 2, 7)
 
     _stub_vllm(monkeypatch)
 
