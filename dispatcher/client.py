@@ -226,6 +226,9 @@ class Client(CodecAccess):
         is called with each engine step's new token ids as they are decoded (on this client's
         I/O thread: keep it short), all but the last step's, which only the result holds. The
         result holds every token; those it has past the ones given to ``on_tokens`` are the rest.
+        ``on_tokens`` returning True ends the generation there (a stop string found): it is
+        stopped in its engine, and the result is the tokens given (``finish_reason`` "stop",
+        no ``timing``).
         The generation ends at the model's end-of-sequence token (the result's
         ``finish_reason`` "stop", that token its last), or at ``max_tokens`` ("length");
         ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are, as vLLM's parameter.

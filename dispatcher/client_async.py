@@ -166,6 +166,8 @@ class AsyncClient(CodecAccess):
             events = self.sock.getsockopt(zmq.EVENTS)
             if events & zmq.POLLIN:
                 self._codec.on_reply(self.sock.recv_multipart(NOBLOCK))
+                while self._codec.finishing:
+                    self._send_frames([self._codec.finishing.pop(0)])
             elif not (events & zmq.POLLOUT and self._outbox and self._flush()):
                 return
 

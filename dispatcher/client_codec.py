@@ -259,6 +259,7 @@ class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
     __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens", "streamed")
+    # (the tokens given to on_tokens: the result of a generation it ended, see on_reply)
 
     def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None],
                  on_tokens: Optional[Callable[[list], None]] = None):
@@ -267,7 +268,7 @@ class Pending:
         self.outputs = outputs  # name -> Region the worker writes into
         self.resolve = resolve  # callable(result or exception)
         self.on_tokens = on_tokens  # a streamed generation's: callable(the next tokens decoded)
-        self.streamed = 0  # tokens given to on_tokens
+        self.streamed: list = []  # tokens given to on_tokens
 
 
 def node_opens_my_segments(address: str) -> bool:
@@ -307,6 +308,7 @@ class ClientCodec:
         self._ids = itertools.count(1)  # next() on it is atomic: safe from any thread
         self.pending: dict[int, Pending] = {}
         self.late: dict[int, list[Region]] = {}  # timed out locally; free regions on late reply
+        self.finishing: list[bytes] = []  # cancels (finished) of generations their on_tokens ended, to send
         self._array_regions: dict[int, Region] = {}  # data address -> region, for alloc_array
         self.specs: dict[str, P.ModelSpec] = {}
         # The node's max_inline_bytes, as its model_info replies say (a request is encoded after
@@ -679,16 +681,23 @@ class ClientCodec:
             pend = self.pending.get(msg.id)
             if pend is None or pend.on_tokens is None:
                 return
-            if msg.start not in (pend.streamed, -1):
+            if msg.start not in (len(pend.streamed), -1):
                 # A gap (a message lost past a full queue): the pieces stop here, and the
                 # reply's tokens past those given are the rest, in order.
                 pend.on_tokens = None
                 return
-            pend.streamed += len(msg.tokens)
+            pend.streamed += msg.tokens
             try:
-                pend.on_tokens(msg.tokens)
+                enough = pend.on_tokens(msg.tokens)
             except Exception:  # the caller's: its generation's reply still comes
                 log.exception("on_tokens of request %d raised", msg.id)
+                return
+            if enough is True:
+                # The caller has what it needs (a stop string): the generation ends now, its
+                # result the tokens given; the dispatcher stops it and counts it served.
+                del self.pending[msg.id]
+                self.finishing.append(P.encode(P.CancelRequest(v=P.PROTOCOL_VERSION, id=msg.id, finished=True)))
+                pend.resolve(Generation(list(pend.streamed), None, "stop"))
             return
         pend = self.pending.pop(msg.id, None) if msg.id is not None else None
         if pend is None:  # a late reply, or the release of an answered request's batch

@@ -246,6 +246,8 @@ class SocketThread:
             replies.append(self._sock.recv_multipart(zmq.NOBLOCK))
         for frames in replies:
             self._codec.on_reply(frames)
+        while self._codec.finishing:
+            self._outbox.append((None, [self._codec.finishing.pop(0)]))
 
     def _fail_lost(self) -> None:
         now = time.monotonic()

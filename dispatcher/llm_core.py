@@ -422,6 +422,17 @@ class LlmCore:
                 return True
         return False
 
+    def finish(self, client: bytes, req_id: int) -> Optional[LlmRequest]:
+        """A running generation its client has what it needs of (a stop string): stopped in its
+        engine as a cancelled one, but not answered here -> it, for the caller to answer as
+        served. One not running yet is cancelled (-> None)."""
+        for r in list(self.requests.values()):
+            if r.client == client and r.req_id == req_id and r.job_id in self.jobs and self._end(r):
+                self._abort(r)
+                return r
+        self.cancel(client, req_id)
+        return None
+
     def _end(self, r: LlmRequest) -> bool:
         if r.done:
             return False

@@ -68,6 +68,20 @@ class LlmDesk:
                                                            tokens=f.tokens, timing=f.timing,
                                                            finish_reason=f.finish_reason)))
 
+    def cancel(self, client: bytes, req_id: int, finished: bool, now: float) -> None:
+        """A client's cancel (``finished``: of a streamed generation it has what it needs of,
+        a stop string found; it ends served, as vLLM ends a generation at a stop string)."""
+        if not finished:
+            self.core.cancel(client, req_id)
+            return
+        r = self.core.finish(client, req_id)
+        if r is not None:
+            us = int((now - r.arrival) * 1e6)
+            self.metrics.request_ok(r.model, r.route, r.priority, 1, 0, us, us)
+            self.metrics.batch_done(r.model, r.route)
+            self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
+                                                           finish_reason="stop")))
+
     def on_tokens(self, msg: P.LlmTokens) -> None:
         """A streamed request's tokens, as its engine decoded them, on to its client."""
         r = self.core.streamed(msg)

@@ -102,9 +102,10 @@ class TextStream:
         if self.stops and not self.stopped:
             # A stop string beginning before the characters given would have been found then.
             start = max(0, self.sent - self.hold)
-            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+            # As vLLM picks: the one that ends first, then the first in the list.
+            hits = [(i + len(s), n, i, s) for n, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
             if hits:
-                at, self.stopped = min(hits)
+                _, _, at, self.stopped = min(hits)
                 self.text = self.text[:at]
         end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
         piece, self.sent = self.text[self.sent:end], end

@@ -66,7 +66,9 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at.
-_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None}
+_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None,
+                # vLLM's, near the ones served: taken and ignored, they would change nothing
+                "include_stop_str_in_output": False, "stop_token_ids": None}
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
 
 
@@ -178,31 +180,23 @@ class OpenAiCompletions:
         text that may be sent (llm_text.TextStream) and the step's token count; the rest is the
         Completion's ``rest``."""
         text = TextStream(lambda t: self.decode(model, t), stops)
-        stopped = asyncio.get_running_loop().create_future()
 
-        def on_tokens(tokens: list) -> None:
+        def on_tokens(tokens: list) -> bool:
             piece = text.push(tokens)
-            if on_text is not None and not stopped.done():
+            if on_text is not None:
                 on_text(piece, len(tokens))
-            if text.stopped and not stopped.done():
-                stopped.set_result(None)
+            # True: enough (a stop string), the SDK ends the generation here, served
+            return bool(text.stopped)
 
         watch = on_text is not None or bool(text.stops)
-        task = asyncio.ensure_future(self.client.generate(model, ids, max_tokens, **run,
-                                                          on_tokens=on_tokens if watch else None))
-        try:
-            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()  # (a stop string: the SDK's cancel stops the generation in its engine)
-            stopped.cancel()
-        if text.stopped:
-            return Completion(text.text, "", list(text.tokens), "stop", text.stopped, None)
-        out = task.result()
+        out = await self.client.generate(model, ids, max_tokens, **run, on_tokens=on_tokens if watch else None)
         if not watch:
             return Completion(self.decode(model, list(out)), "", list(out), out.finish_reason, "", out.timing)
+        if text.stopped:  # ended at it: the tokens given
+            return Completion(text.text, "", list(out), "stop", text.stopped, out.timing)
         rest = text.finish(list(out))  # (a stop string in the last step's text is found here)
-        return Completion(text.text, rest, list(out), "stop" if text.stopped else out.finish_reason, text.stopped,
+        tokens = list(out) if not text.stopped else _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
+        return Completion(text.text, rest, tokens, "stop" if text.stopped else out.finish_reason, text.stopped,
                           out.timing)
 
     async def _stream(self, request, model: str, prompts: list, max_tokens: int, run: dict, stops: tuple,
@@ -326,6 +320,19 @@ class OpenAiCompletions:
 
 
 _DECODED = object()  # a stream's event: tokens of that prompt wait to be sent
+
+
+def _up_to(tokens: list, stop: str, decode: Callable[[list], str]) -> list:
+    """The tokens up to the one whose text completes the first ``stop`` (vLLM keeps no more):
+    the shortest prefix whose decoding holds it, found by halving."""
+    lo, hi = 1, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stop in decode(tokens[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return tokens[:lo]
 
 
 class Completion:

@@ -140,13 +140,16 @@ class StatusRequest(msgspec.Struct, tag="status", tag_field="type", omit_default
     brief: bool = False
 
 
-class CancelRequest(msgspec.Struct, tag="cancel", tag_field="type"):
+class CancelRequest(msgspec.Struct, tag="cancel", tag_field="type", omit_defaults=True):
     """Withdraw a still-queued infer request of this client (``id`` is that request's id). No
     reply of its own: the request is answered CANCELLED if it was still queued, otherwise it
-    completes normally."""
+    completes normally. A generation is stopped in its engine too. ``finished``: a streamed
+    generation the client has what it needs of (a stop string was found): it ends now and is
+    answered OK (no tokens: the client has them), served as far as it went, not cancelled."""
 
     v: int
     id: U64
+    finished: bool = False
 
 
 class ShmRegisterRequest(msgspec.Struct, tag="shm_register", tag_field="type", omit_defaults=True):

@@ -574,7 +574,7 @@ class Dispatcher:
             self.llm.on_generate(msg, identity, now, self._unknown_llm_model)
         elif type(msg) is P.CancelRequest:
             if not self.core.cancel(identity, msg.id):
-                self.llm.core.cancel(identity, msg.id)
+                self.llm.cancel(identity, msg.id, msg.finished, now)
         elif type(msg) is P.ShmRegisterRequest or type(msg) is P.ShmUnregisterRequest:
             self._on_shm_register(msg, identity, transport.connection(frames))
         elif type(msg) is P.ModelInfoRequest:

@@ -523,6 +523,13 @@ def test_a_streamed_generation_gives_its_tokens_as_decoded_then_its_one_reply(ll
         got.clear()
         out = c.generate("tiny", prompt, max_tokens=GAP_MAX_TOKENS, on_tokens=got.extend)
     assert got == expected(prompt, 1) and list(out) == expected(prompt, GAP_MAX_TOKENS)
+    # on_tokens returning True: enough; the generation ends there, stopped in its engine
+    engines["gpu0"].aborted.clear()
+    with Client(address) as c:
+        out = c.generate("tiny", prompt, max_tokens=HOLD_MAX_TOKENS, route="gpu", on_tokens=lambda tokens: True)
+        assert (list(out), out.finish_reason, out.timing) == (expected(prompt, 1), "stop", None)
+        assert engines["gpu0"].aborted.wait(10)
+        assert list(c.generate("tiny", prompt, max_tokens=3)) == expected(prompt, 3)  # the client goes on
     with Client(address) as c, pytest.raises(InvalidArgument, match="on_tokens must be callable"):
         c.generate("tiny", prompt, on_tokens=[])
 
@@ -971,6 +978,19 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
                                                   "batchyard_route": "gpu"})
     assert status == 200 and out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 1
     assert engines["gpu0"].aborted.wait(10)
+    # ... and counted served, not cancelled (a stop string ends it as vLLM ends one)
+    import tomllib
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = tomllib.loads((Path(engines["cpu0"].backend[len("ipc://"):]).parent / "node.toml").read_text())[
+        "dispatcher"]["metrics_port"]
+    with Client(llm_node[0]) as c:
+        c.status()  # (every reply above sent: the counts are in)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+    count = lambda name: sum(s.value for s in samples if s.name == name and s.labels.get("model") == "tiny")  # noqa: E731
+    assert count("nv_inference_request_failure_total") == 0 and count("nv_inference_request_success_total") >= 8
     for stop in ("", ["a", 5], ["x"] * 65):
         status, err = _http(url + "/v1/completions", {**body, "stop": stop})
         assert status == 400 and err["error"]["param"] == "stop", stop

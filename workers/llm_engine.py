@@ -116,10 +116,12 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
         ids.append(added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None))
     for name in ("generation_config.json", "config.json"):
         found = _json(folder / name).get("eos_token_id")
-        if found is not None:
-            ids.extend(found if isinstance(found, list) else [found])
+        found = [i for i in (found if isinstance(found, list) else [found])
+                 if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        if found:  # (an empty or unreadable one: the next file's)
+            ids.extend(found)
             break
-    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0))
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
 
 
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:
