@@ -286,9 +286,13 @@ class LlmGenerate:
         returned (the stream's final response)."""
         streamed = bool(switches.get("stream")) and emit is not None
         given = 0  # tokens of the responses emitted
+        last = ""  # the piece of the step a stop string ended it at: the final response's, as the backend's
 
-        def on_text(piece: str, tokens: int) -> None:
-            nonlocal given
+        def on_text(piece: str, tokens: int, stopped: bool) -> None:
+            nonlocal given, last
+            if stopped:
+                last = piece
+                return
             given += tokens
             emit(_outputs(switches, piece, len(ids), tokens))
 
@@ -303,7 +307,7 @@ class LlmGenerate:
         except BatchyardError as e:
             raise from_batchyard(e, model) from None
         if streamed:
-            return _outputs(switches, out.rest, len(ids), len(out.tokens) - given, out.finish_reason)
+            return _outputs(switches, last + out.rest, len(ids), len(out.tokens) - given, out.finish_reason)
         text = out.text if switches["exclude_input_in_output"] else prompt + out.text
         return _outputs(switches, text, len(ids), len(out.tokens), out.finish_reason)
 

@@ -173,18 +173,18 @@ class OpenAiCompletions:
             "batchyard": [_timing(out) for out in outs]})
 
     async def complete(self, model: str, ids: list, max_tokens: int, run: dict, stops: tuple = (),
-                       on_text: Optional[Callable[[str, int], None]] = None) -> Completion:
+                       on_text: Optional[Callable[[str, int, bool], None]] = None) -> Completion:
         """One prompt's completion, as text: its generation (``run``: the generate call's other
         arguments), cut before the first of ``stops``, which then ends it in its engine.
-        ``on_text(piece, tokens)`` streams it: called at each engine step but the last with the
-        text that may be sent (llm_text.TextStream) and the step's token count; the rest is the
-        Completion's ``rest``."""
+        ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
+        text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
+        string ended the generation there; the rest is the Completion's ``rest``."""
         text = TextStream(lambda t: self.decode(model, t), stops)
 
         def on_tokens(tokens: list) -> bool:
             piece = text.push(tokens)
             if on_text is not None:
-                on_text(piece, len(tokens))
+                on_text(piece, len(tokens), bool(text.stopped))
             # True: enough (a stop string), the SDK ends the generation here, served
             return bool(text.stopped)
 
@@ -192,8 +192,9 @@ class OpenAiCompletions:
         out = await self.client.generate(model, ids, max_tokens, **run, on_tokens=on_tokens if watch else None)
         if not watch:
             return Completion(self.decode(model, list(out)), "", list(out), out.finish_reason, "", out.timing)
-        if text.stopped:  # ended at it: the tokens given
-            return Completion(text.text, "", list(out), "stop", text.stopped, out.timing)
+        if text.stopped:  # ended at it: the tokens given, up to the one completing it
+            return Completion(text.text, "", _up_to(list(out), text.stopped, lambda t: self.decode(model, t)), "stop",
+                              text.stopped, out.timing)
         rest = text.finish(list(out))  # (a stop string in the last step's text is found here)
         tokens = list(out) if not text.stopped else _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
         return Completion(text.text, rest, tokens, "stop" if text.stopped else out.finish_reason, text.stopped,
@@ -218,7 +219,7 @@ class OpenAiCompletions:
         async def generate(i: int, ids: list) -> None:
             try:
                 out = await self.complete(model, ids, max_tokens, run, stops,
-                                          on_text=lambda piece, _tokens: on_text(i, piece))
+                                          on_text=lambda piece, _tokens, _last: on_text(i, piece))
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:

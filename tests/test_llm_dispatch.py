@@ -1007,3 +1007,10 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
         "sampling_parameters": json.dumps({"stop": [completion[3:5]]})})
     events = [json.loads(e) for e in events]
     assert "".join(e["text_output"] for e in events) == completion[:cut] and events[-1]["finish_reason"] == "stop"
+    # a response a step up to the one that completed the stop string, that one the last (as the backend's)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    tokens = expected(tok.encode("the").ids, 6)
+    steps = next(j for j in range(1, 7) if completion[3:5] in tok.decode(tokens[:j]))
+    assert len(events) == steps and sum(e.get("num_output_tokens", 1) for e in events) == steps
