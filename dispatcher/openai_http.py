@@ -3,11 +3,12 @@
 Text prompts are tokenized here, in the front-door process, with the model folder's
 ``tokenizer.json`` (the ``tokenizers`` library, no transformers), so the dispatcher only ever
 sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. Decoding is
-greedy unless the body samples: OpenAI's ``temperature``, ``top_p``, ``seed``,
+greedy unless the body samples (then ``n`` completions of each prompt, up to MAX_N; a seed gives
+each of them its own, seed + k): OpenAI's ``temperature``, ``top_p``, ``seed``,
 ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``top_k``, ``min_p`` and
 ``repetition_penalty``, within vLLM's bounds (a 400 naming the field past them; one that only
 matters when sampling, given without a temperature, is a 400 too: vLLM would sample at 1); ``n``
-1. ``stop`` (a string or a list) cuts the text before the first one found, left out as vLLM
+above 1 needs a temperature above 0. ``stop`` (a string or a list) cuts the text before the first one found, left out as vLLM
 leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and stops the
 generation in its engine. Not supported yet, and refused with a 400 naming the field rather
 than ignored: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, ``best_of`` > 1.
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import msgspec
 from aiohttp import web
 
 from . import errors
@@ -154,13 +156,20 @@ class OpenAiCompletions:
         if not isinstance(ignore_eos, bool):
             raise OpenAiError(400, f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
         stops = stop_strings(body.get("stop"), "stop")
+        n = _choices_per_prompt(body, sampling)
         prompts = await self._prompts(model, body.get("prompt"))
-        run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos, sampling=sampling)
+        if len(prompts) * n > MAX_PROMPTS:
+            raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
+                                   f"{MAX_PROMPTS} a request", param="n")
+        run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
+        # OpenAI's choice order: prompt by prompt, each prompt's n in a row. A seed gives each of
+        # a prompt's n its own (seed, seed + 1, ...), so that they differ and repeat.
+        gens = [(ids, {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
         if stream:
-            return await self._stream(request, model, prompts, max_tokens, run, stops, include_usage)
+            return await self._stream(request, model, prompts, gens, max_tokens, stops, include_usage)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
-        tasks = [asyncio.ensure_future(self.complete(model, ids, max_tokens, run, stops)) for ids in prompts]
+        tasks = [asyncio.ensure_future(self.complete(model, ids, max_tokens, run_k, stops)) for ids, run_k in gens]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
@@ -200,23 +209,23 @@ class OpenAiCompletions:
         return Completion(text.text, rest, tokens, "stop" if text.stopped else out.finish_reason, text.stopped,
                           out.timing)
 
-    async def _stream(self, request, model: str, prompts: list, max_tokens: int, run: dict, stops: tuple,
+    async def _stream(self, request, model: str, prompts: list, gens: list, max_tokens: int, stops: tuple,
                       include_usage: bool) -> web.StreamResponse:
-        """The completions of ``prompts`` as Server-Sent Events, each prompt's chunks in order
-        (``run``: the generate calls' other arguments)."""
+        """The completions ``gens`` (of ``prompts``: (token ids, the generate call's other
+        arguments), by choice index) as Server-Sent Events, each choice's chunks in order."""
         head = {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
                 "model": model}
         events: asyncio.Queue = asyncio.Queue()  # (prompt index, _DECODED | Completion | exception)
         # Each prompt's text not yet sent: a client that reads slowly gets it merged into fewer
         # chunks, rather than an event queued an engine step.
-        decoded: list = [""] * len(prompts)
+        decoded: list = [""] * len(gens)
 
         def on_text(i: int, piece: str) -> None:
             if piece and not decoded[i]:
                 events.put_nowait((i, _DECODED))
             decoded[i] += piece
 
-        async def generate(i: int, ids: list) -> None:
+        async def generate(i: int, ids: list, run: dict) -> None:
             try:
                 out = await self.complete(model, ids, max_tokens, run, stops,
                                           on_text=lambda piece, _tokens, _last: on_text(i, piece))
@@ -225,7 +234,7 @@ class OpenAiCompletions:
             else:
                 events.put_nowait((i, out))
 
-        tasks = [asyncio.ensure_future(generate(i, ids)) for i, ids in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(generate(i, ids, run)) for i, (ids, run) in enumerate(gens)]
         response: Optional[web.StreamResponse] = None
 
         async def send(chunk: dict) -> None:
@@ -236,9 +245,9 @@ class OpenAiCompletions:
                 await response.prepare(request)
             await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
 
-        outs: list = [None] * len(prompts)
+        outs: list = [None] * len(gens)
         try:
-            for _ in range(len(prompts)):
+            for _ in range(len(gens)):
                 while True:
                     i, got = await events.get()
                     if isinstance(got, BaseException):
@@ -356,9 +365,32 @@ def _choice(i: int, text: str, out: Completion) -> dict:
 
 
 def _usage(prompts: list, outs: list) -> dict:
-    done = [(ids, out) for ids, out in zip(prompts, outs) if out is not None]
-    n_in, n_out = sum(len(ids) for ids, _ in done), sum(len(out.tokens) for _, out in done)
+    """Each prompt counted once whatever its n, as OpenAI counts it; every completion's tokens."""
+    n_in, n_out = sum(map(len, prompts)), sum(len(out.tokens) for out in outs if out is not None)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+MAX_N = 128  # completions of one prompt
+
+
+def _choices_per_prompt(body: dict, sampling: Optional[P.Sampling]) -> int:
+    """OpenAI's ``n`` (null: 1): completions of each prompt, which must sample (greedy, they
+    would be n copies, and vLLM refuses that too)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise OpenAiError(400, f"n must be an integer in 1..{MAX_N}, got {n!r:.40}", param="n")
+    if n > 1 and (sampling is None or sampling.temperature == 0):
+        raise OpenAiError(400, f"n of {n} needs a temperature above 0: greedy, its completions would all be the "
+                               "same", param="n")
+    return n
+
+
+def _nth(sampling: Optional[P.Sampling], k: int) -> Optional[P.Sampling]:
+    if sampling is None or sampling.seed is None or k == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + k) % 2**63)
 
 
 def _timing(out: Completion) -> dict:
@@ -454,9 +486,9 @@ def _check_supported(body: dict) -> Optional[P.Sampling]:
     """-> the body's sampling (None: greedy), once its fields are checked; OpenAiError naming
     the first it refuses."""
     # Compared by type as well: False == 0 and True == 1, and "temperature": false, "n": true were served.
-    for key in ("n", "best_of"):
-        if isinstance(body.get(key), bool) or body.get(key, 1) not in (1, None):
-            raise OpenAiError(400, f"{key} must be 1, got {body[key]!r}", param=key)
+    # (n: _choices_per_prompt)
+    if isinstance(body.get("best_of"), bool) or body.get("best_of", 1) not in (1, None):
+        raise OpenAiError(400, f"best_of must be 1, got {body['best_of']!r}", param="best_of")
     for key, default in _UNSUPPORTED.items():
         if not _asks_nothing(body.get(key, default), default):
             raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)
@@ -464,10 +496,12 @@ def _check_supported(body: dict) -> Optional[P.Sampling]:
     # is the default, as OpenAI takes it
     given = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     try:
-        return checked_sampling(given) if given else None
+        sampling = checked_sampling(given) if given else None
     except errors.InvalidArgument as e:
         field = re.search(r"\$\.(\w+)", e.message)
         raise OpenAiError(400, e.message, param=field.group(1) if field else "") from None
+    _choices_per_prompt(body, sampling)
+    return sampling
 
 
 def _asks_nothing(value, default) -> bool:

@@ -1014,3 +1014,28 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
     tokens = expected(tok.encode("the").ids, 6)
     steps = next(j for j in range(1, 7) if completion[3:5] in tok.decode(tokens[:j]))
     assert len(events) == steps and sum(e.get("num_output_tokens", 1) for e in events) == steps
+
+
+def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_node):
+    _, engines, url = llm_node
+    body = {"model": "tiny", "prompt": [[40], [200]], "max_tokens": 4, "temperature": 0.9, "n": 3, "seed": 5}
+    status, out = _http(url + "/v1/completions", body)
+    assert status == 200, out
+    # prompt by prompt, its n in a row; the k-th of a prompt sampled at seed 5 + k (the scripted
+    # engine's tokens follow the seed)
+    assert [m["token_ids"] for m in out["batchyard"]] == [expected([p, 1005 + k], 4) for p in (40, 200)
+                                                           for k in range(3)]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 24, "total_tokens": 26}  # each prompt once
+    status, kind, events = _events(url + "/v1/completions", {**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"] == out["usage"]
+    for c in out["choices"]:
+        mine = [x["choices"][0] for x in chunks[:-1] if x["choices"][0]["index"] == c["index"]]
+        assert "".join(x["text"] for x in mine) == c["text"]
+    for extra, words in (({"temperature": 0}, "needs a temperature above 0"), ({"n": 0}, "n must be an integer"),
+                         ({"n": True}, "n must be an integer"),
+                         ({"prompt": [[1]] * 600, "n": 2}, "at most 1024 a request")):
+        status, err = _http(url + "/v1/completions", {**body, **extra})
+        assert status == 400 and words in err["error"]["message"] and err["error"]["param"] == "n", (extra, err)
