@@ -259,7 +259,6 @@ class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
     __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens", "streamed")
-    # (the tokens given to on_tokens: the result of a generation it ended, see on_reply)
 
     def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None],
                  on_tokens: Optional[Callable[[list], None]] = None):
@@ -268,7 +267,7 @@ class Pending:
         self.outputs = outputs  # name -> Region the worker writes into
         self.resolve = resolve  # callable(result or exception)
         self.on_tokens = on_tokens  # a streamed generation's: callable(the next tokens decoded)
-        self.streamed: list = []  # tokens given to on_tokens
+        self.streamed: list = []  # tokens given to on_tokens (the result of a generation it ends)
 
 
 def node_opens_my_segments(address: str) -> bool:

@@ -187,10 +187,10 @@ def _uses_shm(request) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
 
 
-def _mark_final(response) -> None:
-    # Triton marks every stream response so; a model that is not decoupled answers once.
-    # Streaming clients (PyTriton's among them) wait for it to end a request.
-    response.parameters["triton_final_response"].bool_param = True
+def _mark_final(response, final: bool = True) -> None:
+    # Triton marks every stream response so (is_complete); a model that is not decoupled answers
+    # once. Streaming clients (PyTriton's among them) wait for it to end a request.
+    response.parameters["triton_final_response"].bool_param = final
 
 
 def _stream_error(response, error: str) -> service_pb2.ModelStreamInferResponse:
@@ -582,7 +582,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             for name, datatype, data in grpc_outputs(members):
                 head.outputs.add(name=name, datatype=datatype, shape=[1])
                 raw.append(data)
-            head.parameters["triton_final_response"].bool_param = final  # (Triton marks each)
+            _mark_final(head, final)
             return InferAnswer(head, raw, stream=True)
 
         step = None if emit is None else (lambda members: emit(response(members, final=False)))

@@ -38,7 +38,7 @@ import grpc
 from .client_codec import checked_sampling
 from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
-from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError, stop_strings
+from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError, shown as _shown, stop_strings
 from .protocol import MAX_TOKEN_ID
 
 # The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others
@@ -76,13 +76,6 @@ def llm_config(model: str) -> dict:
                       for n, d, optional in BACKEND_INPUTS],
             "output": [{"name": n, "data_type": kind[d], "dims": dims} for n, d, dims in BACKEND_OUTPUTS],
             "model_transaction_policy": {"decoupled": True}}
-
-
-def _shown(value) -> str:
-    """A JSON value in an error, at a cost that does not grow with it."""
-    if isinstance(value, (list, dict)):
-        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
-    return repr(value[:80] + "..." if isinstance(value, (str, bytes)) and len(value) > 80 else value)
 
 
 def _one(name: str, value, kind: type):

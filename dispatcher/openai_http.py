@@ -138,7 +138,7 @@ class OpenAiCompletions:
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               param="model", code="model_not_found")
-        sampling = _check_supported(body)
+        sampling, n = _check_supported(body)
         max_tokens = body.get("max_tokens")
         if max_tokens is None:  # null is the default, as OpenAI takes it
             max_tokens = 16
@@ -150,13 +150,8 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
         route = _route(body)
         stream, include_usage = _stream_options(body)
-        ignore_eos = body.get("ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
-        if ignore_eos is None:
-            ignore_eos = False
-        if not isinstance(ignore_eos, bool):
-            raise OpenAiError(400, f"ignore_eos must be a boolean, got {ignore_eos!r:.80}", param="ignore_eos")
+        ignore_eos = _flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
         stops = stop_strings(body.get("stop"), "stop")
-        n = _choices_per_prompt(body, sampling)
         prompts = await self._prompts(model, body.get("prompt"))
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
@@ -201,13 +196,14 @@ class OpenAiCompletions:
         out = await self.client.generate(model, ids, max_tokens, **run, on_tokens=on_tokens if watch else None)
         if not watch:
             return Completion(self.decode(model, list(out)), "", list(out), out.finish_reason, "", out.timing)
-        if text.stopped:  # ended at it: the tokens given, up to the one completing it
-            return Completion(text.text, "", _up_to(list(out), text.stopped, lambda t: self.decode(model, t)), "stop",
-                              text.stopped, out.timing)
-        rest = text.finish(list(out))  # (a stop string in the last step's text is found here)
-        tokens = list(out) if not text.stopped else _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
-        return Completion(text.text, rest, tokens, "stop" if text.stopped else out.finish_reason, text.stopped,
-                          out.timing)
+        # (a stop string in the last step's text, which only the reply holds, is found here; one
+        # found before ended the generation there, and this adds nothing)
+        rest = text.finish(list(out))
+        if not text.stopped:
+            return Completion(text.text, rest, list(out), out.finish_reason, "", out.timing)
+        # the tokens up to the one completing it, as vLLM keeps them
+        tokens = _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
+        return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
 
     async def _stream(self, request, model: str, prompts: list, gens: list, max_tokens: int, stops: tuple,
                       include_usage: bool) -> web.StreamResponse:
@@ -329,7 +325,7 @@ class OpenAiCompletions:
             return ""  # token-id users without a tokenizer read batchyard[].token_ids
 
 
-_DECODED = object()  # a stream's event: tokens of that prompt wait to be sent
+_DECODED = object()  # a stream's event: text of that choice waits to be sent
 
 
 def _up_to(tokens: list, stop: str, decode: Callable[[list], str]) -> list:
@@ -418,21 +414,20 @@ def stop_strings(value, name: str) -> tuple:
     if (not isinstance(stops, list) or len(stops) > MAX_STOPS
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
         raise OpenAiError(400, f"{name} must be a string or a list of at most {MAX_STOPS} strings of 1 to "
-                               f"{MAX_STOP_CHARS} characters, got {_shown(value)}", param=name)
+                               f"{MAX_STOP_CHARS} characters, got {shown(value)}", param=name)
     return tuple(dict.fromkeys(stops))
 
 
-def _shown(value) -> str:
-    return f"a list of {len(value)}" if isinstance(value, list) else f"{value!r:.80}"
+def shown(value) -> str:
+    """A JSON value in an error, at a cost that does not grow with it."""
+    if isinstance(value, (list, dict)):
+        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    return repr(value[:80] + "..." if isinstance(value, (str, bytes)) and len(value) > 80 else value)
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
     """-> (stream, include_usage), as OpenAI reads them: null is the default."""
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise OpenAiError(400, f"stream must be a boolean, got {stream!r:.80}", param="stream")
+    stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -441,11 +436,15 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise OpenAiError(400, f"stream_options takes include_usage only, got {options!r:.80}",
                           param="stream_options")
-    usage = options.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise OpenAiError(400, f"stream_options.include_usage must be a boolean, got {usage!r:.80}",
-                          param="stream_options")
-    return stream, bool(usage)
+    return stream, _flag(options, "include_usage", "stream_options")
+
+
+def _flag(body: dict, name: str, param: str = "") -> bool:
+    """A boolean member, null or left out false; OpenAiError naming it otherwise."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise OpenAiError(400, f"{name} must be a boolean, got {value!r:.80}", param=param or name)
+    return bool(value)
 
 
 def _is_token(t) -> bool:
@@ -482,9 +481,9 @@ def _route(body: dict) -> str:
     return route
 
 
-def _check_supported(body: dict) -> Optional[P.Sampling]:
-    """-> the body's sampling (None: greedy), once its fields are checked; OpenAiError naming
-    the first it refuses."""
+def _check_supported(body: dict) -> tuple[Optional[P.Sampling], int]:
+    """-> the body's sampling (None: greedy) and its ``n``, once its fields are checked;
+    OpenAiError naming the first it refuses."""
     # Compared by type as well: False == 0 and True == 1, and "temperature": false, "n": true were served.
     # (n: _choices_per_prompt)
     if isinstance(body.get("best_of"), bool) or body.get("best_of", 1) not in (1, None):
@@ -500,8 +499,7 @@ def _check_supported(body: dict) -> Optional[P.Sampling]:
     except errors.InvalidArgument as e:
         field = re.search(r"\$\.(\w+)", e.message)
         raise OpenAiError(400, e.message, param=field.group(1) if field else "") from None
-    _choices_per_prompt(body, sampling)
-    return sampling
+    return sampling, _choices_per_prompt(body, sampling)
 
 
 def _asks_nothing(value, default) -> bool:
