@@ -52,12 +52,12 @@ import asyncio
 import multiprocessing as mp
 import json
 import os
-import socket
 import tempfile
 import time
 
 import numpy as np
 
+from batchyard.addresses import free_port as _free_port
 from batchyard.config import (DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, RestrictedApisConfig, SimConfig,
                               TensorConfig, WorkerConfig)
 from batchyard.supervisor import running_node
@@ -69,12 +69,6 @@ BIG = ModelConfig(name="big", max_batch=16, inputs=(TensorConfig("x", "float32",
                   outputs=(TensorConfig("y", "float32", (2,)),))
 WIDE = ModelConfig(name="wide", max_batch=8, inputs=(TensorConfig("x", "float32", (1,)),),
                    outputs=(TensorConfig("y", "float32", (1_000_000,)),))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def noop_node(run_dir: str, processes: int, models: tuple = (NOOP,), restricted_apis: tuple = ()) -> NodeConfig:

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import msgspec
 import numpy as np
 import psutil
 
+from batchyard.addresses import free_port
 from batchyard.config import FrontendConfig, NodeConfig, to_toml
 from batchyard.deploy import asset
 from batchyard.workers.precision import resolve
@@ -127,12 +127,6 @@ def offered_loads(plan: Plan, limit: float) -> None:
         plan.loads = [round(f * limit, 1) for f in plan.load_fractions]
     if not plan.saturate:
         plan.saturate = round(plan.saturate_fraction * limit, 1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -1,8 +1,12 @@
-"""HOST:PORT as the node's config, its Triton url and the SDK's tcp endpoints write it."""
+"""HOST:PORT as the node's config, its Triton url and the SDK's tcp endpoints write it, and
+free ports for the servers tests and benches start."""
 
 from __future__ import annotations
 
+import socket
 from typing import Optional
+
+_HANDED: set[int] = set()  # the ports free_port gave this process
 
 
 def host_port(text: str) -> Optional[tuple[str, int]]:
@@ -17,3 +21,18 @@ def host_port(text: str) -> Optional[tuple[str, int]]:
     if "/" in host or any(c.isspace() for c in host):
         return None
     return host, int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free at the time of the call, and none this process was given before. The
+    kernel may hand the same port to two binds in a row once the first socket is closed: a
+    tritonserver given such a pair for gRPC and HTTP refused to start ("cannot listen to HTTP
+    requests and GRPC requests at the same address and port"), and so would a front door."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED:
+            break
+    _HANDED.add(port)
+    return port

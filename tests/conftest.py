@@ -62,12 +62,10 @@ TRITON_DENSE_MODEL = ModelConfig(name="tri", factory="", max_batch=64,
 
 
 def free_port() -> int:
-    """A TCP port free at the time of the call, for a front door under test."""
-    import socket
+    """A TCP port free at the time of the call, none handed out before (batchyard.addresses)."""
+    from batchyard.addresses import free_port as free
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free()
 
 
 def sim_worker(name="sim0", models=("sum", "big"), **sim):

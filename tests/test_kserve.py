@@ -38,6 +38,7 @@ import tritonclient.http.aio as thttp_aio
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from batchyard.addresses import free_port as _free_port
 from batchyard import protocol as P
 from batchyard.client import Client
 from batchyard.config import DispatcherConfig, FrontendConfig, ModelConfig, NodeConfig, TensorConfig, to_toml
@@ -54,12 +55,6 @@ SOLO_MODEL = ModelConfig(name="solo", max_batch=16, inputs=(TensorConfig("x", "f
 HUGE_MODEL = ModelConfig(name="huge", max_batch=32, inputs=(TensorConfig("x", "float32", (1024, 1024)),),
                          outputs=(TensorConfig("y", "float32", (2,)),))  # 4 MiB an item
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FrontDoor:

@@ -10,6 +10,7 @@ import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchyard.addresses import free_port
 from batchyard.bench.harness import sample_total as total
 from batchyard.bench.harness import exposition_samples, scrape
 from batchyard.errors import DeadlineExceeded, InvalidArgument, UnknownModel
@@ -18,12 +19,6 @@ from batchyard.protocol import Status
 
 from conftest import sim_worker
 from test_request_path import X1, header, raw_roundtrip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_port(port: int) -> list:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
+from batchyard.addresses import free_port
 from batchyard import protocol as P
 from batchyard.transport import read_keypair, write_keypair
 
@@ -29,12 +29,6 @@ def infer_header(rid=1, **fields) -> bytes:
          "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4], "frame": 0}]}
     h.update(fields)
     return msgspec.msgpack.encode(h)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -650,3 +650,28 @@ def test_a_registered_worker_whose_dispatcher_is_gone_stops_at_once(run_dir):
         t.join(10)
         ctx.term()
     assert took < 5.0, f"stopped {took:.1f} s after it was asked"
+
+
+def test_free_ports_are_never_handed_out_twice_even_when_the_kernel_repeats_one(monkeypatch):
+    """The kernel may give two binds in a row the same port once the first socket is closed: a
+    tritonserver given such a pair for gRPC and HTTP would not start (a CI run's failure)."""
+    from batchyard import addresses
+
+    ports = iter([41000, 41000, 41001])
+
+    class Socket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", next(ports))
+
+    monkeypatch.setattr(addresses, "_HANDED", set())
+    monkeypatch.setattr(addresses.socket, "socket", Socket)
+    assert [addresses.free_port(), addresses.free_port()] == [41000, 41001]

@@ -29,13 +29,13 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
+from batchyard.addresses import free_port as _free_port
 from batchyard.private_tmp import PrivateDir
 
 from .triton_regions import cuda_device_count
@@ -67,12 +67,6 @@ def die_with_parent(parent: int) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     if os.getppid() != parent:  # we died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_stub_site() -> str:
