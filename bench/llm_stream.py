@@ -59,7 +59,7 @@ async def _run(url: str, n: int, max_tokens: int, prompt_tokens: int, seed: int)
             order = ("stream", "plain") if i % 2 else ("plain", "stream")
             for kind in order:
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": kind == "stream",
-                        "batchyard_route": "gpu", "ignore_eos": True}
+                        "batchyard_route": "gpu", "ignore_eos": True, "temperature": 0}  # (greedy, as before)
                 got = await _one(session, url + "/v1/completions", body)
                 if i >= 2:
                     rows[kind].append(got)

@@ -166,6 +166,17 @@ def checked_sampling(sampling) -> Optional[P.Sampling]:
 
 # Sampling fields that change nothing at temperature 0 (vLLM resets them there).
 _SAMPLES_ONLY = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("seed", None))
+# What vLLM samples with where neither a request nor its model says (SamplingParams' default,
+# its OpenAI server's too): temperature 1, every other field neutral.
+VLLM_TEMPERATURE = 1.0
+
+
+def sampling_as_vllm(given: Mapping, defaults: Optional[Mapping] = None) -> P.Sampling:
+    """The sampling a vLLM server runs a request with (its compatible routes: /v1/completions,
+    Triton's): each field the request ``given``, else the model's ``defaults``
+    (llm_model_files.generation_defaults, on /v1/completions), else vLLM's own, which sample
+    at temperature 1. InvalidArgument naming a field of ``given`` past vLLM's bounds."""
+    return checked_sampling({"temperature": VLLM_TEMPERATURE, **(defaults or {}), **given})
 
 
 def checked_priority(priority) -> int:

@@ -28,6 +28,7 @@ import msgspec.inspect as mi
 import tomli_w
 
 from .addresses import host_port
+from .llm_model_files import generation_defaults
 from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, Name, TensorSpec
 from .validation import validate_spec
 
@@ -135,6 +136,11 @@ class LlmModelConfig(_Table):
     # where the prefill instance stores KV for the decode instance (vLLM's ExampleConnector);
     # empty: a folder under the system temp dir, per node and model
     kv_dir: str = ""
+    # vLLM's --generation-config: "auto" samples /v1/completions requests with the folder's
+    # generation_config.json where they leave a field out, as vLLM's server does; "vllm" with
+    # vLLM's own defaults (temperature 1). (Triton's routes take vLLM's own either way, as its
+    # vLLM backend does; the SDK is greedy unless asked.)
+    generation_config: Literal["auto", "vllm"] = "auto"
 
 
 class VllmConfig(_Table):
@@ -491,6 +497,8 @@ class NodeConfig(_Table):
             check_online("[dispatcher] ", self.dispatcher.cpus)
             if self.frontend is not None:
                 check_online("[frontend] ", self.frontend.cpus)
+                for m in self.llm_models:
+                    _check_generation_defaults(m)
         for i, w in enumerate(self.workers):
             if workers is not None and w.name not in workers:
                 continue
@@ -601,8 +609,11 @@ class NodeConfig(_Table):
         if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise ConfigError(f"{where}: vllm.python: {python!r} is not an executable file")
         for m in self.llm_models:
-            if m.name in w.models and not os.path.isdir(m.path):
+            if m.name not in w.models:
+                continue
+            if not os.path.isdir(m.path):
                 raise ConfigError(f"[[llm_models]] {m.name!r}: path: no folder {m.path!r}")
+            _check_generation_defaults(m)
 
     def _check_vllm_worker(self, where: str, w: WorkerConfig) -> None:
         names = [m.name for m in self.llm_models]
@@ -616,6 +627,17 @@ class NodeConfig(_Table):
 
 
 UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, less its terminating NUL)
+
+
+def _check_generation_defaults(m: LlmModelConfig) -> None:
+    """The sampling defaults of the model's folder, which its front door applies: one past
+    vLLM's bounds would make it refuse every request that left that field out."""
+    if m.generation_config == "auto" and os.path.isdir(m.path):
+        try:
+            generation_defaults(m.path)
+        except ValueError as e:
+            raise ConfigError(f"[[llm_models]] {m.name!r}: path: {os.path.join(m.path, str(e))} (or set "
+                              'generation_config = "vllm": vLLM\'s own defaults)') from None
 
 
 def _check_address(key: str, address: str) -> None:

@@ -78,10 +78,14 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     completions = None
     if node.llm_models:  # the LLM mode: OpenAI's completions, and Triton's protocols as its vLLM backend's
         from .llm_generate import LlmGenerate
+        from .llm_model_files import generation_defaults
         from .openai_http import OpenAiCompletions
 
-        completions = OpenAiCompletions(client, {m.name: m.path for m in node.llm_models},
-                                        node.dispatcher.default_timeout_s, stopping=lambda: core.stopping)
+        completions = OpenAiCompletions(
+            client, {m.name: m.path for m in node.llm_models}, node.dispatcher.default_timeout_s,
+            stopping=lambda: core.stopping, max_model_len={m.name: m.max_model_len for m in node.llm_models},
+            # (checked by the config's validation, which names a bad field)
+            defaults={m.name: generation_defaults(m.path) for m in node.llm_models if m.generation_config == "auto"})
         core.llm = LlmGenerate(completions)
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()

@@ -12,9 +12,11 @@ as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` 
 ``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
-(16 when left out, vLLM's default), ``ignore_eos``, and the sampling ones: ``temperature``
-(0, greedy, when left out, where vLLM's default of 1 samples), ``top_p``, ``top_k``, ``min_p``,
-``seed`` and the presence, frequency and repetition penalties, within vLLM's bounds. Any other sampling parameter
+(16 when left out, vLLM's default), ``ignore_eos``, and the sampling ones: ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
+within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
+a request that gives none samples; ``temperature`` 0 is greedy; the model's
+generation_config.json is not read, as the backend does not read it). Any other sampling parameter
 is refused rather than ignored, as on ``/v1/completions``. A completion ends at the model's
 end-of-sequence token (``finish_reason`` "stop") or at ``max_tokens`` ("length"), as vLLM's.
 
@@ -35,7 +37,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
-from .client_codec import checked_sampling
+from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
 from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError, shown as _shown, stop_strings
@@ -158,7 +160,7 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
     sampling = {name: _sampling(name, params.pop(name), kind) for name, kind in _SAMPLING_TYPES.items()
                 if name in params}
     try:
-        switches["sampling"] = checked_sampling(sampling) if sampling else None
+        switches["sampling"] = sampling_as_vllm(sampling)
     except InvalidArgument as e:
         raise invalid(e.message) from None
     for name in params:

@@ -2,13 +2,16 @@
 
 Text prompts are tokenized here, in the front-door process, with the model folder's
 ``tokenizer.json`` (the ``tokenizers`` library, no transformers), so the dispatcher only ever
-sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. Decoding is
-greedy unless the body samples (then ``n`` completions of each prompt, up to MAX_N; a seed gives
-each of them its own, seed + k): OpenAI's ``temperature``, ``top_p``, ``seed``,
-``presence_penalty`` and ``frequency_penalty``, and vLLM's ``top_k``, ``min_p`` and
-``repetition_penalty``, within vLLM's bounds (a 400 naming the field past them; one that only
-matters when sampling, given without a temperature, is a 400 too: vLLM would sample at 1); ``n``
-above 1 needs a temperature above 0. ``stop`` (a string or a list) cuts the text before the first one found, left out as vLLM
+sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. The sampling
+fields are OpenAI's ``temperature``, ``top_p``, ``seed``, ``presence_penalty`` and
+``frequency_penalty``, and vLLM's ``top_k``, ``min_p`` and ``repetition_penalty``, within vLLM's
+bounds (a 400 naming the field past them). One left out (or null) is taken as vLLM's server
+takes it: the model folder's generation_config.json value (config ``generation_config =
+"auto"``, vLLM's default), else vLLM's own: a request that gives none samples at temperature 1;
+``temperature: 0`` is greedy. ``max_tokens`` left out is 16; null, the model's
+``max_new_tokens``, else the rest of its context, as vLLM's. ``n`` completions of each prompt,
+up to MAX_N, need a temperature above 0; a seed gives each of them its own, seed + k. ``stop``
+(a string or a list) cuts the text before the first one found, left out as vLLM
 leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and stops the
 generation in its engine. Not supported yet, and refused with a 400 naming the field rather
 than ignored: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, ``best_of`` > 1.
@@ -47,7 +50,8 @@ from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream
 from . import protocol as P
-from .client_codec import checked_sampling
+from .client_codec import sampling_as_vllm
+from .llm_model_files import GenerationDefaults
 from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
 
 log = logging.getLogger("batchyard.frontend")
@@ -72,6 +76,7 @@ _UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": N
                 # vLLM's, near the ones served: taken and ignored, they would change nothing
                 "include_stop_str_in_output": False, "stop_token_ids": None}
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
+NO_DEFAULTS = GenerationDefaults()
 
 
 class OpenAiError(Exception):
@@ -90,10 +95,15 @@ class OpenAiError(Exception):
 
 class OpenAiCompletions:
     def __init__(self, client, models: dict[str, str], default_timeout_s: float = 30.0,
-                 stopping=lambda: False):
+                 stopping=lambda: False, defaults: Optional[dict[str, GenerationDefaults]] = None,
+                 max_model_len: Optional[dict[str, int]] = None):
         self.client = client  # batchyard AsyncClient
         self.stopping = stopping  # True once the front door's stop failed what still waits (503, not 499)
         self.models = models  # LLM model name -> model folder (tokenizer.json inside)
+        # by model: what a request that leaves a field out is sampled with, under vLLM's rule
+        # (llm_model_files; none: vLLM's own), and its context, which a null max_tokens fills
+        self.defaults = defaults or {}
+        self.max_model_len = max_model_len or {}
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
         self._ids = itertools.count(1)
@@ -138,11 +148,11 @@ class OpenAiCompletions:
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               param="model", code="model_not_found")
-        sampling, n = _check_supported(body)
-        max_tokens = body.get("max_tokens")
-        if max_tokens is None:  # null is the default, as OpenAI takes it
-            max_tokens = 16
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        defaults = self.defaults.get(model, NO_DEFAULTS)
+        sampling, n = _check_supported(body, defaults.sampling)
+        max_tokens = body.get("max_tokens", 16)  # left out: 16, vLLM's default (and OpenAI's)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
             raise OpenAiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -159,12 +169,13 @@ class OpenAiCompletions:
         run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
         # OpenAI's choice order: prompt by prompt, each prompt's n in a row. A seed gives each of
         # a prompt's n its own (seed, seed + 1, ...), so that they differ and repeat.
-        gens = [(ids, {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
+        gens = [(ids, self._max_tokens(model, ids, max_tokens, defaults), {**run, "sampling": _nth(sampling, k)})
+                for ids in prompts for k in range(n)]
         if stream:
-            return await self._stream(request, model, prompts, gens, max_tokens, stops, include_usage)
+            return await self._stream(request, model, prompts, gens, stops, include_usage)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
-        tasks = [asyncio.ensure_future(self.complete(model, ids, max_tokens, run_k, stops)) for ids, run_k in gens]
+        tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, stops)) for ids, limit, run_k in gens]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
@@ -205,10 +216,21 @@ class OpenAiCompletions:
         tokens = _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
         return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
 
-    async def _stream(self, request, model: str, prompts: list, gens: list, max_tokens: int, stops: tuple,
+    def _max_tokens(self, model: str, ids: list, max_tokens: Optional[int], defaults: GenerationDefaults) -> int:
+        """A prompt's max_tokens; null, as vLLM's server takes it: the model's max_new_tokens,
+        else what its context leaves after the prompt (the dispatcher refuses a prompt that
+        leaves none)."""
+        if max_tokens is not None:
+            return max_tokens
+        if defaults.max_tokens is not None:
+            return defaults.max_tokens
+        context = self.max_model_len.get(model)
+        return max(1, context - len(ids)) if context else 16
+
+    async def _stream(self, request, model: str, prompts: list, gens: list, stops: tuple,
                       include_usage: bool) -> web.StreamResponse:
-        """The completions ``gens`` (of ``prompts``: (token ids, the generate call's other
-        arguments), by choice index) as Server-Sent Events, each choice's chunks in order."""
+        """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
+        other arguments), by choice index) as Server-Sent Events, each choice's chunks in order."""
         head = {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
                 "model": model}
         events: asyncio.Queue = asyncio.Queue()  # (prompt index, _DECODED | Completion | exception)
@@ -221,7 +243,7 @@ class OpenAiCompletions:
                 events.put_nowait((i, _DECODED))
             decoded[i] += piece
 
-        async def generate(i: int, ids: list, run: dict) -> None:
+        async def generate(i: int, ids: list, max_tokens: int, run: dict) -> None:
             try:
                 out = await self.complete(model, ids, max_tokens, run, stops,
                                           on_text=lambda piece, _tokens, _last: on_text(i, piece))
@@ -230,7 +252,7 @@ class OpenAiCompletions:
             else:
                 events.put_nowait((i, out))
 
-        tasks = [asyncio.ensure_future(generate(i, ids, run)) for i, (ids, run) in enumerate(gens)]
+        tasks = [asyncio.ensure_future(generate(i, *gen)) for i, gen in enumerate(gens)]
         response: Optional[web.StreamResponse] = None
 
         async def send(chunk: dict) -> None:
@@ -369,7 +391,7 @@ def _usage(prompts: list, outs: list) -> dict:
 MAX_N = 128  # completions of one prompt
 
 
-def _choices_per_prompt(body: dict, sampling: Optional[P.Sampling]) -> int:
+def _choices_per_prompt(body: dict, sampling: P.Sampling) -> int:
     """OpenAI's ``n`` (null: 1): completions of each prompt, which must sample (greedy, they
     would be n copies, and vLLM refuses that too)."""
     n = body.get("n")
@@ -377,14 +399,14 @@ def _choices_per_prompt(body: dict, sampling: Optional[P.Sampling]) -> int:
         return 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise OpenAiError(400, f"n must be an integer in 1..{MAX_N}, got {n!r:.40}", param="n")
-    if n > 1 and (sampling is None or sampling.temperature == 0):
+    if n > 1 and sampling.temperature == 0:
         raise OpenAiError(400, f"n of {n} needs a temperature above 0: greedy, its completions would all be the "
                                "same", param="n")
     return n
 
 
-def _nth(sampling: Optional[P.Sampling], k: int) -> Optional[P.Sampling]:
-    if sampling is None or sampling.seed is None or k == 0:
+def _nth(sampling: P.Sampling, k: int) -> P.Sampling:
+    if sampling.seed is None or k == 0:
         return sampling
     return msgspec.structs.replace(sampling, seed=(sampling.seed + k) % 2**63)
 
@@ -481,9 +503,10 @@ def _route(body: dict) -> str:
     return route
 
 
-def _check_supported(body: dict) -> tuple[Optional[P.Sampling], int]:
-    """-> the body's sampling (None: greedy) and its ``n``, once its fields are checked;
-    OpenAiError naming the first it refuses."""
+def _check_supported(body: dict, defaults: dict) -> tuple[P.Sampling, int]:
+    """-> the body's sampling, its fields left out taken from ``defaults`` (the model's) or else
+    vLLM's (sampling_as_vllm), and its ``n``, once its fields are checked; OpenAiError naming
+    the first it refuses."""
     # Compared by type as well: False == 0 and True == 1, and "temperature": false, "n": true were served.
     # (n: _choices_per_prompt)
     if isinstance(body.get("best_of"), bool) or body.get("best_of", 1) not in (1, None):
@@ -495,7 +518,7 @@ def _check_supported(body: dict) -> tuple[Optional[P.Sampling], int]:
     # is the default, as OpenAI takes it
     given = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     try:
-        sampling = checked_sampling(given) if given else None
+        sampling = sampling_as_vllm(given, defaults)
     except errors.InvalidArgument as e:
         field = re.search(r"\$\.(\w+)", e.message)
         raise OpenAiError(400, e.message, param=field.group(1) if field else "") from None

@@ -643,6 +643,31 @@ def test_a_vllm_workers_interpreter_and_model_folder_are_checked_at_start(tmp_pa
     load_config(path).check_host(("v0",))  # (threads: its engine's intra-op threads, as an amx worker's)
 
 
+def test_an_llm_models_sampling_defaults_are_checked_at_start_by_its_worker_and_front_door(tmp_path):
+    """Its generation_config.json's sampling defaults, which /v1/completions applies: one past
+    vLLM's bounds would refuse every request that left the field out."""
+    folder = tmp_path / "l"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"temperature": 3.0, "top_p": 0.9}')
+    path = tmp_path / "node.toml"
+    # (with a [frontend], its endpoints' folder: the front door's check reads the dispatcher's too)
+    text = ((NODE + LLM + VLLM_WORKER + "[frontend]\ngrpc_port = 9101\nhttp_port = 9100\n")
+            .replace("/models/l", str(folder)).replace("/tmp/by-test", str(tmp_path)))
+    path.write_text(text)
+    words = (r"\[\[llm_models\]\] 'l': path: .*/l/generation_config.json: Expected `float` <= 2.0 - at "
+             r"`\$.temperature` \(or set generation_config = \"vllm\": vLLM's own defaults\)")
+    for check in (lambda: load_config(path).check_host(("v0",)),  # its worker's
+                  lambda: load_config(path).check_host((), control=True, binds=False)):  # its front door's
+        with pytest.raises(ConfigError, match=words):
+            check()
+    path.write_text(text.replace(f'path = "{folder}"', f'path = "{folder}"\ngeneration_config = "vllm"'))
+    load_config(path).check_host(("v0",))  # not read: vLLM's own defaults
+    (folder / "generation_config.json").write_text('{"temperature": 0.6, "max_new_tokens": 0}')
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="max_new_tokens must be an integer in 1..65536, got 0"):
+        load_config(path).check_host(("v0",))
+
+
 @pytest.mark.parametrize("kind, extra, message", [
     ("cuda", 'precision = "fp32"', "precision is set but kind is 'cuda'; it is for kind \"amx\"; kind 'cuda' takes "
                                    "cuda.precision"),

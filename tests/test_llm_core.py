@@ -3,7 +3,9 @@ KV hand-off, completion, deadlines, lost workers, curves learned online. No vLLM
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import msgspec
 import pytest
@@ -327,10 +329,48 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key,
     from batchyard.openai_http import OpenAiError, _check_supported
 
     with pytest.raises(OpenAiError) as e:
-        _check_supported({key: value})
+        _check_supported({key: value}, {})
     assert e.value.status == 400 and e.value.param == key
     _check_supported({key: {"echo": False, "suffix": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
-                            "temperature": 0, "n": 1, "best_of": 1}[key]})  # the defaults pass
+                            "temperature": 0, "n": 1, "best_of": 1}[key]}, {})  # the defaults pass
+
+
+def test_a_model_folders_sampling_defaults_are_read_as_vllms_server_reads_them(tmp_path):
+    """generation_config.json's sampling fields (null: not given) and max_new_tokens, as vLLM
+    0.32 with transformers 5 reads them (checked against its get_diff_sampling_param on these
+    files); config.json's are not taken, a file that is no object gives nothing."""
+    from batchyard.llm_model_files import GenerationDefaults, generation_defaults
+
+    assert generation_defaults(tmp_path) == GenerationDefaults()  # no file
+    (tmp_path / "config.json").write_text(json.dumps({"temperature": 0.5, "top_p": 0.9}))
+    assert generation_defaults(tmp_path) == GenerationDefaults()
+    gc = tmp_path / "generation_config.json"
+    gc.write_text(json.dumps({"temperature": 1, "top_k": 20, "top_p": None, "min_p": 0.05, "presence_penalty": 0.5,
+                              "repetition_penalty": 1.05, "do_sample": True, "max_new_tokens": 64, "eos_token_id": 2}))
+    got = generation_defaults(tmp_path)
+    assert got == GenerationDefaults({"temperature": 1.0, "top_k": 20, "min_p": 0.05, "presence_penalty": 0.5,
+                                      "repetition_penalty": 1.05}, 64)
+    assert type(got.sampling["temperature"]) is float
+    for text in ("[1]", "{", ""):
+        gc.write_text(text)
+        assert generation_defaults(tmp_path) == GenerationDefaults()
+    for fields, words in (({"top_k": -2}, "$.top_k"), ({"temperature": "0.5"}, "$.temperature"),
+                          ({"max_new_tokens": True}, "max_new_tokens")):
+        gc.write_text(json.dumps(fields))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            generation_defaults(tmp_path)
+
+
+def test_an_openai_request_takes_each_field_it_leaves_out_from_the_model_then_vllm():
+    from batchyard.openai_http import OpenAiError, _check_supported
+
+    assert _check_supported({}, {}) == (P.Sampling(temperature=1.0), 1)  # vLLM samples at 1
+    model = {"temperature": 0.7, "top_k": 20}
+    assert _check_supported({"top_p": 0.5, "top_k": None, "n": 2}, model) == (
+        P.Sampling(temperature=0.7, top_k=20, top_p=0.5), 2)
+    assert _check_supported({"temperature": 0}, model)[0] == P.Sampling(temperature=0.0, top_k=20)  # greedy
+    with pytest.raises(OpenAiError, match="needs a temperature above 0"):
+        _check_supported({"temperature": 0, "n": 2}, model)
 
 
 def test_generate_requests_are_counted_in_the_metrics_as_tensor_requests_are():

@@ -159,14 +159,18 @@ def _http(url: str, body=None) -> tuple[int, dict]:
 
 
 @pytest.fixture
-def llm_node(run_dir):
+def llm_node(run_dir, request):
     """A dispatcher and a front door from `batchyard up`, the LLM model "tiny" with
-    a tokenizer, and two scripted engines registered as its prefill-cpu and gpu instances."""
+    a tokenizer, and two scripted engines registered as its prefill-cpu and gpu instances.
+    Parametrized indirectly, the model folder's generation_config.json holds that dict."""
     _tokenizer(Path(run_dir))
+    if getattr(request, "param", None) is not None:
+        (Path(run_dir) / "generation_config.json").write_text(json.dumps(request.param))
     port, grpc_port = free_port(), free_port()
     cfg = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be",
                                                  default_timeout_s=DEFAULT_TIMEOUT_S, metrics_port=free_port()),
-                     llm_models=(LlmModelConfig(name="tiny", path=run_dir),),
+                     # (the scripted engines' max_model_len, as a vLLM worker's is the config's)
+                     llm_models=(LlmModelConfig(name="tiny", path=run_dir, max_model_len=512),),
                      frontend=FrontendConfig(grpc_port=grpc_port, http_port=port)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
@@ -355,7 +359,7 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
     _, _, url = llm_node
     grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
     prompt = "the"  # (the scripted engine's tokens after it are text of the tokenizer's)
-    status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5})
+    status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0})
     assert status == 200
     completion = body["choices"][0]["text"]
     assert len(completion) > 5
@@ -371,14 +375,14 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
     assert [r.parameters["triton_final_response"].bool_param for r in responses] == [False] * 4 + [True]
     # sampling_parameters (a JSON string, numbers as strings too) wins over the parameters
     [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": False,
-                                                 "sampling_parameters": b'{"max_tokens": "5"}'},
+                                                 "sampling_parameters": b'{"max_tokens": "5", "temperature": "0"}'},
                                       parameters={"max_tokens": 2})
     assert error is None and result.as_numpy("text_output").tolist() == [(prompt + completion).encode()]
     assert result.get_response().parameters["triton_final_response"].bool_param
     [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode()}, parameters={"best_of": 2})
     assert result is None and "sampling parameter 'best_of' is not supported" in str(error)
     # generate, the same text
-    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 5,
+    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 5, "temperature": 0,
                                                              "exclude_input_in_output": True})
     assert (status, body) == (200, {"model_name": "tiny", "model_version": "1", "text_output": completion})
     # counted as Triton counts them: 3 served, the refused one failed (/v1/completions: not here)
@@ -570,7 +574,7 @@ def _events(url: str, body: dict) -> tuple[int, str, list]:
 def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_answer(llm_node):
     _, engines, url = llm_node
     # (the scripted engine's tokens follow the prompt's sum: these are in the tokenizer's vocabulary)
-    body = {"model": "tiny", "prompt": [[40, 10], [200]], "max_tokens": 12}
+    body = {"model": "tiny", "prompt": [[40, 10], [200]], "max_tokens": 12, "temperature": 0}
     status, plain = _http(url + "/v1/completions", body)
     assert status == 200 and all(len(c["text"]) > 6 for c in plain["choices"]), plain
     status, kind, events = _events(url + "/v1/completions",
@@ -589,9 +593,10 @@ def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_a
     ends = [c for c in chunks if c["choices"][0]["finish_reason"]]
     assert sorted(c["batchyard"]["token_ids"] for c in ends) == sorted(m["token_ids"] for m in plain["batchyard"])
     # a lost step: the same text all the same
-    status, gap = _http(url + "/v1/completions", {"model": "tiny", "prompt": [40], "max_tokens": GAP_MAX_TOKENS})
+    status, gap = _http(url + "/v1/completions", {"model": "tiny", "prompt": [40], "max_tokens": GAP_MAX_TOKENS,
+                                                  "temperature": 0})
     status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": [40], "stream": True,
-                                                             "max_tokens": GAP_MAX_TOKENS})
+                                                             "max_tokens": GAP_MAX_TOKENS, "temperature": 0})
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == gap["choices"][0]["text"] != ""
 
     # Refused before a token came (its deadline passed in the engine): the JSON error under its
@@ -602,7 +607,8 @@ def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_a
     assert engines["gpu0"].aborted.wait(10)
     # Failed after its first piece: an error event ends the stream (its status was sent: 200).
     status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": [40], "stream": True,
-                                                             "timeout": 0.5, "max_tokens": HOLD_MAX_TOKENS})
+                                                             "timeout": 0.5, "max_tokens": HOLD_MAX_TOKENS,
+                                                             "temperature": 0})
     assert status == 200 and events[-1] == "[DONE]" and len(events) == 3, events
     first, err = json.loads(events[0]), json.loads(events[1])
     assert first["choices"][0]["text"] == _decode_ids(engines, expected([40], 1)) != ""
@@ -613,10 +619,10 @@ def test_tritons_generate_stream_sends_an_event_an_engine_step_under_stream(llm_
     """As the vLLM backend streams: each step's text, the last event ending it; without
     ``stream``, one event of the whole text (the prompt before it)."""
     _, _, url = llm_node
-    status, plain = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 6})
+    status, plain = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 6, "temperature": 0})
     completion = plain["choices"][0]["text"]
     status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
-        "text_input": "the", "stream": True, "max_tokens": 6, "id": "s1", "return_num_output_tokens": True,
+        "text_input": "the", "stream": True, "max_tokens": 6, "temperature": 0, "id": "s1", "return_num_output_tokens": True,
         "return_finish_reason": True})
     assert (status, kind) == (200, "text/event-stream; charset=utf-8")
     events = [json.loads(e) for e in events]
@@ -624,7 +630,8 @@ def test_tritons_generate_stream_sends_an_event_an_engine_step_under_stream(llm_
     assert "".join(e["text_output"] for e in events) == completion and len(completion) > 5
     assert [e["finish_reason"] for e in events] == ["None"] * 5 + ["length"]
     assert [e["num_output_tokens"] for e in events] == [1] * 6
-    status, kind, [event] = _events(url + "/v2/models/tiny/generate_stream", {"text_input": "the", "max_tokens": 6})
+    status, kind, [event] = _events(url + "/v2/models/tiny/generate_stream", {"text_input": "the", "max_tokens": 6,
+                                                                              "temperature": 0})
     assert status == 200 and json.loads(event)["text_output"] == "the" + completion
     # failed before its first step: the error's event under its status, as before
     status, kind, [event] = _events(url + "/v2/models/tiny/generate_stream", {
@@ -670,7 +677,7 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
 
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves", "max_tokens": 5,
-                                                  "batchyard_route": "prefill-cpu"})
+                                                  "batchyard_route": "prefill-cpu", "temperature": 0})
     assert status == 200, out
     [choice] = out["choices"]
     [meta] = out["batchyard"]
@@ -682,7 +689,8 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
     assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5, "total_tokens": len(ids) + 5}
     assert meta["route"] == "prefill-cpu" and meta["stand_in"] is True and meta["prefill_worker"] == "cpu0"
 
-    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[9, 8, 7], [1, 2]], "max_tokens": 3})
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[9, 8, 7], [1, 2]], "max_tokens": 3,
+                                                  "temperature": 0})
     assert status == 200 and [m["token_ids"] for m in out["batchyard"]] == [expected([9, 8, 7], 3), expected([1, 2], 3)]
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2,
                                                   "batchyard_route": None})
@@ -768,7 +776,7 @@ def test_a_client_that_hangs_up_mid_generation_has_its_generation_stopped_in_the
     assert gpu.aborted.wait(30)
     [held] = gpu.held
     assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
-    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "temperature": 0})
     assert status == 200 and out["batchyard"][0]["token_ids"] == expected([1, 2], 2)
 
 
@@ -892,7 +900,7 @@ def test_a_generation_ends_at_the_models_end_of_sequence_unless_it_ignores_it(ll
         assert got == list(range(3995, 4000)) and out.finish_reason == "stop"
         with pytest.raises(InvalidArgument, match="ignore_eos must be a boolean"):
             c.generate("tiny", prompt, ignore_eos="no")
-    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10})
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0})
     assert status == 200 and out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 6
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10,
                                                   "ignore_eos": True})
@@ -900,10 +908,10 @@ def test_a_generation_ends_at_the_models_end_of_sequence_unless_it_ignores_it(ll
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "ignore_eos": 1})
     assert status == 400 and "ignore_eos" in out["error"]["message"]
     status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10,
-                                                             "stream": True})
+                                                             "stream": True, "temperature": 0})
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "stop"
     # Triton's generate, as the backend answers: finish_reason "stop"; ignore_eos a sampling parameter
-    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 10,
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 10, "temperature": 0,
                                                             "return_finish_reason": True})
     assert status == 200 and out["finish_reason"] == "length"  # (no EOS after this prompt)
     status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
@@ -915,7 +923,9 @@ def test_a_generation_ends_at_the_models_end_of_sequence_unless_it_ignores_it(ll
 def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_are_refused(llm_node):
     """vLLM's sampling parameters, from the SDK, /v1/completions (OpenAI's fields and vLLM's
     extensions) and Triton's generate (converted as the backend converts them): the decode job
-    carries them, and the scripted engine's sampled tokens come back; greedy when none."""
+    carries them, and the scripted engine's sampled tokens come back. Left out: greedy from
+    the SDK; vLLM's default of temperature 1 from the routes that speak vLLM's and Triton's
+    protocols, as those servers sample (the model's own defaults: test_a_models_generation_config)."""
     address, engines, url = llm_node
     prompt = [40, 10]
     sampled = expected([*prompt, 1003], 6)  # the scripted engine's, at seed 3
@@ -942,9 +952,17 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
     s = engines["gpu0"].jobs[-1].sampling
     assert (s.top_k, s.presence_penalty, s.repetition_penalty) == (40, 0.5, 1.1)
     for body, param in (({"temperature": True}, "temperature"), ({"frequency_penalty": -3}, "frequency_penalty"),
-                        ({"seed": "7"}, "seed"), ({"min_p": 2}, "min_p"), ({"top_k": 5}, "top_k")):
+                        ({"seed": "7"}, "seed"), ({"min_p": 2}, "min_p"), ({"top_k": -2}, "top_k")):
         status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, **body})
         assert status == 400 and err["error"]["param"] == param, (body, err)
+    # no temperature: vLLM's 1, so top_k alone is taken (it was a 400 while greedy was the default)
+    for route, body in (("/v1/completions", {"model": "tiny", "prompt": prompt}),
+                        ("/v2/models/tiny/generate", {"text_input": "the"})):
+        status, out = _http(url + route, {**body, "max_tokens": 6, "top_k": 5, "seed": 3})
+        s = engines["gpu0"].jobs[-1].sampling
+        assert status == 200 and (s.temperature, s.top_k, s.seed) == (1.0, 5, 3), (route, out)
+        status, out = _http(url + route, {**body, "max_tokens": 6})
+        assert status == 200 and engines["gpu0"].jobs[-1].sampling.temperature == 1.0
     status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": "0.8",
                                                             "parameters": {"seed": "3", "top_k": 40.0}})
     assert status == 200 and engines["gpu0"].jobs[-1].sampling.seed == 3
@@ -953,12 +971,47 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
     assert status == 400 and "top_p" in out["error"]
 
 
+@pytest.mark.parametrize("llm_node", [{"temperature": 0.5, "top_k": 7, "top_p": None, "max_new_tokens": 3,
+                                       "eos_token_id": 2}], indirect=True)
+def test_a_models_generation_config_is_what_openai_requests_leave_out(llm_node):
+    """As vLLM's server (its default --generation-config auto): a field left out, or null, is
+    the model folder's generation_config.json value (null there: not given), then vLLM's own;
+    a null max_tokens is its max_new_tokens. Triton's routes take vLLM's own, as its vLLM
+    backend does, and the SDK stays greedy."""
+    address, engines, url = llm_node
+    prompt = [40, 10]
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "seed": 4, "max_tokens": 5})
+    s = engines["gpu0"].jobs[-1].sampling
+    assert status == 200 and (s.temperature, s.top_k, s.top_p, s.seed) == (0.5, 7, 1.0, 4), out
+    assert out["batchyard"][0]["token_ids"] == expected([*prompt, 1004], 5)
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "temperature": 0, "top_k": None,
+                                                  "max_tokens": None})
+    s = engines["gpu0"].jobs[-1].sampling
+    assert status == 200 and (s.temperature, s.top_k) == (0.0, 7) and out["usage"]["completion_tokens"] == 3
+    assert out["batchyard"][0]["token_ids"] == expected(prompt, 3)
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 2})
+    s = engines["gpu0"].jobs[-1].sampling
+    assert status == 200 and (s.temperature, s.top_k) == (1.0, 0)
+    with Client(address) as c:
+        c.generate("tiny", prompt, max_tokens=2)
+        assert engines["gpu0"].jobs[-1].sampling is None
+
+
+def test_a_null_max_tokens_is_what_the_models_context_leaves(llm_node):
+    """vLLM's rule without a max_new_tokens: the context (the model's max_model_len, 512 here)
+    less the prompt; the scripted engine answers as many tokens as asked."""
+    _, engines, url = llm_node
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[1] * 40, [2] * 100], "max_tokens": None,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert status == 200 and [len(m["token_ids"]) for m in out["batchyard"]] == [512 - 40, 512 - 100], out
+
+
 def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_engine(llm_node):
     """vLLM's stop strings: the text ends before the first one found (left out, as vLLM leaves
     it), finish_reason "stop" and vLLM's stop_reason; the tokens decoded up to it are counted;
     a stream holds back what could begin one; a generation cut short is stopped in its engine."""
     _, engines, url = llm_node
-    body = {"model": "tiny", "prompt": [40], "max_tokens": 12}  # the scripted text: HIJKLMNOPQRS
+    body = {"model": "tiny", "prompt": [40], "max_tokens": 12, "temperature": 0}  # the scripted text: HIJKLMNOPQRS
     for stop, text, tokens in (("LMN", "HIJK", 7), (["Q", "KL"], "HIJ", 5), ("ZZ", "HIJKLMNOPQRS", 12)):
         status, out = _http(url + "/v1/completions", {**body, "stop": stop})
         [choice] = out["choices"]
@@ -995,16 +1048,17 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
         status, err = _http(url + "/v1/completions", {**body, "stop": stop})
         assert status == 400 and err["error"]["param"] == "stop", stop
     # Triton's generate, as the backend takes a stop sampling parameter
-    status, plain = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6,
+    status, plain = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": 0,
                                                               "exclude_input_in_output": True})
     completion = plain["text_output"]
     cut = completion.find(completion[3:5])
-    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "stop": completion[3:5],
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": 0,
+                                                            "stop": completion[3:5],
                                                             "exclude_input_in_output": True, "return_finish_reason": True})
     assert (status, out["text_output"], out["finish_reason"]) == (200, completion[:cut], "stop")
     status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
         "text_input": "the", "max_tokens": 6, "stream": True, "return_finish_reason": True,
-        "sampling_parameters": json.dumps({"stop": [completion[3:5]]})})
+        "sampling_parameters": json.dumps({"stop": [completion[3:5]], "temperature": 0})})
     events = [json.loads(e) for e in events]
     assert "".join(e["text_output"] for e in events) == completion[:cut] and events[-1]["finish_reason"] == "stop"
     # a response a step up to the one that completed the stop string, that one the last (as the backend's)
@@ -1034,6 +1088,9 @@ def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_nod
     for c in out["choices"]:
         mine = [x["choices"][0] for x in chunks[:-1] if x["choices"][0]["index"] == c["index"]]
         assert "".join(x["text"] for x in mine) == c["text"]
+    # without a temperature, vLLM's 1 samples them
+    status, out = _http(url + "/v1/completions", {k: v for k, v in body.items() if k != "temperature"})
+    assert status == 200 and len({tuple(m["token_ids"]) for m in out["batchyard"]}) == 6
     for extra, words in (({"temperature": 0}, "needs a temperature above 0"), ({"n": 0}, "n must be an integer"),
                          ({"n": True}, "n must be an integer"),
                          ({"prompt": [[1]] * 600, "n": 2}, "at most 1024 a request")):

@@ -121,7 +121,9 @@ def test_the_dispatcher_routes_by_its_curves_and_learns_them(node):
 
 def test_openai_completions_on_the_front_door(node):
     _, url = node
-    body = json.dumps({"model": "tiny", "prompt": "the cache moves from one engine", "max_tokens": 6}).encode()
+    # (greedy, so that each answer below is the same text; left out, vLLM's temperature 1 samples)
+    body = json.dumps({"model": "tiny", "prompt": "the cache moves from one engine", "max_tokens": 6,
+                       "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         out = json.loads(r.read())
@@ -129,7 +131,7 @@ def test_openai_completions_on_the_front_door(node):
     assert isinstance(out["choices"][0]["text"], str) and out["batchyard"][0]["stand_in"] is True
     # streamed: the same text, piece by piece as the engine decodes it
     status, kind, text = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves from one engine",
-                                                              "max_tokens": 6, "stream": True})
+                                                              "max_tokens": 6, "stream": True, "temperature": 0})
     assert (status, kind) == (200, "text/event-stream; charset=utf-8")
     events = [e[len(b"data: "):] for e in text.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]" and len(events) > 2
@@ -141,7 +143,8 @@ def test_openai_completions_on_the_front_door(node):
     stop = text[len(text) // 2:len(text) // 2 + 2]
     for stream in (False, True):
         status, kind, body = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": "the cache moves from one engine",
-                                                                  "max_tokens": 6, "stop": stop, "stream": stream})
+                                                                  "max_tokens": 6, "stop": stop, "stream": stream,
+                                                                  "temperature": 0})
         if stream:
             chunks = [json.loads(e[len(b"data: "):])["choices"][0] for e in body.split(b"\n\n")
                       if e and e != b"data: [DONE]"]
@@ -164,7 +167,8 @@ def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     unless it asks for the completion alone, with the outputs it asks for."""
     _, url = node
     prompt = "the cache moves from one engine"
-    status, _, text = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 6})
+    status, _, text = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                                                           "temperature": 0})
     assert status == 200
     completion = json.loads(text)["choices"][0]["text"]
     status, kind, text = _post_json(url + "/v2/models/tiny/generate", {
@@ -172,7 +176,7 @@ def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     assert (status, kind) == (200, "application/json")
     assert json.loads(text) == {"id": "q1", "model_name": "tiny", "model_version": "1", "text_output": prompt + completion}
     status, kind, text = _post_json(url + "/v2/models/tiny/generate_stream", {
-        "text_input": prompt, "stream": True, "max_tokens": 6, "return_num_output_tokens": True,
+        "text_input": prompt, "stream": True, "max_tokens": 6, "temperature": 0, "return_num_output_tokens": True,
         "return_num_input_tokens": True, "return_finish_reason": True})
     assert (status, kind) == (200, "text/event-stream; charset=utf-8")
     events = [json.loads(e[len(b"data: "):]) for e in text.split(b"\n\n") if e]
@@ -201,3 +205,26 @@ def test_a_request_past_its_deadline_is_stopped_in_its_engine(node):
         while [w.inflight for w in c.status().workers if w.name == "llm-gpu"] != [0]:
             assert time.monotonic() - t0 < 5.0, "the engine kept decoding the expired request"
         assert len(c.generate("tiny", _prompt(40, seed=8), max_tokens=8, route="gpu", timeout=60)) == 8
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True},
+    {"temperature": 1, "top_k": 50, "top_p": 1.0, "max_new_tokens": 100},
+    {"do_sample": False, "temperature": 0.0, "min_p": 0.1},
+    {"presence_penalty": 0.5, "frequency_penalty": 0.2, "temperature": None},
+    {"bos_token_id": 1, "eos_token_id": [2, 3]}])
+def test_a_models_sampling_defaults_are_those_vllms_server_takes(tmp_path, fields):
+    """llm_model_files.generation_defaults against vLLM's own reader (what its OpenAI server's
+    get_diff_sampling_param takes, with --generation-config auto), on the same folder."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.config import try_get_generation_config
+
+    from batchyard.llm_model_files import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "temperature": 0.3}))
+    keys = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p")
+    theirs = {k: v for k, v in try_get_generation_config(str(tmp_path), False).to_diff_dict().items()
+              if k in (*keys, "max_new_tokens") and v is not None}
+    mine = generation_defaults(tmp_path)
+    assert {**mine.sampling, **({"max_new_tokens": mine.max_tokens} if mine.max_tokens else {})} == theirs

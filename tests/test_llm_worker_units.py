@@ -252,7 +252,7 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
 def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignores_them(tmp_path, monkeypatch):
     import json
 
-    from batchyard.workers.llm_engine import eos_token_ids
+    from batchyard.llm_model_files import eos_token_ids
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert eos_token_ids(tmp_path) == (2,)

@@ -20,7 +20,6 @@ without it, and the connector class is built on first use (module ``__getattr__`
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -90,38 +89,6 @@ def sampling_kwargs(max_tokens: int, kv: str = "", eos: tuple = (), sampling: P.
     if kv:
         kw["extra_args"] = {"kv_transfer_params": {"batchyard": kv}}
     return kw
-
-
-def _json(path: Path) -> dict:
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return out if isinstance(out, dict) else {}
-
-
-def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
-    """The model's end-of-sequence token ids, those vLLM stops at: its tokenizer's EOS
-    (tokenizer_config.json's ``eos_token``, its id from tokenizer.json), and its
-    generation_config.json's ``eos_token_id`` (an id or a list), else its config.json's. A chat
-    model's tokenizer often ends a turn with a token its config does not name."""
-    folder = Path(model_path)
-    ids: list = []
-    eos = _json(folder / "tokenizer_config.json").get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str):
-        tok = _json(folder / "tokenizer.json")
-        added = {t.get("content"): t.get("id") for t in tok.get("added_tokens") or () if isinstance(t, dict)}
-        vocab = (tok.get("model") or {}).get("vocab")
-        ids.append(added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None))
-    for name in ("generation_config.json", "config.json"):
-        found = _json(folder / name).get("eos_token_id")
-        found = [i for i in (found if isinstance(found, list) else [found])
-                 if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
-        if found:  # (an empty or unreadable one: the next file's)
-            ids.extend(found)
-            break
-    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
 
 
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:

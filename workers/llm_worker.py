@@ -30,11 +30,12 @@ import zmq
 
 from batchyard import protocol as P
 from batchyard.exit_codes import EX_CONFIG
+from batchyard.llm_model_files import eos_token_ids
 from batchyard.proctitle import set_title
 from batchyard.protocol import Status
 from batchyard.sd_notify import notify
 
-from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, eos_token_ids, kv_entry, kv_root,
+from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, kv_entry, kv_root,
                          prepare_kv_dir, sampling_kwargs, set_env, sweep_stale)
 from .runtime import error_text
 
@@ -84,7 +85,7 @@ class _WakeEvent(threading.Event):
 class LlmServer:
     def __init__(self, node, wcfg, engine, root: Path, engine_msg: P.LlmEngine, vocab: int, eos: tuple = ()):
         self.node, self.name, self.engine, self.root, self.vocab = node, wcfg.name, engine, root, vocab
-        self.eos = eos  # the model's end-of-sequence token ids (llm_engine.eos_token_ids)
+        self.eos = eos  # the model's end-of-sequence token ids (llm_model_files.eos_token_ids)
         self.block, self.max_len = engine_msg.block_size, engine_msg.max_model_len
         self.register = P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name, pid=os.getpid(),
                                             path="cpu" if engine_msg.role == "prefill-cpu" else "gpu", models=[],
