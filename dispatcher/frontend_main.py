@@ -75,10 +75,11 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
     core = KServeCore(client, shm, default_timeout_s=node.dispatcher.default_timeout_s,
                       strict_readiness=fe.strict_readiness, llm_models=frozenset(m.name for m in node.llm_models),
                       tracer=tracer, logs=logs)
-    completions = None
+    llm_routes: tuple = ()  # the LLM mode's OpenAI routes
     if node.llm_models:  # the LLM mode: OpenAI's completions, and Triton's protocols as its vLLM backend's
         from .llm_generate import LlmGenerate
         from .llm_model_files import generation_defaults
+        from .openai_chat import OpenAiChat
         from .openai_http import OpenAiCompletions
 
         completions = OpenAiCompletions(
@@ -87,6 +88,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             # (checked by the config's validation, which names a bad field)
             defaults={m.name: generation_defaults(m.path) for m in node.llm_models if m.generation_config == "auto"})
         core.llm = LlmGenerate(completions)
+        llm_routes = (*completions.routes(), *OpenAiChat(completions).routes())
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 
@@ -111,7 +113,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             from .kserve_http import start_http
 
             http_runner = await start_http(core, fe.host, fe.http_port, fe.max_request_bytes,
-                                           extra_routes=completions.routes() if completions else (),
+                                           extra_routes=llm_routes,
                                            idle_timeout_s=fe.idle_timeout_s, restricted_apis=fe.restricted_apis)
         if fe.grpc_port:
             from .kserve_grpc import start_grpc

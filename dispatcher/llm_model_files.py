@@ -66,20 +66,25 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
 
 def generation_defaults(model_path: str | Path) -> GenerationDefaults:
     """The sampling defaults of the model's generation_config.json: each of SAMPLING_KEYS it
-    gives (null: not given), and ``max_new_tokens``. As vLLM 0.32 with transformers 5 reads
-    it: the file alone (the same fields in config.json are not taken), and a file that is no
-    JSON object gives nothing. ValueError naming the field when one is past vLLM's bounds
-    (vLLM would refuse every request that left it out)."""
-    config = read_json(Path(model_path) / GENERATION_CONFIG)
+    gives (null: not given), and ``max_new_tokens`` (what a chat request that gives no
+    max_tokens may decode; /v1/completions' default is 16 whatever it says). As vLLM 0.32 with
+    transformers 5 reads it: the file alone (the same fields in config.json are not taken), a
+    missing file or one that is no JSON gives nothing. ValueError naming the field when one is
+    past vLLM's bounds (vLLM would refuse every request that left it out), or where the file is
+    JSON but no object (vLLM does not start)."""
+    try:
+        config = json.loads((Path(model_path) / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):  # missing, or no JSON: vLLM reads it as nothing too
+        config = {}
+    if not isinstance(config, dict):  # (vLLM fails to start on one)
+        raise ValueError(f"{GENERATION_CONFIG}: not a JSON object")
     given = {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None}
     try:
         sampling = msgspec.convert(given, P.Sampling)
     except msgspec.ValidationError as e:
         raise ValueError(f"{GENERATION_CONFIG}: {e}") from None
     max_tokens = config.get("max_new_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or not 1 <= max_tokens <= P.MAX_NEW_TOKENS):
-        raise ValueError(f"{GENERATION_CONFIG}: max_new_tokens must be an integer in 1..{P.MAX_NEW_TOKENS}, "
-                         f"got {max_tokens!r:.40}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"{GENERATION_CONFIG}: max_new_tokens must be a positive integer, got {max_tokens!r:.40}")
     # (the converted values: an integer temperature is a float, as SamplingParams takes it)
     return GenerationDefaults({k: getattr(sampling, k) for k in given}, max_tokens)

@@ -8,8 +8,9 @@ fields are OpenAI's ``temperature``, ``top_p``, ``seed``, ``presence_penalty`` a
 bounds (a 400 naming the field past them). One left out (or null) is taken as vLLM's server
 takes it: the model folder's generation_config.json value (config ``generation_config =
 "auto"``, vLLM's default), else vLLM's own: a request that gives none samples at temperature 1;
-``temperature: 0`` is greedy. ``max_tokens`` left out is 16; null, the model's
-``max_new_tokens``, else the rest of its context, as vLLM's. ``n`` completions of each prompt,
+``temperature: 0`` is greedy. ``max_tokens`` left out or null is 16; any is cut to what the
+model's context leaves after the prompt, as vLLM's server cuts it (chat: openai_chat). ``n``
+completions of each prompt,
 up to MAX_N, need a temperature above 0; a seed gives each of them its own, seed + k. ``stop``
 (a string or a list) cuts the text before the first one found, left out as vLLM
 leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and stops the
@@ -40,7 +41,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import msgspec
 from aiohttp import web
@@ -134,7 +135,8 @@ class OpenAiCompletions:
         code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
         return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code)
 
-    async def _completions(self, request) -> web.Response:
+    async def body(self, request) -> tuple[dict, str]:
+        """-> (the request's JSON object, its model, one this server has); OpenAiError otherwise."""
         try:
             # Bounded as the KServe routes' JSON: unbounded, 1 MB of gzip inflated to 2 GiB.
             body = json.loads(await read_body(request, MAX_JSON_BYTES))
@@ -148,12 +150,23 @@ class OpenAiCompletions:
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               param="model", code="model_not_found")
+        return body, model
+
+    async def _completions(self, request) -> web.Response:
+        body, model = await self.body(request)
+        checked = _check_supported(body, self.defaults.get(model, NO_DEFAULTS).sampling)
+        # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here)
+        max_tokens = _max_tokens_field(body.get("max_tokens"), "max_tokens") or 16
+        return await self.serve(request, body, model, checked, max_tokens,
+                                lambda: self._prompts(model, body.get("prompt")), TEXT)
+
+    async def serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
+                    prompts: Callable[[], Awaitable[list]], shape: "AnswerShape") -> web.StreamResponse:
+        """The completions of a request whose fields are ``checked`` (its sampling and ``n``,
+        _check_supported) and ``max_tokens`` (None: vLLM's, _max_tokens), of the ``prompts``
+        (token ids) that function gives, answered in the ``shape`` of its route."""
+        sampling, n = checked
         defaults = self.defaults.get(model, NO_DEFAULTS)
-        sampling, n = _check_supported(body, defaults.sampling)
-        max_tokens = body.get("max_tokens", 16)  # left out: 16, vLLM's default (and OpenAI's)
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                       or max_tokens < 1):
-            raise OpenAiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not 0 < timeout <= 86400):
@@ -162,7 +175,7 @@ class OpenAiCompletions:
         stream, include_usage = _stream_options(body)
         ignore_eos = _flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
         stops = stop_strings(body.get("stop"), "stop")
-        prompts = await self._prompts(model, body.get("prompt"))
+        prompts = await prompts()
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
                                    f"{MAX_PROMPTS} a request", param="n")
@@ -172,7 +185,7 @@ class OpenAiCompletions:
         gens = [(ids, self._max_tokens(model, ids, max_tokens, defaults), {**run, "sampling": _nth(sampling, k)})
                 for ids in prompts for k in range(n)]
         if stream:
-            return await self._stream(request, model, prompts, gens, stops, include_usage)
+            return await self._stream(request, model, prompts, gens, stops, include_usage, shape)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
         tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, stops)) for ids, limit, run_k in gens]
@@ -181,9 +194,9 @@ class OpenAiCompletions:
         finally:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
-        choices = [_choice(i, out.text, out) for i, out in enumerate(outs)]
+        choices = [shape.choice(i, out.text, out) for i, out in enumerate(outs)]
         return web.json_response({
-            "id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
+            "id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(prompts, outs),
             "batchyard": [_timing(out) for out in outs]})
 
@@ -217,22 +230,23 @@ class OpenAiCompletions:
         return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
 
     def _max_tokens(self, model: str, ids: list, max_tokens: Optional[int], defaults: GenerationDefaults) -> int:
-        """A prompt's max_tokens; null, as vLLM's server takes it: the model's max_new_tokens,
-        else what its context leaves after the prompt (the dispatcher refuses a prompt that
-        leaves none)."""
-        if max_tokens is not None:
-            return max_tokens
-        if defaults.max_tokens is not None:
-            return defaults.max_tokens
+        """A prompt's max_tokens as vLLM's server sets it (its get_max_tokens): the request's
+        (None: the model's max_new_tokens, which only a chat request can leave out), and no
+        more than the context leaves after the prompt, nor than a request of Batchyard's may
+        ask (MAX_NEW_TOKENS). A prompt that leaves none is refused by the dispatcher."""
+        if max_tokens is None:
+            max_tokens = defaults.max_tokens
         context = self.max_model_len.get(model)
-        return max(1, context - len(ids)) if context else 16
+        left = context - len(ids) if context else None
+        return max(1, min(v for v in (max_tokens, left, P.MAX_NEW_TOKENS) if v is not None))
 
     async def _stream(self, request, model: str, prompts: list, gens: list, stops: tuple,
-                      include_usage: bool) -> web.StreamResponse:
+                      include_usage: bool, shape: "AnswerShape") -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order."""
-        head = {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
-                "model": model}
+        head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
+                "created": int(time.time()), "model": model}
+        started: set = set()  # the choices that had their first chunk (a chat's says the role)
         events: asyncio.Queue = asyncio.Queue()  # (prompt index, _DECODED | Completion | exception)
         # Each prompt's text not yet sent: a client that reads slowly gets it merged into fewer
         # chunks, rather than an event queued an engine step.
@@ -257,6 +271,11 @@ class OpenAiCompletions:
 
         async def send(chunk: dict) -> None:
             nonlocal response
+            for c in chunk.get("choices", ()):  # (an error's chunk has none)
+                if c["index"] not in started:
+                    started.add(c["index"])
+                    if (first := shape.first(c["index"])) is not None:
+                        await send({**head, "choices": [first]})
             if response is None:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                        "Cache-Control": "no-cache"})
@@ -278,11 +297,10 @@ class OpenAiCompletions:
                         break
                     piece, decoded[i] = decoded[i], ""
                     if piece:
-                        await send({**head, "choices": [{"index": i, "text": piece, "logprobs": None,
-                                                         "finish_reason": None}]})
+                        await send({**head, "choices": [shape.piece(i, piece)]})
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
-                await send({**head, "choices": [_choice(i, decoded[i] + got.rest, got)], "batchyard": _timing(got)})
+                await send({**head, "choices": [shape.last(i, decoded[i] + got.rest, got)], "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
             await response.write(b"data: [DONE]\n\n")
@@ -327,13 +345,14 @@ class OpenAiCompletions:
             tok = self._tokenizers[model] = Tokenizer.from_file(str(path))
         return tok
 
-    async def encode(self, model: str, texts: list[str]) -> list[list[int]]:
+    async def encode(self, model: str, texts: list[str], special_tokens: bool = True) -> list[list[int]]:
+        """``special_tokens``: the tokenizer's own added (a BOS); a chat template writes them."""
         _check_text_length(texts)
         tok = self._tokenizer(model)
         try:
             # encode_batch, on a thread: it lets go of the GIL (encode holds it), so the front
             # door's other clients are served while a long prompt is tokenized.
-            encodings = await asyncio.to_thread(tok.encode_batch, texts)
+            encodings = await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens=special_tokens)
         except Exception as e:  # a lone surrogate, which no tokenizer takes
             raise OpenAiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
         if any(not e.ids for e in encodings):
@@ -376,10 +395,32 @@ class Completion:
         self.finish_reason, self.stop_reason, self.timing = finish_reason, stop_reason, timing
 
 
-def _choice(i: int, text: str, out: Completion) -> dict:
-    # stop_reason: vLLM's extension, the stop string that ended it (null otherwise)
-    return {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason or None}
+class AnswerShape:
+    """How a route's answer and its stream's chunks hold a choice: /v1/completions' text (TEXT);
+    openai_chat's messages."""
+
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    @staticmethod
+    def choice(i: int, text: str, out: Completion) -> dict:
+        # stop_reason: vLLM's extension, the stop string that ended it (null otherwise)
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason or None}
+
+    last = choice  # a stream's last chunk of a choice
+
+    @staticmethod
+    def piece(i: int, text: str) -> dict:
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": None}
+
+    @staticmethod
+    def first(i: int) -> Optional[dict]:
+        """A chunk sent before a choice's first (None: none)."""
+        return None
+
+
+TEXT = AnswerShape()
 
 
 def _usage(prompts: list, outs: list) -> dict:
@@ -503,7 +544,14 @@ def _route(body: dict) -> str:
     return route
 
 
-def _check_supported(body: dict, defaults: dict) -> tuple[P.Sampling, int]:
+def _max_tokens_field(value, name: str) -> Optional[int]:
+    """A request's max_tokens (null: None, vLLM's rule), or OpenAiError naming ``name``."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise OpenAiError(400, f"{name} must be a positive integer, got {value!r}", param=name)
+    return value
+
+
+def _check_supported(body: dict, defaults: dict, unsupported: Optional[dict] = None) -> tuple[P.Sampling, int]:
     """-> the body's sampling, its fields left out taken from ``defaults`` (the model's) or else
     vLLM's (sampling_as_vllm), and its ``n``, once its fields are checked; OpenAiError naming
     the first it refuses."""
@@ -511,7 +559,7 @@ def _check_supported(body: dict, defaults: dict) -> tuple[P.Sampling, int]:
     # (n: _choices_per_prompt)
     if isinstance(body.get("best_of"), bool) or body.get("best_of", 1) not in (1, None):
         raise OpenAiError(400, f"best_of must be 1, got {body['best_of']!r}", param="best_of")
-    for key, default in _UNSUPPORTED.items():
+    for key, default in (_UNSUPPORTED if unsupported is None else unsupported).items():
         if not _asks_nothing(body.get(key, default), default):
             raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)
     # OpenAI's sampling fields and vLLM's extensions (top_k, min_p, repetition_penalty); null

@@ -338,7 +338,8 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key,
 def test_a_model_folders_sampling_defaults_are_read_as_vllms_server_reads_them(tmp_path):
     """generation_config.json's sampling fields (null: not given) and max_new_tokens, as vLLM
     0.32 with transformers 5 reads them (checked against its get_diff_sampling_param on these
-    files); config.json's are not taken, a file that is no object gives nothing."""
+    files); config.json's are not taken, a file that is no JSON gives nothing, and JSON that
+    is no object is refused (vLLM does not start on it)."""
     from batchyard.llm_model_files import GenerationDefaults, generation_defaults
 
     assert generation_defaults(tmp_path) == GenerationDefaults()  # no file
@@ -351,11 +352,11 @@ def test_a_model_folders_sampling_defaults_are_read_as_vllms_server_reads_them(t
     assert got == GenerationDefaults({"temperature": 1.0, "top_k": 20, "min_p": 0.05, "presence_penalty": 0.5,
                                       "repetition_penalty": 1.05}, 64)
     assert type(got.sampling["temperature"]) is float
-    for text in ("[1]", "{", ""):
+    for text in ("{", ""):  # no JSON: nothing, as vLLM reads it
         gc.write_text(text)
         assert generation_defaults(tmp_path) == GenerationDefaults()
     for fields, words in (({"top_k": -2}, "$.top_k"), ({"temperature": "0.5"}, "$.temperature"),
-                          ({"max_new_tokens": True}, "max_new_tokens")):
+                          ({"max_new_tokens": True}, "max_new_tokens"), ([1], "not a JSON object")):
         gc.write_text(json.dumps(fields))
         with pytest.raises(ValueError, match=re.escape(words)):
             generation_defaults(tmp_path)
@@ -577,7 +578,7 @@ class _ProseTokenizer:
     def __init__(self):
         self.handed: list = []
 
-    def encode_batch(self, texts):
+    def encode_batch(self, texts, add_special_tokens=True):
         self.handed.append(sum(map(len, texts)))
         return [_Encoding([1] * max(1, len(t) // 4)) for t in texts]
 

@@ -37,6 +37,8 @@ DEFAULT_TIMEOUT_S = 5.0  # the node's default_timeout_s
 
 
 EOS = 4000  # the scripted model's end-of-sequence token
+CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")  # the model's chat template
 
 
 def expected(prompt, n):
@@ -164,6 +166,7 @@ def llm_node(run_dir, request):
     a tokenizer, and two scripted engines registered as its prefill-cpu and gpu instances.
     Parametrized indirectly, the model folder's generation_config.json holds that dict."""
     _tokenizer(Path(run_dir))
+    (Path(run_dir) / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     if getattr(request, "param", None) is not None:
         (Path(run_dir) / "generation_config.json").write_text(json.dumps(request.param))
     port, grpc_port = free_port(), free_port()
@@ -706,14 +709,15 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              ({"model": "tiny", "prompt": [1] * 600}, 400, "max_model_len"),
                              ({"model": "tiny", "prompt": []}, 400, "prompt"),
                              ({"model": "tiny", "prompt": [1, 2], "timeout": "soon"}, 400, "timeout"),
-                             ({"model": "tiny", "prompt": [1, 2], "max_tokens": 10**6}, 400, "max_tokens"),
+                             # (one past the context is cut to it: test_a_max_tokens_past_what_the_context_leaves)
+                             ({"model": "tiny", "prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
                              # OpenAI's ask for the sampled token's logprob: served without it, 200.
                              ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs")):
         status, err = _http(url + "/v1/completions", body)
         assert status == code and word in err["error"]["message"], (body, status, err)
     # A path or method the OpenAI routes lack: OpenAI's error shape too (it was Triton's, a string).
-    for path, body, code, message in (("/v1/chat/completions", {"model": "tiny"}, 404,
-                                       "Invalid URL (POST /v1/chat/completions)"),
+    for path, body, code, message in (("/v1/embeddings", {"model": "tiny"}, 404,
+                                       "Invalid URL (POST /v1/embeddings)"),
                                       ("/v1/completions", None, 405, "Method Not Allowed (GET /v1/completions)")):
         status, err = _http(url + path, body)
         assert (status, err) == (code, {"error": {"message": message, "type": "invalid_request_error",
@@ -976,8 +980,8 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
 def test_a_models_generation_config_is_what_openai_requests_leave_out(llm_node):
     """As vLLM's server (its default --generation-config auto): a field left out, or null, is
     the model folder's generation_config.json value (null there: not given), then vLLM's own;
-    a null max_tokens is its max_new_tokens. Triton's routes take vLLM's own, as its vLLM
-    backend does, and the SDK stays greedy."""
+    a null max_tokens is 16 whatever max_new_tokens says (vLLM's completions read a null as left
+    out). Triton's routes take vLLM's own, as its vLLM backend does, and the SDK stays greedy."""
     address, engines, url = llm_node
     prompt = [40, 10]
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "seed": 4, "max_tokens": 5})
@@ -987,8 +991,8 @@ def test_a_models_generation_config_is_what_openai_requests_leave_out(llm_node):
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "temperature": 0, "top_k": None,
                                                   "max_tokens": None})
     s = engines["gpu0"].jobs[-1].sampling
-    assert status == 200 and (s.temperature, s.top_k) == (0.0, 7) and out["usage"]["completion_tokens"] == 3
-    assert out["batchyard"][0]["token_ids"] == expected(prompt, 3)
+    assert status == 200 and (s.temperature, s.top_k) == (0.0, 7) and out["usage"]["completion_tokens"] == 16
+    assert out["batchyard"][0]["token_ids"] == expected(prompt, 16)
     status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 2})
     s = engines["gpu0"].jobs[-1].sampling
     assert status == 200 and (s.temperature, s.top_k) == (1.0, 0)
@@ -997,13 +1001,114 @@ def test_a_models_generation_config_is_what_openai_requests_leave_out(llm_node):
         assert engines["gpu0"].jobs[-1].sampling is None
 
 
-def test_a_null_max_tokens_is_what_the_models_context_leaves(llm_node):
-    """vLLM's rule without a max_new_tokens: the context (the model's max_model_len, 512 here)
-    less the prompt; the scripted engine answers as many tokens as asked."""
+def test_a_max_tokens_past_what_the_context_leaves_is_cut_to_it(llm_node):
+    """As vLLM's server cuts it (a 400 before): no more than the context (the model's
+    max_model_len, 512 here) less the prompt; the scripted engine answers as many as asked."""
     _, engines, url = llm_node
-    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [[1] * 40, [2] * 100], "max_tokens": None,
-                                                  "temperature": 0, "ignore_eos": True})
+    body = {"model": "tiny", "prompt": [[1] * 40, [2] * 100], "temperature": 0, "ignore_eos": True}
+    status, out = _http(url + "/v1/completions", {**body, "max_tokens": 1000})
     assert status == 200 and [len(m["token_ids"]) for m in out["batchyard"]] == [512 - 40, 512 - 100], out
+    assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 2
+    status, out = _http(url + "/v1/completions", {**body, "max_tokens": None})
+    assert status == 200 and [len(m["token_ids"]) for m in out["batchyard"]] == [16, 16], out
+
+
+def _chat_ids(engines, messages, add_generation_prompt=True) -> list:
+    """The token ids of a conversation as the chat route makes them: the model's template, then
+    its tokenizer without special tokens."""
+    import jinja2
+    from tokenizers import Tokenizer
+
+    text = jinja2.Template(CHATML).render(messages=messages, add_generation_prompt=add_generation_prompt)
+    tok = Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def test_chat_completions_render_the_conversation_and_answer_in_chats_shape(llm_node):
+    """OpenAI's chat route as vLLM's server serves it: the model's chat template, the sampling
+    and stop of /v1/completions, a message a choice; streamed, deltas, the role first."""
+    _, engines, url = llm_node
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "cache"}]}]
+    ids = _chat_ids(engines, [messages[0], {"role": "user", "content": "the\ncache"}])
+    body = {"model": "tiny", "messages": messages, "max_completion_tokens": 6, "temperature": 0}
+    status, out = _http(url + "/v1/chat/completions", body)
+    assert status == 200, out
+    [choice] = out["choices"]
+    assert engines["gpu0"].jobs[-1].prompts[0] == ids or engines["cpu0"].jobs[-1].prompts[0] == ids
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    assert choice["message"] == {"role": "assistant", "content": _decode_ids(engines, expected(ids, 6))}
+    assert choice["finish_reason"] == "length" and out["usage"] == {
+        "prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
+    assert out["batchyard"][0]["token_ids"] == expected(ids, 6)
+    # streamed: the role, then the text in deltas, the last with its finish_reason; the usage
+    status, kind, events = _events(url + "/v1/chat/completions", {**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}})
+    assert status == 200 and kind.startswith("text/event-stream") and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and chunks[-1]["usage"] == out["usage"]
+    deltas = [c["choices"][0] for c in chunks[:-1]]
+    assert deltas[0]["delta"] == {"role": "assistant", "content": ""} and len(deltas) >= 3
+    assert "".join(d["delta"].get("content", "") for d in deltas) == choice["message"]["content"]
+    assert [d["finish_reason"] for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
+    # max_tokens (the older name) is read too; a stop string cuts the message as it cuts text
+    text = choice["message"]["content"]
+    status, cut = _http(url + "/v1/chat/completions", {**body, "max_completion_tokens": None, "max_tokens": 6,
+                                                       "stop": text[2:4]})
+    assert (cut["choices"][0]["message"]["content"], cut["choices"][0]["finish_reason"]) == (text[:text.find(text[2:4])],
+                                                                                             "stop")
+    # n choices, sampled; left out, the sampling is vLLM's default (temperature 1)
+    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 3, "n": 2,
+                                                       "seed": 5})
+    s = engines["gpu0"].jobs[-1].sampling
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1] and s.temperature == 1.0
+    assert [m["token_ids"] for m in out["batchyard"]] == [expected([*ids, 1005 + k], 3) for k in range(2)]
+
+
+def test_a_chat_request_that_leaves_max_tokens_out_decodes_to_the_end_of_the_context(llm_node):
+    """vLLM's chat rule: no max_tokens, the model's max_new_tokens, else what its context
+    (512 here) leaves after the conversation."""
+    _, engines, url = llm_node
+    messages = [{"role": "user", "content": "the cache moves"}]
+    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": messages, "temperature": 0,
+                                                       "ignore_eos": True, "add_generation_prompt": False})
+    ids = _chat_ids(engines, messages, add_generation_prompt=False)
+    assert status == 200 and out["usage"]["completion_tokens"] == 512 - len(ids), out
+
+
+@pytest.mark.parametrize("llm_node", [{"max_new_tokens": 4}], indirect=True)
+def test_a_chat_request_that_leaves_max_tokens_out_decodes_the_models_max_new_tokens(llm_node):
+    _, _, url = llm_node
+    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                       "temperature": 0, "ignore_eos": True})
+    assert status == 200 and out["usage"]["completion_tokens"] == 4, out
+
+
+def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
+    _, _, url = llm_node
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for extra, param, words in (
+            ({"messages": []}, "messages", "non-empty list"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+             "messages", "only text parts"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+            ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+            ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+            ({"logprobs": True}, "logprobs", "not supported"), ({"logprobs": 1}, "logprobs", "must be a boolean"),
+            ({"chat_template": "{{ 1 }}"}, "chat_template", "not supported"),
+            ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
+            ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
+            ({"max_completion_tokens": 0}, "max_completion_tokens", "positive integer"),
+            ({"temperature": 3}, "temperature", "temperature"),
+            ({"model": "nope"}, "model", "does not exist")):
+        status, err = _http(url + "/v1/chat/completions", {**ok, **extra})
+        assert status in (400, 404) and err["error"]["param"] == param and words in err["error"]["message"], (
+            extra, err)
+    # what OpenAI clients send at their defaults passes
+    status, out = _http(url + "/v1/chat/completions", {**ok, "tools": [], "tool_choice": "none", "logprobs": False,
+                                                       "top_logprobs": 0, "response_format": {"type": "text"},
+                                                       "user": "u", "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200, out
 
 
 def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_engine(llm_node):

@@ -30,6 +30,8 @@ from conftest import free_port
 pytestmark = pytest.mark.llm
 
 BLOCK = 32
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 PROMPT_LENGTHS = (40, 100, 300)  # 1 block + 8, 3 blocks + 4, 9 blocks + 12
 
 
@@ -43,6 +45,7 @@ def node():
 
     run_dir = tempfile.mkdtemp(prefix="by-llm-", dir="/tmp")
     model = build(Path(run_dir) / "tiny", "tiny", seed=0)
+    (model / "chat_template.jinja").write_text(CHATML)  # (the tiny model has none of its own)
     http_port, grpc_port = free_port(), free_port()
     cfg, up = start_llm_node(Path(run_dir), model, BLOCK, FrontendConfig(grpc_port=grpc_port, http_port=http_port),
                              log_level="INFO")
@@ -151,6 +154,34 @@ def test_openai_completions_on_the_front_door(node):
         else:
             chunks = json.loads(body)["choices"]
         assert "".join(c["text"] for c in chunks) == text[:text.find(stop)] and chunks[-1]["finish_reason"] == "stop"
+
+
+def test_chat_completions_answer_the_conversation_as_its_rendered_prompt(node):
+    """/v1/chat/completions on the real engines: the greedy message is the completion of the
+    conversation's token ids (the chat template's text, tokenized without special tokens) that
+    /v1/completions gives for those ids; streamed, the same message."""
+    import jinja2
+    from tokenizers import Tokenizer
+
+    cfg, url = node
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cache moves"}]
+    folder = Path(cfg.llm_models[0].path)
+    text = jinja2.Template(CHATML).render(messages=messages, add_generation_prompt=True)
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, _, chat = _post_json(url + "/v1/chat/completions", body)
+    chat = json.loads(chat)
+    status, _, plain = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 8,
+                                                            "temperature": 0, "ignore_eos": True})
+    plain = json.loads(plain)
+    assert status == 200 and chat["usage"] == plain["usage"] and chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["batchyard"][0]["token_ids"] == plain["batchyard"][0]["token_ids"]
+    message = chat["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": plain["choices"][0]["text"]}
+    status, kind, events = _post_json(url + "/v1/chat/completions", {**body, "stream": True})
+    deltas = [json.loads(e[len(b"data: "):])["choices"][0]["delta"] for e in events.split(b"\n\n")
+              if e and e != b"data: [DONE]"]
+    assert deltas[0]["role"] == "assistant" and "".join(d.get("content", "") for d in deltas) == message["content"]
 
 
 def _post_json(url: str, body: dict) -> tuple[int, str, bytes]:

@@ -1,0 +1,184 @@
+"""OpenAI's ``POST /v1/chat/completions`` on the front door's HTTP port (LLM mode), as vLLM's
+server serves it: the conversation is rendered to prompt text with the model's chat template
+(chat_template), tokenized without special tokens (the template writes them, as vLLM's
+default ``add_special_tokens: false`` for chat), and completed as ``/v1/completions`` completes
+a prompt (openai_http: the sampling fields and their defaults, ``n``, ``stop``, ``stream`` and
+``stream_options``, ``ignore_eos``, ``timeout``, ``batchyard_route``). The answer is chat's:
+each choice's ``message`` {role "assistant", content}; under ``stream``, ``chat.completion.chunk``
+events of ``delta``s, the first of each choice ``{"role": "assistant", "content": ""}``.
+
+``max_completion_tokens`` (or the older ``max_tokens``) left out is what vLLM's server decodes:
+the model's ``max_new_tokens`` (generation_config.json), else up to the end of its context
+(cut, as any, to what the context leaves after the prompt). A message's ``content`` is a
+string, null, or a list of text parts, joined with newlines (vLLM's "string" content format).
+Refused with a 400 naming the field, rather than ignored: anything but text parts, tools and
+tool calls, ``logprobs``, ``response_format`` other than text, a request's own
+``chat_template``, ``continue_final_message``, ``echo``. A model folder without a chat
+template is a 400 on this route, as vLLM answers one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from aiohttp import web
+
+from . import errors
+from .chat_template import ChatTemplate, ChatTemplateError
+from .openai_http import (_UNSUPPORTED, MAX_PROMPT_TOKENS, NO_DEFAULTS, AnswerShape, OpenAiCompletions, OpenAiError,
+                          _check_supported, _check_text_length, _flag, _max_tokens_field, shown)
+
+MAX_MESSAGES = 4096  # messages in one conversation
+# Chat's fields that would change the answer, refused unless they ask nothing (openai_http's
+# rule): beside /v1/completions' own (less echo and suffix, which chat reads otherwise).
+_CHAT_UNSUPPORTED = {**{k: v for k, v in _UNSUPPORTED.items() if k not in ("echo", "suffix")},
+                     "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None, "function_call": None, "echo": False,
+                     "continue_final_message": False, "chat_template": None, "documents": None,
+                     "use_beam_search": False, "prompt_logprobs": None}
+
+
+class ChatShape(AnswerShape):
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    @staticmethod
+    def choice(i: int, text: str, out) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason or None}
+
+    @staticmethod
+    def last(i: int, text: str, out) -> dict:
+        return {"index": i, "delta": {"content": text} if text else {}, "logprobs": None,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason or None}
+
+    @staticmethod
+    def piece(i: int, text: str) -> dict:
+        return {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+
+    @staticmethod
+    def first(i: int) -> Optional[dict]:
+        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+CHAT = ChatShape()
+
+
+class OpenAiChat:
+    """The chat route over ``completions`` (its client, models, tokenizers and defaults)."""
+
+    def __init__(self, completions: OpenAiCompletions):
+        self.completions = completions
+        self._templates: dict = {}  # model -> ChatTemplate, or the error its folder's gives
+
+    def routes(self) -> list:
+        return [web.post("/v1/chat/completions", self.chat)]
+
+    async def chat(self, request) -> web.StreamResponse:
+        oa = self.completions
+        try:
+            body, model = await oa.body(request)
+            _check_chat_fields(body)
+            checked = _check_supported(body, oa.defaults.get(model, NO_DEFAULTS).sampling, _CHAT_UNSUPPORTED)
+            # (vLLM's order: max_completion_tokens, else the older max_tokens)
+            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            max_tokens = _max_tokens_field(body.get(name), name)
+            messages = chat_messages(body.get("messages"))
+            add_generation_prompt = body.get("add_generation_prompt", True)
+            if not isinstance(add_generation_prompt, bool):
+                raise OpenAiError(400, f"add_generation_prompt must be a boolean, got {shown(add_generation_prompt)}",
+                                  param="add_generation_prompt")
+            kwargs = body.get("chat_template_kwargs")
+            if kwargs is not None and not isinstance(kwargs, dict):
+                raise OpenAiError(400, f"chat_template_kwargs must be an object, got {shown(kwargs)}",
+                                  param="chat_template_kwargs")
+
+            async def prompt() -> list:
+                text = self._template(model).render(messages, add_generation_prompt, kwargs)
+                [ids] = await oa.encode(model, [text], special_tokens=False)
+                if len(ids) > MAX_PROMPT_TOKENS:
+                    raise OpenAiError(400, f"the conversation is {len(ids)} tokens; a request takes at most "
+                                           f"{MAX_PROMPT_TOKENS}", param="messages")
+                return [ids]
+
+            return await oa.serve(request, body, model, checked, max_tokens, prompt, CHAT)
+        except ChatTemplateError as e:
+            return OpenAiError(400, str(e), param="messages").response()
+        except (OpenAiError, errors.BatchyardError) as e:
+            return oa._as_openai(e).response()
+
+    def _template(self, model: str) -> ChatTemplate:
+        got = self._templates.get(model)
+        if got is None:
+            folder = self.completions.models[model]
+            try:
+                got = ChatTemplate.load(folder) or ChatTemplateError(
+                    f"model {model!r} has no chat template (chat_template.jinja, or tokenizer_config.json's "
+                    f"chat_template, in {folder}): send its prompt to /v1/completions")
+            except ChatTemplateError as e:
+                got = e
+            self._templates[model] = got
+        if isinstance(got, ChatTemplateError):
+            raise got
+        return got
+
+
+def _check_chat_fields(body: dict) -> None:
+    """Chat's fields that are no mere default: only text is answered."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "none"):
+        raise OpenAiError(400, f"tool_choice {shown(choice)} is not supported yet by Batchyard's LLM mode (no tools)",
+                          param="tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise OpenAiError(400, f"response_format {shown(fmt)} is not supported yet by Batchyard's LLM mode (text only)",
+                          param="response_format")
+    _flag(body, "logprobs")  # (a boolean here; true is refused with the unsupported fields)
+
+
+def chat_messages(value) -> list[dict]:
+    """The conversation as its template reads it: each message's role, its content as one
+    string (text parts joined by newlines, null empty), and its name where given; OpenAiError
+    naming what it refuses."""
+    if not isinstance(value, list) or not value:
+        raise OpenAiError(400, f"messages must be a non-empty list of messages, got {shown(value)}", param="messages")
+    if len(value) > MAX_MESSAGES:
+        raise OpenAiError(400, f"{len(value)} messages; at most {MAX_MESSAGES} a conversation", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise OpenAiError(400, f"{where} must be an object with a role and a content, got {shown(m)}",
+                              param="messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise OpenAiError(400, f"{where}.role must be a non-empty string, got {shown(role)}", param="messages")
+        if m.get("tool_calls") or role == "tool":
+            raise OpenAiError(400, f"{where}: tool calls and tool messages are not supported yet by Batchyard's "
+                                   "LLM mode", param="messages")
+        message = {"role": role, "content": _content(where, m.get("content"))}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise OpenAiError(400, f"{where}.name must be a string, got {shown(name)}", param="messages")
+            message["name"] = name
+        out.append(message)
+    _check_text_length([m["content"] for m in out])
+    return out
+
+
+def _content(where: str, content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAiError(400, f"{where}.content must be a string or a list of parts, got {shown(content)}",
+                          param="messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise OpenAiError(400, f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                                   f"supported by Batchyard's LLM mode, got {shown(kind if kind else part)}",
+                              param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -1,0 +1,110 @@
+"""/v1/chat/completions' own parts (dispatcher/openai_chat.py, chat_template.py): the chat
+template renders a conversation as transformers' apply_chat_template does, and the messages
+are read as vLLM reads them. The route end to end: tests/test_llm_dispatch.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from batchyard.chat_template import ChatTemplate, ChatTemplateError
+from batchyard.openai_chat import chat_messages
+from batchyard.openai_http import OpenAiError
+
+# Templates of the kinds models ship: Llama 2's (bos_token, raise_exception, trim), ChatML's
+# (add_generation_prompt), and one with tojson, loop controls, whitespace control and a kwarg.
+LLAMA = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+         "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}"
+         "{% elif message['role'] == 'assistant' %}{{ ' '  + message['content'] | trim + eos_token }}{% endif %}"
+         "{% endfor %}")
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+OTHER = ("{%- for m in messages %}{%- if m.role == 'system' %}{{ m.content | tojson }}{% continue %}{%- endif %}\n"
+         "  {{ m.role }}: {{ m.content }}{% if m.name is defined %} ({{ m.name }}){% endif %}\n{%- endfor %}"
+         "{{ '>' if add_generation_prompt }}{{ extra | default('') }}")
+
+
+def _folder(tmp_path, template) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the cache moves"], trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "user"]),
+     "content": st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)},
+    optional={"name": st.sampled_from(["bob", "é"])}), min_size=1, max_size=5)
+
+
+@pytest.mark.parametrize("template", [LLAMA, CHATML, OTHER])
+def test_a_conversation_renders_as_transformers_renders_it(tmp_path, template):
+    """Each conversation (and add_generation_prompt, and a template kwarg) the same text as
+    transformers' apply_chat_template on the same folder, or refused by both."""
+    from transformers import PreTrainedTokenizerFast
+
+    _folder(tmp_path, template)
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    mine = ChatTemplate.load(tmp_path)
+
+    @settings(max_examples=60, deadline=None)
+    @given(_messages, st.booleans())
+    def check(messages, add_generation_prompt):
+        try:
+            expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  extra="X")
+        except Exception as e:  # noqa: BLE001 -- the template's refusal: ours must refuse as well
+            with pytest.raises(ChatTemplateError, match="refused the conversation"):
+                mine.render(messages, add_generation_prompt, {"extra": "X"})
+            assert "alternate" in str(e)
+            return
+        assert mine.render(messages, add_generation_prompt, {"extra": "X"}) == expected
+
+    check()
+
+
+def test_a_template_is_found_where_transformers_looks_and_a_broken_one_is_said_so(tmp_path):
+    assert ChatTemplate.load(tmp_path) is None  # no tokenizer_config.json
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages | length }}"}]}))
+    assert ChatTemplate.load(tmp_path).render([{"role": "user", "content": "x"}]) == "D1"  # the default one
+    (tmp_path / "chat_template.jinja").write_text("J{{ eos_token | default('-') }}")  # the file wins
+    assert ChatTemplate.load(tmp_path).render([]) == "J-"
+    (tmp_path / "chat_template.jinja").write_text("{% for %}")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate.load(tmp_path)
+    # the sandbox: a template cannot reach Python's internals
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError, match="refused the conversation"):
+        ChatTemplate.load(tmp_path).render([])
+
+
+def test_messages_are_read_as_vllm_reads_them_and_what_is_not_text_is_refused():
+    assert chat_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": None, "name": "x"}]) == [
+        {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "", "name": "x"}]
+    for messages, words in (([], "non-empty list"), ("hi", "non-empty list"), ([5], "messages[0] must be an object"),
+                            ([{"content": "x"}], "messages[0].role"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+                             "messages[0].content[0]: only text parts"),
+                            ([{"role": "user", "content": 5}], "content must be a string or a list"),
+                            ([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}],
+                             "messages[1]: tool calls"),
+                            ([{"role": "user", "content": "x", "name": 3}], "messages[0].name"),
+                            ([{"role": "user", "content": "x"}] * 5000, "at most 4096"),
+                            ([{"role": "user", "content": "x" * (1 << 21)}], "characters")):
+        with pytest.raises(OpenAiError) as e:
+            chat_messages(messages)
+        assert e.value.status == 400 and words in e.value.message and e.value.param in ("messages", "prompt"), (
+            messages, e.value.message)
