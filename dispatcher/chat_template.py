@@ -2,9 +2,13 @@
 ``/v1/chat/completions`` renders a conversation with): the template of the model folder's
 chat_template.jinja, else its tokenizer_config.json's ``chat_template`` (a string, or a list of
 named ones, "default" taken), in jinja2's immutable sandbox with transformers' settings
-(trim_blocks, lstrip_blocks, loop controls; ``raise_exception``, ``strftime_now`` and its
-``tojson``), given the messages, ``add_generation_prompt``, the tokenizer's special tokens as
-strings (``bos_token``, ``eos_token``, ...) and the request's ``chat_template_kwargs``.
+(trim_blocks, lstrip_blocks, loop controls, its ``{% generation %}`` tag; ``raise_exception``,
+``strftime_now``, its ``tojson``, and its ``dict`` and ``namespace``, which refuse underscore
+names), given the messages, ``add_generation_prompt``, the tokenizer's special tokens as strings
+(``bos_token``, ``eos_token``, ...: tokenizer_config.json's, special_tokens_map.json's over
+them) and the request's ``chat_template_kwargs``. As vLLM renders one, a ``developer`` message
+is a ``system`` one where the template never names that role (the system messages then merged
+into one, first).
 
 A template is the operator's (from the model folder), not a client's: a request cannot give one.
 The sandbox still bounds what it may touch, as transformers runs Hub templates in it.
@@ -18,6 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from .llm_model_files import read_json
+
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file: tens of KB in models that ship one
 
 # tokenizer_config.json's special tokens a template may read (the tokenizer's special_tokens_map)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -42,44 +48,98 @@ def _strftime_now(format):
     return datetime.datetime.now().strftime(format)
 
 
+def _environment():
+    """transformers' sandbox for chat templates (chat_template_utils._cached_compile_jinja_template)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # transformers marks the assistant's text with it (for training masks); rendering, it is its body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class TemplateDict:  # dict() and dict.fromkeys() only: no attribute access to the type
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # no underscore names (CPython's internals)
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat templates cannot store underscore-prefixed attributes "
+                                                      f"on a namespace, got {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env
+
+
 class ChatTemplate:
     """A folder's compiled template and special tokens (``load``: None where it has none)."""
 
     def __init__(self, source: str, special: dict):
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                           extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
         try:
-            self.template = env.from_string(source)
-        except jinja2.exceptions.TemplateError as e:
+            self.template = _environment().from_string(source)
+        except Exception as e:  # noqa: BLE001 -- a syntax error, or one jinja2 meets compiling
             raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
         self.special = special
+        # (vLLM's test of whether a template knows the role)
+        self.knows_developer = '"developer"' in source or "'developer'" in source
 
     @classmethod
     def load(cls, folder: str | Path) -> Optional["ChatTemplate"]:
         folder = Path(folder)
         config = read_json(folder / "tokenizer_config.json")
+        path = folder / "chat_template.jinja"
         try:
-            source = (folder / "chat_template.jinja").read_text()
-        except OSError:
+            if path.stat().st_size > MAX_TEMPLATE_BYTES:
+                raise ChatTemplateError(f"{path}: more than {MAX_TEMPLATE_BYTES} bytes")
+            source = path.read_bytes().decode()
+        except FileNotFoundError:
             source = config.get("chat_template")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"{path} cannot be read: {e}") from None
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
                           None)
         if not isinstance(source, str) or not source:
             return None
         special = {}
-        for name in SPECIAL_TOKENS:
-            token = config.get(name)
-            token = token.get("content") if isinstance(token, dict) else token
-            if isinstance(token, str):
-                special[name] = token
+        for tokens in (config, read_json(folder / "special_tokens_map.json")):  # (the map wins, as in transformers)
+            for name in SPECIAL_TOKENS:
+                token = tokens.get(name)
+                token = token.get("content") if isinstance(token, dict) else token
+                if isinstance(token, str):
+                    special[name] = token
         return cls(source, special)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: Optional[dict] = None) -> str:
@@ -87,12 +147,26 @@ class ChatTemplate:
         refuses it. ``kwargs`` (chat_template_kwargs) cannot replace what this passes."""
         import jinja2
 
+        if not self.knows_developer and any(m.get("role") == "developer" for m in messages):
+            messages = _developer_as_system(messages)
         context = {**self.special, **(kwargs or {}), "messages": messages, "tools": None, "documents": None,
                    "add_generation_prompt": add_generation_prompt}
         try:
             return self.template.render(**context)
         except jinja2.exceptions.TemplateError as e:  # (raise_exception's too, and the sandbox's refusals)
             raise ChatTemplateError(f"the model's chat template refused the conversation: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except Exception as e:  # noqa: BLE001 -- the template's own fault (1/0, a recursion): the request's answer
             raise ChatTemplateError(f"the model's chat template failed on the conversation: "
                                     f"{type(e).__name__}: {e}") from None
+
+
+def _developer_as_system(messages: list[dict]) -> list[dict]:
+    """vLLM's rewrite for a template that does not know the role: each ``developer`` message a
+    ``system`` one, and every system message merged into one, first (some templates take one
+    only there), their contents joined by blank lines."""
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    roles = [m["role"] for m in messages]
+    if roles.count("system") < 2 and roles.index("system") == 0:
+        return messages
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system" and m["content"])
+    return [{"role": "system", "content": system}, *(m for m in messages if m["role"] != "system")]

@@ -499,6 +499,7 @@ class NodeConfig(_Table):
                 check_online("[frontend] ", self.frontend.cpus)
                 for m in self.llm_models:
                     _check_generation_defaults(m)
+                    _check_chat_template(m)
         for i, w in enumerate(self.workers):
             if workers is not None and w.name not in workers:
                 continue
@@ -638,6 +639,16 @@ def _check_generation_defaults(m: LlmModelConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"[[llm_models]] {m.name!r}: path: {os.path.join(m.path, str(e))} (or set "
                               'generation_config = "vllm": vLLM\'s own defaults)') from None
+
+
+def _check_chat_template(m: LlmModelConfig) -> None:
+    """The model folder's chat template, which the front door's chat route renders, compiles."""
+    from .chat_template import ChatTemplate, ChatTemplateError
+
+    try:
+        ChatTemplate.load(m.path)
+    except ChatTemplateError as e:
+        raise ConfigError(f"[[llm_models]] {m.name!r}: path: {m.path}: {e}") from None
 
 
 def _check_address(key: str, address: str) -> None:

@@ -81,6 +81,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
         from .llm_model_files import generation_defaults
         from .openai_chat import OpenAiChat
         from .openai_http import OpenAiCompletions
+        from .openai_tokenize import OpenAiTokenize
 
         completions = OpenAiCompletions(
             client, {m.name: m.path for m in node.llm_models}, node.dispatcher.default_timeout_s,
@@ -88,7 +89,8 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             # (checked by the config's validation, which names a bad field)
             defaults={m.name: generation_defaults(m.path) for m in node.llm_models if m.generation_config == "auto"})
         core.llm = LlmGenerate(completions)
-        llm_routes = (*completions.routes(), *OpenAiChat(completions).routes())
+        chat = OpenAiChat(completions)
+        llm_routes = (*completions.routes(), *chat.routes(), *OpenAiTokenize(chat).routes())
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 

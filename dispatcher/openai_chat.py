@@ -10,25 +10,29 @@ events of ``delta``s, the first of each choice ``{"role": "assistant", "content"
 ``max_completion_tokens`` (or the older ``max_tokens``) left out is what vLLM's server decodes:
 the model's ``max_new_tokens`` (generation_config.json), else up to the end of its context
 (cut, as any, to what the context leaves after the prompt). A message's ``content`` is a
-string, null, or a list of text parts, joined with newlines (vLLM's "string" content format).
-Refused with a 400 naming the field, rather than ignored: anything but text parts, tools and
-tool calls, ``logprobs``, ``response_format`` other than text, a request's own
-``chat_template``, ``continue_final_message``, ``echo``. A model folder without a chat
-template is a 400 on this route, as vLLM answers one.
+string, null, or a list of text parts, joined with newlines (vLLM's "string" content format;
+a template that loops over a message's parts, which vLLM would give the list, gets the string).
+``chat_template_kwargs`` and ``reasoning_effort`` (with ``enable_thinking``, as vLLM sets it)
+reach the template. At most MAX_MESSAGES messages, their text within /v1/completions'
+character limit; the template is rendered off the front door's loop. Refused with a 400 naming
+the field, rather than ignored: anything but text parts, tools and tool calls, ``logprobs``,
+``response_format`` other than text, a request's own ``chat_template``,
+``continue_final_message``, ``echo``. A model folder without a chat template is a 400 on this
+route, as vLLM answers one; one whose template does not compile stops the front door's start.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 from aiohttp import web
 
-from . import errors
 from .chat_template import ChatTemplate, ChatTemplateError
 from .openai_http import (_UNSUPPORTED, MAX_PROMPT_TOKENS, NO_DEFAULTS, AnswerShape, OpenAiCompletions, OpenAiError,
                           _check_supported, _check_text_length, _flag, _max_tokens_field, shown)
 
-MAX_MESSAGES = 4096  # messages in one conversation
+MAX_MESSAGES = 1024  # messages in one conversation
 # Chat's fields that would change the answer, refused unless they ask nothing (openai_http's
 # rule): beside /v1/completions' own (less echo and suffix, which chat reads otherwise).
 _CHAT_UNSUPPORTED = {**{k: v for k, v in _UNSUPPORTED.items() if k not in ("echo", "suffix")},
@@ -81,19 +85,10 @@ class OpenAiChat:
             # (vLLM's order: max_completion_tokens, else the older max_tokens)
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             max_tokens = _max_tokens_field(body.get(name), name)
-            messages = chat_messages(body.get("messages"))
-            add_generation_prompt = body.get("add_generation_prompt", True)
-            if not isinstance(add_generation_prompt, bool):
-                raise OpenAiError(400, f"add_generation_prompt must be a boolean, got {shown(add_generation_prompt)}",
-                                  param="add_generation_prompt")
-            kwargs = body.get("chat_template_kwargs")
-            if kwargs is not None and not isinstance(kwargs, dict):
-                raise OpenAiError(400, f"chat_template_kwargs must be an object, got {shown(kwargs)}",
-                                  param="chat_template_kwargs")
+            text = await self.prompt_text(body, model)
 
             async def prompt() -> list:
-                text = self._template(model).render(messages, add_generation_prompt, kwargs)
-                [ids] = await oa.encode(model, [text], special_tokens=False)
+                [ids] = await oa.encode(model, [text], special_tokens=False, param="messages")
                 if len(ids) > MAX_PROMPT_TOKENS:
                     raise OpenAiError(400, f"the conversation is {len(ids)} tokens; a request takes at most "
                                            f"{MAX_PROMPT_TOKENS}", param="messages")
@@ -102,8 +97,32 @@ class OpenAiChat:
             return await oa.serve(request, body, model, checked, max_tokens, prompt, CHAT)
         except ChatTemplateError as e:
             return OpenAiError(400, str(e), param="messages").response()
-        except (OpenAiError, errors.BatchyardError) as e:
+        except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error of this route (a 500 logged once)
             return oa._as_openai(e).response()
+
+    async def prompt_text(self, body: dict, model: str) -> str:
+        """A request's conversation (``messages``, ``add_generation_prompt``,
+        ``chat_template_kwargs``, ``reasoning_effort``) as its model's prompt text, rendered off
+        the loop (a template's cost grows with the conversation as it is written: one of
+        nested loops took 35 s over 4096 messages); OpenAiError, ChatTemplateError."""
+        messages = chat_messages(body.get("messages"))
+        add_generation_prompt = boolean(body, "add_generation_prompt", True)
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise OpenAiError(400, f"chat_template_kwargs must be an object, got {shown(kwargs)}",
+                              param="chat_template_kwargs")
+        kwargs = dict(kwargs or {})
+        if taken := sorted({"chat_template", "tokenize"} & kwargs.keys()):  # (vLLM's refusal)
+            raise OpenAiError(400, f"chat_template_kwargs may not set {taken[0]!r}", param="chat_template_kwargs")
+        effort = body.get("reasoning_effort")  # OpenAI's; to the template, as vLLM passes it
+        if effort is not None:
+            if not isinstance(effort, str):
+                raise OpenAiError(400, f"reasoning_effort must be a string, got {shown(effort)}",
+                                  param="reasoning_effort")
+            kwargs["reasoning_effort"] = effort
+            kwargs.setdefault("enable_thinking", effort != "none")  # (templates that need it asked)
+        template = self._template(model)
+        return await asyncio.to_thread(template.render, messages, add_generation_prompt, kwargs)
 
     def _template(self, model: str) -> ChatTemplate:
         got = self._templates.get(model)
@@ -119,6 +138,16 @@ class OpenAiChat:
         if isinstance(got, ChatTemplateError):
             raise got
         return got
+
+
+def boolean(body: dict, name: str, default: bool) -> bool:
+    """A boolean member (null or left out: ``default``); OpenAiError naming it otherwise."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAiError(400, f"{name} must be a boolean, got {shown(value)}", param=name)
+    return value
 
 
 def _check_chat_fields(body: dict) -> None:
@@ -161,7 +190,8 @@ def chat_messages(value) -> list[dict]:
                 raise OpenAiError(400, f"{where}.name must be a string, got {shown(name)}", param="messages")
             message["name"] = name
         out.append(message)
-    _check_text_length([m["content"] for m in out])
+    # (roles and names count: 61 MB of roles rendered before the length was refused)
+    _check_text_length(["".join((m["role"], m["content"], m.get("name", ""))) for m in out], param="messages")
     return out
 
 

@@ -102,7 +102,7 @@ class OpenAiCompletions:
         self.stopping = stopping  # True once the front door's stop failed what still waits (503, not 499)
         self.models = models  # LLM model name -> model folder (tokenizer.json inside)
         # by model: what a request that leaves a field out is sampled with, under vLLM's rule
-        # (llm_model_files; none: vLLM's own), and its context, which a null max_tokens fills
+        # (llm_model_files; none: vLLM's own), and its context, which bounds max_tokens
         self.defaults = defaults or {}
         self.max_model_len = max_model_len or {}
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
@@ -115,7 +115,9 @@ class OpenAiCompletions:
     async def list_models(self, request) -> web.Response:
         now = int(time.time())
         return web.json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "created": now, "owned_by": "batchyard"} for m in sorted(self.models)]})
+            # (vLLM's model card: its root, parent and context too)
+            {"id": m, "object": "model", "created": now, "owned_by": "batchyard", "root": m, "parent": None,
+             "max_model_len": self.max_model_len.get(m)} for m in sorted(self.models)]})
 
     async def completions(self, request) -> web.Response:
         try:
@@ -135,8 +137,10 @@ class OpenAiCompletions:
         code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
         return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code)
 
-    async def body(self, request) -> tuple[dict, str]:
-        """-> (the request's JSON object, its model, one this server has); OpenAiError otherwise."""
+    async def body(self, request, model_optional: bool = False) -> tuple[dict, str]:
+        """-> (the request's JSON object, its model, one this server has); OpenAiError otherwise.
+        ``model_optional``: one left out (or null) is the server's only model, as vLLM's
+        tokenizer routes take it."""
         try:
             # Bounded as the KServe routes' JSON: unbounded, 1 MB of gzip inflated to 2 GiB.
             body = json.loads(await read_body(request, MAX_JSON_BYTES))
@@ -146,7 +150,8 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")
-        model = _model(body)
+        model = next(iter(self.models)) if model_optional and body.get("model") is None and len(self.models) == 1 \
+            else _model(body)
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               param="model", code="model_not_found")
@@ -345,23 +350,27 @@ class OpenAiCompletions:
             tok = self._tokenizers[model] = Tokenizer.from_file(str(path))
         return tok
 
-    async def encode(self, model: str, texts: list[str], special_tokens: bool = True) -> list[list[int]]:
-        """``special_tokens``: the tokenizer's own added (a BOS); a chat template writes them."""
-        _check_text_length(texts)
+    async def encode(self, model: str, texts: list[str], special_tokens: bool = True,
+                     empty_ok: bool = False, param: str = "prompt") -> list[list[int]]:
+        """``special_tokens``: the tokenizer's own added (a BOS); a chat template writes them.
+        ``empty_ok``: text of no tokens is no prompt's, but /tokenize answers it. ``param``: the
+        field an error names."""
+        _check_text_length(texts, param)
         tok = self._tokenizer(model)
         try:
             # encode_batch, on a thread: it lets go of the GIL (encode holds it), so the front
             # door's other clients are served while a long prompt is tokenized.
             encodings = await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens=special_tokens)
         except Exception as e:  # a lone surrogate, which no tokenizer takes
-            raise OpenAiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
-        if any(not e.ids for e in encodings):
-            raise OpenAiError(400, "the prompt is empty after tokenization", param="prompt")
+            raise OpenAiError(400, f"the prompt cannot be tokenized: {e}", param=param) from None
+        if not empty_ok and any(not e.ids for e in encodings):
+            raise OpenAiError(400, "the prompt is empty after tokenization", param=param)
         return [e.ids for e in encodings]
 
-    def decode(self, model: str, ids: list[int]) -> str:
+    def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``ids`` as text, its special tokens left out (vLLM's default for generated text)."""
         try:
-            return self._tokenizer(model).decode(ids)
+            return self._tokenizer(model).decode(ids, skip_special_tokens=skip_special_tokens)
         except OpenAiError:
             return ""  # token-id users without a tokenizer read batchyard[].token_ids
 
@@ -522,17 +531,17 @@ def _model(body: dict) -> str:
     return model
 
 
-def _check_text_length(texts: list[str]) -> None:
+def _check_text_length(texts: list[str], param: str = "prompt") -> None:
     """Refuse text that cannot fit the token limit before tokenizing it (see MAX_PROMPT_CHARS)."""
     limit = (f"at most {MAX_PROMPT_CHARS} characters a prompt and {MAX_REQUEST_CHARS} in all a request "
              f"({CHARS_PER_TOKEN_BOUND} a token of the {MAX_PROMPT_TOKENS} a prompt may have); send token ids, "
              "or the prompts in several requests")
     longest = max(map(len, texts))
     if longest > MAX_PROMPT_CHARS:
-        raise OpenAiError(400, f"a prompt of {longest} characters; {limit}", param="prompt")
+        raise OpenAiError(400, f"a prompt of {longest} characters; {limit}", param=param)
     total = sum(map(len, texts))
     if total > MAX_REQUEST_CHARS:
-        raise OpenAiError(400, f"{len(texts)} prompts of {total} characters in all; {limit}", param="prompt")
+        raise OpenAiError(400, f"{len(texts)} prompts of {total} characters in all; {limit}", param=param)
 
 
 def _route(body: dict) -> str:

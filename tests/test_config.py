@@ -662,6 +662,12 @@ def test_an_llm_models_sampling_defaults_are_checked_at_start_by_its_worker_and_
             check()
     path.write_text(text.replace(f'path = "{folder}"', f'path = "{folder}"\ngeneration_config = "vllm"'))
     load_config(path).check_host(("v0",))  # not read: vLLM's own defaults
+    # the chat template, which the front door renders, compiles
+    (folder / "generation_config.json").write_text('{}')
+    (folder / "chat_template.jinja").write_text("{% for %}")
+    with pytest.raises(ConfigError, match=r"\[\[llm_models\]\] 'l': path: .*the model's chat template does not compile"):
+        load_config(path).check_host((), control=True, binds=False)
+    (folder / "chat_template.jinja").unlink()
     (folder / "generation_config.json").write_text('{"temperature": 0.6, "max_new_tokens": 0}')
     path.write_text(text)
     with pytest.raises(ConfigError, match="max_new_tokens must be a positive integer, got 0"):

@@ -1084,6 +1084,37 @@ def test_a_chat_request_that_leaves_max_tokens_out_decodes_the_models_max_new_to
     assert status == 200 and out["usage"]["completion_tokens"] == 4, out
 
 
+def test_the_tokenizer_routes_count_as_the_completion_routes_tokenize(llm_node):
+    """vLLM's /tokenize and /detokenize: a prompt's tokens as /v1/completions takes them, a
+    conversation's as the chat route renders it; the model may be left out (the node's one)."""
+    from tokenizers import Tokenizer
+
+    _, engines, url = llm_node
+    tok = Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    ids = tok.encode("the cache moves").ids
+    status, out = _http(url + "/tokenize", {"prompt": "the cache moves", "return_token_strs": True})
+    assert (status, out) == (200, {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                                   "token_strs": [tok.id_to_token(i) for i in ids]})
+    messages = [{"role": "user", "content": "the cache"}]
+    status, out = _http(url + "/tokenize", {"model": "tiny", "messages": messages})
+    assert status == 200 and out["tokens"] == _chat_ids(engines, messages) and out["token_strs"] is None
+    status, out = _http(url + "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert out["tokens"] == _chat_ids(engines, messages, add_generation_prompt=False)
+    status, out = _http(url + "/tokenize", {"prompt": ""})
+    assert (status, out["count"]) == (200, 0)
+    status, out = _http(url + "/detokenize", {"tokens": ids})
+    assert (status, out) == (200, {"prompt": "the cache moves"})
+    for route, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"model": "x", "prompt": "a"}, "model"),
+                               ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
+                               ("/tokenize", {"messages": []}, "messages"),
+                               ("/detokenize", {"tokens": [1, -2]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens")):
+        status, err = _http(url + route, body)
+        assert status in (400, 404) and err["error"]["param"] == param, (route, body, err)
+    status, models = _http(url + "/v1/models")
+    assert {k: models["data"][0][k] for k in ("id", "root", "parent", "max_model_len")} == {
+        "id": "tiny", "root": "tiny", "parent": None, "max_model_len": 512}
+
+
 def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
     _, _, url = llm_node
     ok = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -1098,6 +1129,8 @@ def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
             ({"chat_template": "{{ 1 }}"}, "chat_template", "not supported"),
             ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
             ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
+            ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set 'tokenize'"),
+            ({"reasoning_effort": 5}, "reasoning_effort", "must be a string"),
             ({"max_completion_tokens": 0}, "max_completion_tokens", "positive integer"),
             ({"temperature": 3}, "temperature", "temperature"),
             ({"model": "nope"}, "model", "does not exist")):

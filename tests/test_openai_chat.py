@@ -25,6 +25,10 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 OTHER = ("{%- for m in messages %}{%- if m.role == 'system' %}{{ m.content | tojson }}{% continue %}{%- endif %}\n"
          "  {{ m.role }}: {{ m.content }}{% if m.name is defined %} ({{ m.name }}){% endif %}\n{%- endfor %}"
          "{{ '>' if add_generation_prompt }}{{ extra | default('') }}")
+# transformers' own tag and globals: {% generation %}, namespace(), dict()
+GENERATION = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% if m.role == 'assistant' %}"
+              "{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.role }}: {{ m.content }}\n"
+              "{% endif %}{% endfor %}{{ ns.n }}{{ dict(a=ns.n) | tojson }}")
 
 
 def _folder(tmp_path, template) -> None:
@@ -48,7 +52,7 @@ _messages = st.lists(st.fixed_dictionaries(
     optional={"name": st.sampled_from(["bob", "é"])}), min_size=1, max_size=5)
 
 
-@pytest.mark.parametrize("template", [LLAMA, CHATML, OTHER])
+@pytest.mark.parametrize("template", [LLAMA, CHATML, OTHER, GENERATION])
 def test_a_conversation_renders_as_transformers_renders_it(tmp_path, template):
     """Each conversation (and add_generation_prompt, and a template kwarg) the same text as
     transformers' apply_chat_template on the same folder, or refused by both."""
@@ -90,6 +94,45 @@ def test_a_template_is_found_where_transformers_looks_and_a_broken_one_is_said_s
         ChatTemplate.load(tmp_path).render([])
 
 
+def test_special_tokens_come_from_the_map_over_the_config_as_transformers_takes_them(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    _folder(tmp_path, "{{ bos_token }}|{{ eos_token }}|{{ pad_token | default('-') }}")
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "</s>", "pad_token": "<unk>"}))
+    expected = PreTrainedTokenizerFast.from_pretrained(str(tmp_path)).apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenize=False)
+    assert ChatTemplate.load(tmp_path).render([{"role": "user", "content": "x"}]) == expected == "</s>|</s>|<unk>"
+
+
+def test_a_developer_message_is_a_system_one_where_the_template_does_not_know_the_role(tmp_path):
+    """As vLLM rewrites it: developer -> system, the system messages then merged into one, first."""
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}")
+    t = ChatTemplate.load(tmp_path)
+    assert t.render([{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]) == "[system:d][user:u]"
+    assert t.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                     {"role": "developer", "content": "d"}]) == "[system:s\n\nd][user:u]"
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}"
+                                                  "[{{ m.role }}]{% endfor %}")
+    assert ChatTemplate.load(tmp_path).render([{"role": "developer", "content": "d"}]) == "D[developer]"
+
+
+@pytest.mark.parametrize("source, words", [
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{% set ns = namespace() %}{% set ns._x = 1 %}", "underscore-prefixed"),
+    ("{{ raise_exception('no system message here') }}", "no system message here")])
+def test_a_template_that_fails_on_a_conversation_is_that_requests_error(tmp_path, source, words):
+    (tmp_path / "chat_template.jinja").write_text(source)
+    with pytest.raises(ChatTemplateError, match=words):
+        ChatTemplate.load(tmp_path).render([{"role": "user", "content": "x"}])
+
+
+def test_a_template_file_that_cannot_be_read_is_said_so(tmp_path):
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ 1 }}")
+    with pytest.raises(ChatTemplateError, match="cannot be read"):
+        ChatTemplate.load(tmp_path)
+
+
 def test_messages_are_read_as_vllm_reads_them_and_what_is_not_text_is_refused():
     assert chat_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                           {"role": "assistant", "content": None, "name": "x"}]) == [
@@ -102,9 +145,25 @@ def test_messages_are_read_as_vllm_reads_them_and_what_is_not_text_is_refused():
                             ([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}],
                              "messages[1]: tool calls"),
                             ([{"role": "user", "content": "x", "name": 3}], "messages[0].name"),
-                            ([{"role": "user", "content": "x"}] * 5000, "at most 4096"),
+                            ([{"role": "user", "content": "x"}] * 1025, "at most 1024"),
+                            ([{"role": "x" * (1 << 21), "content": "x"}], "characters"),
                             ([{"role": "user", "content": "x" * (1 << 21)}], "characters")):
         with pytest.raises(OpenAiError) as e:
             chat_messages(messages)
-        assert e.value.status == 400 and words in e.value.message and e.value.param in ("messages", "prompt"), (
+        assert e.value.status == 400 and words in e.value.message and e.value.param == "messages", (
             messages, e.value.message)
+
+
+def test_reasoning_effort_and_the_template_kwargs_reach_the_template_as_vllm_passes_them(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from batchyard.openai_chat import OpenAiChat
+
+    (tmp_path / "chat_template.jinja").write_text("{{ reasoning_effort }}|{{ enable_thinking }}|{{ x | default('') }}")
+    chat = OpenAiChat(SimpleNamespace(models={"m": str(tmp_path)}))
+    text = lambda **body: asyncio.run(chat.prompt_text({"messages": [{"role": "user", "content": "q"}], **body}, "m"))  # noqa: E731
+    assert text(reasoning_effort="low") == "low|True|"
+    assert text(reasoning_effort="none", chat_template_kwargs={"x": 1}) == "none|False|1"
+    assert text(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == "high|False|"
+    assert text() == "||"  # (undefined: empty, as jinja2 renders them)

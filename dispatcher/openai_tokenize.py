@@ -1,0 +1,71 @@
+"""vLLM's tokenizer routes on the front door's HTTP port (LLM mode), for the clients and load
+tools that count tokens with the server's own tokenizer:
+
+- ``POST /tokenize``: ``{"prompt": "..."}`` (the tokenizer's special tokens added unless
+  ``add_special_tokens`` is false) or ``{"messages": [...]}`` (the chat route's rendering:
+  the model's chat template, ``add_generation_prompt`` true by default, no special tokens
+  added unless asked) answers ``{"count", "max_model_len", "tokens"}``, and ``token_strs`` (the
+  tokenizer's strings of them) with ``return_token_strs``;
+- ``POST /detokenize``: ``{"tokens": [...]}`` answers ``{"prompt": text}``, special tokens kept.
+
+``model`` may be left out where the node serves one LLM model, as vLLM's serves one. Errors are
+OpenAI's shape, as on /v1.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from .chat_template import ChatTemplateError
+from .openai_chat import OpenAiChat, boolean
+from .openai_http import (MAX_PROMPT_TOKENS, OpenAiError, _check_text_length, _is_token, shown)
+
+
+class OpenAiTokenize:
+    def __init__(self, chat: OpenAiChat):
+        self.chat, self.completions = chat, chat.completions
+
+    def routes(self) -> list:
+        return [web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)]
+
+    async def tokenize(self, request) -> web.Response:
+        oa = self.completions
+        try:
+            body, model = await oa.body(request, model_optional=True)
+            chat = body.get("messages") is not None
+            special = boolean(body, "add_special_tokens", not chat)
+            strs = boolean(body, "return_token_strs", False)
+            if chat:
+                text = await self.chat.prompt_text(body, model)
+            else:
+                text = body.get("prompt")
+                if not isinstance(text, str):
+                    raise OpenAiError(400, f"prompt must be a string (or give messages), got {shown(text)}",
+                                      param="prompt")
+                _check_text_length([text])
+            [ids] = await oa.encode(model, [text], special_tokens=special, empty_ok=True,
+                                    param="messages" if chat else "prompt")
+            out = {"count": len(ids), "max_model_len": oa.max_model_len.get(model), "tokens": ids, "token_strs": None}
+            if strs:
+                tok = oa._tokenizer(model)
+                out["token_strs"] = [tok.id_to_token(i) for i in ids]
+            return web.json_response(out)
+        except ChatTemplateError as e:
+            return OpenAiError(400, str(e), param="messages").response()
+        except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error (a 500 logged once)
+            return oa._as_openai(e).response()
+
+    async def detokenize(self, request) -> web.Response:
+        oa = self.completions
+        try:
+            body, model = await oa.body(request, model_optional=True)
+            tokens = body.get("tokens")
+            if (not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKENS
+                    or not all(_is_token(t) for t in tokens)):
+                raise OpenAiError(400, f"tokens must be a list of at most {MAX_PROMPT_TOKENS} token ids, got "
+                                       f"{shown(tokens)}", param="tokens")
+            oa._tokenizer(model)  # (no tokenizer: its 400, where decode would answer "")
+            return web.json_response({"prompt": oa.decode(model, tokens, skip_special_tokens=False)})
+        except Exception as e:  # noqa: BLE001 -- as tokenize's
+            return oa._as_openai(e).response()
+
