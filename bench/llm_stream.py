@@ -5,9 +5,12 @@ a CPU engine standing in for a GPU): one request at a time through the front doo
 Reports, p50 and p99 over the requests: the time to the first chunk holding text (what a user
 of a chat window waits for), the time to the whole answer streamed and not (what streaming costs:
 a message an engine step from the worker, through the dispatcher, to the front door), and the
-chunks a stream had. Run from .venv-llm (`make llm-env`):
+chunks a stream had. With ``--chat``, instead: ``/v1/chat/completions`` of a conversation of
+``--messages`` messages (a ChatML template in the model folder) against ``/v1/completions`` of the
+same token ids (from ``/tokenize``), unstreamed, alternating: what the chat route's rendering and
+tokenizing add. Run from .venv-llm (`make llm-env`):
 
-    .venv-llm/bin/python -m batchyard.bench.llm_stream --n 40 --max-tokens 64 [--size 98m]
+    .venv-llm/bin/python -m batchyard.bench.llm_stream --n 40 --max-tokens 64 [--size 98m] [--chat]
 """
 
 from __future__ import annotations
@@ -48,6 +51,31 @@ async def _one(session, url: str, body: dict) -> tuple[float, float, int]:
     return first, time.perf_counter() - t0, chunks
 
 
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+WORDS = "the cache moves from one engine to the other while a request waits".split()
+
+
+async def _run_chat(url: str, n: int, max_tokens: int, messages: int, seed: int) -> dict:
+    import aiohttp
+
+    rng = np.random.default_rng(seed)
+    rows: dict = {"chat": [], "plain": []}
+    same = {"model": "tiny", "max_tokens": max_tokens, "batchyard_route": "gpu", "ignore_eos": True, "temperature": 0}
+    async with aiohttp.ClientSession() as session:
+        for i in range(n + 2):  # the first two warm up
+            conversation = [{"role": ("user", "assistant")[k % 2], "content": " ".join(rng.choice(WORDS, 12))}
+                            for k in range(messages)]
+            async with session.post(url + "/tokenize", json={"messages": conversation}) as r:
+                ids = (await r.json())["tokens"]
+            for kind in (("chat", "plain") if i % 2 else ("plain", "chat")):
+                got = await (_one(session, url + "/v1/chat/completions", {**same, "messages": conversation})
+                             if kind == "chat" else _one(session, url + "/v1/completions", {**same, "prompt": ids}))
+                if i >= 2:
+                    rows[kind].append(got)
+    return rows
+
+
 async def _run(url: str, n: int, max_tokens: int, prompt_tokens: int, seed: int) -> dict:
     import aiohttp
 
@@ -77,6 +105,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="the chat route against /v1/completions of the same ids")
+    ap.add_argument("--messages", type=int, default=8, help="with --chat: messages a conversation")
     args = ap.parse_args()
     from batchyard.bench.llm_live_vs_sim import start_llm_node
     from batchyard.bench.llm_tiny_model import build
@@ -85,6 +115,7 @@ def main() -> None:
     up = None
     try:
         model = build(run_dir / "model", args.size, seed=0)
+        (model / "chat_template.jinja").write_text(CHATML)
         import grpc
 
         port, grpc_port = free_port(), free_port()
@@ -95,14 +126,17 @@ def main() -> None:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=120)
         url = f"http://127.0.0.1:{port}"
-        rows = asyncio.run(_run(url, args.n, args.max_tokens, args.prompt_tokens, args.seed))
+        rows = asyncio.run(_run_chat(url, args.n, args.max_tokens, args.messages, args.seed) if args.chat else
+                           _run(url, args.n, args.max_tokens, args.prompt_tokens, args.seed))
     finally:
         if up is not None:
             up.terminate()
             up.wait(timeout=60)
         shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"/v1/completions, one request at a time, {args.n} each way, {args.prompt_tokens} prompt tokens, "
-          f"max_tokens {args.max_tokens}, model {args.size}, route gpu (a CPU stand-in); ms, p50 / p99:")
+    what = (f"/v1/chat/completions of {args.messages} messages against /v1/completions of its token ids" if args.chat
+            else f"/v1/completions, {args.prompt_tokens} prompt tokens")
+    print(f"{what}, one request at a time, {args.n} each way, max_tokens {args.max_tokens}, model {args.size}, "
+          "route gpu (a CPU stand-in); ms, p50 / p99:")
     for kind, got in rows.items():
         first, whole, chunks = zip(*got)
         print(f"  {kind:6s}  first text {_pct(first, 50):8.1f} / {_pct(first, 99):8.1f}   "

@@ -29,16 +29,22 @@ from typing import Optional
 from aiohttp import web
 
 from .chat_template import ChatTemplate, ChatTemplateError
-from .openai_http import (_UNSUPPORTED, MAX_PROMPT_TOKENS, NO_DEFAULTS, AnswerShape, OpenAiCompletions, OpenAiError,
-                          _check_supported, _check_text_length, _flag, _max_tokens_field, shown)
+from .openai_http import (_UNSUPPORTED, IGNORED, MAX_PROMPT_TOKENS, NO_DEFAULTS, SERVED, AnswerShape,
+                          OpenAiCompletions, OpenAiError, _check_supported, _check_text_length, _flag,
+                          _max_tokens_field, shown)
 
 MAX_MESSAGES = 1024  # messages in one conversation
 # Chat's fields that would change the answer, refused unless they ask nothing (openai_http's
-# rule): beside /v1/completions' own (less echo and suffix, which chat reads otherwise).
-_CHAT_UNSUPPORTED = {**{k: v for k, v in _UNSUPPORTED.items() if k not in ("echo", "suffix")},
-                     "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None, "function_call": None, "echo": False,
-                     "continue_final_message": False, "chat_template": None, "documents": None,
-                     "use_beam_search": False, "prompt_logprobs": None}
+# rule): beside /v1/completions' own (less those chat has not, or reads otherwise), OpenAI's and
+# vLLM's chat fields not served.
+_CHAT_UNSUPPORTED = {**{k: v for k, v in _UNSUPPORTED.items() if k not in ("echo", "suffix", "logprobs")},
+                     "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None, "function_call": None,
+                     "echo": False, "continue_final_message": False, "chat_template": None, "documents": None,
+                     "media_io_kwargs": None, "mm_processor_kwargs": None, "return_prompt_text": False}
+# Taken and left alone, beside /v1/completions' (no tools, no reasoning parser: nothing they change)
+CHAT_IGNORED = (*IGNORED, "parallel_tool_calls", "include_reasoning")
+CHAT_SERVED = (*(f for f in SERVED if f != "prompt"), "messages", "max_completion_tokens", "tool_choice",
+               "reasoning_effort", "add_generation_prompt", "chat_template_kwargs")
 
 
 class ChatShape(AnswerShape):
@@ -86,9 +92,10 @@ class OpenAiChat:
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             max_tokens = _max_tokens_field(body.get(name), name)
             text = await self.prompt_text(body, model)
+            special = _flag(body, "add_special_tokens")  # (false: the template writes them, vLLM's default)
 
             async def prompt() -> list:
-                [ids] = await oa.encode(model, [text], special_tokens=False, param="messages")
+                [ids] = await oa.encode(model, [text], special_tokens=special, param="messages")
                 if len(ids) > MAX_PROMPT_TOKENS:
                     raise OpenAiError(400, f"the conversation is {len(ids)} tokens; a request takes at most "
                                            f"{MAX_PROMPT_TOKENS}", param="messages")
@@ -106,7 +113,7 @@ class OpenAiChat:
         the loop (a template's cost grows with the conversation as it is written: one of
         nested loops took 35 s over 4096 messages); OpenAiError, ChatTemplateError."""
         messages = chat_messages(body.get("messages"))
-        add_generation_prompt = boolean(body, "add_generation_prompt", True)
+        add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise OpenAiError(400, f"chat_template_kwargs must be an object, got {shown(kwargs)}",
@@ -140,26 +147,12 @@ class OpenAiChat:
         return got
 
 
-def boolean(body: dict, name: str, default: bool) -> bool:
-    """A boolean member (null or left out: ``default``); OpenAiError naming it otherwise."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise OpenAiError(400, f"{name} must be a boolean, got {shown(value)}", param=name)
-    return value
-
-
 def _check_chat_fields(body: dict) -> None:
     """Chat's fields that are no mere default: only text is answered."""
     choice = body.get("tool_choice")
     if choice not in (None, "none"):
         raise OpenAiError(400, f"tool_choice {shown(choice)} is not supported yet by Batchyard's LLM mode (no tools)",
                           param="tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise OpenAiError(400, f"response_format {shown(fmt)} is not supported yet by Batchyard's LLM mode (text only)",
-                          param="response_format")
     _flag(body, "logprobs")  # (a boolean here; true is refused with the unsupported fields)
 
 

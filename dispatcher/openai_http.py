@@ -14,8 +14,12 @@ completions of each prompt,
 up to MAX_N, need a temperature above 0; a seed gives each of them its own, seed + k. ``stop``
 (a string or a list) cuts the text before the first one found, left out as vLLM
 leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and stops the
-generation in its engine. Not supported yet, and refused with a 400 naming the field rather
-than ignored: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, ``best_of`` > 1.
+generation in its engine. ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
+own (a BOS) to a text prompt. Not supported yet, and refused with a 400 naming the field rather
+than ignored, unless at its default: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``,
+``best_of`` > 1, and every field of vLLM's request it does not serve (_UNSUPPORTED: its server
+would apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
+vLLM has are ignored, as vLLM's server ignores them.
 
 ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
 its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
@@ -72,10 +76,25 @@ MAX_PROMPT_CHARS = CHARS_PER_TOKEN_BOUND * MAX_PROMPT_TOKENS
 MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
-# with the very text the caller asked to stop at.
+# with the very text the caller asked to stop at. OpenAI's fields not served, then every field of
+# vLLM's (0.32) completion request it does not serve: its server would apply them.
 _UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None,
-                # vLLM's, near the ones served: taken and ignored, they would change nothing
-                "include_stop_str_in_output": False, "stop_token_ids": None}
+                "include_stop_str_in_output": False, "stop_token_ids": None, "use_beam_search": False,
+                "length_penalty": 1.0, "watermarking": None, "min_tokens": 0, "skip_special_tokens": True,
+                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
+                "allowed_token_ids": None, "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None,
+                "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
+                "return_token_ids": False, "return_token_offsets": False, "mm_payload": "tensors",
+                "return_mm_kwargs": False, "kv_transfer_params": None, "ec_transfer_params": None, "vllm_xargs": None,
+                "repetition_detection": None, "thinking_token_budget": None}
+# Taken and left alone: nothing an answer holds depends on them here (OpenAI's user; vLLM's ids of
+# a request for its logs, its prefix cache's salt, which a node without prefix caching has no
+# use for, the number of tokens a stream's chunk gathers, an MoE's routing record).
+IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", "routed_experts_prompt_start")
+# What /v1/completions serves (besides Batchyard's timeout and batchyard_route).
+SERVED = ("model", "prompt", "max_tokens", "n", "stop", "stream", "stream_options", "ignore_eos",
+          "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
+          "top_p", "top_k", "min_p", "repetition_penalty")
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
 NO_DEFAULTS = GenerationDefaults()
 
@@ -162,8 +181,9 @@ class OpenAiCompletions:
         checked = _check_supported(body, self.defaults.get(model, NO_DEFAULTS).sampling)
         # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here)
         max_tokens = _max_tokens_field(body.get("max_tokens"), "max_tokens") or 16
+        special = _flag(body, "add_special_tokens", default=True)  # vLLM's: the tokenizer's BOS, ...
         return await self.serve(request, body, model, checked, max_tokens,
-                                lambda: self._prompts(model, body.get("prompt")), TEXT)
+                                lambda: self._prompts(model, body.get("prompt"), special), TEXT)
 
     async def serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
                     prompts: Callable[[], Awaitable[list]], shape: "AnswerShape") -> web.StreamResponse:
@@ -316,16 +336,16 @@ class OpenAiCompletions:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
 
-    async def _prompts(self, model: str, prompt) -> list[list[int]]:
+    async def _prompts(self, model: str, prompt, special_tokens: bool = True) -> list[list[int]]:
         if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
             # Each prompt is a request of its own: 100,000 of them held the loop 6 s before one ran.
             raise OpenAiError(400, f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
         if isinstance(prompt, str):
-            prompts = await self.encode(model, [prompt])
+            prompts = await self.encode(model, [prompt], special_tokens)
         elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = await self.encode(model, prompt)
+            prompts = await self.encode(model, prompt, special_tokens)
         elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p)
                                                          for p in prompt):
             prompts = prompt
@@ -511,12 +531,14 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, _flag(options, "include_usage", "stream_options")
 
 
-def _flag(body: dict, name: str, param: str = "") -> bool:
-    """A boolean member, null or left out false; OpenAiError naming it otherwise."""
+def _flag(body: dict, name: str, param: str = "", default: bool = False) -> bool:
+    """A boolean member, null or left out ``default``; OpenAiError naming it otherwise."""
     value = body.get(name)
-    if value is not None and not isinstance(value, bool):
+    if value is None:
+        return default
+    if not isinstance(value, bool):
         raise OpenAiError(400, f"{name} must be a boolean, got {value!r:.80}", param=param or name)
-    return bool(value)
+    return value
 
 
 def _is_token(t) -> bool:
@@ -571,6 +593,10 @@ def _check_supported(body: dict, defaults: dict, unsupported: Optional[dict] = N
     for key, default in (_UNSUPPORTED if unsupported is None else unsupported).items():
         if not _asks_nothing(body.get(key, default), default):
             raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:  # (text: no constraint)
+        raise OpenAiError(400, f"response_format {shown(fmt)} is not supported yet by Batchyard's LLM mode (text only)",
+                          param="response_format")
     # OpenAI's sampling fields and vLLM's extensions (top_k, min_p, repetition_penalty); null
     # is the default, as OpenAI takes it
     given = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
@@ -590,6 +616,6 @@ def _asks_nothing(value, default) -> bool:
         return True
     if default is None:
         return value == [] or value == {}
-    if isinstance(default, bool):
-        return False
+    if isinstance(default, (bool, str)):
+        return value == default and type(value) is type(default)
     return type(value) in (int, float) and value == default

@@ -17,8 +17,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from .chat_template import ChatTemplateError
-from .openai_chat import OpenAiChat, boolean
-from .openai_http import (MAX_PROMPT_TOKENS, OpenAiError, _check_text_length, _is_token, shown)
+from .openai_chat import OpenAiChat
+from .openai_http import MAX_PROMPT_TOKENS, OpenAiError, _check_text_length, _flag, _is_token, shown
 
 
 class OpenAiTokenize:
@@ -33,8 +33,8 @@ class OpenAiTokenize:
         try:
             body, model = await oa.body(request, model_optional=True)
             chat = body.get("messages") is not None
-            special = boolean(body, "add_special_tokens", not chat)
-            strs = boolean(body, "return_token_strs", False)
+            special = _flag(body, "add_special_tokens", default=not chat)
+            strs = _flag(body, "return_token_strs")
             if chat:
                 text = await self.chat.prompt_text(body, model)
             else:

@@ -698,6 +698,13 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2,
                                                   "batchyard_route": None})
     assert status == 200, out  # null is the default, as for max_tokens (it was a 400)
+    # vLLM's fields at their defaults, as a client of its own may send them, and those left alone
+    status, out = _http(url + "/v1/completions", {
+        "model": "tiny", "prompt": "the", "max_tokens": 2, "min_tokens": 0, "priority": 0, "skip_special_tokens": True,
+        "stop_token_ids": [], "bad_words": [], "length_penalty": 1.0, "use_beam_search": False, "mm_payload": "tensors",
+        "response_format": {"type": "text"}, "add_special_tokens": False, "user": "u", "cache_salt": "s",
+        "request_id": "r", "stream_interval": 4})
+    assert status == 200, out
 
     for body, code, word in (({"model": "nope", "prompt": "x"}, 404, "nope"),
                              ({"model": "tiny", "prompt": "x", "temperature": 2.7}, 400, "temperature"),
@@ -712,7 +719,14 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              # (one past the context is cut to it: test_a_max_tokens_past_what_the_context_leaves)
                              ({"model": "tiny", "prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
                              # OpenAI's ask for the sampled token's logprob: served without it, 200.
-                             ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs")):
+                             ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs"),
+                             # vLLM's own fields not served: its server would apply them
+                             ({"model": "tiny", "prompt": [1, 2], "min_tokens": 3}, 400, "min_tokens"),
+                             ({"model": "tiny", "prompt": [1, 2], "priority": 1}, 400, "priority"),
+                             ({"model": "tiny", "prompt": [1, 2], "skip_special_tokens": False}, 400,
+                              "skip_special_tokens"),
+                             ({"model": "tiny", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400,
+                              "response_format")):
         status, err = _http(url + "/v1/completions", body)
         assert status == code and word in err["error"]["message"], (body, status, err)
     # A path or method the OpenAI routes lack: OpenAI's error shape too (it was Triton's, a string).

@@ -259,3 +259,52 @@ def test_a_models_sampling_defaults_are_those_vllms_server_takes(tmp_path, field
               if k in (*keys, "max_new_tokens") and v is not None}
     mine = generation_defaults(tmp_path)
     assert {**mine.sampling, **({"max_new_tokens": mine.max_tokens} if mine.max_tokens else {})} == theirs
+
+
+def test_every_field_of_vllms_requests_is_served_refused_or_left_alone_knowingly():
+    """Each field of vLLM's completion and chat requests (this build's) is one Batchyard serves,
+    refuses unless at its default (vLLM's own default passing), or leaves alone for a stated
+    reason: a field vLLM adds, taken and ignored, would change answers silently."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from batchyard import openai_chat as chat
+    from batchyard import openai_http as oa
+
+    for request, served, refused, ignored in (
+            (CompletionRequest, oa.SERVED, oa._UNSUPPORTED, oa.IGNORED),
+            (ChatCompletionRequest, chat.CHAT_SERVED, chat._CHAT_UNSUPPORTED, chat.CHAT_IGNORED)):
+        fields = request.model_fields
+        assert set(fields) <= {*served, *refused, *ignored}, (request.__name__, set(fields) - {*served, *refused,
+                                                                                                *ignored})
+        for name, default in refused.items():
+            if name in fields and not fields[name].is_required() and name != "request_id":
+                theirs = fields[name].get_default(call_default_factory=True)
+                assert oa._asks_nothing(theirs, default), (request.__name__, name, theirs, default)
+
+
+def test_the_openai_client_reads_every_answer_of_the_openai_routes(node):
+    """The `openai` package (vLLM's own dependency) against the front door: models, completions
+    and chat, whole and streamed with their usage, and its typed errors for ours."""
+    openai = pytest.importorskip("openai")
+    _, url = node
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    same = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt="the cache moves", max_tokens=6, **same)
+    assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(prompt="the cache moves", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, **same))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cache moves"}]
+    chat = client.chat.completions.create(messages=messages, max_completion_tokens=6, **same)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(messages=messages, max_completion_tokens=6,
+                                                                           stream=True, **same) if c.choices]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", messages=messages, temperature=5)
