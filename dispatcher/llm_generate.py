@@ -12,7 +12,8 @@ as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` 
 ``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
-(16 when left out, vLLM's default), ``ignore_eos``, and the sampling ones: ``temperature``,
+(16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
+engine ends a sequence at ``max_model_len``), ``ignore_eos``, and the sampling ones: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
 within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
 a request that gives none samples; ``temperature`` 0 is greedy; the model's
@@ -293,6 +294,8 @@ class LlmGenerate:
 
         try:
             (ids,) = await self.completions.encode(model, [prompt])
+            # (no more than the context leaves: vLLM's engine ends a sequence there, "length")
+            max_tokens = self.completions.max_tokens_for(model, ids, max_tokens)
             run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],
                        sampling=switches["sampling"])
             out = await self.completions.complete(model, ids, max_tokens, run, switches["stop"],

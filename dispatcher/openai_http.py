@@ -188,7 +188,7 @@ class OpenAiCompletions:
     async def serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
                     prompts: Callable[[], Awaitable[list]], shape: "AnswerShape") -> web.StreamResponse:
         """The completions of a request whose fields are ``checked`` (its sampling and ``n``,
-        _check_supported) and ``max_tokens`` (None: vLLM's, _max_tokens), of the ``prompts``
+        _check_supported) and ``max_tokens`` (None: vLLM's, max_tokens_for), of the ``prompts``
         (token ids) that function gives, answered in the ``shape`` of its route."""
         sampling, n = checked
         defaults = self.defaults.get(model, NO_DEFAULTS)
@@ -207,7 +207,7 @@ class OpenAiCompletions:
         run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
         # OpenAI's choice order: prompt by prompt, each prompt's n in a row. A seed gives each of
         # a prompt's n its own (seed, seed + 1, ...), so that they differ and repeat.
-        gens = [(ids, self._max_tokens(model, ids, max_tokens, defaults), {**run, "sampling": _nth(sampling, k)})
+        gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults), {**run, "sampling": _nth(sampling, k)})
                 for ids in prompts for k in range(n)]
         if stream:
             return await self._stream(request, model, prompts, gens, stops, include_usage, shape)
@@ -254,7 +254,8 @@ class OpenAiCompletions:
         tokens = _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
         return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
 
-    def _max_tokens(self, model: str, ids: list, max_tokens: Optional[int], defaults: GenerationDefaults) -> int:
+    def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
+                       defaults: GenerationDefaults = NO_DEFAULTS) -> int:
         """A prompt's max_tokens as vLLM's server sets it (its get_max_tokens): the request's
         (None: the model's max_new_tokens, which only a chat request can leave out), and no
         more than the context leaves after the prompt, nor than a request of Batchyard's may

@@ -1025,6 +1025,13 @@ def test_a_max_tokens_past_what_the_context_leaves_is_cut_to_it(llm_node):
     assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 2
     status, out = _http(url + "/v1/completions", {**body, "max_tokens": None})
     assert status == 200 and [len(m["token_ids"]) for m in out["batchyard"]] == [16, 16], out
+    # Triton's routes too: vLLM's engine ends the backend's sequence at max_model_len
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 1})
+    n_in = out["usage"]["prompt_tokens"]
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 1000, "ignore_eos": True,
+                                                            "return_num_output_tokens": True,
+                                                            "return_finish_reason": True})
+    assert (status, out["num_output_tokens"], out["finish_reason"]) == (200, 512 - n_in, "length"), out
 
 
 def _chat_ids(engines, messages, add_generation_prompt=True) -> list:
