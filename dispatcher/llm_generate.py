@@ -41,7 +41,8 @@ import grpc
 from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
-from .openai_http import MAX_PROMPT_CHARS, OpenAiCompletions, OpenAiError, shown as _shown, stop_strings
+from .openai_fields import MAX_PROMPT_CHARS, OpenAiError, shown as _shown, stop_strings
+from .openai_http import OpenAiCompletions
 from .protocol import MAX_TOKEN_ID
 
 # The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others

@@ -29,22 +29,25 @@ from typing import Optional
 from aiohttp import web
 
 from .chat_template import ChatTemplate, ChatTemplateError
-from .openai_http import (_UNSUPPORTED, IGNORED, MAX_PROMPT_TOKENS, NO_DEFAULTS, SERVED, AnswerShape,
-                          OpenAiCompletions, OpenAiError, _check_supported, _check_text_length, _flag,
-                          _max_tokens_field, shown)
+from .openai_fields import (IGNORED, SERVED, UNSUPPORTED, OpenAiError, check_prompt_tokens, check_supported,
+                            check_text_length, flag, max_tokens_field, shown)
+from .openai_http import NO_DEFAULTS, AnswerShape, OpenAiCompletions
 
 MAX_MESSAGES = 1024  # messages in one conversation
 # Chat's fields that would change the answer, refused unless they ask nothing (openai_http's
 # rule): beside /v1/completions' own (less those chat has not, or reads otherwise), OpenAI's and
 # vLLM's chat fields not served.
-_CHAT_UNSUPPORTED = {**{k: v for k, v in _UNSUPPORTED.items() if k not in ("echo", "suffix", "logprobs")},
-                     "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None, "function_call": None,
+CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k not in ("echo", "suffix", "logprobs")},
+                     "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None,
                      "echo": False, "continue_final_message": False, "chat_template": None, "documents": None,
                      "media_io_kwargs": None, "mm_processor_kwargs": None, "return_prompt_text": False}
+# What /tokenize refuses of a conversation, as the chat route refuses them (vLLM would apply them).
+TOKENIZE_CHAT_UNSUPPORTED = {k: CHAT_UNSUPPORTED[k] for k in ("tools", "continue_final_message", "chat_template",
+                                                              "documents", "mm_processor_kwargs")}
 # Taken and left alone, beside /v1/completions' (no tools, no reasoning parser: nothing they change)
 CHAT_IGNORED = (*IGNORED, "parallel_tool_calls", "include_reasoning")
 CHAT_SERVED = (*(f for f in SERVED if f != "prompt"), "messages", "max_completion_tokens", "tool_choice",
-               "reasoning_effort", "add_generation_prompt", "chat_template_kwargs")
+               "function_call", "reasoning_effort", "add_generation_prompt", "chat_template_kwargs")
 
 
 class ChatShape(AnswerShape):
@@ -87,25 +90,21 @@ class OpenAiChat:
         try:
             body, model = await oa.body(request)
             _check_chat_fields(body)
-            checked = _check_supported(body, oa.defaults.get(model, NO_DEFAULTS).sampling, _CHAT_UNSUPPORTED)
+            checked = check_supported(body, oa.defaults.get(model, NO_DEFAULTS).sampling, CHAT_UNSUPPORTED)
             # (vLLM's order: max_completion_tokens, else the older max_tokens)
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            max_tokens = _max_tokens_field(body.get(name), name)
+            max_tokens = max_tokens_field(body.get(name), name)
             text = await self.prompt_text(body, model)
-            special = _flag(body, "add_special_tokens")  # (false: the template writes them, vLLM's default)
+            special = flag(body, "add_special_tokens")  # (false: the template writes them, vLLM's default)
 
             async def prompt() -> list:
                 [ids] = await oa.encode(model, [text], special_tokens=special, param="messages")
-                if len(ids) > MAX_PROMPT_TOKENS:
-                    raise OpenAiError(400, f"the conversation is {len(ids)} tokens; a request takes at most "
-                                           f"{MAX_PROMPT_TOKENS}", param="messages")
+                check_prompt_tokens(ids, "messages")
                 return [ids]
 
             return await oa.serve(request, body, model, checked, max_tokens, prompt, CHAT)
-        except ChatTemplateError as e:
-            return OpenAiError(400, str(e), param="messages").response()
         except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error of this route (a 500 logged once)
-            return oa._as_openai(e).response()
+            return oa.as_openai(e).response()
 
     async def prompt_text(self, body: dict, model: str) -> str:
         """A request's conversation (``messages``, ``add_generation_prompt``,
@@ -113,7 +112,7 @@ class OpenAiChat:
         the loop (a template's cost grows with the conversation as it is written: one of
         nested loops took 35 s over 4096 messages); OpenAiError, ChatTemplateError."""
         messages = chat_messages(body.get("messages"))
-        add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+        add_generation_prompt = flag(body, "add_generation_prompt", default=True)
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise OpenAiError(400, f"chat_template_kwargs must be an object, got {shown(kwargs)}",
@@ -149,11 +148,12 @@ class OpenAiChat:
 
 def _check_chat_fields(body: dict) -> None:
     """Chat's fields that are no mere default: only text is answered."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "none"):
-        raise OpenAiError(400, f"tool_choice {shown(choice)} is not supported yet by Batchyard's LLM mode (no tools)",
-                          param="tool_choice")
-    _flag(body, "logprobs")  # (a boolean here; true is refused with the unsupported fields)
+    for name in ("tool_choice", "function_call"):  # ("none": no tool, what this serves)
+        choice = body.get(name)
+        if choice not in (None, "none"):
+            raise OpenAiError(400, f"{name} {shown(choice)} is not supported yet by Batchyard's LLM mode (no tools)",
+                              param=name)
+    flag(body, "logprobs")  # (a boolean here; true is refused with the unsupported fields)
 
 
 def chat_messages(value) -> list[dict]:
@@ -184,7 +184,7 @@ def chat_messages(value) -> list[dict]:
             message["name"] = name
         out.append(message)
     # (roles and names count: 61 MB of roles rendered before the length was refused)
-    _check_text_length(["".join((m["role"], m["content"], m.get("name", ""))) for m in out], param="messages")
+    check_text_length(["".join((m["role"], m["content"], m.get("name", ""))) for m in out], param="messages")
     return out
 
 

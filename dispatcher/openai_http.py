@@ -17,8 +17,8 @@ leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and sto
 generation in its engine. ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
 own (a BOS) to a text prompt. Not supported yet, and refused with a 400 naming the field rather
 than ignored, unless at its default: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``,
-``best_of`` > 1, and every field of vLLM's request it does not serve (_UNSUPPORTED: its server
-would apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
+``best_of`` > 1, and every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED:
+its server would apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
 vLLM has are ignored, as vLLM's server ignores them.
 
 ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
@@ -42,7 +42,6 @@ import asyncio
 import itertools
 import json
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
@@ -55,9 +54,12 @@ from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream
 from . import protocol as P
-from .client_codec import sampling_as_vllm
 from .llm_model_files import GenerationDefaults
-from .protocol import MAX_PROMPT_TOKENS, MAX_TOKEN_ID, Status
+from .chat_template import ChatTemplateError
+from .openai_fields import (OpenAiError, check_prompt_tokens, check_supported, check_text_length, flag, forced_route,
+                            is_token,
+                            max_tokens_field, model_name, stop_strings, stream_options)
+from .protocol import Status
 
 log = logging.getLogger("batchyard.frontend")
 _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLINE_EXCEEDED: 504,
@@ -66,51 +68,8 @@ _HTTP = {Status.INVALID_ARGUMENT: 400, Status.UNKNOWN_MODEL: 404, Status.DEADLIN
 # OpenAI's own: a model that does not exist is a 404 invalid_request_error, code model_not_found.
 _KIND = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
          499: "request_cancelled", 503: "service_unavailable_error", 504: "timeout_error"}
-# Text past these is refused before it is tokenized, which costs the front door about 1 s of CPU
-# and 300 MiB a million characters. A prompt: MAX_PROMPT_TOKENS tokens at 8 characters each, twice
-# what usual tokenizers average on prose or code (3-5), so a prompt within the token limit passes,
-# while text of one token a character tokenizes at most 8 times what a request may hold. A request:
-# the same, all of its prompts together (bounded one by one, a list of them tokenized 63 MB).
-CHARS_PER_TOKEN_BOUND = 8
-MAX_PROMPT_CHARS = CHARS_PER_TOKEN_BOUND * MAX_PROMPT_TOKENS
-MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
-# Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
-# with the very text the caller asked to stop at. OpenAI's fields not served, then every field of
-# vLLM's (0.32) completion request it does not serve: its server would apply them.
-_UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None,
-                "include_stop_str_in_output": False, "stop_token_ids": None, "use_beam_search": False,
-                "length_penalty": 1.0, "watermarking": None, "min_tokens": 0, "skip_special_tokens": True,
-                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
-                "allowed_token_ids": None, "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None,
-                "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
-                "return_token_ids": False, "return_token_offsets": False, "mm_payload": "tensors",
-                "return_mm_kwargs": False, "kv_transfer_params": None, "ec_transfer_params": None, "vllm_xargs": None,
-                "repetition_detection": None, "thinking_token_budget": None}
-# Taken and left alone: nothing an answer holds depends on them here (OpenAI's user; vLLM's ids of
-# a request for its logs, its prefix cache's salt, which a node without prefix caching has no
-# use for, the number of tokens a stream's chunk gathers, an MoE's routing record).
-IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", "routed_experts_prompt_start")
-# What /v1/completions serves (besides Batchyard's timeout and batchyard_route).
-SERVED = ("model", "prompt", "max_tokens", "n", "stop", "stream", "stream_options", "ignore_eos",
-          "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
-          "top_p", "top_k", "min_p", "repetition_penalty")
-SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
 NO_DEFAULTS = GenerationDefaults()
-
-
-class OpenAiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str = "",
-                 code: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param or None,
-                          "code": self.code or None}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
 
 
 class OpenAiCompletions:
@@ -141,12 +100,16 @@ class OpenAiCompletions:
     async def completions(self, request) -> web.Response:
         try:
             return await self._completions(request)
-        except (OpenAiError, errors.BatchyardError) as e:
-            return self._as_openai(e).response()
+        except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error of the route (a 500 logged once)
+            return self.as_openai(e).response()
 
-    def _as_openai(self, e: Exception) -> OpenAiError:
+    def as_openai(self, e: Exception) -> OpenAiError:
+        """Any error of the OpenAI routes as OpenAI's: ours, the node's statuses, a chat
+        template's refusal (400 on messages), and a 500 for the rest, logged here."""
         if isinstance(e, OpenAiError):
             return e
+        if isinstance(e, ChatTemplateError):
+            return OpenAiError(400, str(e), param="messages")
         if not isinstance(e, errors.BatchyardError):  # (a stream's run: said once, here)
             log.error("completion failed: %s", e, exc_info=e)
             return OpenAiError(500, f"internal error: {type(e).__name__}", "server_error")
@@ -170,7 +133,7 @@ class OpenAiCompletions:
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")
         model = next(iter(self.models)) if model_optional and body.get("model") is None and len(self.models) == 1 \
-            else _model(body)
+            else model_name(body)
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
                               param="model", code="model_not_found")
@@ -178,17 +141,17 @@ class OpenAiCompletions:
 
     async def _completions(self, request) -> web.Response:
         body, model = await self.body(request)
-        checked = _check_supported(body, self.defaults.get(model, NO_DEFAULTS).sampling)
+        checked = check_supported(body, self.defaults.get(model, NO_DEFAULTS).sampling)
         # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here)
-        max_tokens = _max_tokens_field(body.get("max_tokens"), "max_tokens") or 16
-        special = _flag(body, "add_special_tokens", default=True)  # vLLM's: the tokenizer's BOS, ...
+        max_tokens = max_tokens_field(body.get("max_tokens"), "max_tokens") or 16
+        special = flag(body, "add_special_tokens", default=True)  # vLLM's: the tokenizer's BOS, ...
         return await self.serve(request, body, model, checked, max_tokens,
                                 lambda: self._prompts(model, body.get("prompt"), special), TEXT)
 
     async def serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
                     prompts: Callable[[], Awaitable[list]], shape: "AnswerShape") -> web.StreamResponse:
         """The completions of a request whose fields are ``checked`` (its sampling and ``n``,
-        _check_supported) and ``max_tokens`` (None: vLLM's, max_tokens_for), of the ``prompts``
+        check_supported) and ``max_tokens`` (None: vLLM's, max_tokens_for), of the ``prompts``
         (token ids) that function gives, answered in the ``shape`` of its route."""
         sampling, n = checked
         defaults = self.defaults.get(model, NO_DEFAULTS)
@@ -196,9 +159,9 @@ class OpenAiCompletions:
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not 0 < timeout <= 86400):
             raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
-        route = _route(body)
-        stream, include_usage = _stream_options(body)
-        ignore_eos = _flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
+        route = forced_route(body)
+        stream, include_usage = stream_options(body)
+        ignore_eos = flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
         stops = stop_strings(body.get("stop"), "stop")
         prompts = await prompts()
         if len(prompts) * n > MAX_PROMPTS:
@@ -315,8 +278,8 @@ class OpenAiCompletions:
                     i, got = await events.get()
                     if isinstance(got, BaseException):
                         if response is None:  # nothing sent yet: the error under its status
-                            raise self._as_openai(got) from None
-                        await send(self._as_openai(got).body())
+                            raise self.as_openai(got) from None
+                        await send(self.as_openai(got).body())
                         await response.write(b"data: [DONE]\n\n")
                         return response
                     if isinstance(got, Completion):
@@ -338,34 +301,34 @@ class OpenAiCompletions:
                 t.cancel()
 
     async def _prompts(self, model: str, prompt, special_tokens: bool = True) -> list[list[int]]:
-        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not all(is_token(t) for t in prompt):
             # Each prompt is a request of its own: 100,000 of them held the loop 6 s before one ran.
             raise OpenAiError(400, f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
         if isinstance(prompt, str):
             prompts = await self.encode(model, [prompt], special_tokens)
-        elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(is_token(t) for t in prompt):
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompts = await self.encode(model, prompt, special_tokens)
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p)
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_token(t) for t in p)
                                                          for p in prompt):
             prompts = prompt
         else:
             raise OpenAiError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list "
                                    "of lists of token ids", param="prompt")
         for ids in prompts:
-            if len(ids) > MAX_PROMPT_TOKENS:
-                raise OpenAiError(400, f"the prompt has {len(ids)} tokens; a request takes at most {MAX_PROMPT_TOKENS}",
-                                  param="prompt")
+            check_prompt_tokens(ids)
         return prompts
 
-    def _tokenizer(self, model: str):
+    def tokenizer(self, model: str, param: str = "prompt"):
+        """The model folder's tokenizer.json, loaded once; OpenAiError naming ``param`` (the
+        field whose text needs it) where the folder has none."""
         tok = self._tokenizers.get(model)
         if tok is None:
             path = Path(self.models[model]) / "tokenizer.json"
             if not path.exists():
                 raise OpenAiError(400, f"model {model!r} has no tokenizer.json in {path.parent}: send token ids",
-                                  param="prompt")
+                                  param=param)
             from tokenizers import Tokenizer
 
             tok = self._tokenizers[model] = Tokenizer.from_file(str(path))
@@ -376,8 +339,8 @@ class OpenAiCompletions:
         """``special_tokens``: the tokenizer's own added (a BOS); a chat template writes them.
         ``empty_ok``: text of no tokens is no prompt's, but /tokenize answers it. ``param``: the
         field an error names."""
-        _check_text_length(texts, param)
-        tok = self._tokenizer(model)
+        check_text_length(texts, param)
+        tok = self.tokenizer(model, param)
         try:
             # encode_batch, on a thread: it lets go of the GIL (encode holds it), so the front
             # door's other clients are served while a long prompt is tokenized.
@@ -391,7 +354,7 @@ class OpenAiCompletions:
     def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         """``ids`` as text, its special tokens left out (vLLM's default for generated text)."""
         try:
-            return self._tokenizer(model).decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.tokenizer(model).decode(ids, skip_special_tokens=skip_special_tokens)
         except OpenAiError:
             return ""  # token-id users without a tokenizer read batchyard[].token_ids
 
@@ -459,23 +422,6 @@ def _usage(prompts: list, outs: list) -> dict:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
-MAX_N = 128  # completions of one prompt
-
-
-def _choices_per_prompt(body: dict, sampling: P.Sampling) -> int:
-    """OpenAI's ``n`` (null: 1): completions of each prompt, which must sample (greedy, they
-    would be n copies, and vLLM refuses that too)."""
-    n = body.get("n")
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise OpenAiError(400, f"n must be an integer in 1..{MAX_N}, got {n!r:.40}", param="n")
-    if n > 1 and sampling.temperature == 0:
-        raise OpenAiError(400, f"n of {n} needs a temperature above 0: greedy, its completions would all be the "
-                               "same", param="n")
-    return n
-
-
 def _nth(sampling: P.Sampling, k: int) -> P.Sampling:
     if sampling.seed is None or k == 0:
         return sampling
@@ -494,129 +440,3 @@ def _timing(out: Completion) -> dict:
             "stand_in": t.stand_in, "token_ids": out.tokens}
 
 
-MAX_STOPS = 64  # stop strings a request may give, each of at most MAX_STOP_CHARS
-MAX_STOP_CHARS = 1024
-
-
-def stop_strings(value, name: str) -> tuple:
-    """A request's stop strings: one, a list of them, or null (none); OpenAiError naming
-    ``name`` otherwise."""
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
-            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
-        raise OpenAiError(400, f"{name} must be a string or a list of at most {MAX_STOPS} strings of 1 to "
-                               f"{MAX_STOP_CHARS} characters, got {shown(value)}", param=name)
-    return tuple(dict.fromkeys(stops))
-
-
-def shown(value) -> str:
-    """A JSON value in an error, at a cost that does not grow with it."""
-    if isinstance(value, (list, dict)):
-        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
-    return repr(value[:80] + "..." if isinstance(value, (str, bytes)) and len(value) > 80 else value)
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    """-> (stream, include_usage), as OpenAI reads them: null is the default."""
-    stream = _flag(body, "stream")
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise OpenAiError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise OpenAiError(400, f"stream_options takes include_usage only, got {options!r:.80}",
-                          param="stream_options")
-    return stream, _flag(options, "include_usage", "stream_options")
-
-
-def _flag(body: dict, name: str, param: str = "", default: bool = False) -> bool:
-    """A boolean member, null or left out ``default``; OpenAiError naming it otherwise."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise OpenAiError(400, f"{name} must be a boolean, got {value!r:.80}", param=param or name)
-    return value
-
-
-def _is_token(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
-
-
-def _model(body: dict) -> str:
-    model = body.get("model")
-    if not isinstance(model, str):  # a list or an object is unhashable
-        raise OpenAiError(400, "model is required: the name of a model, a string" if model is None
-                          else f"model must be a string, got {model!r}", param="model")
-    return model
-
-
-def _check_text_length(texts: list[str], param: str = "prompt") -> None:
-    """Refuse text that cannot fit the token limit before tokenizing it (see MAX_PROMPT_CHARS)."""
-    limit = (f"at most {MAX_PROMPT_CHARS} characters a prompt and {MAX_REQUEST_CHARS} in all a request "
-             f"({CHARS_PER_TOKEN_BOUND} a token of the {MAX_PROMPT_TOKENS} a prompt may have); send token ids, "
-             "or the prompts in several requests")
-    longest = max(map(len, texts))
-    if longest > MAX_PROMPT_CHARS:
-        raise OpenAiError(400, f"a prompt of {longest} characters; {limit}", param=param)
-    total = sum(map(len, texts))
-    if total > MAX_REQUEST_CHARS:
-        raise OpenAiError(400, f"{len(texts)} prompts of {total} characters in all; {limit}", param=param)
-
-
-def _route(body: dict) -> str:
-    route = body.get("batchyard_route")  # Batchyard extension: force "prefill-cpu" or "gpu"
-    if route is None:  # null is the default, as for max_tokens, n and temperature
-        route = ""
-    if route not in ("", "prefill-cpu", "gpu"):
-        raise OpenAiError(400, f"batchyard_route must be 'prefill-cpu' or 'gpu', got {route!r}", param="batchyard_route")
-    return route
-
-
-def _max_tokens_field(value, name: str) -> Optional[int]:
-    """A request's max_tokens (null: None, vLLM's rule), or OpenAiError naming ``name``."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise OpenAiError(400, f"{name} must be a positive integer, got {value!r}", param=name)
-    return value
-
-
-def _check_supported(body: dict, defaults: dict, unsupported: Optional[dict] = None) -> tuple[P.Sampling, int]:
-    """-> the body's sampling, its fields left out taken from ``defaults`` (the model's) or else
-    vLLM's (sampling_as_vllm), and its ``n``, once its fields are checked; OpenAiError naming
-    the first it refuses."""
-    # Compared by type as well: False == 0 and True == 1, and "temperature": false, "n": true were served.
-    # (n: _choices_per_prompt)
-    if isinstance(body.get("best_of"), bool) or body.get("best_of", 1) not in (1, None):
-        raise OpenAiError(400, f"best_of must be 1, got {body['best_of']!r}", param="best_of")
-    for key, default in (_UNSUPPORTED if unsupported is None else unsupported).items():
-        if not _asks_nothing(body.get(key, default), default):
-            raise OpenAiError(400, f"{key!r} is not supported yet by Batchyard's LLM mode", param=key)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:  # (text: no constraint)
-        raise OpenAiError(400, f"response_format {shown(fmt)} is not supported yet by Batchyard's LLM mode (text only)",
-                          param="response_format")
-    # OpenAI's sampling fields and vLLM's extensions (top_k, min_p, repetition_penalty); null
-    # is the default, as OpenAI takes it
-    given = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    try:
-        sampling = sampling_as_vllm(given, defaults)
-    except errors.InvalidArgument as e:
-        field = re.search(r"\$\.(\w+)", e.message)
-        raise OpenAiError(400, e.message, param=field.group(1) if field else "") from None
-    return sampling, _choices_per_prompt(body, sampling)
-
-
-def _asks_nothing(value, default) -> bool:
-    """Whether an unsupported field's value asks for nothing: null, its default, or an empty
-    list or map where the default is null. By ``==``, 0 passed as False: `logprobs: 0` (OpenAI's
-    request for the sampled token's logprob) was served without it, 200, silently."""
-    if value is None or value is default:
-        return True
-    if default is None:
-        return value == [] or value == {}
-    if isinstance(default, (bool, str)):
-        return value == default and type(value) is type(default)
-    return type(value) in (int, float) and value == default

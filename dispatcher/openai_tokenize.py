@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .chat_template import ChatTemplateError
-from .openai_chat import OpenAiChat
-from .openai_http import MAX_PROMPT_TOKENS, OpenAiError, _check_text_length, _flag, _is_token, shown
+from .openai_chat import TOKENIZE_CHAT_UNSUPPORTED, OpenAiChat
+from .openai_fields import OpenAiError, flag, is_token, refuse_unsupported, shown
+from .protocol import MAX_PROMPT_TOKENS
 
 
 class OpenAiTokenize:
@@ -33,27 +33,25 @@ class OpenAiTokenize:
         try:
             body, model = await oa.body(request, model_optional=True)
             chat = body.get("messages") is not None
-            special = _flag(body, "add_special_tokens", default=not chat)
-            strs = _flag(body, "return_token_strs")
+            special = flag(body, "add_special_tokens", default=not chat)
+            strs = flag(body, "return_token_strs")
             if chat:
+                refuse_unsupported(body, TOKENIZE_CHAT_UNSUPPORTED)
                 text = await self.chat.prompt_text(body, model)
             else:
                 text = body.get("prompt")
                 if not isinstance(text, str):
                     raise OpenAiError(400, f"prompt must be a string (or give messages), got {shown(text)}",
                                       param="prompt")
-                _check_text_length([text])
             [ids] = await oa.encode(model, [text], special_tokens=special, empty_ok=True,
                                     param="messages" if chat else "prompt")
             out = {"count": len(ids), "max_model_len": oa.max_model_len.get(model), "tokens": ids, "token_strs": None}
             if strs:
-                tok = oa._tokenizer(model)
+                tok = oa.tokenizer(model)
                 out["token_strs"] = [tok.id_to_token(i) for i in ids]
             return web.json_response(out)
-        except ChatTemplateError as e:
-            return OpenAiError(400, str(e), param="messages").response()
         except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error (a 500 logged once)
-            return oa._as_openai(e).response()
+            return oa.as_openai(e).response()
 
     async def detokenize(self, request) -> web.Response:
         oa = self.completions
@@ -61,11 +59,11 @@ class OpenAiTokenize:
             body, model = await oa.body(request, model_optional=True)
             tokens = body.get("tokens")
             if (not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKENS
-                    or not all(_is_token(t) for t in tokens)):
+                    or not all(is_token(t) for t in tokens)):
                 raise OpenAiError(400, f"tokens must be a list of at most {MAX_PROMPT_TOKENS} token ids, got "
                                        f"{shown(tokens)}", param="tokens")
-            oa._tokenizer(model)  # (no tokenizer: its 400, where decode would answer "")
+            oa.tokenizer(model, "tokens")  # (no tokenizer: its 400, where decode would answer "")
             return web.json_response({"prompt": oa.decode(model, tokens, skip_special_tokens=False)})
         except Exception as e:  # noqa: BLE001 -- as tokenize's
-            return oa._as_openai(e).response()
+            return oa.as_openai(e).response()
 

@@ -326,12 +326,12 @@ def test_a_request_that_forced_the_cpu_route_is_refused_when_the_last_cpu_instan
 def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key, value):
     """Taken and ignored, a stop sequence answered 200 with the very text asked to stop at (and
     booleans, equal to 0 and 1, passed for a temperature of 0 and n of 1)."""
-    from batchyard.openai_http import OpenAiError, _check_supported
+    from batchyard.openai_fields import OpenAiError, check_supported
 
     with pytest.raises(OpenAiError) as e:
-        _check_supported({key: value}, {})
+        check_supported({key: value}, {})
     assert e.value.status == 400 and e.value.param == key
-    _check_supported({key: {"echo": False, "suffix": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+    check_supported({key: {"echo": False, "suffix": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
                             "temperature": 0, "n": 1, "best_of": 1}[key]}, {})  # the defaults pass
 
 
@@ -363,15 +363,15 @@ def test_a_model_folders_sampling_defaults_are_read_as_vllms_server_reads_them(t
 
 
 def test_an_openai_request_takes_each_field_it_leaves_out_from_the_model_then_vllm():
-    from batchyard.openai_http import OpenAiError, _check_supported
+    from batchyard.openai_fields import OpenAiError, check_supported
 
-    assert _check_supported({}, {}) == (P.Sampling(temperature=1.0), 1)  # vLLM samples at 1
+    assert check_supported({}, {}) == (P.Sampling(temperature=1.0), 1)  # vLLM samples at 1
     model = {"temperature": 0.7, "top_k": 20}
-    assert _check_supported({"top_p": 0.5, "top_k": None, "n": 2}, model) == (
+    assert check_supported({"top_p": 0.5, "top_k": None, "n": 2}, model) == (
         P.Sampling(temperature=0.7, top_k=20, top_p=0.5), 2)
-    assert _check_supported({"temperature": 0}, model)[0] == P.Sampling(temperature=0.0, top_k=20)  # greedy
+    assert check_supported({"temperature": 0}, model)[0] == P.Sampling(temperature=0.0, top_k=20)  # greedy
     with pytest.raises(OpenAiError, match="needs a temperature above 0"):
-        _check_supported({"temperature": 0, "n": 2}, model)
+        check_supported({"temperature": 0, "n": 2}, model)
 
 
 def test_generate_requests_are_counted_in_the_metrics_as_tensor_requests_are():

@@ -1128,6 +1128,9 @@ def test_the_tokenizer_routes_count_as_the_completion_routes_tokenize(llm_node):
     for route, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"model": "x", "prompt": "a"}, "model"),
                                ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
                                ("/tokenize", {"messages": []}, "messages"),
+                               # (as the chat route refuses them: vLLM would apply them)
+                               ("/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"}, "chat_template"),
+                               ("/detokenize", {"model": "nope", "tokens": [1]}, "model"),
                                ("/detokenize", {"tokens": [1, -2]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens")):
         status, err = _http(url + route, body)
         assert status in (400, 404) and err["error"]["param"] == param, (route, body, err)
@@ -1145,6 +1148,7 @@ def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
              "messages", "only text parts"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
             ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+            ({"function_call": "auto"}, "function_call", "not supported"),
             ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
             ({"logprobs": True}, "logprobs", "not supported"), ({"logprobs": 1}, "logprobs", "must be a boolean"),
             ({"chat_template": "{{ 1 }}"}, "chat_template", "not supported"),
@@ -1161,6 +1165,7 @@ def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
     # what OpenAI clients send at their defaults passes
     status, out = _http(url + "/v1/chat/completions", {**ok, "tools": [], "tool_choice": "none", "logprobs": False,
                                                        "top_logprobs": 0, "response_format": {"type": "text"},
+                                                       "function_call": "none", "mm_payload": "none",
                                                        "user": "u", "chat_template_kwargs": {"enable_thinking": False}})
     assert status == 200, out
 

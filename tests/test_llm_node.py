@@ -270,18 +270,18 @@ def test_every_field_of_vllms_requests_is_served_refused_or_left_alone_knowingly
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     from batchyard import openai_chat as chat
-    from batchyard import openai_http as oa
+    from batchyard import openai_fields as oa
 
     for request, served, refused, ignored in (
-            (CompletionRequest, oa.SERVED, oa._UNSUPPORTED, oa.IGNORED),
-            (ChatCompletionRequest, chat.CHAT_SERVED, chat._CHAT_UNSUPPORTED, chat.CHAT_IGNORED)):
+            (CompletionRequest, oa.SERVED, oa.UNSUPPORTED, oa.IGNORED),
+            (ChatCompletionRequest, chat.CHAT_SERVED, chat.CHAT_UNSUPPORTED, chat.CHAT_IGNORED)):
         fields = request.model_fields
         assert set(fields) <= {*served, *refused, *ignored}, (request.__name__, set(fields) - {*served, *refused,
                                                                                                 *ignored})
         for name, default in refused.items():
             if name in fields and not fields[name].is_required() and name != "request_id":
                 theirs = fields[name].get_default(call_default_factory=True)
-                assert oa._asks_nothing(theirs, default), (request.__name__, name, theirs, default)
+                assert oa.asks_nothing(theirs, default), (request.__name__, name, theirs, default)
 
 
 def test_the_openai_client_reads_every_answer_of_the_openai_routes(node):

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from batchyard.chat_template import ChatTemplate, ChatTemplateError
 from batchyard.openai_chat import chat_messages
-from batchyard.openai_http import OpenAiError
+from batchyard.openai_fields import OpenAiError
 
 # Templates of the kinds models ship: Llama 2's (bos_token, raise_exception, trim), ChatML's
 # (add_generation_prompt), and one with tojson, loop controls, whitespace control and a kwarg.
