@@ -13,7 +13,8 @@ as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` 
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
 (16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
-engine ends a sequence at ``max_model_len``), ``ignore_eos``, and the sampling ones: ``temperature``,
+engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop`` and
+``include_stop_str_in_output`` (as on /v1/completions), and the sampling ones: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
 within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
 a request that gives none samples; ``temperature`` 0 is greedy; the model's
@@ -155,6 +156,8 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
         raise invalid(f"max_tokens must be a positive integer, got {max_tokens}")
     # (bool() of the value, as the backend converts it: the string "false" is true there too)
     switches["ignore_eos"] = _sampling("ignore_eos", params.pop("ignore_eos", False), bool)
+    switches["include_stop_str_in_output"] = _sampling("include_stop_str_in_output",
+                                                       params.pop("include_stop_str_in_output", False), bool)
     try:  # (str or a list of str, as the backend leaves it for vLLM)
         switches["stop"] = stop_strings(params.pop("stop", None), "stop")
     except OpenAiError as e:
@@ -300,6 +303,7 @@ class LlmGenerate:
             run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],
                        sampling=switches["sampling"])
             out = await self.completions.complete(model, ids, max_tokens, run, switches["stop"],
+                                                  include_stop=switches["include_stop_str_in_output"],
                                                   on_text=on_text if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None

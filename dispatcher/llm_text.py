@@ -66,17 +66,22 @@ def _common_prefix(a: str, b: str) -> str:
 
 class TextStream:
     """A generation's text as its tokens come, cut before the first of ``stops`` (vLLM's stop
-    strings, left out of the text as vLLM leaves them by default). ``push`` gives what may be
-    sent now: while a stop string could still begin in the last characters decoded (one fewer
-    than the longest stop), they are held back, as vLLM's detokenizer holds them. ``finish``
-    gives the rest. ``stopped``: the stop string found, once found; the generation is then over."""
+    strings, left out of the text as vLLM leaves them by default; after it with ``include``,
+    vLLM's include_stop_str_in_output). ``push`` gives what may be sent now: while a stop string
+    could still begin in the last characters decoded (one fewer than the longest stop), they are
+    held back, as vLLM's detokenizer holds them (not with ``include``: nothing is then cut from
+    them). ``finish`` gives the rest. ``stopped``: the stop string found, once found; the
+    generation is then over."""
 
-    __slots__ = ("pieces", "stops", "hold", "text", "sent", "stopped")
+    __slots__ = ("pieces", "stops", "include", "lookback", "hold", "text", "sent", "stopped")
 
-    def __init__(self, decode: Callable[[list], str], stops: tuple = ()):
+    def __init__(self, decode: Callable[[list], str], stops: tuple = (), include: bool = False):
         self.pieces = TextPieces(decode)
         self.stops = tuple(s for s in stops if s)
-        self.hold = max(map(len, self.stops), default=1) - 1
+        self.include = include
+        # how far before the text given a stop string may begin: it ends in the text decoded since
+        self.lookback = max(map(len, self.stops), default=1) - 1
+        self.hold = 0 if include else self.lookback
         self.text = ""  # decoded so far, cut at a stop string once one is found
         self.sent = 0  # characters of it given
         self.stopped = ""
@@ -101,12 +106,12 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stops and not self.stopped:
             # A stop string beginning before the characters given would have been found then.
-            start = max(0, self.sent - self.hold)
+            start = max(0, self.sent - self.lookback)
             # As vLLM picks: the one that ends first, then the first in the list.
             hits = [(i + len(s), n, i, s) for n, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
             if hits:
-                _, _, at, self.stopped = min(hits)
-                self.text = self.text[:at]
+                end, _, at, self.stopped = min(hits)
+                self.text = self.text[:end if self.include else at]
         end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
         piece, self.sent = self.text[self.sent:end], end
         return piece

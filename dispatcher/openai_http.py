@@ -13,7 +13,8 @@ model's context leaves after the prompt, as vLLM's server cuts it (chat: openai_
 completions of each prompt,
 up to MAX_N, need a temperature above 0; a seed gives each of them its own, seed + k. ``stop``
 (a string or a list) cuts the text before the first one found, left out as vLLM
-leaves it (``finish_reason`` "stop", vLLM's ``stop_reason`` the string), and stops the
+leaves it (kept with vLLM's ``include_stop_str_in_output``; ``finish_reason`` "stop", vLLM's
+``stop_reason`` the string), and stops the
 generation in its engine. ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
 own (a BOS) to a text prompt. Not supported yet, and refused with a 400 naming the field rather
 than ignored, unless at its default: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``,
@@ -163,6 +164,7 @@ class OpenAiCompletions:
         stream, include_usage = stream_options(body)
         ignore_eos = flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
         stops = stop_strings(body.get("stop"), "stop")
+        include_stop = flag(body, "include_stop_str_in_output")  # vLLM's: the stop string ends the text
         prompts = await prompts()
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
@@ -173,10 +175,11 @@ class OpenAiCompletions:
         gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults), {**run, "sampling": _nth(sampling, k)})
                 for ids in prompts for k in range(n)]
         if stream:
-            return await self._stream(request, model, prompts, gens, stops, include_usage, shape)
+            return await self._stream(request, model, prompts, gens, stops, include_usage, shape, include_stop)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
-        tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, stops)) for ids, limit, run_k in gens]
+        tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, stops, include_stop=include_stop))
+                 for ids, limit, run_k in gens]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
@@ -189,13 +192,15 @@ class OpenAiCompletions:
             "batchyard": [_timing(out) for out in outs]})
 
     async def complete(self, model: str, ids: list, max_tokens: int, run: dict, stops: tuple = (),
-                       on_text: Optional[Callable[[str, int, bool], None]] = None) -> Completion:
+                       on_text: Optional[Callable[[str, int, bool], None]] = None,
+                       include_stop: bool = False) -> Completion:
         """One prompt's completion, as text: its generation (``run``: the generate call's other
-        arguments), cut before the first of ``stops``, which then ends it in its engine.
+        arguments), cut before the first of ``stops`` (after it with ``include_stop``, vLLM's
+        include_stop_str_in_output), which then ends it in its engine.
         ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
         string ended the generation there; the rest is the Completion's ``rest``."""
-        text = TextStream(lambda t: self.decode(model, t), stops)
+        text = TextStream(lambda t: self.decode(model, t), stops, include_stop)
 
         def on_tokens(tokens: list) -> bool:
             piece = text.push(tokens)
@@ -230,7 +235,7 @@ class OpenAiCompletions:
         return max(1, min(v for v in (max_tokens, left, P.MAX_NEW_TOKENS) if v is not None))
 
     async def _stream(self, request, model: str, prompts: list, gens: list, stops: tuple,
-                      include_usage: bool, shape: "AnswerShape") -> web.StreamResponse:
+                      include_usage: bool, shape: "AnswerShape", include_stop: bool = False) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order."""
         head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
@@ -248,7 +253,7 @@ class OpenAiCompletions:
 
         async def generate(i: int, ids: list, max_tokens: int, run: dict) -> None:
             try:
-                out = await self.complete(model, ids, max_tokens, run, stops,
+                out = await self.complete(model, ids, max_tokens, run, stops, include_stop=include_stop,
                                           on_text=lambda piece, _tokens, _last: on_text(i, piece))
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))

@@ -766,3 +766,29 @@ def test_a_streamed_requests_tokens_reach_its_client_only_while_its_own_generate
         (b"c3", "GenerateReply", Status.DEADLINE_EXCEEDED)]
     desk.on_tokens(P.LlmTokens(job_id=streamed.job_id, worker="gpu0", seq=seq[3], start=0, tokens=[7]))
     assert len(replies) == 4
+
+
+@given(st.text(alphabet="abc", min_size=1, max_size=30), st.lists(st.text(alphabet="abc", min_size=1, max_size=3),
+                                                                   min_size=1, max_size=3),
+       st.lists(st.integers(1, 4), min_size=30, max_size=30), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_a_text_stream_ends_at_the_first_stop_string_as_vllm_finds_it(text, stops, steps, include):
+    """Characters pushed a few at a time (one token a character): the pieces joined are the text
+    cut before the stop string that ends first (then the first listed), or after it with
+    ``include`` (vLLM's include_stop_str_in_output), wherever the steps split it."""
+    from batchyard.llm_text import TextStream
+
+    tokens = [ord(c) for c in text]
+    stream, pieces, at = TextStream(lambda t: "".join(map(chr, t)), tuple(stops), include), [], 0
+    for n in steps:
+        if at >= len(tokens) or stream.stopped:
+            break
+        pieces.append(stream.push(tokens[at:at + n]))
+        at += n
+    pieces.append(stream.finish(tokens))
+    hits = sorted((text.find(s) + len(s), i, text.find(s), s) for i, s in enumerate(stops) if s in text)
+    if hits:
+        end, _, start, stop = hits[0]
+        assert "".join(pieces) == text[:end if include else start] and stream.stopped == stop
+    else:
+        assert "".join(pieces) == text and not stream.stopped

@@ -1186,6 +1186,14 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
         status, kind, events = _events(url + "/v1/completions", {**body, "stop": stop, "stream": True})
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
         assert "".join(c["text"] for c in chunks) == text and chunks[-1]["finish_reason"] == choice["finish_reason"]
+    # vLLM's include_stop_str_in_output: the text ends with the stop string, streamed alike
+    asked = {**body, "stop": ["Q", "KL"], "include_stop_str_in_output": True}
+    status, out = _http(url + "/v1/completions", asked)
+    assert (out["choices"][0]["text"], out["choices"][0]["stop_reason"], out["usage"]["completion_tokens"]) == (
+        "HIJKL", "KL", 5), out
+    status, kind, events = _events(url + "/v1/completions", {**asked, "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == "HIJKL" and chunks[-1]["stop_reason"] == "KL", chunks
     # in the last step's text (only the reply has it)
     status, out = _http(url + "/v1/completions", {**body, "max_tokens": 7, "stop": "MN"})
     assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == ("HIJKL", "stop")
@@ -1220,6 +1228,10 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
                                                             "stop": completion[3:5],
                                                             "exclude_input_in_output": True, "return_finish_reason": True})
     assert (status, out["text_output"], out["finish_reason"]) == (200, completion[:cut], "stop")
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": 0,
+                                                            "stop": completion[3:5], "include_stop_str_in_output": "1",
+                                                            "exclude_input_in_output": True})
+    assert (status, out["text_output"]) == (200, completion[:cut + 2])  # (bool("1"), as the backend converts it)
     status, kind, events = _events(url + "/v2/models/tiny/generate_stream", {
         "text_input": "the", "max_tokens": 6, "stream": True, "return_finish_reason": True,
         "sampling_parameters": json.dumps({"stop": [completion[3:5]], "temperature": 0})})
