@@ -415,21 +415,26 @@ class LlmCore:
                     self._end(r)
                     self.on_fail(r, Status.CANCELLED, "cancelled by the client while queued")
                     return True
-        for r in list(self.requests.values()):
-            if r.client == client and r.req_id == req_id and r.job_id in self.jobs and self._end(r):
-                self.on_fail(r, Status.CANCELLED, "cancelled by the client while it ran")
-                self._abort(r)
-                return True
+        r = self._running(client, req_id)
+        if r is not None and self._end(r):
+            self.on_fail(r, Status.CANCELLED, "cancelled by the client while it ran")
+            self._abort(r)
+            return True
         return False
+
+    def _running(self, client: bytes, req_id: int) -> Optional[LlmRequest]:
+        """The client's request of that id that a job runs and that is not done, or None."""
+        return next((r for r in self.requests.values()
+                     if r.client == client and r.req_id == req_id and r.job_id in self.jobs and not r.done), None)
 
     def finish(self, client: bytes, req_id: int) -> Optional[LlmRequest]:
         """A running generation its client has what it needs of (a stop string): stopped in its
         engine as a cancelled one, but not answered here -> it, for the caller to answer as
         served. One not running yet is cancelled (-> None)."""
-        for r in list(self.requests.values()):
-            if r.client == client and r.req_id == req_id and r.job_id in self.jobs and self._end(r):
-                self._abort(r)
-                return r
+        r = self._running(client, req_id)
+        if r is not None and self._end(r):
+            self._abort(r)
+            return r
         self.cancel(client, req_id)
         return None
 
