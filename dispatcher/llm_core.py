@@ -268,6 +268,9 @@ class LlmCore:
         if limit and len(msg.prompt) + msg.max_tokens > limit:
             return (Status.INVALID_ARGUMENT, f"prompt of {len(msg.prompt)} tokens + max_tokens {msg.max_tokens} "
                                              f"exceeds max_model_len {limit} of model {model!r}")
+        if msg.sampling is not None and msg.sampling.min_tokens > msg.max_tokens:  # (vLLM's words)
+            return (Status.INVALID_ARGUMENT, f"min_tokens must be less than or equal to max_tokens={msg.max_tokens}, "
+                                             f"got {msg.sampling.min_tokens}")
         if msg.route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
             return Status.UNAVAILABLE, _no_cpu_instance(model)
         if self.open_by_model.get(model, 0) >= self.max_queue:

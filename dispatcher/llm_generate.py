@@ -13,8 +13,9 @@ as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` 
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
 (16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
-engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop`` and
-``include_stop_str_in_output`` (as on /v1/completions), and the sampling ones: ``temperature``,
+engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop``,
+``include_stop_str_in_output``, ``min_tokens`` and ``stop_token_ids`` (as on /v1/completions; the
+latter, a list, in ``sampling_parameters`` only), and the sampling ones: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
 within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
 a request that gives none samples; ``temperature`` 0 is greedy; the model's
@@ -164,6 +165,10 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
         raise invalid(e.message) from None
     sampling = {name: _sampling(name, params.pop(name), kind) for name, kind in _SAMPLING_TYPES.items()
                 if name in params}
+    if "stop_token_ids" in params:  # (a list: only sampling_parameters' JSON holds one; the backend leaves it be)
+        sampling["stop_token_ids"] = params.pop("stop_token_ids")
+        if not isinstance(sampling["stop_token_ids"], list):
+            raise invalid(f"stop_token_ids must be a list of token ids, got {_shown(sampling['stop_token_ids'])}")
     try:
         switches["sampling"] = sampling_as_vllm(sampling)
     except InvalidArgument as e:
@@ -177,7 +182,8 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
 # The sampling parameters served, with the type the backend converts each to (SamplingParams'
 # annotations: Optional[int] is int).
 _SAMPLING_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
-                   "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float}
+                   "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
+                   "min_tokens": int}
 
 
 # Request parameters Triton takes for itself (its scheduler's, its protocol's): not the model's.
@@ -299,7 +305,7 @@ class LlmGenerate:
         try:
             (ids,) = await self.completions.encode(model, [prompt])
             # (no more than the context leaves: vLLM's engine ends a sequence there, "length")
-            max_tokens = self.completions.max_tokens_for(model, ids, max_tokens)
+            max_tokens = self.completions.max_tokens_for(model, ids, max_tokens, sampling=switches["sampling"])
             run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],
                        sampling=switches["sampling"])
             out = await self.completions.complete(model, ids, max_tokens, run, switches["stop"],

@@ -46,14 +46,7 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
     generation_config.json's ``eos_token_id`` (an id or a list), else its config.json's. A chat
     model's tokenizer often ends a turn with a token its config does not name."""
     folder = Path(model_path)
-    ids: list = []
-    eos = read_json(folder / "tokenizer_config.json").get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str):
-        tok = read_json(folder / "tokenizer.json")
-        added = {t.get("content"): t.get("id") for t in tok.get("added_tokens") or () if isinstance(t, dict)}
-        vocab = (tok.get("model") or {}).get("vocab")
-        ids.append(added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None))
+    ids: list = [tokenizer_eos_token_id(folder)]
     for name in (GENERATION_CONFIG, "config.json"):
         found = read_json(folder / name).get("eos_token_id")
         found = [i for i in (found if isinstance(found, list) else [found])
@@ -62,6 +55,22 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
             ids.extend(found)
             break
     return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
+
+
+def tokenizer_eos_token_id(model_path: str | Path) -> Optional[int]:
+    """The tokenizer's own end-of-sequence id (tokenizer_config.json's ``eos_token``, its id from
+    tokenizer.json), None where it names none. vLLM stops at it with no ``stop_reason``; at the
+    model's other end-of-sequence ids, as at a request's stop_token_ids, with the id as it."""
+    folder = Path(model_path)
+    eos = read_json(folder / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    tok = read_json(folder / "tokenizer.json")
+    added = {t.get("content"): t.get("id") for t in tok.get("added_tokens") or () if isinstance(t, dict)}
+    vocab = (tok.get("model") or {}).get("vocab")
+    found = added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None)
+    return found if isinstance(found, int) and not isinstance(found, bool) and found >= 0 else None
 
 
 def generation_defaults(model_path: str | Path) -> GenerationDefaults:

@@ -9,13 +9,15 @@ the window moves on only when a piece is given. Decoding the whole generation ag
 step would cost the square of its length.
 
 The pieces end as the whole text ends: ``rest`` gives what the whole decoding holds past the
-pieces given, so a client that joins them reads what a request without ``stream`` reads.
+pieces given, so a client that joins them reads what a request without ``stream`` reads. As
+vLLM's detokenizer, the whole text ends at the generation's last whole character
+(``whole_text``), and a generation is decoded as it reads after its prompt (``decoding_after``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -47,12 +49,43 @@ class TextPieces:
         return piece
 
     def rest(self, tokens: list) -> str:
-        whole = self.decode(list(tokens))
+        whole = whole_text(self.decode, tokens)
         if whole.startswith(self.text):
             return whole[len(self.text):]
         # A tokenizer whose window decodes other than the whole does: what is given stays given.
         log.warning("a streamed generation's pieces are not a prefix of its text; its end is sent as decoded")
         return whole[len(_common_prefix(whole, self.text)):]
+
+
+CONTEXT_TOKENS = 5  # the prompt's last tokens a generation is decoded after (vLLM's slow detokenizer's offset)
+
+
+def decoding_after(decode: Callable[[list], str], prompt: list) -> Callable[[list], str]:
+    """``decode`` of a generation's tokens as they read after its ``prompt``: the text of the
+    prompt's last tokens and them, past that of those prompt tokens alone. Decoded alone, a
+    generation's first token loses what the prompt gives it: SentencePiece's decoder drops the
+    space a word's first piece begins with ("▁from" is "from" alone, " from" after "moves"),
+    and vLLM's detokenizer, primed with the prompt's tokens, keeps it."""
+    tail = list(prompt[-CONTEXT_TOKENS:])
+    if not tail:
+        return decode
+    base = decode(tail)
+
+    def after(tokens: list) -> str:
+        whole = decode(tail + list(tokens))
+        # (past a prompt that ends inside a character, the character it completes is the generation's)
+        return whole[len(base):] if whole.startswith(base) else whole[len(_common_prefix(whole, base)):]
+
+    return after
+
+
+def whole_text(decode: Callable[[list], str], tokens: list) -> str:
+    """A generation's text, as vLLM's detokenizer ends it: it gives no text that ends inside a
+    character, so a generation that stops there ends with the last token whose text did not."""
+    tokens = list(tokens)
+    while tokens and (text := decode(tokens)).endswith(_PARTIAL):
+        tokens.pop()
+    return text if tokens else ""
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -70,12 +103,16 @@ class TextStream:
     vLLM's include_stop_str_in_output). ``push`` gives what may be sent now: while a stop string
     could still begin in the last characters decoded (one fewer than the longest stop), they are
     held back, as vLLM's detokenizer holds them (not with ``include``: nothing is then cut from
-    them). ``finish`` gives the rest. ``stopped``: the stop string found, once found; the
-    generation is then over."""
+    them). ``finish`` gives the rest. ``stopped``: the stop string found, once found, beginning
+    at ``stop_at`` of the text; the generation is then over. ``min_tokens`` (vLLM's): a stop
+    string counts only once the generation has more tokens than that, and only where it ends
+    past the text of the first ``min_tokens`` tokens, as vLLM's detokenizer looks for them."""
 
-    __slots__ = ("pieces", "stops", "include", "lookback", "hold", "text", "sent", "stopped")
+    __slots__ = ("pieces", "stops", "include", "lookback", "hold", "text", "sent", "stopped", "stop_at",
+                 "min_tokens", "count", "floor")
 
-    def __init__(self, decode: Callable[[list], str], stops: tuple = (), include: bool = False):
+    def __init__(self, decode: Callable[[list], str], stops: tuple = (), include: bool = False,
+                 min_tokens: int = 0):
         self.pieces = TextPieces(decode)
         self.stops = tuple(s for s in stops if s)
         self.include = include
@@ -85,6 +122,10 @@ class TextStream:
         self.text = ""  # decoded so far, cut at a stop string once one is found
         self.sent = 0  # characters of it given
         self.stopped = ""
+        self.stop_at = 0
+        self.min_tokens = min_tokens
+        self.count = 0  # the generation's tokens so far
+        self.floor = 0 if min_tokens == 0 else -1  # the first min_tokens tokens' text length (-1: not yet known)
 
     @property
     def tokens(self) -> list:
@@ -94,24 +135,31 @@ class TextStream:
     def push(self, tokens: list) -> str:
         if self.stopped:
             return ""
+        self.count += len(tokens)
         self.text += self.pieces.push(tokens)
-        return self._release(final=False)
+        return self._release(self.pieces.tokens, final=False)
 
-    def finish(self, tokens: list) -> str:
-        """``tokens``: every token of the generation."""
+    def finish(self, tokens: list, count: Optional[int] = None) -> str:
+        """``tokens``: every token of the generation whose text it holds; ``count``: its tokens,
+        where more (the one that ended it by its id, which vLLM decodes no text of)."""
+        self.count = len(tokens) if count is None else count
         if not self.stopped:
             self.text += self.pieces.rest(tokens)
-        return self._release(final=True)
+        return self._release(tokens, final=True)
 
-    def _release(self, final: bool) -> str:
-        if self.stops and not self.stopped:
-            # A stop string beginning before the characters given would have been found then.
+    def _release(self, tokens: list, final: bool) -> str:
+        if self.stops and not self.stopped and self.count > self.min_tokens:
+            if self.floor < 0:
+                self.floor = len(self.pieces.decode(list(tokens[:self.min_tokens])))
+            # A stop string beginning before the characters given would have been found then;
+            # one must end past the first min_tokens tokens' text.
             start = max(0, self.sent - self.lookback)
             # As vLLM picks: the one that ends first, then the first in the list.
-            hits = [(i + len(s), n, i, s) for n, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
+            hits = [(i + len(s), n, i, s) for n, s in enumerate(self.stops)
+                    if (i := self.text.find(s, max(start, self.floor - len(s) + 1))) >= 0]
             if hits:
-                end, _, at, self.stopped = min(hits)
-                self.text = self.text[:end if self.include else at]
+                end, _, self.stop_at, self.stopped = min(hits)
+                self.text = self.text[:end if self.include else self.stop_at]
         end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
         piece, self.sent = self.text[self.sent:end], end
         return piece

@@ -56,12 +56,12 @@ class ChatShape(AnswerShape):
     @staticmethod
     def choice(i: int, text: str, out) -> dict:
         return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason or None}
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
     @staticmethod
     def last(i: int, text: str, out) -> dict:
         return {"index": i, "delta": {"content": text} if text else {}, "logprobs": None,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason or None}
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
     @staticmethod
     def piece(i: int, text: str) -> dict:

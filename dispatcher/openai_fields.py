@@ -32,8 +32,8 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 # with the very text the caller asked to stop at. OpenAI's fields not served, then every field of
 # vLLM's (0.32) completion request it does not serve: its server would apply them.
 UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None,
-               "stop_token_ids": None, "use_beam_search": False,
-               "length_penalty": 1.0, "watermarking": None, "min_tokens": 0, "skip_special_tokens": True,
+               "use_beam_search": False,
+               "length_penalty": 1.0, "watermarking": None, "skip_special_tokens": True,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
                "allowed_token_ids": None, "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None,
                "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
@@ -51,7 +51,7 @@ IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", 
 # What /v1/completions serves (besides Batchyard's timeout and batchyard_route).
 SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_output", "stream", "stream_options",
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
-          "top_p", "top_k", "min_p", "repetition_penalty")
+          "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)

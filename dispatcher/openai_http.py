@@ -15,7 +15,10 @@ up to MAX_N, need a temperature above 0; a seed gives each of them its own, seed
 (a string or a list) cuts the text before the first one found, left out as vLLM
 leaves it (kept with vLLM's ``include_stop_str_in_output``; ``finish_reason`` "stop", vLLM's
 ``stop_reason`` the string), and stops the
-generation in its engine. ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
+generation in its engine. vLLM's ``stop_token_ids`` end it at any of those tokens (no text of
+that token, unless ``include_stop_str_in_output``; ``stop_reason`` its id), and its
+``min_tokens`` holds back the end-of-sequence and stop tokens, and the stop strings, until
+that many tokens are decoded. ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
 own (a BOS) to a text prompt. Not supported yet, and refused with a 400 naming the field rather
 than ignored, unless at its default: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``,
 ``best_of`` > 1, and every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED:
@@ -30,7 +33,9 @@ error under its status, as without ``stream``; an error after that is an ``error
 ``[DONE]`` (vLLM's server does the same).
 
 A completion ends at the model's end-of-sequence token (``finish_reason`` "stop", the token
-counted in ``completion_tokens`` and left out of the text as a special token) or at
+counted in ``completion_tokens`` and left out of the text, as vLLM leaves out the token that
+ended it; ``stop_reason`` null for the tokenizer's EOS, the id for the model's other EOS ids,
+as vLLM) or at
 ``max_tokens`` ("length"); vLLM's ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are.
 
 Replies carry OpenAI's fields plus ``batchyard``: the route (prefill-cpu or gpu), the
@@ -53,9 +58,9 @@ from aiohttp import web
 from . import errors
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
-from .llm_text import TextStream
+from .llm_text import TextStream, decoding_after, whole_text
 from . import protocol as P
-from .llm_model_files import GenerationDefaults
+from .llm_model_files import GenerationDefaults, eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
 from .openai_fields import (OpenAiError, check_prompt_tokens, check_supported, check_text_length, flag, forced_route,
                             is_token,
@@ -71,6 +76,7 @@ _KIND = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_
          499: "request_cancelled", 503: "service_unavailable_error", 504: "timeout_error"}
 MAX_PROMPTS = 1024  # prompts in one request (a list of them)
 NO_DEFAULTS = GenerationDefaults()
+NO_SAMPLING = P.Sampling()
 
 
 class OpenAiCompletions:
@@ -86,6 +92,7 @@ class OpenAiCompletions:
         self.max_model_len = max_model_len or {}
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
+        self._eos: dict = {}  # by model: (the tokenizer's end-of-sequence id, all of the model's)
         self._ids = itertools.count(1)
 
     def routes(self) -> list:
@@ -172,8 +179,8 @@ class OpenAiCompletions:
         run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
         # OpenAI's choice order: prompt by prompt, each prompt's n in a row. A seed gives each of
         # a prompt's n its own (seed, seed + 1, ...), so that they differ and repeat.
-        gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults), {**run, "sampling": _nth(sampling, k)})
-                for ids in prompts for k in range(n)]
+        gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults, sampling),
+                 {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
         if stream:
             return await self._stream(request, model, prompts, gens, stops, include_usage, shape, include_stop)
         # A list of prompts runs at once, under the one deadline of the request (one after
@@ -200,7 +207,9 @@ class OpenAiCompletions:
         ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
         string ended the generation there; the rest is the Completion's ``rest``."""
-        text = TextStream(lambda t: self.decode(model, t), stops, include_stop)
+        sampling = run.get("sampling") or NO_SAMPLING
+        decode = decoding_after(lambda t: self.decode(model, t), ids)  # (the text as it reads after the prompt)
+        text = TextStream(decode, stops, include_stop, sampling.min_tokens)
 
         def on_tokens(tokens: list) -> bool:
             piece = text.push(tokens)
@@ -211,28 +220,51 @@ class OpenAiCompletions:
 
         watch = on_text is not None or bool(text.stops)
         out = await self.client.generate(model, ids, max_tokens, **run, on_tokens=on_tokens if watch else None)
+        tokens = list(out)
+        # Ended by a token's id (an end-of-sequence one, or of stop_token_ids): vLLM decodes no
+        # text of that token, unless include_stop_str_in_output.
+        by_id = out.finish_reason == "stop" and bool(tokens)
+        shown = tokens[:-1] if by_id and not include_stop else tokens
+        reason = self.stop_token(model, tokens[-1], sampling, run.get("ignore_eos", False)) if by_id else None
         if not watch:
-            return Completion(self.decode(model, list(out)), "", list(out), out.finish_reason, "", out.timing)
+            return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing)
         # (a stop string in the last step's text, which only the reply holds, is found here; one
         # found before ended the generation there, and this adds nothing)
-        rest = text.finish(list(out))
+        rest = text.finish(shown, len(tokens))
         if not text.stopped:
-            return Completion(text.text, rest, list(out), out.finish_reason, "", out.timing)
+            return Completion(text.text, rest, tokens, out.finish_reason, reason, out.timing)
         # the tokens up to the one completing it, as vLLM keeps them
-        tokens = _up_to(list(out), text.stopped, lambda t: self.decode(model, t))
+        tokens = _up_to(tokens, text.stopped, text.stop_at, decode)
         return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
 
+    def stop_token(self, model: str, token: int, sampling: P.Sampling, ignore_eos: bool) -> Optional[int]:
+        """vLLM's ``stop_reason`` of a generation that ``token`` ended: none for the tokenizer's
+        end-of-sequence token, the id for one of stop_token_ids or another of the model's
+        end-of-sequence ids (its generation_config.json's), which vLLM adds to them."""
+        if model not in self._eos:
+            folder = self.models[model]
+            self._eos[model] = (tokenizer_eos_token_id(folder), eos_token_ids(folder))
+        primary, eos = self._eos[model]
+        if not ignore_eos and token == primary:
+            return None
+        return token if token in sampling.stop_token_ids or not ignore_eos and token in eos else None
+
     def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
-                       defaults: GenerationDefaults = NO_DEFAULTS) -> int:
+                       defaults: GenerationDefaults = NO_DEFAULTS, sampling: P.Sampling = NO_SAMPLING) -> int:
         """A prompt's max_tokens as vLLM's server sets it (its get_max_tokens): the request's
         (None: the model's max_new_tokens, which only a chat request can leave out), and no
         more than the context leaves after the prompt, nor than a request of Batchyard's may
-        ask (MAX_NEW_TOKENS). A prompt that leaves none is refused by the dispatcher."""
+        ask (MAX_NEW_TOKENS). A prompt that leaves none is refused by the dispatcher; one that
+        leaves fewer than the sampling's min_tokens is refused here, as vLLM refuses it."""
         if max_tokens is None:
             max_tokens = defaults.max_tokens
         context = self.max_model_len.get(model)
         left = context - len(ids) if context else None
-        return max(1, min(v for v in (max_tokens, left, P.MAX_NEW_TOKENS) if v is not None))
+        limit = max(1, min(v for v in (max_tokens, left, P.MAX_NEW_TOKENS) if v is not None))
+        if sampling.min_tokens > limit:
+            raise OpenAiError(400, f"min_tokens must be less than or equal to max_tokens={limit}, got "
+                                   f"{sampling.min_tokens}", param="min_tokens")
+        return limit
 
     async def _stream(self, request, model: str, prompts: list, gens: list, stops: tuple,
                       include_usage: bool, shape: "AnswerShape", include_stop: bool = False) -> web.StreamResponse:
@@ -367,13 +399,13 @@ class OpenAiCompletions:
 _DECODED = object()  # a stream's event: text of that choice waits to be sent
 
 
-def _up_to(tokens: list, stop: str, decode: Callable[[list], str]) -> list:
-    """The tokens up to the one whose text completes the first ``stop`` (vLLM keeps no more):
-    the shortest prefix whose decoding holds it, found by halving."""
+def _up_to(tokens: list, stop: str, at: int, decode: Callable[[list], str]) -> list:
+    """The tokens up to the one whose text completes ``stop``, found at ``at`` of the text
+    (vLLM keeps no more): the shortest prefix whose decoding holds it there, found by halving."""
     lo, hi = 1, len(tokens)
     while lo < hi:
         mid = (lo + hi) // 2
-        if stop in decode(tokens[:mid]):
+        if decode(tokens[:mid]).find(stop, at) >= 0:
             hi = mid
         else:
             lo = mid + 1
@@ -383,8 +415,9 @@ def _up_to(tokens: list, stop: str, decode: Callable[[list], str]) -> list:
 class Completion:
     """One prompt's completion: its ``text`` (cut before a stop string), the ``rest`` of it past
     the pieces a stream was given, its ``tokens``, ``finish_reason`` ("stop": an end-of-sequence
-    token or ``stop_reason``, the stop string found; "length"), and the generation's ``timing``
-    (None where a stop string ended it before its reply)."""
+    token or a stop token or string; "length"), vLLM's ``stop_reason`` (the stop string found,
+    the stop token's id, or None), and the generation's ``timing`` (None where a stop string
+    ended it before its reply)."""
 
     __slots__ = ("text", "rest", "tokens", "finish_reason", "stop_reason", "timing")
 
@@ -404,7 +437,7 @@ class AnswerShape:
     def choice(i: int, text: str, out: Completion) -> dict:
         # stop_reason: vLLM's extension, the stop string that ended it (null otherwise)
         return {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason or None}
+                "stop_reason": out.stop_reason}
 
     last = choice  # a stream's last chunk of a choice
 

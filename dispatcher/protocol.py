@@ -173,6 +173,7 @@ class ShmUnregisterRequest(msgspec.Struct, tag="shm_unregister", tag_field="type
 MAX_TOKEN_ID = 2**31 - 1
 MAX_PROMPT_TOKENS = 1 << 17  # a generate request's prompt, in tokens
 MAX_NEW_TOKENS = 1 << 16  # the most tokens one generate request may ask for
+MAX_STOP_TOKEN_IDS = 1024  # a generation's stop_token_ids (vLLM sets no bound)
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
@@ -182,7 +183,10 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     bounds vLLM checks (``repetition_penalty`` from 0.01: below, float32 logits overflow and
     every token comes out 0; ``seed`` from 0: vLLM takes -1 for none). Temperature 0 (the
     default) is greedy; ``seed`` makes a sampled generation the same each time its logits are
-    (the decode instance draws every token, on either route)."""
+    (the decode instance draws every token, on either route). ``stop_token_ids``: tokens that
+    end the generation as an end-of-sequence token does ("stop", that token the last);
+    ``min_tokens``: none of those, nor the model's end-of-sequence tokens, is decoded before
+    this many tokens (vLLM masks them), and no stop string ends the text before them."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
@@ -192,6 +196,8 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=1e6)] = 1.0
     seed: Optional[U64] = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):

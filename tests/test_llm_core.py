@@ -3,13 +3,14 @@ KV hand-off, completion, deadlines, lost workers, curves learned online. No vLLM
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
 
 import msgspec
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from batchyard import protocol as P
@@ -770,25 +771,78 @@ def test_a_streamed_requests_tokens_reach_its_client_only_while_its_own_generate
 
 @given(st.text(alphabet="abc", min_size=1, max_size=30), st.lists(st.text(alphabet="abc", min_size=1, max_size=3),
                                                                    min_size=1, max_size=3),
-       st.lists(st.integers(1, 4), min_size=30, max_size=30), st.booleans())
-@settings(max_examples=300, deadline=None)
-def test_a_text_stream_ends_at_the_first_stop_string_as_vllm_finds_it(text, stops, steps, include):
+       st.lists(st.integers(1, 4), min_size=30, max_size=30), st.booleans(), st.sampled_from([0, 0, 1, 3, 8]))
+@settings(max_examples=400, deadline=None)
+def test_a_text_stream_ends_at_the_first_stop_string_as_vllm_finds_it(text, stops, steps, include, min_tokens):
     """Characters pushed a few at a time (one token a character): the pieces joined are the text
     cut before the stop string that ends first (then the first listed), or after it with
-    ``include`` (vLLM's include_stop_str_in_output), wherever the steps split it."""
+    ``include`` (vLLM's include_stop_str_in_output), wherever the steps split it. Under vLLM's
+    ``min_tokens``, only a stop string that ends past the first min_tokens tokens counts."""
     from batchyard.llm_text import TextStream
 
     tokens = [ord(c) for c in text]
-    stream, pieces, at = TextStream(lambda t: "".join(map(chr, t)), tuple(stops), include), [], 0
+    stream = TextStream(lambda t: "".join(map(chr, t)), tuple(stops), include, min_tokens)
+    pieces, at = [], 0
     for n in steps:
         if at >= len(tokens) or stream.stopped:
             break
         pieces.append(stream.push(tokens[at:at + n]))
         at += n
     pieces.append(stream.finish(tokens))
-    hits = sorted((text.find(s) + len(s), i, text.find(s), s) for i, s in enumerate(stops) if s in text)
+    found = [(text.find(s, max(0, min_tokens - len(s) + 1)), i, s) for i, s in enumerate(stops)]
+    hits = sorted((start + len(s), i, start, s) for start, i, s in found if start >= 0)
     if hits:
         end, _, start, stop = hits[0]
-        assert "".join(pieces) == text[:end if include else start] and stream.stopped == stop
+        assert "".join(pieces) == text[:end if include else start] and (stream.stopped, stream.stop_at) == (stop, start)
     else:
         assert "".join(pieces) == text and not stream.stopped
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_tokenizer(kind: str):
+    """A small tokenizer of SentencePiece's kind (Metaspace: a word's first piece holds its
+    space) or of GPT-2's (byte-level: a character of several UTF-8 bytes spans tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "metaspace":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["the cache moves from one engine to the other, héllo wörld 日本語"] * 4,
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False, initial_alphabet=alphabet))
+    return tok
+
+
+@given(st.sampled_from(["metaspace", "bytelevel"]), st.lists(st.integers(0, 10_000), min_size=1, max_size=12),
+       st.lists(st.integers(0, 10_000), min_size=1, max_size=24), st.lists(st.integers(1, 4), min_size=24,
+                                                                          max_size=24))
+@settings(max_examples=300, deadline=None)
+def test_a_generation_reads_as_vllms_detokenizer_primed_with_the_prompt_reads_it(kind, prompt, generated, steps):
+    """The text of a generation, streamed a few tokens at a time or whole, is what vLLM's fast
+    detokenizer makes of it: tokenizers' DecodeStream primed with the prompt's tokens, a token a
+    step, special tokens skipped. Decoded alone, a SentencePiece generation lost the space its
+    first word begins with (" from" after "moves" was "from")."""
+    from tokenizers.decoders import DecodeStream
+
+    from batchyard.llm_text import TextStream, decoding_after, whole_text
+
+    tok = _trained_tokenizer(kind)
+    prompt, generated = [t % tok.get_vocab_size() for t in prompt], [t % tok.get_vocab_size() for t in generated]
+    # (a prompt that ends inside a character: DecodeStream's first step then gives the prompt's
+    # last tokens' text as well, "#\ufffd!" after [#, \xe6], which is no generation's text)
+    assume(not tok.decode(prompt, skip_special_tokens=True).endswith("\ufffd"))
+    primed = DecodeStream(ids=prompt, skip_special_tokens=True)
+    vllms = "".join(primed.step(tok, t) or "" for t in generated)
+    decode = decoding_after(lambda t: tok.decode(t, skip_special_tokens=True), prompt)
+    stream, pieces, at = TextStream(decode), [], 0
+    for n in steps:
+        if at >= len(generated):
+            break
+        pieces.append(stream.push(generated[at:at + n]))
+        at += n
+    pieces.append(stream.finish(generated))
+    assert "".join(pieces) == whole_text(decode, generated) == vllms, (prompt, generated)

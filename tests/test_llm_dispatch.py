@@ -51,8 +51,12 @@ def decoded(job: P.LlmJob, prompt, n) -> tuple[list, str]:
     followed by 1000 + its seed."""
     sampled = job.sampling is not None and job.sampling.temperature > 0
     tokens = expected([*prompt, 1000 + (job.sampling.seed or 0)] if sampled else prompt, n)
-    if job.kind == "generate" and not job.ignore_eos and EOS in tokens:
-        return tokens[:tokens.index(EOS) + 1], "stop"
+    stops = {*(job.sampling.stop_token_ids if job.sampling else ()), *(() if job.ignore_eos else (EOS,))}
+    # vLLM's min_tokens: the stop tokens are masked before then (here: passed over)
+    skip = job.sampling.min_tokens if job.sampling else 0
+    ends = [i for i, t in enumerate(tokens) if t in stops and i >= skip]
+    if job.kind == "generate" and ends:
+        return tokens[:ends[0] + 1], "stop"
     return tokens, "length"
 
 
@@ -552,10 +556,15 @@ def test_a_streamed_generation_gives_its_tokens_as_decoded_then_its_one_reply(ll
     assert not engines["cpu0"].jobs[-1].stream and engines["gpu0"].jobs[-1].stream
 
 
-def _decode_ids(engines, ids: list) -> str:
+def _vllm_text(engines, prompt: list, ids: list) -> str:
+    """The text vLLM's server makes of generated ``ids``: its fast detokenizer, tokenizers'
+    DecodeStream primed with the prompt, a token a step."""
     from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
 
-    return Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json")).decode(ids)
+    tok = Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+    return "".join(stream.step(tok, t) or "" for t in ids)
 
 
 def _events(url: str, body: dict) -> tuple[int, str, list]:
@@ -614,7 +623,7 @@ def test_openai_completions_stream_their_text_as_decoded_and_join_to_the_plain_a
                                                              "temperature": 0})
     assert status == 200 and events[-1] == "[DONE]" and len(events) == 3, events
     first, err = json.loads(events[0]), json.loads(events[1])
-    assert first["choices"][0]["text"] == _decode_ids(engines, expected([40], 1)) != ""
+    assert first["choices"][0]["text"] == _vllm_text(engines, [40], expected([40], 1)) != ""
     assert err["error"]["type"] == "timeout_error" and "deadline" in err["error"]["message"]
 
 
@@ -644,10 +653,11 @@ def test_tritons_generate_stream_sends_an_event_an_engine_step_under_stream(llm_
 
 def test_streamed_text_pieces_join_to_the_whole_decoding(tmp_path):
     """Byte-level tokens split characters over tokens: each piece holds whole characters, and
-    the pieces then the rest are the text of the whole generation."""
+    the pieces then the rest are the text of the whole generation (up to its last whole
+    character, as vLLM's detokenizer ends it)."""
     from tokenizers import Tokenizer
 
-    from batchyard.llm_text import TextPieces
+    from batchyard.llm_text import TextPieces, whole_text
 
     _tokenizer(tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
@@ -669,7 +679,7 @@ def test_streamed_text_pieces_join_to_the_whole_decoding(tmp_path):
             assert "\ufffd" not in got or "\ufffd" in decode(tokens[:at + n])
             text.append(got)
             at += n
-        assert "".join(text) + pieces.rest(tokens) == decode(tokens)
+        assert "".join(text) + pieces.rest(tokens) == whole_text(decode, tokens)
 
     check()
 
@@ -721,7 +731,7 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              # OpenAI's ask for the sampled token's logprob: served without it, 200.
                              ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs"),
                              # vLLM's own fields not served: its server would apply them
-                             ({"model": "tiny", "prompt": [1, 2], "min_tokens": 3}, 400, "min_tokens"),
+                             ({"model": "tiny", "prompt": [1, 2], "length_penalty": 2.0}, 400, "length_penalty"),
                              ({"model": "tiny", "prompt": [1, 2], "priority": 1}, 400, "priority"),
                              ({"model": "tiny", "prompt": [1, 2], "skip_special_tokens": False}, 400,
                               "skip_special_tokens"),
@@ -1049,7 +1059,7 @@ def test_chat_completions_render_the_conversation_and_answer_in_chats_shape(llm_
     """OpenAI's chat route as vLLM's server serves it: the model's chat template, the sampling
     and stop of /v1/completions, a message a choice; streamed, deltas, the role first."""
     _, engines, url = llm_node
-    messages = [{"role": "system", "content": "be brief"},
+    messages = [{"role": "system", "content": "be short"},  # (answered in the tokenizer's text)
                 {"role": "user", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "cache"}]}]
     ids = _chat_ids(engines, [messages[0], {"role": "user", "content": "the\ncache"}])
     body = {"model": "tiny", "messages": messages, "max_completion_tokens": 6, "temperature": 0}
@@ -1058,7 +1068,7 @@ def test_chat_completions_render_the_conversation_and_answer_in_chats_shape(llm_
     [choice] = out["choices"]
     assert engines["gpu0"].jobs[-1].prompts[0] == ids or engines["cpu0"].jobs[-1].prompts[0] == ids
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
-    assert choice["message"] == {"role": "assistant", "content": _decode_ids(engines, expected(ids, 6))}
+    assert choice["message"] == {"role": "assistant", "content": _vllm_text(engines, ids, expected(ids, 6))}
     assert choice["finish_reason"] == "length" and out["usage"] == {
         "prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
     assert out["batchyard"][0]["token_ids"] == expected(ids, 6)
@@ -1244,6 +1254,68 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
     tokens = expected(tok.encode("the").ids, 6)
     steps = next(j for j in range(1, 7) if completion[3:5] in tok.decode(tokens[:j]))
     assert len(events) == steps and sum(e.get("num_output_tokens", 1) for e in events) == steps
+
+
+def test_stop_token_ids_and_min_tokens_as_vllm_applies_them(llm_node):
+    """vLLM's stop_token_ids end a generation at any of those tokens: finish_reason "stop",
+    stop_reason the id, the token counted and its text left out (kept with
+    include_stop_str_in_output); min_tokens holds the stop tokens (the engine masks them) and
+    the stop strings (one must end past the first min_tokens tokens' text) back, and may not
+    exceed max_tokens. On /v1/completions, streamed or not, chat, Triton's generate and the SDK."""
+    address, _, url = llm_node
+    body = {"model": "tiny", "prompt": [40], "max_tokens": 12, "temperature": 0}  # the scripted text: HIJKLMNOPQRS
+    for extra, text, tokens, reason, why in (
+            ({"stop_token_ids": [44]}, "HIJK", 5, "stop", 44),
+            ({"stop_token_ids": [44], "include_stop_str_in_output": True}, "HIJKL", 5, "stop", 44),
+            ({"stop_token_ids": [41, 45], "min_tokens": 3}, "HIJKL", 6, "stop", 45),  # 41 is the 2nd token
+            ({"stop_token_ids": [41], "min_tokens": 3}, "HIJKLMNOPQRS", 12, "length", None),
+            ({"stop": "I", "min_tokens": 2}, "HIJKLMNOPQRS", 12, "length", None),  # "I" ends the 2nd token's text
+            ({"stop": ["I", "K"], "min_tokens": 2}, "HIJ", 4, "stop", "K"),
+            ({"stop": "IJ", "min_tokens": 2}, "H", 3, "stop", "IJ"),  # ends past the 2nd token's text
+            ({"stop": ["N"], "stop_token_ids": [44]}, "HIJK", 5, "stop", 44)):
+        status, out = _http(url + "/v1/completions", {**body, **extra})
+        [choice] = out["choices"]
+        assert (status, choice["text"], out["usage"]["completion_tokens"], choice["finish_reason"],
+                choice["stop_reason"]) == (200, text, tokens, reason, why), (extra, out)
+        status, kind, events = _events(url + "/v1/completions", {**body, **extra, "stream": True})
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == text and (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) \
+            == (reason, why), (extra, chunks)
+    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 3, "temperature": 0, "stop_token_ids": [4095]})
+    assert status == 200 and out["choices"][0]["stop_reason"] is None, out
+    # min_tokens past max_tokens, or past what the context leaves after the prompt (max_model_len 512)
+    for extra in ({"min_tokens": 13}, {"prompt": [40] * 500, "min_tokens": 13, "max_tokens": 100}):
+        status, err = _http(url + "/v1/completions", {**body, **extra})
+        assert (status, err["error"]["param"]) == (400, "min_tokens") and "max_tokens=12" in err["error"]["message"]
+    for extra in ({"stop_token_ids": [-1]}, {"stop_token_ids": 44}, {"stop_token_ids": ["a"]}, {"min_tokens": -1},
+                  {"min_tokens": True}):
+        status, err = _http(url + "/v1/completions", {**body, **extra})
+        assert (status, err["error"]["param"]) == (400, next(iter(extra))), (extra, err)
+    # Triton's generate: stop_token_ids in sampling_parameters (a list), min_tokens anywhere
+    status, plain = _http(url + "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 6,
+                                                    "temperature": 0})
+    ids = plain["batchyard"][0]["token_ids"]
+    status, out = _http(url + "/v2/models/tiny/generate", {
+        "text_input": "the", "max_tokens": 6, "exclude_input_in_output": True, "return_finish_reason": True,
+        "return_num_output_tokens": True, "sampling_parameters": json.dumps({"stop_token_ids": [ids[3]],
+                                                                             "temperature": 0})})
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(llm_node[1]["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    assert (status, out["text_output"], out["finish_reason"], out["num_output_tokens"]) == (
+        200, tok.decode(ids[:3]), "stop", 4), out
+    status, err = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "min_tokens": "7"})
+    assert status == 400 and "min_tokens must be less than or equal to max_tokens=6" in err["error"], err
+    status, err = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "sampling_parameters": json.dumps(
+        {"stop_token_ids": 5})})
+    assert status == 400 and "stop_token_ids" in err["error"], err
+    # the SDK: the same sampling fields; the dispatcher refuses min_tokens past max_tokens
+    with Client(address) as c:
+        out = c.generate("tiny", [40], max_tokens=12, sampling={"stop_token_ids": [44, 46], "min_tokens": 1})
+        assert (list(out), out.finish_reason) == (expected([40], 5), "stop")
+        with pytest.raises(InvalidArgument, match="min_tokens must be less than or equal to max_tokens=4"):
+            c.generate("tiny", [40], max_tokens=4, sampling={"min_tokens": 5})
 
 
 def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_node):

@@ -102,6 +102,34 @@ def test_a_seeded_sampled_generation_is_the_same_on_either_route_and_each_time(n
     assert list(alone) != list(greedy) and list(other) != list(alone)  # it samples, and by its seed
 
 
+def test_stop_token_ids_and_min_tokens_are_the_engines_own(node):
+    """vLLM's stop_token_ids and min_tokens, applied by the engine: a generation ends at the
+    first of those tokens, on either route (finish_reason "stop"; on /v1/completions its id the
+    stop_reason, its text left out); under min_tokens none of them is decoded before then
+    (vLLM masks them)."""
+    cfg, url = node
+    prompt = _prompt(100, seed=7)
+    with Client(cfg.dispatcher.frontend) as c:
+        greedy = list(c.generate("tiny", prompt, max_tokens=16, route="gpu", timeout=120, ignore_eos=True))
+        k = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])  # a token not decoded before it
+        for route in ("gpu", "prefill-cpu"):
+            out = c.generate("tiny", prompt, max_tokens=16, route=route, timeout=120, ignore_eos=True,
+                             sampling={"stop_token_ids": [greedy[k]]})
+            assert (list(out), out.finish_reason) == (greedy[:k + 1], "stop"), route
+        held = c.generate("tiny", prompt, max_tokens=8, route="gpu", timeout=120, ignore_eos=True,
+                          sampling={"stop_token_ids": [greedy[0]], "min_tokens": 8})
+        assert len(held) == 8 and greedy[0] not in list(held) and held.finish_reason == "length"
+    status, _, body = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                                                           "temperature": 0, "ignore_eos": True,
+                                                           "stop_token_ids": [greedy[k]]})
+    out = json.loads(body)
+    [choice] = out["choices"]
+    status, _, plain = _post_json(url + "/detokenize", {"model": "tiny", "tokens": greedy[:k]})
+    assert (status, choice["finish_reason"], choice["stop_reason"], out["batchyard"][0]["token_ids"]) == (
+        200, "stop", greedy[k], greedy[:k + 1]), out
+    assert choice["text"] == json.loads(plain)["prompt"]
+
+
 def test_the_dispatcher_routes_by_its_curves_and_learns_them(node):
     cfg, _ = node
     lengths = [24, 48, 600, 32, 900, 64]

@@ -117,7 +117,11 @@ def _stub_vllm(monkeypatch) -> None:
     import types
 
     vllm = types.ModuleType("vllm")
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    class SamplingParams(types.SimpleNamespace):
+        def update_from_generation_config(self, config: dict, eos_token_id=None) -> None:
+            self.masked_eos = config["eos_token_id"]  # (what min_tokens holds back beside stop_token_ids)
+
+    vllm.SamplingParams = SamplingParams
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
     sampling = types.ModuleType("vllm.sampling_params")
@@ -292,3 +296,13 @@ def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignore
     assert (p4.temperature, p4.top_k, p4.seed, p4.top_p, p4.max_tokens) == (0.8, 40, 3, 1.0, 5)
     assert (p5.temperature, getattr(p5, "seed", None)) == (0.0, None)
     assert not hasattr(server.engine.params["1"], "seed")  # greedy: vLLM's defaults
+    # a request's stop_token_ids beside the model's EOS (alone under ignore_eos); min_tokens holds
+    # the model's EOS back either way, as vLLM's server masks it whatever ignore_eos says
+    stopping = P.Sampling(min_tokens=2, stop_token_ids=[11, 2])
+    for job, ignore in ((6, False), (7, True)):
+        server._start_job(P.LlmJob(job_id=job, kind="generate", seqs=[job], prompts=[[3] * 8], max_tokens=[5],
+                                   sampling=stopping, ignore_eos=ignore))
+    p6, p7 = server.engine.params["6"], server.engine.params["7"]
+    assert (p6.stop_token_ids, p6.min_tokens, p6.masked_eos) == ([11, 2, 7], 2, [2, 7])
+    assert (p7.stop_token_ids, p7.min_tokens, p7.masked_eos) == ([11, 2], 2, [2, 7])
+    assert not hasattr(p4, "masked_eos")  # (no min_tokens: nothing to hold back)

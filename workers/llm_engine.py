@@ -78,17 +78,28 @@ def check_job(job: P.LlmJob, max_model_len: int, vocab: int) -> list[str]:
 def sampling_kwargs(max_tokens: int, kv: str = "", eos: tuple = (), sampling: P.Sampling | None = None) -> dict:
     """SamplingParams for a job's request: token ids only, greedy unless ``sampling`` (its
     fields are SamplingParams'), max_tokens tokens, or fewer where it decodes one of ``eos``
-    (the model's end-of-sequence ids; none: exactly max_tokens). The engine runs without a
-    tokenizer (skip_tokenizer_init), so vLLM knows no EOS of its own: the model's are its stop
-    tokens, and ``ignore_eos`` stays set for the EOS it does not know."""
+    (the model's end-of-sequence ids; none: exactly max_tokens) or of the sampling's
+    stop_token_ids. The engine runs without a tokenizer (skip_tokenizer_init), so vLLM knows no
+    EOS of its own: the model's are stop tokens beside the request's, and ``ignore_eos`` stays
+    set for the EOS it does not know (``masked_until_min_tokens`` has min_tokens hold them back)."""
     kw = dict(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
     if sampling is not None:
         kw.update((k, v) for k, v in msgspec.structs.asdict(sampling).items() if v is not None)
-    if eos:
-        kw["stop_token_ids"] = list(eos)
+    stops = list(dict.fromkeys((*kw.pop("stop_token_ids", ()), *eos)))
+    if stops:
+        kw["stop_token_ids"] = stops
     if kv:
         kw["extra_args"] = {"kv_transfer_params": {"batchyard": kv}}
     return kw
+
+
+def masked_until_min_tokens(params, eos: tuple, sampling: P.Sampling | None) -> None:
+    """The model's end-of-sequence ids among the tokens vLLM's min_tokens holds back, even where
+    they stop nothing (``ignore_eos``): vLLM's server masks the model's EOS under min_tokens
+    whatever ignore_eos says (SamplingParams.update_from_generation_config, which with
+    ignore_eos set only adds them to that set)."""
+    if eos and sampling is not None and sampling.min_tokens:
+        params.update_from_generation_config({"eos_token_id": list(eos)})
 
 
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:
