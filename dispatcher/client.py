@@ -233,8 +233,9 @@ class Client(CodecAccess):
         ``finish_reason`` "stop", that token its last), or at ``max_tokens`` ("length");
         ``ignore_eos`` decodes ``max_tokens`` tokens whatever they are, as vLLM's parameter.
         ``sampling``: greedy when None, else a dict of vLLM's sampling parameters
-        (``{"temperature": 0.8, "top_p": 0.95, "seed": 7}``; also top_k, min_p and the
-        presence, frequency and repetition penalties), checked against vLLM's bounds."""
+        (``{"temperature": 0.8, "top_p": 0.95, "seed": 7}``; also top_k, min_p, the presence,
+        frequency and repetition penalties, min_tokens, stop_token_ids, logit_bias (int token
+        ids to biases in [-100, 100]) and allowed_token_ids), checked against vLLM's bounds."""
         if self.closed:
             raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,

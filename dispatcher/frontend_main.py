@@ -80,6 +80,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
         from .llm_generate import LlmGenerate
         from .llm_model_files import generation_defaults
         from .openai_chat import OpenAiChat
+        from .openai_health import OpenAiHealth
         from .openai_http import OpenAiCompletions
         from .openai_tokenize import OpenAiTokenize
 
@@ -90,7 +91,8 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
             defaults={m.name: generation_defaults(m.path) for m in node.llm_models if m.generation_config == "auto"})
         core.llm = LlmGenerate(completions)
         chat = OpenAiChat(completions)
-        llm_routes = (*completions.routes(), *chat.routes(), *OpenAiTokenize(chat).routes())
+        llm_routes = (*completions.routes(), *chat.routes(), *OpenAiTokenize(chat).routes(),
+                      *OpenAiHealth(core, completions, frozenset(m.name for m in node.llm_models)).routes())
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 

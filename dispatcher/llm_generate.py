@@ -14,8 +14,10 @@ generate, its members that are no input, and those of its ``parameters``) are th
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
 (16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
 engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop``,
-``include_stop_str_in_output``, ``min_tokens`` and ``stop_token_ids`` (as on /v1/completions; the
-latter, a list, in ``sampling_parameters`` only), and the sampling ones: ``temperature``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``stop_token_ids``,
+``allowed_token_ids`` and ``logit_bias`` (as on /v1/completions; the last three, a list or an
+object, in ``sampling_parameters`` only; the backend's own passes logit_bias' string keys to
+vLLM unconverted, which refuses them), and the sampling ones: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
 within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
 a request that gives none samples; ``temperature`` 0 is greedy; the model's
@@ -43,8 +45,8 @@ import grpc
 from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
-from .openai_fields import MAX_PROMPT_CHARS, OpenAiError, shown as _shown, stop_strings
-from .openai_http import OpenAiCompletions
+from .openai_fields import MAX_PROMPT_CHARS, OpenAiError, logit_bias_field, shown as _shown, stop_strings
+from .openai_http import OpenAiCompletions, TextRule
 from .protocol import MAX_TOKEN_ID
 
 # The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others
@@ -159,16 +161,24 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
     switches["ignore_eos"] = _sampling("ignore_eos", params.pop("ignore_eos", False), bool)
     switches["include_stop_str_in_output"] = _sampling("include_stop_str_in_output",
                                                        params.pop("include_stop_str_in_output", False), bool)
+    switches["skip_special_tokens"] = _sampling("skip_special_tokens", params.pop("skip_special_tokens", True), bool)
     try:  # (str or a list of str, as the backend leaves it for vLLM)
         switches["stop"] = stop_strings(params.pop("stop", None), "stop")
     except OpenAiError as e:
         raise invalid(e.message) from None
     sampling = {name: _sampling(name, params.pop(name), kind) for name, kind in _SAMPLING_TYPES.items()
                 if name in params}
-    if "stop_token_ids" in params:  # (a list: only sampling_parameters' JSON holds one; the backend leaves it be)
-        sampling["stop_token_ids"] = params.pop("stop_token_ids")
-        if not isinstance(sampling["stop_token_ids"], list):
-            raise invalid(f"stop_token_ids must be a list of token ids, got {_shown(sampling['stop_token_ids'])}")
+    # (lists and an object: only sampling_parameters' JSON holds them; the backend leaves them be)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if name in params:
+            sampling[name] = params.pop(name)
+            if not isinstance(sampling[name], list):
+                raise invalid(f"{name} must be a list of token ids, got {_shown(sampling[name])}")
+    if "logit_bias" in params:
+        try:
+            sampling["logit_bias"] = logit_bias_field(params.pop("logit_bias"))
+        except OpenAiError as e:
+            raise invalid(e.message) from None
     try:
         switches["sampling"] = sampling_as_vllm(sampling)
     except InvalidArgument as e:
@@ -308,8 +318,8 @@ class LlmGenerate:
             max_tokens = self.completions.max_tokens_for(model, ids, max_tokens, sampling=switches["sampling"])
             run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],
                        sampling=switches["sampling"])
-            out = await self.completions.complete(model, ids, max_tokens, run, switches["stop"],
-                                                  include_stop=switches["include_stop_str_in_output"],
+            rule = TextRule(switches["stop"], switches["include_stop_str_in_output"], switches["skip_special_tokens"])
+            out = await self.completions.complete(model, ids, max_tokens, run, rule,
                                                   on_text=on_text if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None

@@ -58,13 +58,16 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
 
 
 def tokenizer_eos_token_id(model_path: str | Path) -> Optional[int]:
-    """The tokenizer's own end-of-sequence id (tokenizer_config.json's ``eos_token``, its id from
-    tokenizer.json), None where it names none. vLLM stops at it with no ``stop_reason``; at the
+    """The tokenizer's own end-of-sequence id (its ``eos_token``: special_tokens_map.json's, else
+    tokenizer_config.json's; its id from tokenizer.json), None where it names none. vLLM stops at it with no ``stop_reason``; at the
     model's other end-of-sequence ids, as at a request's stop_token_ids, with the id as it."""
     folder = Path(model_path)
-    eos = read_json(folder / "tokenizer_config.json").get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if not isinstance(eos, str):
+    eos = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):  # (the map wins, as in transformers)
+        found = read_json(folder / name).get("eos_token")
+        found = found.get("content") if isinstance(found, dict) else found
+        eos = found if isinstance(found, str) else eos
+    if eos is None:
         return None
     tok = read_json(folder / "tokenizer.json")
     added = {t.get("content"): t.get("id") for t in tok.get("added_tokens") or () if isinstance(t, dict)}

@@ -41,7 +41,9 @@ class TextPieces:
         self.tokens.extend(tokens)
         before = self.decode(self.tokens[self.prefix:self.read])
         now = self.decode(self.tokens[self.prefix:])
-        if len(now) <= len(before) or now.endswith(_PARTIAL):
+        # (held while it ends inside a character, but not past MAX_HELD tokens: bytes that never
+        # make one, as a client can ask with allowed_token_ids, grew the window without bound)
+        if len(now) <= len(before) or now.endswith(_PARTIAL) and len(self.tokens) - self.read <= MAX_HELD:
             return ""
         piece = now[len(before):]
         self.prefix, self.read = self.read, len(self.tokens)
@@ -58,6 +60,8 @@ class TextPieces:
 
 
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation is decoded after (vLLM's slow detokenizer's offset)
+MAX_CONTEXT_TOKENS = 64  # ... more where those are text of none (special tokens skipped), up to this many
+MAX_HELD = 32  # tokens held while the text ends inside a character (one: at most 4 bytes; special tokens count)
 
 
 def decoding_after(decode: Callable[[list], str], prompt: list) -> Callable[[list], str]:
@@ -66,10 +70,11 @@ def decoding_after(decode: Callable[[list], str], prompt: list) -> Callable[[lis
     generation's first token loses what the prompt gives it: SentencePiece's decoder drops the
     space a word's first piece begins with ("▁from" is "from" alone, " from" after "moves"),
     and vLLM's detokenizer, primed with the prompt's tokens, keeps it."""
-    tail = list(prompt[-CONTEXT_TOKENS:])
+    n = CONTEXT_TOKENS
+    while not (base := decode(tail := list(prompt[-n:]))) and n < min(len(prompt), MAX_CONTEXT_TOKENS):
+        n *= 2  # (vLLM primes with the whole prompt: a tail of special tokens alone gives no context)
     if not tail:
         return decode
-    base = decode(tail)
 
     def after(tokens: list) -> str:
         whole = decode(tail + list(tokens))
@@ -81,11 +86,17 @@ def decoding_after(decode: Callable[[list], str], prompt: list) -> Callable[[lis
 
 def whole_text(decode: Callable[[list], str], tokens: list) -> str:
     """A generation's text, as vLLM's detokenizer ends it: it gives no text that ends inside a
-    character, so a generation that stops there ends with the last token whose text did not."""
+    character, so a generation that stops there ends with the last token whose text did not.
+    (At most MAX_HELD tokens are taken back, each a decoding of the whole: past them, bytes that
+    make no character, the text ends before its last U+FFFD.)"""
     tokens = list(tokens)
-    while tokens and (text := decode(tokens)).endswith(_PARTIAL):
+    text = decode(tokens)
+    for _ in range(MAX_HELD):
+        if not (tokens and text.endswith(_PARTIAL)):
+            return text
         tokens.pop()
-    return text if tokens else ""
+        text = decode(tokens) if tokens else ""
+    return text.rstrip(_PARTIAL)
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -149,8 +160,8 @@ class TextStream:
 
     def _release(self, tokens: list, final: bool) -> str:
         if self.stops and not self.stopped and self.count > self.min_tokens:
-            if self.floor < 0:
-                self.floor = len(self.pieces.decode(list(tokens[:self.min_tokens])))
+            if self.floor < 0:  # (the text vLLM's detokenizer has given by then: no partial character)
+                self.floor = len(whole_text(self.pieces.decode, tokens[:self.min_tokens]))
             # A stop string beginning before the characters given would have been found then;
             # one must end past the first min_tokens tokens' text.
             start = max(0, self.sent - self.lookback)

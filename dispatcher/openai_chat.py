@@ -37,7 +37,7 @@ MAX_MESSAGES = 1024  # messages in one conversation
 # Chat's fields that would change the answer, refused unless they ask nothing (openai_http's
 # rule): beside /v1/completions' own (less those chat has not, or reads otherwise), OpenAI's and
 # vLLM's chat fields not served.
-CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k not in ("echo", "suffix", "logprobs")},
+CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k not in ("suffix", "logprobs")},
                      "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None,
                      "echo": False, "continue_final_message": False, "chat_template": None, "documents": None,
                      "media_io_kwargs": None, "mm_processor_kwargs": None, "return_prompt_text": False}
@@ -46,8 +46,8 @@ TOKENIZE_CHAT_UNSUPPORTED = {k: CHAT_UNSUPPORTED[k] for k in ("tools", "continue
                                                               "documents", "mm_processor_kwargs")}
 # Taken and left alone, beside /v1/completions' (no tools, no reasoning parser: nothing they change)
 CHAT_IGNORED = (*IGNORED, "parallel_tool_calls", "include_reasoning")
-CHAT_SERVED = (*(f for f in SERVED if f != "prompt"), "messages", "max_completion_tokens", "tool_choice",
-               "function_call", "reasoning_effort", "add_generation_prompt", "chat_template_kwargs")
+CHAT_SERVED = (*(f for f in SERVED if f not in ("prompt", "echo")), "messages", "max_completion_tokens",
+               "tool_choice", "function_call", "reasoning_effort", "add_generation_prompt", "chat_template_kwargs")
 
 
 class ChatShape(AnswerShape):

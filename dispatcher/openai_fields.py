@@ -31,11 +31,11 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at. OpenAI's fields not served, then every field of
 # vLLM's (0.32) completion request it does not serve: its server would apply them.
-UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None, "logit_bias": None,
+UNSUPPORTED = {"logprobs": None, "suffix": None,
                "use_beam_search": False,
-               "length_penalty": 1.0, "watermarking": None, "skip_special_tokens": True,
+               "length_penalty": 1.0, "watermarking": None,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
-               "allowed_token_ids": None, "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None,
+               "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None,
                "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
                "return_token_ids": False, "return_token_offsets": False, "kv_transfer_params": None,
                "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
@@ -51,7 +51,8 @@ IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", 
 # What /v1/completions serves (besides Batchyard's timeout and batchyard_route).
 SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_output", "stream", "stream_options",
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
-          "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids")
+          "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
+          "logit_bias", "allowed_token_ids", "echo")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
@@ -170,10 +171,12 @@ def forced_route(body: dict) -> str:
     return route
 
 
-def max_tokens_field(value, name: str) -> Optional[int]:
-    """A request's max_tokens (null: None, vLLM's rule), or OpenAiError naming ``name``."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise OpenAiError(400, f"{name} must be a positive integer, got {value!r}", param=name)
+def max_tokens_field(value, name: str, zero_ok: bool = False) -> Optional[int]:
+    """A request's max_tokens (null: None, vLLM's rule), or OpenAiError naming ``name``;
+    ``zero_ok``: 0 is one too (echo's)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (0 if zero_ok else 1)):
+        raise OpenAiError(400, f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer, got {value!r}",
+                          param=name)
     return value
 
 
@@ -193,12 +196,33 @@ def check_supported(body: dict, defaults: dict, unsupported: Optional[dict] = No
     # OpenAI's sampling fields and vLLM's extensions (top_k, min_p, repetition_penalty); null
     # is the default, as OpenAI takes it
     given = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    if "logit_bias" in given:
+        given["logit_bias"] = logit_bias_field(given["logit_bias"])
     try:
         sampling = sampling_as_vllm(given, defaults)
     except errors.InvalidArgument as e:
         field = re.search(r"\$\.(\w+)", e.message)
         raise OpenAiError(400, e.message, param=field.group(1) if field else "") from None
     return sampling, choices_per_prompt(body, sampling)
+
+
+def logit_bias_field(value) -> dict:
+    """OpenAI's ``logit_bias`` as vLLM's server reads it: token ids (JSON's keys are strings) to
+    biases, each cut to [-100, 100]; OpenAiError naming it otherwise."""
+    if not isinstance(value, dict):
+        raise OpenAiError(400, f"logit_bias must be an object of token ids to biases, got {shown(value)}",
+                          param="logit_bias")
+    biases = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise OpenAiError(400, f"logit_bias contains a key that cannot be converted to an integer token id: "
+                                   f"{shown(key)}", param="logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
+            raise OpenAiError(400, f"logit_bias values must be numbers, got {shown(bias)}", param="logit_bias")
+        biases[token] = min(100.0, max(-100.0, float(bias)))
+    return biases
 
 
 def refuse_unsupported(body: dict, unsupported: dict) -> None:

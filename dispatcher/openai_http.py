@@ -3,8 +3,9 @@
 Text prompts are tokenized here, in the front-door process, with the model folder's
 ``tokenizer.json`` (the ``tokenizers`` library, no transformers), so the dispatcher only ever
 sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. The sampling
-fields are OpenAI's ``temperature``, ``top_p``, ``seed``, ``presence_penalty`` and
-``frequency_penalty``, and vLLM's ``top_k``, ``min_p`` and ``repetition_penalty``, within vLLM's
+fields are OpenAI's ``temperature``, ``top_p``, ``seed``, ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` (each bias cut to [-100, 100], as vLLM's server cuts it),
+and vLLM's ``top_k``, ``min_p``, ``repetition_penalty`` and ``allowed_token_ids``, within vLLM's
 bounds (a 400 naming the field past them). One left out (or null) is taken as vLLM's server
 takes it: the model folder's generation_config.json value (config ``generation_config =
 "auto"``, vLLM's default), else vLLM's own: a request that gives none samples at temperature 1;
@@ -18,14 +19,18 @@ leaves it (kept with vLLM's ``include_stop_str_in_output``; ``finish_reason`` "s
 generation in its engine. vLLM's ``stop_token_ids`` end it at any of those tokens (no text of
 that token, unless ``include_stop_str_in_output``; ``stop_reason`` its id), and its
 ``min_tokens`` holds back the end-of-sequence and stop tokens, and the stop strings, until
-that many tokens are decoded. ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
+that many tokens are decoded. The text leaves special tokens out unless vLLM's
+``skip_special_tokens`` is false, and is decoded as it reads after the prompt (vLLM primes its
+detokenizer with the prompt's tokens). ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
 own (a BOS) to a text prompt. Not supported yet, and refused with a 400 naming the field rather
-than ignored, unless at its default: ``logprobs``, ``echo``, ``suffix``, ``logit_bias``,
-``best_of`` > 1, and every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED:
-its server would apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
+than ignored, unless at its default: ``logprobs``, ``suffix``, ``best_of`` > 1, and
+every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED: its server would
+apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
 vLLM has are ignored, as vLLM's server ignores them.
 
-``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
+OpenAI's ``echo`` begins each choice's text with its prompt's (a text prompt as given, token
+ids decoded with their special tokens, as vLLM's server echoes them); with ``max_tokens`` 0, the
+prompt alone (vLLM then decodes one token and counts it). ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
 its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
 {"include_usage": true}`` a chunk of the usage, then ``data: [DONE]``. The answer starts with its
 first chunk, so a request refused before a token came (overloaded, its deadline) is the JSON
@@ -49,6 +54,7 @@ import itertools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
@@ -93,6 +99,7 @@ class OpenAiCompletions:
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
         self._eos: dict = {}  # by model: (the tokenizer's end-of-sequence id, all of the model's)
+        self.in_flight = 0  # completions (of this route and chat's) being served: vLLM's /load
         self._ids = itertools.count(1)
 
     def routes(self) -> list:
@@ -150,17 +157,32 @@ class OpenAiCompletions:
     async def _completions(self, request) -> web.Response:
         body, model = await self.body(request)
         checked = check_supported(body, self.defaults.get(model, NO_DEFAULTS).sampling)
-        # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here)
-        max_tokens = max_tokens_field(body.get("max_tokens"), "max_tokens") or 16
+        echo = flag(body, "echo")  # OpenAI's: each choice's text begins with its prompt's
+        # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here);
+        # 0 only with echo: the prompt alone, as vLLM's server answers it
+        max_tokens = max_tokens_field(body.get("max_tokens"), "max_tokens", zero_ok=echo)
         special = flag(body, "add_special_tokens", default=True)  # vLLM's: the tokenizer's BOS, ...
-        return await self.serve(request, body, model, checked, max_tokens,
-                                lambda: self._prompts(model, body.get("prompt"), special), TEXT)
+        prompt = body.get("prompt")
+        return await self.serve(request, body, model, checked, 16 if max_tokens is None else max_tokens,
+                                lambda: self._prompts(model, prompt, special), TEXT,
+                                echoed=(lambda ids: self._prompt_texts(model, prompt, ids)) if echo else None)
 
-    async def serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
-                    prompts: Callable[[], Awaitable[list]], shape: "AnswerShape") -> web.StreamResponse:
+    async def serve(self, *args, **kwargs) -> web.StreamResponse:
+        """``_serve``, counted in ``in_flight`` while it runs."""
+        self.in_flight += 1
+        try:
+            return await self._serve(*args, **kwargs)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
+                     prompts: Callable[[], Awaitable[list]], shape: "AnswerShape",
+                     echoed: Optional[Callable[[list], Awaitable[list]]] = None) -> web.StreamResponse:
         """The completions of a request whose fields are ``checked`` (its sampling and ``n``,
         check_supported) and ``max_tokens`` (None: vLLM's, max_tokens_for), of the ``prompts``
-        (token ids) that function gives, answered in the ``shape`` of its route."""
+        (token ids) that function gives, answered in the ``shape`` of its route. ``echoed``: the
+        prompts' texts, of their ids, each choice's text to begin with (OpenAI's echo); with a
+        max_tokens of 0, the choice's whole text, after a generation of one token, as vLLM's."""
         sampling, n = checked
         defaults = self.defaults.get(model, NO_DEFAULTS)
         timeout = body.get("timeout")  # Batchyard extension: seconds, the request's deadline
@@ -170,46 +192,49 @@ class OpenAiCompletions:
         route = forced_route(body)
         stream, include_usage = stream_options(body)
         ignore_eos = flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
-        stops = stop_strings(body.get("stop"), "stop")
-        include_stop = flag(body, "include_stop_str_in_output")  # vLLM's: the stop string ends the text
+        rule = TextRule(stop_strings(body.get("stop"), "stop"),
+                        flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
+                        flag(body, "skip_special_tokens", default=True))  # vLLM's
         prompts = await prompts()
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
                                    f"{MAX_PROMPTS} a request", param="n")
+        quiet = max_tokens == 0  # (echo's: the prompt alone)
+        max_tokens = 1 if quiet else max_tokens
         run = dict(route=route, timeout=timeout or self.default_timeout_s, ignore_eos=ignore_eos)
         # OpenAI's choice order: prompt by prompt, each prompt's n in a row. A seed gives each of
         # a prompt's n its own (seed, seed + 1, ...), so that they differ and repeat.
         gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults, sampling),
                  {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
+        leads = [text for text in (await echoed(prompts) if echoed else [""] * len(prompts)) for _ in range(n)]
         if stream:
-            return await self._stream(request, model, prompts, gens, stops, include_usage, shape, include_stop)
+            return await self._stream(request, model, prompts, gens, rule, include_usage, shape, leads, quiet)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
-        tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, stops, include_stop=include_stop))
-                 for ids, limit, run_k in gens]
+        tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, rule)) for ids, limit, run_k in gens]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
-        choices = [shape.choice(i, out.text, out) for i, out in enumerate(outs)]
+        choices = [shape.choice(i, leads[i] + ("" if quiet else out.text), out) for i, out in enumerate(outs)]
         return web.json_response({
             "id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(prompts, outs),
             "batchyard": [_timing(out) for out in outs]})
 
-    async def complete(self, model: str, ids: list, max_tokens: int, run: dict, stops: tuple = (),
-                       on_text: Optional[Callable[[str, int, bool], None]] = None,
-                       include_stop: bool = False) -> Completion:
+    async def complete(self, model: str, ids: list, max_tokens: int, run: dict, rule: "TextRule" = None,
+                       on_text: Optional[Callable[[str, int, bool], None]] = None) -> Completion:
         """One prompt's completion, as text: its generation (``run``: the generate call's other
-        arguments), cut before the first of ``stops`` (after it with ``include_stop``, vLLM's
-        include_stop_str_in_output), which then ends it in its engine.
+        arguments), as ``rule`` makes text of it; a stop string found ends it in its engine.
         ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
         string ended the generation there; the rest is the Completion's ``rest``."""
-        sampling = run.get("sampling") or NO_SAMPLING
-        decode = decoding_after(lambda t: self.decode(model, t), ids)  # (the text as it reads after the prompt)
-        text = TextStream(decode, stops, include_stop, sampling.min_tokens)
+        sampling, rule = run.get("sampling") or NO_SAMPLING, rule or PLAIN
+        include_stop = rule.include_stop
+        # (the text as it reads after the prompt)
+        decode = decoding_after(lambda t: self.decode(model, t, rule.skip_special_tokens), ids)
+        text = TextStream(decode, rule.stops, include_stop, sampling.min_tokens)
 
         def on_tokens(tokens: list) -> bool:
             piece = text.push(tokens)
@@ -225,7 +250,7 @@ class OpenAiCompletions:
         # text of that token, unless include_stop_str_in_output.
         by_id = out.finish_reason == "stop" and bool(tokens)
         shown = tokens[:-1] if by_id and not include_stop else tokens
-        reason = self.stop_token(model, tokens[-1], sampling, run.get("ignore_eos", False)) if by_id else None
+        reason = await self.stop_token(model, tokens[-1], sampling, run.get("ignore_eos", False)) if by_id else None
         if not watch:
             return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing)
         # (a stop string in the last step's text, which only the reply holds, is found here; one
@@ -237,13 +262,15 @@ class OpenAiCompletions:
         tokens = _up_to(tokens, text.stopped, text.stop_at, decode)
         return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
 
-    def stop_token(self, model: str, token: int, sampling: P.Sampling, ignore_eos: bool) -> Optional[int]:
+    async def stop_token(self, model: str, token: int, sampling: P.Sampling, ignore_eos: bool) -> Optional[int]:
         """vLLM's ``stop_reason`` of a generation that ``token`` ended: none for the tokenizer's
         end-of-sequence token, the id for one of stop_token_ids or another of the model's
-        end-of-sequence ids (its generation_config.json's), which vLLM adds to them."""
+        end-of-sequence ids (its generation_config.json's), which vLLM adds to them. (The model
+        folder's files are read once, on a thread: tokenizer.json may be tens of MB.)"""
         if model not in self._eos:
             folder = self.models[model]
-            self._eos[model] = (tokenizer_eos_token_id(folder), eos_token_ids(folder))
+            self._eos[model] = await asyncio.to_thread(
+                lambda: (tokenizer_eos_token_id(folder), eos_token_ids(folder)))
         primary, eos = self._eos[model]
         if not ignore_eos and token == primary:
             return None
@@ -266,10 +293,12 @@ class OpenAiCompletions:
                                    f"{sampling.min_tokens}", param="min_tokens")
         return limit
 
-    async def _stream(self, request, model: str, prompts: list, gens: list, stops: tuple,
-                      include_usage: bool, shape: "AnswerShape", include_stop: bool = False) -> web.StreamResponse:
+    async def _stream(self, request, model: str, prompts: list, gens: list, rule: "TextRule",
+                      include_usage: bool, shape: "AnswerShape", leads: list, quiet: bool) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
-        other arguments), by choice index) as Server-Sent Events, each choice's chunks in order."""
+        other arguments), by choice index) as Server-Sent Events, each choice's chunks in order;
+        each choice's text begins with its ``leads`` (echo's prompt text), sent with the first of
+        it the engine gives, as vLLM sends it; ``quiet``: the generated text is left out."""
         head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
                 "created": int(time.time()), "model": model}
         started: set = set()  # the choices that had their first chunk (a chat's says the role)
@@ -279,13 +308,14 @@ class OpenAiCompletions:
         decoded: list = [""] * len(gens)
 
         def on_text(i: int, piece: str) -> None:
+            piece, leads[i] = leads[i] + ("" if quiet else piece), ""
             if piece and not decoded[i]:
                 events.put_nowait((i, _DECODED))
             decoded[i] += piece
 
         async def generate(i: int, ids: list, max_tokens: int, run: dict) -> None:
             try:
-                out = await self.complete(model, ids, max_tokens, run, stops, include_stop=include_stop,
+                out = await self.complete(model, ids, max_tokens, run, rule,
                                           on_text=lambda piece, _tokens, _last: on_text(i, piece))
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
@@ -326,7 +356,8 @@ class OpenAiCompletions:
                         await send({**head, "choices": [shape.piece(i, piece)]})
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
-                await send({**head, "choices": [shape.last(i, decoded[i] + got.rest, got)], "batchyard": _timing(got)})
+                text = leads[i] + decoded[i] + ("" if quiet else got.rest)
+                await send({**head, "choices": [shape.last(i, text, got)], "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
             await response.write(b"data: [DONE]\n\n")
@@ -356,6 +387,20 @@ class OpenAiCompletions:
         for ids in prompts:
             check_prompt_tokens(ids)
         return prompts
+
+    async def _prompt_texts(self, model: str, prompt, prompts: list) -> list[str]:
+        """The texts of a request's ``prompts`` (token ids, of its ``prompt`` field), as vLLM's
+        server echoes them: a text prompt as given, token ids decoded with their special tokens
+        (on a thread, as they are encoded: up to MAX_PROMPTS prompts of MAX_PROMPT_TOKENS)."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        try:
+            tok = self.tokenizer(model)
+        except OpenAiError:
+            return [""] * len(prompts)  # (token-id users without a tokenizer: no text, as decode)
+        return await asyncio.to_thread(tok.decode_batch, prompts, skip_special_tokens=False)
 
     def tokenizer(self, model: str, param: str = "prompt"):
         """The model folder's tokenizer.json, loaded once; OpenAiError naming ``param`` (the
@@ -405,11 +450,26 @@ def _up_to(tokens: list, stop: str, at: int, decode: Callable[[list], str]) -> l
     lo, hi = 1, len(tokens)
     while lo < hi:
         mid = (lo + hi) // 2
-        if decode(tokens[:mid]).find(stop, at) >= 0:
+        if whole_text(decode, tokens[:mid]).find(stop, at) >= 0:  # (the text vLLM has given by that token)
             hi = mid
         else:
             lo = mid + 1
     return tokens[:lo]
+
+
+@dataclass(frozen=True)
+class TextRule:
+    """How a generation's tokens become its text, as vLLM's detokenizer makes it: cut before the
+    first of ``stops`` (after it with ``include_stop``, vLLM's include_stop_str_in_output, which
+    also keeps the text of a token that ended the generation by its id), special tokens left out
+    unless ``skip_special_tokens`` is false."""
+
+    stops: tuple = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+
+
+PLAIN = TextRule()
 
 
 class Completion:

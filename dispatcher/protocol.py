@@ -186,7 +186,9 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     (the decode instance draws every token, on either route). ``stop_token_ids``: tokens that
     end the generation as an end-of-sequence token does ("stop", that token the last);
     ``min_tokens``: none of those, nor the model's end-of-sequence tokens, is decoded before
-    this many tokens (vLLM masks them), and no stop string ends the text before them."""
+    this many tokens (vLLM masks them), and no stop string ends the text before them.
+    ``logit_bias`` adds to a token's logit (-100 to 100), ``allowed_token_ids`` keeps only those
+    tokens' (vLLM checks either's ids against the model's vocabulary)."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
@@ -198,6 +200,9 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     seed: Optional[U64] = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    logit_bias: Optional[Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                                   msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]] = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):

@@ -491,6 +491,7 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
     while every completion failed 503."""
     address, engines, url = llm_node
     assert _ready(url + "/v2/models/tiny/ready") == 200
+    assert [_ready(url + path) for path in ("/health", "/ping")] == [200, 200]  # (vLLM's probes)
     gpu = engines["gpu0"]
     with Client(address) as c:
         gone_before = c.status().departures
@@ -505,13 +506,17 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
         with pytest.raises(Unavailable, match="'gpu'"):
             c.generate("tiny", [1, 2, 3], timeout=5)
     assert _ready(url + "/v2/models/tiny/ready") != 200 and _ready(url + "/v2/health/ready") != 200
+    # vLLM's /health and SageMaker's /ping, GET and POST: 503, as vLLM's once its engine is dead
+    assert [_ready(url + path) for path in ("/health", "/ping")] == [503, 503]
+    assert _ready(urllib.request.Request(url + "/ping", data=b"", method="POST")) == 503
     # Why it is not ready, and where it is served (the index said only the second).
     assert _http(url + "/v2/repository/index", {}) == (200, [
         {"name": "tiny", "version": "1", "state": "UNAVAILABLE",
          "reason": "no worker serving it is registered (an LLM model: POST /v1/completions)"}])
 
 
-def _ready(url: str) -> int:
+def _ready(url) -> int:
+    """The status of a GET of ``url`` (or of that urllib Request)."""
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
             return r.status
@@ -556,14 +561,14 @@ def test_a_streamed_generation_gives_its_tokens_as_decoded_then_its_one_reply(ll
     assert not engines["cpu0"].jobs[-1].stream and engines["gpu0"].jobs[-1].stream
 
 
-def _vllm_text(engines, prompt: list, ids: list) -> str:
+def _vllm_text(engines, prompt: list, ids: list, skip_special_tokens: bool = True) -> str:
     """The text vLLM's server makes of generated ``ids``: its fast detokenizer, tokenizers'
     DecodeStream primed with the prompt, a token a step."""
     from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream
 
     tok = Tokenizer.from_file(str(Path(engines["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
-    stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+    stream = DecodeStream(ids=list(prompt), skip_special_tokens=skip_special_tokens)
     return "".join(stream.step(tok, t) or "" for t in ids)
 
 
@@ -733,8 +738,8 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              # vLLM's own fields not served: its server would apply them
                              ({"model": "tiny", "prompt": [1, 2], "length_penalty": 2.0}, 400, "length_penalty"),
                              ({"model": "tiny", "prompt": [1, 2], "priority": 1}, 400, "priority"),
-                             ({"model": "tiny", "prompt": [1, 2], "skip_special_tokens": False}, 400,
-                              "skip_special_tokens"),
+                             ({"model": "tiny", "prompt": [1, 2], "spaces_between_special_tokens": False}, 400,
+                              "spaces_between_special_tokens"),
                              ({"model": "tiny", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400,
                               "response_format")):
         status, err = _http(url + "/v1/completions", body)
@@ -800,12 +805,14 @@ def test_a_client_that_hangs_up_mid_generation_has_its_generation_stopped_in_the
     gpu = engines["gpu0"]
     sock = _raw_post(url, {"model": "tiny", "prompt": [HOLD_TOKEN, 1], "max_tokens": 300, "batchyard_route": "gpu"})
     assert gpu.held_any.wait(30)
+    assert _http(url + "/load") == (200, {"server_load": 1})  # (vLLM's count of the completions being served)
     sock.close()
     assert gpu.aborted.wait(30)
     [held] = gpu.held
     assert [(a.job_id, a.seqs) for a in gpu.aborts] == [(held.job_id, held.seqs)]
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "temperature": 0})
     assert status == 200 and out["batchyard"][0]["token_ids"] == expected([1, 2], 2)
+    assert _http(url + "/load") == (200, {"server_load": 0})
 
 
 @pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
@@ -1281,9 +1288,11 @@ def test_stop_token_ids_and_min_tokens_as_vllm_applies_them(llm_node):
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
         assert "".join(c["text"] for c in chunks) == text and (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) \
             == (reason, why), (extra, chunks)
-    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                       "max_tokens": 3, "temperature": 0, "stop_token_ids": [4095]})
-    assert status == 200 and out["choices"][0]["stop_reason"] is None, out
+    messages = [{"role": "user", "content": "x"}]
+    chat = expected(_chat_ids(llm_node[1], messages), 3)
+    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 3,
+                                                       "temperature": 0, "stop_token_ids": [chat[1]]})
+    assert (status, out["choices"][0]["stop_reason"], out["usage"]["completion_tokens"]) == (200, chat[1], 2), out
     # min_tokens past max_tokens, or past what the context leaves after the prompt (max_model_len 512)
     for extra in ({"min_tokens": 13}, {"prompt": [40] * 500, "min_tokens": 13, "max_tokens": 100}):
         status, err = _http(url + "/v1/completions", {**body, **extra})
@@ -1310,12 +1319,84 @@ def test_stop_token_ids_and_min_tokens_as_vllm_applies_them(llm_node):
     status, err = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "sampling_parameters": json.dumps(
         {"stop_token_ids": 5})})
     assert status == 400 and "stop_token_ids" in err["error"], err
+    # OpenAI's logit_bias (JSON's string keys, each bias cut to [-100, 100] as vLLM's server cuts
+    # it) and vLLM's allowed_token_ids reach the engine, on either route's protocol
+    status, out = _http(url + "/v1/completions", {**body, "batchyard_route": "gpu", "max_tokens": 2,
+                                                  "logit_bias": {"44": 250, " 7": -0.5}, "allowed_token_ids": [44, 7]})
+    job = llm_node[1]["gpu0"].jobs[-1]
+    assert status == 200 and (job.sampling.logit_bias, job.sampling.allowed_token_ids) == ({44: 100.0, 7: -0.5},
+                                                                                           [44, 7]), out
+    status, out = _http(url + "/v2/models/tiny/generate", {
+        "text_input": "the", "max_tokens": 2, "sampling_parameters": json.dumps(
+            {"logit_bias": {"5": 2}, "allowed_token_ids": [5], "temperature": 0})})
+    job = next(j for j in reversed(llm_node[1]["gpu0"].jobs) if j.kind == "generate")
+    assert status == 200 and (job.sampling.logit_bias, job.sampling.allowed_token_ids) == ({5: 2.0}, [5]), out
+    for extra in ({"logit_bias": {"x": 1}}, {"logit_bias": {"5": "up"}}, {"logit_bias": [1]}, {"logit_bias": {"-3": 1}},
+                  {"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"allowed_token_ids": "5"}):
+        status, err = _http(url + "/v1/completions", {**body, **extra})
+        assert (status, err["error"]["param"]) == (400, next(iter(extra))), (extra, err)
     # the SDK: the same sampling fields; the dispatcher refuses min_tokens past max_tokens
     with Client(address) as c:
         out = c.generate("tiny", [40], max_tokens=12, sampling={"stop_token_ids": [44, 46], "min_tokens": 1})
         assert (list(out), out.finish_reason) == (expected([40], 5), "stop")
         with pytest.raises(InvalidArgument, match="min_tokens must be less than or equal to max_tokens=4"):
             c.generate("tiny", [40], max_tokens=4, sampling={"min_tokens": 5})
+
+
+def test_skip_special_tokens_false_keeps_their_text_as_vllm_does(llm_node):
+    """vLLM's skip_special_tokens (true by default): false keeps the special tokens' text, on
+    /v1/completions, streamed or not, and Triton's generate reads it as its backend does."""
+    _, engines, url = llm_node
+    prompt = [4040, 56]  # the scripted tokens 0 ("<unk>", the tokenizer's special token), 1, 2
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    for skip in (True, False):
+        text = _vllm_text(engines, prompt, expected(prompt, 3), skip)
+        assert text.startswith("<unk>") is not skip
+        status, out = _http(url + "/v1/completions", {**body, "skip_special_tokens": skip})
+        assert (status, out["choices"][0]["text"]) == (200, text), out
+        status, kind, events = _events(url + "/v1/completions", {**body, "skip_special_tokens": skip, "stream": True})
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text
+    from batchyard.llm_generate import read_generate_body
+
+    assert read_generate_body({"text_input": "x", "skip_special_tokens": 0}, False)[1]["skip_special_tokens"] is False
+    status, err = _http(url + "/v1/completions", {**body, "skip_special_tokens": "no"})
+    assert (status, err["error"]["param"]) == (400, "skip_special_tokens")
+
+
+def test_echo_begins_each_choice_with_its_prompt_as_vllm_echoes_it(llm_node):
+    """OpenAI's echo on /v1/completions: each choice's text begins with its prompt's (a text
+    prompt as given, token ids decoded with their special tokens), whole or streamed (the
+    prompt in the first chunk); with max_tokens 0, the prompt alone, as vLLM's server answers
+    it (one token decoded and counted). The chat route still refuses it."""
+    _, engines, url = llm_node
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0}
+    status, plain = _http(url + "/v1/completions", {**body, "prompt": ["the", "cache"]})
+    completions = [c["text"] for c in plain["choices"]]
+    for prompt, leads, texts in ((["the", "cache"], ["the", "cache"], [f"the{completions[0]}", f"cache{completions[1]}"]),
+                                 ([[4040, 56], [40]], ["X", "H"],
+                                  [_vllm_text(engines, [], [4040, 56], False)
+                                   + _vllm_text(engines, [4040, 56], expected([4040, 56], 3)), "HHIJ"])):
+        status, out = _http(url + "/v1/completions", {**body, "prompt": prompt, "echo": True})
+        assert status == 200 and [c["text"] for c in out["choices"]] == texts, (prompt, out)
+        assert out["usage"]["completion_tokens"] == 6
+        status, kind, events = _events(url + "/v1/completions", {**body, "prompt": prompt, "echo": True, "stream": True})
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        for i, text in enumerate(texts):
+            mine = [c["text"] for c in chunks if c["index"] == i]
+            assert "".join(mine) == text and mine[0].startswith(leads[i]), (i, chunks)  # (the prompt first)
+    # max_tokens 0: the prompt alone (vLLM decodes one token, and counts it); without echo a 400
+    status, out = _http(url + "/v1/completions", {**body, "prompt": "the", "echo": True, "max_tokens": 0, "n": 2,
+                                                  "temperature": 1})
+    assert status == 200 and [c["text"] for c in out["choices"]] == ["the", "the"] and out["usage"][
+        "completion_tokens"] == 2, out
+    status, kind, events = _events(url + "/v1/completions", {**body, "prompt": "the", "echo": True, "max_tokens": 0,
+                                                             "stream": True})
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "the"
+    status, err = _http(url + "/v1/completions", {**body, "prompt": "the", "max_tokens": 0})
+    assert (status, err["error"]["param"]) == (400, "max_tokens")
+    status, err = _http(url + "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "x"}],
+                                                       "echo": True})
+    assert (status, err["error"]["param"]) == (400, "echo")
 
 
 def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_node):

@@ -130,6 +130,131 @@ def test_stop_token_ids_and_min_tokens_are_the_engines_own(node):
     assert choice["text"] == json.loads(plain)["prompt"]
 
 
+def test_logit_bias_and_allowed_token_ids_are_the_engines_own(node):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids, applied by the engine: a bias of 100
+    makes greedy decoding pick that token at every step; only the allowed tokens come out; an
+    id past the vocabulary is the engine's 400."""
+    _, url = node
+    body = {"model": "tiny", "prompt": _prompt(40, seed=3), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for extra, check in (({"logit_bias": {"17": 100}}, lambda ids: ids == [17] * 6),
+                         ({"allowed_token_ids": [21, 22]}, lambda ids: set(ids) <= {21, 22})):
+        status, _, raw = _post_json(url + "/v1/completions", {**body, **extra})
+        out = json.loads(raw)
+        assert status == 200 and check(out["batchyard"][0]["token_ids"]), (extra, out)
+    status, _, raw = _post_json(url + "/v1/completions", {**body, "logit_bias": {"99999999": 1}})
+    assert status == 400 and "logit_bias" in json.loads(raw)["error"]["message"], raw
+
+
+class _ScriptedGeneration(list):
+    def __init__(self, tokens: list, finish_reason: str, timing):
+        super().__init__(tokens)
+        self.finish_reason, self.timing = finish_reason, timing
+
+
+class _ScriptedClient:
+    """The SDK's generate as an engine answers it: ``script`` decoded up to max_tokens, ended by
+    a stop token (the request's or the model's EOS, ids 2 and 3) from min_tokens on, given to
+    ``on_tokens`` in steps of ``steps`` tokens but the last."""
+
+    def __init__(self, script: list, steps: list):
+        self.script, self.steps = script, steps
+
+    async def generate(self, model, ids, max_tokens, on_tokens=None, ignore_eos=False, sampling=None, **_):
+        stops = {*sampling.stop_token_ids, *(() if ignore_eos else (2, 3))}
+        tokens, reason = [], "length"
+        for i, t in enumerate(self.script[:max_tokens]):
+            tokens.append(t)
+            if t in stops and i >= sampling.min_tokens:
+                reason = "stop"
+                break
+        given = 0
+        for n in self.steps:
+            if given + n >= len(tokens):
+                break
+            if on_tokens is not None and on_tokens(tokens[given:given + n]):
+                return _ScriptedGeneration(tokens[:given + n], "stop", None)
+            given += n
+        return _ScriptedGeneration(tokens, reason, object())
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_a_generations_text_is_what_vllms_detokenizer_makes_of_it(tmp_path, kind):
+    """The front door's text of a generation against vLLM's own: its FastIncrementalDetokenizer
+    (primed with the prompt) fed a token at a time, ended as its engine's check_stop ends it, on
+    random prompts and generations of words with characters of several bytes, special tokens,
+    stop strings, stop_token_ids, the model's two EOS ids, min_tokens (the engine masks the stop
+    tokens before it), include_stop_str_in_output, skip_special_tokens and ignore_eos, streamed
+    in steps of 1-3 tokens or not: the same text, finish_reason, stop_reason and token count."""
+    import asyncio
+    import types
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    from batchyard import protocol as P
+    from batchyard.openai_http import OpenAiCompletions, TextRule
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "metaspace":
+        tok.pre_tokenizer, tok.decoder, alphabet = pre_tokenizers.Metaspace(), decoders.Metaspace(), []
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["the cache moves from one engine to the other é 日本語 🙂 stop here"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|eot|>"],
+                                                show_progress=False, initial_alphabet=alphabet))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))  # id 2
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+
+    def vllms(prompt, script, max_tokens, stops, min_tokens, include, stop_ids, ignore_eos, skip):
+        params = types.SimpleNamespace(stop=list(stops), min_tokens=min_tokens, include_stop_str_in_output=include,
+                                       skip_special_tokens=skip, spaces_between_special_tokens=True)
+        request = types.SimpleNamespace(sampling_params=params, prompt_token_ids=list(prompt), request_id="r")
+        detok = FastIncrementalDetokenizer(types.SimpleNamespace(_tokenizer=tok), request)
+        stopping = {*stop_ids, *(() if ignore_eos else (3,))}  # (vLLM's stop_token_ids: the extra EOS too)
+        for i, t in enumerate(script[:max_tokens]):
+            ended = None
+            if i >= min_tokens:  # (check_stop: the primary EOS first, then the stop ids)
+                ended = ("eos", None) if not ignore_eos and t == 2 else ("id", t) if t in stopping else None
+            if found := detok.update([t], ended is not None):
+                return detok.get_next_output_text(True, False), "stop", found, len(detok.output_token_ids)
+            if ended:
+                return detok.get_next_output_text(True, False), "stop", ended[1], len(detok.output_token_ids)
+        return detok.get_next_output_text(True, False), "length", None, len(detok.output_token_ids)
+
+    async def ours(prompt, script, max_tokens, stops, min_tokens, include, stop_ids, ignore_eos, skip, steps, stream):
+        completions = OpenAiCompletions(_ScriptedClient(script, steps), {"m": str(tmp_path)})
+        run = dict(timeout=5, ignore_eos=ignore_eos, sampling=P.Sampling(min_tokens=min_tokens, stop_token_ids=stop_ids))
+        pieces = []
+        out = await completions.complete("m", prompt, max_tokens, run, TextRule(tuple(stops), include, skip),
+                                         on_text=(lambda piece, _n, _last: pieces.append(piece)) if stream else None)
+        return ("".join(pieces) + out.rest if stream else out.text), out.finish_reason, out.stop_reason, len(out.tokens)
+
+    rng = random.Random(7)
+    words = ["the", " cache", " moves", " from", " one", " engine", " é", " 日本語", " 🙂", " stop", " here", "</s>",
+             "<|eot|>"]
+    differ = []
+    for trial in range(600):
+        prompt = tok.encode("".join(rng.choice(words) for _ in range(rng.randrange(1, 4)))).ids
+        script = tok.encode("".join(rng.choice(words) for _ in range(12))).ids[:14]
+        min_tokens = rng.choice([0, 0, 1, 2, 3, 5])
+        stop_ids = rng.sample([2, 3, 4, 5, 100, 150], rng.randrange(0, 3))
+        for i in range(min(min_tokens, len(script))):  # the engine masks the stop tokens before min_tokens
+            if script[i] in {*stop_ids, 2, 3}:
+                script[i] = 50
+        case = (prompt, script, rng.randrange(max(1, min_tokens), 15),
+                tuple(rng.sample(["e", "he", "ne", " s", "本", "🙂", "ca", "stop", "gine"], rng.randrange(0, 3))),
+                min_tokens, rng.random() < 0.3, stop_ids, rng.random() < 0.2, rng.random() < 0.5)
+        if tok.decode(prompt).endswith("\ufffd"):
+            continue  # (DecodeStream then gives the prompt's last tokens' text too: not a generation's)
+        want = vllms(*case)
+        got = asyncio.run(ours(*case, [rng.choice([1, 1, 2, 3]) for _ in range(20)], rng.random() < 0.5))
+        if got != want:
+            differ.append((case, want, got))
+    assert differ == [], (len(differ), differ[:3])
+
+
 def test_the_dispatcher_routes_by_its_curves_and_learns_them(node):
     cfg, _ = node
     lengths = [24, 48, 600, 32, 900, 64]

@@ -112,7 +112,7 @@ def test_an_engine_error_of_any_text_fails_its_requests_not_the_worker(tmp_path,
 
 
 def _stub_vllm(monkeypatch) -> None:
-    """The three names the LLM worker imports from vLLM, as plain stand-ins."""
+    """The names the LLM worker imports from vLLM, as plain stand-ins."""
     import sys
     import types
 
@@ -126,7 +126,10 @@ def _stub_vllm(monkeypatch) -> None:
     inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
     sampling = types.ModuleType("vllm.sampling_params")
     sampling.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
-    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sampling)):
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMClientError = type("VLLMClientError", (Exception,), {})
+    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sampling),
+                         ("vllm.exceptions", exceptions)):
         monkeypatch.setitem(sys.modules, name, module)
 
 

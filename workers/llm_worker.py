@@ -215,6 +215,7 @@ class LlmServer:
     # -------------------------------------------------------------- jobs
     def _start_job(self, msg: P.LlmJob) -> None:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -246,8 +247,8 @@ class LlmServer:
                 order = msg.order[i] if len(msg.order) == len(msg.seqs) else 0
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(msg.prompts[i])), params,
                                         priority=order)
-            except Exception as e:  # vLLM's validation errors are ValueErrors
-                status = Status.INVALID_ARGUMENT if isinstance(e, ValueError) else Status.INTERNAL
+            except Exception as e:  # vLLM's validation errors: ValueErrors, and its client errors (the request's fault)
+                status = Status.INVALID_ARGUMENT if isinstance(e, (ValueError, VLLMClientError)) else Status.INTERNAL
                 job.results[seq] = P.LlmResult(seq=seq, status=int(status), message=f"engine refused the request: {error_text(e)}")
                 continue
             self.reqs[rid] = _Req(job, seq, kv_entry=entry, kv_written=written)
