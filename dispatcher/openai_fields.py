@@ -113,18 +113,22 @@ def shown(value) -> str:
     return repr(value[:80] + "..." if isinstance(value, (str, bytes)) and len(value) > 80 else value)
 
 
-def stream_options(body: dict) -> tuple[bool, bool]:
-    """-> (stream, include_usage), as OpenAI reads them: null is the default."""
+def stream_options(body: dict) -> tuple[bool, bool, bool]:
+    """-> (stream, include_usage, continuous_usage_stats), as OpenAI and vLLM read them: null
+    is the default; vLLM's continuous_usage_stats (each chunk with the usage so far) counts
+    only with include_usage."""
     stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise OpenAiError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise OpenAiError(400, f"stream_options takes include_usage only, got {options!r:.80}",
-                          param="stream_options")
-    return stream, flag(options, "include_usage", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise OpenAiError(400, f"stream_options takes include_usage and continuous_usage_stats only, got "
+                               f"{options!r:.80}", param="stream_options")
+    include = flag(options, "include_usage", "stream_options")
+    continuous = flag(options, "continuous_usage_stats", "stream_options")
+    return stream, include, include and continuous
 
 
 def flag(body: dict, name: str, param: str = "", default: bool = False) -> bool:

@@ -32,7 +32,8 @@ OpenAI's ``echo`` begins each choice's text with its prompt's (a text prompt as 
 ids decoded with their special tokens, as vLLM's server echoes them); with ``max_tokens`` 0, the
 prompt alone (vLLM then decodes one token and counts it). ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
 its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
-{"include_usage": true}`` a chunk of the usage, then ``data: [DONE]``. The answer starts with its
+{"include_usage": true}`` a chunk of the usage (and with vLLM's ``"continuous_usage_stats": true``
+each chunk with its choice's usage so far), then ``data: [DONE]``. The answer starts with its
 first chunk, so a request refused before a token came (overloaded, its deadline) is the JSON
 error under its status, as without ``stream``; an error after that is an ``error`` event, then
 ``[DONE]`` (vLLM's server does the same).
@@ -190,7 +191,7 @@ class OpenAiCompletions:
                                     or not 0 < timeout <= 86400):
             raise OpenAiError(400, f"timeout must be a number of seconds in (0, 86400], got {timeout!r}", param="timeout")
         route = forced_route(body)
-        stream, include_usage = stream_options(body)
+        stream, *usage = stream_options(body)
         ignore_eos = flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
         rule = TextRule(stop_strings(body.get("stop"), "stop"),
                         flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
@@ -208,7 +209,7 @@ class OpenAiCompletions:
                  {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
         leads = [text for text in (await echoed(prompts) if echoed else [""] * len(prompts)) for _ in range(n)]
         if stream:
-            return await self._stream(request, model, prompts, gens, rule, include_usage, shape, leads, quiet)
+            return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
         tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, rule)) for ids, limit, run_k in gens]
@@ -294,11 +295,15 @@ class OpenAiCompletions:
         return limit
 
     async def _stream(self, request, model: str, prompts: list, gens: list, rule: "TextRule",
-                      include_usage: bool, shape: "AnswerShape", leads: list, quiet: bool) -> web.StreamResponse:
+                      usage: list, shape: "AnswerShape", leads: list, quiet: bool) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order;
         each choice's text begins with its ``leads`` (echo's prompt text), sent with the first of
-        it the engine gives, as vLLM sends it; ``quiet``: the generated text is left out."""
+        it the engine gives, as vLLM sends it; ``quiet``: the generated text is left out.
+        ``usage``: (include_usage: a last chunk of the usage; continuous_usage_stats: each chunk
+        with its choice's usage so far, its tokens decoded whether or not their text is sent yet,
+        as vLLM counts them)."""
+        include_usage, continuous = usage
         head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
                 "created": int(time.time()), "model": model}
         started: set = set()  # the choices that had their first chunk (a chat's says the role)
@@ -306,8 +311,16 @@ class OpenAiCompletions:
         # Each prompt's text not yet sent: a client that reads slowly gets it merged into fewer
         # chunks, rather than an event queued an engine step.
         decoded: list = [""] * len(gens)
+        counted = [0] * len(gens)  # each choice's tokens so far
 
-        def on_text(i: int, piece: str) -> None:
+        def so_far(i: int, tokens: int) -> dict:
+            if not continuous:
+                return {}
+            n = len(gens[i][0])
+            return {"usage": {"prompt_tokens": n, "completion_tokens": tokens, "total_tokens": n + tokens}}
+
+        def on_text(i: int, piece: str, tokens: int) -> None:
+            counted[i] += tokens
             piece, leads[i] = leads[i] + ("" if quiet else piece), ""
             if piece and not decoded[i]:
                 events.put_nowait((i, _DECODED))
@@ -316,7 +329,7 @@ class OpenAiCompletions:
         async def generate(i: int, ids: list, max_tokens: int, run: dict) -> None:
             try:
                 out = await self.complete(model, ids, max_tokens, run, rule,
-                                          on_text=lambda piece, _tokens, _last: on_text(i, piece))
+                                          on_text=lambda piece, tokens, _last: on_text(i, piece, tokens))
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:
@@ -331,7 +344,7 @@ class OpenAiCompletions:
                 if c["index"] not in started:
                     started.add(c["index"])
                     if (first := shape.first(c["index"])) is not None:
-                        await send({**head, "choices": [first]})
+                        await send({**head, "choices": [first], **so_far(c["index"], 0)})
             if response is None:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                        "Cache-Control": "no-cache"})
@@ -353,11 +366,12 @@ class OpenAiCompletions:
                         break
                     piece, decoded[i] = decoded[i], ""
                     if piece:
-                        await send({**head, "choices": [shape.piece(i, piece)]})
+                        await send({**head, "choices": [shape.piece(i, piece)], **so_far(i, counted[i])})
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
                 text = leads[i] + decoded[i] + ("" if quiet else got.rest)
-                await send({**head, "choices": [shape.last(i, text, got)], "batchyard": _timing(got)})
+                await send({**head, "choices": [shape.last(i, text, got)], **so_far(i, len(got.tokens)),
+                            "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
             await response.write(b"data: [DONE]\n\n")

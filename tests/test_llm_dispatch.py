@@ -1399,6 +1399,34 @@ def test_echo_begins_each_choice_with_its_prompt_as_vllm_echoes_it(llm_node):
     assert (status, err["error"]["param"]) == (400, "echo")
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(llm_node):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk holds its
+    choice's usage so far (its prompt's tokens, its tokens decoded), chat's role chunk none
+    decoded; the last chunk of a choice its whole count; without include_usage, no usage."""
+    _, engines, url = llm_node
+    body = {"model": "tiny", "prompt": [[40], [7, 8]], "max_tokens": 5, "temperature": 0, "stream": True}
+    status, kind, events = _events(url + "/v1/completions", {**body, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(e) for e in events[:-1]]
+    for i, prompt_tokens in ((0, 1), (1, 2)):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        counts = [c["usage"]["completion_tokens"] for c in mine]
+        assert counts == sorted(counts) and counts[-1] == 5 and len(mine) >= 2, mine
+        assert {(c["usage"]["prompt_tokens"], c["usage"]["total_tokens"] - c["usage"]["completion_tokens"])
+                for c in mine} == {(prompt_tokens, prompt_tokens)}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    status, kind, events = _events(url + "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[-2]["usage"]["completion_tokens"] == 3
+    status, kind, events = _events(url + "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in json.loads(e) for e in events[:-1])
+    status, err = _http(url + "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": [1]}})
+    assert (status, err["error"]["param"]) == (400, "stream_options")
+
+
 def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_node):
     _, engines, url = llm_node
     body = {"model": "tiny", "prompt": [[40], [200]], "max_tokens": 4, "temperature": 0.9, "n": 3, "seed": 5}
