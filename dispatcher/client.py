@@ -235,7 +235,8 @@ class Client(CodecAccess):
         ``sampling``: greedy when None, else a dict of vLLM's sampling parameters
         (``{"temperature": 0.8, "top_p": 0.95, "seed": 7}``; also top_k, min_p, the presence,
         frequency and repetition penalties, min_tokens, stop_token_ids, logit_bias (int token
-        ids to biases in [-100, 100]) and allowed_token_ids), checked against vLLM's bounds."""
+        ids to biases in [-100, 100]), allowed_token_ids and bad_words_token_ids (token
+        sequences never decoded)), checked against vLLM's bounds."""
         if self.closed:
             raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,

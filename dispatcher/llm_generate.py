@@ -15,8 +15,8 @@ parameters, converted to their types as the backend does (``"4"`` is 4 tokens): 
 (16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
 engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``stop_token_ids``,
-``allowed_token_ids`` and ``logit_bias`` (as on /v1/completions; the last three, a list or an
-object, in ``sampling_parameters`` only; the backend's own passes logit_bias' string keys to
+``allowed_token_ids``, ``bad_words`` and ``logit_bias`` (as on /v1/completions; the last four, a
+list or an object, in ``sampling_parameters`` only; the backend's own passes logit_bias' string keys to
 vLLM unconverted, which refuses them), and the sampling ones: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
 within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
@@ -41,11 +41,13 @@ import struct
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
+import msgspec
 
 from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
 from .kserve_common import KServeError, from_batchyard, invalid
-from .openai_fields import MAX_PROMPT_CHARS, OpenAiError, logit_bias_field, shown as _shown, stop_strings
+from .openai_fields import (MAX_PROMPT_CHARS, OpenAiError, bad_words_field, logit_bias_field, shown as _shown,
+                            stop_strings)
 from .openai_http import OpenAiCompletions, TextRule
 from .protocol import MAX_TOKEN_ID
 
@@ -174,6 +176,10 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
             sampling[name] = params.pop(name)
             if not isinstance(sampling[name], list):
                 raise invalid(f"{name} must be a list of token ids, got {_shown(sampling[name])}")
+    try:
+        switches["bad_words"] = bad_words_field(params.pop("bad_words", None))
+    except OpenAiError as e:
+        raise invalid(e.message) from None
     if "logit_bias" in params:
         try:
             sampling["logit_bias"] = logit_bias_field(params.pop("logit_bias"))
@@ -314,6 +320,9 @@ class LlmGenerate:
 
         try:
             (ids,) = await self.completions.encode(model, [prompt])
+            if switches["bad_words"]:
+                switches["sampling"] = msgspec.structs.replace(
+                    switches["sampling"], bad_words_token_ids=await self.completions.bad_words(model, switches["bad_words"]))
             # (no more than the context leaves: vLLM's engine ends a sequence there, "length")
             max_tokens = self.completions.max_tokens_for(model, ids, max_tokens, sampling=switches["sampling"])
             run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],

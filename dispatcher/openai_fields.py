@@ -35,7 +35,7 @@ UNSUPPORTED = {"logprobs": None, "suffix": None,
                "use_beam_search": False,
                "length_penalty": 1.0, "watermarking": None,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
-               "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None,
+               "prompt_logprobs": None, "logprob_token_ids": None,
                "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
                "return_token_ids": False, "return_token_offsets": False, "kv_transfer_params": None,
                "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
@@ -52,7 +52,7 @@ IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", 
 SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_output", "stream", "stream_options",
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
           "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
-          "logit_bias", "allowed_token_ids", "echo")
+          "logit_bias", "allowed_token_ids", "echo", "bad_words")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)
@@ -227,6 +227,36 @@ def logit_bias_field(value) -> dict:
             raise OpenAiError(400, f"logit_bias values must be numbers, got {shown(bias)}", param="logit_bias")
         biases[token] = min(100.0, max(-100.0, float(bias)))
     return biases
+
+
+def bad_words_field(value, name: str = "bad_words") -> list:
+    """vLLM's ``bad_words``: a list of non-empty strings (null: none), duplicates dropped as
+    vLLM drops them; OpenAiError naming ``name`` otherwise."""
+    if value is None:
+        return []
+    if (not isinstance(value, list) or len(value) > P.MAX_BAD_WORDS
+            or not all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_CHARS for w in value)):
+        raise OpenAiError(400, f"{name} must be a list of at most {P.MAX_BAD_WORDS} non-empty strings of at most "
+                               f"{MAX_STOP_CHARS} characters, got {shown(value)}", param=name)
+    return list(dict.fromkeys(value))
+
+
+def bad_words_token_ids(words: list, encodings: list) -> list:
+    """The token sequences vLLM bans for ``words`` (its SamplingParams.update_from_tokenizer):
+    each word (its leading spaces stripped) as tokenized alone, and after a space where that
+    gives a sequence as long that begins with another token (the word in the middle of text);
+    ``encodings``: the token ids of each stripped word, then of each with a space before it."""
+    banned: list = []
+    for alone, spaced in zip(encodings[:len(words)], encodings[len(words):]):
+        if not alone:
+            raise OpenAiError(400, "bad_words entries must tokenize to at least one token.", param="bad_words")
+        banned.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            banned.append(spaced)
+        if len(banned) > P.MAX_BAD_WORDS:
+            raise OpenAiError(400, f"Too many bad words after tokenization: {len(banned)}. The max number is "
+                                   f"{P.MAX_BAD_WORDS}.", param="bad_words")
+    return banned
 
 
 def refuse_unsupported(body: dict, unsupported: dict) -> None:

@@ -5,7 +5,8 @@ Text prompts are tokenized here, in the front-door process, with the model folde
 sees token ids. A prompt may also be given as token ids, as OpenAI's API allows. The sampling
 fields are OpenAI's ``temperature``, ``top_p``, ``seed``, ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` (each bias cut to [-100, 100], as vLLM's server cuts it),
-and vLLM's ``top_k``, ``min_p``, ``repetition_penalty`` and ``allowed_token_ids``, within vLLM's
+and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``allowed_token_ids`` and ``bad_words``
+(tokenized here as vLLM's SamplingParams tokenizes them: openai_fields.bad_words_token_ids), within vLLM's
 bounds (a 400 naming the field past them). One left out (or null) is taken as vLLM's server
 takes it: the model folder's generation_config.json value (config ``generation_config =
 "auto"``, vLLM's default), else vLLM's own: a request that gives none samples at temperature 1;
@@ -69,8 +70,8 @@ from .llm_text import TextStream, decoding_after, whole_text
 from . import protocol as P
 from .llm_model_files import GenerationDefaults, eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
-from .openai_fields import (OpenAiError, check_prompt_tokens, check_supported, check_text_length, flag, forced_route,
-                            is_token,
+from .openai_fields import (OpenAiError, bad_words_field, bad_words_token_ids, check_prompt_tokens, check_supported,
+                            check_text_length, flag, forced_route, is_token,
                             max_tokens_field, model_name, stop_strings, stream_options)
 from .protocol import Status
 
@@ -196,7 +197,10 @@ class OpenAiCompletions:
         rule = TextRule(stop_strings(body.get("stop"), "stop"),
                         flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
                         flag(body, "skip_special_tokens", default=True))  # vLLM's
+        words = bad_words_field(body.get("bad_words"))
         prompts = await prompts()
+        if words:
+            sampling = msgspec.structs.replace(sampling, bad_words_token_ids=await self.bad_words(model, words))
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
                                    f"{MAX_PROMPTS} a request", param="n")
@@ -276,6 +280,15 @@ class OpenAiCompletions:
         if not ignore_eos and token == primary:
             return None
         return token if token in sampling.stop_token_ids or not ignore_eos and token in eos else None
+
+    async def bad_words(self, model: str, words: list) -> list:
+        """vLLM's ``bad_words`` as the token sequences its engine bans (bad_words_token_ids),
+        tokenized on a thread."""
+        tok = self.tokenizer(model, "bad_words")
+        stripped = [w.lstrip() for w in words]
+        encodings = await asyncio.to_thread(tok.encode_batch, [*stripped, *(" " + w for w in stripped)],
+                                            add_special_tokens=False)
+        return bad_words_token_ids(words, [e.ids for e in encodings])
 
     def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
                        defaults: GenerationDefaults = NO_DEFAULTS, sampling: P.Sampling = NO_SAMPLING) -> int:

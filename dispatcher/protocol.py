@@ -174,6 +174,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_PROMPT_TOKENS = 1 << 17  # a generate request's prompt, in tokens
 MAX_NEW_TOKENS = 1 << 16  # the most tokens one generate request may ask for
 MAX_STOP_TOKEN_IDS = 1024  # a generation's stop_token_ids (vLLM sets no bound)
+MAX_BAD_WORDS = 128  # token sequences a generation may not decode (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
+MAX_BAD_WORD_TOKENS = 1024  # ... each of at most this many tokens
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
@@ -188,7 +190,9 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     ``min_tokens``: none of those, nor the model's end-of-sequence tokens, is decoded before
     this many tokens (vLLM masks them), and no stop string ends the text before them.
     ``logit_bias`` adds to a token's logit (-100 to 100), ``allowed_token_ids`` keeps only those
-    tokens' (vLLM checks either's ids against the model's vocabulary)."""
+    tokens' (vLLM checks either's ids against the model's vocabulary). ``bad_words_token_ids``:
+    token sequences never decoded (the last token of each is masked after the others), vLLM's
+    tokenized ``bad_words`` (openai_fields.bad_words_token_ids tokenizes them as vLLM does)."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
@@ -203,6 +207,8 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     logit_bias: Optional[Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
                                    msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]] = None
     allowed_token_ids: Optional[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]] = None
+    bad_words_token_ids: Annotated[list[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]],
+                                   msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):

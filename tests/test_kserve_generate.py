@@ -369,11 +369,11 @@ def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
     assert switches.pop("sampling").temperature == 0.0  # greedy
     assert switches == {"return_num_output_tokens": True, "exclude_input_in_output": False,  # the prompt comes first
                         "ignore_eos": False, "stop": (), "include_stop_str_in_output": False,
-                        "skip_special_tokens": True}
+                        "skip_special_tokens": True, "bad_words": []}
     switches = read_request({"text_input": ["hi"], "stream": [True]}, True)[1]
     assert switches.pop("sampling") == P.Sampling(temperature=1.0)  # none given: vLLM's default, it samples
     assert switches == {"stream": True, "exclude_input_in_output": True, "ignore_eos": False, "stop": (),
-                        "include_stop_str_in_output": False, "skip_special_tokens": True}
+                        "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": []}
     assert read_request({"text_input": "hi", "ignore_eos": "false"}, False)[1]["ignore_eos"] is True  # bool(), as the backend
     assert read_request({"text_input": "hi", "id": "7"}, False)[2] == 16  # vLLM's default
     # converted as the backend converts them: int("4"), int(4.0), float("0")

@@ -1335,6 +1335,26 @@ def test_stop_token_ids_and_min_tokens_as_vllm_applies_them(llm_node):
                   {"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"allowed_token_ids": "5"}):
         status, err = _http(url + "/v1/completions", {**body, **extra})
         assert (status, err["error"]["param"]) == (400, next(iter(extra))), (extra, err)
+    # vLLM's bad_words: the token sequences its engine bans, tokenized here as vLLM tokenizes them
+    # (tests/test_llm_node.py compares them with vLLM's own), on either route's protocol
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(llm_node[1]["cpu0"].backend[len("ipc://"):]).parent / "tokenizer.json"))
+    status, out = _http(url + "/v1/completions", {**body, "batchyard_route": "gpu", "max_tokens": 2,
+                                                  "bad_words": ["cache", "  engine", "cache"]})
+    job = llm_node[1]["gpu0"].jobs[-1]
+    alone = [tok.encode(w, add_special_tokens=False).ids for w in ("cache", "engine")]
+    assert status == 200 and [ids for ids in job.sampling.bad_words_token_ids if ids in alone] == alone, (
+        job.sampling, out)
+    status, out = _http(url + "/v2/models/tiny/generate", {
+        "text_input": "the", "max_tokens": 2, "sampling_parameters": json.dumps({"bad_words": ["cache"],
+                                                                                 "temperature": 0})})
+    job = next(j for j in reversed(llm_node[1]["gpu0"].jobs) if j.kind == "generate")
+    assert status == 200 and alone[0] in job.sampling.bad_words_token_ids, out
+    for extra in ({"bad_words": [""]}, {"bad_words": "cache"}, {"bad_words": [f"w{i}" for i in range(129)]},
+                  {"bad_words": [" "]}):
+        status, err = _http(url + "/v1/completions", {**body, **extra})
+        assert (status, err["error"]["param"]) == (400, "bad_words"), (extra, err)
     # the SDK: the same sampling fields; the dispatcher refuses min_tokens past max_tokens
     with Client(address) as c:
         out = c.generate("tiny", [40], max_tokens=12, sampling={"stop_token_ids": [44, 46], "min_tokens": 1})

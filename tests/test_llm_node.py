@@ -145,6 +145,35 @@ def test_logit_bias_and_allowed_token_ids_are_the_engines_own(node):
     assert status == 400 and "logit_bias" in json.loads(raw)["error"]["message"], raw
 
 
+def test_bad_words_are_tokenized_as_vllm_does_and_banned_by_the_engine(node):
+    """vLLM's bad_words: the front door's token sequences are those vLLM's SamplingParams makes
+    with the model's tokenizer (update_from_tokenizer), and the engine never decodes them: a
+    token of the greedy generation, banned, does not come out."""
+    from vllm import SamplingParams
+    from vllm.tokenizers import get_tokenizer
+
+    from batchyard.openai_fields import bad_words_token_ids
+
+    cfg, url = node
+    hf = get_tokenizer(str(Path(cfg.llm_models[0].path)))  # (vLLM's server's own)
+    words = ["the", " cache", "moves from", "engine", "é", "to the other"]
+    params = SamplingParams(bad_words=words)
+    params.update_from_tokenizer(hf)
+    stripped = [w.lstrip() for w in words]
+    encodings = [hf.encode(text, add_special_tokens=False) for text in (*stripped, *(" " + w for w in stripped))]
+    assert bad_words_token_ids(words, encodings) == params.bad_words_token_ids
+    prompt = _prompt(40, seed=11)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, _, raw = _post_json(url + "/v1/completions", body)
+    greedy = json.loads(raw)["batchyard"][0]["token_ids"]
+    # a token of it that is a word alone (its text, stripped, tokenizes to it)
+    word = next(w for t in greedy if (w := hf.decode([t]).strip()) and hf.encode(w, add_special_tokens=False) == [t])
+    status, _, raw = _post_json(url + "/v1/completions", {**body, "bad_words": [word]})
+    out = json.loads(raw)["batchyard"][0]["token_ids"]
+    banned = hf.encode(word, add_special_tokens=False)[0]
+    assert status == 200 and banned in greedy and banned not in out, (word, greedy, out)
+
+
 class _ScriptedGeneration(list):
     def __init__(self, tokens: list, finish_reason: str, timing):
         super().__init__(tokens)

@@ -309,3 +309,8 @@ def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignore
     assert (p6.stop_token_ids, p6.min_tokens, p6.masked_eos) == ([11, 2, 7], 2, [2, 7])
     assert (p7.stop_token_ids, p7.min_tokens, p7.masked_eos) == ([11, 2], 2, [2, 7])
     assert not hasattr(p4, "masked_eos")  # (no min_tokens: nothing to hold back)
+    # bad_words' token sequences go where vLLM's update_from_tokenizer puts them (no argument takes ids)
+    server._start_job(P.LlmJob(job_id=8, kind="generate", seqs=[8], prompts=[[3] * 8], max_tokens=[5],
+                               sampling=P.Sampling(bad_words_token_ids=[[4, 5], [6]])))
+    p8 = server.engine.params["8"]
+    assert p8._bad_words_token_ids == [[4, 5], [6]] and not hasattr(p8, "bad_words_token_ids")

@@ -85,6 +85,7 @@ def sampling_kwargs(max_tokens: int, kv: str = "", eos: tuple = (), sampling: P.
     kw = dict(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
     if sampling is not None:
         kw.update((k, v) for k, v in msgspec.structs.asdict(sampling).items() if v is not None)
+    kw.pop("bad_words_token_ids", None)  # (no SamplingParams argument: set_bad_words sets it)
     stops = list(dict.fromkeys((*kw.pop("stop_token_ids", ()), *eos)))
     if stops:
         kw["stop_token_ids"] = stops
@@ -100,6 +101,14 @@ def masked_until_min_tokens(params, eos: tuple, sampling: P.Sampling | None) -> 
     ignore_eos set only adds them to that set)."""
     if eos and sampling is not None and sampling.min_tokens:
         params.update_from_generation_config({"eos_token_id": list(eos)})
+
+
+def set_bad_words(params, sampling: P.Sampling | None) -> None:
+    """The token sequences the engine bans: where vLLM's update_from_tokenizer puts its
+    tokenized ``bad_words``. The engine runs without a tokenizer, so the front door tokenizes
+    them (openai_fields.bad_words_token_ids) and no SamplingParams argument takes ids."""
+    if sampling is not None and sampling.bad_words_token_ids:
+        params._bad_words_token_ids = [list(ids) for ids in sampling.bad_words_token_ids]
 
 
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:

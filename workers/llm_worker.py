@@ -36,7 +36,8 @@ from batchyard.protocol import Status
 from batchyard.sd_notify import notify
 
 from .llm_engine import (LOAD, STORE, Calibrator, build_engine, check_job, kv_entry, kv_root,
-                         masked_until_min_tokens, prepare_kv_dir, sampling_kwargs, set_env, sweep_stale)
+                         masked_until_min_tokens, prepare_kv_dir, sampling_kwargs, set_bad_words, set_env,
+                         sweep_stale)
 from .runtime import error_text
 
 log = logging.getLogger("batchyard.worker")
@@ -243,6 +244,7 @@ class LlmServer:
             params = SamplingParams(output_kind=RequestOutputKind.DELTA,
                                     **sampling_kwargs(max_tokens, loads, eos, sampling))
             masked_until_min_tokens(params, self.eos, sampling)
+            set_bad_words(params, sampling)
             try:
                 order = msg.order[i] if len(msg.order) == len(msg.seqs) else 0
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(msg.prompts[i])), params,
