@@ -92,7 +92,7 @@ async def _serve(node: NodeConfig, stop: asyncio.Event) -> None:
         core.llm = LlmGenerate(completions)
         chat = OpenAiChat(completions)
         llm_routes = (*completions.routes(), *chat.routes(), *OpenAiTokenize(chat).routes(),
-                      *OpenAiHealth(core, completions, frozenset(m.name for m in node.llm_models)).routes())
+                      *OpenAiHealth(core, completions).routes())
     grpc_server = http_runner = watchdog = None
     loop = asyncio.get_running_loop()
 

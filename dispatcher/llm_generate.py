@@ -41,7 +41,6 @@ import struct
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
-import msgspec
 
 from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
@@ -320,9 +319,8 @@ class LlmGenerate:
 
         try:
             (ids,) = await self.completions.encode(model, [prompt])
-            if switches["bad_words"]:
-                switches["sampling"] = msgspec.structs.replace(
-                    switches["sampling"], bad_words_token_ids=await self.completions.bad_words(model, switches["bad_words"]))
+            switches["sampling"] = await self.completions.with_bad_words(model, switches["sampling"],
+                                                                         switches["bad_words"])
             # (no more than the context leaves: vLLM's engine ends a sequence there, "length")
             max_tokens = self.completions.max_tokens_for(model, ids, max_tokens, sampling=switches["sampling"])
             run = dict(timeout=timeout or self.completions.default_timeout_s, ignore_eos=switches["ignore_eos"],

@@ -46,15 +46,21 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
     generation_config.json's ``eos_token_id`` (an id or a list), else its config.json's. A chat
     model's tokenizer often ends a turn with a token its config does not name."""
     folder = Path(model_path)
-    ids: list = [tokenizer_eos_token_id(folder)]
+    ids = (tokenizer_eos_token_id(folder), *config_eos_token_ids(folder))
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def config_eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
+    """The model's configured end-of-sequence ids: generation_config.json's ``eos_token_id``
+    (an id or a list), else config.json's."""
+    folder = Path(model_path)
     for name in (GENERATION_CONFIG, "config.json"):
         found = read_json(folder / name).get("eos_token_id")
         found = [i for i in (found if isinstance(found, list) else [found])
                  if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
         if found:  # (an empty or unreadable one: the next file's)
-            ids.extend(found)
-            break
-    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
+            return tuple(found)
+    return ()
 
 
 def tokenizer_eos_token_id(model_path: str | Path) -> Optional[int]:

@@ -241,13 +241,13 @@ def bad_words_field(value, name: str = "bad_words") -> list:
     return list(dict.fromkeys(value))
 
 
-def bad_words_token_ids(words: list, encodings: list) -> list:
-    """The token sequences vLLM bans for ``words`` (its SamplingParams.update_from_tokenizer):
-    each word (its leading spaces stripped) as tokenized alone, and after a space where that
-    gives a sequence as long that begins with another token (the word in the middle of text);
-    ``encodings``: the token ids of each stripped word, then of each with a space before it."""
+def bad_words_token_ids(alone: list, spaced: list) -> list:
+    """The token sequences vLLM bans for bad words (its SamplingParams.update_from_tokenizer):
+    each word's token ids (its leading spaces stripped) ``alone``, and those after a space
+    (``spaced``) where that gives a sequence as long that begins with another token (the word in
+    the middle of text)."""
     banned: list = []
-    for alone, spaced in zip(encodings[:len(words)], encodings[len(words):]):
+    for alone, spaced in zip(alone, spaced):
         if not alone:
             raise OpenAiError(400, "bad_words entries must tokenize to at least one token.", param="bad_words")
         banned.append(alone)

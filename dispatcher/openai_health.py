@@ -15,8 +15,8 @@ from aiohttp import web
 
 
 class OpenAiHealth:
-    def __init__(self, core, completions, llm_models: frozenset):
-        self.core, self.completions, self.llm_models = core, completions, llm_models
+    def __init__(self, core, completions):
+        self.core, self.completions = core, completions
 
     def routes(self) -> list:
         return [web.get("/health", self.health, allow_head=False), web.get("/ping", self.health, allow_head=False),
@@ -24,7 +24,7 @@ class OpenAiHealth:
 
     async def health(self, request) -> web.Response:
         ready = await self.core.ready_models()  # (None: the dispatcher did not answer)
-        return web.Response(status=200 if ready is not None and self.llm_models <= ready else 503)
+        return web.Response(status=200 if ready is not None and self.completions.models.keys() <= ready else 503)
 
     async def load(self, request) -> web.Response:
         return web.json_response({"server_load": self.completions.in_flight})

@@ -68,7 +68,7 @@ from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream, decoding_after, whole_text
 from . import protocol as P
-from .llm_model_files import GenerationDefaults, eos_token_ids, tokenizer_eos_token_id
+from .llm_model_files import GenerationDefaults, config_eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
 from .openai_fields import (OpenAiError, bad_words_field, bad_words_token_ids, check_prompt_tokens, check_supported,
                             check_text_length, flag, forced_route, is_token,
@@ -100,7 +100,7 @@ class OpenAiCompletions:
         self.max_model_len = max_model_len or {}
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
-        self._eos: dict = {}  # by model: (the tokenizer's end-of-sequence id, all of the model's)
+        self._eos: dict = {}  # by model: (the tokenizer's end-of-sequence id, the configured ones)
         self.in_flight = 0  # completions (of this route and chat's) being served: vLLM's /load
         self._ids = itertools.count(1)
 
@@ -199,8 +199,7 @@ class OpenAiCompletions:
                         flag(body, "skip_special_tokens", default=True))  # vLLM's
         words = bad_words_field(body.get("bad_words"))
         prompts = await prompts()
-        if words:
-            sampling = msgspec.structs.replace(sampling, bad_words_token_ids=await self.bad_words(model, words))
+        sampling = await self.with_bad_words(model, sampling, words)
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
                                    f"{MAX_PROMPTS} a request", param="n")
@@ -236,10 +235,9 @@ class OpenAiCompletions:
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
         string ended the generation there; the rest is the Completion's ``rest``."""
         sampling, rule = run.get("sampling") or NO_SAMPLING, rule or PLAIN
-        include_stop = rule.include_stop
         # (the text as it reads after the prompt)
         decode = decoding_after(lambda t: self.decode(model, t, rule.skip_special_tokens), ids)
-        text = TextStream(decode, rule.stops, include_stop, sampling.min_tokens)
+        text = TextStream(decode, rule.stops, rule.include_stop, sampling.min_tokens)
 
         def on_tokens(tokens: list) -> bool:
             piece = text.push(tokens)
@@ -254,7 +252,7 @@ class OpenAiCompletions:
         # Ended by a token's id (an end-of-sequence one, or of stop_token_ids): vLLM decodes no
         # text of that token, unless include_stop_str_in_output.
         by_id = out.finish_reason == "stop" and bool(tokens)
-        shown = tokens[:-1] if by_id and not include_stop else tokens
+        shown = tokens[:-1] if by_id and not rule.include_stop else tokens
         reason = await self.stop_token(model, tokens[-1], sampling, run.get("ignore_eos", False)) if by_id else None
         if not watch:
             return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing)
@@ -275,20 +273,24 @@ class OpenAiCompletions:
         if model not in self._eos:
             folder = self.models[model]
             self._eos[model] = await asyncio.to_thread(
-                lambda: (tokenizer_eos_token_id(folder), eos_token_ids(folder)))
+                lambda: (tokenizer_eos_token_id(folder), config_eos_token_ids(folder)))
         primary, eos = self._eos[model]
         if not ignore_eos and token == primary:
             return None
         return token if token in sampling.stop_token_ids or not ignore_eos and token in eos else None
 
-    async def bad_words(self, model: str, words: list) -> list:
-        """vLLM's ``bad_words`` as the token sequences its engine bans (bad_words_token_ids),
-        tokenized on a thread."""
+    async def with_bad_words(self, model: str, sampling: P.Sampling, words: list) -> P.Sampling:
+        """``sampling`` banning vLLM's ``bad_words`` (none: as it is): the token sequences its
+        engine bans (bad_words_token_ids), tokenized on a thread."""
+        if not words:
+            return sampling
         tok = self.tokenizer(model, "bad_words")
         stripped = [w.lstrip() for w in words]
         encodings = await asyncio.to_thread(tok.encode_batch, [*stripped, *(" " + w for w in stripped)],
                                             add_special_tokens=False)
-        return bad_words_token_ids(words, [e.ids for e in encodings])
+        ids = [e.ids for e in encodings]
+        return msgspec.structs.replace(sampling, bad_words_token_ids=bad_words_token_ids(ids[:len(words)],
+                                                                                         ids[len(words):]))
 
     def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
                        defaults: GenerationDefaults = NO_DEFAULTS, sampling: P.Sampling = NO_SAMPLING) -> int:
