@@ -224,7 +224,8 @@ class Client(CodecAccess):
         ``Generation`` (a list of token ids with ``.timing``). ``route`` forces "prefill-cpu"
         or "gpu"; empty lets the dispatcher choose. ``on_tokens``: streams the generation; it
         is called with each engine step's new token ids as they are decoded (on this client's
-        I/O thread: keep it short), all but the last step's, which only the result holds. The
+        I/O thread: keep it short), all but the last step's, which only the result holds (a
+        list, with their ``.logprobs``). The
         result holds every token; those it has past the ones given to ``on_tokens`` are the rest.
         ``on_tokens`` returning True ends the generation there (a stop string found): it is
         stopped in its engine, and the result is the tokens given (``finish_reason`` "stop",
@@ -235,8 +236,10 @@ class Client(CodecAccess):
         ``sampling``: greedy when None, else a dict of vLLM's sampling parameters
         (``{"temperature": 0.8, "top_p": 0.95, "seed": 7}``; also top_k, min_p, the presence,
         frequency and repetition penalties, min_tokens, stop_token_ids, logit_bias (int token
-        ids to biases in [-100, 100]), allowed_token_ids and bad_words_token_ids (token
-        sequences never decoded)), checked against vLLM's bounds."""
+        ids to biases in [-100, 100]), allowed_token_ids, bad_words_token_ids (token
+        sequences never decoded) and logprobs (0 to 20: the result's ``.logprobs`` give each
+        token's log probability and that many most likely tokens' at its position)), checked
+        against vLLM's bounds."""
         if self.closed:
             raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 
 import grpc
 import numpy as np
@@ -144,6 +145,12 @@ def answer_members(model: str, rid: str, values: dict) -> dict:
     return dict(sorted(members.items()))
 
 
+def _finite(members: dict) -> bool:
+    """Whether an LLM answer's numbers are all finite (its cumulative_logprob is NaN where no
+    logprobs were asked): else written as Triton writes them, NaN (encode_json)."""
+    return all(not isinstance(v, float) or math.isfinite(v) for v in members.values())
+
+
 def _error_body(e: KServeError, streaming: bool) -> bytes:
     text = json.dumps({"error": e.message}).encode()
     return b"data: " + text + b"\n\n" if streaming else text
@@ -194,7 +201,7 @@ async def _serve_generate(core: KServeCore, request: web.Request, streaming: boo
             # (its refusals come after the body is read, as the vLLM backend's come from the
             # model: under a stream, an event)
             members = await core.llm_run(model, core.llm.answer(model, body, streaming))
-            text = encode_json(answer_members(model, rid, members), True)
+            text = encode_json(answer_members(model, rid, members), _finite(members))
         else:
             _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)),
                                        trace=trace)
@@ -218,7 +225,8 @@ async def _llm_events(core: KServeCore, request: web.Request, model: str, rid: s
                 if response is None:
                     response = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
                     await response.prepare(request)
-                await response.write(b"data: " + encode_json(answer_members(model, rid, members), True) + b"\n\n")
+                await response.write(b"data: " + encode_json(answer_members(model, rid, members), _finite(members))
+                                     + b"\n\n")
     except ConnectionResetError:  # the client left while an event was written: nobody to tell
         return response
     except Exception as e:  # noqa: BLE001 -- the request's answer, whatever failed it

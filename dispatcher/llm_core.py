@@ -97,6 +97,7 @@ class Finished:
     tokens: list
     timing: P.LlmTiming
     finish_reason: str = ""
+    logprobs: list = field(default_factory=list)  # one P.PositionLogprobs a token, where asked
 
 
 class LlmCore:
@@ -523,7 +524,7 @@ class LlmCore:
                              prefill_worker=r.prefill_worker, kv_tokens=res.kv_tokens,
                              predicted_ttft_cpu_us=_us(r.pred_cpu), predicted_ttft_gpu_us=_us(r.pred_gpu),
                              stand_in=stand_in)
-        return Finished(r, list(res.tokens), timing, res.finish_reason)
+        return Finished(r, list(res.tokens), timing, res.finish_reason, res.logprobs)
 
     # ------------------------------------------------------------------ drain
     def begin_drain(self) -> None:

@@ -8,8 +8,9 @@ perf_analyzer ``--streaming``).
 The backend's inputs: ``text_input``; ``exclude_input_in_output`` (false: the prompt is written
 before the completion, the backend's default, and true when streaming); ``stream``;
 ``sampling_parameters`` (a JSON object in a string, read in place of the request's parameters,
-as the backend reads it); ``return_finish_reason``, ``return_num_input_tokens`` and
-``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
+as the backend reads it); ``return_finish_reason``, ``return_cumulative_logprob``,
+``return_logprobs`` (with vLLM's ``logprobs`` among the sampling parameters: ``Logprobs``),
+``return_num_input_tokens`` and ``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
 generate, its members that are no input, and those of its ``parameters``) are the sampling
 parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
 (16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
@@ -17,7 +18,7 @@ engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``stop_token_ids``,
 ``allowed_token_ids``, ``bad_words`` and ``logit_bias`` (as on /v1/completions; the last four, a
 list or an object, in ``sampling_parameters`` only; the backend's own passes logit_bias' string keys to
-vLLM unconverted, which refuses them), and the sampling ones: ``temperature``,
+vLLM unconverted, which refuses them), ``logprobs``, and the sampling ones: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed`` and the presence, frequency and repetition penalties,
 within vLLM's bounds, each left out at vLLM's default, as the backend leaves it (temperature 1:
 a request that gives none samples; ``temperature`` 0 is greedy; the model's
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import struct
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
@@ -50,16 +52,18 @@ from .openai_fields import (MAX_PROMPT_CHARS, OpenAiError, bad_words_field, logi
 from .openai_http import OpenAiCompletions, TextRule
 from .protocol import MAX_TOKEN_ID
 
-# The backend's inputs that Batchyard serves (name, KServe datatype, optional); its others
-# (images, logprobs) are refused.
+# The backend's inputs that Batchyard serves (name, KServe datatype, optional), in its order;
+# its other (images) is refused.
 BACKEND_INPUTS = (("text_input", "BYTES", False), ("stream", "BOOL", True), ("sampling_parameters", "BYTES", True),
                   ("exclude_input_in_output", "BOOL", True), ("return_finish_reason", "BOOL", True),
+                  ("return_cumulative_logprob", "BOOL", True), ("return_logprobs", "BOOL", True),
                   ("return_num_input_tokens", "BOOL", True), ("return_num_output_tokens", "BOOL", True))
 # Its outputs: (name, KServe datatype, dims).
 BACKEND_OUTPUTS = (("text_output", "BYTES", [-1]), ("finish_reason", "BYTES", [-1]),
+                   ("cumulative_logprob", "FP32", [-1]), ("logprobs", "BYTES", [-1]),
                    ("num_input_tokens", "UINT32", [1]), ("num_output_tokens", "UINT32", [-1]))
 _BOOL_INPUTS = tuple(name for name, datatype, _ in BACKEND_INPUTS if datatype == "BOOL")
-_REFUSED_INPUTS = ("image", "return_cumulative_logprob", "return_logprobs")
+_REFUSED_INPUTS = ("image",)
 INPUT_NAMES = frozenset((*(name for name, _, _ in BACKEND_INPUTS), *_REFUSED_INPUTS))
 # Members a client sends for Triton itself, not for the sampler.
 _NOT_SAMPLING = ("id",)
@@ -79,7 +83,7 @@ def llm_metadata(model: str) -> dict:
 def llm_config(model: str) -> dict:
     """Triton's model configuration of an LLM model, as the vLLM backend completes it: no batch
     dimension, optional inputs, decoupled (perf_analyzer then asks for ``--streaming``)."""
-    kind = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT32": "TYPE_UINT32"}
+    kind = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT32": "TYPE_UINT32", "FP32": "TYPE_FP32"}
     return {"name": model, "platform": "vllm", "backend": "vllm", "max_batch_size": 0,
             "input": [{"name": n, "data_type": kind[d], "dims": [1], "optional": optional}
                       for n, d, optional in BACKEND_INPUTS],
@@ -198,7 +202,7 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
 # annotations: Optional[int] is int).
 _SAMPLING_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
                    "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-                   "min_tokens": int}
+                   "min_tokens": int, "logprobs": int}
 
 
 # Request parameters Triton takes for itself (its scheduler's, its protocol's): not the model's.
@@ -282,6 +286,8 @@ def grpc_outputs(members: dict) -> list[tuple[str, str, bytes]]:
             if datatype == "BYTES":
                 data = value.encode()
                 out.append((name, datatype, struct.pack("<I", len(data)) + data))
+            elif datatype == "FP32":
+                out.append((name, datatype, struct.pack("<f", value)))
             else:
                 out.append((name, datatype, struct.pack("<I", value)))
     return out
@@ -308,6 +314,8 @@ class LlmGenerate:
         streamed = bool(switches.get("stream")) and emit is not None
         given = 0  # tokens of the responses emitted
         last = ""  # the piece of the step a stop string ended it at: the final response's, as the backend's
+        logprobs: Optional[Logprobs] = None
+        decoded: list = []  # the logprobs of the tokens decoded, as the engine gave them
 
         def on_text(piece: str, tokens: int, stopped: bool) -> None:
             nonlocal given, last
@@ -315,9 +323,10 @@ class LlmGenerate:
                 last = piece
                 return
             given += tokens
-            emit(_outputs(switches, piece, len(ids), tokens))
+            emit(_outputs(switches, piece, len(ids), tokens, logprobs=logprobs.of(decoded[:given])))
 
         try:
+            logprobs = Logprobs(self.completions, model, switches)
             (ids,) = await self.completions.encode(model, [prompt])
             switches["sampling"] = await self.completions.with_bad_words(model, switches["sampling"],
                                                                          switches["bad_words"])
@@ -327,24 +336,62 @@ class LlmGenerate:
                        sampling=switches["sampling"])
             rule = TextRule(switches["stop"], switches["include_stop_str_in_output"], switches["skip_special_tokens"])
             out = await self.completions.complete(model, ids, max_tokens, run, rule,
-                                                  on_text=on_text if streamed else None)
+                                                  on_text=on_text if streamed else None,
+                                                  on_logprobs=decoded.extend if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:
             raise from_batchyard(e, model) from None
+        rest = await asyncio.to_thread(logprobs.of, out.logprobs)  # (up to 21 decodes a token)
         if streamed:
-            return _outputs(switches, last + out.rest, len(ids), len(out.tokens) - given, out.finish_reason)
+            return _outputs(switches, last + out.rest, len(ids), len(out.tokens) - given, out.finish_reason, rest)
         text = out.text if switches["exclude_input_in_output"] else prompt + out.text
-        return _outputs(switches, text, len(ids), len(out.tokens), out.finish_reason)
+        return _outputs(switches, text, len(ids), len(out.tokens), out.finish_reason, rest)
 
 
-def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: str = "None") -> dict:
+class Logprobs:
+    """The backend's ``logprobs`` and ``cumulative_logprob`` outputs of one run, a response at a
+    time: ``of(positions)``, with every position of the generation so far (the engine's
+    P.PositionLogprobs), gives those of the positions past the last response's."""
+
+    def __init__(self, completions: OpenAiCompletions, model: str, switches: dict):
+        self.asked = switches["sampling"].logprobs is not None
+        self.wanted = bool(switches.get("return_logprobs") or switches.get("return_cumulative_logprob"))
+        self.texts = completions.token_texts(model) if self.asked and self.wanted else None
+        self.given = 0  # positions of the responses before
+        self.cumulative = 0.0
+
+    def of(self, positions: list) -> tuple:
+        """-> (the JSON text of the positions past those given: each {token id: {logprob, rank,
+        decoded_token}}, the decoded token first; "null" where the sampling asked none, as the
+        backend's; the sum of the generation's logprobs so far, NaN where none asked, as the
+        backend's None in a float32 tensor)."""
+        if self.texts is None:
+            return "null", math.nan
+        new, self.given = positions[self.given:], max(self.given, len(positions))
+        written = []
+        for position in new:
+            strings = self.texts.at([tid for tid, _, _ in position])
+            self.texts.decoded(position[0][0])
+            self.cumulative += position[0][1]
+            written.append({str(tid): {"logprob": lp, "rank": rank, "decoded_token": s}
+                            for s, (tid, lp, rank) in zip(strings, position)})
+        return json.dumps(written), self.cumulative
+
+
+def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: str = "None",
+             logprobs: tuple = ("null", math.nan)) -> dict:
     """One response's outputs, as the backend's ``create_response`` makes them: ``finish_reason``
     is ``str`` of vLLM's, "None" until the last ("stop" at an end-of-sequence token, "length" at
-    max_tokens); under a stream, ``num_output_tokens`` counts the response's own tokens."""
+    max_tokens); under a stream, ``num_output_tokens`` counts the response's own tokens, and
+    ``logprobs`` holds theirs (Logprobs.of)."""
     members = {"text_output": text}
     if switches.get("return_finish_reason"):
         members["finish_reason"] = finish_reason
+    if switches.get("return_cumulative_logprob"):
+        members["cumulative_logprob"] = logprobs[1]
+    if switches.get("return_logprobs"):
+        members["logprobs"] = logprobs[0]
     if switches.get("return_num_input_tokens"):
         members["num_input_tokens"] = n_in
     if switches.get("return_num_output_tokens"):

@@ -3,7 +3,8 @@ server serves it: the conversation is rendered to prompt text with the model's c
 (chat_template), tokenized without special tokens (the template writes them, as vLLM's
 default ``add_special_tokens: false`` for chat), and completed as ``/v1/completions`` completes
 a prompt (openai_http: the sampling fields and their defaults, ``n``, ``stop``, ``stream`` and
-``stream_options``, ``ignore_eos``, ``timeout``, ``batchyard_route``). The answer is chat's:
+``stream_options``, ``ignore_eos``, ``timeout``, ``batchyard_route``; ``logprobs`` true with
+``top_logprobs``, as vLLM's chat reads them, in chat's shape). The answer is chat's:
 each choice's ``message`` {role "assistant", content}; under ``stream``, ``chat.completion.chunk``
 events of ``delta``s, the first of each choice ``{"role": "assistant", "content": ""}``.
 
@@ -15,7 +16,7 @@ a template that loops over a message's parts, which vLLM would give the list, ge
 ``chat_template_kwargs`` and ``reasoning_effort`` (with ``enable_thinking``, as vLLM sets it)
 reach the template. At most MAX_MESSAGES messages, their text within /v1/completions'
 character limit; the template is rendered off the front door's loop. Refused with a 400 naming
-the field, rather than ignored: anything but text parts, tools and tool calls, ``logprobs``,
+the field, rather than ignored: anything but text parts, tools and tool calls,
 ``response_format`` other than text, a request's own ``chat_template``,
 ``continue_final_message``, ``echo``. A model folder without a chat template is a 400 on this
 route, as vLLM answers one; one whose template does not compile stops the front door's start.
@@ -31,14 +32,15 @@ from aiohttp import web
 from .chat_template import ChatTemplate, ChatTemplateError
 from .openai_fields import (IGNORED, SERVED, UNSUPPORTED, OpenAiError, check_prompt_tokens, check_supported,
                             check_text_length, flag, max_tokens_field, shown)
+from . import protocol as P
 from .openai_http import NO_DEFAULTS, AnswerShape, OpenAiCompletions
+from .openai_logprobs import ChatLogprobs, TokenTexts
 
 MAX_MESSAGES = 1024  # messages in one conversation
 # Chat's fields that would change the answer, refused unless they ask nothing (openai_http's
 # rule): beside /v1/completions' own (less those chat has not, or reads otherwise), OpenAI's and
 # vLLM's chat fields not served.
-CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k not in ("suffix", "logprobs")},
-                     "logprobs": False, "top_logprobs": 0, "tools": None, "functions": None,
+CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "suffix"}, "tools": None, "functions": None,
                      "echo": False, "continue_final_message": False, "chat_template": None, "documents": None,
                      "media_io_kwargs": None, "mm_processor_kwargs": None, "return_prompt_text": False}
 # What /tokenize refuses of a conversation, as the chat route refuses them (vLLM would apply them).
@@ -47,7 +49,8 @@ TOKENIZE_CHAT_UNSUPPORTED = {k: CHAT_UNSUPPORTED[k] for k in ("tools", "continue
 # Taken and left alone, beside /v1/completions' (no tools, no reasoning parser: nothing they change)
 CHAT_IGNORED = (*IGNORED, "parallel_tool_calls", "include_reasoning")
 CHAT_SERVED = (*(f for f in SERVED if f not in ("prompt", "echo")), "messages", "max_completion_tokens",
-               "tool_choice", "function_call", "reasoning_effort", "add_generation_prompt", "chat_template_kwargs")
+               "tool_choice", "function_call", "reasoning_effort", "add_generation_prompt", "chat_template_kwargs",
+               "top_logprobs")
 
 
 class ChatShape(AnswerShape):
@@ -71,6 +74,10 @@ class ChatShape(AnswerShape):
     def first(i: int) -> Optional[dict]:
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
+    @staticmethod
+    def logprobs(texts: TokenTexts, sampling: P.Sampling) -> ChatLogprobs:
+        return ChatLogprobs(texts, sampling.logprobs or 0)
+
 
 CHAT = ChatShape()
 
@@ -90,7 +97,9 @@ class OpenAiChat:
         try:
             body, model = await oa.body(request)
             _check_chat_fields(body)
-            checked = check_supported(body, oa.defaults.get(model, NO_DEFAULTS).sampling, CHAT_UNSUPPORTED)
+            # (chat's logprobs, a boolean, as the sampling's: top_logprobs tokens a position)
+            checked = check_supported({**body, "logprobs": _logprobs(body)},
+                                      oa.defaults.get(model, NO_DEFAULTS).sampling, CHAT_UNSUPPORTED)
             # (vLLM's order: max_completion_tokens, else the older max_tokens)
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             max_tokens = max_tokens_field(body.get(name), name)
@@ -153,7 +162,20 @@ def _check_chat_fields(body: dict) -> None:
         if choice not in (None, "none"):
             raise OpenAiError(400, f"{name} {shown(choice)} is not supported yet by Batchyard's LLM mode (no tools)",
                               param=name)
-    flag(body, "logprobs")  # (a boolean here; true is refused with the unsupported fields)
+
+
+def _logprobs(body: dict) -> Optional[int]:
+    """The sampling's logprobs of chat's ``logprobs`` (a boolean) and ``top_logprobs`` (null:
+    0), as vLLM reads them: the most likely tokens a position, or None where not asked."""
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= P.MAX_LOGPROBS):
+        raise OpenAiError(400, f"top_logprobs must be an integer in 0..{P.MAX_LOGPROBS}, got {shown(top)}",
+                          param="top_logprobs")
+    if not flag(body, "logprobs"):
+        if top:
+            raise OpenAiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def chat_messages(value) -> list[dict]:

@@ -31,7 +31,7 @@ MAX_REQUEST_CHARS = MAX_PROMPT_CHARS
 # Refused unless at their defaults, rather than ignored: a `stop` taken and ignored answered 200
 # with the very text the caller asked to stop at. OpenAI's fields not served, then every field of
 # vLLM's (0.32) completion request it does not serve: its server would apply them.
-UNSUPPORTED = {"logprobs": None, "suffix": None,
+UNSUPPORTED = {"suffix": None,
                "use_beam_search": False,
                "length_penalty": 1.0, "watermarking": None,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
@@ -52,7 +52,7 @@ IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", 
 SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_output", "stream", "stream_options",
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
           "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
-          "logit_bias", "allowed_token_ids", "echo", "bad_words")
+          "logit_bias", "allowed_token_ids", "echo", "bad_words", "logprobs")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)

@@ -23,8 +23,11 @@ that token, unless ``include_stop_str_in_output``; ``stop_reason`` its id), and 
 that many tokens are decoded. The text leaves special tokens out unless vLLM's
 ``skip_special_tokens`` is false, and is decoded as it reads after the prompt (vLLM primes its
 detokenizer with the prompt's tokens). ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
-own (a BOS) to a text prompt. Not supported yet, and refused with a 400 naming the field rather
-than ignored, unless at its default: ``logprobs``, ``suffix``, ``best_of`` > 1, and
+own (a BOS) to a text prompt. ``logprobs`` (0 to P.MAX_LOGPROBS) gives each choice OpenAI's
+``logprobs`` object: its tokens' texts, logprobs, text offsets and each position's most likely
+tokens (openai_logprobs, as vLLM's server writes them; with ``echo``, which would need the
+prompt's logprobs, a 400). Not supported yet, and refused with a 400 naming the field rather
+than ignored, unless at its default: ``suffix``, ``best_of`` > 1, and
 every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED: its server would
 apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
 vLLM has are ignored, as vLLM's server ignores them.
@@ -34,7 +37,9 @@ ids decoded with their special tokens, as vLLM's server echoes them); with ``max
 prompt alone (vLLM then decodes one token and counts it). ``stream`` true answers Server-Sent Events as OpenAI's API does: a chunk of each prompt's text as
 its engine decodes it (llm_text), its last with ``finish_reason``, with ``stream_options:
 {"include_usage": true}`` a chunk of the usage (and with vLLM's ``"continuous_usage_stats": true``
-each chunk with its choice's usage so far), then ``data: [DONE]``. The answer starts with its
+each chunk with its choice's usage so far), then ``data: [DONE]``. A chunk's ``logprobs`` are
+those of the tokens decoded since the chunk before (a token whose text is held back, as vLLM's
+chunk of an engine step holds it, comes with the next chunk of text, or the last). The answer starts with its
 first chunk, so a request refused before a token came (overloaded, its deadline) is the JSON
 error under its status, as without ``stream``; an error after that is an ``error`` event, then
 ``[DONE]`` (vLLM's server does the same).
@@ -67,6 +72,7 @@ from . import errors
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream, decoding_after, whole_text
+from .openai_logprobs import CompletionLogprobs, TokenTexts, leading_space_marker
 from . import protocol as P
 from .llm_model_files import GenerationDefaults, config_eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
@@ -101,6 +107,7 @@ class OpenAiCompletions:
         self.default_timeout_s = default_timeout_s  # the node's, for a body without "timeout"
         self._tokenizers: dict = {}
         self._eos: dict = {}  # by model: (the tokenizer's end-of-sequence id, the configured ones)
+        self._markers: dict = {}  # by model: its tokenizer's leading-space marker (openai_logprobs)
         self.in_flight = 0  # completions (of this route and chat's) being served: vLLM's /load
         self._ids = itertools.count(1)
 
@@ -198,6 +205,11 @@ class OpenAiCompletions:
                         flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
                         flag(body, "skip_special_tokens", default=True))  # vLLM's
         words = bad_words_field(body.get("bad_words"))
+        if sampling.logprobs is not None:
+            if echoed is not None:  # (vLLM's: the prompt's logprobs too, which its engine computes)
+                raise OpenAiError(400, "logprobs with echo (the prompt's logprobs) is not supported yet by "
+                                       "Batchyard's LLM mode", param="logprobs")
+            self.tokenizer(model, "logprobs")  # (their tokens' texts)
         prompts = await prompts()
         sampling = await self.with_bad_words(model, sampling, words)
         if len(prompts) * n > MAX_PROMPTS:
@@ -211,8 +223,9 @@ class OpenAiCompletions:
         gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults, sampling),
                  {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
         leads = [text for text in (await echoed(prompts) if echoed else [""] * len(prompts)) for _ in range(n)]
+        logprobs = (lambda: shape.logprobs(self.token_texts(model), sampling)) if sampling.logprobs is not None else None
         if stream:
-            return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet)
+            return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet, logprobs)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
         tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, rule)) for ids, limit, run_k in gens]
@@ -222,24 +235,32 @@ class OpenAiCompletions:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
         choices = [shape.choice(i, leads[i] + ("" if quiet else out.text), out) for i, out in enumerate(outs)]
+        if logprobs is not None:  # (their texts decoded on a thread: up to 21 decodes a token)
+            written = await asyncio.to_thread(lambda: [logprobs().of(out.logprobs) for out in outs])
+            for choice, lp in zip(choices, written):
+                choice["logprobs"] = lp
         return web.json_response({
             "id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(prompts, outs),
             "batchyard": [_timing(out) for out in outs]})
 
     async def complete(self, model: str, ids: list, max_tokens: int, run: dict, rule: "TextRule" = None,
-                       on_text: Optional[Callable[[str, int, bool], None]] = None) -> Completion:
+                       on_text: Optional[Callable[[str, int, bool], None]] = None,
+                       on_logprobs: Optional[Callable[[list], None]] = None) -> Completion:
         """One prompt's completion, as text: its generation (``run``: the generate call's other
         arguments), as ``rule`` makes text of it; a stop string found ends it in its engine.
         ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
-        string ended the generation there; the rest is the Completion's ``rest``."""
+        string ended the generation there; the rest is the Completion's ``rest``. ``on_logprobs``:
+        called before it with the step's logprobs, where the sampling asks them."""
         sampling, rule = run.get("sampling") or NO_SAMPLING, rule or PLAIN
         # (the text as it reads after the prompt)
         decode = decoding_after(lambda t: self.decode(model, t, rule.skip_special_tokens), ids)
         text = TextStream(decode, rule.stops, rule.include_stop, sampling.min_tokens)
 
         def on_tokens(tokens: list) -> bool:
+            if on_logprobs is not None:
+                on_logprobs(tokens.logprobs)
             piece = text.push(tokens)
             if on_text is not None:
                 on_text(piece, len(tokens), bool(text.stopped))
@@ -248,22 +269,22 @@ class OpenAiCompletions:
 
         watch = on_text is not None or bool(text.stops)
         out = await self.client.generate(model, ids, max_tokens, **run, on_tokens=on_tokens if watch else None)
-        tokens = list(out)
+        tokens, logprobs = list(out), out.logprobs
         # Ended by a token's id (an end-of-sequence one, or of stop_token_ids): vLLM decodes no
         # text of that token, unless include_stop_str_in_output.
         by_id = out.finish_reason == "stop" and bool(tokens)
         shown = tokens[:-1] if by_id and not rule.include_stop else tokens
         reason = await self.stop_token(model, tokens[-1], sampling, run.get("ignore_eos", False)) if by_id else None
         if not watch:
-            return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing)
+            return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing, logprobs)
         # (a stop string in the last step's text, which only the reply holds, is found here; one
         # found before ended the generation there, and this adds nothing)
         rest = text.finish(shown, len(tokens))
         if not text.stopped:
-            return Completion(text.text, rest, tokens, out.finish_reason, reason, out.timing)
-        # the tokens up to the one completing it, as vLLM keeps them
+            return Completion(text.text, rest, tokens, out.finish_reason, reason, out.timing, logprobs)
+        # the tokens up to the one completing it, as vLLM keeps them (and their logprobs)
         tokens = _up_to(tokens, text.stopped, text.stop_at, decode)
-        return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing)
+        return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing, logprobs[:len(tokens)])
 
     async def stop_token(self, model: str, token: int, sampling: P.Sampling, ignore_eos: bool) -> Optional[int]:
         """vLLM's ``stop_reason`` of a generation that ``token`` ended: none for the tokenizer's
@@ -310,14 +331,17 @@ class OpenAiCompletions:
         return limit
 
     async def _stream(self, request, model: str, prompts: list, gens: list, rule: "TextRule",
-                      usage: list, shape: "AnswerShape", leads: list, quiet: bool) -> web.StreamResponse:
+                      usage: list, shape: "AnswerShape", leads: list, quiet: bool,
+                      logprobs: Optional[Callable[[], object]] = None) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order;
         each choice's text begins with its ``leads`` (echo's prompt text), sent with the first of
         it the engine gives, as vLLM sends it; ``quiet``: the generated text is left out.
         ``usage``: (include_usage: a last chunk of the usage; continuous_usage_stats: each chunk
         with its choice's usage so far, its tokens decoded whether or not their text is sent yet,
-        as vLLM counts them)."""
+        as vLLM counts them). ``logprobs``: makes a choice's logprobs writer (None: not asked); a
+        chunk holds those of the tokens decoded since the chunk before, its last those left, as
+        vLLM's chunks hold each engine step's (so joined, they are the answer's without stream)."""
         include_usage, continuous = usage
         head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
                 "created": int(time.time()), "model": model}
@@ -327,6 +351,15 @@ class OpenAiCompletions:
         # chunks, rather than an event queued an engine step.
         decoded: list = [""] * len(gens)
         counted = [0] * len(gens)  # each choice's tokens so far
+        writers = [logprobs() for _ in gens] if logprobs is not None else None
+        lp_ready: list = [[] for _ in gens]  # each choice's logprobs decoded, not sent yet
+        lp_sent = [0] * len(gens)  # ... and the number sent
+
+        def with_logprobs(i: int, choice: dict, positions: list) -> dict:
+            if writers is not None:
+                choice["logprobs"] = writers[i].of(positions)
+                lp_sent[i] += len(positions)
+            return choice
 
         def so_far(i: int, tokens: int) -> dict:
             if not continuous:
@@ -344,7 +377,9 @@ class OpenAiCompletions:
         async def generate(i: int, ids: list, max_tokens: int, run: dict) -> None:
             try:
                 out = await self.complete(model, ids, max_tokens, run, rule,
-                                          on_text=lambda piece, tokens, _last: on_text(i, piece, tokens))
+                                          on_text=lambda piece, tokens, _last: on_text(i, piece, tokens),
+                                          # (the list of the moment: a chunk sent takes it whole)
+                                          on_logprobs=(lambda lps: lp_ready[i].extend(lps)) if writers else None)
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:
@@ -381,12 +416,14 @@ class OpenAiCompletions:
                         break
                     piece, decoded[i] = decoded[i], ""
                     if piece:
-                        await send({**head, "choices": [shape.piece(i, piece)], **so_far(i, counted[i])})
+                        positions, lp_ready[i] = lp_ready[i], []
+                        await send({**head, "choices": [with_logprobs(i, shape.piece(i, piece), positions)],
+                                    **so_far(i, counted[i])})
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
                 text = leads[i] + decoded[i] + ("" if quiet else got.rest)
-                await send({**head, "choices": [shape.last(i, text, got)], **so_far(i, len(got.tokens)),
-                            "batchyard": _timing(got)})
+                last = with_logprobs(i, shape.last(i, text, got), got.logprobs[lp_sent[i]:])
+                await send({**head, "choices": [last], **so_far(i, len(got.tokens)), "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
             await response.write(b"data: [DONE]\n\n")
@@ -462,6 +499,13 @@ class OpenAiCompletions:
             raise OpenAiError(400, "the prompt is empty after tokenization", param=param)
         return [e.ids for e in encodings]
 
+    def token_texts(self, model: str) -> TokenTexts:
+        """A generation's token texts as vLLM's logprobs give them (a fresh one each generation)."""
+        tok = self.tokenizer(model, "logprobs")
+        if model not in self._markers:
+            self._markers[model] = leading_space_marker(tok)
+        return TokenTexts(tok, self._markers[model])
+
     def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         """``ids`` as text, its special tokens left out (vLLM's default for generated text)."""
         try:
@@ -505,14 +549,16 @@ class Completion:
     """One prompt's completion: its ``text`` (cut before a stop string), the ``rest`` of it past
     the pieces a stream was given, its ``tokens``, ``finish_reason`` ("stop": an end-of-sequence
     token or a stop token or string; "length"), vLLM's ``stop_reason`` (the stop string found,
-    the stop token's id, or None), and the generation's ``timing`` (None where a stop string
-    ended it before its reply)."""
+    the stop token's id, or None), the generation's ``timing`` (None where a stop string
+    ended it before its reply) and its tokens' ``logprobs`` (P.PositionLogprobs, where asked)."""
 
-    __slots__ = ("text", "rest", "tokens", "finish_reason", "stop_reason", "timing")
+    __slots__ = ("text", "rest", "tokens", "finish_reason", "stop_reason", "timing", "logprobs")
 
-    def __init__(self, text: str, rest: str, tokens: list, finish_reason: str, stop_reason: str, timing):
+    def __init__(self, text: str, rest: str, tokens: list, finish_reason: str, stop_reason: str, timing,
+                 logprobs: Optional[list] = None):
         self.text, self.rest, self.tokens = text, rest, tokens
         self.finish_reason, self.stop_reason, self.timing = finish_reason, stop_reason, timing
+        self.logprobs = logprobs or []
 
 
 class AnswerShape:
@@ -538,6 +584,11 @@ class AnswerShape:
     def first(i: int) -> Optional[dict]:
         """A chunk sent before a choice's first (None: none)."""
         return None
+
+    @staticmethod
+    def logprobs(texts: TokenTexts, sampling: P.Sampling):
+        """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
+        return CompletionLogprobs(texts)
 
 
 TEXT = AnswerShape()

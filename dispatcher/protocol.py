@@ -176,7 +176,13 @@ MAX_NEW_TOKENS = 1 << 16  # the most tokens one generate request may ask for
 MAX_STOP_TOKEN_IDS = 1024  # a generation's stop_token_ids (vLLM sets no bound)
 MAX_BAD_WORDS = 128  # token sequences a generation may not decode (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
 MAX_BAD_WORD_TOKENS = 1024  # ... each of at most this many tokens
+MAX_LOGPROBS = 20  # the most likely tokens a generation's logprobs give at each position (vLLM's max_logprobs default)
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+# One position of a generation's logprobs, as vLLM's engine gives them: (token id, log
+# probability, rank: 1 the likeliest) of the token decoded there first, then of the position's
+# ``logprobs`` most likely tokens by rank, without the decoded one again.
+PositionLogprobs = Annotated[list[tuple[TokenId, float, int]],
+                             msgspec.Meta(min_length=1, max_length=MAX_LOGPROBS + 1)]
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
 
@@ -192,7 +198,9 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     ``logit_bias`` adds to a token's logit (-100 to 100), ``allowed_token_ids`` keeps only those
     tokens' (vLLM checks either's ids against the model's vocabulary). ``bad_words_token_ids``:
     token sequences never decoded (the last token of each is masked after the others), vLLM's
-    tokenized ``bad_words`` (openai_fields.bad_words_token_ids tokenizes them as vLLM does)."""
+    tokenized ``bad_words`` (openai_fields.bad_words_token_ids tokenizes them as vLLM does).
+    ``logprobs`` (vLLM's, 0 to MAX_LOGPROBS): each token decoded comes with its log probability
+    and those of that many most likely tokens at its position (PositionLogprobs)."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
@@ -209,6 +217,7 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     allowed_token_ids: Optional[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]] = None
     bad_words_token_ids: Annotated[list[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]],
                                    msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
+    logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]] = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
@@ -333,9 +342,10 @@ class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defa
     tokens: list[int] = []
     timing: Optional[LlmTiming] = None
     finish_reason: str = ""  # "stop": it decoded an end-of-sequence token; "length": max_tokens
+    logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
 
 
-class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type"):
+class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type", omit_defaults=True):
     """Tokens of a streamed generation (``GenerateRequest.stream``), as its engine decoded them:
     ``tokens`` from the generation's token ``start`` on. Not a reply: the request's reply
     (``generated``) still comes, once, with every token, the last ones included. A client that
@@ -345,6 +355,7 @@ class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type"):
     id: U64
     tokens: list[int]
     start: int = -1  # -1: not said (a dispatcher before it), so no gap can be found
+    logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
 
 
 ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply, GenerateTokens]
@@ -434,6 +445,7 @@ class LlmResult(msgspec.Struct, omit_defaults=True):
     first_token_s: float = 0.0  # job receipt -> this request's first token, on the worker's clock
     kv_tokens: int = 0  # prompt tokens loaded from the moved KV cache (decode jobs)
     finish_reason: str = ""  # vLLM's: "stop" (an end-of-sequence token) or "length"
+    logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
 
 
 class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
@@ -445,7 +457,7 @@ class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
     results: list[LlmResult]
 
 
-class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type"):
+class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type", omit_defaults=True):
     """Tokens a streamed generate job's request decoded in one engine step (``LlmJob.stream``),
     from its token ``start`` on; its last ones come in the job's LlmDone only."""
 
@@ -454,6 +466,7 @@ class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type"):
     seq: int
     start: int
     tokens: list[int]
+    logprobs: list[PositionLogprobs] = []
 
 
 WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, Leaving, LlmDone, LlmTokens]

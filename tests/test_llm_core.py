@@ -554,6 +554,7 @@ def test_while_draining_an_unknown_model_is_counted_as_unknown_not_under_its_nam
 class _Generated(list):
     timing = P.LlmTiming(ttft_us=1, total_us=2, route="gpu", decode_worker="gpu0")
     finish_reason = "length"
+    logprobs: list = []
 
 
 class _FakeClient:

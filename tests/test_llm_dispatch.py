@@ -60,6 +60,26 @@ def decoded(job: P.LlmJob, prompt, n) -> tuple[list, str]:
     return tokens, "length"
 
 
+def scripted_logprobs(tokens: list, n: int) -> list:
+    """The scripted engine's logprobs (P.PositionLogprobs) of ``tokens``, ``n`` most likely a
+    position: token k at -0.5(k + 1); at even k the most likely, then n - 1 others; at odd k
+    second, after the next token, then n - 1 others (n + 1 entries, as vLLM's engine gives a
+    decoded token not among the n)."""
+    out = []
+    for k, t in enumerate(tokens):
+        lp = -0.5 * (k + 1)
+        if k % 2 == 0:
+            out.append([(t, lp, 1), *(((t + j) % 4096, lp - j, j + 1) for j in range(1, n))])
+        else:
+            out.append([(t, lp, 2), *(((t + j) % 4096, lp + 0.25 if j == 1 else lp - j, j) for j in range(1, n + 1))])
+    return out
+
+
+def _logprobs_of(job: P.LlmJob, tokens: list) -> list:
+    n = job.sampling.logprobs if job.sampling is not None else None
+    return [] if n is None else scripted_logprobs(tokens, n)
+
+
 class ScriptedEngine(threading.Thread):
     """Registers as an LLM worker and answers jobs at once with tokens that depend on the prompt."""
 
@@ -113,11 +133,14 @@ class ScriptedEngine(threading.Thread):
                     self.jobs.append(msg)
                     if msg.stream:  # as a vLLM worker: each step's token as decoded, but the last step's
                         for seq, prompt, n in zip(msg.seqs, msg.prompts, msg.max_tokens):
-                            for start, token in enumerate(decoded(msg, prompt, n)[0][:-1]):
+                            tokens = decoded(msg, prompt, n)[0]
+                            logprobs = _logprobs_of(msg, tokens)
+                            for start, token in enumerate(tokens[:-1]):
                                 if n == GAP_MAX_TOKENS and start == 1:
                                     continue
                                 sock.send(P.encode(P.LlmTokens(job_id=msg.job_id, worker=self.name_, seq=seq,
-                                                               start=start, tokens=[token])))
+                                                               start=start, tokens=[token],
+                                                               logprobs=logprobs[start:start + 1])))
                     sock.send(P.encode(self._answer(msg)))
                 elif type(msg) is P.LlmAbort:  # as a vLLM worker: out of the engine, the job ends
                     self.aborts.append(msg)
@@ -138,7 +161,7 @@ class ScriptedEngine(threading.Thread):
             kv = (len(prompt) // 32) * 32 if job.kv_from else 0
             tokens, reason = decoded(job, prompt, n)
             results.append(P.LlmResult(seq=seq, status=0, tokens=tokens, first_token_s=0.0005, kv_tokens=kv,
-                                       finish_reason=reason))
+                                       finish_reason=reason, logprobs=_logprobs_of(job, tokens)))
         return P.LlmDone(job_id=job.job_id, worker=self.name_, compute_s=0.001, results=results)
 
 
@@ -397,6 +420,49 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
     stats = body["model_stats"][0]
     assert (stats["inference_stats"]["success"]["count"], stats["inference_stats"]["fail"]["count"],
             stats["inference_count"], stats["execution_count"]) == (3, 1, 3, 3)
+
+
+def test_an_llm_models_logprobs_come_as_tritons_vllm_backend_gives_them(llm_node, run_dir):
+    """The backend's return_logprobs and return_cumulative_logprob, with vLLM's logprobs in
+    sampling_parameters: each response's tokens' logprobs as JSON ({id: {logprob, rank,
+    decoded_token}}, the decoded token first), the generation's sum so far; "null" and NaN
+    where the sampling asked none, as the backend's."""
+    import tomllib
+
+    from tokenizers import Tokenizer
+
+    _, _, url = llm_node
+    tok = Tokenizer.from_file(str(Path(run_dir) / "tokenizer.json"))
+    grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
+    prompt = "the"
+    status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    ids = body["batchyard"][0]["token_ids"]
+    sampling = json.dumps({"max_tokens": 4, "temperature": 0, "logprobs": 1}).encode()
+    switches = {"return_logprobs": True, "return_cumulative_logprob": True}
+    answers = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": True, "sampling_parameters": sampling,
+                                       **switches})
+    assert [error for _, error in answers] == [None] * 4
+    steps = [json.loads(result.as_numpy("logprobs")[0]) for result, _ in answers]
+    assert [len(step) for step in steps] == [1] * 4  # each response its own tokens'
+    positions = [p for step in steps for p in step]
+    assert [[(int(k), v["logprob"], v["rank"]) for k, v in p.items()] for p in positions] == \
+        [list(map(tuple, p)) for p in scripted_logprobs(ids, 1)]
+    assert [p[str(t)]["decoded_token"] for p, t in zip(positions, ids)] == \
+        [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert [result.as_numpy("cumulative_logprob").tolist() for result, _ in answers] == [[-0.5], [-1.5], [-3.0], [-5.0]]
+    [(result, error)] = _stream_infer(grpc_url, {"text_input": prompt.encode(), **switches},
+                                      parameters={"max_tokens": 2, "temperature": 0})
+    assert error is None and result.as_numpy("logprobs").tolist() == [b"null"]
+    assert np.isnan(result.as_numpy("cumulative_logprob")[0])
+    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "sampling_parameters": sampling.decode(),
+                                                             **switches})
+    assert status == 200 and json.loads(body["logprobs"]) == positions and body["cumulative_logprob"] == -5.0
+    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 2, "temperature": 0,
+                                                             **switches})
+    assert body["logprobs"] == "null" and np.isnan(body["cumulative_logprob"])  # (written NaN, as Triton writes it)
+    status, body = _http(url + "/v2/models/tiny/config")
+    assert {"return_logprobs", "return_cumulative_logprob"} <= {i["name"] for i in body["input"]}
+    assert {"logprobs", "cumulative_logprob"} <= {o["name"] for o in body["output"]}
 
 
 def test_a_completion_on_a_stream_is_answered_when_done_not_after_those_before_it(llm_node, run_dir):
@@ -733,8 +799,7 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              ({"model": "tiny", "prompt": [1, 2], "timeout": "soon"}, 400, "timeout"),
                              # (one past the context is cut to it: test_a_max_tokens_past_what_the_context_leaves)
                              ({"model": "tiny", "prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
-                             # OpenAI's ask for the sampled token's logprob: served without it, 200.
-                             ({"model": "tiny", "prompt": [1, 2], "logprobs": 0}, 400, "logprobs"),
+                             ({"model": "tiny", "prompt": [1, 2], "suffix": "x"}, 400, "suffix"),
                              # vLLM's own fields not served: its server would apply them
                              ({"model": "tiny", "prompt": [1, 2], "length_penalty": 2.0}, 400, "length_penalty"),
                              ({"model": "tiny", "prompt": [1, 2], "priority": 1}, 400, "priority"),
@@ -1167,7 +1232,7 @@ def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
             ({"tool_choice": "auto"}, "tool_choice", "not supported"),
             ({"function_call": "auto"}, "function_call", "not supported"),
             ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-            ({"logprobs": True}, "logprobs", "not supported"), ({"logprobs": 1}, "logprobs", "must be a boolean"),
+            ({"echo": True}, "echo", "not supported"), ({"logprobs": 1}, "logprobs", "must be a boolean"),
             ({"chat_template": "{{ 1 }}"}, "chat_template", "not supported"),
             ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
             ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
@@ -1473,3 +1538,79 @@ def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_nod
                          ({"prompt": [[1]] * 600, "n": 2}, "at most 1024 a request")):
         status, err = _http(url + "/v1/completions", {**body, **extra})
         assert status == 400 and words in err["error"]["message"] and err["error"]["param"] == "n", (extra, err)
+
+
+def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
+    """vLLM's logprobs on /v1/completions (an int), chat (logprobs + top_logprobs) and the SDK:
+    each token's text, logprob and its position's most likely tokens as the engine gave them,
+    in OpenAI's shapes; a stream's chunks join to the answer without stream; a stop string
+    keeps the logprobs of the tokens it keeps; what cannot be served is a 400 naming it."""
+    from tokenizers import Tokenizer
+
+    address, _, url = llm_node
+    tok = Tokenizer.from_file(str(Path(address[len("ipc://"):]).parent / "tokenizer.json"))
+    text = lambda t: tok.decode([t], skip_special_tokens=False)  # noqa: E731
+    tokens = expected([40], 6)  # 'H', 'I', ...: one character each
+    assert "".join(map(text, tokens)) == "HIJKLM"
+    body = {"model": "tiny", "prompt": [40], "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    status, out = _http(url + "/v1/completions", body)
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert lp["tokens"] == list("HIJKLM") and lp["text_offset"] == [0, 1, 2, 3, 4, 5]
+    assert lp["token_logprobs"] == [-0.5, -1.0, -1.5, -2.0, -2.5, -3.0]
+    # the decoded token's entry first, then the most likely: at odd positions it is second
+    assert lp["top_logprobs"][0] == {"H": -0.5, "I": -1.5}
+    assert list(lp["top_logprobs"][1].items()) == [("I", -1.0), ("J", -0.75), ("K", -3.0)]
+    status, kind, events = _events(url + "/v1/completions", {**body, "stream": True})
+    assert status == 200, events
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert all("".join(c["logprobs"]["tokens"]) == c["text"] for c in chunks), chunks  # each its own tokens'
+    assert {k: [v for c in chunks for v in c["logprobs"][k]] for k in lp} == lp
+
+    # a stop string: the tokens up to the one completing it, their logprobs alone
+    status, out = _http(url + "/v1/completions", {**body, "stop": "JK"})
+    assert out["choices"][0]["logprobs"]["tokens"] == list("HIJK") and out["usage"]["completion_tokens"] == 4
+    status, kind, events = _events(url + "/v1/completions", {**body, "stop": "JK", "stream": True,
+                                                             "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]] == list("HIJK")
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 1}
+    status, out = _http(url + "/v1/chat/completions", chat)
+    assert status == 200, out
+    ids = out["batchyard"][0]["token_ids"]
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [text(t) for t in ids]
+    assert [c["logprob"] for c in content] == [-0.5, -1.0, -1.5, -2.0]
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    # top_logprobs 1: the first entry, the decoded token's own even where it is second (vLLM's)
+    assert [[x["token"] for x in c["top_logprobs"]] for c in content] == [[text(t)] for t in ids]
+    status, out = _http(url + "/v1/chat/completions", {**chat, "top_logprobs": None})
+    assert status == 200 and all(c["top_logprobs"] == [] for c in out["choices"][0]["logprobs"]["content"])
+    status, kind, events = _events(url + "/v1/chat/completions", {**chat, "stream": True})
+    streamed = [c for e in events[:-1] if (x := json.loads(e)["choices"][0]["logprobs"]) for c in x["content"]]
+    assert streamed == content
+    status, out = _http(url + "/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0})
+    assert status == 200 and out["choices"][0]["logprobs"] is None
+
+    for route, extra, param in (("completions", {"logprobs": 21}, "logprobs"),
+                                ("completions", {"logprobs": -1}, "logprobs"),
+                                ("completions", {"logprobs": 1, "echo": True}, "logprobs"),
+                                ("chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+                                ("chat/completions", {"top_logprobs": 21}, "top_logprobs"),
+                                ("chat/completions", {"logprobs": 1}, "logprobs")):
+        status, err = _http(url + f"/v1/{route}", {**(body if route == "completions" else chat), **extra})
+        assert (status, err["error"]["param"]) == (400, param), (route, extra, err)
+
+    with Client(address) as c:
+        out = c.generate("tiny", [40], 6, sampling={"temperature": 0, "logprobs": 2})
+        assert out.logprobs == scripted_logprobs(tokens, 2)
+        steps = []
+        out = c.generate("tiny", [40], 6, sampling={"temperature": 0, "logprobs": 0},
+                         on_tokens=lambda step: steps.append((list(step), step.logprobs)))
+        assert [lp for _, lps in steps for lp in lps] == scripted_logprobs(tokens, 0)[:len(steps)]
+        assert c.generate("tiny", [40], 6).logprobs == []
+        with pytest.raises(InvalidArgument, match="logprobs"):
+            c.generate("tiny", [40], 6, sampling={"logprobs": 21})

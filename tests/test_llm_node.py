@@ -177,7 +177,7 @@ def test_bad_words_are_tokenized_as_vllm_does_and_banned_by_the_engine(node):
 class _ScriptedGeneration(list):
     def __init__(self, tokens: list, finish_reason: str, timing):
         super().__init__(tokens)
-        self.finish_reason, self.timing = finish_reason, timing
+        self.finish_reason, self.timing, self.logprobs = finish_reason, timing, []
 
 
 class _ScriptedClient:
@@ -206,6 +206,24 @@ class _ScriptedClient:
         return _ScriptedGeneration(tokens, reason, object())
 
 
+def _small_tokenizer(kind: str):
+    """A BPE tokenizer of 300 tokens, byte-level (GPT-2's kind: a character of several bytes may
+    split over tokens) or "metaspace" (SentencePiece's: a word's first piece holds its space),
+    its special tokens <unk>, <s>, </s> and <|eot|> (ids 0-3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "metaspace":
+        tok.pre_tokenizer, tok.decoder, alphabet = pre_tokenizers.Metaspace(), decoders.Metaspace(), []
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["the cache moves from one engine to the other é 日本語 🙂 stop here"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|eot|>"],
+                                                show_progress=False, initial_alphabet=alphabet))
+    return tok
+
+
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
 def test_a_generations_text_is_what_vllms_detokenizer_makes_of_it(tmp_path, kind):
     """The front door's text of a generation against vLLM's own: its FastIncrementalDetokenizer
@@ -217,21 +235,12 @@ def test_a_generations_text_is_what_vllms_detokenizer_makes_of_it(tmp_path, kind
     import asyncio
     import types
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
     from batchyard import protocol as P
     from batchyard.openai_http import OpenAiCompletions, TextRule
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    if kind == "metaspace":
-        tok.pre_tokenizer, tok.decoder, alphabet = pre_tokenizers.Metaspace(), decoders.Metaspace(), []
-    else:
-        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(["the cache moves from one engine to the other é 日本語 🙂 stop here"] * 4,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|eot|>"],
-                                                show_progress=False, initial_alphabet=alphabet))
+    tok = _small_tokenizer(kind)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))  # id 2
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
@@ -375,6 +384,28 @@ def _post_json(url: str, body: dict) -> tuple[int, str, bytes]:
         return e.code, e.headers["Content-Type"], e.read()
 
 
+def test_the_engines_logprobs_reach_every_route(node):
+    """vLLM's logprobs from a real engine: a greedy generation's tokens each the most likely at
+    its position (rank 1, the largest logprob), one entry a token counted; the same numbers on
+    /v1/completions and from the SDK (the routes' shapes: test_llm_dispatch's scripted engines)."""
+    cfg, url = node
+    prompt = _prompt(40, seed=77)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3,
+            "batchyard_route": "gpu"}
+    status, _, raw = _post_json(url + "/v1/completions", body)
+    out = json.loads(raw)
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == out["usage"]["completion_tokens"] == 6
+    for mine, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert mine <= 0 and mine == max(top.values()) and len(top) <= 3, (mine, top)
+    with Client(cfg.dispatcher.frontend) as c:
+        g = c.generate("tiny", prompt, 6, route="gpu", ignore_eos=True, sampling={"logprobs": 3}, timeout=120)
+    assert [p[0][2] for p in g.logprobs] == [1] * 6 and all(len(p) == 3 for p in g.logprobs)
+    assert [p[0][0] for p in g.logprobs] == list(g)
+    assert [p[0][1] for p in g.logprobs] == pytest.approx(lp["token_logprobs"], abs=1e-3)
+
+
 def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     """A Triton + vLLM client's request: the same greedy text as /v1/completions, after the prompt
     unless it asks for the completion alone, with the outputs it asks for."""
@@ -490,3 +521,67 @@ def test_the_openai_client_reads_every_answer_of_the_openai_routes(node):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="tiny", messages=messages, temperature=5)
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
+    """The front door's logprobs objects (/v1/completions' and chat's) against vLLM's own: its
+    LogprobsProcessor (the engine's logprobs made into Logprob dicts, each token's text as vLLM
+    writes it: decoded alone, SentencePiece's leading spaces given back, a byte of a split
+    character read after the tokens before it) and its servers' _create_completion_logprobs and
+    _create_chat_logprobs, on random generations of words with characters of several bytes and
+    special tokens, random likely tokens (the decoded one among them or not), whole and in
+    random chunks as a stream writes them."""
+    import functools
+    import types
+
+    import numpy as np
+    from transformers import PreTrainedTokenizerFast
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    from batchyard.openai_logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, leading_space_marker
+
+    tok = _small_tokenizer(kind)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    vocab = tok.get_vocab_size()
+    serving = types.SimpleNamespace(return_tokens_as_token_ids=False,
+                                    _get_decoded_token=GenerateBaseServing._get_decoded_token)
+    serving._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, serving)
+    marker = leading_space_marker(tok)
+    assert (marker is not None) == (kind == "metaspace")
+
+    rng = random.Random(11)
+    words = ["the", " cache", " moves", " é", " 日本語", " 🙂", " stop", "</s>", "<s>"]
+    for trial in range(150):
+        script = tok.encode("".join(rng.choice(words) for _ in range(8))).ids[:16]
+        n = rng.randrange(0, 6)
+        processor = LogprobsProcessor(tokenizer=hf, logprobs=[], prompt_logprobs=None, cumulative_logprob=0.0,
+                                      num_logprobs=n, num_prompt_logprobs=None)
+        for t in script:  # one engine step a token: the decoded one, then the n most likely
+            top = rng.sample(range(vocab), n)
+            if n and rng.random() < 0.5:
+                top[rng.randrange(n)] = t
+            values = sorted((rng.uniform(-12, 0) for _ in range(n)), reverse=True)
+            rank = top.index(t) + 1 if t in top else n + 1 + rng.randrange(5)
+            lp = values[rank - 1] if t in top else rng.uniform(-30, -12) if rng.random() < 0.9 else float("-inf")
+            processor._update_sample_logprobs(LogprobsLists(np.array([[t, *top]]), np.array([[lp, *values]]),
+                                                            np.array([rank])))
+        positions = [[(tid, p.logprob, p.rank) for tid, p in d.items()] for d in processor.logprobs]
+        cut = sorted(rng.sample(range(1, len(script)), rng.randrange(0, min(4, len(script) - 1)))) if len(script) > 1 else []
+        chunks = [positions[a:b] for a, b in zip([0, *cut], [*cut, len(script)])]
+
+        theirs = OpenAIServingCompletion._create_completion_logprobs(serving, script, processor.logprobs, n, hf)
+        writer = CompletionLogprobs(TokenTexts(tok, marker))
+        parts = [writer.of(c) for c in chunks]
+        ours = {k: [v for p in parts for v in p[k]] for k in parts[0]}
+        assert ours == theirs.model_dump(), (trial, script, ours, theirs.model_dump())
+
+        theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
+                                                          num_output_top_logprobs=n)
+        writer = ChatLogprobs(TokenTexts(tok, marker), n)
+        ours = {"content": [c for chunk in chunks for c in writer.of(chunk)["content"]]}
+        assert ours == theirs.model_dump(), (trial, script, ours, theirs.model_dump())

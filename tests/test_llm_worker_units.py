@@ -186,7 +186,7 @@ def test_a_moved_kv_entry_shared_by_two_prompts_is_neither_lost_to_one_nor_fatal
                 if extra and not any((entries / f"p{prompt[0]}").glob("*")):
                     raise FileNotFoundError(f"{entries}/p{prompt[0]}/layer.0.safetensors")
                 outs.append(types.SimpleNamespace(request_id=rid, finished=True, num_cached_tokens=0, outputs=[
-                    types.SimpleNamespace(token_ids=[7], finish_reason="length")]))
+                    types.SimpleNamespace(token_ids=[7], finish_reason="length", logprobs=None)]))
             self.reqs.clear()
             return outs
 
@@ -217,13 +217,14 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
     _stub_vllm(monkeypatch)
 
     class Engine:
-        """Decodes two tokens a step (DELTA outputs: the new ones only), max_tokens in all."""
+        """Decodes two tokens a step (DELTA outputs: the new ones only), max_tokens in all; with
+        logprobs asked, each token t's as vLLM's Logprob dicts: t at -t, rank 2, after t + 100."""
 
         def __init__(self):
             self.reqs = {}
 
         def add_request(self, rid, prompt, params, priority=0):
-            self.reqs[rid] = [params.max_tokens, 0]
+            self.reqs[rid] = [params.max_tokens, 0, getattr(params, "logprobs", None)]
 
         def step(self):
             outs = []
@@ -234,8 +235,12 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
                 finished = left[1] == left[0]
                 if finished:
                     del self.reqs[rid]
+                logprobs = None if left[2] is None else [
+                    {t: types.SimpleNamespace(logprob=-t, rank=2), t + 100: types.SimpleNamespace(logprob=0.0, rank=1)}
+                    for t in tokens]
                 outs.append(types.SimpleNamespace(request_id=rid, finished=finished, num_cached_tokens=0, outputs=[
-                    types.SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None)]))
+                    types.SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None,
+                                          logprobs=logprobs)]))
             return outs
 
         def has_unfinished_requests(self):
@@ -245,7 +250,8 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
             pass
 
     server = _gpu_server(tmp_path, Engine())
-    server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[4], prompts=[[3] * 8], max_tokens=[5], stream=True))
+    server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[4], prompts=[[3] * 8], max_tokens=[5], stream=True,
+                               sampling=P.Sampling(logprobs=1)))
     server._start_job(P.LlmJob(job_id=2, kind="generate", seqs=[5], prompts=[[3] * 8], max_tokens=[3]))
     while server.engine.has_unfinished_requests():
         assert server._step()
@@ -253,6 +259,10 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
     assert tokens == [(1, 4, 0, [0, 1]), (1, 4, 2, [2, 3])]  # the job that did not ask sends none
     done = {m.job_id: m.results[0].tokens for m in server.sock.sent if type(m) is P.LlmDone}
     assert done == {1: [0, 1, 2, 3, 4], 2: [0, 1, 2]}
+    # each token's logprobs with it, the decoded one first (vLLM's order), where asked
+    want = [[(t, -t, 2), (t + 100, 0.0, 1)] for t in range(5)]
+    assert [m.logprobs for m in server.sock.sent if type(m) is P.LlmTokens] == [want[:2], want[2:4]]
+    assert {m.job_id: m.results[0].logprobs for m in server.sock.sent if type(m) is P.LlmDone} == {1: want, 2: []}
     assert type(server.sock.sent[-1]) is P.LlmDone and server.sock.sent[-1].job_id == 1  # its tokens came first
 
 

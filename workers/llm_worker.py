@@ -65,6 +65,7 @@ class _Req:
     kv_entry: str = ""  # the moved KV this request loads: deleted once no request uses it
     kv_written: float = 0.0  # the entry's newest file time when this request was added
     tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # one P.PositionLogprobs a token, where asked
     first_s: float = 0.0
 
 
@@ -289,11 +290,13 @@ class LlmServer:
                 if not req.tokens:
                     req.first_s = now - req.job.t0
                 req.tokens.extend(comp.token_ids)
+                logprobs = position_logprobs(comp.logprobs)
+                req.logprobs.extend(logprobs)
                 if req.job.msg.stream and req.job.msg.kind == "generate" and not out.finished:
                     # (a finishing step's tokens go in the job's LlmDone, which holds them all)
                     self.sock.send(P.encode(P.LlmTokens(job_id=req.job.msg.job_id, worker=self.name, seq=req.seq,
                                                         start=len(req.tokens) - len(comp.token_ids),
-                                                        tokens=list(comp.token_ids))))
+                                                        tokens=list(comp.token_ids), logprobs=logprobs)))
             if out.finished:
                 reason = comp.finish_reason if comp is not None else None
                 if reason in ("length", "stop"):
@@ -309,7 +312,7 @@ class LlmServer:
         req.job.results[req.seq] = P.LlmResult(seq=req.seq, status=int(status), message=message,
                                                tokens=req.tokens if ok else [],
                                                first_token_s=req.first_s if ok else 0.0, kv_tokens=kv_tokens,
-                                               finish_reason=reason)
+                                               finish_reason=reason, logprobs=req.logprobs if ok else [])
         if req.kv_entry:
             self.kv_users[req.kv_entry] -= 1
             if self.kv_users[req.kv_entry] <= 0:  # the moved KV served its request: free the disk
@@ -326,6 +329,15 @@ class LlmServer:
         results = [job.results[s] for s in dict.fromkeys(job.msg.seqs) if s in job.results]
         self.sock.send(P.encode(P.LlmDone(job_id=job.msg.job_id, worker=self.name,
                                           compute_s=time.perf_counter() - job.t0, results=results)))
+
+
+def position_logprobs(logprobs) -> list:
+    """vLLM's logprobs of a step's tokens (one {token id: Logprob} a position, the decoded
+    token first, then the most likely by rank; None where the request asked none) as the
+    wire's P.PositionLogprobs."""
+    if not logprobs:
+        return []
+    return [[(tid, lp.logprob, lp.rank) for tid, lp in position.items()] for position in logprobs]
 
 
 def _newest_file_time(folder: str) -> float:

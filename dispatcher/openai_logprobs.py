@@ -1,0 +1,145 @@
+"""A generation's logprobs in OpenAI's shapes (``/v1/completions``' ``logprobs``, chat's
+``logprobs.content``), each token's text written as vLLM's server writes it.
+
+The engine gives, for each token decoded, P.PositionLogprobs: (id, logprob, rank) of that token,
+then of the position's most likely tokens by rank, without it again (vLLM's order: its
+Logprob dict). The token texts are vLLM's LogprobsProcessor's: each token decoded alone with
+its special tokens; a SentencePiece piece given back the leading spaces that decoding drops
+(vLLM's convert_ids_list_to_tokens, for a Metaspace pre-tokenizer); a token whose text ends
+inside a character (U+FFFD, a byte of a character split over tokens) decoded after up to
+CONTEXT of the tokens decoded before it, less the text of those that end whole
+(_correct_decoded_token), or "" while the character is still incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+FLOOR = -9999.0  # vLLM's: a logprob of -inf (a masked token) is written as this
+CONTEXT = 4  # the tokens decoded before one that a split character is looked for in (UTF-8: 4 bytes)
+_PARTIAL = "\ufffd"
+
+
+def leading_space_marker(tokenizer) -> Optional[str]:
+    """The replacement character of a Metaspace pre-tokenizer (alone or in a Sequence), whose
+    leading instance decoding a piece alone drops; None for any other (vLLM's
+    get_leading_space_marker)."""
+    pre = tokenizer.pre_tokenizer
+    if pre is None:
+        return None
+    try:
+        config = json.loads(pre.__getstate__())
+    except (TypeError, ValueError):
+        return None
+    for part in [config, *config.get("pretokenizers", ())] if config.get("type") == "Sequence" else [config]:
+        if part.get("type") == "Metaspace":
+            return part.get("replacement", "\u2581")
+    return None
+
+
+class TokenTexts:
+    """The texts of a generation's tokens and of the likely ones at each position, as vLLM's
+    logprobs give them. ``at(ids)``: those of one position's ids (the decoded token's first),
+    after the positions before it; ``decoded(token)`` moves on past that position."""
+
+    __slots__ = ("tokenizer", "marker", "context")
+
+    def __init__(self, tokenizer, marker: Optional[str]):
+        self.tokenizer, self.marker = tokenizer, marker
+        self.context: list = []  # the last CONTEXT tokens decoded
+
+    def _decode(self, ids: list) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def at(self, ids: list) -> list[str]:
+        texts = [self._decode([i]) or "" for i in ids]
+        if self.marker is not None:
+            for k, i in enumerate(ids):
+                raw = self.tokenizer.id_to_token(i) or ""
+                markers = len(raw) - len(raw.lstrip(self.marker))
+                missing = markers - (len(texts[k]) - len(texts[k].lstrip(" ")))
+                if markers and missing > 0:
+                    texts[k] = " " * missing + texts[k]
+        return [self._completed(i) if t.endswith(_PARTIAL) else t for i, t in zip(ids, texts)]
+
+    def decoded(self, token: int) -> None:
+        self.context = [*self.context, token][-CONTEXT:]
+
+    def _completed(self, token: int) -> str:
+        """The text of ``token``, whose own ends inside a character: what it adds to the fewest
+        tokens before it that make it whole, less the text of those of them that end whole."""
+        for n in range(1, len(self.context) + 1):
+            context = self.context[-n:]
+            whole = self._decode(context + [token])
+            if whole.endswith(_PARTIAL):
+                continue
+            clean = len(context)  # the context's tokens before those that are bytes of this character
+            while clean and self._decode([context[clean - 1]]).endswith(_PARTIAL):
+                clean -= 1
+            prefix = self._decode(context[:clean]) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            common = 0
+            for a, b in zip(prefix, whole):
+                if a != b:
+                    break
+                common += 1
+            return whole[common:]
+        return ""
+
+
+def _lp(value: float) -> float:
+    return max(value, FLOOR)
+
+
+class CompletionLogprobs:
+    """``/v1/completions``' ``logprobs`` of a choice, one chunk at a time: ``of(positions)``
+    gives the object for those tokens, its text offsets going on from the chunk before
+    (vLLM's _create_completion_logprobs: the offset of a token is that of the one before plus
+    its text's length; every entry of the position in ``top_logprobs``)."""
+
+    __slots__ = ("texts", "offset")
+
+    def __init__(self, texts: TokenTexts, offset: int = 0):
+        self.texts, self.offset = texts, offset
+
+    def of(self, positions: list) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for position in positions:
+            strings = self.texts.at([tid for tid, _, _ in position])
+            self.texts.decoded(position[0][0])
+            tokens.append(strings[0])
+            token_logprobs.append(_lp(position[0][1]))
+            # (a dict: the decoded token's text again, or two tokens of one text, is one entry)
+            top.append({s: _lp(lp) for s, (_, lp, _) in zip(strings, position)})
+            offsets.append(self.offset)
+            self.offset += len(strings[0])
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+
+class ChatLogprobs:
+    """Chat's ``logprobs`` of a choice, one chunk at a time: ``of(positions)`` gives
+    ``{"content": [...]}`` for those tokens, each with its text's UTF-8 bytes and the first
+    ``top`` entries of its position as ``top_logprobs`` (vLLM's _create_chat_logprobs: the
+    decoded token's own entry first, so where it is not among the most likely, one of those
+    is left out)."""
+
+    __slots__ = ("texts", "top")
+
+    def __init__(self, texts: TokenTexts, top: int):
+        self.texts, self.top = texts, top
+
+    def of(self, positions: list) -> dict:
+        content = []
+        for position in positions:
+            strings = self.texts.at([tid for tid, _, _ in position])
+            self.texts.decoded(position[0][0])
+            content.append({"token": strings[0], "logprob": _lp(position[0][1]), "bytes": _utf8(strings[0]),
+                            "top_logprobs": [{"token": s, "logprob": _lp(lp), "bytes": _utf8(s)}
+                                             for s, (_, lp, _) in zip(strings[:self.top], position)]})
+        return {"content": content}
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
