@@ -237,9 +237,10 @@ class Client(CodecAccess):
         (``{"temperature": 0.8, "top_p": 0.95, "seed": 7}``; also top_k, min_p, the presence,
         frequency and repetition penalties, min_tokens, stop_token_ids, logit_bias (int token
         ids to biases in [-100, 100]), allowed_token_ids, bad_words_token_ids (token
-        sequences never decoded) and logprobs (0 to 20: the result's ``.logprobs`` give each
-        token's log probability and that many most likely tokens' at its position)), checked
-        against vLLM's bounds."""
+        sequences never decoded), logprobs (0 to 20: the result's ``.logprobs`` give each
+        token's log probability and that many most likely tokens' at its position) and
+        prompt_logprobs (the same of the prompt's tokens, ``.prompt_logprobs``; the request then
+        takes the "gpu" route, whose prefill computes them)), checked against vLLM's bounds."""
         if self.closed:
             raise self._io.closed_error()
         rid, frames, timeout = self._codec.encode_generate(model, prompt, max_tokens, priority, timeout, route,

@@ -229,23 +229,25 @@ class Generation(list):
     tokens moved, and whether the "gpu" instance is a CPU stand-in) and ``finish_reason``:
     "stop" where it ended at the model's end-of-sequence token (the last of the ids), "length"
     at max_tokens. ``logprobs``: where the sampling asked them, one P.PositionLogprobs a token
-    ((token id, logprob, rank) of the token decoded, then of the most likely ones); else []."""
+    ((token id, logprob, rank) of the token decoded, then of the most likely ones); else [].
+    ``prompt_logprobs``: likewise, one a prompt token but the first, where asked."""
 
     def __init__(self, tokens: list, timing: Optional[P.LlmTiming], finish_reason: str = "length",
-                 logprobs: Optional[list] = None):
+                 logprobs: Optional[list] = None, prompt_logprobs: Optional[list] = None):
         super().__init__(tokens)
         self.timing = timing
         self.finish_reason = finish_reason
         self.logprobs = logprobs or []
+        self.prompt_logprobs = prompt_logprobs or []
 
 
 class StepTokens(list):
-    """What ``on_tokens`` is given: the token ids of an engine step (a list), and their
-    ``logprobs`` as Generation's."""
+    """What ``on_tokens`` is given: the token ids of an engine step (a list), their
+    ``logprobs`` and (the first step's) ``prompt_logprobs``, as Generation's."""
 
-    def __init__(self, tokens: list, logprobs: list):
+    def __init__(self, tokens: list, logprobs: list, prompt_logprobs: list):
         super().__init__(tokens)
-        self.logprobs = logprobs
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
 
 
 class EncodedInputs:
@@ -281,7 +283,8 @@ def refused(e: ShmError) -> Overloaded:
 class Pending:
     """One request in flight: what to free when its reply comes, and whom to tell."""
 
-    __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens", "streamed", "streamed_logprobs")
+    __slots__ = ("kind", "regions", "outputs", "resolve", "on_tokens", "streamed", "streamed_logprobs",
+                 "prompt_logprobs")
 
     def __init__(self, kind: str, regions: list, outputs: dict, resolve: Callable[[object], None],
                  on_tokens: Optional[Callable[[list], None]] = None):
@@ -292,6 +295,7 @@ class Pending:
         self.on_tokens = on_tokens  # a streamed generation's: callable(the next tokens decoded)
         self.streamed: list = []  # tokens given to on_tokens (the result of a generation it ends)
         self.streamed_logprobs: list = []  # ... and their logprobs
+        self.prompt_logprobs: list = []  # ... and the prompt's, where asked
 
 
 def node_opens_my_segments(address: str) -> bool:
@@ -711,8 +715,9 @@ class ClientCodec:
                 return
             pend.streamed += msg.tokens
             pend.streamed_logprobs += msg.logprobs
+            pend.prompt_logprobs += msg.prompt_logprobs
             try:
-                enough = pend.on_tokens(StepTokens(msg.tokens, msg.logprobs))
+                enough = pend.on_tokens(StepTokens(msg.tokens, msg.logprobs, msg.prompt_logprobs))
             except Exception:  # the caller's: its generation's reply still comes
                 log.exception("on_tokens of request %d raised", msg.id)
                 return
@@ -721,7 +726,8 @@ class ClientCodec:
                 # result the tokens given; the dispatcher stops it and counts it served.
                 del self.pending[msg.id]
                 self.finishing.append(P.encode(P.CancelRequest(v=P.PROTOCOL_VERSION, id=msg.id, finished=True)))
-                pend.resolve(Generation(list(pend.streamed), None, "stop", list(pend.streamed_logprobs)))
+                pend.resolve(Generation(list(pend.streamed), None, "stop", list(pend.streamed_logprobs),
+                                        list(pend.prompt_logprobs)))
             return
         pend = self.pending.pop(msg.id, None) if msg.id is not None else None
         if pend is None:  # a late reply, or the release of an answered request's batch
@@ -755,7 +761,8 @@ class ClientCodec:
         elif pend.kind == "status":
             pend.resolve(msg)
         elif pend.kind == "generate":
-            pend.resolve(Generation(msg.tokens, msg.timing, msg.finish_reason or "length", msg.logprobs))
+            pend.resolve(Generation(msg.tokens, msg.timing, msg.finish_reason or "length", msg.logprobs,
+                                    msg.prompt_logprobs))
         else:
             try:
                 result = self._outputs(msg, frames[1:], pend.outputs)

@@ -98,6 +98,7 @@ class Finished:
     timing: P.LlmTiming
     finish_reason: str = ""
     logprobs: list = field(default_factory=list)  # one P.PositionLogprobs a token, where asked
+    prompt_logprobs: list = field(default_factory=list)  # ... a prompt token but the first
 
 
 class LlmCore:
@@ -272,12 +273,19 @@ class LlmCore:
         if msg.sampling is not None and msg.sampling.min_tokens > msg.max_tokens:  # (vLLM's words)
             return (Status.INVALID_ARGUMENT, f"min_tokens must be less than or equal to max_tokens={msg.max_tokens}, "
                                              f"got {msg.sampling.min_tokens}")
-        if msg.route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
+        route = msg.route
+        if msg.sampling is not None and msg.sampling.prompt_logprobs is not None:
+            # An engine gives the logprobs of the prompt tokens it computes: not of KV it loads.
+            if route == PREFILL_CPU:
+                return (Status.INVALID_ARGUMENT, "prompt_logprobs are computed by the decode instance's own prefill: "
+                                                 "not on route 'prefill-cpu'")
+            route = GPU
+        if route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
             return Status.UNAVAILABLE, _no_cpu_instance(model)
         if self.open_by_model.get(model, 0) >= self.max_queue:
             return Status.OVERLOADED, f"queue for {model!r} is full ({self.max_queue} requests)"
         timeout = msg.timeout_us / 1e6 if msg.timeout_us else self.default_timeout_s
-        r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, msg.route,
+        r = LlmRequest(client, msg.id, model, list(msg.prompt), msg.max_tokens, now, now + timeout, route,
                        seq=next(self._ids), priority=msg.priority, stream=msg.stream, ignore_eos=msg.ignore_eos,
                        sampling=msg.sampling)
         self.requests[r.seq] = r
@@ -524,7 +532,7 @@ class LlmCore:
                              prefill_worker=r.prefill_worker, kv_tokens=res.kv_tokens,
                              predicted_ttft_cpu_us=_us(r.pred_cpu), predicted_ttft_gpu_us=_us(r.pred_gpu),
                              stand_in=stand_in)
-        return Finished(r, list(res.tokens), timing, res.finish_reason, res.logprobs)
+        return Finished(r, list(res.tokens), timing, res.finish_reason, res.logprobs, res.prompt_logprobs)
 
     # ------------------------------------------------------------------ drain
     def begin_drain(self) -> None:

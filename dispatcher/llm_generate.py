@@ -337,7 +337,7 @@ class LlmGenerate:
             rule = TextRule(switches["stop"], switches["include_stop_str_in_output"], switches["skip_special_tokens"])
             out = await self.completions.complete(model, ids, max_tokens, run, rule,
                                                   on_text=on_text if streamed else None,
-                                                  on_logprobs=decoded.extend if streamed else None)
+                                                  on_logprobs=(lambda lps, _: decoded.extend(lps)) if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:
@@ -369,13 +369,11 @@ class Logprobs:
         if self.texts is None:
             return "null", math.nan
         new, self.given = positions[self.given:], max(self.given, len(positions))
-        written = []
-        for position in new:
-            strings = self.texts.at([tid for tid, _, _ in position])
-            self.texts.decoded(position[0][0])
+        for position in new:  # (a token at a time, as vLLM sums them)
             self.cumulative += position[0][1]
-            written.append({str(tid): {"logprob": lp, "rank": rank, "decoded_token": s}
-                            for s, (tid, lp, rank) in zip(strings, position)})
+        written = [{str(tid): {"logprob": lp, "rank": rank, "decoded_token": s}
+                    for s, (tid, lp, rank) in zip(texts, position)}
+                   for position, texts in zip(new, self.texts.of(new))]
         return json.dumps(written), self.cumulative
 
 

@@ -66,7 +66,8 @@ class LlmDesk:
             self.metrics.batch_done(r.model, f.timing.route)
             self._reply(r.client, P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=r.req_id, status=Status.OK,
                                                            tokens=f.tokens, timing=f.timing,
-                                                           finish_reason=f.finish_reason, logprobs=f.logprobs)))
+                                                           finish_reason=f.finish_reason, logprobs=f.logprobs,
+                                                           prompt_logprobs=f.prompt_logprobs)))
 
     def cancel(self, client: bytes, req_id: int, finished: bool, now: float) -> None:
         """A client's cancel (``finished``: of a streamed generation it has what it needs of,
@@ -87,7 +88,8 @@ class LlmDesk:
         r = self.core.streamed(msg)
         if r is not None and msg.tokens:
             self._reply(r.client, P.encode(P.GenerateTokens(v=P.PROTOCOL_VERSION, id=r.req_id, start=msg.start,
-                                                            tokens=msg.tokens, logprobs=msg.logprobs)))
+                                                            tokens=msg.tokens, logprobs=msg.logprobs,
+                                                            prompt_logprobs=msg.prompt_logprobs)))
 
     def heartbeat(self, name: str, now: float) -> bool:
         return self.core.heartbeat(name, now)

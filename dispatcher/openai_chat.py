@@ -78,6 +78,10 @@ class ChatShape(AnswerShape):
     def logprobs(texts: TokenTexts, sampling: P.Sampling) -> ChatLogprobs:
         return ChatLogprobs(texts, sampling.logprobs or 0)
 
+    @staticmethod
+    def put_prompt_logprobs(answer: dict, choice: dict, member: list) -> None:
+        answer["prompt_logprobs"] = member
+
 
 CHAT = ChatShape()
 

@@ -35,7 +35,7 @@ UNSUPPORTED = {"suffix": None,
                "use_beam_search": False,
                "length_penalty": 1.0, "watermarking": None,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
-               "prompt_logprobs": None, "logprob_token_ids": None,
+               "logprob_token_ids": None,
                "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
                "return_token_ids": False, "return_token_offsets": False, "kv_transfer_params": None,
                "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
@@ -52,7 +52,7 @@ IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", 
 SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_output", "stream", "stream_options",
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
           "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
-          "logit_bias", "allowed_token_ids", "echo", "bad_words", "logprobs")
+          "logit_bias", "allowed_token_ids", "echo", "bad_words", "logprobs", "prompt_logprobs")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)

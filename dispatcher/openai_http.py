@@ -25,8 +25,11 @@ that many tokens are decoded. The text leaves special tokens out unless vLLM's
 detokenizer with the prompt's tokens). ``add_special_tokens`` (vLLM's, true by default) adds the tokenizer's
 own (a BOS) to a text prompt. ``logprobs`` (0 to P.MAX_LOGPROBS) gives each choice OpenAI's
 ``logprobs`` object: its tokens' texts, logprobs, text offsets and each position's most likely
-tokens (openai_logprobs, as vLLM's server writes them; with ``echo``, which would need the
-prompt's logprobs, a 400). Not supported yet, and refused with a 400 naming the field rather
+tokens (openai_logprobs, as vLLM's server writes them), under ``echo`` the prompt's first (its
+first token's null: what lm-eval's loglikelihood requests read). vLLM's ``prompt_logprobs`` (or
+echo's logprobs) has the engine compute the prompt's, given as vLLM's ``prompt_logprobs`` member
+(not under ``stream``, as vLLM refuses it); such a request takes the "gpu" route (the dispatcher
+sees to it), whose prefill computes them. Not supported yet, and refused with a 400 naming the field rather
 than ignored, unless at its default: ``suffix``, ``best_of`` > 1, and
 every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED: its server would
 apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
@@ -72,7 +75,7 @@ from . import errors
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream, decoding_after, whole_text
-from .openai_logprobs import CompletionLogprobs, TokenTexts, leading_space_marker
+from .openai_logprobs import CompletionLogprobs, TokenTexts, joined, leading_space_marker, prompt_logprobs
 from . import protocol as P
 from .llm_model_files import GenerationDefaults, config_eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
@@ -205,11 +208,14 @@ class OpenAiCompletions:
                         flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
                         flag(body, "skip_special_tokens", default=True))  # vLLM's
         words = bad_words_field(body.get("bad_words"))
-        if sampling.logprobs is not None:
-            if echoed is not None:  # (vLLM's: the prompt's logprobs too, which its engine computes)
-                raise OpenAiError(400, "logprobs with echo (the prompt's logprobs) is not supported yet by "
-                                       "Batchyard's LLM mode", param="logprobs")
-            self.tokenizer(model, "logprobs")  # (their tokens' texts)
+        if sampling.prompt_logprobs and stream:  # (vLLM's refusal; 0 is computed and not sent)
+            raise OpenAiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sampling, name) is not None:
+                self.tokenizer(model, name)  # (their tokens' texts)
+        if echoed is not None and sampling.logprobs is not None and sampling.prompt_logprobs is None:
+            # (vLLM's: echo's logprobs begin with the prompt's)
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=sampling.logprobs)
         prompts = await prompts()
         sampling = await self.with_bad_words(model, sampling, words)
         if len(prompts) * n > MAX_PROMPTS:
@@ -223,9 +229,10 @@ class OpenAiCompletions:
         gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults, sampling),
                  {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
         leads = [text for text in (await echoed(prompts) if echoed else [""] * len(prompts)) for _ in range(n)]
-        logprobs = (lambda: shape.logprobs(self.token_texts(model), sampling)) if sampling.logprobs is not None else None
+        logprobs = Logprobs(self, model, shape, sampling, echoed is not None, quiet)
         if stream:
-            return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet, logprobs)
+            return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet,
+                                      logprobs if logprobs.asked else None)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
         tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, rule)) for ids, limit, run_k in gens]
@@ -235,24 +242,28 @@ class OpenAiCompletions:
             for t in tasks:  # one failed, or the client hung up: the others stop in their engines
                 t.cancel()
         choices = [shape.choice(i, leads[i] + ("" if quiet else out.text), out) for i, out in enumerate(outs)]
-        if logprobs is not None:  # (their texts decoded on a thread: up to 21 decodes a token)
-            written = await asyncio.to_thread(lambda: [logprobs().of(out.logprobs) for out in outs])
-            for choice, lp in zip(choices, written):
-                choice["logprobs"] = lp
-        return web.json_response({
-            "id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
-            "model": model, "choices": choices, "usage": _usage(prompts, outs),
-            "batchyard": [_timing(out) for out in outs]})
+        answer = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
+                  "model": model, "choices": choices, "usage": _usage(prompts, outs),
+                  "batchyard": [_timing(out) for out in outs]}
+        if logprobs.asked or logprobs.prompt:  # (their texts decoded on a thread: up to 21 decodes a token)
+            written = await asyncio.to_thread(lambda: [logprobs.whole(gen[0], out) for gen, out in zip(gens, outs)])
+            for choice, (lp, member) in zip(choices, written):
+                if logprobs.asked:
+                    choice["logprobs"] = lp
+                if member is not None:
+                    shape.put_prompt_logprobs(answer, choice, member)
+        return web.json_response(answer)
 
     async def complete(self, model: str, ids: list, max_tokens: int, run: dict, rule: "TextRule" = None,
                        on_text: Optional[Callable[[str, int, bool], None]] = None,
-                       on_logprobs: Optional[Callable[[list], None]] = None) -> Completion:
+                       on_logprobs: Optional[Callable[[list, list], None]] = None) -> Completion:
         """One prompt's completion, as text: its generation (``run``: the generate call's other
         arguments), as ``rule`` makes text of it; a stop string found ends it in its engine.
         ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
         string ended the generation there; the rest is the Completion's ``rest``. ``on_logprobs``:
-        called before it with the step's logprobs, where the sampling asks them."""
+        called before it with the step's logprobs and (the first step's) the prompt's, where the
+        sampling asks them."""
         sampling, rule = run.get("sampling") or NO_SAMPLING, rule or PLAIN
         # (the text as it reads after the prompt)
         decode = decoding_after(lambda t: self.decode(model, t, rule.skip_special_tokens), ids)
@@ -260,7 +271,7 @@ class OpenAiCompletions:
 
         def on_tokens(tokens: list) -> bool:
             if on_logprobs is not None:
-                on_logprobs(tokens.logprobs)
+                on_logprobs(tokens.logprobs, tokens.prompt_logprobs)
             piece = text.push(tokens)
             if on_text is not None:
                 on_text(piece, len(tokens), bool(text.stopped))
@@ -269,22 +280,23 @@ class OpenAiCompletions:
 
         watch = on_text is not None or bool(text.stops)
         out = await self.client.generate(model, ids, max_tokens, **run, on_tokens=on_tokens if watch else None)
-        tokens, logprobs = list(out), out.logprobs
+        tokens, logprobs, prompt = list(out), out.logprobs, out.prompt_logprobs
         # Ended by a token's id (an end-of-sequence one, or of stop_token_ids): vLLM decodes no
         # text of that token, unless include_stop_str_in_output.
         by_id = out.finish_reason == "stop" and bool(tokens)
         shown = tokens[:-1] if by_id and not rule.include_stop else tokens
         reason = await self.stop_token(model, tokens[-1], sampling, run.get("ignore_eos", False)) if by_id else None
         if not watch:
-            return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing, logprobs)
+            return Completion(whole_text(decode, shown), "", tokens, out.finish_reason, reason, out.timing, logprobs,
+                              prompt)
         # (a stop string in the last step's text, which only the reply holds, is found here; one
         # found before ended the generation there, and this adds nothing)
         rest = text.finish(shown, len(tokens))
         if not text.stopped:
-            return Completion(text.text, rest, tokens, out.finish_reason, reason, out.timing, logprobs)
+            return Completion(text.text, rest, tokens, out.finish_reason, reason, out.timing, logprobs, prompt)
         # the tokens up to the one completing it, as vLLM keeps them (and their logprobs)
         tokens = _up_to(tokens, text.stopped, text.stop_at, decode)
-        return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing, logprobs[:len(tokens)])
+        return Completion(text.text, rest, tokens, "stop", text.stopped, out.timing, logprobs[:len(tokens)], prompt)
 
     async def stop_token(self, model: str, token: int, sampling: P.Sampling, ignore_eos: bool) -> Optional[int]:
         """vLLM's ``stop_reason`` of a generation that ``token`` ended: none for the tokenizer's
@@ -332,16 +344,17 @@ class OpenAiCompletions:
 
     async def _stream(self, request, model: str, prompts: list, gens: list, rule: "TextRule",
                       usage: list, shape: "AnswerShape", leads: list, quiet: bool,
-                      logprobs: Optional[Callable[[], object]] = None) -> web.StreamResponse:
+                      logprobs: Optional["Logprobs"] = None) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order;
         each choice's text begins with its ``leads`` (echo's prompt text), sent with the first of
         it the engine gives, as vLLM sends it; ``quiet``: the generated text is left out.
         ``usage``: (include_usage: a last chunk of the usage; continuous_usage_stats: each chunk
         with its choice's usage so far, its tokens decoded whether or not their text is sent yet,
-        as vLLM counts them). ``logprobs``: makes a choice's logprobs writer (None: not asked); a
-        chunk holds those of the tokens decoded since the chunk before, its last those left, as
-        vLLM's chunks hold each engine step's (so joined, they are the answer's without stream)."""
+        as vLLM counts them). ``logprobs``: the choices' logprobs (None: not asked); a chunk holds
+        those of the tokens decoded since the chunk before, its last those left, as vLLM's chunks
+        hold each engine step's (so joined, they are the answer's without stream); under echo, the
+        prompt's come first."""
         include_usage, continuous = usage
         head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
                 "created": int(time.time()), "model": model}
@@ -351,13 +364,20 @@ class OpenAiCompletions:
         # chunks, rather than an event queued an engine step.
         decoded: list = [""] * len(gens)
         counted = [0] * len(gens)  # each choice's tokens so far
-        writers = [logprobs() for _ in gens] if logprobs is not None else None
+        writers = [logprobs.writer() for _ in gens] if logprobs is not None else None
         lp_ready: list = [[] for _ in gens]  # each choice's logprobs decoded, not sent yet
+        lp_prompt: list = [[] for _ in gens]  # ... and its prompt's, once they come
         lp_sent = [0] * len(gens)  # ... and the number sent
+        prompt_sent = [False] * len(gens)
 
-        def with_logprobs(i: int, choice: dict, positions: list) -> dict:
+        def with_logprobs(i: int, choice: dict, positions: list, prompt: Optional[list] = None) -> dict:
             if writers is not None:
-                choice["logprobs"] = writers[i].of(positions)
+                head = None
+                if logprobs.echo and not prompt_sent[i]:  # (the prompt's first, with its text)
+                    prompt_sent[i] = True
+                    head = logprobs.prompt_part(writers[i], gens[i][0], lp_prompt[i] or prompt or [])
+                part = writers[i].of([] if quiet else positions)
+                choice["logprobs"] = part if head is None else joined(head, part)
                 lp_sent[i] += len(positions)
             return choice
 
@@ -379,7 +399,9 @@ class OpenAiCompletions:
                 out = await self.complete(model, ids, max_tokens, run, rule,
                                           on_text=lambda piece, tokens, _last: on_text(i, piece, tokens),
                                           # (the list of the moment: a chunk sent takes it whole)
-                                          on_logprobs=(lambda lps: lp_ready[i].extend(lps)) if writers else None)
+                                          on_logprobs=(lambda lps, plps: (lp_ready[i].extend(lps),
+                                                                          lp_prompt[i].extend(plps)))
+                                          if writers else None)
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:
@@ -422,7 +444,7 @@ class OpenAiCompletions:
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
                 text = leads[i] + decoded[i] + ("" if quiet else got.rest)
-                last = with_logprobs(i, shape.last(i, text, got), got.logprobs[lp_sent[i]:])
+                last = with_logprobs(i, shape.last(i, text, got), got.logprobs[lp_sent[i]:], got.prompt_logprobs)
                 await send({**head, "choices": [last], **so_far(i, len(got.tokens)), "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
@@ -545,20 +567,58 @@ class TextRule:
 PLAIN = TextRule()
 
 
+class Logprobs:
+    """What a request asks of logprobs (its sampling's ``logprobs`` and ``prompt_logprobs``;
+    ``echo``'s, which begin with the prompt's), and their writing in its route's ``shape``."""
+
+    def __init__(self, completions: "OpenAiCompletions", model: str, shape: "AnswerShape", sampling: P.Sampling,
+                 echo: bool, quiet: bool):
+        self.completions, self.model, self.shape, self.sampling = completions, model, shape, sampling
+        self.asked = sampling.logprobs is not None
+        self.prompt = sampling.prompt_logprobs is not None
+        self.echo = echo and self.asked
+        self.quiet = quiet  # (echo's max_tokens 0: the prompt's alone, as vLLM's)
+
+    def writer(self):
+        """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
+        return self.shape.logprobs(self.completions.token_texts(self.model), self.sampling)
+
+    def prompt_part(self, writer, ids: list, positions: list, strings: Optional[list] = None) -> dict:
+        """The logprobs object's part of the prompt ``ids`` (``positions``: their logprobs but
+        the first's), as ``writer``'s first."""
+        if strings is None:
+            strings = self.completions.token_texts(self.model).of(positions)
+        first = self.completions.decode(self.model, [ids[0]], skip_special_tokens=False)
+        return writer.prompt(first, positions, strings)
+
+    def whole(self, ids: list, out: "Completion") -> tuple[Optional[dict], Optional[list]]:
+        """-> (a choice's logprobs object, or None; vLLM's ``prompt_logprobs`` member, or None)
+        of the completion ``out`` of the prompt ``ids``."""
+        strings = self.completions.token_texts(self.model).of(out.prompt_logprobs) if self.prompt else []
+        member = prompt_logprobs(out.prompt_logprobs, strings) if self.prompt else None
+        if not self.asked:
+            return None, member
+        writer = self.writer()
+        head = self.prompt_part(writer, ids, out.prompt_logprobs, strings) if self.echo else None
+        part = writer.of([] if self.quiet else out.logprobs)
+        return (part if head is None else joined(head, part)), member
+
+
 class Completion:
     """One prompt's completion: its ``text`` (cut before a stop string), the ``rest`` of it past
     the pieces a stream was given, its ``tokens``, ``finish_reason`` ("stop": an end-of-sequence
     token or a stop token or string; "length"), vLLM's ``stop_reason`` (the stop string found,
     the stop token's id, or None), the generation's ``timing`` (None where a stop string
-    ended it before its reply) and its tokens' ``logprobs`` (P.PositionLogprobs, where asked)."""
+    ended it before its reply), its tokens' ``logprobs`` and its prompt's ``prompt_logprobs``
+    (P.PositionLogprobs, where asked)."""
 
-    __slots__ = ("text", "rest", "tokens", "finish_reason", "stop_reason", "timing", "logprobs")
+    __slots__ = ("text", "rest", "tokens", "finish_reason", "stop_reason", "timing", "logprobs", "prompt_logprobs")
 
     def __init__(self, text: str, rest: str, tokens: list, finish_reason: str, stop_reason: str, timing,
-                 logprobs: Optional[list] = None):
+                 logprobs: Optional[list] = None, prompt_logprobs: Optional[list] = None):
         self.text, self.rest, self.tokens = text, rest, tokens
         self.finish_reason, self.stop_reason, self.timing = finish_reason, stop_reason, timing
-        self.logprobs = logprobs or []
+        self.logprobs, self.prompt_logprobs = logprobs or [], prompt_logprobs or []
 
 
 class AnswerShape:
@@ -589,6 +649,11 @@ class AnswerShape:
     def logprobs(texts: TokenTexts, sampling: P.Sampling):
         """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
         return CompletionLogprobs(texts)
+
+    @staticmethod
+    def put_prompt_logprobs(answer: dict, choice: dict, member: list) -> None:
+        """Where vLLM's answer holds the prompt's logprobs: each choice (chat: the answer)."""
+        choice["prompt_logprobs"] = member
 
 
 TEXT = AnswerShape()

@@ -14,6 +14,7 @@ CONTEXT of the tokens decoded before it, less the text of those that end whole
 from __future__ import annotations
 
 import json
+import math
 from typing import Optional
 
 FLOOR = -9999.0  # vLLM's: a logprob of -inf (a masked token) is written as this
@@ -66,6 +67,14 @@ class TokenTexts:
     def decoded(self, token: int) -> None:
         self.context = [*self.context, token][-CONTEXT:]
 
+    def of(self, positions: list) -> list[list[str]]:
+        """The texts of each position's ids (P.PositionLogprobs), one position after another."""
+        out = []
+        for position in positions:
+            out.append(self.at([tid for tid, _, _ in position]))
+            self.decoded(position[0][0])
+        return out
+
     def _completed(self, token: int) -> str:
         """The text of ``token``, whose own ends inside a character: what it adds to the fewest
         tokens before it that make it whole, less the text of those of them that end whole."""
@@ -97,25 +106,45 @@ class CompletionLogprobs:
     """``/v1/completions``' ``logprobs`` of a choice, one chunk at a time: ``of(positions)``
     gives the object for those tokens, its text offsets going on from the chunk before
     (vLLM's _create_completion_logprobs: the offset of a token is that of the one before plus
-    its text's length; every entry of the position in ``top_logprobs``)."""
+    its text's length; every entry of the position in ``top_logprobs``). Under ``echo``, the
+    prompt's come first (``prompt``)."""
 
     __slots__ = ("texts", "offset")
 
     def __init__(self, texts: TokenTexts, offset: int = 0):
         self.texts, self.offset = texts, offset
 
-    def of(self, positions: list) -> dict:
+    def of(self, positions: list, strings: Optional[list] = None) -> dict:
+        """``strings``: the positions' texts where known (TokenTexts.of), else of ``texts``."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for position in positions:
-            strings = self.texts.at([tid for tid, _, _ in position])
-            self.texts.decoded(position[0][0])
-            tokens.append(strings[0])
+        for position, texts in zip(positions, self.texts.of(positions) if strings is None else strings):
+            tokens.append(texts[0])
             token_logprobs.append(_lp(position[0][1]))
             # (a dict: the decoded token's text again, or two tokens of one text, is one entry)
-            top.append({s: _lp(lp) for s, (_, lp, _) in zip(strings, position)})
+            top.append({s: _lp(lp) for s, (_, lp, _) in zip(texts, position)})
             offsets.append(self.offset)
-            self.offset += len(strings[0])
+            self.offset += len(texts[0])
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+    def prompt(self, first: str, positions: list, strings: list) -> dict:
+        """The prompt's part: its first token (of text ``first``), which has no logprobs (null,
+        as vLLM writes a position without), then its ``positions`` (of texts ``strings``)."""
+        head = {"text_offset": [self.offset], "token_logprobs": [None], "tokens": [first], "top_logprobs": [None]}
+        self.offset += len(first)
+        return joined(head, self.of(positions, strings))
+
+
+def joined(a: dict, b: dict) -> dict:
+    """Two parts of a completion's logprobs object, one after the other."""
+    return {k: [*a[k], *b[k]] for k in a}
+
+
+def prompt_logprobs(positions: list, strings: list) -> list:
+    """vLLM's ``prompt_logprobs`` member: null for the prompt's first token, then each position
+    as {token id: {logprob, rank, decoded_token}}, the token's first (-inf written -9999, as
+    vLLM's clamp_prompt_logprobs writes it)."""
+    return [None, *({str(tid): {"logprob": FLOOR if lp == -math.inf else lp, "rank": rank, "decoded_token": s}
+                     for s, (tid, lp, rank) in zip(texts, position)} for position, texts in zip(positions, strings))]
 
 
 class ChatLogprobs:
@@ -132,9 +161,7 @@ class ChatLogprobs:
 
     def of(self, positions: list) -> dict:
         content = []
-        for position in positions:
-            strings = self.texts.at([tid for tid, _, _ in position])
-            self.texts.decoded(position[0][0])
+        for position, strings in zip(positions, self.texts.of(positions)):
             content.append({"token": strings[0], "logprob": _lp(position[0][1]), "bytes": _utf8(strings[0]),
                             "top_logprobs": [{"token": s, "logprob": _lp(lp), "bytes": _utf8(s)}
                                              for s, (_, lp, _) in zip(strings[:self.top], position)]})

@@ -200,7 +200,9 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     token sequences never decoded (the last token of each is masked after the others), vLLM's
     tokenized ``bad_words`` (openai_fields.bad_words_token_ids tokenizes them as vLLM does).
     ``logprobs`` (vLLM's, 0 to MAX_LOGPROBS): each token decoded comes with its log probability
-    and those of that many most likely tokens at its position (PositionLogprobs)."""
+    and those of that many most likely tokens at its position (PositionLogprobs);
+    ``prompt_logprobs``: so does each of the prompt's tokens but the first (computed by the
+    decode instance's own prefill: such a request takes the "gpu" route)."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
@@ -218,6 +220,7 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     bad_words_token_ids: Annotated[list[Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]],
                                    msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
     logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]] = None
+    prompt_logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]] = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", omit_defaults=True):
@@ -343,6 +346,7 @@ class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defa
     timing: Optional[LlmTiming] = None
     finish_reason: str = ""  # "stop": it decoded an end-of-sequence token; "length": max_tokens
     logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
+    prompt_logprobs: list[PositionLogprobs] = []  # one a prompt token but the first, where asked
 
 
 class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type", omit_defaults=True):
@@ -356,6 +360,7 @@ class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type", o
     tokens: list[int]
     start: int = -1  # -1: not said (a dispatcher before it), so no gap can be found
     logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
+    prompt_logprobs: list[PositionLogprobs] = []  # (the first message's) one a prompt token but the first
 
 
 ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply, GenerateTokens]
@@ -446,6 +451,7 @@ class LlmResult(msgspec.Struct, omit_defaults=True):
     kv_tokens: int = 0  # prompt tokens loaded from the moved KV cache (decode jobs)
     finish_reason: str = ""  # vLLM's: "stop" (an end-of-sequence token) or "length"
     logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
+    prompt_logprobs: list[PositionLogprobs] = []  # one a prompt token but the first, where asked
 
 
 class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
@@ -467,6 +473,7 @@ class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type", omit_default
     start: int
     tokens: list[int]
     logprobs: list[PositionLogprobs] = []
+    prompt_logprobs: list[PositionLogprobs] = []  # (the first message's)
 
 
 WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, Leaving, LlmDone, LlmTokens]

@@ -321,7 +321,7 @@ def test_a_request_that_forced_the_cpu_route_is_refused_when_the_last_cpu_instan
     assert h.jobs() == [] and h.core.next_wake() == float("inf")
 
 
-@pytest.mark.parametrize("key, value", [("prompt_logprobs", 2), ("suffix", "x"), ("logit_bias", {"six": -100}),
+@pytest.mark.parametrize("key, value", [("truncate_prompt_tokens", 2), ("suffix", "x"), ("logit_bias", {"six": -100}),
                                         ("presence_penalty", 2.5), ("frequency_penalty", "1"),
                                         ("temperature", False), ("n", True), ("best_of", True)])
 def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key, value):
@@ -332,7 +332,7 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(key,
     with pytest.raises(OpenAiError) as e:
         check_supported({key: value}, {})
     assert e.value.status == 400 and e.value.param == key
-    check_supported({key: {"prompt_logprobs": None, "suffix": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+    check_supported({key: {"truncate_prompt_tokens": None, "suffix": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
                             "temperature": 0, "n": 1, "best_of": 1}[key]}, {})  # the defaults pass
 
 
@@ -555,6 +555,7 @@ class _Generated(list):
     timing = P.LlmTiming(ttft_us=1, total_us=2, route="gpu", decode_worker="gpu0")
     finish_reason = "length"
     logprobs: list = []
+    prompt_logprobs: list = []
 
 
 class _FakeClient:

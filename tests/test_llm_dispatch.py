@@ -75,8 +75,8 @@ def scripted_logprobs(tokens: list, n: int) -> list:
     return out
 
 
-def _logprobs_of(job: P.LlmJob, tokens: list) -> list:
-    n = job.sampling.logprobs if job.sampling is not None else None
+def _logprobs_of(job: P.LlmJob, tokens: list, name: str = "logprobs") -> list:
+    n = getattr(job.sampling, name) if job.sampling is not None else None
     return [] if n is None else scripted_logprobs(tokens, n)
 
 
@@ -138,9 +138,10 @@ class ScriptedEngine(threading.Thread):
                             for start, token in enumerate(tokens[:-1]):
                                 if n == GAP_MAX_TOKENS and start == 1:
                                     continue
-                                sock.send(P.encode(P.LlmTokens(job_id=msg.job_id, worker=self.name_, seq=seq,
-                                                               start=start, tokens=[token],
-                                                               logprobs=logprobs[start:start + 1])))
+                                sock.send(P.encode(P.LlmTokens(
+                                    job_id=msg.job_id, worker=self.name_, seq=seq, start=start, tokens=[token],
+                                    logprobs=logprobs[start:start + 1],
+                                    prompt_logprobs=_logprobs_of(msg, prompt[1:], "prompt_logprobs") if start == 0 else [])))
                     sock.send(P.encode(self._answer(msg)))
                 elif type(msg) is P.LlmAbort:  # as a vLLM worker: out of the engine, the job ends
                     self.aborts.append(msg)
@@ -161,7 +162,8 @@ class ScriptedEngine(threading.Thread):
             kv = (len(prompt) // 32) * 32 if job.kv_from else 0
             tokens, reason = decoded(job, prompt, n)
             results.append(P.LlmResult(seq=seq, status=0, tokens=tokens, first_token_s=0.0005, kv_tokens=kv,
-                                       finish_reason=reason, logprobs=_logprobs_of(job, tokens)))
+                                       finish_reason=reason, logprobs=_logprobs_of(job, tokens),
+                                       prompt_logprobs=_logprobs_of(job, prompt[1:], "prompt_logprobs")))
         return P.LlmDone(job_id=job.job_id, worker=self.name_, compute_s=0.001, results=results)
 
 
@@ -1597,12 +1599,44 @@ def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
 
     for route, extra, param in (("completions", {"logprobs": 21}, "logprobs"),
                                 ("completions", {"logprobs": -1}, "logprobs"),
-                                ("completions", {"logprobs": 1, "echo": True}, "logprobs"),
+                                ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                                ("completions", {"prompt_logprobs": 1, "batchyard_route": "prefill-cpu"}, ""),
                                 ("chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
                                 ("chat/completions", {"top_logprobs": 21}, "top_logprobs"),
                                 ("chat/completions", {"logprobs": 1}, "logprobs")):
         status, err = _http(url + f"/v1/{route}", {**(body if route == "completions" else chat), **extra})
-        assert (status, err["error"]["param"]) == (400, param), (route, extra, err)
+        assert (status, err["error"]["param"] or "") == (400, param), (route, extra, err)
+
+    # echo: the prompt's logprobs first, its first token's null (what lm-eval's loglikelihood reads)
+    prompt = [10, 20, 15]  # "*4/", then "M"
+    echo = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    status, out = _http(url + "/v1/completions", echo)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["text"] == "*4/M" and out["usage"]["completion_tokens"] == 1
+    lp = choice["logprobs"]
+    assert lp["tokens"] == list("*4/M") and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"] == [None, -0.5, -1.0, -0.5]
+    assert lp["top_logprobs"] == [None, {"4": -0.5}, {"/": -1.0, "0": -0.75}, {"M": -0.5}]
+    # ... and vLLM's prompt_logprobs member, the engine having computed them
+    assert choice["prompt_logprobs"] == [None, {"20": {"logprob": -0.5, "rank": 1, "decoded_token": "4"}},
+                                         {"15": {"logprob": -1.0, "rank": 2, "decoded_token": "/"},
+                                          "16": {"logprob": -0.75, "rank": 1, "decoded_token": "0"}}]
+    status, kind, events = _events(url + "/v1/completions", {**echo, "max_tokens": 3, "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == "*4/MNO"
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == list("*4/MNO")
+    assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == list(range(6))
+    status, out = _http(url + "/v1/completions", {**echo, "max_tokens": 0})  # the prompt's alone
+    assert out["choices"][0]["logprobs"]["tokens"] == list("*4/") and out["usage"]["completion_tokens"] == 1
+    # prompt_logprobs alone; taken on the gpu route, whose prefill computes them
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [1] * 40, "max_tokens": 2,
+                                                  "temperature": 0, "prompt_logprobs": 0})
+    assert status == 200 and out["choices"][0]["logprobs"] is None and out["batchyard"][0]["route"] == "gpu"
+    assert len(out["choices"][0]["prompt_logprobs"]) == 40 and out["choices"][0]["prompt_logprobs"][0] is None
+    status, out = _http(url + "/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0,
+                                                       "prompt_logprobs": 1})
+    assert status == 200 and len(out["prompt_logprobs"]) == out["usage"]["prompt_tokens"]
 
     with Client(address) as c:
         out = c.generate("tiny", [40], 6, sampling={"temperature": 0, "logprobs": 2})
@@ -1612,5 +1646,7 @@ def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
                          on_tokens=lambda step: steps.append((list(step), step.logprobs)))
         assert [lp for _, lps in steps for lp in lps] == scripted_logprobs(tokens, 0)[:len(steps)]
         assert c.generate("tiny", [40], 6).logprobs == []
+        out = c.generate("tiny", prompt, 2, sampling={"temperature": 0, "prompt_logprobs": 1})
+        assert out.prompt_logprobs == scripted_logprobs(prompt[1:], 1) and out.logprobs == []
         with pytest.raises(InvalidArgument, match="logprobs"):
             c.generate("tiny", [40], 6, sampling={"logprobs": 21})

@@ -177,7 +177,7 @@ def test_bad_words_are_tokenized_as_vllm_does_and_banned_by_the_engine(node):
 class _ScriptedGeneration(list):
     def __init__(self, tokens: list, finish_reason: str, timing):
         super().__init__(tokens)
-        self.finish_reason, self.timing, self.logprobs = finish_reason, timing, []
+        self.finish_reason, self.timing, self.logprobs, self.prompt_logprobs = finish_reason, timing, [], []
 
 
 class _ScriptedClient:
@@ -404,6 +404,21 @@ def test_the_engines_logprobs_reach_every_route(node):
     assert [p[0][2] for p in g.logprobs] == [1] * 6 and all(len(p) == 3 for p in g.logprobs)
     assert [p[0][0] for p in g.logprobs] == list(g)
     assert [p[0][1] for p in g.logprobs] == pytest.approx(lp["token_logprobs"], abs=1e-3)
+    # lm-eval's loglikelihood request: echo, logprobs 1, max_tokens 1; the prompt's computed by the
+    # gpu instance's own prefill (a prompt past a block would have taken the prefill-cpu route)
+    status, _, raw = _post_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                          "temperature": 0, "logprobs": 1, "echo": True})
+    out = json.loads(raw)
+    assert status == 200 and out["batchyard"][0]["route"] == "gpu", out
+    lp, member = out["choices"][0]["logprobs"], out["choices"][0]["prompt_logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and len(member) == len(prompt) and member[0] is None
+    # the member's decoded token's logprob is the object's at each prompt position
+    assert [p[str(t)]["logprob"] for p, t in zip(member[1:], prompt[1:])] == lp["token_logprobs"][1:len(prompt)]
+    with Client(cfg.dispatcher.frontend) as c:
+        g = c.generate("tiny", prompt, 1, ignore_eos=True, sampling={"prompt_logprobs": 2}, timeout=120)
+    assert [p[0][0] for p in g.prompt_logprobs] == prompt[1:] and g.timing.route == "gpu"
+    assert [p[0][1] for p in g.prompt_logprobs] == pytest.approx(lp["token_logprobs"][1:len(prompt)], abs=1e-3)
 
 
 def test_tritons_generate_answers_as_its_vllm_backend_does(node):
@@ -531,7 +546,8 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
     character read after the tokens before it) and its servers' _create_completion_logprobs and
     _create_chat_logprobs, on random generations of words with characters of several bytes and
     special tokens, random likely tokens (the decoded one among them or not), whole and in
-    random chunks as a stream writes them."""
+    random chunks as a stream writes them; and the prompt's (its _update_prompt_logprobs): vLLM's
+    prompt_logprobs member, and echo's object of the prompt's and the generation's."""
     import functools
     import types
 
@@ -540,10 +556,14 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    import torch
+    from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
     from vllm.v1.engine.logprobs import LogprobsProcessor
-    from vllm.v1.outputs import LogprobsLists
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
-    from batchyard.openai_logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, leading_space_marker
+    from batchyard.openai_logprobs import (ChatLogprobs, CompletionLogprobs, TokenTexts, joined, leading_space_marker,
+                                           prompt_logprobs)
 
     tok = _small_tokenizer(kind)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok)
@@ -556,21 +576,33 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
 
     rng = random.Random(11)
     words = ["the", " cache", " moves", " é", " 日本語", " 🙂", " stop", "</s>", "<s>"]
+    def row(t: int, n: int) -> tuple:
+        """An engine's logprobs of a position where ``t`` is: its id, then n most likely (t among
+        them or not); their logprobs; t's rank."""
+        top = rng.sample(range(vocab), n)
+        if n and rng.random() < 0.5:
+            top[rng.randrange(n)] = t
+        values = sorted((rng.uniform(-12, 0) for _ in range(n)), reverse=True)
+        rank = top.index(t) + 1 if t in top else n + 1 + rng.randrange(5)
+        lp = values[rank - 1] if t in top else rng.uniform(-30, -12) if rng.random() < 0.9 else float("-inf")
+        return [t, *top], [lp, *values], rank
+
     for trial in range(150):
         script = tok.encode("".join(rng.choice(words) for _ in range(8))).ids[:16]
+        prompt = tok.encode("".join(rng.choice(words) for _ in range(rng.randrange(1, 5)))).ids[:8]
         n = rng.randrange(0, 6)
-        processor = LogprobsProcessor(tokenizer=hf, logprobs=[], prompt_logprobs=None, cumulative_logprob=0.0,
-                                      num_logprobs=n, num_prompt_logprobs=None)
+        processor = LogprobsProcessor(tokenizer=hf, logprobs=[], prompt_logprobs=[None], cumulative_logprob=0.0,
+                                      num_logprobs=n, num_prompt_logprobs=n)
+        if len(prompt) > 1:  # (the prefill's: a row a prompt token but the first)
+            rows = [row(t, n) for t in prompt[1:]]
+            processor._update_prompt_logprobs(LogprobsTensors(torch.tensor([r[0] for r in rows]),
+                                                              torch.tensor([r[1] for r in rows]),
+                                                              torch.tensor([r[2] for r in rows])))
         for t in script:  # one engine step a token: the decoded one, then the n most likely
-            top = rng.sample(range(vocab), n)
-            if n and rng.random() < 0.5:
-                top[rng.randrange(n)] = t
-            values = sorted((rng.uniform(-12, 0) for _ in range(n)), reverse=True)
-            rank = top.index(t) + 1 if t in top else n + 1 + rng.randrange(5)
-            lp = values[rank - 1] if t in top else rng.uniform(-30, -12) if rng.random() < 0.9 else float("-inf")
-            processor._update_sample_logprobs(LogprobsLists(np.array([[t, *top]]), np.array([[lp, *values]]),
-                                                            np.array([rank])))
+            ids, values, rank = row(t, n)
+            processor._update_sample_logprobs(LogprobsLists(np.array([ids]), np.array([values]), np.array([rank])))
         positions = [[(tid, p.logprob, p.rank) for tid, p in d.items()] for d in processor.logprobs]
+        prompt_positions = [[(tid, p.logprob, p.rank) for tid, p in d.items()] for d in processor.prompt_logprobs[1:]]
         cut = sorted(rng.sample(range(1, len(script)), rng.randrange(0, min(4, len(script) - 1)))) if len(script) > 1 else []
         chunks = [positions[a:b] for a, b in zip([0, *cut], [*cut, len(script)])]
 
@@ -579,6 +611,18 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
         parts = [writer.of(c) for c in chunks]
         ours = {k: [v for p in parts for v in p[k]] for k in parts[0]}
         assert ours == theirs.model_dump(), (trial, script, ours, theirs.model_dump())
+
+        # the prompt's, vLLM's member (clamped) and echo's object (theirs of the prompt, then of the generation)
+        strings = TokenTexts(tok, marker).of(prompt_positions)
+        theirs = CompletionResponseChoice(index=0, text="", prompt_logprobs=clamp_prompt_logprobs(
+            [None, *processor.prompt_logprobs[1:]])).model_dump(mode="json")["prompt_logprobs"]
+        assert prompt_logprobs(prompt_positions, strings) == theirs, (trial, prompt)
+        theirs = OpenAIServingCompletion._create_completion_logprobs(
+            serving, [*prompt, *script], [*processor.prompt_logprobs, *processor.logprobs], n, hf)
+        writer = CompletionLogprobs(TokenTexts(tok, marker))
+        ours = joined(writer.prompt(tok.decode(prompt[:1], skip_special_tokens=False), prompt_positions, strings),
+                      writer.of(positions))
+        assert ours == theirs.model_dump(), (trial, prompt, script, ours, theirs.model_dump())
 
         theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
                                                           num_output_top_logprobs=n)

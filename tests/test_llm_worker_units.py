@@ -185,7 +185,7 @@ def test_a_moved_kv_entry_shared_by_two_prompts_is_neither_lost_to_one_nor_fatal
             for rid, (prompt, extra) in self.reqs.items():
                 if extra and not any((entries / f"p{prompt[0]}").glob("*")):
                     raise FileNotFoundError(f"{entries}/p{prompt[0]}/layer.0.safetensors")
-                outs.append(types.SimpleNamespace(request_id=rid, finished=True, num_cached_tokens=0, outputs=[
+                outs.append(types.SimpleNamespace(request_id=rid, finished=True, num_cached_tokens=0, prompt_logprobs=None, outputs=[
                     types.SimpleNamespace(token_ids=[7], finish_reason="length", logprobs=None)]))
             self.reqs.clear()
             return outs
@@ -238,7 +238,7 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
                 logprobs = None if left[2] is None else [
                     {t: types.SimpleNamespace(logprob=-t, rank=2), t + 100: types.SimpleNamespace(logprob=0.0, rank=1)}
                     for t in tokens]
-                outs.append(types.SimpleNamespace(request_id=rid, finished=finished, num_cached_tokens=0, outputs=[
+                outs.append(types.SimpleNamespace(request_id=rid, finished=finished, num_cached_tokens=0, prompt_logprobs=None, outputs=[
                     types.SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None,
                                           logprobs=logprobs)]))
             return outs

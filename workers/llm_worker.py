@@ -66,6 +66,7 @@ class _Req:
     kv_written: float = 0.0  # the entry's newest file time when this request was added
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # one P.PositionLogprobs a token, where asked
+    prompt_logprobs: list = field(default_factory=list)  # ... a prompt token but the first
     first_s: float = 0.0
 
 
@@ -286,6 +287,9 @@ class LlmServer:
             if req is None:
                 continue
             comp = out.outputs[0] if out.outputs else None
+            # (all at once, with the prefill's step: their first position, the prompt's first token's, is None)
+            prompt_logprobs = position_logprobs(out.prompt_logprobs[1:]) if out.prompt_logprobs else []
+            req.prompt_logprobs.extend(prompt_logprobs)
             if comp is not None and comp.token_ids:
                 if not req.tokens:
                     req.first_s = now - req.job.t0
@@ -296,7 +300,8 @@ class LlmServer:
                     # (a finishing step's tokens go in the job's LlmDone, which holds them all)
                     self.sock.send(P.encode(P.LlmTokens(job_id=req.job.msg.job_id, worker=self.name, seq=req.seq,
                                                         start=len(req.tokens) - len(comp.token_ids),
-                                                        tokens=list(comp.token_ids), logprobs=logprobs)))
+                                                        tokens=list(comp.token_ids), logprobs=logprobs,
+                                                        prompt_logprobs=prompt_logprobs)))
             if out.finished:
                 reason = comp.finish_reason if comp is not None else None
                 if reason in ("length", "stop"):
@@ -312,7 +317,8 @@ class LlmServer:
         req.job.results[req.seq] = P.LlmResult(seq=req.seq, status=int(status), message=message,
                                                tokens=req.tokens if ok else [],
                                                first_token_s=req.first_s if ok else 0.0, kv_tokens=kv_tokens,
-                                               finish_reason=reason, logprobs=req.logprobs if ok else [])
+                                               finish_reason=reason, logprobs=req.logprobs if ok else [],
+                                               prompt_logprobs=req.prompt_logprobs if ok else [])
         if req.kv_entry:
             self.kv_users[req.kv_entry] -= 1
             if self.kv_users[req.kv_entry] <= 0:  # the moved KV served its request: free the disk
