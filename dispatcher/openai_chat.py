@@ -75,8 +75,8 @@ class ChatShape(AnswerShape):
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     @staticmethod
-    def logprobs(texts: TokenTexts, sampling: P.Sampling) -> ChatLogprobs:
-        return ChatLogprobs(texts, sampling.logprobs or 0)
+    def logprobs(texts: TokenTexts, sampling: P.Sampling, as_ids: bool = False) -> ChatLogprobs:
+        return ChatLogprobs(texts, sampling.logprobs or 0, as_ids)
 
     @staticmethod
     def put_prompt_logprobs(answer: dict, choice: dict, member: list) -> None:

@@ -36,7 +36,7 @@ UNSUPPORTED = {"suffix": None,
                "length_penalty": 1.0, "watermarking": None,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
                "logprob_token_ids": None,
-               "prompt_embeds": None, "structured_outputs": None, "priority": 0, "return_tokens_as_token_ids": False,
+               "prompt_embeds": None, "structured_outputs": None, "priority": 0,
                "return_token_ids": False, "return_token_offsets": False, "kv_transfer_params": None,
                "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
                "thinking_token_budget": None}
@@ -52,7 +52,8 @@ IGNORED = ("user", "request_id", "session_id", "cache_salt", "stream_interval", 
 SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_output", "stream", "stream_options",
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
           "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
-          "logit_bias", "allowed_token_ids", "echo", "bad_words", "logprobs", "prompt_logprobs")
+          "logit_bias", "allowed_token_ids", "echo", "bad_words", "logprobs", "prompt_logprobs",
+          "return_tokens_as_token_ids")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)

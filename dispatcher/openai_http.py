@@ -26,7 +26,8 @@ detokenizer with the prompt's tokens). ``add_special_tokens`` (vLLM's, true by d
 own (a BOS) to a text prompt. ``logprobs`` (0 to P.MAX_LOGPROBS) gives each choice OpenAI's
 ``logprobs`` object: its tokens' texts, logprobs, text offsets and each position's most likely
 tokens (openai_logprobs, as vLLM's server writes them), under ``echo`` the prompt's first (its
-first token's null: what lm-eval's loglikelihood requests read). vLLM's ``prompt_logprobs`` (or
+first token's null: what lm-eval's loglikelihood requests read); vLLM's
+``return_tokens_as_token_ids`` writes their tokens "token_id:<id>". vLLM's ``prompt_logprobs`` (or
 echo's logprobs) has the engine compute the prompt's, given as vLLM's ``prompt_logprobs`` member
 (not under ``stream``, as vLLM refuses it); such a request takes the "gpu" route (the dispatcher
 sees to it), whose prefill computes them. Not supported yet, and refused with a 400 naming the field rather
@@ -75,7 +76,8 @@ from . import errors
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream, decoding_after, whole_text
-from .openai_logprobs import CompletionLogprobs, TokenTexts, joined, leading_space_marker, prompt_logprobs
+from .openai_logprobs import (CompletionLogprobs, TokenIds, TokenTexts, joined, leading_space_marker,
+                              prompt_logprobs)
 from . import protocol as P
 from .llm_model_files import GenerationDefaults, config_eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
@@ -229,7 +231,9 @@ class OpenAiCompletions:
         gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults, sampling),
                  {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
         leads = [text for text in (await echoed(prompts) if echoed else [""] * len(prompts)) for _ in range(n)]
-        logprobs = Logprobs(self, model, shape, sampling, echoed is not None, quiet)
+        # (vLLM's return_tokens_as_token_ids: the logprobs' tokens written "token_id:<id>")
+        logprobs = Logprobs(self, model, shape, sampling, echoed is not None, quiet,
+                            flag(body, "return_tokens_as_token_ids"))
         if stream:
             return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet,
                                       logprobs if logprobs.asked else None)
@@ -572,8 +576,9 @@ class Logprobs:
     ``echo``'s, which begin with the prompt's), and their writing in its route's ``shape``."""
 
     def __init__(self, completions: "OpenAiCompletions", model: str, shape: "AnswerShape", sampling: P.Sampling,
-                 echo: bool, quiet: bool):
+                 echo: bool, quiet: bool, as_ids: bool = False):
         self.completions, self.model, self.shape, self.sampling = completions, model, shape, sampling
+        self.as_ids = as_ids  # the tokens of the logprobs objects as vLLM's "token_id:<id>"
         self.asked = sampling.logprobs is not None
         self.prompt = sampling.prompt_logprobs is not None
         self.echo = echo and self.asked
@@ -581,14 +586,18 @@ class Logprobs:
 
     def writer(self):
         """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
-        return self.shape.logprobs(self.completions.token_texts(self.model), self.sampling)
+        return self.shape.logprobs(self.completions.token_texts(self.model), self.sampling, self.as_ids)
+
+    def _texts(self) -> TokenTexts:
+        return TokenIds() if self.as_ids else self.completions.token_texts(self.model)
 
     def prompt_part(self, writer, ids: list, positions: list, strings: Optional[list] = None) -> dict:
         """The logprobs object's part of the prompt ``ids`` (``positions``: their logprobs but
-        the first's), as ``writer``'s first."""
-        if strings is None:
-            strings = self.completions.token_texts(self.model).of(positions)
-        first = self.completions.decode(self.model, [ids[0]], skip_special_tokens=False)
+        the first's; ``strings``: their texts, where known), as ``writer``'s first."""
+        if strings is None or self.as_ids:
+            strings = self._texts().of(positions)
+        first = (TokenIds().at(ids[:1])[0] if self.as_ids
+                 else self.completions.decode(self.model, [ids[0]], skip_special_tokens=False))
         return writer.prompt(first, positions, strings)
 
     def whole(self, ids: list, out: "Completion") -> tuple[Optional[dict], Optional[list]]:
@@ -646,9 +655,10 @@ class AnswerShape:
         return None
 
     @staticmethod
-    def logprobs(texts: TokenTexts, sampling: P.Sampling):
-        """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
-        return CompletionLogprobs(texts)
+    def logprobs(texts: TokenTexts, sampling: P.Sampling, as_ids: bool = False):
+        """A choice's logprobs writer (``of(positions)``: the route's object for those tokens;
+        ``as_ids``: vLLM's return_tokens_as_token_ids)."""
+        return CompletionLogprobs(TokenIds() if as_ids else texts)
 
     @staticmethod
     def put_prompt_logprobs(answer: dict, choice: dict, member: list) -> None:

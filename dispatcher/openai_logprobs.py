@@ -98,6 +98,16 @@ class TokenTexts:
         return ""
 
 
+class TokenIds(TokenTexts):
+    """Token texts as vLLM's ``return_tokens_as_token_ids`` writes them: "token_id:<id>"."""
+
+    def __init__(self):
+        super().__init__(None, None)
+
+    def at(self, ids: list) -> list[str]:
+        return [f"token_id:{i}" for i in ids]
+
+
 def _lp(value: float) -> float:
     return max(value, FLOOR)
 
@@ -152,19 +162,21 @@ class ChatLogprobs:
     ``{"content": [...]}`` for those tokens, each with its text's UTF-8 bytes and the first
     ``top`` entries of its position as ``top_logprobs`` (vLLM's _create_chat_logprobs: the
     decoded token's own entry first, so where it is not among the most likely, one of those
-    is left out)."""
+    is left out). ``as_ids``: the tokens written "token_id:<id>" (return_tokens_as_token_ids),
+    a decoded token's bytes still its text's, as vLLM's."""
 
-    __slots__ = ("texts", "top")
+    __slots__ = ("texts", "top", "as_ids")
 
-    def __init__(self, texts: TokenTexts, top: int):
-        self.texts, self.top = texts, top
+    def __init__(self, texts: TokenTexts, top: int, as_ids: bool = False):
+        self.texts, self.top, self.as_ids = texts, top, as_ids
 
     def of(self, positions: list) -> dict:
         content = []
         for position, strings in zip(positions, self.texts.of(positions)):
-            content.append({"token": strings[0], "logprob": _lp(position[0][1]), "bytes": _utf8(strings[0]),
+            shown = [f"token_id:{tid}" for tid, _, _ in position] if self.as_ids else strings
+            content.append({"token": shown[0], "logprob": _lp(position[0][1]), "bytes": _utf8(strings[0]),
                             "top_logprobs": [{"token": s, "logprob": _lp(lp), "bytes": _utf8(s)}
-                                             for s, (_, lp, _) in zip(strings[:self.top], position)]})
+                                             for s, (_, lp, _) in zip(shown[:self.top], position)]})
         return {"content": content}
 
 

@@ -1627,6 +1627,18 @@ def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
     assert "".join(c["text"] for c in chunks) == "*4/MNO"
     assert [t for c in chunks for t in c["logprobs"]["tokens"]] == list("*4/MNO")
     assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == list(range(6))
+    # vLLM's return_tokens_as_token_ids: "token_id:<id>" for each token's text (the member keeps its decoded_token)
+    status, out = _http(url + "/v1/completions", {**echo, "return_tokens_as_token_ids": True})
+    ids = [*prompt, 45]
+    assert out["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert out["choices"][0]["logprobs"]["top_logprobs"][2] == {"token_id:15": -1.0, "token_id:16": -0.75}
+    assert out["choices"][0]["logprobs"]["text_offset"] == [0, 11, 22, 33]
+    assert out["choices"][0]["prompt_logprobs"][1] == {"20": {"logprob": -0.5, "rank": 1, "decoded_token": "4"}}
+    status, out = _http(url + "/v1/chat/completions", {**chat, "return_tokens_as_token_ids": True})
+    content = out["choices"][0]["logprobs"]["content"]
+    # (a decoded token's bytes still its text's, as vLLM writes them)
+    assert all(c["token"] == f"token_id:{t}" and c["bytes"] == list(text(t).encode())
+               for c, t in zip(content, out["batchyard"][0]["token_ids"])), content
     status, out = _http(url + "/v1/completions", {**echo, "max_tokens": 0})  # the prompt's alone
     assert out["choices"][0]["logprobs"]["tokens"] == list("*4/") and out["usage"]["completion_tokens"] == 1
     # prompt_logprobs alone; taken on the gpu route, whose prefill computes them

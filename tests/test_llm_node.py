@@ -547,7 +547,8 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
     _create_chat_logprobs, on random generations of words with characters of several bytes and
     special tokens, random likely tokens (the decoded one among them or not), whole and in
     random chunks as a stream writes them; and the prompt's (its _update_prompt_logprobs): vLLM's
-    prompt_logprobs member, and echo's object of the prompt's and the generation's."""
+    prompt_logprobs member, and echo's object of the prompt's and the generation's; and with
+    return_tokens_as_token_ids."""
     import functools
     import types
 
@@ -562,8 +563,8 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
     from vllm.v1.engine.logprobs import LogprobsProcessor
     from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
-    from batchyard.openai_logprobs import (ChatLogprobs, CompletionLogprobs, TokenTexts, joined, leading_space_marker,
-                                           prompt_logprobs)
+    from batchyard.openai_logprobs import (ChatLogprobs, CompletionLogprobs, TokenIds, TokenTexts, joined,
+                                           leading_space_marker, prompt_logprobs)
 
     tok = _small_tokenizer(kind)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok)
@@ -623,6 +624,16 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
         ours = joined(writer.prompt(tok.decode(prompt[:1], skip_special_tokens=False), prompt_positions, strings),
                       writer.of(positions))
         assert ours == theirs.model_dump(), (trial, prompt, script, ours, theirs.model_dump())
+        theirs = OpenAIServingCompletion._create_completion_logprobs(  # (return_tokens_as_token_ids)
+            serving, [*prompt, *script], [*processor.prompt_logprobs, *processor.logprobs], n, hf,
+            return_as_token_id=True)
+        writer = CompletionLogprobs(TokenIds())
+        ours = joined(writer.prompt(f"token_id:{prompt[0]}", prompt_positions, TokenIds().of(prompt_positions)),
+                      writer.of(positions))
+        assert ours == theirs.model_dump(), (trial, prompt, script)
+        theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
+                                                          num_output_top_logprobs=n, return_as_token_id=True)
+        assert ChatLogprobs(TokenTexts(tok, marker), n, as_ids=True).of(positions) == theirs.model_dump(), trial
 
         theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
                                                           num_output_top_logprobs=n)
