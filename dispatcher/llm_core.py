@@ -273,6 +273,10 @@ class LlmCore:
         if msg.sampling is not None and msg.sampling.min_tokens > msg.max_tokens:  # (vLLM's words)
             return (Status.INVALID_ARGUMENT, f"min_tokens must be less than or equal to max_tokens={msg.max_tokens}, "
                                              f"got {msg.sampling.min_tokens}")
+        if msg.sampling is not None and (entries := logprob_entries(msg)) > P.MAX_LOGPROB_ENTRIES:
+            return (Status.INVALID_ARGUMENT, f"the logprobs asked make {entries} entries (a prompt token's but the "
+                                             "first's, and max_tokens', each 1 + the logprobs asked); at most "
+                                             f"{P.MAX_LOGPROB_ENTRIES} a request: ask fewer tokens or fewer logprobs")
         route = msg.route
         if msg.sampling is not None and msg.sampling.prompt_logprobs is not None:
             # An engine gives the logprobs of the prompt tokens it computes: not of KV it loads.
@@ -552,6 +556,17 @@ class LlmCore:
     def describe(self) -> dict:
         return {m: {"curves": c.describe(), "cpu_queue": len(self.cpu_queue.get(m, ()))}
                 for m, c in self.curves.items()} | {"_decisions": dict(self.decisions)}
+
+
+def logprob_entries(msg: P.GenerateRequest) -> int:
+    """The (token id, logprob, rank) entries a generation's reply holds at most: 1 + logprobs for
+    each token it may decode, 1 + prompt_logprobs for each prompt token but the first."""
+    s, n = msg.sampling, 0
+    if s.logprobs is not None:
+        n += msg.max_tokens * (s.logprobs + 1)
+    if s.prompt_logprobs is not None:
+        n += (len(msg.prompt) - 1) * (s.prompt_logprobs + 1)
+    return n
 
 
 def _no_cpu_instance(model: str) -> str:

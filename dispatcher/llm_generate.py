@@ -43,6 +43,7 @@ import struct
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
+import numpy as np
 
 from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
@@ -323,7 +324,7 @@ class LlmGenerate:
                 last = piece
                 return
             given += tokens
-            emit(_outputs(switches, piece, len(ids), tokens, logprobs=logprobs.of(decoded[:given])))
+            emit(_outputs(switches, piece, len(ids), tokens, logprobs=logprobs.of(decoded, given)))
 
         try:
             logprobs = Logprobs(self.completions, model, switches)
@@ -361,20 +362,21 @@ class Logprobs:
         self.given = 0  # positions of the responses before
         self.cumulative = 0.0
 
-    def of(self, positions: list) -> tuple:
-        """-> (the JSON text of the positions past those given: each {token id: {logprob, rank,
-        decoded_token}}, the decoded token first; "null" where the sampling asked none, as the
-        backend's; the sum of the generation's logprobs so far, NaN where none asked, as the
-        backend's None in a float32 tensor)."""
+    def of(self, positions: list, end: Optional[int] = None) -> tuple:
+        """-> (the JSON text of the positions past those given, up to ``end``: each {token id:
+        {logprob, rank, decoded_token}}, the decoded token first; "null" where the sampling asked
+        none, as the backend's; the sum of the generation's logprobs so far, as the backend's
+        float32 tensor holds it, NaN where none asked, as its None)."""
         if self.texts is None:
             return "null", math.nan
-        new, self.given = positions[self.given:], max(self.given, len(positions))
+        end = len(positions) if end is None else end
+        new, self.given = positions[self.given:end], max(self.given, end)
         for position in new:  # (a token at a time, as vLLM sums them)
             self.cumulative += position[0][1]
         written = [{str(tid): {"logprob": lp, "rank": rank, "decoded_token": s}
                     for s, (tid, lp, rank) in zip(texts, position)}
                    for position, texts in zip(new, self.texts.of(new))]
-        return json.dumps(written), self.cumulative
+        return json.dumps(written), float(np.float32(self.cumulative))
 
 
 def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: str = "None",

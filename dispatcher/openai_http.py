@@ -249,14 +249,17 @@ class OpenAiCompletions:
         answer = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
                   "model": model, "choices": choices, "usage": _usage(prompts, outs),
                   "batchyard": [_timing(out) for out in outs]}
-        if logprobs.asked or logprobs.prompt:  # (their texts decoded on a thread: up to 21 decodes a token)
-            written = await asyncio.to_thread(lambda: [logprobs.whole(gen[0], out) for gen, out in zip(gens, outs)])
-            for choice, (lp, member) in zip(choices, written):
-                if logprobs.asked:
-                    choice["logprobs"] = lp
-                if member is not None:
-                    shape.put_prompt_logprobs(answer, choice, member)
-        return web.json_response(answer)
+        if not (logprobs.asked or logprobs.prompt):
+            return web.json_response(answer)
+        # (their texts decoded, and the answer written, on a thread: up to 21 decodes a token, and
+        # a long prompt's logprobs are megabytes of JSON)
+        written = await asyncio.to_thread(lambda: [logprobs.whole(gen[0], out) for gen, out in zip(gens, outs)])
+        for choice, (lp, member) in zip(choices, written):
+            if logprobs.asked:
+                choice["logprobs"] = lp
+            if member is not None:
+                shape.put_prompt_logprobs(answer, choice, member)
+        return web.Response(text=await asyncio.to_thread(json.dumps, answer), content_type="application/json")
 
     async def complete(self, model: str, ids: list, max_tokens: int, run: dict, rule: "TextRule" = None,
                        on_text: Optional[Callable[[str, int, bool], None]] = None,
@@ -374,12 +377,14 @@ class OpenAiCompletions:
         lp_sent = [0] * len(gens)  # ... and the number sent
         prompt_sent = [False] * len(gens)
 
-        def with_logprobs(i: int, choice: dict, positions: list, prompt: Optional[list] = None) -> dict:
+        async def with_logprobs(i: int, choice: dict, positions: list, prompt: Optional[list] = None) -> dict:
             if writers is not None:
                 head = None
                 if logprobs.echo and not prompt_sent[i]:  # (the prompt's first, with its text)
                     prompt_sent[i] = True
-                    head = logprobs.prompt_part(writers[i], gens[i][0], lp_prompt[i] or prompt or [])
+                    # (decoded off the loop, as the answer's without stream: a long prompt's many)
+                    head = await asyncio.to_thread(logprobs.prompt_part, writers[i], gens[i][0],
+                                                   lp_prompt[i] or prompt or [])
                 part = writers[i].of([] if quiet else positions)
                 choice["logprobs"] = part if head is None else joined(head, part)
                 lp_sent[i] += len(positions)
@@ -443,12 +448,13 @@ class OpenAiCompletions:
                     piece, decoded[i] = decoded[i], ""
                     if piece:
                         positions, lp_ready[i] = lp_ready[i], []
-                        await send({**head, "choices": [with_logprobs(i, shape.piece(i, piece), positions)],
+                        await send({**head, "choices": [await with_logprobs(i, shape.piece(i, piece), positions)],
                                     **so_far(i, counted[i])})
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
                 text = leads[i] + decoded[i] + ("" if quiet else got.rest)
-                last = with_logprobs(i, shape.last(i, text, got), got.logprobs[lp_sent[i]:], got.prompt_logprobs)
+                last = await with_logprobs(i, shape.last(i, text, got), got.logprobs[lp_sent[i]:],
+                                           got.prompt_logprobs)
                 await send({**head, "choices": [last], **so_far(i, len(got.tokens)), "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
@@ -598,7 +604,7 @@ class Logprobs:
             strings = self._texts().of(positions)
         first = (TokenIds().at(ids[:1])[0] if self.as_ids
                  else self.completions.decode(self.model, [ids[0]], skip_special_tokens=False))
-        return writer.prompt(first, positions, strings)
+        return writer.prompt(first, positions, strings, self.sampling.logprobs + 1)
 
     def whole(self, ids: list, out: "Completion") -> tuple[Optional[dict], Optional[list]]:
         """-> (a choice's logprobs object, or None; vLLM's ``prompt_logprobs`` member, or None)

@@ -136,12 +136,14 @@ class CompletionLogprobs:
             self.offset += len(texts[0])
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
-    def prompt(self, first: str, positions: list, strings: list) -> dict:
+    def prompt(self, first: str, positions: list, strings: list, keep: int) -> dict:
         """The prompt's part: its first token (of text ``first``), which has no logprobs (null,
-        as vLLM writes a position without), then its ``positions`` (of texts ``strings``)."""
+        as vLLM writes a position without), then its ``positions`` (of texts ``strings``), each
+        its first ``keep`` entries (vLLM writes the request's logprobs + 1 of each, however many
+        its prompt_logprobs had the engine give)."""
         head = {"text_offset": [self.offset], "token_logprobs": [None], "tokens": [first], "top_logprobs": [None]}
         self.offset += len(first)
-        return joined(head, self.of(positions, strings))
+        return joined(head, self.of([p[:keep] for p in positions], [s[:keep] for s in strings]))
 
 
 def joined(a: dict, b: dict) -> dict:

@@ -177,6 +177,9 @@ MAX_STOP_TOKEN_IDS = 1024  # a generation's stop_token_ids (vLLM sets no bound)
 MAX_BAD_WORDS = 128  # token sequences a generation may not decode (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
 MAX_BAD_WORD_TOKENS = 1024  # ... each of at most this many tokens
 MAX_LOGPROBS = 20  # the most likely tokens a generation's logprobs give at each position (vLLM's max_logprobs default)
+# A request's logprobs entries, its prompt's and its generation's: a reply holds them all, and
+# the dispatcher's loop decodes it (a 128k-token prompt at 21 a position, 42 MB, held it 0.8 s).
+MAX_LOGPROB_ENTRIES = 1 << 18
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 # One position of a generation's logprobs, as vLLM's engine gives them: (token id, log
 # probability, rank: 1 the likeliest) of the token decoded there first, then of the position's

@@ -9,6 +9,7 @@ import random
 import re
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -39,10 +40,11 @@ class Harness:
         if gpu:
             self.core.add_worker("gpu0", b"gpu0", GPU_ENGINE, self.now)
 
-    def submit(self, tokens: int, max_tokens: int = 4, route: str = "", timeout_s: float = 30.0):
+    def submit(self, tokens: int, max_tokens: int = 4, route: str = "", timeout_s: float = 30.0,
+               sampling: P.Sampling = None):
         rid = next(self.ids)
         msg = P.GenerateRequest(v=1, id=rid, model="m", prompt=[7] * tokens, max_tokens=max_tokens, route=route,
-                                timeout_us=int(timeout_s * 1e6))
+                                timeout_us=int(timeout_s * 1e6), sampling=sampling)
         return rid, self.core.admit(msg, b"client", self.now)
 
     def jobs(self):
@@ -85,6 +87,47 @@ def test_busy_gpu_sends_short_prompts_to_the_cpu_then_their_kv_to_the_gpu():
     [f] = h.done(gen, kv_tokens=32)
     assert f.timing.route == PREFILL_CPU and f.timing.prefill_worker == "cpu0" and f.timing.kv_tokens == 32
     assert f.timing.predicted_ttft_cpu_us < f.timing.predicted_ttft_gpu_us
+
+
+def test_a_request_for_its_prompts_logprobs_takes_the_gpu_route_whose_prefill_computes_them():
+    """An engine gives no logprobs of the prompt KV it loads: a short prompt the busy GPU would
+    have sent to the CPU prefills on the GPU instead; forcing the CPU route with them is refused;
+    a reply of more logprobs entries than the dispatcher decodes at once is refused up front."""
+    h = Harness()
+    for _ in range(8):  # long prompts keep the GPU's prefill queue busy
+        h.submit(1500, route=GPU)
+    h.jobs()
+    _, why = h.submit(48, sampling=P.Sampling(prompt_logprobs=0))
+    assert why is None
+    [gen] = h.jobs()
+    assert gen.worker.name == "gpu0" and gen.job.kind == "generate" and gen.job.kv_from == ""
+    _, why = h.submit(48, route=PREFILL_CPU, sampling=P.Sampling(prompt_logprobs=1))
+    assert why[0] == Status.INVALID_ARGUMENT and "prefill-cpu" in why[1]
+    big = Harness(gpu=False)
+    big.core.add_worker("gpu0", b"gpu0", msgspec.structs.replace(GPU_ENGINE, max_model_len=1 << 17), big.now)
+    _, why = big.submit(13000, sampling=P.Sampling(prompt_logprobs=20))  # 12,999 x 21 entries
+    assert why[0] == Status.INVALID_ARGUMENT and f"at most {P.MAX_LOGPROB_ENTRIES}" in why[1]
+    _, why = big.submit(13000, sampling=P.Sampling(prompt_logprobs=19))  # 12,999 x 20
+    assert why is None
+    _, why = big.submit(10, max_tokens=13000, sampling=P.Sampling(logprobs=20))
+    assert why[0] == Status.INVALID_ARGUMENT
+
+
+def test_triton_generates_cumulative_logprob_is_the_float32_the_backend_writes():
+    """The backend's cumulative_logprob is vLLM's float sum in a float32 tensor: so written, not
+    the float64 sum (-0.1 three times: -0.30000001192092896, not -0.30000000447034836)."""
+    from batchyard.llm_generate import Logprobs
+    from batchyard.openai_logprobs import TokenIds
+
+    class Completions:
+        def token_texts(self, model):
+            return TokenIds()
+
+    lp = Logprobs(Completions(), "m", {"sampling": P.Sampling(logprobs=0), "return_cumulative_logprob": True})
+    x = float(np.float32(-0.1))  # (a logprob from the engine: a float32's value)
+    text, total = lp.of([[(5, x, 1)]] * 3)
+    assert total == float(np.float32(x + x + x)) and total != x + x + x
+    assert json.loads(text) == [{"5": {"logprob": x, "rank": 1, "decoded_token": "token_id:5"}}] * 3
 
 
 def test_queued_prefills_go_as_jobs_sized_by_marginal_cost_one_job_at_a_time():

@@ -1622,6 +1622,10 @@ def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
     assert choice["prompt_logprobs"] == [None, {"20": {"logprob": -0.5, "rank": 1, "decoded_token": "4"}},
                                          {"15": {"logprob": -1.0, "rank": 2, "decoded_token": "/"},
                                           "16": {"logprob": -0.75, "rank": 1, "decoded_token": "0"}}]
+    # prompt_logprobs past logprobs: the member holds them all, echo's object the first logprobs + 1 (vLLM's)
+    status, out = _http(url + "/v1/completions", {**echo, "prompt_logprobs": 3})
+    assert out["choices"][0]["logprobs"]["top_logprobs"][2] == {"/": -1.0, "0": -0.75}
+    assert len(out["choices"][0]["prompt_logprobs"][2]) == 4
     status, kind, events = _events(url + "/v1/completions", {**echo, "max_tokens": 3, "stream": True})
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert "".join(c["text"] for c in chunks) == "*4/MNO"

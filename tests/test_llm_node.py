@@ -592,10 +592,11 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
         script = tok.encode("".join(rng.choice(words) for _ in range(8))).ids[:16]
         prompt = tok.encode("".join(rng.choice(words) for _ in range(rng.randrange(1, 5)))).ids[:8]
         n = rng.randrange(0, 6)
+        n_prompt = rng.choice([n, rng.randrange(0, 8)])  # (echo's object writes n + 1 a position of them)
         processor = LogprobsProcessor(tokenizer=hf, logprobs=[], prompt_logprobs=[None], cumulative_logprob=0.0,
-                                      num_logprobs=n, num_prompt_logprobs=n)
+                                      num_logprobs=n, num_prompt_logprobs=n_prompt)
         if len(prompt) > 1:  # (the prefill's: a row a prompt token but the first)
-            rows = [row(t, n) for t in prompt[1:]]
+            rows = [row(t, n_prompt) for t in prompt[1:]]
             processor._update_prompt_logprobs(LogprobsTensors(torch.tensor([r[0] for r in rows]),
                                                               torch.tensor([r[1] for r in rows]),
                                                               torch.tensor([r[2] for r in rows])))
@@ -621,15 +622,15 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
         theirs = OpenAIServingCompletion._create_completion_logprobs(
             serving, [*prompt, *script], [*processor.prompt_logprobs, *processor.logprobs], n, hf)
         writer = CompletionLogprobs(TokenTexts(tok, marker))
-        ours = joined(writer.prompt(tok.decode(prompt[:1], skip_special_tokens=False), prompt_positions, strings),
-                      writer.of(positions))
+        ours = joined(writer.prompt(tok.decode(prompt[:1], skip_special_tokens=False), prompt_positions, strings,
+                                    n + 1), writer.of(positions))
         assert ours == theirs.model_dump(), (trial, prompt, script, ours, theirs.model_dump())
         theirs = OpenAIServingCompletion._create_completion_logprobs(  # (return_tokens_as_token_ids)
             serving, [*prompt, *script], [*processor.prompt_logprobs, *processor.logprobs], n, hf,
             return_as_token_id=True)
         writer = CompletionLogprobs(TokenIds())
-        ours = joined(writer.prompt(f"token_id:{prompt[0]}", prompt_positions, TokenIds().of(prompt_positions)),
-                      writer.of(positions))
+        ours = joined(writer.prompt(f"token_id:{prompt[0]}", prompt_positions, TokenIds().of(prompt_positions),
+                                    n + 1), writer.of(positions))
         assert ours == theirs.model_dump(), (trial, prompt, script)
         theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
                                                           num_output_top_logprobs=n, return_as_token_id=True)
