@@ -713,11 +713,16 @@ class ClientCodec:
                 # reply's tokens past those given are the rest, in order.
                 pend.on_tokens = None
                 return
-            pend.streamed += msg.tokens
-            pend.streamed_logprobs += msg.logprobs
-            pend.prompt_logprobs += msg.prompt_logprobs
             try:
-                enough = pend.on_tokens(StepTokens(msg.tokens, msg.logprobs, msg.prompt_logprobs))
+                logprobs, prompt_logprobs = P.decode_logprobs(msg.logprobs), P.decode_logprobs(msg.prompt_logprobs)
+            except P.DecodeError:  # (the reply's, read again, fails the request)
+                pend.on_tokens = None
+                return
+            pend.streamed += msg.tokens
+            pend.streamed_logprobs += logprobs
+            pend.prompt_logprobs += prompt_logprobs
+            try:
+                enough = pend.on_tokens(StepTokens(msg.tokens, logprobs, prompt_logprobs))
             except Exception:  # the caller's: its generation's reply still comes
                 log.exception("on_tokens of request %d raised", msg.id)
                 return
@@ -761,8 +766,13 @@ class ClientCodec:
         elif pend.kind == "status":
             pend.resolve(msg)
         elif pend.kind == "generate":
-            pend.resolve(Generation(msg.tokens, msg.timing, msg.finish_reason or "length", msg.logprobs,
-                                    msg.prompt_logprobs))
+            try:
+                logprobs, prompt_logprobs = P.decode_logprobs(msg.logprobs), P.decode_logprobs(msg.prompt_logprobs)
+            except P.DecodeError as e:  # (the engine's, relayed unread by the dispatcher)
+                pend.resolve(error_for(Status.INTERNAL, f"the generation's logprobs are malformed: {e}"))
+                return
+            pend.resolve(Generation(msg.tokens, msg.timing, msg.finish_reason or "length", logprobs,
+                                    prompt_logprobs))
         else:
             try:
                 result = self._outputs(msg, frames[1:], pend.outputs)

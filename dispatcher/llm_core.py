@@ -25,6 +25,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import msgspec
+
 from . import protocol as P
 from .llm_fit import LearnedCurves, prefill_features
 from .llm_routing import GPU, PREFILL_CPU, LlmCurves, PathLoad, backlog_s, choose_route, take_prefill_batch
@@ -97,8 +99,8 @@ class Finished:
     tokens: list
     timing: P.LlmTiming
     finish_reason: str = ""
-    logprobs: list = field(default_factory=list)  # one P.PositionLogprobs a token, where asked
-    prompt_logprobs: list = field(default_factory=list)  # ... a prompt token but the first
+    logprobs: msgspec.Raw = field(default_factory=lambda: P.NO_LOGPROBS)  # relayed unread (P.logprobs_raw)
+    prompt_logprobs: msgspec.Raw = field(default_factory=lambda: P.NO_LOGPROBS)
 
 
 class LlmCore:

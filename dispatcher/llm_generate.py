@@ -10,9 +10,10 @@ before the completion, the backend's default, and true when streaming); ``stream
 ``sampling_parameters`` (a JSON object in a string, read in place of the request's parameters,
 as the backend reads it); ``return_finish_reason``, ``return_cumulative_logprob``,
 ``return_logprobs`` (with vLLM's ``logprobs`` among the sampling parameters: ``Logprobs``),
-``return_num_input_tokens`` and ``return_num_output_tokens`` for the outputs of those names. The request's parameters (in
-generate, its members that are no input, and those of its ``parameters``) are the sampling
-parameters, converted to their types as the backend does (``"4"`` is 4 tokens): ``max_tokens``
+``return_num_input_tokens`` and ``return_num_output_tokens`` for the outputs of those names. The
+request's parameters (in generate, its members that are no input, and those of its
+``parameters``) are the sampling parameters, converted to their types as the backend does
+(``"4"`` is 4 tokens): ``max_tokens``
 (16 when left out, vLLM's default; no more than the context leaves after the prompt, as vLLM's
 engine ends a sequence at ``max_model_len``), ``ignore_eos``, ``stop``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``stop_token_ids``,
@@ -338,7 +339,8 @@ class LlmGenerate:
             rule = TextRule(switches["stop"], switches["include_stop_str_in_output"], switches["skip_special_tokens"])
             out = await self.completions.complete(model, ids, max_tokens, run, rule,
                                                   on_text=on_text if streamed else None,
-                                                  on_logprobs=(lambda lps, _: decoded.extend(lps)) if streamed else None)
+                                                  on_logprobs=(lambda lps, _prompt: decoded.extend(lps))
+                                                  if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None
         except BatchyardError as e:

@@ -177,8 +177,8 @@ MAX_STOP_TOKEN_IDS = 1024  # a generation's stop_token_ids (vLLM sets no bound)
 MAX_BAD_WORDS = 128  # token sequences a generation may not decode (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
 MAX_BAD_WORD_TOKENS = 1024  # ... each of at most this many tokens
 MAX_LOGPROBS = 20  # the most likely tokens a generation's logprobs give at each position (vLLM's max_logprobs default)
-# A request's logprobs entries, its prompt's and its generation's: a reply holds them all, and
-# the dispatcher's loop decodes it (a 128k-token prompt at 21 a position, 42 MB, held it 0.8 s).
+# A request's logprobs entries, its prompt's and its generation's: a reply holds them all (at
+# this bound, 3.7 MB of MessagePack; the client's decoder takes ~70 ms of them).
 MAX_LOGPROB_ENTRIES = 1 << 18
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 # One position of a generation's logprobs, as vLLM's engine gives them: (token id, log
@@ -186,6 +186,24 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 # ``logprobs`` most likely tokens by rank, without the decoded one again.
 PositionLogprobs = Annotated[list[tuple[TokenId, float, int]],
                              msgspec.Meta(min_length=1, max_length=MAX_LOGPROBS + 1)]
+# On the wire a generation's logprobs are one MessagePack array of PositionLogprobs, kept whole
+# (msgspec.Raw) from the worker to the client: the dispatcher relays them unread. Typed, a
+# 128k-token prompt's at 21 a position (42 MB) held its loop 0.8 s; raw, copying 3.7 MB of them
+# takes ~3 ms. The client reads them (decode_logprobs), checked against PositionLogprobs.
+NO_LOGPROBS = msgspec.Raw(b"\x90")  # an empty array
+
+
+def logprobs_raw(positions: list) -> msgspec.Raw:
+    """A list of PositionLogprobs as the wire's field holds it."""
+    return msgspec.Raw(msgspec.msgpack.encode(positions)) if positions else NO_LOGPROBS
+
+
+_logprobs_decoder = msgspec.msgpack.Decoder(list[PositionLogprobs])
+
+
+def decode_logprobs(raw: msgspec.Raw) -> list:
+    """The PositionLogprobs of a wire's field (one of DecodeError where they are not)."""
+    return _logprobs_decoder.decode(raw)
 Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 
 
@@ -348,8 +366,8 @@ class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defa
     tokens: list[int] = []
     timing: Optional[LlmTiming] = None
     finish_reason: str = ""  # "stop": it decoded an end-of-sequence token; "length": max_tokens
-    logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
-    prompt_logprobs: list[PositionLogprobs] = []  # one a prompt token but the first, where asked
+    logprobs: msgspec.Raw = NO_LOGPROBS  # one PositionLogprobs a token, where its sampling asked them
+    prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # one a prompt token but the first, where asked
 
 
 class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type", omit_defaults=True):
@@ -362,8 +380,8 @@ class GenerateTokens(msgspec.Struct, tag="generated_tokens", tag_field="type", o
     id: U64
     tokens: list[int]
     start: int = -1  # -1: not said (a dispatcher before it), so no gap can be found
-    logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
-    prompt_logprobs: list[PositionLogprobs] = []  # (the first message's) one a prompt token but the first
+    logprobs: msgspec.Raw = NO_LOGPROBS  # one PositionLogprobs a token, where its sampling asked them
+    prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # (the first message's) one a prompt token but the first
 
 
 ReplyMessage = Union[InferReply, ModelInfoReply, StatusReply, ShmReply, Release, GenerateReply, GenerateTokens]
@@ -453,8 +471,8 @@ class LlmResult(msgspec.Struct, omit_defaults=True):
     first_token_s: float = 0.0  # job receipt -> this request's first token, on the worker's clock
     kv_tokens: int = 0  # prompt tokens loaded from the moved KV cache (decode jobs)
     finish_reason: str = ""  # vLLM's: "stop" (an end-of-sequence token) or "length"
-    logprobs: list[PositionLogprobs] = []  # one a token, where its sampling asked them
-    prompt_logprobs: list[PositionLogprobs] = []  # one a prompt token but the first, where asked
+    logprobs: msgspec.Raw = NO_LOGPROBS  # one PositionLogprobs a token, where its sampling asked them
+    prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # one a prompt token but the first, where asked
 
 
 class LlmDone(msgspec.Struct, tag="llm_done", tag_field="type"):
@@ -475,8 +493,8 @@ class LlmTokens(msgspec.Struct, tag="llm_tokens", tag_field="type", omit_default
     seq: int
     start: int
     tokens: list[int]
-    logprobs: list[PositionLogprobs] = []
-    prompt_logprobs: list[PositionLogprobs] = []  # (the first message's)
+    logprobs: msgspec.Raw = NO_LOGPROBS
+    prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # (the first message's)
 
 
 WorkerMessage = Union[Register, Heartbeat, BatchDone, Goodbye, Leaving, LlmDone, LlmTokens]

@@ -80,6 +80,11 @@ def _logprobs_of(job: P.LlmJob, tokens: list, name: str = "logprobs") -> list:
     return [] if n is None else scripted_logprobs(tokens, n)
 
 
+def _raw_logprobs_of(job: P.LlmJob, tokens: list, name: str = "logprobs"):
+    """``_logprobs_of`` as the wire holds them (P.logprobs_raw)."""
+    return P.logprobs_raw(_logprobs_of(job, tokens, name))
+
+
 class ScriptedEngine(threading.Thread):
     """Registers as an LLM worker and answers jobs at once with tokens that depend on the prompt."""
 
@@ -140,8 +145,9 @@ class ScriptedEngine(threading.Thread):
                                     continue
                                 sock.send(P.encode(P.LlmTokens(
                                     job_id=msg.job_id, worker=self.name_, seq=seq, start=start, tokens=[token],
-                                    logprobs=logprobs[start:start + 1],
-                                    prompt_logprobs=_logprobs_of(msg, prompt[1:], "prompt_logprobs") if start == 0 else [])))
+                                    logprobs=P.logprobs_raw(logprobs[start:start + 1]),
+                                    prompt_logprobs=_raw_logprobs_of(msg, prompt[1:] if start == 0 else [],
+                                                                     "prompt_logprobs"))))
                     sock.send(P.encode(self._answer(msg)))
                 elif type(msg) is P.LlmAbort:  # as a vLLM worker: out of the engine, the job ends
                     self.aborts.append(msg)
@@ -162,8 +168,8 @@ class ScriptedEngine(threading.Thread):
             kv = (len(prompt) // 32) * 32 if job.kv_from else 0
             tokens, reason = decoded(job, prompt, n)
             results.append(P.LlmResult(seq=seq, status=0, tokens=tokens, first_token_s=0.0005, kv_tokens=kv,
-                                       finish_reason=reason, logprobs=_logprobs_of(job, tokens),
-                                       prompt_logprobs=_logprobs_of(job, prompt[1:], "prompt_logprobs")))
+                                       finish_reason=reason, logprobs=_raw_logprobs_of(job, tokens),
+                                       prompt_logprobs=_raw_logprobs_of(job, prompt[1:], "prompt_logprobs")))
         return P.LlmDone(job_id=job.job_id, worker=self.name_, compute_s=0.001, results=results)
 
 
@@ -437,7 +443,8 @@ def test_an_llm_models_logprobs_come_as_tritons_vllm_backend_gives_them(llm_node
     tok = Tokenizer.from_file(str(Path(run_dir) / "tokenizer.json"))
     grpc_url = f"127.0.0.1:{tomllib.loads((Path(run_dir) / 'node.toml').read_text())['frontend']['grpc_port']}"
     prompt = "the"
-    status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    status, body = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                   "temperature": 0})
     ids = body["batchyard"][0]["token_ids"]
     sampling = json.dumps({"max_tokens": 4, "temperature": 0, "logprobs": 1}).encode()
     switches = {"return_logprobs": True, "return_cumulative_logprob": True}
@@ -456,8 +463,8 @@ def test_an_llm_models_logprobs_come_as_tritons_vllm_backend_gives_them(llm_node
                                       parameters={"max_tokens": 2, "temperature": 0})
     assert error is None and result.as_numpy("logprobs").tolist() == [b"null"]
     assert np.isnan(result.as_numpy("cumulative_logprob")[0])
-    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "sampling_parameters": sampling.decode(),
-                                                             **switches})
+    status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, **switches,
+                                                             "sampling_parameters": sampling.decode()})
     assert status == 200 and json.loads(body["logprobs"]) == positions and body["cumulative_logprob"] == -5.0
     status, body = _http(url + "/v2/models/tiny/generate", {"text_input": prompt, "max_tokens": 2, "temperature": 0,
                                                              **switches})

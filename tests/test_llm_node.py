@@ -605,7 +605,8 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
             processor._update_sample_logprobs(LogprobsLists(np.array([ids]), np.array([values]), np.array([rank])))
         positions = [[(tid, p.logprob, p.rank) for tid, p in d.items()] for d in processor.logprobs]
         prompt_positions = [[(tid, p.logprob, p.rank) for tid, p in d.items()] for d in processor.prompt_logprobs[1:]]
-        cut = sorted(rng.sample(range(1, len(script)), rng.randrange(0, min(4, len(script) - 1)))) if len(script) > 1 else []
+        cut = (sorted(rng.sample(range(1, len(script)), rng.randrange(0, min(4, len(script) - 1))))
+               if len(script) > 1 else [])
         chunks = [positions[a:b] for a, b in zip([0, *cut], [*cut, len(script)])]
 
         theirs = OpenAIServingCompletion._create_completion_logprobs(serving, script, processor.logprobs, n, hf)

@@ -185,7 +185,8 @@ def test_a_moved_kv_entry_shared_by_two_prompts_is_neither_lost_to_one_nor_fatal
             for rid, (prompt, extra) in self.reqs.items():
                 if extra and not any((entries / f"p{prompt[0]}").glob("*")):
                     raise FileNotFoundError(f"{entries}/p{prompt[0]}/layer.0.safetensors")
-                outs.append(types.SimpleNamespace(request_id=rid, finished=True, num_cached_tokens=0, prompt_logprobs=None, outputs=[
+                outs.append(types.SimpleNamespace(request_id=rid, finished=True, num_cached_tokens=0,
+                                                  prompt_logprobs=None, outputs=[
                     types.SimpleNamespace(token_ids=[7], finish_reason="length", logprobs=None)]))
             self.reqs.clear()
             return outs
@@ -238,7 +239,8 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
                 logprobs = None if left[2] is None else [
                     {t: types.SimpleNamespace(logprob=-t, rank=2), t + 100: types.SimpleNamespace(logprob=0.0, rank=1)}
                     for t in tokens]
-                outs.append(types.SimpleNamespace(request_id=rid, finished=finished, num_cached_tokens=0, prompt_logprobs=None, outputs=[
+                outs.append(types.SimpleNamespace(request_id=rid, finished=finished, num_cached_tokens=0,
+                                                  prompt_logprobs=None, outputs=[
                     types.SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None,
                                           logprobs=logprobs)]))
             return outs
@@ -261,8 +263,10 @@ def test_a_streamed_generate_job_sends_each_steps_tokens_but_the_last_which_its_
     assert done == {1: [0, 1, 2, 3, 4], 2: [0, 1, 2]}
     # each token's logprobs with it, the decoded one first (vLLM's order), where asked
     want = [[(t, -t, 2), (t + 100, 0.0, 1)] for t in range(5)]
-    assert [m.logprobs for m in server.sock.sent if type(m) is P.LlmTokens] == [want[:2], want[2:4]]
-    assert {m.job_id: m.results[0].logprobs for m in server.sock.sent if type(m) is P.LlmDone} == {1: want, 2: []}
+    # (relayed by the dispatcher unread: P.logprobs_raw)
+    assert [P.decode_logprobs(m.logprobs) for m in server.sock.sent if type(m) is P.LlmTokens] == [want[:2], want[2:4]]
+    assert {m.job_id: P.decode_logprobs(m.results[0].logprobs)
+            for m in server.sock.sent if type(m) is P.LlmDone} == {1: want, 2: []}
     assert type(server.sock.sent[-1]) is P.LlmDone and server.sock.sent[-1].job_id == 1  # its tokens came first
 
 

@@ -300,8 +300,8 @@ class LlmServer:
                     # (a finishing step's tokens go in the job's LlmDone, which holds them all)
                     self.sock.send(P.encode(P.LlmTokens(job_id=req.job.msg.job_id, worker=self.name, seq=req.seq,
                                                         start=len(req.tokens) - len(comp.token_ids),
-                                                        tokens=list(comp.token_ids), logprobs=logprobs,
-                                                        prompt_logprobs=prompt_logprobs)))
+                                                        tokens=list(comp.token_ids), logprobs=P.logprobs_raw(logprobs),
+                                                        prompt_logprobs=P.logprobs_raw(prompt_logprobs))))
             if out.finished:
                 reason = comp.finish_reason if comp is not None else None
                 if reason in ("length", "stop"):
@@ -317,8 +317,9 @@ class LlmServer:
         req.job.results[req.seq] = P.LlmResult(seq=req.seq, status=int(status), message=message,
                                                tokens=req.tokens if ok else [],
                                                first_token_s=req.first_s if ok else 0.0, kv_tokens=kv_tokens,
-                                               finish_reason=reason, logprobs=req.logprobs if ok else [],
-                                               prompt_logprobs=req.prompt_logprobs if ok else [])
+                                               finish_reason=reason,
+                                               logprobs=P.logprobs_raw(req.logprobs if ok else []),
+                                               prompt_logprobs=P.logprobs_raw(req.prompt_logprobs if ok else []))
         if req.kv_entry:
             self.kv_users[req.kv_entry] -= 1
             if self.kv_users[req.kv_entry] <= 0:  # the moved KV served its request: free the disk
