@@ -113,6 +113,7 @@ class OpenAiCompletions:
         self._tokenizers: dict = {}
         self._eos: dict = {}  # by model: (the tokenizer's end-of-sequence id, the configured ones)
         self._markers: dict = {}  # by model: its tokenizer's leading-space marker (openai_logprobs)
+        self._alone: dict = {}  # by model: its tokens' texts alone (openai_logprobs.TokenTexts)
         self.in_flight = 0  # completions (of this route and chat's) being served: vLLM's /load
         self._ids = itertools.count(1)
 
@@ -536,7 +537,7 @@ class OpenAiCompletions:
         tok = self.tokenizer(model, "logprobs")
         if model not in self._markers:
             self._markers[model] = leading_space_marker(tok)
-        return TokenTexts(tok, self._markers[model])
+        return TokenTexts(tok, self._markers[model], self._alone.setdefault(model, {}))
 
     def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         """``ids`` as text, its special tokens left out (vLLM's default for generated text)."""

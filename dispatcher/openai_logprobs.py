@@ -19,6 +19,7 @@ from typing import Optional
 
 FLOOR = -9999.0  # vLLM's: a logprob of -inf (a masked token) is written as this
 CONTEXT = 4  # the tokens decoded before one that a split character is looked for in (UTF-8: 4 bytes)
+MAX_ALONE = 1 << 20  # texts of tokens alone kept a model (a vocabulary's; its ids are bounded anyway)
 _PARTIAL = "\ufffd"
 
 
@@ -42,26 +43,36 @@ def leading_space_marker(tokenizer) -> Optional[str]:
 class TokenTexts:
     """The texts of a generation's tokens and of the likely ones at each position, as vLLM's
     logprobs give them. ``at(ids)``: those of one position's ids (the decoded token's first),
-    after the positions before it; ``decoded(token)`` moves on past that position."""
+    after the positions before it; ``decoded(token)`` moves on past that position. ``alone``:
+    the model's texts of tokens alone, kept across generations (they depend on the token only)."""
 
-    __slots__ = ("tokenizer", "marker", "context")
+    __slots__ = ("tokenizer", "marker", "context", "alone")
 
-    def __init__(self, tokenizer, marker: Optional[str]):
+    def __init__(self, tokenizer, marker: Optional[str], alone: Optional[dict] = None):
         self.tokenizer, self.marker = tokenizer, marker
         self.context: list = []  # the last CONTEXT tokens decoded
+        self.alone = {} if alone is None else alone
 
     def _decode(self, ids: list) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def at(self, ids: list) -> list[str]:
-        texts = [self._decode([i]) or "" for i in ids]
-        if self.marker is not None:
-            for k, i in enumerate(ids):
-                raw = self.tokenizer.id_to_token(i) or ""
+    def _alone(self, token: int) -> str:
+        """The token decoded alone, a SentencePiece piece's dropped leading spaces given back."""
+        text = self.alone.get(token)
+        if text is None:
+            text = self._decode([token]) or ""
+            if self.marker is not None:
+                raw = self.tokenizer.id_to_token(token) or ""
                 markers = len(raw) - len(raw.lstrip(self.marker))
-                missing = markers - (len(texts[k]) - len(texts[k].lstrip(" ")))
+                missing = markers - (len(text) - len(text.lstrip(" ")))
                 if markers and missing > 0:
-                    texts[k] = " " * missing + texts[k]
+                    text = " " * missing + text
+            if len(self.alone) < MAX_ALONE:
+                self.alone[token] = text
+        return text
+
+    def at(self, ids: list) -> list[str]:
+        texts = [self._alone(i) for i in ids]
         return [self._completed(i) if t.endswith(_PARTIAL) else t for i, t in zip(ids, texts)]
 
     def decoded(self, token: int) -> None:
@@ -84,7 +95,7 @@ class TokenTexts:
             if whole.endswith(_PARTIAL):
                 continue
             clean = len(context)  # the context's tokens before those that are bytes of this character
-            while clean and self._decode([context[clean - 1]]).endswith(_PARTIAL):
+            while clean and self._alone(context[clean - 1]).endswith(_PARTIAL):
                 clean -= 1
             prefix = self._decode(context[:clean]) if clean else ""
             if whole.startswith(prefix):

@@ -574,6 +574,7 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
     serving._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, serving)
     marker = leading_space_marker(tok)
     assert (marker is not None) == (kind == "metaspace")
+    alone: dict = {}  # (tokens' texts alone, kept across the generations as the front door keeps them)
 
     rng = random.Random(11)
     words = ["the", " cache", " moves", " é", " 日本語", " 🙂", " stop", "</s>", "<s>"]
@@ -610,19 +611,19 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
         chunks = [positions[a:b] for a, b in zip([0, *cut], [*cut, len(script)])]
 
         theirs = OpenAIServingCompletion._create_completion_logprobs(serving, script, processor.logprobs, n, hf)
-        writer = CompletionLogprobs(TokenTexts(tok, marker))
+        writer = CompletionLogprobs(TokenTexts(tok, marker, alone))
         parts = [writer.of(c) for c in chunks]
         ours = {k: [v for p in parts for v in p[k]] for k in parts[0]}
         assert ours == theirs.model_dump(), (trial, script, ours, theirs.model_dump())
 
         # the prompt's, vLLM's member (clamped) and echo's object (theirs of the prompt, then of the generation)
-        strings = TokenTexts(tok, marker).of(prompt_positions)
+        strings = TokenTexts(tok, marker, alone).of(prompt_positions)
         theirs = CompletionResponseChoice(index=0, text="", prompt_logprobs=clamp_prompt_logprobs(
             [None, *processor.prompt_logprobs[1:]])).model_dump(mode="json")["prompt_logprobs"]
         assert prompt_logprobs(prompt_positions, strings) == theirs, (trial, prompt)
         theirs = OpenAIServingCompletion._create_completion_logprobs(
             serving, [*prompt, *script], [*processor.prompt_logprobs, *processor.logprobs], n, hf)
-        writer = CompletionLogprobs(TokenTexts(tok, marker))
+        writer = CompletionLogprobs(TokenTexts(tok, marker, alone))
         ours = joined(writer.prompt(tok.decode(prompt[:1], skip_special_tokens=False), prompt_positions, strings,
                                     n + 1), writer.of(positions))
         assert ours == theirs.model_dump(), (trial, prompt, script, ours, theirs.model_dump())
@@ -635,10 +636,10 @@ def test_logprobs_read_as_vllms_server_writes_them(tmp_path, kind):
         assert ours == theirs.model_dump(), (trial, prompt, script)
         theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
                                                           num_output_top_logprobs=n, return_as_token_id=True)
-        assert ChatLogprobs(TokenTexts(tok, marker), n, as_ids=True).of(positions) == theirs.model_dump(), trial
+        assert ChatLogprobs(TokenTexts(tok, marker, alone), n, as_ids=True).of(positions) == theirs.model_dump(), trial
 
         theirs = OpenAIServingChat._create_chat_logprobs(serving, script, processor.logprobs, hf,
                                                           num_output_top_logprobs=n)
-        writer = ChatLogprobs(TokenTexts(tok, marker), n)
+        writer = ChatLogprobs(TokenTexts(tok, marker, alone), n)
         ours = {"content": [c for chunk in chunks for c in writer.of(chunk)["content"]]}
         assert ours == theirs.model_dump(), (trial, script, ours, theirs.model_dump())
