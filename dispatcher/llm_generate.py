@@ -339,7 +339,7 @@ class LlmGenerate:
             rule = TextRule(switches["stop"], switches["include_stop_str_in_output"], switches["skip_special_tokens"])
             out = await self.completions.complete(model, ids, max_tokens, run, rule,
                                                   on_text=on_text if streamed else None,
-                                                  on_logprobs=(lambda lps, _prompt: decoded.extend(lps))
+                                                  on_step=(lambda step: decoded.extend(step.logprobs))
                                                   if streamed else None)
         except OpenAiError as e:  # (a prompt too long or that cannot be tokenized)
             raise invalid(e.message) from None

@@ -82,6 +82,11 @@ class ChatShape(AnswerShape):
     def put_prompt_logprobs(answer: dict, choice: dict, member: list) -> None:
         answer["prompt_logprobs"] = member
 
+    @staticmethod
+    def put_prompt_token_ids(answer: Optional[dict], choice: dict, ids: list) -> None:
+        if answer is not None:  # (a stream's: its role chunk, as vLLM's)
+            answer["prompt_token_ids"] = ids
+
 
 CHAT = ChatShape()
 

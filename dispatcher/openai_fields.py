@@ -37,7 +37,7 @@ UNSUPPORTED = {"suffix": None,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
                "logprob_token_ids": None,
                "prompt_embeds": None, "structured_outputs": None, "priority": 0,
-               "return_token_ids": False, "return_token_offsets": False, "kv_transfer_params": None,
+               "return_token_offsets": False, "kv_transfer_params": None,
                "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
                "thinking_token_budget": None}
 # Taken and left alone: nothing an answer holds depends on them here (OpenAI's user; vLLM's ids of
@@ -53,7 +53,7 @@ SERVED = ("model", "prompt", "max_tokens", "n", "stop", "include_stop_str_in_out
           "ignore_eos", "add_special_tokens", "response_format", "frequency_penalty", "presence_penalty", "seed", "temperature",
           "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
           "logit_bias", "allowed_token_ids", "echo", "bad_words", "logprobs", "prompt_logprobs",
-          "return_tokens_as_token_ids")
+          "return_tokens_as_token_ids", "return_token_ids")
 
 
 SAMPLING_FIELDS = tuple(P.Sampling.__struct_fields__)

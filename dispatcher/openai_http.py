@@ -30,7 +30,9 @@ first token's null: what lm-eval's loglikelihood requests read); vLLM's
 ``return_tokens_as_token_ids`` writes their tokens "token_id:<id>". vLLM's ``prompt_logprobs`` (or
 echo's logprobs) has the engine compute the prompt's, given as vLLM's ``prompt_logprobs`` member
 (not under ``stream``, as vLLM refuses it); such a request takes the "gpu" route (the dispatcher
-sees to it), whose prefill computes them. Not supported yet, and refused with a 400 naming the field rather
+sees to it), whose prefill computes them. vLLM's ``return_token_ids`` gives each choice's
+``token_ids`` and ``prompt_token_ids`` (chat: the answer's), a chunk its own (ChunkExtras;
+with ``echo``, the text then leaves the prompt's out, as vLLM's). Not supported yet, and refused with a 400 naming the field rather
 than ignored, unless at its default: ``suffix``, ``best_of`` > 1, and
 every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED: its server would
 apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
@@ -235,9 +237,12 @@ class OpenAiCompletions:
         # (vLLM's return_tokens_as_token_ids: the logprobs' tokens written "token_id:<id>")
         logprobs = Logprobs(self, model, shape, sampling, echoed is not None, quiet,
                             flag(body, "return_tokens_as_token_ids"))
+        token_ids = flag(body, "return_token_ids")  # vLLM's: the choices' token ids and their prompts'
+        if token_ids:
+            leads = [""] * len(leads)  # (vLLM's: echo's text then leaves the prompt's out)
         if stream:
             return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet,
-                                      logprobs if logprobs.asked else None)
+                                      logprobs if logprobs.asked else None, token_ids)
         # A list of prompts runs at once, under the one deadline of the request (one after
         # another, each had the whole timeout and none was batched with the others).
         tasks = [asyncio.ensure_future(self.complete(model, ids, limit, run_k, rule)) for ids, limit, run_k in gens]
@@ -250,6 +255,9 @@ class OpenAiCompletions:
         answer = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.object, "created": int(time.time()),
                   "model": model, "choices": choices, "usage": _usage(prompts, outs),
                   "batchyard": [_timing(out) for out in outs]}
+        for choice, (ids, _, _), out in zip(choices, gens, outs) if token_ids else ():
+            choice["token_ids"] = out.tokens
+            shape.put_prompt_token_ids(answer, choice, ids)
         if not (logprobs.asked or logprobs.prompt):
             return web.json_response(answer)
         # (their texts decoded, and the answer written, on a thread: up to 21 decodes a token, and
@@ -264,22 +272,22 @@ class OpenAiCompletions:
 
     async def complete(self, model: str, ids: list, max_tokens: int, run: dict, rule: "TextRule" = None,
                        on_text: Optional[Callable[[str, int, bool], None]] = None,
-                       on_logprobs: Optional[Callable[[list, list], None]] = None) -> Completion:
+                       on_step: Optional[Callable[[list], None]] = None) -> Completion:
         """One prompt's completion, as text: its generation (``run``: the generate call's other
         arguments), as ``rule`` makes text of it; a stop string found ends it in its engine.
         ``on_text(piece, tokens, last)`` streams it: called at each engine step but the last with the
         text that may be sent (llm_text.TextStream), the step's token count, and whether a stop
-        string ended the generation there; the rest is the Completion's ``rest``. ``on_logprobs``:
-        called before it with the step's logprobs and (the first step's) the prompt's, where the
-        sampling asks them."""
+        string ended the generation there; the rest is the Completion's ``rest``. ``on_step``:
+        called before it with the step's tokens (client_codec.StepTokens: with their logprobs and
+        the first step's of the prompt, where the sampling asks them)."""
         sampling, rule = run.get("sampling") or NO_SAMPLING, rule or PLAIN
         # (the text as it reads after the prompt)
         decode = decoding_after(lambda t: self.decode(model, t, rule.skip_special_tokens), ids)
         text = TextStream(decode, rule.stops, rule.include_stop, sampling.min_tokens)
 
         def on_tokens(tokens: list) -> bool:
-            if on_logprobs is not None:
-                on_logprobs(tokens.logprobs, tokens.prompt_logprobs)
+            if on_step is not None:
+                on_step(tokens)
             piece = text.push(tokens)
             if on_text is not None:
                 on_text(piece, len(tokens), bool(text.stopped))
@@ -352,7 +360,7 @@ class OpenAiCompletions:
 
     async def _stream(self, request, model: str, prompts: list, gens: list, rule: "TextRule",
                       usage: list, shape: "AnswerShape", leads: list, quiet: bool,
-                      logprobs: Optional["Logprobs"] = None) -> web.StreamResponse:
+                      logprobs: Optional["Logprobs"] = None, token_ids: bool = False) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order;
         each choice's text begins with its ``leads`` (echo's prompt text), sent with the first of
@@ -362,7 +370,8 @@ class OpenAiCompletions:
         as vLLM counts them). ``logprobs``: the choices' logprobs (None: not asked); a chunk holds
         those of the tokens decoded since the chunk before, its last those left, as vLLM's chunks
         hold each engine step's (so joined, they are the answer's without stream); under echo, the
-        prompt's come first."""
+        prompt's come first. ``token_ids`` (vLLM's return_token_ids): a chunk holds the tokens
+        decoded since the chunk before, a choice's first its prompt's (chat: its role chunk)."""
         include_usage, continuous = usage
         head = {"id": f"{shape.id_prefix}-{next(self._ids)}", "object": shape.chunk_object,
                 "created": int(time.time()), "model": model}
@@ -372,24 +381,7 @@ class OpenAiCompletions:
         # chunks, rather than an event queued an engine step.
         decoded: list = [""] * len(gens)
         counted = [0] * len(gens)  # each choice's tokens so far
-        writers = [logprobs.writer() for _ in gens] if logprobs is not None else None
-        lp_ready: list = [[] for _ in gens]  # each choice's logprobs decoded, not sent yet
-        lp_prompt: list = [[] for _ in gens]  # ... and its prompt's, once they come
-        lp_sent = [0] * len(gens)  # ... and the number sent
-        prompt_sent = [False] * len(gens)
-
-        async def with_logprobs(i: int, choice: dict, positions: list, prompt: Optional[list] = None) -> dict:
-            if writers is not None:
-                head = None
-                if logprobs.echo and not prompt_sent[i]:  # (the prompt's first, with its text)
-                    prompt_sent[i] = True
-                    # (decoded off the loop, as the answer's without stream: a long prompt's many)
-                    head = await asyncio.to_thread(logprobs.prompt_part, writers[i], gens[i][0],
-                                                   lp_prompt[i] or prompt or [])
-                part = writers[i].of([] if quiet else positions)
-                choice["logprobs"] = part if head is None else joined(head, part)
-                lp_sent[i] += len(positions)
-            return choice
+        extras = [ChunkExtras(logprobs, token_ids, ids, quiet) for ids, _, _ in gens]
 
         def so_far(i: int, tokens: int) -> dict:
             if not continuous:
@@ -408,10 +400,7 @@ class OpenAiCompletions:
             try:
                 out = await self.complete(model, ids, max_tokens, run, rule,
                                           on_text=lambda piece, tokens, _last: on_text(i, piece, tokens),
-                                          # (the list of the moment: a chunk sent takes it whole)
-                                          on_logprobs=(lambda lps, plps: (lp_ready[i].extend(lps),
-                                                                          lp_prompt[i].extend(plps)))
-                                          if writers else None)
+                                          on_step=extras[i].on_step if extras[i].wanted else None)
             except Exception as e:  # noqa: BLE001 -- told to the stream, which answers it
                 events.put_nowait((i, e))
             else:
@@ -426,7 +415,8 @@ class OpenAiCompletions:
                 if c["index"] not in started:
                     started.add(c["index"])
                     if (first := shape.first(c["index"])) is not None:
-                        await send({**head, "choices": [first], **so_far(c["index"], 0)})
+                        ids = {"prompt_token_ids": gens[c["index"]][0]} if token_ids else {}  # (vLLM's, chat's)
+                        await send({**head, "choices": [first], **so_far(c["index"], 0), **ids})
             if response is None:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                        "Cache-Control": "no-cache"})
@@ -448,14 +438,12 @@ class OpenAiCompletions:
                         break
                     piece, decoded[i] = decoded[i], ""
                     if piece:
-                        positions, lp_ready[i] = lp_ready[i], []
-                        await send({**head, "choices": [await with_logprobs(i, shape.piece(i, piece), positions)],
+                        await send({**head, "choices": [await extras[i].attach(shape, shape.piece(i, piece))],
                                     **so_far(i, counted[i])})
                 outs[i] = got
                 # (what on_text gave and this stream has not sent yet, then the rest)
                 text = leads[i] + decoded[i] + ("" if quiet else got.rest)
-                last = await with_logprobs(i, shape.last(i, text, got), got.logprobs[lp_sent[i]:],
-                                           got.prompt_logprobs)
+                last = await extras[i].attach(shape, shape.last(i, text, got), got)
                 await send({**head, "choices": [last], **so_far(i, len(got.tokens)), "batchyard": _timing(got)})
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(prompts, outs)})
@@ -620,6 +608,52 @@ class Logprobs:
         return (part if head is None else joined(head, part)), member
 
 
+class ChunkExtras:
+    """What a stream's chunks of one choice hold beside its text: its ``logprobs`` (Logprobs:
+    what the request asks of them; None: none) and, with ``token_ids`` (vLLM's
+    return_token_ids), its tokens and its ``prompt``'s. A chunk holds those of the tokens decoded
+    since the chunk before (``on_step`` is given each engine step); the last, those left of the
+    completion; the first, under echo, the prompt's logprobs before them."""
+
+    def __init__(self, logprobs: Optional["Logprobs"], token_ids: bool, prompt: list, quiet: bool):
+        self.logprobs, self.token_ids, self.prompt, self.quiet = logprobs, token_ids, prompt, quiet
+        self.wanted = logprobs is not None or token_ids
+        self.writer = logprobs.writer() if logprobs is not None else None
+        self.tokens: list = []  # decoded, not in a chunk yet
+        self.positions: list = []  # ... their logprobs
+        self.prompt_positions: list = []  # the prompt's logprobs, once the first step brings them
+        self.sent = 0  # tokens in the chunks sent
+        self.first = True
+
+    def on_step(self, step) -> None:
+        self.tokens.extend(step)
+        self.positions.extend(step.logprobs)
+        self.prompt_positions.extend(step.prompt_logprobs)
+
+    async def attach(self, shape: "AnswerShape", choice: dict, last: Optional["Completion"] = None) -> dict:
+        """``choice`` (a chunk's) with what it holds beside its text; ``last``: the completion
+        whose last chunk it is."""
+        if last is not None:
+            tokens, positions = last.tokens[self.sent:], last.logprobs[self.sent:]
+        else:
+            tokens, positions = self.tokens, self.positions
+        self.tokens, self.positions = [], []
+        first, self.first = self.first, False
+        if self.token_ids:
+            choice["token_ids"] = tokens
+            if first:
+                shape.put_prompt_token_ids(None, choice, self.prompt)
+        if self.writer is not None:
+            head = None
+            if first and self.logprobs.echo:  # (the prompt's first, decoded off the loop: a long prompt's many)
+                prompt = self.prompt_positions or (last.prompt_logprobs if last is not None else [])
+                head = await asyncio.to_thread(self.logprobs.prompt_part, self.writer, self.prompt, prompt)
+            part = self.writer.of([] if self.quiet else positions)
+            choice["logprobs"] = part if head is None else joined(head, part)
+        self.sent += len(tokens)
+        return choice
+
+
 class Completion:
     """One prompt's completion: its ``text`` (cut before a stop string), the ``rest`` of it past
     the pieces a stream was given, its ``tokens``, ``finish_reason`` ("stop": an end-of-sequence
@@ -671,6 +705,12 @@ class AnswerShape:
     def put_prompt_logprobs(answer: dict, choice: dict, member: list) -> None:
         """Where vLLM's answer holds the prompt's logprobs: each choice (chat: the answer)."""
         choice["prompt_logprobs"] = member
+
+    @staticmethod
+    def put_prompt_token_ids(answer: Optional[dict], choice: dict, ids: list) -> None:
+        """Where vLLM's answer (None: a stream's chunk) holds the prompt's token ids
+        (return_token_ids): each choice; chat: the answer, and its role chunk."""
+        choice["prompt_token_ids"] = ids
 
 
 TEXT = AnswerShape()

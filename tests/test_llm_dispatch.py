@@ -1673,3 +1673,32 @@ def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
         assert out.prompt_logprobs == scripted_logprobs(prompt[1:], 1) and out.logprobs == []
         with pytest.raises(InvalidArgument, match="logprobs"):
             c.generate("tiny", [40], 6, sampling={"logprobs": 21})
+
+
+def test_return_token_ids_gives_the_token_ids_as_vllm_does(llm_node):
+    """vLLM's return_token_ids: each choice's token ids and its prompt's (chat: the answer's),
+    under stream each chunk those decoded since the chunk before, the first the prompt's (chat:
+    its role chunk); with echo, the text leaves the prompt out, as vLLM's."""
+    _, _, url = llm_node
+    prompt, tokens = [10, 20, 15], expected([10, 20, 15], 4)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    status, out = _http(url + "/v1/completions", body)
+    assert status == 200 and out["choices"][0]["token_ids"] == tokens
+    assert out["choices"][0]["prompt_token_ids"] == prompt
+    status, out = _http(url + "/v1/completions", {**body, "echo": True})
+    assert out["choices"][0]["text"] == "MNOP"  # (not "*4/MNOP")
+    status, kind, events = _events(url + "/v1/completions", {**body, "logprobs": 0, "stop": "O", "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == tokens[:3]  # (up to the stop string's)
+    assert all(len(c["token_ids"]) == len(c["logprobs"]["tokens"]) for c in chunks)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0,
+            "return_token_ids": True}
+    status, out = _http(url + "/v1/chat/completions", chat)
+    assert out["choices"][0]["token_ids"] == out["batchyard"][0]["token_ids"]
+    assert len(out["choices"][0]["token_ids"]) == 3
+    assert len(out["prompt_token_ids"]) == out["usage"]["prompt_tokens"]
+    status, kind, events = _events(url + "/v1/chat/completions", {**chat, "stream": True})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] == out["prompt_token_ids"] and chunks[0]["choices"][0]["delta"]["role"]
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == out["choices"][0]["token_ids"]
