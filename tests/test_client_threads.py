@@ -149,8 +149,9 @@ def test_a_client_never_closed_does_not_hold_up_interpreter_exit(run_dir):
 def test_a_blocking_call_from_a_done_callback_fails_at_once_and_the_client_keeps_serving(start_node):
     # A model's first submit waits for its spec, which only the I/O thread (the one running
     # done-callbacks) can deliver: the callback waited for ever, and with it every request of
-    # every thread sharing the client.
-    node = start_node([sim_worker("sim0")])
+    # every thread sharing the client. (A batch of 0.3 s: the first reply must not come before
+    # its callbacks are added, which then run on this thread: seen under a loaded machine.)
+    node = start_node([sim_worker("sim0", launch_us=300_000.0)])
     seen = []
     with node.client() as c:
         first = c.submit("sum", {"x": ONE})
