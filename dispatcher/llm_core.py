@@ -98,9 +98,9 @@ class Finished:
     request: LlmRequest
     tokens: list
     timing: P.LlmTiming
-    finish_reason: str = ""
-    logprobs: msgspec.Raw = field(default_factory=lambda: P.NO_LOGPROBS)  # relayed unread (P.logprobs_raw)
-    prompt_logprobs: msgspec.Raw = field(default_factory=lambda: P.NO_LOGPROBS)
+    finish_reason: str
+    logprobs: msgspec.Raw  # relayed unread (P.logprobs_raw)
+    prompt_logprobs: msgspec.Raw
 
 
 class LlmCore:
@@ -275,17 +275,18 @@ class LlmCore:
         if msg.sampling is not None and msg.sampling.min_tokens > msg.max_tokens:  # (vLLM's words)
             return (Status.INVALID_ARGUMENT, f"min_tokens must be less than or equal to max_tokens={msg.max_tokens}, "
                                              f"got {msg.sampling.min_tokens}")
-        if msg.sampling is not None and (entries := logprob_entries(msg)) > P.MAX_LOGPROB_ENTRIES:
-            return (Status.INVALID_ARGUMENT, f"the logprobs asked make {entries} entries (a prompt token's but the "
-                                             "first's, and max_tokens', each 1 + the logprobs asked); at most "
-                                             f"{P.MAX_LOGPROB_ENTRIES} a request: ask fewer tokens or fewer logprobs")
         route = msg.route
-        if msg.sampling is not None and msg.sampling.prompt_logprobs is not None:
-            # An engine gives the logprobs of the prompt tokens it computes: not of KV it loads.
-            if route == PREFILL_CPU:
-                return (Status.INVALID_ARGUMENT, "prompt_logprobs are computed by the decode instance's own prefill: "
-                                                 "not on route 'prefill-cpu'")
-            route = GPU
+        if msg.sampling is not None:
+            if (entries := logprob_entries(msg)) > P.MAX_LOGPROB_ENTRIES:
+                return (Status.INVALID_ARGUMENT, f"the logprobs asked make {entries} entries (a prompt token's but "
+                                                 "the first's, and max_tokens', each 1 + the logprobs asked); at most "
+                                                 f"{P.MAX_LOGPROB_ENTRIES} a request: ask fewer tokens or fewer logprobs")
+            if msg.sampling.prompt_logprobs is not None:
+                # An engine gives the logprobs of the prompt tokens it computes: not of KV it loads.
+                if route == PREFILL_CPU:
+                    return (Status.INVALID_ARGUMENT, "prompt_logprobs are computed by the decode instance's own "
+                                                     "prefill: not on route 'prefill-cpu'")
+                route = GPU
         if route == PREFILL_CPU and not self._instances(model, PREFILL_CPU):
             return Status.UNAVAILABLE, _no_cpu_instance(model)
         if self.open_by_model.get(model, 0) >= self.max_queue:

@@ -9,7 +9,7 @@ The backend's inputs: ``text_input``; ``exclude_input_in_output`` (false: the pr
 before the completion, the backend's default, and true when streaming); ``stream``;
 ``sampling_parameters`` (a JSON object in a string, read in place of the request's parameters,
 as the backend reads it); ``return_finish_reason``, ``return_cumulative_logprob``,
-``return_logprobs`` (with vLLM's ``logprobs`` among the sampling parameters: ``Logprobs``),
+``return_logprobs`` (with vLLM's ``logprobs`` among the sampling parameters: ``BackendLogprobs``),
 ``return_num_input_tokens`` and ``return_num_output_tokens`` for the outputs of those names. The
 request's parameters (in generate, its members that are no input, and those of its
 ``parameters``) are the sampling parameters, converted to their types as the backend does
@@ -52,6 +52,7 @@ from .kserve_common import KServeError, from_batchyard, invalid
 from .openai_fields import (MAX_PROMPT_CHARS, OpenAiError, bad_words_field, logit_bias_field, shown as _shown,
                             stop_strings)
 from .openai_http import OpenAiCompletions, TextRule
+from .openai_logprobs import logprob_objects
 from .protocol import MAX_TOKEN_ID
 
 # The backend's inputs that Batchyard serves (name, KServe datatype, optional), in its order;
@@ -316,7 +317,7 @@ class LlmGenerate:
         streamed = bool(switches.get("stream")) and emit is not None
         given = 0  # tokens of the responses emitted
         last = ""  # the piece of the step a stop string ended it at: the final response's, as the backend's
-        logprobs: Optional[Logprobs] = None
+        logprobs: Optional[BackendLogprobs] = None
         decoded: list = []  # the logprobs of the tokens decoded, as the engine gave them
 
         def on_text(piece: str, tokens: int, stopped: bool) -> None:
@@ -328,7 +329,7 @@ class LlmGenerate:
             emit(_outputs(switches, piece, len(ids), tokens, logprobs=logprobs.of(decoded, given)))
 
         try:
-            logprobs = Logprobs(self.completions, model, switches)
+            logprobs = BackendLogprobs(self.completions, model, switches)
             (ids,) = await self.completions.encode(model, [prompt])
             switches["sampling"] = await self.completions.with_bad_words(model, switches["sampling"],
                                                                          switches["bad_words"])
@@ -352,7 +353,7 @@ class LlmGenerate:
         return _outputs(switches, text, len(ids), len(out.tokens), out.finish_reason, rest)
 
 
-class Logprobs:
+class BackendLogprobs:
     """The backend's ``logprobs`` and ``cumulative_logprob`` outputs of one run, a response at a
     time: ``of(positions)``, with every position of the generation so far (the engine's
     P.PositionLogprobs), gives those of the positions past the last response's."""
@@ -375,10 +376,7 @@ class Logprobs:
         new, self.given = positions[self.given:end], max(self.given, end)
         for position in new:  # (a token at a time, as vLLM sums them)
             self.cumulative += position[0][1]
-        written = [{str(tid): {"logprob": lp, "rank": rank, "decoded_token": s}
-                    for s, (tid, lp, rank) in zip(texts, position)}
-                   for position, texts in zip(new, self.texts.of(new))]
-        return json.dumps(written), float(np.float32(self.cumulative))
+        return json.dumps(logprob_objects(new, self.texts.of(new))), float(np.float32(self.cumulative))
 
 
 def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: str = "None",
@@ -386,7 +384,7 @@ def _outputs(switches: dict, text: str, n_in: int, n_out: int, finish_reason: st
     """One response's outputs, as the backend's ``create_response`` makes them: ``finish_reason``
     is ``str`` of vLLM's, "None" until the last ("stop" at an end-of-sequence token, "length" at
     max_tokens); under a stream, ``num_output_tokens`` counts the response's own tokens, and
-    ``logprobs`` holds theirs (Logprobs.of)."""
+    ``logprobs`` holds theirs (BackendLogprobs.of)."""
     members = {"text_output": text}
     if switches.get("return_finish_reason"):
         members["finish_reason"] = finish_reason

@@ -32,8 +32,8 @@ echo's logprobs) has the engine compute the prompt's, given as vLLM's ``prompt_l
 (not under ``stream``, as vLLM refuses it); such a request takes the "gpu" route (the dispatcher
 sees to it), whose prefill computes them. vLLM's ``return_token_ids`` gives each choice's
 ``token_ids`` and ``prompt_token_ids`` (chat: the answer's), a chunk its own (ChunkExtras;
-with ``echo``, the text then leaves the prompt's out, as vLLM's). Not supported yet, and refused with a 400 naming the field rather
-than ignored, unless at its default: ``suffix``, ``best_of`` > 1, and
+with ``echo``, the text then leaves the prompt's out, as vLLM's). Not supported yet, and refused
+with a 400 naming the field rather than ignored, unless at its default: ``suffix``, ``best_of`` > 1, and
 every field of vLLM's request it does not serve (openai_fields.UNSUPPORTED: its server would
 apply them); a few are taken and left alone (IGNORED), and fields neither OpenAI nor
 vLLM has are ignored, as vLLM's server ignores them.
@@ -78,8 +78,7 @@ from . import errors
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream, decoding_after, whole_text
-from .openai_logprobs import (CompletionLogprobs, TokenIds, TokenTexts, joined, leading_space_marker,
-                              prompt_logprobs)
+from .openai_logprobs import CompletionLogprobs, RequestLogprobs, TokenIds, TokenTexts, joined, leading_space_marker
 from . import protocol as P
 from .llm_model_files import GenerationDefaults, config_eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
@@ -233,13 +232,13 @@ class OpenAiCompletions:
         # a prompt's n its own (seed, seed + 1, ...), so that they differ and repeat.
         gens = [(ids, self.max_tokens_for(model, ids, max_tokens, defaults, sampling),
                  {**run, "sampling": _nth(sampling, k)}) for ids in prompts for k in range(n)]
-        leads = [text for text in (await echoed(prompts) if echoed else [""] * len(prompts)) for _ in range(n)]
-        # (vLLM's return_tokens_as_token_ids: the logprobs' tokens written "token_id:<id>")
-        logprobs = Logprobs(self, model, shape, sampling, echoed is not None, quiet,
-                            flag(body, "return_tokens_as_token_ids"))
         token_ids = flag(body, "return_token_ids")  # vLLM's: the choices' token ids and their prompts'
-        if token_ids:
-            leads = [""] * len(leads)  # (vLLM's: echo's text then leaves the prompt's out)
+        # (vLLM's: under return_token_ids, echo's text leaves the prompt's out)
+        texts = await echoed(prompts) if echoed and not token_ids else [""] * len(prompts)
+        leads = [text for text in texts for _ in range(n)]
+        # (vLLM's return_tokens_as_token_ids: the logprobs' tokens written "token_id:<id>")
+        logprobs = RequestLogprobs(self, model, shape, sampling, echoed is not None, quiet,
+                                   flag(body, "return_tokens_as_token_ids"))
         if stream:
             return await self._stream(request, model, prompts, gens, rule, usage, shape, leads, quiet,
                                       logprobs if logprobs.asked else None, token_ids)
@@ -360,7 +359,7 @@ class OpenAiCompletions:
 
     async def _stream(self, request, model: str, prompts: list, gens: list, rule: "TextRule",
                       usage: list, shape: "AnswerShape", leads: list, quiet: bool,
-                      logprobs: Optional["Logprobs"] = None, token_ids: bool = False) -> web.StreamResponse:
+                      logprobs: Optional[RequestLogprobs] = None, token_ids: bool = False) -> web.StreamResponse:
         """The completions ``gens`` (of ``prompts``: (token ids, max_tokens, the generate call's
         other arguments), by choice index) as Server-Sent Events, each choice's chunks in order;
         each choice's text begins with its ``leads`` (echo's prompt text), sent with the first of
@@ -566,56 +565,14 @@ class TextRule:
 PLAIN = TextRule()
 
 
-class Logprobs:
-    """What a request asks of logprobs (its sampling's ``logprobs`` and ``prompt_logprobs``;
-    ``echo``'s, which begin with the prompt's), and their writing in its route's ``shape``."""
-
-    def __init__(self, completions: "OpenAiCompletions", model: str, shape: "AnswerShape", sampling: P.Sampling,
-                 echo: bool, quiet: bool, as_ids: bool = False):
-        self.completions, self.model, self.shape, self.sampling = completions, model, shape, sampling
-        self.as_ids = as_ids  # the tokens of the logprobs objects as vLLM's "token_id:<id>"
-        self.asked = sampling.logprobs is not None
-        self.prompt = sampling.prompt_logprobs is not None
-        self.echo = echo and self.asked
-        self.quiet = quiet  # (echo's max_tokens 0: the prompt's alone, as vLLM's)
-
-    def writer(self):
-        """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
-        return self.shape.logprobs(self.completions.token_texts(self.model), self.sampling, self.as_ids)
-
-    def _texts(self) -> TokenTexts:
-        return TokenIds() if self.as_ids else self.completions.token_texts(self.model)
-
-    def prompt_part(self, writer, ids: list, positions: list, strings: Optional[list] = None) -> dict:
-        """The logprobs object's part of the prompt ``ids`` (``positions``: their logprobs but
-        the first's; ``strings``: their texts, where known), as ``writer``'s first."""
-        if strings is None or self.as_ids:
-            strings = self._texts().of(positions)
-        first = (TokenIds().at(ids[:1])[0] if self.as_ids
-                 else self.completions.decode(self.model, [ids[0]], skip_special_tokens=False))
-        return writer.prompt(first, positions, strings, self.sampling.logprobs + 1)
-
-    def whole(self, ids: list, out: "Completion") -> tuple[Optional[dict], Optional[list]]:
-        """-> (a choice's logprobs object, or None; vLLM's ``prompt_logprobs`` member, or None)
-        of the completion ``out`` of the prompt ``ids``."""
-        strings = self.completions.token_texts(self.model).of(out.prompt_logprobs) if self.prompt else []
-        member = prompt_logprobs(out.prompt_logprobs, strings) if self.prompt else None
-        if not self.asked:
-            return None, member
-        writer = self.writer()
-        head = self.prompt_part(writer, ids, out.prompt_logprobs, strings) if self.echo else None
-        part = writer.of([] if self.quiet else out.logprobs)
-        return (part if head is None else joined(head, part)), member
-
-
 class ChunkExtras:
-    """What a stream's chunks of one choice hold beside its text: its ``logprobs`` (Logprobs:
+    """What a stream's chunks of one choice hold beside its text: its ``logprobs`` (RequestLogprobs:
     what the request asks of them; None: none) and, with ``token_ids`` (vLLM's
     return_token_ids), its tokens and its ``prompt``'s. A chunk holds those of the tokens decoded
     since the chunk before (``on_step`` is given each engine step); the last, those left of the
     completion; the first, under echo, the prompt's logprobs before them."""
 
-    def __init__(self, logprobs: Optional["Logprobs"], token_ids: bool, prompt: list, quiet: bool):
+    def __init__(self, logprobs: Optional[RequestLogprobs], token_ids: bool, prompt: list, quiet: bool):
         self.logprobs, self.token_ids, self.prompt, self.quiet = logprobs, token_ids, prompt, quiet
         self.wanted = logprobs is not None or token_ids
         self.writer = logprobs.writer() if logprobs is not None else None

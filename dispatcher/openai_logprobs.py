@@ -8,14 +8,20 @@ its special tokens; a SentencePiece piece given back the leading spaces that dec
 (vLLM's convert_ids_list_to_tokens, for a Metaspace pre-tokenizer); a token whose text ends
 inside a character (U+FFFD, a byte of a character split over tokens) decoded after up to
 CONTEXT of the tokens decoded before it, less the text of those that end whole
-(_correct_decoded_token), or "" while the character is still incomplete.
+(_correct_decoded_token), or "" while the character is still incomplete. RequestLogprobs: what
+a request asks of them (and of its prompt's), written in its route's shape.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+from . import protocol as P
+
+if TYPE_CHECKING:
+    from . import openai_http
 
 FLOOR = -9999.0  # vLLM's: a logprob of -inf (a masked token) is written as this
 CONTEXT = 4  # the tokens decoded before one that a split character is looked for in (UTF-8: 4 bytes)
@@ -162,12 +168,18 @@ def joined(a: dict, b: dict) -> dict:
     return {k: [*a[k], *b[k]] for k in a}
 
 
+def logprob_objects(positions: list, strings: list, clamp: bool = False) -> list[dict]:
+    """Each position (of texts ``strings``) as vLLM's {token id: Logprob} is written in JSON:
+    {"<token id>": {logprob, rank, decoded_token}}, the decoded token's first; ``clamp``: -inf
+    written -9999, as vLLM's clamp_prompt_logprobs writes it."""
+    return [{str(tid): {"logprob": FLOOR if clamp and lp == -math.inf else lp, "rank": rank, "decoded_token": s}
+             for s, (tid, lp, rank) in zip(texts, position)} for position, texts in zip(positions, strings)]
+
+
 def prompt_logprobs(positions: list, strings: list) -> list:
-    """vLLM's ``prompt_logprobs`` member: null for the prompt's first token, then each position
-    as {token id: {logprob, rank, decoded_token}}, the token's first (-inf written -9999, as
-    vLLM's clamp_prompt_logprobs writes it)."""
-    return [None, *({str(tid): {"logprob": FLOOR if lp == -math.inf else lp, "rank": rank, "decoded_token": s}
-                     for s, (tid, lp, rank) in zip(texts, position)} for position, texts in zip(positions, strings))]
+    """vLLM's ``prompt_logprobs`` member: null for the prompt's first token, then each position's
+    logprob object, clamped."""
+    return [None, *logprob_objects(positions, strings, clamp=True)]
 
 
 class ChatLogprobs:
@@ -195,3 +207,45 @@ class ChatLogprobs:
 
 def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
+
+
+class RequestLogprobs:
+    """What a request asks of logprobs (its sampling's ``logprobs`` and ``prompt_logprobs``;
+    ``echo``'s, which begin with the prompt's), and their writing in its route's ``shape``."""
+
+    def __init__(self, completions: "openai_http.OpenAiCompletions", model: str, shape: "openai_http.AnswerShape",
+                 sampling: P.Sampling, echo: bool, quiet: bool, as_ids: bool = False):
+        self.completions, self.model, self.shape, self.sampling = completions, model, shape, sampling
+        self.as_ids = as_ids  # the tokens of the logprobs objects as vLLM's "token_id:<id>"
+        self.asked = sampling.logprobs is not None
+        self.prompt = sampling.prompt_logprobs is not None
+        self.echo = echo and self.asked
+        self.quiet = quiet  # (echo's max_tokens 0: the prompt's alone, as vLLM's)
+
+    def writer(self):
+        """A choice's logprobs writer (``of(positions)``: the route's object for those tokens)."""
+        return self.shape.logprobs(self.completions.token_texts(self.model), self.sampling, self.as_ids)
+
+    def _texts(self) -> TokenTexts:
+        return TokenIds() if self.as_ids else self.completions.token_texts(self.model)
+
+    def prompt_part(self, writer, ids: list, positions: list, strings: Optional[list] = None) -> dict:
+        """The logprobs object's part of the prompt ``ids`` (``positions``: their logprobs but
+        the first's; ``strings``: their texts, where known), as ``writer``'s first."""
+        if strings is None or self.as_ids:
+            strings = self._texts().of(positions)
+        first = (TokenIds().at(ids[:1])[0] if self.as_ids
+                 else self.completions.decode(self.model, [ids[0]], skip_special_tokens=False))
+        return writer.prompt(first, positions, strings, self.sampling.logprobs + 1)
+
+    def whole(self, ids: list, out: "openai_http.Completion") -> tuple[Optional[dict], Optional[list]]:
+        """-> (a choice's logprobs object, or None; vLLM's ``prompt_logprobs`` member, or None)
+        of the completion ``out`` of the prompt ``ids``."""
+        strings = self.completions.token_texts(self.model).of(out.prompt_logprobs) if self.prompt else []
+        member = prompt_logprobs(out.prompt_logprobs, strings) if self.prompt else None
+        if not self.asked:
+            return None, member
+        writer = self.writer()
+        head = self.prompt_part(writer, ids, out.prompt_logprobs, strings) if self.echo else None
+        part = writer.of([] if self.quiet else out.logprobs)
+        return (part if head is None else joined(head, part)), member

@@ -116,14 +116,14 @@ def test_a_request_for_its_prompts_logprobs_takes_the_gpu_route_whose_prefill_co
 def test_triton_generates_cumulative_logprob_is_the_float32_the_backend_writes():
     """The backend's cumulative_logprob is vLLM's float sum in a float32 tensor: so written, not
     the float64 sum (-0.1 three times: -0.30000001192092896, not -0.30000000447034836)."""
-    from batchyard.llm_generate import Logprobs
+    from batchyard.llm_generate import BackendLogprobs
     from batchyard.openai_logprobs import TokenIds
 
     class Completions:
         def token_texts(self, model):
             return TokenIds()
 
-    lp = Logprobs(Completions(), "m", {"sampling": P.Sampling(logprobs=0), "return_cumulative_logprob": True})
+    lp = BackendLogprobs(Completions(), "m", {"sampling": P.Sampling(logprobs=0), "return_cumulative_logprob": True})
     x = float(np.float32(-0.1))  # (a logprob from the engine: a float32's value)
     text, total = lp.of([[(5, x, 1)]] * 3)
     assert total == float(np.float32(x + x + x)) and total != x + x + x
