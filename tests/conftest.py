@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,30 @@ def spawn_up(run_dir, workers, models, dispatcher=None, **popen_kw) -> tuple[Nod
     return node, up
 
 
+def registered_while_up(address: str, up: subprocess.Popen, count: int, limit_s: float = 180.0):
+    """The dispatcher's status once ``count`` workers registered (a long poll, answered when they
+    have), asked again every few seconds while ``up`` lives: a node that cannot start (its
+    dispatcher fails to import, its config is refused) fails the test when ``up`` exits, not
+    after the whole wait, which made every node test of a broken build wait 180 s."""
+    from batchyard.errors import DeadlineExceeded
+
+    end = time.monotonic() + limit_s
+    with Client(address) as c:
+        while True:
+            if up.poll() is not None:
+                pytest.fail(f"batchyard up exited with {up.returncode} before {count} worker(s) registered "
+                            "(its log is in the test's captured stderr)")
+            left = end - time.monotonic()
+            try:
+                st = c.status(min_registrations=count, wait=min(5.0, max(0.0, left)), timeout=5.0)
+            except DeadlineExceeded:  # no dispatcher bound yet to answer
+                st = None
+            if st is not None and (st.registrations >= count or left <= 0):
+                return st
+            if left <= 0:
+                pytest.fail(f"no dispatcher answered at {address} within {limit_s:.0f} s")
+
+
 @pytest.fixture
 def run_dir():
     # ipc paths must stay under ~100 characters, so not pytest's long tmp_path.
@@ -152,8 +177,7 @@ def start_node(run_dir):
         node, up = spawn_up(run_dir, workers, models, dkw, stdout=subprocess.DEVNULL)
         n = Node(node, up, run_dir)
         started.append(n)
-        with Client(n.address) as c:  # long poll: answered when every worker has registered
-            st = c.status(min_registrations=len(workers), wait=180)
+        st = registered_while_up(n.address, up, len(workers))
         assert st.registrations >= len(workers), f"node did not come up: {st}"
         return n
 
