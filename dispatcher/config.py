@@ -1166,7 +1166,9 @@ def _same_endpoint(a: str, b: str) -> bool:
     if scheme_a != scheme_b:
         return False
     if scheme_a == "ipc":
-        return os.path.normpath(os.path.abspath(rest_a)) == os.path.normpath(os.path.abspath(rest_b))
+        # realpath: a folder reached through a symlink is the same folder (frontend in d/real and
+        # backend in d/link -> d/real passed, and the dispatcher failed to bind its second socket)
+        return os.path.realpath(rest_a) == os.path.realpath(rest_b)
     host_a, _, port_a = rest_a.rpartition(":")
     host_b, _, port_b = rest_b.rpartition(":")
     same_port = int(port_a) == int(port_b) if port_a.isdigit() and port_b.isdigit() else port_a == port_b

@@ -57,6 +57,6 @@ def make_policy(spec: str):
             if n < 1:
                 raise ValueError
             return FixedBatch(n) if name == "fixed" else Escape(n)
-    except ValueError:
+    except (ValueError, OverflowError):  # (a delay of 400 digits: no float holds it)
         raise ValueError(f"{spec!r}: expected {USAGE}") from None
     raise ValueError(f"unknown policy {spec!r}; expected one of {sorted(simple)}, {USAGE}")

@@ -130,8 +130,19 @@ class Dispatcher:
         # (It runs on the event loop that run_dispatcher set; nothing runs before loop start.)
         self.authenticator = transport.start_authenticator(self.ctx, cfg)
         self._socket_files: list = []  # the ipc endpoints' files, removed at close
-        self._socket_files.append(transport.bind(self.frontend, cfg.frontend, cfg, frontend=True))
-        self._socket_files.append(transport.bind(self.backend, cfg.backend, cfg, frontend=False))
+        try:
+            self._socket_files.append(transport.bind(self.frontend, cfg.frontend, cfg, frontend=True))
+            self._socket_files.append(transport.bind(self.backend, cfg.backend, cfg, frontend=False))
+        except BaseException:
+            # The backend served by another process: the frontend's socket file, bound already,
+            # was left behind (no close() runs for an object never made).
+            for s in (self.frontend, self.backend):
+                s.close(linger=0)
+            for bound in self._socket_files:
+                transport.remove_socket_file(bound)
+            if self.authenticator is not None:
+                self.authenticator.stop()
+            raise
         self.shm_allowed = cfg.allow_shm_over_tcp or not transport.is_tcp(cfg.frontend)
         self.workers_on_host = self._workers_on_host(cfg)
         self.grants = ShmGrants()

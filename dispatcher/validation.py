@@ -21,6 +21,9 @@ class RequestInvalid(Exception):
     """The request cannot be served as sent; the message says which field and why."""
 
 
+MAX_TENSOR_BYTES = 2 ** 63
+
+
 def item_nbytes(spec: TensorSpec) -> int:
     return _ITEMSIZE[spec.dtype] * math.prod(spec.shape)
 
@@ -149,6 +152,12 @@ def validate_spec(spec: ModelSpec) -> None:
             if t.dtype not in DTYPES:
                 raise ValueError(f"model {spec.name!r} {group} {t.name!r}: dtype {t.dtype!r} "
                                  f"not one of {sorted(DTYPES)}")
+            # A C long's bytes at most (a size past it is no memory's): a [2**31, 2**31] output
+            # was accepted, and every request then failed in the client with a bare OverflowError
+            # from the pool allocating its region.
+            if (nbytes := item_nbytes(t) * spec.max_batch) >= MAX_TENSOR_BYTES:
+                raise ValueError(f"model {spec.name!r} {group} {t.name!r}: shape {list(t.shape)} of {t.dtype} is "
+                                 f"{nbytes} bytes a batch of max_batch {spec.max_batch}, more than memory can hold")
 
 
 def registration_problem(models, known: dict) -> str:

@@ -220,6 +220,14 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
      "node.toml: [dispatcher] frontend and backend must differ (both 'ipc:///tmp/by-test/fe' and "
      "'ipc:///tmp/by-test//fe')"),
     (edited("max_queue = 100", 'policy = "gredy"'), "node.toml: [dispatcher] policy: unknown policy 'gredy'"),
+    # a delay no float holds: a traceback's OverflowError, exit 1
+    (edited("max_queue = 100", f'policy = "window:{"9" * 400},4"'),
+     f"node.toml: [dispatcher] policy: 'window:{'9' * 400},4': expected"),
+    # a size no memory holds: accepted, then every request failed in the client (a bare OverflowError)
+    (edited('outputs = [{ name = "y", dtype = "float32", shape = [2] }]',
+            'outputs = [{ name = "y", dtype = "float32", shape = [2147483648, 2147483648] }]'),
+     "node.toml: [[models]] #1 (name 'sum'): model 'sum' output 'y': shape [2147483648, 2147483648] of float32 "
+     "is 295147905179352825856 bytes a batch of max_batch 16, more than memory can hold"),
     # taken as plain mcb: a typo swallowed
     (edited("max_queue = 100", 'policy = "mcb:"'),
      "node.toml: [dispatcher] policy: 'mcb:': policy 'mcb' takes no ':' setting; write 'mcb'"),
@@ -252,6 +260,15 @@ def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, messa
 ])
 def test_rules_across_fields_name_the_table(tmp_path, text, message):
     assert load_error(tmp_path, text).startswith(message)
+
+
+def test_frontend_and_backend_in_one_folder_reached_through_a_symlink_are_refused(tmp_path):
+    # passed, and `up` failed at the dispatcher's second bind ("served by another process")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    text = edited('frontend = "ipc:///tmp/by-test/fe"', f'frontend = "ipc://{tmp_path}/real/sock"')
+    text = text.replace('backend = "ipc:///tmp/by-test/be"', f'backend = "ipc://{tmp_path}/link/sock"')
+    assert load_error(tmp_path, text).startswith("node.toml: [dispatcher] frontend and backend must differ")
 
 
 def test_a_triton_only_model_needs_no_factory():

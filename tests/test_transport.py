@@ -236,3 +236,26 @@ def test_a_keygen_that_cannot_place_its_public_key_leaves_no_lone_secret_key(tmp
         write_keypair(str(tmp_path), "n0")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["n0.key"]
     assert (tmp_path / "n0.key").read_text() == "someone's public key"
+
+
+def test_a_dispatcher_whose_backend_is_served_elsewhere_leaves_no_frontend_socket_file(run_dir):
+    """Its frontend bound, then its backend refused: the frontend's socket file stayed behind (no
+    close() ran for a dispatcher never made)."""
+    import socket
+
+    from batchyard.config import DispatcherConfig
+    from batchyard.server import Dispatcher
+    from batchyard.transport import EndpointInUse
+
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # another process's live listener
+    other.bind(f"{run_dir}/be")
+    other.listen(1)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(EndpointInUse):
+            Dispatcher(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (), ctx=ctx)
+        assert not os.path.lexists(f"{run_dir}/fe")
+        assert os.path.exists(f"{run_dir}/be")  # the other's, untouched
+    finally:
+        other.close()
+        ctx.term()
