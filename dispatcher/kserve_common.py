@@ -63,6 +63,11 @@ class KServeError(Exception):
     # chose (a region, key, input, datatype or version) reached the client as RESOURCE_EXHAUSTED
     # instead of the error.
     MAX_MESSAGE = 1000
+    # Raised by the model's run (the dispatcher's answer, an LLM backend's refusal), not before the
+    # request reached the model: Triton answers the first through its response callback, which
+    # on a stream marks it final; a request it refuses before (an unknown model, a bad input) it
+    # answers with the error alone (its stream handler's Process).
+    ran = False
 
     def __init__(self, code: grpc.StatusCode, message: str, headers: dict | None = None):
         if len(message) > self.MAX_MESSAGE:
@@ -186,8 +191,9 @@ def parse_version(version: str) -> int:
     return v
 
 
-def unknown_version(model: str, version: str) -> KServeError:
-    # Triton's wording for a version it does not serve; Batchyard serves one, "1".
+def unknown_version(model: str, version: int) -> KServeError:
+    # Triton's wording for a version it does not serve; Batchyard serves one, "1". The number
+    # read, as Triton names it ("007" is version 7, "0x1" version 0): the string was echoed.
     return KServeError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{model}' version {version} is not found")
 
 
@@ -277,7 +283,11 @@ _JSON_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
 def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.ndarray:
     dt = _NP_DTYPES.get(datatype) or np.dtype(np_dtype(datatype, f"input '{name}'"))
     try:
-        parsed = np.asarray(data)
+        try:
+            parsed = np.asarray(data)
+        except ValueError:  # ragged, or nested unlike the shape: Triton reads the values in order
+            data = _flattened(data)
+            parsed = np.asarray(data)
         if parsed.size and dt.kind in "iu" and parsed.dtype.kind not in "iub":
             parsed = _json_integers(data, parsed, dt)
         if parsed.size and parsed.dtype.kind not in _JSON_KINDS.get(dt.kind, ""):
@@ -300,6 +310,25 @@ def tensor_from_list(name: str, datatype: str, shape: list[int], data) -> np.nda
         raise invalid(f"input '{name}': data is not {datatype}: {e}") from None
     check_element_count(name, shape, arr.size)
     return arr.reshape(shape)
+
+
+def _flattened(data) -> list:
+    """``data``'s values in row-major order, whatever its nesting: Triton's JSON reader walks the
+    arrays and counts elements, so [[0, 1, 2, 3], [4, 5, 6], [7]] is a [2, 4] tensor to it (numpy
+    refused it as inhomogeneous, a 400 in numpy's words)."""
+    if type(data) is not list:
+        return data
+    out: list = []
+    stack = [iter(data)]
+    while stack:  # (a stack, not recursion: JSON nests deeper than Python's recursion limit)
+        for v in stack[-1]:
+            if type(v) is list:
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
 
 
 def _holds_bool(data) -> bool:
@@ -578,7 +607,7 @@ class KServeCore:
             except BatchyardError as e:
                 raise self._stopped(e) or from_batchyard(e, model) from None
         if v not in (-1, VERSION):
-            raise unknown_version(model, version)
+            raise unknown_version(model, v)
         return spec
 
     def serves_llm(self, model: str) -> bool:
@@ -590,8 +619,8 @@ class KServeCore:
         any model."""
         if not self.serves_llm(model):
             return False
-        if parse_version(version) not in (-1, VERSION):
-            raise unknown_version(model, version)
+        if (v := parse_version(version)) not in (-1, VERSION):
+            raise unknown_version(model, v)
         return True
 
     async def llm_run(self, model: str, run: Awaitable[dict]) -> dict:
@@ -602,8 +631,10 @@ class KServeCore:
         t0 = time.perf_counter_ns()
         try:
             members = await run
-        except BaseException:
+        except BaseException as e:
             _count_failure(c, t0)
+            if isinstance(e, KServeError):
+                e.ran = True
             raise
         _count_success(c, t0, 1, None, all_compute=True)
         return members
@@ -689,7 +720,9 @@ class KServeCore:
             _count_failure(c, t0)
             if log.isEnabledFor(logging.DEBUG):  # (Triton's verbose log; kserve_logging)
                 log.debug("infer %s: %s after %.3f ms", model, type(e).__name__, (time.perf_counter_ns() - t0) / 1e6)
-            raise self._stopped(e) or from_batchyard(e, model, grpc_deadline) from None
+            err = self._stopped(e) or from_batchyard(e, model, grpc_deadline)
+            err.ran = True
+            raise err from None
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             _count_failure(c, t0)
             raise

@@ -193,9 +193,10 @@ def _mark_final(response, final: bool = True) -> None:
     response.parameters["triton_final_response"].bool_param = final
 
 
-def _stream_error(response, error: str) -> service_pb2.ModelStreamInferResponse:
-    out = service_pb2.ModelStreamInferResponse(error_message=error, infer_response=response)
-    _mark_final(out.infer_response)
+def _stream_error(response, e: KServeError) -> service_pb2.ModelStreamInferResponse:
+    out = service_pb2.ModelStreamInferResponse(error_message=e.message, infer_response=response)
+    if e.ran:  # (one refused before the model ran carries no parameters, as Triton's)
+        _mark_final(out.infer_response)
     return out
 
 
@@ -420,7 +421,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     e = KServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
                 return _stream_error(service_pb2.ModelInferResponse(
                     model_name=request.model_name, id=request.id, model_version=request.model_version),
-                    as_kserve(e).message)
+                    as_kserve(e))
 
         decoupled: set = set()  # LLM requests' tasks (a decoupled model's), queued as they finish
 

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import math
+import re
 from typing import Optional
 
 import grpc
@@ -181,18 +182,22 @@ def _data_source(name: str, t: dict, tp: dict) -> str:
     return given[0]
 
 
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+
+
 def _is_raw(request: web.Request) -> bool:
     """Triton's raw binary request: ``Inference-Header-Content-Length: 0``, the whole body being
     the one input's bytes."""
     n = request.headers.get(HEADER_LENGTH, "").strip()
-    return n.isdigit() and int(n) == 0
+    return _ASCII_DIGITS.fullmatch(n) is not None and int(n) == 0
 
 
 def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
     """The JSON header and the binary tensor data after it."""
     n = request.headers.get(HEADER_LENGTH)
     try:
-        if n is not None and not n.strip().isdigit():  # int() also reads "6_9" and "+6"
+        # int() also reads "6_9", "+6" and other scripts' digits ("\u0663" was 3); isdigit() took "\u00b2"
+        if n is not None and _ASCII_DIGITS.fullmatch(n.strip()) is None:
             raise ValueError(f"{HEADER_LENGTH} {n!r} is not a byte count")
         n = len(body) if n is None else int(n)
         if not 0 <= n <= len(body):

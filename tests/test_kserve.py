@@ -610,6 +610,66 @@ def test_stream_infer_answers_every_request_of_the_stream(front_door):
                                     "Request for unknown model: 'sum' version 7 is not found"]
 
 
+def test_a_stream_error_is_marked_final_only_when_the_model_ran_as_triton_marks_it(front_door):
+    """Triton answers a request it refuses before the model (an unknown model) with the error
+    alone, and one that failed in its run through the response callback, marked final: every
+    error carried triton_final_response."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def request(model, rid, timeout_us=0):
+        r = service_pb2.ModelInferRequest(model_name=model, id=rid)
+        r.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+        r.raw_input_contents.append(np.zeros(4, np.float32).tobytes())
+        if timeout_us:
+            r.parameters["timeout"].int64_param = timeout_us
+        return r
+
+    with grpc.insecure_channel(front_door.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        got = {r.infer_response.id: (r.error_message, dict(r.infer_response.parameters))
+               for r in stub.ModelStreamInfer(iter([request("nope", "early"), request("slow", "late", timeout_us=1),
+                                                    request("sum", "ok")]), timeout=60)}
+    assert got["early"] == ("Request for unknown model: 'nope' is not found", {})
+    message, params = got["late"]
+    assert message and params["triton_final_response"].bool_param, got["late"]
+    assert not got["ok"][0] and got["ok"][1]["triton_final_response"].bool_param
+
+
+def test_json_data_nested_unlike_its_shape_is_read_in_order_as_triton_reads_it(front_door):
+    """Triton's JSON reader counts the values of any nesting in row-major order: a ragged list
+    for a [2, 4] input was a 400 in numpy's words ("inhomogeneous shape")."""
+    want = front_door.sdk("sum", np.arange(8, dtype=np.float32).reshape(2, 4))
+    for data in ([[0, 1, 2, 3], [4, 5, 6], [7]], [0, [1, 2], 3, [4, [5, 6]], 7], [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]):
+        status, _, body = _post_infer(front_door, json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 4], "data": data}]}).encode())
+        assert status == 200, body
+        np.testing.assert_array_equal(np.array(json.loads(body)["outputs"][0]["data"]).reshape(want.shape), want)
+    status, _, body = _post_infer(front_door, json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 4], "data": [[0, 1, 2, 3], [4, 5, 6]]}]}).encode())
+    assert status == 400 and "unexpected number of elements" in json.loads(body)["error"].lower(), body
+
+
+def test_a_header_length_of_other_scripts_digits_is_no_byte_count(front_door):
+    """"\u0663" (ARABIC-INDIC DIGIT THREE) was read as 3 and "\u00b2" as a digit that int() then
+    refused in Python's words."""
+    import socket
+
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}).encode()
+    host, port = front_door.http_url.split(":")
+    for value in ("\u0663".encode(), "\u00b2".encode(), b"1\xc2\xb2"):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Inference-Header-Content-Length: " + value + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                         + body)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), answer
+        assert "is not a byte count" in json.loads(rest)["error"], rest
+
+
 def test_a_stream_answers_in_the_order_its_requests_came(front_door):
     """Triton answers a stream to a non-decoupled model in request order, and tritonclient's
     default request id is "": a client may pair answers with requests by order. A slow request
@@ -815,6 +875,14 @@ def test_version_strings_are_read_as_triton_reads_them(front_door):
                 call("sum", version)
             assert e.value.status() == "400"
     assert list(g.get_model_metadata("sum", "0" * 30 + "1").versions) == ["1"]  # leading zeros count for nothing
+    # An unknown one is named by the number read, as Triton names it (the string was echoed)
+    for version, read in (("007", 7), ("7x", 7), (" +7", 7), ("0x1", 0)):
+        with pytest.raises(InferenceServerException, match=f"'sum' version {read} is not found$") as e:
+            g.get_model_metadata("sum", version)
+        assert e.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException, match="'sum' version 7 is not found$") as e:
+        h.get_model_metadata("sum", "007")
+    assert e.value.status() == "404"
 
 
 def test_json_nested_past_the_parsers_depth_is_a_bad_request_on_every_path(front_door):
