@@ -691,8 +691,9 @@ class KServeCore:
                 why = f"{why} ({LLM_ROUTE})" if why else LLM_ROUTE
             return why
 
-        index = [{"name": m, "version": "1", "state": "READY" if m in ready else "UNAVAILABLE", "reason": reason(m)}
-                 for m in sorted(self._models | ready)]
+        # (no "reason" where there is none, as Triton writes the index)
+        index = [{"name": m, "version": "1", "state": "READY" if m in ready else "UNAVAILABLE",
+                  **({"reason": why} if (why := reason(m)) else {})} for m in sorted(self._models | ready)]
         return [i for i in index if i["state"] == "READY"] if ready_only else index
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], priority: int = 0,

@@ -819,6 +819,7 @@ def test_repository_index_lists_the_models_and_load_is_refused(front_door):
     index = {m["name"]: m for m in g.get_model_repository_index(as_json=True)["models"]}
     assert index["sum"]["state"] == "READY" and set(index) >= {"sum", "slow"}
     assert {m["name"] for m in h.get_model_repository_index()} == set(index)
+    assert "reason" not in {m["name"]: m for m in h.get_model_repository_index()}["sum"]  # none, as Triton's
     for c, code in ((g, "StatusCode.UNAVAILABLE"), (h, "503")):
         for call in (c.load_model, c.unload_model):
             with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed") as e:
