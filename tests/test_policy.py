@@ -1117,3 +1117,22 @@ def test_a_worker_that_meets_no_deadline_of_the_low_class_does_not_make_it_newes
         q.push(Request(i, "m", 1, 2, 1.0 + i * 1e-3, 1.0 + i * 1e-3 + 0.020))
     assert congested(st, gpu, q, 1.003) == 0
     assert congested(st, cpu, q, 1.003) == 0
+
+
+def test_a_request_failed_late_behind_a_busy_worker_is_told_the_wait_too():
+    """The message named the compute alone: "1.2 ms for it alone, 12.9 ms were left" read as a
+    refusal of a request that fitted (an outside review, a worker busy with another model)."""
+    from batchyard.policy_core import Decision, fit_deadlines
+
+    st = SchedulerState()
+    cpu = WorkerState("cpu0", "cpu", {"m": 8})
+    st.add_worker(cpu)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=1.2 * MS)
+    st.costs[("m", "cpu")].samples = 100
+    cpu.inflight, cpu.busy_until = 1, 1.020
+    r = Request(0, "m", 1, 1, 1.0, 1.0129)
+    d = Decision()
+    kept, _, _ = fit_deadlines(st, d, cpu, "m", [r], 1.0)
+    assert not kept and [why for _, why in d.late] == [
+        "would finish after its deadline: cpu worker cpu0 predicted free in 20.0 ms, then to take 1.2 ms for it "
+        "alone, 12.9 ms were left"]
