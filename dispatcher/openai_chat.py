@@ -6,7 +6,8 @@ a prompt (openai_http: the sampling fields and their defaults, ``n``, ``stop``, 
 ``stream_options``, ``ignore_eos``, ``timeout``, ``batchyard_route``; ``logprobs`` true with
 ``top_logprobs``, as vLLM's chat reads them, in chat's shape). The answer is chat's:
 each choice's ``message`` {role "assistant", content}; under ``stream``, ``chat.completion.chunk``
-events of ``delta``s, the first of each choice ``{"role": "assistant", "content": ""}``.
+events of ``delta``s, the first of each choice ``{"role": "assistant", "content": ""}``; with
+``add_generation_prompt`` false the role is the last message's, as vLLM's.
 
 ``max_completion_tokens`` (or the older ``max_tokens``) left out is what vLLM's server decodes:
 the model's ``max_new_tokens`` (generation_config.json), else up to the end of its context
@@ -54,11 +55,16 @@ CHAT_SERVED = (*(f for f in SERVED if f not in ("prompt", "echo")), "messages", 
 
 
 class ChatShape(AnswerShape):
+    """``role``: the answer's, as vLLM's get_chat_request_role gives it: "assistant", or without
+    add_generation_prompt the last message's (the answer goes on with that turn)."""
+
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    @staticmethod
-    def choice(i: int, text: str, out) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def __init__(self, role: str = "assistant"):
+        self.role = role
+
+    def choice(self, i: int, text: str, out) -> dict:
+        return {"index": i, "message": {"role": self.role, "content": text}, "logprobs": None,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
     @staticmethod
@@ -70,9 +76,8 @@ class ChatShape(AnswerShape):
     def piece(i: int, text: str) -> dict:
         return {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
 
-    @staticmethod
-    def first(i: int) -> Optional[dict]:
-        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def first(self, i: int) -> Optional[dict]:
+        return {"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
 
     @staticmethod
     def logprobs(texts: TokenTexts, sampling: P.Sampling, as_ids: bool = False) -> ChatLogprobs:
@@ -112,6 +117,7 @@ class OpenAiChat:
             # (vLLM's order: max_completion_tokens, else the older max_tokens)
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             max_tokens = max_tokens_field(body.get(name), name)
+            oa.check_context(model, max_tokens, name)
             text = await self.prompt_text(body, model)
             special = flag(body, "add_special_tokens")  # (false: the template writes them, vLLM's default)
 
@@ -120,7 +126,9 @@ class OpenAiChat:
                 check_prompt_tokens(ids, "messages")
                 return [ids]
 
-            return await oa.serve(request, body, model, checked, max_tokens, prompt, CHAT)
+            generation = flag(body, "add_generation_prompt", default=True)
+            shape = CHAT if generation else ChatShape(body["messages"][-1]["role"])
+            return await oa.serve(request, body, model, checked, max_tokens, prompt, shape)
         except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error of this route (a 500 logged once)
             return oa.as_openai(e).response()
 

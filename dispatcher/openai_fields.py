@@ -122,11 +122,13 @@ def stream_options(body: dict) -> tuple[bool, bool, bool]:
     options = body.get("stream_options")
     if options is None:
         return stream, False, False
-    if not stream:
-        raise OpenAiError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise OpenAiError(400, f"stream_options takes include_usage and continuous_usage_stats only, got "
-                               f"{options!r:.80}", param="stream_options")
+    if not isinstance(options, dict):
+        raise OpenAiError(400, f"stream_options must be an object, got {options!r:.80}", param="stream_options")
+    # Other keys are ignored and {} is taken without stream, as vLLM's (its StreamOptions allows
+    # extra keys, OpenAI's include_obfuscation among them; its check refuses a non-empty one):
+    # both were a 400.
+    if options and not stream:
+        raise OpenAiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     include = flag(options, "include_usage", "stream_options")
     continuous = flag(options, "continuous_usage_stats", "stream_options")
     return stream, include, include and continuous
@@ -149,7 +151,8 @@ def is_token(t) -> bool:
 def model_name(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str):  # a list or an object is unhashable
-        raise OpenAiError(400, "model is required: the name of a model, a string" if model is None
+        raise OpenAiError(400, "model is required where the server has several: the name of one, a string"
+                          if model is None
                           else f"model must be a string, got {model!r}", param="model")
     return model
 

@@ -10,8 +10,9 @@ and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``allowed_token_ids`` a
 bounds (a 400 naming the field past them). One left out (or null) is taken as vLLM's server
 takes it: the model folder's generation_config.json value (config ``generation_config =
 "auto"``, vLLM's default), else vLLM's own: a request that gives none samples at temperature 1;
-``temperature: 0`` is greedy. ``max_tokens`` left out or null is 16; any is cut to what the
-model's context leaves after the prompt, as vLLM's server cuts it (chat: openai_chat). ``n``
+``temperature: 0`` is greedy. ``max_tokens`` left out or null is 16; one past the model's context
+is a 400, and any other is cut to what the context leaves after the prompt, as vLLM's server
+does both (chat: openai_chat). ``model`` left out, null or "" is the server's only model. ``n``
 completions of each prompt,
 up to MAX_N, need a temperature above 0; a seed gives each of them its own, seed + k. ``stop``
 (a string or a list) cuts the text before the first one found, left out as vLLM
@@ -150,10 +151,11 @@ class OpenAiCompletions:
         code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
         return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code)
 
-    async def body(self, request, model_optional: bool = False) -> tuple[dict, str]:
+    async def body(self, request) -> tuple[dict, str]:
         """-> (the request's JSON object, its model, one this server has); OpenAiError otherwise.
-        ``model_optional``: one left out (or null) is the server's only model, as vLLM's
-        tokenizer routes take it."""
+        A model left out, null or "" is the server's only model, as vLLM's server takes it (its
+        ``_is_model_supported``: no name is its model's; a 400 before). With several models it
+        must be named."""
         try:
             # Bounded as the KServe routes' JSON: unbounded, 1 MB of gzip inflated to 2 GiB.
             body = json.loads(await read_body(request, MAX_JSON_BYTES))
@@ -163,7 +165,7 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")
-        model = next(iter(self.models)) if model_optional and body.get("model") is None and len(self.models) == 1 \
+        model = next(iter(self.models)) if body.get("model") in (None, "") and len(self.models) == 1 \
             else model_name(body)
         if model not in self.models:
             raise OpenAiError(404, f"model {model!r} does not exist; this server has {sorted(self.models)}",
@@ -177,9 +179,11 @@ class OpenAiCompletions:
         # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here);
         # 0 only with echo: the prompt alone, as vLLM's server answers it
         max_tokens = max_tokens_field(body.get("max_tokens"), "max_tokens", zero_ok=echo)
+        max_tokens = 16 if max_tokens is None else max_tokens
+        self.check_context(model, max_tokens, "max_tokens")
         special = flag(body, "add_special_tokens", default=True)  # vLLM's: the tokenizer's BOS, ...
         prompt = body.get("prompt")
-        return await self.serve(request, body, model, checked, 16 if max_tokens is None else max_tokens,
+        return await self.serve(request, body, model, checked, max_tokens,
                                 lambda: self._prompts(model, prompt, special), TEXT,
                                 echoed=(lambda ids: self._prompt_texts(model, prompt, ids)) if echo else None)
 
@@ -339,6 +343,15 @@ class OpenAiCompletions:
         ids = [e.ids for e in encodings]
         return msgspec.structs.replace(sampling, bad_words_token_ids=bad_words_token_ids(ids[:len(words)],
                                                                                          ids[len(words):]))
+
+    def check_context(self, model: str, max_tokens: Optional[int], name: str) -> None:
+        """A max_tokens past the model's context is refused, in vLLM's words (its TokenizeParams);
+        one within it is cut to what a prompt leaves (max_tokens_for). Cut too, 1,000,000 was
+        served as the 2,046 tokens left where vLLM's server answers 400."""
+        context = self.max_model_len.get(model)
+        if context and max_tokens is not None and max_tokens > context:
+            raise OpenAiError(400, f"{name}={max_tokens} cannot be greater than max_model_len={context}. Please "
+                                   "request fewer output tokens.", param=name)
 
     def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
                        defaults: GenerationDefaults = NO_DEFAULTS, sampling: P.Sampling = NO_SAMPLING) -> int:

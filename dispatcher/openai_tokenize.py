@@ -31,7 +31,7 @@ class OpenAiTokenize:
     async def tokenize(self, request) -> web.Response:
         oa = self.completions
         try:
-            body, model = await oa.body(request, model_optional=True)
+            body, model = await oa.body(request)
             chat = body.get("messages") is not None
             special = flag(body, "add_special_tokens", default=not chat)
             strs = flag(body, "return_token_strs")
@@ -56,7 +56,7 @@ class OpenAiTokenize:
     async def detokenize(self, request) -> web.Response:
         oa = self.completions
         try:
-            body, model = await oa.body(request, model_optional=True)
+            body, model = await oa.body(request)
             tokens = body.get("tokens")
             if (not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKENS
                     or not all(is_token(t) for t in tokens)):

@@ -800,13 +800,13 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                              ({"model": "tiny", "prompt": "x", "temperature": 2.7}, 400, "temperature"),
                              ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
                              ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
-                              "stream_options"),
-                             ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"usage": 1}}, 400,
-                              "include_usage"),
+                              "Stream options can only be defined when `stream=True`."),
+                             ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": ["include_usage"]},
+                              400, "stream_options must be an object"),
                              ({"model": "tiny", "prompt": [1] * 600}, 400, "max_model_len"),
                              ({"model": "tiny", "prompt": []}, 400, "prompt"),
                              ({"model": "tiny", "prompt": [1, 2], "timeout": "soon"}, 400, "timeout"),
-                             # (one past the context is cut to it: test_a_max_tokens_past_what_the_context_leaves)
+                             # (past what the prompt leaves: test_a_max_tokens_past_what_the_context_leaves)
                              ({"model": "tiny", "prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
                              ({"model": "tiny", "prompt": [1, 2], "suffix": "x"}, 400, "suffix"),
                              # vLLM's own fields not served: its server would apply them
@@ -1115,12 +1115,24 @@ def test_a_models_generation_config_is_what_openai_requests_leave_out(llm_node):
 
 def test_a_max_tokens_past_what_the_context_leaves_is_cut_to_it(llm_node):
     """As vLLM's server cuts it (a 400 before): no more than the context (the model's
-    max_model_len, 512 here) less the prompt; the scripted engine answers as many as asked."""
+    max_model_len, 512 here) less the prompt; the scripted engine answers as many as asked.
+    One past the context itself is refused, in vLLM's words (it was cut too: 1,000,000 served
+    as what the prompt left, where vLLM's server answers 400)."""
     _, engines, url = llm_node
     body = {"model": "tiny", "prompt": [[1] * 40, [2] * 100], "temperature": 0, "ignore_eos": True}
-    status, out = _http(url + "/v1/completions", {**body, "max_tokens": 1000})
+    status, out = _http(url + "/v1/completions", {**body, "max_tokens": 500})
     assert status == 200 and [len(m["token_ids"]) for m in out["batchyard"]] == [512 - 40, 512 - 100], out
     assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 2
+    status, out = _http(url + "/v1/completions", {**body, "max_tokens": 512})
+    assert status == 200, out
+    messages = [{"role": "user", "content": "the cache"}]
+    for route, extra, name in (("/v1/completions", {"prompt": [1, 2]}, "max_tokens"),
+                               ("/v1/chat/completions", {"messages": messages}, "max_tokens"),
+                               ("/v1/chat/completions", {"messages": messages}, "max_completion_tokens")):
+        status, err = _http(url + route, {"model": "tiny", **extra, name: 513})
+        assert (status, err["error"]["param"]) == (400, name), err
+        assert err["error"]["message"] == (f"{name}=513 cannot be greater than max_model_len=512. Please request fewer "
+                                           "output tokens."), err
     status, out = _http(url + "/v1/completions", {**body, "max_tokens": None})
     assert status == 200 and [len(m["token_ids"]) for m in out["batchyard"]] == [16, 16], out
     # Triton's routes too: vLLM's engine ends the backend's sequence at max_model_len
@@ -1130,6 +1142,43 @@ def test_a_max_tokens_past_what_the_context_leaves_is_cut_to_it(llm_node):
                                                             "return_num_output_tokens": True,
                                                             "return_finish_reason": True})
     assert (status, out["num_output_tokens"], out["finish_reason"]) == (200, 512 - n_in, "length"), out
+
+
+def test_a_request_that_names_no_model_is_served_by_the_only_one_as_vllms_server_serves_it(llm_node):
+    """vLLM's _is_model_supported: no name (left out, null or "") is its model's; each was a 400
+    or a 404."""
+    _, _, url = llm_node
+    messages = [{"role": "user", "content": "the cache"}]
+    for route, body in (("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": messages})):
+        for named in ({}, {"model": None}, {"model": ""}):
+            status, out = _http(url + route, {**body, **named, "max_tokens": 2})
+            assert status == 200 and out["model"] == "tiny", (route, named, out)
+
+
+def test_stream_options_take_other_keys_and_an_empty_one_without_stream_as_vllm(llm_node):
+    """vLLM's StreamOptions allows extra keys (OpenAI's include_obfuscation) and refuses only a
+    non-empty stream_options without stream: both were a 400."""
+    _, _, url = llm_node
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+    status, kind, events = _events(url + "/v1/completions", {**body, "stream": True, "stream_options": {
+        "include_usage": True, "include_obfuscation": False}})
+    assert status == 200 and json.loads(events[-2])["usage"]["completion_tokens"] == 2, events
+    status, out = _http(url + "/v1/completions", {**body, "stream_options": {}})
+    assert status == 200, out
+
+
+def test_a_chat_answer_without_a_generation_prompt_has_the_last_messages_role(llm_node):
+    """vLLM's get_chat_request_role: without add_generation_prompt the answer goes on with the
+    last turn, in its role ("assistant" was written always)."""
+    _, _, url = llm_node
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "the cache"}], "max_tokens": 2,
+            "add_generation_prompt": False}
+    status, out = _http(url + "/v1/chat/completions", body)
+    assert status == 200 and out["choices"][0]["message"]["role"] == "user", out
+    status, kind, events = _events(url + "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200 and json.loads(events[0])["choices"][0]["delta"] == {"role": "user", "content": ""}, events
+    status, out = _http(url + "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert status == 200 and out["choices"][0]["message"]["role"] == "assistant", out
 
 
 def _chat_ids(engines, messages, add_generation_prompt=True) -> list:
