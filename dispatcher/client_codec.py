@@ -752,7 +752,7 @@ class ClientCodec:
         if msg.status != Status.OK:
             for region in pend.outputs.values():
                 self.free(region)
-            pend.resolve(error_for(msg.status, msg.message))
+            pend.resolve(error_for(msg.status, msg.message, getattr(msg, "param", "")))
             return
         if pend.kind == "shm":
             pend.resolve(msg.challenge)

@@ -9,6 +9,7 @@ from .protocol import Status
 
 class BatchyardError(Exception):
     status = Status.INTERNAL
+    param = ""  # the request field it is about, where its engine named one (an LLM generation's refusal)
 
     def __init__(self, message: str, status: Status | None = None):
         super().__init__(message)
@@ -61,9 +62,12 @@ _BY_STATUS = {cls.status: cls for cls in
                InternalError, Unavailable)}
 
 
-def error_for(status: int, message: str) -> BatchyardError:
+def error_for(status: int, message: str, param: str = "") -> BatchyardError:
     try:
         st = Status(status)
     except ValueError:
         return BatchyardError(f"unknown status {status}: {message}")
-    return _BY_STATUS.get(st, BatchyardError)(message)
+    e = _BY_STATUS.get(st, BatchyardError)(message)
+    if param:
+        e.param = param
+    return e

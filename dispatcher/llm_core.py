@@ -104,7 +104,7 @@ class Finished:
 
 
 class LlmCore:
-    def __init__(self, on_fail: Callable[[LlmRequest, Status, str], None], default_timeout_s: float = 30.0,
+    def __init__(self, on_fail: Callable[..., None], default_timeout_s: float = 30.0,
                  interference_weight: float = 0.0, worker_dead_after_s: float = 10.0, models: tuple = (),
                  max_queue: int = 10_000):
         self.on_fail = on_fail
@@ -500,7 +500,7 @@ class LlmCore:
             if res.status != Status.OK:
                 self._end(r)
                 self.on_fail(r, Status(res.status) if res.status in Status._value2member_map_ else Status.INTERNAL,
-                             res.message or "LLM engine failed this request")
+                             res.message or "LLM engine failed this request", param=res.param)
             elif job.kind == "prefill":
                 self._to_gpu(r, now, kv_from=job.worker.name)
             else:

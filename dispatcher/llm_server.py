@@ -157,10 +157,11 @@ class LlmDesk:
         pending = self.pending()
         return {m: n - pending.get(m, 0) for m, n in out.items()}
 
-    def _on_fail(self, r: LlmRequest, status: Status, message: str) -> None:
+    def _on_fail(self, r: LlmRequest, status: Status, message: str, param: str = "") -> None:
+        """``param``: the request field its engine's refusal named."""
         self.metrics.request_failed(r.model, status, r.priority)
-        self._reply(r.client, _error(r.req_id, status, message))
+        self._reply(r.client, _error(r.req_id, status, message, param))
 
 
-def _error(rid, status: Status, message: str) -> bytes:
-    return P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=rid, status=int(status), message=message))
+def _error(rid, status: Status, message: str, param: str = "") -> bytes:
+    return P.encode(P.GenerateReply(v=P.PROTOCOL_VERSION, id=rid, status=int(status), message=message, param=param))

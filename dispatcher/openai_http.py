@@ -149,6 +149,8 @@ class OpenAiCompletions:
             return OpenAiError(503, STOPPING_MESSAGE, _KIND[503])
         status = _HTTP.get(e.status, 500)
         code = "model_not_found" if e.status == Status.UNKNOWN_MODEL else ""
+        if e.param:  # an engine's refusal naming the field: its words and the field, as vLLM's server
+            return OpenAiError(status, e.message, _KIND.get(status, "server_error"), param=e.param, code=code)
         return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code)
 
     async def body(self, request) -> tuple[dict, str]:

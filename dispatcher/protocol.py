@@ -363,6 +363,7 @@ class GenerateReply(msgspec.Struct, tag="generated", tag_field="type", omit_defa
     id: Optional[int]
     status: int
     message: str = ""
+    param: str = ""  # a refusal's: the request field its engine named (LlmResult.param)
     tokens: list[int] = []
     timing: Optional[LlmTiming] = None
     finish_reason: str = ""  # "stop": it decoded an end-of-sequence token; "length": max_tokens
@@ -467,6 +468,7 @@ class LlmResult(msgspec.Struct, omit_defaults=True):
     seq: int
     status: int
     message: str = ""
+    param: str = ""  # a refusal's: the request field its engine named (vLLM's VLLMValidationError.parameter)
     tokens: list[int] = []
     first_token_s: float = 0.0  # job receipt -> this request's first token, on the worker's clock
     kv_tokens: int = 0  # prompt tokens loaded from the moved KV cache (decode jobs)

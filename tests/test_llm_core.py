@@ -32,7 +32,7 @@ GPU_ENGINE = P.LlmEngine(model="m", role="gpu", stand_in=True, block_size=32, ma
 class Harness:
     def __init__(self, cpu=True, gpu=True, **kw):
         self.failed: list = []
-        self.core = LlmCore(lambda r, s, m: self.failed.append((r.req_id, s, m)), **kw)
+        self.core = LlmCore(lambda r, s, m, param="": self.failed.append((r.req_id, s, m)), **kw)
         self.now = 0.0
         self.ids = iter(range(1, 10**6))
         if cpu:
@@ -632,8 +632,10 @@ class _ProseTokenizer:
         return "x" * len(ids)
 
 
-def _openai_calls(bodies: list, client=None, stopping=lambda: False) -> tuple[list, _FakeClient, _ProseTokenizer]:
-    """Each body POSTed to /v1/completions of a front door serving model "m": [(status, json)]."""
+def _openai_calls(bodies: list, client=None, stopping=lambda: False,
+                  models: tuple = ("m",)) -> tuple[list, _FakeClient, _ProseTokenizer]:
+    """Each body POSTed to /v1/completions of a front door serving model "m" (and ``models``'
+    others): [(status, json)]."""
     import asyncio
 
     from aiohttp import web
@@ -643,7 +645,7 @@ def _openai_calls(bodies: list, client=None, stopping=lambda: False) -> tuple[li
     from batchyard.openai_http import OpenAiCompletions
 
     client, tok = client or _FakeClient(), _ProseTokenizer()
-    oa = OpenAiCompletions(client, {"m": "/nonexistent"}, stopping=stopping)
+    oa = OpenAiCompletions(client, {m: "/nonexistent" for m in models}, stopping=stopping)
     oa._tokenizers["m"] = tok
 
     async def run():
@@ -692,16 +694,21 @@ def test_openai_text_past_what_the_token_limit_allows_is_refused_before_it_is_to
 
 
 def test_openai_statuses_for_a_missing_model_and_a_null_max_tokens_are_openais():
+    # No model named is the server's only one, as vLLM's server takes it (a 400 before)
     outs, client, _ = _openai_calls([{"prompt": [1, 2]}, {"model": 7, "prompt": [1, 2]},
                                      {"model": "nope", "prompt": [1, 2]},
                                      {"model": "m", "prompt": [1, 2], "max_tokens": None}])
-    for status, out in outs[:2]:
-        assert status == 400 and out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == "model"
-    assert "required" in outs[0][1]["error"]["message"]
+    status, out = outs[1]
+    assert status == 400 and out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == "model"
     status, out = outs[2]
     assert status == 404 and out["error"]["code"] == "model_not_found" and "nope" in out["error"]["message"]
-    status, out = outs[3]
-    assert status == 200 and client.asked == [("m", [1, 2], 16)] and out["usage"]["completion_tokens"] == 16
+    assert outs[0][0] == 200 and outs[3][0] == 200, outs
+    assert client.asked == [("m", [1, 2], 16)] * 2 and outs[3][1]["usage"]["completion_tokens"] == 16
+    # Where the server has several, one must be named
+    outs, client, _ = _openai_calls([{"prompt": [1, 2]}], models=("m", "m2"))
+    status, out = outs[0]
+    assert status == 400 and out["error"]["param"] == "model" and "required" in out["error"]["message"], out
+    assert client.asked == []
 
 
 @pytest.mark.parametrize("case", ["configured, no engine yet", "every engine lost"])

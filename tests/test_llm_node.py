@@ -141,8 +141,20 @@ def test_logit_bias_and_allowed_token_ids_are_the_engines_own(node):
         status, _, raw = _post_json(url + "/v1/completions", {**body, **extra})
         out = json.loads(raw)
         assert status == 200 and check(out["batchyard"][0]["token_ids"]), (extra, out)
-    status, _, raw = _post_json(url + "/v1/completions", {**body, "logit_bias": {"99999999": 1}})
-    assert status == 400 and "logit_bias" in json.loads(raw)["error"]["message"], raw
+    # The engine's refusals as vLLM's server words them, naming the field (param was null, the
+    # text behind "INVALID_ARGUMENT: engine refused the request: VLLMValidationError: ")
+    from batchyard.bench.llm_tiny_model import VOCAB
+
+    for field, value, message in (
+            ("logit_bias", {"99999999": 1}, f"token_id(s) [99999999] in logit_bias contain out-of-vocab token ids. "
+                                            f"Vocabulary size: {VOCAB} (parameter=logit_bias, value=[99999999])"),
+            ("allowed_token_ids", [99999999], "allowed_token_ids contains out-of-vocab token id! "
+                                              "(parameter=allowed_token_ids, value=[99999999])"),
+            ("stop_token_ids", [99999999], f"token_id(s) [99999999] in stop_token_ids contain out-of-vocab token "
+                                           f"ids. Vocabulary size: {VOCAB} (parameter=stop_token_ids, value=[99999999])")):
+        status, _, raw = _post_json(url + "/v1/completions", {**body, field: value})
+        assert status == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
+                                                              "param": field, "code": None}, raw
 
 
 def test_bad_words_are_tokenized_as_vllm_does_and_banned_by_the_engine(node):

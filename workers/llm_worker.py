@@ -253,7 +253,12 @@ class LlmServer:
                                         priority=order)
             except Exception as e:  # vLLM's validation errors: ValueErrors, and its client errors (the request's fault)
                 status = Status.INVALID_ARGUMENT if isinstance(e, (ValueError, VLLMClientError)) else Status.INTERNAL
-                job.results[seq] = P.LlmResult(seq=seq, status=int(status), message=f"engine refused the request: {error_text(e)}")
+                # vLLM's validation error in its own words, and the field it names, as its server
+                # answers it (the OpenAI routes' 400 named no param, its text behind a prefix)
+                param = getattr(e, "parameter", None)
+                job.results[seq] = P.LlmResult(
+                    seq=seq, status=int(status), param=param if isinstance(param, str) else "",
+                    message=error_text(e, typed=False) if param else f"engine refused the request: {error_text(e)}")
                 continue
             self.reqs[rid] = _Req(job, seq, kv_entry=entry, kv_written=written)
             if entry:

@@ -545,7 +545,7 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "OutOfMemory" in type(e).__name__
 
 
-def error_text(e: BaseException) -> str:
+def error_text(e: BaseException, typed: bool = True) -> str:
     """``Type: text`` of a model's exception, as a reply header can carry it. The text is the
     model's: one whose ``__str__`` raised, or that held a lone surrogate (``os.fsdecode`` of a
     non-UTF-8 path), raised while the reply was built or encoded, outside any handler, and the
@@ -557,7 +557,7 @@ def error_text(e: BaseException) -> str:
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(text) > ERROR_TEXT_MAX:
         text = f"{text[:ERROR_TEXT_MAX]}... ({len(text)} characters)"
-    return f"{type(e).__name__}: {text}"
+    return f"{type(e).__name__}: {text}" if typed else text
 
 
 def exit_after_grace() -> None:
