@@ -115,6 +115,19 @@ def scrape_metrics(url: str) -> list:
         raise SystemExit(f"bench: cannot read --metrics-url {url}: {why}") from None
 
 
+def node_answers(address: str, keys: dict) -> bool:
+    """Whether the Batchyard node at ``address`` still answers a status request (3 s)."""
+    from batchyard.client import Client
+    from batchyard.errors import BatchyardError
+
+    try:
+        with Client(address, **keys) as c:
+            c.status(timeout=3.0, brief=True)
+        return True
+    except BatchyardError:
+        return False
+
+
 def measure_ceiling(processes: int, concurrency: int = 256, window: float = 5.0) -> float:
     from .noop_paths import NodeRun
 
@@ -139,7 +152,7 @@ def main(args) -> int:
     if not args.concurrency and not any(rates) and not args.request_intervals and not args.profile:
         raise SystemExit("bench: choose a load: --concurrency, --request-rate, --sweep-rates, "
                          "--request-intervals or --profile")
-    reports = []
+    reports, gone = [], []
     for policy, address, keys in _targets(args, address):
         for rate in rates:
             spec = spec_from(args, rate)
@@ -153,6 +166,11 @@ def main(args) -> int:
                 rep.summary["server_split"] = server_split(before, scrape_metrics(args.metrics_url))
             reports.append(rep)
             print(table(reports[-1:]), flush=True)
+            # Requests sent after a node died wait in the client and fail DEADLINE_EXCEEDED, only
+            # those running then UNAVAILABLE: a node killed between requests, or in the warm-up,
+            # left no UNAVAILABLE behind, and the run exited 0 with nothing measured.
+            if args.target == "batchyard" and not node_answers(address, keys):
+                gone.append(label)
     print()
     print(table(reports))
     if args.out:
@@ -162,5 +180,7 @@ def main(args) -> int:
     if lost:  # the node went away or could not be reached mid-run: the numbers do not measure it (it exited 0)
         print(f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE (the node went away or "
               "could not be reached): the run does not measure it", file=sys.stderr)
-        return 1
-    return 0
+    if gone:
+        print(f"bench: the node stopped answering during {', '.join(gone)} (it went away): the run does not "
+              "measure it", file=sys.stderr)
+    return 1 if lost or gone else 0

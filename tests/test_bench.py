@@ -179,11 +179,42 @@ def test_a_node_gone_mid_run_is_counted_and_makes_bench_exit_1(monkeypatch, caps
     assert rep.summary["failed_of_sent"] == {"14": lost} and lost == 250
     assert f"({lost} sent in the windows failed UNAVAILABLE)" in table([rep])
     monkeypatch.setattr(bench_cli, "run_load", lambda *a, **k: rows)
+    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys: True)  # (UNAVAILABLE alone says it)
     args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--request-rate",
                                       "50", "--distribution", "constant", "--warmup", "1", "--window", "10",
                                       "--windows", "1"])
     assert bench_cli.main(args) == 1
     assert f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_node_gone_between_requests_makes_bench_exit_1_though_none_failed_unavailable(monkeypatch, capsys, answers):
+    """Killed between two requests (or in the warm-up), a node leaves none running to fail
+    UNAVAILABLE: every later one waits in the client and fails DEADLINE_EXCEEDED, and bench
+    exited 0 with nothing measured (an outside review: 901 of 901 failed, "errors 0"). The node
+    is asked after the run; an overloaded node that still answers is no lost node."""
+    from batchyard.bench import bench_cli
+    from batchyard.cli import build_parser
+
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=2.0, windows=1, stable_windows=1)
+    sent = schedule(spec)[0]
+    rows = rows_of(sent, 30e6, status=4)
+    monkeypatch.setattr(bench_cli, "run_load", lambda *a, **k: rows)
+    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys: answers)
+    args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--request-rate",
+                                      "50", "--distribution", "constant", "--warmup", "1", "--window", "2",
+                                      "--windows", "1"])
+    assert bench_cli.main(args) == (0 if answers else 1)
+    said = "bench: the node stopped answering during batchyard:sum @50/s (it went away)" in capsys.readouterr().err
+    assert said is not answers
+
+
+def test_node_answers_says_whether_a_dispatcher_answers(start_node, run_dir):
+    from batchyard.bench.bench_cli import node_answers
+
+    n = start_node([sim_worker()])
+    assert node_answers(n.address, {})
+    assert not node_answers(f"ipc://{run_dir}/nobody", {})
 
 
 @pytest.mark.parametrize("message, status, expected", [
