@@ -26,7 +26,9 @@ def send_heads_no_gpu_takes(state: SchedulerState, model: str, q: ModelQueue, no
     its deadline, passed over by every batch the GPU took."""
     while q.requests:
         head = head_request(q)
-        if head.items <= gpu_max or not any(send(state, d, w, q, head.items, now, max_requests=1)
+        # head_first: congested, the queue is taken newest first, and that sent a request the GPU
+        # takes to the CPU under gpu-only, the head left waiting beside it (an outside review)
+        if head.items <= gpu_max or not any(send(state, d, w, q, head.items, now, max_requests=1, head_first=True)
                                             for w in state.serving.get(model, ())
                                             if w.free and w.models[model] >= head.items):
             return
@@ -200,4 +202,9 @@ class ThreeSegment(PerModelPolicy):
                     d.wake_at = min(d.wake_at, t_flip)
                     break
             if not any(send(state, d, w, q, b, now, "dispatched-gpu") for w in free):
-                break
+                # What no free GPU took it may have set aside for a CPU that ends it in time
+                # (fit_deadlines): offered there. Left to the GPU segment, a request the GPU
+                # could not end in time waited beside a free CPU that could, no wake-up set,
+                # until its deadline (an outside review).
+                if gpus is cpus or not any(send(state, d, w, q, b, now, "dispatched-cpu") for w in cpus if w.free):
+                    break

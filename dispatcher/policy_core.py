@@ -84,10 +84,11 @@ def take_batch(q: ModelQueue, max_items: int, cap: int, max_requests: Optional[i
 
 
 def send(state: SchedulerState, d: Decision, w: WorkerState, q: ModelQueue, max_items: int, now: float,
-         reason: str = "", max_requests: Optional[int] = None) -> list[Request]:
+         reason: str = "", max_requests: Optional[int] = None, head_first: bool = False) -> list[Request]:
     """Take a batch for ``w`` (see ``take_batch``) that every request in it can finish in before
-    its deadline (``fit_deadlines``), reserve the worker, record the dispatch."""
-    newest = congested(state, w, q, now)
+    its deadline (``fit_deadlines``), reserve the worker, record the dispatch. ``head_first``:
+    from the head even when the queue is congested (a rule sending the head it looked at)."""
+    newest = False if head_first else congested(state, w, q, now)
     aside: list[Request] = []  # taken, but for another worker that ends them in time (fit_deadlines)
     while True:
         reqs = taken = take_batch(q, max_items, w.models[q.model], max_requests, newest)

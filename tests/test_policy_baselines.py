@@ -94,3 +94,54 @@ def test_deadline_index_forgets_expired_requests_while_the_queue_never_empties()
         q.remove(r)  # it expires (or is cancelled) out of the queue: not dispatched
         assert idx.tightest(i + 0.6) == math.inf
     assert len(idx._known) <= 2
+
+
+def _replay(policy: str, gpu: tuple, cpu: tuple, arrivals: list) -> list:
+    """A RequestCore under ``policy`` on a virtual clock, each batch taking what its curve says:
+    [(time, worker, [(seq, items)])] of every dispatch. ``gpu``/``cpu``: (max batch, per-item s);
+    ``arrivals``: (time, items, timeout s)."""
+    import heapq
+
+    from batchyard.core import RequestCore
+
+    core = RequestCore(make_policy(policy), lambda r, status, message: None)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": gpu[0]}), 0.0)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": cpu[0]}), 0.0)
+    st = core.state
+    for path, per_item in (("gpu", gpu[1]), ("cpu", cpu[1])):
+        st.costs[("m", path)] = CostCurve(launch_s=0.0, per_item_s=per_item)
+        st.costs[("m", path)].samples = 100
+    sent, ends, i, wake, n = [], [], 0, math.inf, 0
+    while i < len(arrivals) or ends or wake < math.inf:
+        now = min(arrivals[i][0] if i < len(arrivals) else math.inf, ends[0][0] if ends else math.inf, wake)
+        while ends and ends[0][0] <= now:
+            done, _, bid = heapq.heappop(ends)
+            for r in core.complete(bid, None, done).requests:
+                core.finish(r)
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            at, items, timeout = arrivals[i]
+            core.admit("m", items, 0, timeout, at)
+            i += 1
+        for b in core.decide(now):
+            n += 1
+            heapq.heappush(ends, (now + st.cost("m", b.worker.path).predict(b.items), n, b.batch_id))
+            sent.append((now, b.worker.name, [(r.seq, r.items) for r in b.requests]))
+        wake = core.next_wake()
+        wake = math.inf if wake <= now else wake
+    return sent
+
+
+def test_three_segment_sends_a_request_the_gpu_cannot_end_in_time_to_the_free_cpu_that_can():
+    """The GPU segment set it aside for the CPU (fit_deadlines), which the rule never offered it:
+    it waited beside both free workers, no wake-up set, until its deadline (an outside review)."""
+    sent = _replay("three-segment", gpu=(3, 0.05), cpu=(8, 0.005), arrivals=[(0.0, 3, 0.1)])
+    assert sent == [(0.0, "cpu0", [(1, 3)])]
+
+
+def test_gpu_only_gives_the_cpu_only_a_head_no_gpu_takes_however_congested():
+    """Congested, the queue is taken newest first: the CPU was sent the newest 1-item request
+    in place of the 4-item head the GPU cannot take, which then waited beside the idle CPU."""
+    arrivals = [(0.0, 1, 0.12)] * 6 + [(0.05, 4, 5.0)] + [(0.051, 1, 0.3)] * 8
+    sent = _replay("gpu-only", gpu=(3, 0.1), cpu=(8, 0.05), arrivals=arrivals)
+    on_cpu = [reqs for _, worker, reqs in sent if worker == "cpu0"]
+    assert on_cpu == [[(7, 4)]], sent
