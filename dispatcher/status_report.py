@@ -63,9 +63,12 @@ def status_reply(d, rid: int, brief: bool = False) -> P.StatusReply:
 
 def render_metrics(d) -> str:
     """The /metrics text: the counters, with what `status` shows of decisions and learned curves."""
-    now = time.monotonic()
-    pending = {m: 0 for m in d.specs} | d.core.pending_by_model() | d.llm.pending()
-    in_flight = {m: 0 for m in pending} | d.core.in_flight_by_model() | d.llm.in_flight()
-    return d.metrics.render(pending, decisions(d), described_curves(d),
-                            {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs}, in_flight,
-                            llm_curves={m: c.describe() for m, c in d.llm.core.curves.items()})
+    def state() -> tuple:  # (gathered only when the text may be written again: Metrics.render_from)
+        now = time.monotonic()
+        pending = {m: 0 for m in d.specs} | d.core.pending_by_model() | d.llm.pending()
+        in_flight = {m: 0 for m in pending} | d.core.in_flight_by_model() | d.llm.in_flight()
+        rates = {m: round(d.state.arrival(m).rate(now), 3) for m in d.specs}
+        return (pending, decisions(d), described_curves(d), rates, in_flight,
+                {m: c.describe() for m, c in d.llm.core.curves.items()})
+
+    return d.metrics.render_from(state)

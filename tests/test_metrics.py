@@ -400,6 +400,32 @@ def test_a_scrape_storm_takes_a_bounded_share_of_the_dispatchers_thread():
     assert oldest < 0.033 / RENDER_SHARE + 0.05
 
 
+def test_a_storm_of_scrapes_of_an_unchanged_text_takes_a_bounded_share_too():
+    """Gathering and comparing the scrape's state went uncharged: at 100 models ~1.1 ms a scrape
+    of an unchanged text, and a scraper in a loop took half of the thread (an outside review).
+    Now they count in the share, and a scrape while it is spent asks the state nothing."""
+    from batchyard.metrics import RENDER_CREDIT_S, RENDER_SHARE
+
+    now = [0.0]
+    m = Metrics(clock=lambda: now[0], cpu_clock=lambda: now[0])
+    _, state = _registry_of(0)
+    m.model_served("model_0", "cpu")
+    asked = [0]
+
+    def gathering_1_ms():
+        asked[0] += 1
+        now[0] += 0.001
+        return (*state, None)
+
+    text, scrapes = m.render_from(gathering_1_ms), 0
+    while now[0] < 10.0:
+        now[0] += 0.0002  # the scraper's next request, at once: the thread's other work between two
+        assert m.render_from(gathering_1_ms) == text  # nothing changed
+        scrapes += 1
+    assert asked[0] * 0.001 / now[0] <= RENDER_SHARE + RENDER_CREDIT_S / now[0] + 1e-9
+    assert scrapes > 10 * asked[0]
+
+
 def test_a_render_the_host_preempted_does_not_make_the_next_scrapes_stale():
     # The render share was charged in wall-clock time: a render preempted for 200 ms on a busy
     # host spent the whole credit, and the scrapes of the next ~2 s got its text, counts missing.
