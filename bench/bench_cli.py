@@ -115,8 +115,18 @@ def scrape_metrics(url: str) -> list:
         raise SystemExit(f"bench: cannot read --metrics-url {url}: {why}") from None
 
 
-def node_answers(address: str, keys: dict) -> bool:
-    """Whether the Batchyard node at ``address`` still answers a status request (3 s)."""
+def node_answers(address: str, keys: dict, target: str = "batchyard") -> bool:
+    """Whether the node at ``address`` still answers (3 s): a Batchyard node's status request,
+    or a Triton server's (or front door's) gRPC ServerLive."""
+    if target == "triton":
+        import tritonclient.grpc as tc
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            with tc.InferenceServerClient(address) as c:
+                return bool(c.is_server_live(client_timeout=3.0))
+        except InferenceServerException:
+            return False
     from batchyard.client import Client
     from batchyard.errors import BatchyardError
 
@@ -169,7 +179,7 @@ def main(args) -> int:
             # Requests sent after a node died wait in the client and fail DEADLINE_EXCEEDED, only
             # those running then UNAVAILABLE: a node killed between requests, or in the warm-up,
             # left no UNAVAILABLE behind, and the run exited 0 with nothing measured.
-            if args.target == "batchyard" and not node_answers(address, keys):
+            if not node_answers(address, keys, args.target):
                 gone.append(label)
     print()
     print(table(reports))

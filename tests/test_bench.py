@@ -179,7 +179,7 @@ def test_a_node_gone_mid_run_is_counted_and_makes_bench_exit_1(monkeypatch, caps
     assert rep.summary["failed_of_sent"] == {"14": lost} and lost == 250
     assert f"({lost} sent in the windows failed UNAVAILABLE)" in table([rep])
     monkeypatch.setattr(bench_cli, "run_load", lambda *a, **k: rows)
-    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys: True)  # (UNAVAILABLE alone says it)
+    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys, target: True)  # (UNAVAILABLE alone says it)
     args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--request-rate",
                                       "50", "--distribution", "constant", "--warmup", "1", "--window", "10",
                                       "--windows", "1"])
@@ -200,7 +200,7 @@ def test_a_node_gone_between_requests_makes_bench_exit_1_though_none_failed_unav
     sent = schedule(spec)[0]
     rows = rows_of(sent, 30e6, status=4)
     monkeypatch.setattr(bench_cli, "run_load", lambda *a, **k: rows)
-    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys: answers)
+    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys, target: answers)
     args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--request-rate",
                                       "50", "--distribution", "constant", "--warmup", "1", "--window", "2",
                                       "--windows", "1"])
@@ -215,6 +215,9 @@ def test_node_answers_says_whether_a_dispatcher_answers(start_node, run_dir):
     n = start_node([sim_worker()])
     assert node_answers(n.address, {})
     assert not node_answers(f"ipc://{run_dir}/nobody", {})
+    from batchyard.addresses import free_port
+
+    assert not node_answers(f"127.0.0.1:{free_port()}", {}, "triton")  # (a live one: test_kserve.py)
 
 
 @pytest.mark.parametrize("message, status, expected", [

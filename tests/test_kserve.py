@@ -901,6 +901,12 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_request_on_every_path(front
         assert resp.status == 400 and "JSON" in body["error"], (path, resp.status, body)
 
 
+def test_bench_finds_the_front_door_answering_as_a_triton_target(front_door):
+    from batchyard.bench.bench_cli import node_answers
+
+    assert node_answers(front_door.grpc_url, {}, "triton")
+
+
 def test_server_metadata_lists_every_extension_served(front_door):
     """A KServe client may look for binary_tensor_data before it sends binary tensors."""
     served = {"binary_tensor_data", "classification", "system_shared_memory", "cuda_shared_memory",
