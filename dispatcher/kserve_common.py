@@ -481,14 +481,19 @@ def model_metadata(spec: P.ModelSpec) -> dict:
             "inputs": conv(spec.inputs), "outputs": conv(spec.outputs)}
 
 
-def model_config(spec: P.ModelSpec) -> dict:
+def model_config(spec: P.ModelSpec, instances: Optional[dict] = None) -> dict:
     """Triton's model configuration, the fields tritonclient and perf_analyzer read (``dims``
-    without the batch dimension, as with max_batch_size > 0)."""
+    without the batch dimension, as with max_batch_size > 0), its one version's policy, and an
+    instance group a path of the workers serving it (``instances``: path -> registered workers;
+    KIND_GPU for the gpu path), as Triton fills them in (they were left out)."""
     def conv(ts):
         return [{"name": t.name, "data_type": "TYPE_" + NP_TO_KSERVE[t.dtype], "dims": list(dims(t)),
                  **({} if t.shape else {"reshape": {"shape": []}})} for t in ts]
-    return {"name": spec.name, "platform": PLATFORM, "backend": PLATFORM, "max_batch_size": spec.max_batch,
-            "input": conv(spec.inputs), "output": conv(spec.outputs)}
+    groups = [{"name": f"{spec.name}_{i}", "kind": "KIND_GPU" if path == "gpu" else "KIND_CPU", "count": n}
+              for i, (path, n) in enumerate(sorted((instances or {}).items()))]
+    return {"name": spec.name, "platform": PLATFORM, "backend": PLATFORM,
+            "version_policy": {"latest": {"num_versions": 1}}, "max_batch_size": spec.max_batch, "input": conv(spec.inputs), "output": conv(spec.outputs),
+            **({"instance_group": groups} if groups else {})}
 
 
 # ------------------------------------------------------------------ statistics
@@ -555,6 +560,7 @@ class KServeCore:
         # is not served (a core in a test, whose process's logging is not the front door's).
         self.logs = logs
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
+        self._instances: dict[str, dict[str, int]] = {}  # model -> path -> its registered workers, likewise
         # The node's LLM models: served by the OpenAI routes, and through Triton's protocols as
         # Triton's vLLM backend is (llm_generate: metadata, config, generate, ModelStreamInfer),
         # by ``llm`` (an llm_generate.LlmGenerate, set by the front door of a node that has them).
@@ -657,9 +663,20 @@ class KServeCore:
             # one): counted, the node said ready while every completion failed 503.
             ready = frozenset(m for w in st.workers if w.path != PREFILL_CPU for m in w.models)
             self._models = frozenset(st.models)
+            instances: dict[str, dict[str, int]] = {}
+            for w in st.workers:
+                for m in w.models:
+                    instances.setdefault(m, {})[w.path] = instances.get(m, {}).get(w.path, 0) + 1
+            self._instances = instances
         except BatchyardError:
             ready = None
         return ready
+
+    async def config(self, model: str, version: str = "") -> dict:
+        """The model's configuration (model_config), its instance groups as of a fresh status."""
+        spec = await self.spec(model, version)
+        await self.ready_models()
+        return model_config(spec, self._instances.get(model))
 
     async def server_ready(self) -> bool:
         """Triton's default readiness (``--strict-readiness=true``): ready while every model of

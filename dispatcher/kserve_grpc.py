@@ -25,7 +25,7 @@ from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             byte_view, check_declared_input, check_element_count, check_input_name, check_new_input,
                             check_parameter_names,
-                            cuda_shm_refused, cuda_shm_status, invalid, model_config, model_control_refused,
+                            cuda_shm_refused, cuda_shm_status, invalid, model_control_refused,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
@@ -263,8 +263,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if await self._sync(context, self.core.llm_model, request.name, request.version):
             cfg = json_format.ParseDict(llm_config(request.name), model_config_pb2.ModelConfig())
             return service_pb2.ModelConfigResponse(config=cfg)
-        spec = await self._call(context, self.core.spec(request.name, request.version))
-        cfg = json_format.ParseDict(model_config(spec), model_config_pb2.ModelConfig())
+        cfg = json_format.ParseDict(await self._call(context, self.core.config(request.name, request.version)),
+                                    model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=cfg)
 
     async def ModelStatistics(self, request, context):

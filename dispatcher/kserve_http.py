@@ -28,7 +28,7 @@ from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body, too_large
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UINT64_MAX, KServeCore, KServeError, as_kserve,
                             batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
-                            in_model_order, model_config, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
+                            in_model_order, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_generate import serve_generate
@@ -279,7 +279,7 @@ class KServeHttp:
         try:
             if self.core.llm_model(model, _version(request)):
                 return web.json_response(llm_config(model))
-            return web.json_response(model_config(await self.core.spec(model, _version(request))))
+            return web.json_response(await self.core.config(model, _version(request)))
         except KServeError as e:
             return _error(e)
 

@@ -156,6 +156,11 @@ def test_grpc_metadata_config_and_infer_equal_the_sdk(front_door):
     assert md["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
     cfg = c.get_model_config("sum", as_json=True)["config"]
     assert cfg["max_batch_size"] == 16 and cfg["input"][0]["data_type"] == "TYPE_FP32"
+    # as Triton fills them in: one version; an instance group of the workers serving it, by path
+    assert cfg["version_policy"] == {"latest": {"num_versions": 1}}
+    assert cfg["instance_group"] == [{"name": "sum_0", "kind": "KIND_GPU", "count": 1}], cfg
+    assert thttp.InferenceServerClient(front_door.http_url).get_model_config("sum")["instance_group"] == [
+        {"name": "sum_0", "kind": "KIND_GPU", "count": 1}]
     out = c.infer("sum", [_grpc_input(X)], priority=1, timeout=5_000_000).as_numpy("y")
     np.testing.assert_array_equal(out, front_door.sdk("sum", X))
     stats = c.get_inference_statistics("sum", as_json=True)["model_stats"][0]
