@@ -35,7 +35,7 @@ from .kserve_common import (MALFORMED, NP_TO_KSERVE, KServeCore, KServeError, as
                             check_inputs, dims, invalid, tensor_from_list, unreshaped)
 from .kserve_json import decode_json, encode_json
 from .kserve_trace import http_traced
-from .llm_generate import responses
+from .llm_generate import MANY_ANSWERS, responses
 
 log = logging.getLogger("batchyard.frontend")
 
@@ -200,7 +200,13 @@ async def _serve_generate(core: KServeCore, request: web.Request, streaming: boo
         if for_llm:
             # (its refusals come after the body is read, as the vLLM backend's come from the
             # model: under a stream, an event)
-            members = await core.llm_run(model, core.llm.answer(model, body, streaming))
+            # Under the stream switch, KServe's generate answers a run of one response (a stream of
+            # one engine step) with it, and one of more with Triton's error under 200, as
+            # tritonserver 2.51 does; a refusal is its 400. All three were a 500 before the run.
+            more: list = []
+            members = await core.llm_run(model, core.llm.answer(model, body, more.append))
+            if more:
+                return web.Response(body=encode_json({"error": MANY_ANSWERS}, True), content_type="application/json")
             text = encode_json(answer_members(model, rid, members), _finite(members))
         else:
             _, text = await core.infer(model, inputs, reply=lambda out: encode_json(*generate_answer(model, rid, out)),
@@ -220,7 +226,7 @@ async def _llm_events(core: KServeCore, request: web.Request, model: str, rid: s
     try:
         # (closed at once when a write fails: the client left, and its generation stops)
         async with contextlib.aclosing(responses(
-                lambda emit: core.llm_run(model, core.llm.answer(model, body, True, emit)))) as answers:
+                lambda emit: core.llm_run(model, core.llm.answer(model, body, emit)))) as answers:
             async for members in answers:
                 if response is None:
                     response = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})

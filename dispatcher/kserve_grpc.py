@@ -580,8 +580,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         def response(members: dict, final: bool) -> InferAnswer:
             head = service_pb2.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
             raw = []
-            for name, datatype, data in grpc_outputs(members):
-                head.outputs.add(name=name, datatype=datatype, shape=[1])
+            for name, datatype, shape, data in grpc_outputs(members):
+                head.outputs.add(name=name, datatype=datatype, shape=shape)
                 raw.append(data)
             _mark_final(head, final)
             return InferAnswer(head, raw, stream=True)
@@ -589,7 +589,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         step = None if emit is None else (lambda members: emit(response(members, final=False)))
 
         async def run() -> dict:  # (a refusal of the backend's counts as the model's failure)
-            return await self.core.llm.run(request.model_name, *read_backend_request(inputs, params, streaming=True),
+            return await self.core.llm.run(request.model_name, *read_backend_request(inputs, params),
                                            emit=step)
 
         return response(await self.core.llm_run(request.model_name, run()), final=True)

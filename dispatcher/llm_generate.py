@@ -31,8 +31,9 @@ The backend's model is decoupled: Triton refuses it ModelInfer and HTTP infer, a
 (``DECOUPLED_*``). ``stream`` true is served by ``generate_stream`` and ModelStreamInfer as the
 backend streams: a response for each engine step, its ``text_output`` the text that step's
 tokens complete (llm_text), ``num_output_tokens`` the step's tokens, ``finish_reason`` "None"
-but on the last, which is marked final; from ``generate`` it is Triton's error for a model that
-answers more than once.
+but on the last, which is marked final; from ``generate`` a run of one response (one engine
+step) is answered with it, and one of more with Triton's error for a model that answers more
+than once, under 200, as tritonserver 2.51 answers both (kserve_generate).
 """
 
 from __future__ import annotations
@@ -43,12 +44,11 @@ import math
 import struct
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
-import grpc
 import numpy as np
 
 from .client_codec import sampling_as_vllm
 from .errors import BatchyardError, InvalidArgument
-from .kserve_common import KServeError, from_batchyard, invalid
+from .kserve_common import from_batchyard, invalid
 from .openai_fields import (MAX_PROMPT_CHARS, OpenAiError, bad_words_field, logit_bias_field, shown as _shown,
                             stop_strings)
 from .openai_http import OpenAiCompletions, TextRule
@@ -112,7 +112,7 @@ def _sampling(name: str, value, kind: type):
         raise invalid(f"{name} must be {'an integer' if kind is int else 'a number'}, got {_shown(value)}") from None
 
 
-def read_generate_body(body: dict, streaming: bool) -> tuple[str, dict, int]:
+def read_generate_body(body: dict) -> tuple[str, dict, int]:
     """-> (prompt, the backend's switches by name, max_tokens) of a generate request's body: its
     members and those of its ``parameters`` that name the backend's inputs are those inputs,
     the others the request's parameters."""
@@ -129,10 +129,10 @@ def read_generate_body(body: dict, streaming: bool) -> tuple[str, dict, int]:
         if into is params and (value is None or isinstance(value, (list, dict))):  # (Triton's HTTP layer)
             raise invalid(f"parameter '{name}' has invalid type. It should be either 'int', 'bool', or 'string'.")
         into[name] = value
-    return read_backend_request(inputs, params, streaming)
+    return read_backend_request(inputs, params)
 
 
-def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[str, dict, int]:
+def read_backend_request(inputs: dict, params: dict) -> tuple[str, dict, int]:
     """-> (prompt, switches, max_tokens) from the backend's inputs by name (values, or lists of
     one) and the request's parameters, as the backend reads them."""
     if "text_input" not in inputs:
@@ -156,8 +156,6 @@ def read_backend_request(inputs: dict, params: dict, streaming: bool) -> tuple[s
             raise invalid(f"input 'sampling_parameters' must be a JSON object, got {_shown(params)}")
     params = {k: v for k, v in params.items() if v is not None}  # (the backend's vLLM defaults)
     stream = switches.get("stream", False)
-    if stream and not streaming:
-        raise KServeError(grpc.StatusCode.INTERNAL, MANY_ANSWERS)
     prepend = not switches.get("exclude_input_in_output", stream)
     if prepend and stream:
         raise invalid("When streaming, `exclude_input_in_output` = False is not allowed.")
@@ -280,19 +278,23 @@ def grpc_request(model: str, request) -> tuple[dict, dict]:
     return inputs, params
 
 
-def grpc_outputs(members: dict) -> list[tuple[str, str, bytes]]:
-    """The backend's outputs as (name, KServe datatype, raw contents), each of one element."""
+def grpc_outputs(members: dict) -> list[tuple[str, str, list, bytes]]:
+    """The backend's outputs as (name, KServe datatype, shape, raw contents), each of one
+    element: shape [1], as the backend's tensors of a list, but num_input_tokens, a 0-d one in
+    the backend (``np.asarray(len(prompt_token_ids))``), shape [] as Triton sends it (it was [1],
+    and ``as_numpy`` gave an array where Triton's client gets a scalar)."""
     out = []
     for name, datatype, _ in BACKEND_OUTPUTS:
         if name in members:
             value = members[name]
+            shape = [] if name == "num_input_tokens" else [1]
             if datatype == "BYTES":
                 data = value.encode()
-                out.append((name, datatype, struct.pack("<I", len(data)) + data))
+                out.append((name, datatype, shape, struct.pack("<I", len(data)) + data))
             elif datatype == "FP32":
-                out.append((name, datatype, struct.pack("<f", value)))
+                out.append((name, datatype, shape, struct.pack("<f", value)))
             else:
-                out.append((name, datatype, struct.pack("<I", value)))
+                out.append((name, datatype, shape, struct.pack("<I", value)))
     return out
 
 
@@ -303,11 +305,10 @@ class LlmGenerate:
     def __init__(self, completions: OpenAiCompletions):
         self.completions = completions
 
-    async def answer(self, model: str, body: dict, streaming: bool,
-                     emit: Optional[Callable[[dict], None]] = None) -> dict:
+    async def answer(self, model: str, body: dict, emit: Optional[Callable[[dict], None]] = None) -> dict:
         """A generate request's answer: its members besides model_name, model_version and id
         (KServeError for the request's fault or its run's). ``emit``: see ``run``."""
-        return await self.run(model, *read_generate_body(body, streaming), emit=emit)
+        return await self.run(model, *read_generate_body(body), emit=emit)
 
     async def run(self, model: str, prompt: str, switches: dict, max_tokens: int,
                   timeout: Optional[float] = None, emit: Optional[Callable[[dict], None]] = None) -> dict:

@@ -356,51 +356,52 @@ def test_an_llm_streams_tensors_read_raw_or_typed():
         q = service_pb2.ModelInferRequest(model_name="tiny")
         build(q)
         assert words in _refused(grpc_request, "tiny", q)
-    assert grpc_outputs({"text_output": "ab", "num_output_tokens": 2}) == [
-        ("text_output", "BYTES", b"\x02\x00\x00\x00ab"), ("num_output_tokens", "UINT32", b"\x02\x00\x00\x00")]
+    assert grpc_outputs({"text_output": "ab", "num_output_tokens": 2, "num_input_tokens": 5}) == [
+        ("text_output", "BYTES", [1], b"\x02\x00\x00\x00ab"),
+        ("num_input_tokens", "UINT32", [], b"\x05\x00\x00\x00"),  # (0-d in the backend, as Triton sends it)
+        ("num_output_tokens", "UINT32", [1], b"\x02\x00\x00\x00")]
 
 
 def test_an_llm_request_reads_as_tritons_vllm_backend_reads_it():
     from batchyard.llm_generate import read_generate_body as read_request
 
     prompt, switches, max_tokens = read_request(
-        {"text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0}, "return_num_output_tokens": True}, False)
+        {"text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0}, "return_num_output_tokens": True})
     assert (prompt, max_tokens) == ("hi", 5)
     assert switches.pop("sampling").temperature == 0.0  # greedy
     assert switches == {"return_num_output_tokens": True, "exclude_input_in_output": False,  # the prompt comes first
                         "ignore_eos": False, "stop": (), "include_stop_str_in_output": False,
                         "skip_special_tokens": True, "bad_words": []}
-    switches = read_request({"text_input": ["hi"], "stream": [True]}, True)[1]
+    switches = read_request({"text_input": ["hi"], "stream": [True]})[1]
     assert switches.pop("sampling") == P.Sampling(temperature=1.0)  # none given: vLLM's default, it samples
     assert switches == {"stream": True, "exclude_input_in_output": True, "ignore_eos": False, "stop": (),
                         "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": []}
-    assert read_request({"text_input": "hi", "ignore_eos": "false"}, False)[1]["ignore_eos"] is True  # bool(), as the backend
-    assert read_request({"text_input": "hi", "id": "7"}, False)[2] == 16  # vLLM's default
+    assert read_request({"text_input": "hi", "ignore_eos": "false"})[1]["ignore_eos"] is True  # bool(), as the backend
+    assert read_request({"text_input": "hi", "id": "7"})[2] == 16  # vLLM's default
     # converted as the backend converts them: int("4"), int(4.0), float("0")
-    assert read_request({"text_input": "hi", "max_tokens": "4", "temperature": "0"}, False)[2] == 4
-    assert read_request({"text_input": "hi", "parameters": {"max_tokens": 4.0, "temperature": False}}, False)[2] == 4
+    assert read_request({"text_input": "hi", "max_tokens": "4", "temperature": "0"})[2] == 4
+    assert read_request({"text_input": "hi", "parameters": {"max_tokens": 4.0, "temperature": False}})[2] == 4
     # sampling_parameters, a JSON object in a string, in place of the parameters (its nulls: vLLM's defaults)
     assert read_request({"text_input": "hi", "max_tokens": 9,
-                         "sampling_parameters": '{"max_tokens": "3", "top_p": null}'}, False)[2] == 3
-    for body, streaming, words in [
-            ({"parameters": {"max_tokens": 5}}, False, "missing required input(s) ['text_input']"),
-            ({"text_input": 5}, False, "input 'text_input' must be a string"),
-            ({"text_input": "hi", "stream": True}, False, "generate expects model to produce exactly 1 response"),
-            ({"text_input": "hi", "stream": True, "exclude_input_in_output": False}, True,
+                         "sampling_parameters": '{"max_tokens": "3", "top_p": null}'})[2] == 3
+    for body, words in [
+            ({"parameters": {"max_tokens": 5}}, "missing required input(s) ['text_input']"),
+            ({"text_input": 5}, "input 'text_input' must be a string"),
+            ({"text_input": "hi", "stream": True, "exclude_input_in_output": False},
              "When streaming, `exclude_input_in_output` = False is not allowed."),
-            ({"text_input": "hi", "temperature": 2.7}, False, "Expected `float` <= 2.0 - at `$.temperature`"),
-            ({"text_input": "hi", "max_tokens": 0}, False, "max_tokens must be a positive integer"),
-            ({"text_input": "hi", "max_tokens": "4.0"}, False, "max_tokens must be an integer, got '4.0'"),
-            ({"text_input": "hi", "max_tokens": [4] * 10**6}, False, "parameter 'max_tokens' has invalid type"),
-            ({"text_input": "hi", "sampling_parameters": "{\"max_tokens\": [4, 4]}"}, False, "got an array of 2 items"),
-            ({"text_input": "hi", "best_of": 2}, False, "sampling parameter 'best_of' is not supported"),
-            ({"text_input": "hi", "top_p": "0.9x"}, False, "top_p must be a number, got '0.9x'"),
-            ({"text_input": "hi", "sampling_parameters": "[1]"}, False, "'sampling_parameters' must be a JSON object"),
-            ({"text_input": "hi", "sampling_parameters": "{"}, False, "'sampling_parameters' is not JSON"),
-            ({"text_input": "hi", "image": "x"}, False, "input 'image' is not supported"),
-            ({"text_input": "hi", "max_tokens": 3, "parameters": {"max_tokens": 4}}, False,
+            ({"text_input": "hi", "temperature": 2.7}, "Expected `float` <= 2.0 - at `$.temperature`"),
+            ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
+            ({"text_input": "hi", "max_tokens": "4.0"}, "max_tokens must be an integer, got '4.0'"),
+            ({"text_input": "hi", "max_tokens": [4] * 10**6}, "parameter 'max_tokens' has invalid type"),
+            ({"text_input": "hi", "sampling_parameters": "{\"max_tokens\": [4, 4]}"}, "got an array of 2 items"),
+            ({"text_input": "hi", "best_of": 2}, "sampling parameter 'best_of' is not supported"),
+            ({"text_input": "hi", "top_p": "0.9x"}, "top_p must be a number, got '0.9x'"),
+            ({"text_input": "hi", "sampling_parameters": "[1]"}, "'sampling_parameters' must be a JSON object"),
+            ({"text_input": "hi", "sampling_parameters": "{"}, "'sampling_parameters' is not JSON"),
+            ({"text_input": "hi", "image": "x"}, "input 'image' is not supported"),
+            ({"text_input": "hi", "max_tokens": 3, "parameters": {"max_tokens": 4}},
              "parameter 'max_tokens' is given twice"),
-            ({"text_input": "hi", "parameters": {"text_input": "ho"}}, False, "input 'text_input' already exists")]:
+            ({"text_input": "hi", "parameters": {"text_input": "ho"}}, "input 'text_input' already exists")]:
         with pytest.raises(KServeError) as e:
-            read_request(body, streaming)
+            read_request(body)
         assert words in e.value.message, body

@@ -402,11 +402,15 @@ def test_an_llm_model_streams_its_completion_as_tritons_vllm_backend(llm_node, r
     completion = body["choices"][0]["text"]
     assert len(completion) > 5
     answers = _stream_infer(grpc_url, {"text_input": prompt.encode(), "stream": True, "return_num_output_tokens": True,
-                                       "return_finish_reason": True}, parameters={"max_tokens": 5, "temperature": 0})
+                                       "return_finish_reason": True, "return_num_input_tokens": True},
+                            parameters={"max_tokens": 5, "temperature": 0})
     assert [error for _, error in answers] == [None] * 5  # the scripted engine decodes a token a step
     results = [result for result, _ in answers]
     assert b"".join(r.as_numpy("text_output")[0] for r in results) == completion.encode()
     assert [r.as_numpy("num_output_tokens").tolist() for r in results] == [[1]] * 5
+    # the backend's num_input_tokens is 0-d (np.asarray of a count): a scalar, as Triton sends it
+    assert {r.as_numpy("num_input_tokens").shape for r in results} == {()}
+    assert results[0].as_numpy("num_input_tokens").item() > 0
     assert [r.as_numpy("finish_reason").tolist() for r in results] == [[b"None"]] * 4 + [[b"length"]]
     responses = [r.get_response() for r in results]
     assert {r.id for r in responses} == {"r1"}
@@ -729,6 +733,23 @@ def test_tritons_generate_stream_sends_an_event_an_engine_step_under_stream(llm_
     status, kind, [event] = _events(url + "/v2/models/tiny/generate_stream", {
         "text_input": "the", "stream": True, "max_tokens": HOLD_MAX_TOKENS, "timeout": 1})
     assert status == 400 and "'timeout' is not supported" in json.loads(event)["error"]
+
+
+def test_tritons_generate_answers_a_streamed_run_of_one_response_and_refuses_more_as_triton(llm_node):
+    """tritonserver 2.51's generate, for a decoupled model asked to stream: a run of one response
+    (one engine step) is answered with it, one of more with its error under 200, a refusal with
+    its 400. All three were a 500 before the run (an outside comparison)."""
+    _, _, url = llm_node
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "stream": True, "max_tokens": 1,
+                                                            "temperature": 0, "return_num_output_tokens": True})
+    assert status == 200 and out["num_output_tokens"] == 1 and out["text_output"], out
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "stream": True, "max_tokens": 3,
+                                                            "temperature": 0})
+    assert (status, out) == (200, {"error": "generate expects model to produce exactly 1 response, use generate "
+                                            "stream for model that generates various number of responses"})
+    status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "stream": True,
+                                                            "exclude_input_in_output": False})
+    assert status == 400 and "When streaming, `exclude_input_in_output` = False" in out["error"], out
 
 
 def test_streamed_text_pieces_join_to_the_whole_decoding(tmp_path):
@@ -1508,7 +1529,7 @@ def test_skip_special_tokens_false_keeps_their_text_as_vllm_does(llm_node):
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text
     from batchyard.llm_generate import read_generate_body
 
-    assert read_generate_body({"text_input": "x", "skip_special_tokens": 0}, False)[1]["skip_special_tokens"] is False
+    assert read_generate_body({"text_input": "x", "skip_special_tokens": 0})[1]["skip_special_tokens"] is False
     status, err = _http(url + "/v1/completions", {**body, "skip_special_tokens": "no"})
     assert (status, err["error"]["param"]) == (400, "skip_special_tokens")
 

@@ -460,7 +460,7 @@ def test_tritons_generate_answers_as_its_vllm_backend_does(node):
     assert (status, kind) == (400, "text/event-stream; charset=utf-8")
     assert b"'best_of' is not supported" in text
     status, _, text = _post_json(url + "/v2/models/tiny/generate", {"text_input": prompt, "stream": True})
-    assert status == 500 and b"exactly 1 response" in text
+    assert status == 200 and b"exactly 1 response" in text  # (several responses: Triton's error, under 200)
 
 
 def test_a_request_past_its_deadline_is_stopped_in_its_engine(node):
