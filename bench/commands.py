@@ -8,32 +8,23 @@ import math
 from pathlib import Path
 
 
-def _exit_on_sigterm() -> None:
-    """A SIGTERM (timeout, systemd, kill) unwinds through the command's clean-up, as Ctrl-C does.
-    Without it, it ended the command at once: the demo's node processes were orphaned and its
-    temporary folders left behind, and the bench's load generators went on loading the node
-    until the run would have ended."""
-    import signal
-
-    def stop(signo, _frame):
-        raise SystemExit(128 + signo)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def _run_bench(args) -> int:
+    from batchyard.cli import exit_on_sigterm
+
     from .bench_cli import main
 
-    _exit_on_sigterm()
+    exit_on_sigterm()
     return main(args)
 
 
 def _run_demo(args) -> int:
     import sys
 
+    from batchyard.cli import exit_on_sigterm
+
     from .demo import run_demo
 
-    _exit_on_sigterm()
+    exit_on_sigterm()
     try:
         return run_demo(duration=args.duration, rate=args.rate, policy=args.policy, triton=args.triton)
     except KeyboardInterrupt:  # (a 30-line traceback said no more)

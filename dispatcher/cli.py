@@ -21,6 +21,19 @@ from .config import ConfigError, load_config
 from .exit_codes import EX_CONFIG
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM (timeout, systemd, kill) unwinds through the command's clean-up, as Ctrl-C does.
+    Without it, it ended the command at once: the demo's node processes were orphaned and its
+    temporary folders left behind, the bench's load generators went on loading the node until
+    the run would have ended, and calibrate left its worker's folder and socket file."""
+    import signal
+
+    def stop(signo, _frame):
+        raise SystemExit(128 + signo)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = False, binds: bool = True):
     """The node config at ``path``, checked against this host for the named ``workers`` (None:
     every worker; the processes that start them) and, with ``control``, for the dispatcher and

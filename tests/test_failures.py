@@ -567,3 +567,32 @@ def test_a_worker_stopped_with_a_second_batch_queued_answers_both(run_dir):
         assert dw.proc.wait(30) == 0
     done = [b for kind, b in told if kind == "BatchDone"]
     assert sorted(done) == [1, 2], told
+
+
+def test_a_sigterm_to_calibrate_stops_its_worker_and_leaves_no_folder_or_socket_file(run_dir):
+    """It ended calibrate at once: its worker was orphaned, and its /tmp/by-direct-* folder with
+    the worker's ipc socket file stayed behind (an outside review: three after three runs)."""
+    import psutil
+
+    from batchyard.config import DispatcherConfig, NodeConfig, to_toml
+
+    node = NodeConfig(DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"), (SUM_MODEL,),
+                      (sim_worker("s0", ("sum",), launch_us=200_000.0),)).validate()
+    (Path(run_dir) / "node.toml").write_text(to_toml(node))
+    p = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "calibrate", "--config", f"{run_dir}/node.toml",
+                          "--out", f"{run_dir}/profile.json", "--sizes", "1,2,4,8", "--reps", "20"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "B=1" in p.stdout.readline()  # measuring: its worker runs
+        [worker] = psutil.Process(p.pid).children()  # (titled batchyard::sim-worker[s0])
+        # the folder of the worker's socket, which calibrate binds
+        [folder] = {Path(c.laddr).parent for c in psutil.Process(p.pid).net_connections(kind="unix") if c.laddr}
+        assert folder.name.startswith("by-direct-") and folder.exists()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not folder.exists() and not worker.is_running()
+        assert not Path(f"{run_dir}/profile.json").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

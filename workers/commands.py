@@ -16,11 +16,12 @@ def _run_worker(args) -> int:
 
 
 def _run_calibrate(args) -> int:
-    from batchyard.cli import load_node
+    from batchyard.cli import exit_on_sigterm, load_node
 
     from .calibrate import CalibrationFailed, calibrate
     from .harness import WorkerExited
 
+    exit_on_sigterm()  # (its worker's folder and socket file were left behind)
     try:
         calibrate(load_node(args.config, workers=tuple(args.worker) if args.worker else None), args.out,
                   sizes=args.sizes or None, reps=args.reps, workers=args.worker)
@@ -32,6 +33,9 @@ def _run_calibrate(args) -> int:
         # Its status passes through: 78 (EX_CONFIG, a factory typo, a Triton model unlike the
         # spec) is a configuration error, for whatever runs calibrate (a script, CI).
         return e.exit_code if e.exit_code > 0 else 1
+    except KeyboardInterrupt:  # (cleaned up on the way out; a traceback said no more)
+        print("batchyard calibrate: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
