@@ -10,6 +10,7 @@ Triton (which often matches on the code, sometimes on the text) behaves the same
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import math
@@ -492,8 +493,8 @@ def model_config(spec: P.ModelSpec, instances: Optional[dict] = None) -> dict:
     groups = [{"name": f"{spec.name}_{i}", "kind": "KIND_GPU" if path == "gpu" else "KIND_CPU", "count": n}
               for i, (path, n) in enumerate(sorted((instances or {}).items()))]
     return {"name": spec.name, "platform": PLATFORM, "backend": PLATFORM,
-            "version_policy": {"latest": {"num_versions": 1}}, "max_batch_size": spec.max_batch, "input": conv(spec.inputs), "output": conv(spec.outputs),
-            **({"instance_group": groups} if groups else {})}
+            "version_policy": {"latest": {"num_versions": 1}}, "max_batch_size": spec.max_batch,
+            "input": conv(spec.inputs), "output": conv(spec.outputs), **({"instance_group": groups} if groups else {})}
 
 
 # ------------------------------------------------------------------ statistics
@@ -560,7 +561,6 @@ class KServeCore:
         # is not served (a core in a test, whose process's logging is not the front door's).
         self.logs = logs
         self._models: frozenset = frozenset()  # every model of the node, as of the last status
-        self._instances: dict[str, dict[str, int]] = {}  # model -> path -> its registered workers, likewise
         # The node's LLM models: served by the OpenAI routes, and through Triton's protocols as
         # Triton's vLLM backend is (llm_generate: metadata, config, generate, ModelStreamInfer),
         # by ``llm`` (an llm_generate.LlmGenerate, set by the front door of a node that has them).
@@ -663,20 +663,19 @@ class KServeCore:
             # one): counted, the node said ready while every completion failed 503.
             ready = frozenset(m for w in st.workers if w.path != PREFILL_CPU for m in w.models)
             self._models = frozenset(st.models)
-            instances: dict[str, dict[str, int]] = {}
-            for w in st.workers:
-                for m in w.models:
-                    instances.setdefault(m, {})[w.path] = instances.get(m, {}).get(w.path, 0) + 1
-            self._instances = instances
         except BatchyardError:
             ready = None
         return ready
 
     async def config(self, model: str, version: str = "") -> dict:
-        """The model's configuration (model_config), its instance groups as of a fresh status."""
+        """The model's configuration (model_config), its instance groups as of a status asked now
+        (none where the dispatcher does not answer)."""
         spec = await self.spec(model, version)
-        await self.ready_models()
-        return model_config(spec, self._instances.get(model))
+        try:
+            st = await self.client.status(timeout=1.0, brief=True)
+        except BatchyardError:
+            return model_config(spec)
+        return model_config(spec, collections.Counter(w.path for w in st.workers if model in w.models))
 
     async def server_ready(self) -> bool:
         """Triton's default readiness (``--strict-readiness=true``): ready while every model of
