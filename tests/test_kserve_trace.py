@@ -265,6 +265,7 @@ def test_traced_requests_over_grpc_http_and_a_stream_carry_the_nodes_times_in_or
     wrong.set_data_from_numpy(np.zeros((3, 5), np.float32))
     with pytest.raises(InferenceServerException):
         h.infer("sum", [wrong])
+    assert h.is_server_live()  # (on the refused request's connection: answered once its trace was written)
     g.update_trace_settings(settings={"trace_level": ["OFF"]})
     traces = {t["head"].get("request_id", ""): t for t in _records(fd.trace_file).values()}
     assert set(traces) == {"grpc", "http", "stream", ""} and {t["head"]["model_name"] for t in traces.values()} == {"sum"}
@@ -289,13 +290,18 @@ def test_generate_requests_are_traced_as_infers(traced_front_door):
     fd = traced_front_door
     g = tgrpc.InferenceServerClient(fd.grpc_url)
     g.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    conn = http.client.HTTPConnection(*fd.http_url.split(":"), timeout=30)
     try:
         for path, rid in (("generate", "gen"), ("generate_stream", "gen-stream")):
-            conn = http.client.HTTPConnection(*fd.http_url.split(":"), timeout=30)
             conn.request("POST", f"/v2/models/sum/{path}", json.dumps({"x": X.ravel().tolist(), "id": rid}))
-            assert conn.getresponse().status == 200
-            conn.close()
+            r = conn.getresponse()
+            assert r.status == 200 and r.read()
+        # A trace is written once its answer's last byte is sent, after the client may have read
+        # it; a connection's next request is handled only once the one before it was, written.
+        conn.request("GET", "/v2/health/live")
+        assert conn.getresponse().status == 200
     finally:
+        conn.close()
         g.update_trace_settings(settings={"trace_level": ["OFF"]})
     traces = {t["head"].get("request_id", ""): t for t in _records(fd.trace_file).values()}
     order = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END",
