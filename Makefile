@@ -44,7 +44,7 @@ llm-env: $(LLM_STAMP)
 
 # The node runs from .venv (the project's), its vLLM workers from .venv-llm: both are needed.
 test-llm: $(STAMP) $(LLM_STAMP)
-	$(LLM_VENV)/bin/python -m pytest -q -m llm tests/test_llm_kv.py tests/test_llm_node.py
+	$(LLM_VENV)/bin/python -m pytest -q -m llm tests/test_llm_kv.py tests/test_llm_node.py tests/test_openai_lax.py
 
 # The ONNX file of deploy/triton/gpu/model_gpu (docs/gpu.md): the exporter's packages (torch's
 # default exporter needs onnxscript; none of the other extras brings them), then the export.

@@ -30,6 +30,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from . import openai_lax
 from .chat_template import ChatTemplate, ChatTemplateError
 from .openai_fields import (IGNORED, SERVED, UNSUPPORTED, OpenAiError, check_prompt_tokens, check_supported,
                             check_text_length, flag, max_tokens_field, shown)
@@ -109,7 +110,7 @@ class OpenAiChat:
     async def chat(self, request) -> web.StreamResponse:
         oa = self.completions
         try:
-            body, model = await oa.body(request)
+            body, model = await oa.body(request, openai_lax.CHAT)
             _check_chat_fields(body)
             # (chat's logprobs, a boolean, as the sampling's: top_logprobs tokens a position)
             checked = check_supported({**body, "logprobs": _logprobs(body)},

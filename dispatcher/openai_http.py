@@ -75,7 +75,8 @@ from typing import Awaitable, Callable, Optional
 import msgspec
 from aiohttp import web
 
-from . import errors
+from . import errors, openai_lax
+from .openai_lax import as_vllm_reads
 from .http_body import MAX_JSON_BYTES, read_body
 from .kserve_common import STOPPING_MESSAGE, KServeError
 from .llm_text import TextStream, decoding_after, whole_text
@@ -153,8 +154,9 @@ class OpenAiCompletions:
             return OpenAiError(status, e.message, _KIND.get(status, "server_error"), param=e.param, code=code)
         return OpenAiError(status, str(e), _KIND.get(status, "server_error"), code=code)
 
-    async def body(self, request) -> tuple[dict, str]:
-        """-> (the request's JSON object, its model, one this server has); OpenAiError otherwise.
+    async def body(self, request, members: dict) -> tuple[dict, str]:
+        """-> (the request's JSON object, its typed ``members`` converted as vLLM's server
+        converts them (openai_lax), its model, one this server has); OpenAiError otherwise.
         A model left out, null or "" is the server's only model, as vLLM's server takes it (its
         ``_is_model_supported``: no name is its model's; a 400 before). With several models it
         must be named."""
@@ -167,6 +169,7 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAiError(400, "the body must be a JSON object")
+        body = as_vllm_reads(body, members)
         model = next(iter(self.models)) if body.get("model") in (None, "") and len(self.models) == 1 \
             else model_name(body)
         if model not in self.models:
@@ -175,7 +178,7 @@ class OpenAiCompletions:
         return body, model
 
     async def _completions(self, request) -> web.Response:
-        body, model = await self.body(request)
+        body, model = await self.body(request, openai_lax.COMPLETION)
         checked = check_supported(body, self.defaults.get(model, NO_DEFAULTS).sampling)
         echo = flag(body, "echo")  # OpenAI's: each choice's text begins with its prompt's
         # left out or null: 16, vLLM's default (and OpenAI's; vLLM reads a null as left out here);

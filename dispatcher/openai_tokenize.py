@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from . import openai_lax
 from .openai_chat import TOKENIZE_CHAT_UNSUPPORTED, OpenAiChat
 from .openai_fields import OpenAiError, flag, is_token, refuse_unsupported, shown
 from .protocol import MAX_PROMPT_TOKENS
@@ -31,7 +32,7 @@ class OpenAiTokenize:
     async def tokenize(self, request) -> web.Response:
         oa = self.completions
         try:
-            body, model = await oa.body(request)
+            body, model = await oa.body(request, openai_lax.TOKENIZE)
             chat = body.get("messages") is not None
             special = flag(body, "add_special_tokens", default=not chat)
             strs = flag(body, "return_token_strs")
@@ -56,7 +57,7 @@ class OpenAiTokenize:
     async def detokenize(self, request) -> web.Response:
         oa = self.completions
         try:
-            body, model = await oa.body(request)
+            body, model = await oa.body(request, openai_lax.DETOKENIZE)
             tokens = body.get("tokens")
             if (not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKENS
                     or not all(is_token(t) for t in tokens)):

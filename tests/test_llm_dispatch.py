@@ -819,7 +819,7 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
 
     for body, code, word in (({"model": "nope", "prompt": "x"}, 404, "nope"),
                              ({"model": "tiny", "prompt": "x", "temperature": 2.7}, 400, "temperature"),
-                             ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+                             ({"model": "tiny", "prompt": "x", "stream": "maybe"}, 400, "stream"),
                              ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
                               "Stream options can only be defined when `stream=True`."),
                              ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": ["include_usage"]},
@@ -865,6 +865,31 @@ def _fuzzed_completion(draw) -> dict:
         if choice != "absent":
             body[key] = good if choice == "good" else draw(_json)
     return body
+
+
+def test_loosely_typed_members_are_read_as_vllms_server_reads_them(llm_node):
+    """pydantic's lax mode, vLLM's: "max_tokens": "3", "temperature": "0", "echo": 1, a prompt
+    of floats are served as their typed equals (each was a 400)."""
+    _, _, url = llm_node
+    for route, typed, loose in (
+            ("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+                                 "stop_token_ids": [7]},
+             {"prompt": [5.0, "6"], "max_tokens": "3", "temperature": "0", "echo": 1, "logprobs": True,
+              "stop_token_ids": ["7"]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,
+                                      "logprobs": True, "top_logprobs": 2, "stream": False},
+             {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2.0, "logprobs": 1,
+              "top_logprobs": " 2", "stream": "false"}),
+            ("/tokenize", {"prompt": "the cache", "add_special_tokens": False, "return_token_strs": True},
+             {"prompt": "the cache", "add_special_tokens": "off", "return_token_strs": "yes"})):
+        answers = []
+        for body in (typed, loose):
+            status, out = _http(url + route, {"model": "tiny", **body})
+            assert status == 200, (route, body, out)
+            answers.append(out.get("choices", out))
+        assert answers[0] == answers[1], route
+    status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": "3.5"})
+    assert status == 400 and err["error"]["param"] == "max_tokens"  # (what pydantic refuses: still the route's 400)
 
 
 @given(st.lists(_fuzzed_completion(), min_size=1, max_size=6))
@@ -1042,7 +1067,7 @@ def test_a_generation_ends_at_the_models_end_of_sequence_unless_it_ignores_it(ll
     status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10,
                                                   "ignore_eos": True})
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 10
-    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "ignore_eos": 1})
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "ignore_eos": 2})
     assert status == 400 and "ignore_eos" in out["error"]["message"]
     status, kind, events = _events(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 10,
                                                              "stream": True, "temperature": 0})
@@ -1088,8 +1113,8 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
     assert status == 200 and out["batchyard"][0]["token_ids"] == sampled
     s = engines["gpu0"].jobs[-1].sampling
     assert (s.top_k, s.presence_penalty, s.repetition_penalty) == (40, 0.5, 1.1)
-    for body, param in (({"temperature": True}, "temperature"), ({"frequency_penalty": -3}, "frequency_penalty"),
-                        ({"seed": "7"}, "seed"), ({"min_p": 2}, "min_p"), ({"top_k": -2}, "top_k")):
+    for body, param in (({"temperature": "hot"}, "temperature"), ({"frequency_penalty": -3}, "frequency_penalty"),
+                        ({"seed": "7.5"}, "seed"), ({"min_p": 2}, "min_p"), ({"top_k": -2}, "top_k")):
         status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, **body})
         assert status == 400 and err["error"]["param"] == param, (body, err)
     # no temperature: vLLM's 1, so top_k alone is taken (it was a 400 while greedy was the default)
@@ -1294,7 +1319,7 @@ def test_the_tokenizer_routes_count_as_the_completion_routes_tokenize(llm_node):
     status, out = _http(url + "/detokenize", {"tokens": ids})
     assert (status, out) == (200, {"prompt": "the cache moves"})
     for route, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"model": "x", "prompt": "a"}, "model"),
-                               ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
+                               ("/tokenize", {"prompt": "a", "add_special_tokens": "maybe"}, "add_special_tokens"),
                                ("/tokenize", {"messages": []}, "messages"),
                                # (as the chat route refuses them: vLLM would apply them)
                                ("/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"}, "chat_template"),
@@ -1318,9 +1343,9 @@ def test_chat_requests_it_cannot_answer_are_refused_naming_the_field(llm_node):
             ({"tool_choice": "auto"}, "tool_choice", "not supported"),
             ({"function_call": "auto"}, "function_call", "not supported"),
             ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-            ({"echo": True}, "echo", "not supported"), ({"logprobs": 1}, "logprobs", "must be a boolean"),
+            ({"echo": True}, "echo", "not supported"), ({"logprobs": 2}, "logprobs", "must be a boolean"),
             ({"chat_template": "{{ 1 }}"}, "chat_template", "not supported"),
-            ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
+            ({"add_generation_prompt": "maybe"}, "add_generation_prompt", "must be a boolean"),
             ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
             ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set 'tokenize'"),
             ({"reasoning_effort": 5}, "reasoning_effort", "must be a string"),
@@ -1449,7 +1474,7 @@ def test_stop_token_ids_and_min_tokens_as_vllm_applies_them(llm_node):
         status, err = _http(url + "/v1/completions", {**body, **extra})
         assert (status, err["error"]["param"]) == (400, "min_tokens") and "max_tokens=12" in err["error"]["message"]
     for extra in ({"stop_token_ids": [-1]}, {"stop_token_ids": 44}, {"stop_token_ids": ["a"]}, {"min_tokens": -1},
-                  {"min_tokens": True}):
+                  {"min_tokens": 1.5}):
         status, err = _http(url + "/v1/completions", {**body, **extra})
         assert (status, err["error"]["param"]) == (400, next(iter(extra))), (extra, err)
     # Triton's generate: stop_token_ids in sampling_parameters (a list), min_tokens anywhere
@@ -1530,7 +1555,7 @@ def test_skip_special_tokens_false_keeps_their_text_as_vllm_does(llm_node):
     from batchyard.llm_generate import read_generate_body
 
     assert read_generate_body({"text_input": "x", "skip_special_tokens": 0})[1]["skip_special_tokens"] is False
-    status, err = _http(url + "/v1/completions", {**body, "skip_special_tokens": "no"})
+    status, err = _http(url + "/v1/completions", {**body, "skip_special_tokens": "nope"})
     assert (status, err["error"]["param"]) == (400, "skip_special_tokens")
 
 
@@ -1620,7 +1645,7 @@ def test_n_completions_of_each_prompt_in_openais_order_each_its_own_seed(llm_nod
     status, out = _http(url + "/v1/completions", {k: v for k, v in body.items() if k != "temperature"})
     assert status == 200 and len({tuple(m["token_ids"]) for m in out["batchyard"]}) == 6
     for extra, words in (({"temperature": 0}, "needs a temperature above 0"), ({"n": 0}, "n must be an integer"),
-                         ({"n": True}, "n must be an integer"),
+                         ({"n": 1.5}, "n must be an integer"),
                          ({"prompt": [[1]] * 600, "n": 2}, "at most 1024 a request")):
         status, err = _http(url + "/v1/completions", {**body, **extra})
         assert status == 400 and words in err["error"]["message"] and err["error"]["param"] == "n", (extra, err)
@@ -1687,7 +1712,7 @@ def test_logprobs_come_in_openais_shapes_whole_and_streamed(llm_node):
                                 ("completions", {"prompt_logprobs": 1, "batchyard_route": "prefill-cpu"}, ""),
                                 ("chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
                                 ("chat/completions", {"top_logprobs": 21}, "top_logprobs"),
-                                ("chat/completions", {"logprobs": 1}, "logprobs")):
+                                ("chat/completions", {"logprobs": 2}, "logprobs")):
         status, err = _http(url + f"/v1/{route}", {**(body if route == "completions" else chat), **extra})
         assert (status, err["error"]["param"] or "") == (400, param), (route, extra, err)
 

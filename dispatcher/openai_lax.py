@@ -1,0 +1,131 @@
+"""An OpenAI request's typed members read as vLLM's server reads them: its request models are
+pydantic models in pydantic's lax mode, so "max_tokens": "4", 4.0 or true is 4, "echo": 1 or
+"yes" is true, "temperature": "0" is 0.0, and a prompt of [1.0, 2.0] is token ids 1 and 2. The
+OpenAI routes (openai_http, openai_chat, openai_tokenize) convert those members here first and
+check them strictly after (openai_fields); a value pydantic refuses is left as it came, for
+that check's 400 naming it.
+
+pydantic does the converting, not rules written here: its lax mode has many cases (strings with
+spaces or underscores, floats without a fraction, "on"/"off", 0/1), and the same library's
+answer is vLLM's answer. Each member's type is vLLM's (0.32) annotation, but for null, taken
+everywhere as the member left out (as the routes took it before: "n": null is 1 here, a 400 in
+vLLM).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Optional, Union
+
+import pydantic
+
+from .protocol import MAX_PROMPT_TOKENS
+
+_INT, _FLOAT, _BOOL = Optional[int], Optional[float], Optional[bool]
+_TOKEN = Annotated[int, pydantic.Field(ge=0)]
+_TOKEN_IDS = Optional[list[int]]
+_TOKENS = Optional[list[_TOKEN]]
+_PROMPT = Optional[Union[list[_TOKEN], list[list[_TOKEN]], str, list[str]]]
+_BIASES = Optional[dict[str, float]]
+
+# Members of vLLM's CompletionRequest and ChatCompletionRequest alike.
+_SAMPLING = {
+    **dict.fromkeys(("frequency_penalty", "presence_penalty", "temperature", "top_p", "min_p", "repetition_penalty",
+                     "length_penalty"), _FLOAT),
+    **dict.fromkeys(("seed", "top_k", "n", "min_tokens", "max_tokens", "prompt_logprobs", "priority",
+                     "truncate_prompt_tokens", "thinking_token_budget", "stream_interval",
+                     "routed_experts_prompt_start"), _INT),
+    **dict.fromkeys(("stream", "echo", "use_beam_search", "watermarking", "include_stop_str_in_output", "ignore_eos",
+                     "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+                     "return_tokens_as_token_ids", "return_token_ids", "return_token_offsets", "return_mm_kwargs"),
+                    _BOOL),
+    **dict.fromkeys(("stop_token_ids", "allowed_token_ids", "logprob_token_ids"), _TOKEN_IDS),
+    "logit_bias": _BIASES,
+}
+COMPLETION = {**_SAMPLING, "logprobs": _INT, "prompt": _PROMPT}
+_CHAT_TEMPLATE = dict.fromkeys(("add_generation_prompt", "continue_final_message"), _BOOL)
+CHAT = {**_SAMPLING, **_CHAT_TEMPLATE, "logprobs": _BOOL, "top_logprobs": _INT, "max_completion_tokens": _INT,
+        **dict.fromkeys(("include_reasoning", "parallel_tool_calls", "return_prompt_text"), _BOOL)}
+# /tokenize's two requests (by messages or prompt) in one, /detokenize's
+TOKENIZE = {**_CHAT_TEMPLATE, "add_special_tokens": _BOOL, "return_token_strs": _BOOL}
+DETOKENIZE = {"tokens": _TOKENS}
+STREAM_OPTIONS = dict.fromkeys(("include_usage", "continuous_usage_stats"), _BOOL)
+
+
+@functools.cache
+def _adapter(annotation) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(annotation)
+
+
+def as_vllm_reads(body: dict, members: dict) -> dict:
+    """``body`` with each of its ``members`` (name: vLLM's type) that pydantic converts
+    converted, and stream_options' too; the others as they came."""
+    out = dict(body)
+    for name, annotation in members.items():
+        value = body.get(name)
+        if value is not None:
+            out[name] = _converted(value, annotation)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and "stream" in members:
+        out["stream_options"] = as_vllm_reads(options, STREAM_OPTIONS) if options else options
+    return out
+
+
+# Items of a request's lists read one by one at most (0.7 us each): a prompt's ids are at most
+# MAX_PROMPT_TOKENS, so a list of more is left as it came (and refused) unless it is ints already.
+MAX_ITEMS_READ = MAX_PROMPT_TOKENS
+
+
+def _converted(value, annotation):
+    """``value`` as pydantic reads it as ``annotation``, or as it came where it refuses it. A
+    list's items are read one by one, up to the first refused: whole, pydantic gathers an error
+    an item (for each of a prompt's four types), and a refused list of 100,000 token ids cost the
+    front door's loop 260 ms."""
+    budget = [MAX_ITEMS_READ]
+    if annotation is _PROMPT:
+        return _prompt(value, budget)
+    if isinstance(value, list) and annotation in (_TOKEN_IDS, _TOKENS):
+        got = _items(value, int if annotation is _TOKEN_IDS else _TOKEN, budget)
+        return value if got is None else got
+    if isinstance(value, dict) and annotation is _BIASES:
+        got = _items(list(value.values()), float, budget)
+        return value if got is None else dict(zip(value, got))
+    try:
+        return _adapter(annotation).validate_python(value)
+    except pydantic.ValidationError:
+        return value
+
+
+def _prompt(value, budget: list):
+    """vLLM's prompt: token ids, lists of them, a text, or texts, taken as pydantic's smart
+    union takes them (texts only where every item is one; else lists of ids where every item is
+    a list; else ids)."""
+    if not isinstance(value, list) or all(type(v) is str for v in value):
+        return value  # (a text or texts as they are; anything else refused)
+    if all(isinstance(v, list) for v in value):
+        rows = []
+        for row in value:
+            got = _items(row, _TOKEN, budget)
+            if got is None:
+                return value
+            rows.append(got)
+        return rows
+    got = _items(value, _TOKEN, budget)
+    return value if got is None else got
+
+
+def _items(values: list, item, budget: list) -> Optional[list]:
+    """Each of ``values`` read as ``item``; None at the first refused, or past ``budget[0]``
+    items read in all."""
+    if item is not float and all(type(v) is int for v in values):
+        return values  # (already ints: as pydantic would give them, or a refusal the route's check words)
+    budget[0] -= len(values)
+    if budget[0] < 0:
+        return None
+    adapter, out = _adapter(item), []
+    for v in values:
+        try:
+            out.append(adapter.validate_python(v))
+        except pydantic.ValidationError:
+            return None
+    return out
