@@ -230,6 +230,8 @@ class OpenAiCompletions:
             # (vLLM's: echo's logprobs begin with the prompt's)
             sampling = msgspec.structs.replace(sampling, prompt_logprobs=sampling.logprobs)
         prompts = await prompts()
+        for ids in prompts:
+            self.check_prompt_fits(model, ids)
         sampling = await self.with_bad_words(model, sampling, words)
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
@@ -357,6 +359,17 @@ class OpenAiCompletions:
         if context and max_tokens is not None and max_tokens > context:
             raise OpenAiError(400, f"{name}={max_tokens} cannot be greater than max_model_len={context}. Please "
                                    "request fewer output tokens.", param=name)
+
+    def check_prompt_fits(self, model: str, ids: list) -> None:
+        """A prompt longer than the model's context is refused in vLLM's words, naming vLLM's
+        parameter (its TokenizeParams' token length check); the dispatcher's refusal was
+        Batchyard's, without a parameter. (One of the context's length exactly leaves no token
+        to decode: the dispatcher's refusal.)"""
+        context = self.max_model_len.get(model)
+        if context and len(ids) > context:
+            raise OpenAiError(400, f"This model's maximum context length is {context} tokens. However, your prompt "
+                                   f"contains {len(ids)} input tokens, which exceeds this limit even without any "
+                                   "output tokens. Please reduce the length of the input prompt.", param="input_tokens")
 
     def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
                        defaults: GenerationDefaults = NO_DEFAULTS, sampling: P.Sampling = NO_SAMPLING) -> int:

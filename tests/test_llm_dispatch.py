@@ -824,7 +824,10 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                               "Stream options can only be defined when `stream=True`."),
                              ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": ["include_usage"]},
                               400, "stream_options must be an object"),
-                             ({"model": "tiny", "prompt": [1] * 600}, 400, "max_model_len"),
+                             ({"model": "tiny", "prompt": [1] * 600}, 400,  # (vLLM's words; the dispatcher's were Batchyard's)
+                              "This model's maximum context length is 512 tokens. However, your prompt contains 600 "
+                              "input tokens, which exceeds this limit even without any output tokens."),
+                             ({"model": "tiny", "prompt": [1] * 512}, 400, "max_model_len"),
                              ({"model": "tiny", "prompt": []}, 400, "prompt"),
                              ({"model": "tiny", "prompt": [1, 2], "timeout": "soon"}, 400, "timeout"),
                              # (past what the prompt leaves: test_a_max_tokens_past_what_the_context_leaves)
@@ -839,6 +842,9 @@ def test_openai_completions_with_text_and_token_prompts(llm_node):
                               "response_format")):
         status, err = _http(url + "/v1/completions", body)
         assert status == code and word in err["error"]["message"], (body, status, err)
+    status, err = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "the cache moves " * 200}]})
+    assert (status, err["error"]["param"]) == (400, "input_tokens") and "maximum context length" in err["error"]["message"]
     # A path or method the OpenAI routes lack: OpenAI's error shape too (it was Triton's, a string).
     for path, body, code, message in (("/v1/embeddings", {"model": "tiny"}, 404,
                                        "Invalid URL (POST /v1/embeddings)"),
