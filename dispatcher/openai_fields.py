@@ -92,17 +92,18 @@ def choices_per_prompt(body: dict, sampling: P.Sampling) -> int:
 
 MAX_STOPS = 64  # stop strings a request may give, each of at most MAX_STOP_CHARS
 MAX_STOP_CHARS = 1024
+OPENAI_MAX_STOPS = 4  # in a list on the OpenAI routes: OpenAI's limit, which vLLM's request models keep
 
 
-def stop_strings(value, name: str) -> tuple:
-    """A request's stop strings: one, a list of them, or null (none); OpenAiError naming
-    ``name`` otherwise."""
+def stop_strings(value, name: str, most: int = MAX_STOPS) -> tuple:
+    """A request's stop strings: one, a list of at most ``most``, or null (none); OpenAiError
+    naming ``name`` otherwise."""
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+    if (not isinstance(stops, list) or len(stops) > most
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
-        raise OpenAiError(400, f"{name} must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+        raise OpenAiError(400, f"{name} must be a string or a list of at most {most} strings of 1 to "
                                f"{MAX_STOP_CHARS} characters, got {shown(value)}", param=name)
     return tuple(dict.fromkeys(stops))
 

@@ -84,8 +84,8 @@ from .openai_logprobs import CompletionLogprobs, RequestLogprobs, TokenIds, Toke
 from . import protocol as P
 from .llm_model_files import GenerationDefaults, config_eos_token_ids, tokenizer_eos_token_id
 from .chat_template import ChatTemplateError
-from .openai_fields import (OpenAiError, bad_words_field, bad_words_token_ids, check_prompt_tokens, check_supported,
-                            check_text_length, flag, forced_route, is_token,
+from .openai_fields import (OPENAI_MAX_STOPS, OpenAiError, bad_words_field, bad_words_token_ids, check_prompt_tokens,
+                            check_supported, check_text_length, flag, forced_route, is_token,
                             max_tokens_field, model_name, stop_strings, stream_options)
 from .protocol import Status
 
@@ -217,7 +217,7 @@ class OpenAiCompletions:
         route = forced_route(body)
         stream, *usage = stream_options(body)
         ignore_eos = flag(body, "ignore_eos")  # vLLM's extension: decode max_tokens past an end-of-sequence
-        rule = TextRule(stop_strings(body.get("stop"), "stop"),
+        rule = TextRule(stop_strings(body.get("stop"), "stop", OPENAI_MAX_STOPS),
                         flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
                         flag(body, "skip_special_tokens", default=True))  # vLLM's
         words = bad_words_field(body.get("bad_words"))

@@ -1415,9 +1415,11 @@ def test_stop_strings_cut_the_text_before_them_and_end_the_generation_in_its_eng
         samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
     count = lambda name: sum(s.value for s in samples if s.name == name and s.labels.get("model") == "tiny")  # noqa: E731
     assert count("nv_inference_request_failure_total") == 0 and count("nv_inference_request_success_total") >= 8
-    for stop in ("", ["a", 5], ["x"] * 65):
+    for stop in ("", ["a", 5], ["x"] * 65, ["a", "b", "c", "d", "e"]):  # (five: vLLM's models keep OpenAI's 4)
         status, err = _http(url + "/v1/completions", {**body, "stop": stop})
         assert status == 400 and err["error"]["param"] == "stop", stop
+    status, _ = _http(url + "/v1/completions", {**body, "stop": ["a", "b", "c", "d"]})
+    assert status == 200
     # Triton's generate, as the backend takes a stop sampling parameter
     status, plain = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "max_tokens": 6, "temperature": 0,
                                                               "exclude_input_in_output": True})
