@@ -27,12 +27,15 @@ _TOKEN_IDS = Optional[list[int]]
 _TOKENS = Optional[list[_TOKEN]]
 _PROMPT = Optional[Union[list[_TOKEN], list[list[_TOKEN]], str, list[str]]]
 _BIASES = Optional[dict[str, float]]
+# An int that vLLM's models check is a JSON number before they convert it (their check_logprobs
+# compares it raw): "logprobs": "1" is its 400, "logprobs": 1.0 or true its 1.
+_NUMBER = Annotated[Optional[int], "a JSON number"]
 
 # Members of vLLM's CompletionRequest and ChatCompletionRequest alike.
 _SAMPLING = {
     **dict.fromkeys(("frequency_penalty", "presence_penalty", "temperature", "top_p", "min_p", "repetition_penalty",
                      "length_penalty"), _FLOAT),
-    **dict.fromkeys(("seed", "top_k", "n", "min_tokens", "max_tokens", "prompt_logprobs", "priority",
+    **dict.fromkeys(("seed", "top_k", "n", "min_tokens", "max_tokens", "priority",
                      "truncate_prompt_tokens", "thinking_token_budget", "stream_interval",
                      "routed_experts_prompt_start"), _INT),
     **dict.fromkeys(("stream", "echo", "use_beam_search", "watermarking", "include_stop_str_in_output", "ignore_eos",
@@ -40,11 +43,11 @@ _SAMPLING = {
                      "return_tokens_as_token_ids", "return_token_ids", "return_token_offsets", "return_mm_kwargs"),
                     _BOOL),
     **dict.fromkeys(("stop_token_ids", "allowed_token_ids", "logprob_token_ids"), _TOKEN_IDS),
-    "logit_bias": _BIASES,
+    "logit_bias": _BIASES, "prompt_logprobs": _NUMBER,
 }
-COMPLETION = {**_SAMPLING, "logprobs": _INT, "prompt": _PROMPT}
+COMPLETION = {**_SAMPLING, "logprobs": _NUMBER, "prompt": _PROMPT}
 _CHAT_TEMPLATE = dict.fromkeys(("add_generation_prompt", "continue_final_message"), _BOOL)
-CHAT = {**_SAMPLING, **_CHAT_TEMPLATE, "logprobs": _BOOL, "top_logprobs": _INT, "max_completion_tokens": _INT,
+CHAT = {**_SAMPLING, **_CHAT_TEMPLATE, "logprobs": _BOOL, "top_logprobs": _NUMBER, "max_completion_tokens": _INT,
         **dict.fromkeys(("include_reasoning", "parallel_tool_calls", "return_prompt_text"), _BOOL)}
 # /tokenize's two requests (by messages or prompt) in one, /detokenize's
 TOKENIZE = {**_CHAT_TEMPLATE, "add_special_tokens": _BOOL, "return_token_strs": _BOOL}
@@ -82,6 +85,8 @@ def _converted(value, annotation):
     an item (for each of a prompt's four types), and a refused list of 100,000 token ids cost the
     front door's loop 260 ms."""
     budget = [MAX_ITEMS_READ]
+    if annotation is _NUMBER and not isinstance(value, (int, float)):
+        return value
     if annotation is _PROMPT:
         return _prompt(value, budget)
     if isinstance(value, list) and annotation in (_TOKEN_IDS, _TOKENS):

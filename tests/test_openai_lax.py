@@ -20,7 +20,10 @@ CASES = [
     ("max_tokens", "0x10", REFUSED), ("max_tokens", "\u0663", REFUSED), ("n", "2", 2), ("seed", "-1", -1),
     ("temperature", "0", 0.0), ("temperature", " 0.5", 0.5), ("temperature", True, 1.0), ("top_p", "x", REFUSED),
     ("echo", 1, True), ("echo", 1.0, True), ("echo", "yes", True), ("echo", "off", False), ("echo", 2, REFUSED),
-    ("stream", "TRUE", True), ("stream", "maybe", REFUSED), ("logprobs", True, 1), ("ignore_eos", "0", False),
+    ("stream", "TRUE", True), ("stream", "maybe", REFUSED), ("ignore_eos", "0", False),
+    # (vLLM's models check these are JSON numbers before they convert them)
+    ("logprobs", True, 1), ("logprobs", 2.0, 2), ("logprobs", "1", REFUSED), ("prompt_logprobs", "1", REFUSED),
+    ("prompt_logprobs", 1.0, 1),
     ("prompt", [1.0, 2.0], [1, 2]), ("prompt", [True, 2], [1, 2]), ("prompt", [[1.0], [2]], [[1], [2]]),
     ("prompt", ["1", "2"], ["1", "2"]), ("prompt", ["a", 1], REFUSED), ("prompt", [-1], REFUSED),
     ("prompt", [2.5], REFUSED), ("prompt", 1, REFUSED), ("prompt", "text", "text"), ("prompt", ["1", 2], [1, 2]),
@@ -31,14 +34,27 @@ CASES = [
 ]
 
 
+CHAT_CASES = [("logprobs", 1, True), ("logprobs", 2, REFUSED), ("top_logprobs", 2.0, 2), ("top_logprobs", "2", REFUSED),
+              ("max_completion_tokens", "8", 8), ("add_generation_prompt", "false", False)]
+
+
+def _read(got, sent, read) -> bool:
+    want = sent if read is REFUSED else read
+    return got == want and type(got) is type(want)
+
+
 @pytest.mark.parametrize(("member", "sent", "read"), CASES)
 def test_a_completions_member_is_read_as_vllms_server_reads_it(member, sent, read):
-    got = as_vllm_reads({"model": "m", member: sent}, openai_lax.COMPLETION)[member]
-    assert got == (sent if read is REFUSED else read) and type(got) is type(sent if read is REFUSED else read)
+    assert _read(as_vllm_reads({"model": "m", member: sent}, openai_lax.COMPLETION)[member], sent, read)
+
+
+@pytest.mark.parametrize(("member", "sent", "read"), CHAT_CASES)
+def test_a_chat_member_is_read_as_vllms_server_reads_it(member, sent, read):
+    assert _read(as_vllm_reads({member: sent}, openai_lax.CHAT)[member], sent, read)
 
 
 def test_chat_reads_its_own_types_and_null_is_left_out():
-    body = {"logprobs": 1, "top_logprobs": "3", "max_completion_tokens": 8.0, "add_generation_prompt": "false",
+    body = {"logprobs": 1, "top_logprobs": 3.0, "max_completion_tokens": 8.0, "add_generation_prompt": "false",
             "n": None, "messages": [{"role": "user", "content": 5}]}
     assert as_vllm_reads(body, openai_lax.CHAT) == {
         "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 8, "add_generation_prompt": False, "n": None,
@@ -87,6 +103,8 @@ def _kind(annotation) -> str:
         annotation = args[0]
     if typing.get_origin(annotation) is typing.Annotated:
         annotation = typing.get_args(annotation)[0]
+        if typing.get_origin(annotation) is typing.Union:
+            return _kind(annotation)
     if annotation in _KINDS:
         return _KINDS[annotation]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -113,11 +131,20 @@ def test_the_member_table_is_vllms_and_reads_as_its_models_do():
         ours = {k: _kind(a) for k, a in table.items() if k != "prompt"}
         assert ours == theirs, (models, set(ours.items()) ^ set(theirs.items()))
     # Each case, read by vLLM's request model: the same value, or a refusal naming the member.
-    for member, sent, read in CASES:
-        try:
-            got = getattr(CompletionRequest.model_validate({"prompt": "x", member: sent}), member)
-        except ValidationError as e:
-            assert read is REFUSED and {err["loc"][0] for err in e.errors()} == {member}, (member, sent)
-            continue
-        assert read is not REFUSED and got == read and type(got) is type(read), (member, sent, got)
+    from vllm.exceptions import VLLMValidationError
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    for model, table, base, cases in ((CompletionRequest, openai_lax.COMPLETION, {"prompt": "x"}, CASES),
+                                      (ChatCompletionRequest, openai_lax.CHAT, chat, CHAT_CASES)):
+        for member, sent, read in cases:
+            assert _read(as_vllm_reads({member: sent}, table)[member], sent, read), (member, sent)
+            try:
+                got = getattr(model.model_validate({**base, member: sent}), member)
+            except ValidationError as e:  # (a member's type)
+                assert read is REFUSED and {err["loc"][0] for err in e.errors()} == {member}, (member, sent)
+                continue
+            except VLLMValidationError as e:  # (their checks of the raw request)
+                assert read is REFUSED and e.parameter == member, (member, sent)
+                continue
+            assert read is not REFUSED and _read(got, sent, read), (member, sent, got)
     assert math.isnan(CompletionRequest.model_validate({"prompt": "x", "temperature": "nan"}).temperature)
