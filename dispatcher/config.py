@@ -134,7 +134,9 @@ class LlmModelConfig(_Table):
     block_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 32  # vLLM's CPU attention: multiples of 32
     max_model_len: Annotated[int, msgspec.Meta(ge=64)] = 2048
     # where the prefill instance stores KV for the decode instance (vLLM's ExampleConnector);
-    # empty: a folder under the system temp dir, per node and model
+    # empty: a folder under the system temp dir, per node and model. A worker's start removes
+    # the connector's entries there (hash-named folders of safetensors files) older than 10
+    # minutes, and nothing else.
     kv_dir: str = ""
     # vLLM's --generation-config: "auto" samples /v1/completions requests with the folder's
     # generation_config.json where they leave a field out, as vLLM's server does; "vllm" with

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from batchyard import protocol as P
 from batchyard.workers.llm_engine import check_job, kv_root, moved_tokens, sampling_kwargs, sweep_stale
@@ -31,23 +32,53 @@ def test_both_instances_of_a_node_compute_the_same_kv_folder_and_greedy_params()
     assert "extra_args" not in sampling_kwargs(8)
 
 
-def test_stale_kv_entries_are_swept_fresh_ones_kept(tmp_path):
-    old, new = tmp_path / "old", tmp_path / "new"
-    old.mkdir()
-    new.mkdir()
-    (old / "layer0.safetensors").write_bytes(b"x")
-    past = time.time() - 3600
-    os.utime(old / "layer0.safetensors", (past, past))
-    os.utime(old, (past, past))
-    # Stored again (the same prompt): its files are new, its folder's time is not.
-    rewritten, in_use = tmp_path / "rewritten", tmp_path / "in_use"
-    for entry in (rewritten, in_use):
-        entry.mkdir()
-        (entry / "layer0.safetensors").write_bytes(b"x")
+def _entry(folder, name: str, past: float = 0.0, files=("layer0.safetensors", "complete")):
+    entry = folder / name
+    entry.mkdir()
+    for f in files:
+        (entry / f).write_bytes(b"x")
+        if past:
+            os.utime(entry / f, (past, past))
+    if past:
         os.utime(entry, (past, past))
-    os.utime(in_use / "layer0.safetensors", (past, past))
+    return entry
+
+
+def test_stale_kv_entries_are_swept_fresh_ones_kept(tmp_path):
+    past = time.time() - 3600
+    _entry(tmp_path, "0" * 32, past)
+    _entry(tmp_path, "1" * 32)
+    # Stored again (the same prompt): its files are new, its folder's time is not.
+    rewritten = _entry(tmp_path, "2" * 32)
+    os.utime(rewritten, (past, past))
+    in_use = _entry(tmp_path, "3" * 32, past)
     assert sweep_stale(tmp_path, older_than_s=600, keep={str(in_use)}) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in_use", "new", "rewritten"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1" * 32, "2" * 32, "3" * 32]
+
+
+def test_the_sweep_removes_only_the_connectors_entries(tmp_path):
+    """A kv_dir set to a folder of the user's had every entry older than 10 minutes removed,
+    files and folders alike."""
+    past = time.time() - 3600
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    os.utime(notes, (past, past))
+    _entry(tmp_path, "sub", past)  # (not a hash's name)
+    _entry(tmp_path, "a" * 32, past, files=("layer0.safetensors", "thesis.tex"))  # (another file in it)
+    _entry(tmp_path, "b" * 32, past, files=())
+    (tmp_path / ("b" * 32) / "inner").mkdir()  # (a folder in it)
+    (tmp_path / ("c" * 32)).symlink_to(_entry(tmp_path, "elsewhere", past))
+    _entry(tmp_path, "d" * 64, past)  # (a longer digest: the connector's)
+    assert sweep_stale(tmp_path, older_than_s=600) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a" * 32, "b" * 32, "c" * 32, "elsewhere", "notes.txt", "sub"]
+
+
+def test_the_default_kv_folder_is_one_path_component_under_the_temp_dir_per_model_name():
+    import tempfile
+
+    roots = {name: kv_root("ipc:///run/n0/be", name) for name in ("tiny", "x/../../home/u", "..", "a/b", "a_b")}
+    assert all(r.parent == Path(tempfile.gettempdir()) and r.name.startswith("batchyard-kv-") for r in roots.values())
+    assert len(set(roots.values())) == len(roots) and roots["tiny"].name.endswith("-tiny")
 
 
 def test_a_worker_sweeps_stale_kv_while_it_serves_and_a_stop_before_registering_ends_it(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -48,7 +49,12 @@ def kv_root(backend: str, model_name: str, kv_dir: str = "") -> Path:
     worker computes the same path from the node's config."""
     if kv_dir:
         return Path(kv_dir)
-    return Path(tempfile.gettempdir()) / f"batchyard-kv-{zlib.crc32(backend.encode()):08x}-{model_name}"
+    # The model's name made one path component ("x/../../home/u" led the folder, and the sweep
+    # of stale entries, out of the temp dir), and one no other name makes (its hash where changed).
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", model_name).lstrip(".")
+    if name != model_name:
+        name = f"{name}-{zlib.crc32(model_name.encode()):08x}"
+    return Path(tempfile.gettempdir()) / f"batchyard-kv-{zlib.crc32(backend.encode()):08x}-{name}"
 
 
 
@@ -111,16 +117,30 @@ def set_bad_words(params, sampling: P.Sampling | None) -> None:
         params._bad_words_token_ids = [list(ids) for ids in sampling.bad_words_token_ids]
 
 
+def is_kv_entry(entry: Path) -> bool:
+    """Whether ``entry`` is one the connector writes: a folder named by a hash of token ids
+    (kv_entry), holding layers' safetensors files and the COMPLETE marker only."""
+    if not (_KV_ENTRY_NAME.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
+        return False
+    return all(f.name == COMPLETE or f.name.endswith(".safetensors") and f.is_file() and not f.is_symlink()
+               for f in entry.iterdir())
+
+
+_KV_ENTRY_NAME = re.compile(r"[0-9a-f]{32,128}")  # (vLLM's safe_hash hex digest)
+
+
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:
     """Remove KV entries left by requests that never came back for them (a crash, a lost job),
     none written within ``older_than_s`` (by its files' times: a prompt stored again rewrites
-    them, not the folder's) and none of ``keep`` (in use here)."""
+    them, not the folder's) and none of ``keep`` (in use here). Only the connector's entries
+    (is_kv_entry): a kv_dir set to a folder of the user's had every entry older than 10 minutes
+    removed, files and folders alike."""
     now = time.time() if now is None else now
     keep = {str(k) for k in keep}
     removed = 0
     for entry in root.iterdir():
         try:
-            if str(entry) in keep:
+            if str(entry) in keep or not is_kv_entry(entry):
                 continue
             newest = max([entry.stat().st_mtime, *(f.stat().st_mtime for f in entry.iterdir())] if entry.is_dir()
                          else [entry.stat().st_mtime])
