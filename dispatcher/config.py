@@ -53,6 +53,12 @@ FLOAT_MAX = 1e9
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=FLOAT_MAX)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=FLOAT_MAX)]
+# A duration the node hands a C API in whole milliseconds (zmq_poll, gRPC's channel options take
+# an int): past 2**31 - 1 ms, about 24.8 days, the worker's heartbeat thread died of an
+# OverflowError (the worker never registered again) and the front door failed to start.
+MS_INT_MAX_S = ((1 << 31) - 1) / 1000
+MsSeconds = Annotated[float, msgspec.Meta(gt=0, le=MS_INT_MAX_S)]
+GrpcBytes = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]  # gRPC's message lengths are C ints
 MIN_HEARTBEAT_S = 0.01  # [dispatcher] heartbeat_interval_s
 MIN_DEAD_AFTER_S = 0.5  # [dispatcher] worker_dead_after_s
 Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
@@ -106,7 +112,7 @@ class TritonConfig(_Table):
     # system shared memory; "cuda"; "system"; "none" = in gRPC message bodies (for comparison).
     shm: Literal["auto", "cuda", "system", "none"] = "auto"
     device: NonNeg = 0  # GPU of the CUDA shared-memory regions
-    max_grpc_message_bytes: NonNeg = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
+    max_grpc_message_bytes: GrpcBytes = 0  # cap on gRPC messages (0: gRPC's default); proves shm carries the data
     start_timeout_s: PositiveFloat = 60.0  # at start, how long to retry an unreachable Triton before exiting 69
 
 
@@ -193,7 +199,7 @@ class DispatcherConfig(_Table):
     default_timeout_s: TimeoutS = 30.0
     # At least 10 ms: every process of the node wakes this often (a worker's heartbeat, the
     # dispatcher's housekeeping), and at 1e-9 s a node of one simulated worker spun 72 % of a core.
-    heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=MIN_HEARTBEAT_S, le=FLOAT_MAX)] = 0.2
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=MIN_HEARTBEAT_S, le=MS_INT_MAX_S)] = 0.2
     # Generous: on a starved host (load average ~10) healthy workers went 1.6 s without being
     # heard. A worker that dies is noticed sooner anyway: `up` or systemd restarts it at once
     # (SIGCHLD) and its re-registration fails its batches over (a vLLM engine registers again only
@@ -267,7 +273,7 @@ class FrontendConfig(_Table):
     # requests, its headers unfinished, or its body stalled (that request answers 408); so is a
     # gRPC connection with no call in flight. Without it a client that opened connections and
     # sent nothing held a descriptor each for an hour (HTTP) or for ever (gRPC).
-    idle_timeout_s: PositiveFloat = 75.0
+    idle_timeout_s: MsSeconds = 75.0
     # CPU affinity of every front-door process (its loop, gRPC's and ZeroMQ's threads); empty =
     # as inherited. A request costs a front door ~1.5 ms of CPU in Python's gRPC: on a worker's
     # core that is time its model does not get (docs/frontend.md, "Cost").
@@ -672,6 +678,11 @@ def _check_address(key: str, address: str) -> None:
         raise ConfigError(f"{key}: {address!r} is an abstract unix socket, which has no file and so no permissions: "
                           "any local user could connect; give it a path (its folder's and the socket's modes "
                           "decide who may)")
+    elif not rest.startswith("/"):
+        # A process started by systemd runs in /: a relative path named another socket for each
+        # process started elsewhere (a status or a worker run by hand waited for an answer for ever).
+        raise ConfigError(f"{key}: the ipc path of {address!r} must be absolute (ipc:///run/batchyard/fe): each "
+                          "process would find a relative one from its own working folder")
     elif len(rest.encode()) > UNIX_PATH_MAX:
         raise ConfigError(f"{key}: the ipc path of {address!r} is {len(rest.encode())} bytes; a unix socket's "
                           f"path has at most {UNIX_PATH_MAX}")

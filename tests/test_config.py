@@ -195,6 +195,14 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
      "node.toml: [dispatcher] worker_dead_after_s: expected float >= 0.5, got 0.001"),
     (edited("max_queue = 100", "heartbeat_interval_s = 0.4\nworker_dead_after_s = 0.6"),
      "node.toml: [dispatcher] worker_dead_after_s (0.6) must be at least twice heartbeat_interval_s (0.4)"),
+    # handed to C as whole milliseconds: the worker's heartbeat thread died of an OverflowError
+    # (it never registered again), the front door and the Triton worker failed to start (exit 1)
+    (edited("max_queue = 100", "heartbeat_interval_s = 2200000.0\nworker_dead_after_s = 5000000.0"),
+     "node.toml: [dispatcher] heartbeat_interval_s: expected float <= 2147483.647, got 2200000.0"),
+    (NODE + "[frontend]\nidle_timeout_s = 3e6\n",
+     "node.toml: [frontend] idle_timeout_s: expected float <= 2147483.647, got 3000000.0"),
+    (edited('models = { sum = "dense" } }', 'models = { sum = "dense" }, max_grpc_message_bytes = 4294967296 }'),
+     "node.toml: [[workers]] #3 (name 'gpu0'): triton.max_grpc_message_bytes: expected int <= 2147483647"),
 ])
 def test_an_out_of_range_value_names_the_key_and_the_value(tmp_path, text, message):
     assert load_error(tmp_path, text).startswith(message)
@@ -408,6 +416,9 @@ def test_a_worker_on_a_cpu_or_numa_node_the_host_lacks_is_refused_at_start(tmp_p
      "permissions: any local user could connect"),
     (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "ipc://@by-fe"'),
      "node.toml: [dispatcher] frontend: 'ipc://@by-fe' is an abstract unix socket"),
+    # each process would find it from its own working folder (systemd's is /)
+    (edited('frontend = "ipc:///tmp/by-test/fe"', 'frontend = "ipc://run/fe"'),
+     "node.toml: [dispatcher] frontend: the ipc path of 'ipc://run/fe' must be absolute"),
     # taken and ignored
     (NODE + LLM + VLLM_WORKER + "\n[workers.sim]\nlaunch_us = 5.0\n",
      "node.toml: [[workers]] #5 (name 'v0'): sim is set but kind is 'vllm'; it is for kind \"sim\""),
