@@ -1,5 +1,5 @@
-"""HOST:PORT as the node's config, its Triton url and the SDK's tcp endpoints write it, and
-free ports for the servers tests and benches start."""
+"""HOST:PORT as the node's config, its Triton url and the SDK's tcp endpoints write it, the
+hosts its servers listen on, and free ports for the servers tests and benches start."""
 
 from __future__ import annotations
 
@@ -21,6 +21,25 @@ def host_port(text: str) -> Optional[tuple[str, int]]:
     if "/" in host or any(c.isspace() for c in host):
         return None
     return host, int(port)
+
+
+# A config's host for every address: "" and "*" (both families), and "::", which the config's
+# checks and docs take as every address too (gRPC listens on both families there).
+EVERY_ADDRESS = ("", "*", "::", "[::]")
+
+
+def asyncio_listen_host(host: str) -> Optional[str]:
+    """``host`` as asyncio's create_server (aiohttp's TCPSite) takes it: None for every address,
+    each family's (it sets IPV6_V6ONLY, so "::" served IPv6 clients only, and "*" is no name to
+    its resolver), else the host without an IPv6 address's brackets."""
+    return None if host in EVERY_ADDRESS else host.strip("[]")
+
+
+def grpc_listen_address(host: str, port: int) -> str:
+    """host:port as gRPC's add_*_port takes it: "[::]" for every address (both families; "*:port"
+    and ":port" failed to bind), an IPv6 address in brackets."""
+    host = "::" if host in EVERY_ADDRESS else host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

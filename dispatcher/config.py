@@ -259,7 +259,7 @@ class RestrictedApisConfig(_Table):
 class FrontendConfig(_Table):
     """The KServe v2 / Triton-protocol front door (dispatcher/frontend_main.py); 0 = that side off."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # one address, a name, or every address: "::", "*" or "" (IPv4 and IPv6 alike)
     grpc_port: Port = 8001
     http_port: Port = 8000
     processes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # all on the same ports (SO_REUSEPORT)

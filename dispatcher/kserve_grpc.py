@@ -21,6 +21,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
+from .addresses import grpc_listen_address
 from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             byte_view, check_declared_input, check_element_count, check_input_name, check_new_input,
@@ -709,7 +710,7 @@ async def start_grpc(core: KServeCore, host: str, port: int, max_message_bytes: 
     _add_servicer(KServeServicer(core, port, host, max_message_bytes), server)
     try:
         # An IPv6 address in brackets: "::1:8001" read as one address, on port 443.
-        address = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+        address = grpc_listen_address(host, port)
         bound = (server.add_insecure_port(address) if credentials is None
                  else server.add_secure_port(address, credentials))
     except RuntimeError as e:  # grpcio raises where older ones returned 0: one line, not a traceback

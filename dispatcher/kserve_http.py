@@ -24,6 +24,7 @@ import numpy as np
 from aiohttp import web
 
 from . import __version__
+from .addresses import asyncio_listen_host
 from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body, too_large
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UINT64_MAX, KServeCore, KServeError, as_kserve,
@@ -565,5 +566,5 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False,
                            keepalive_timeout=idle_timeout_s, lingering_time=min(10.0, idle_timeout_s))
     await runner.setup()
-    await web.TCPSite(runner, host.strip("[]"), port, reuse_port=True).start()  # "[::1]" is no host to aiohttp
+    await web.TCPSite(runner, asyncio_listen_host(host), port, reuse_port=True).start()
     return runner

@@ -40,6 +40,7 @@ import math
 import time
 from typing import Callable, NamedTuple
 
+from .addresses import asyncio_listen_host
 from .protocol import PRIORITY_NAMES, Status
 
 # Triton 2.51 labels a failure with one of four reasons (its MetricModelReporter's
@@ -364,4 +365,4 @@ class _MetricsHTTP(asyncio.Protocol):
 async def serve_metrics(loop: asyncio.AbstractEventLoop, host: str, port: int, render: Callable[[], str]):
     open_now: dict = {}
     encoded: list = [None, b""]
-    return await loop.create_server(lambda: _MetricsHTTP(render, open_now, encoded), host, port)
+    return await loop.create_server(lambda: _MetricsHTTP(render, open_now, encoded), asyncio_listen_host(host), port)
