@@ -9,7 +9,7 @@ llm_core.LlmCore; this module only encodes, sends and counts.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 from . import protocol as P
 from .llm_core import LlmCore, LlmRequest
@@ -22,9 +22,11 @@ log = logging.getLogger("batchyard.dispatcher")
 class LlmDesk:
     def __init__(self, send_worker: Callable[[bytes, bytes], None], reply: Callable[[bytes, bytes], None],
                  default_timeout_s: float, interference_weight: float, worker_dead_after_s: float,
-                 metrics: Metrics | None = None, models: tuple = (), max_queue: int = 10_000):
+                 metrics: Metrics | None = None, models: tuple = (), max_queue: int = 10_000,
+                 stream: Optional[Callable[[bytes, bytes], None]] = None):
         self._send_worker = send_worker
         self._reply = reply
+        self._stream = stream or reply  # (a streamed generation's tokens: may be dropped, client_replies)
         self.metrics = metrics if metrics is not None else Metrics()
         self.core = LlmCore(self._on_fail, default_timeout_s=default_timeout_s,
                             interference_weight=interference_weight, worker_dead_after_s=worker_dead_after_s,
@@ -87,7 +89,7 @@ class LlmDesk:
         """A streamed request's tokens, as its engine decoded them, on to its client."""
         r = self.core.streamed(msg)
         if r is not None and msg.tokens:
-            self._reply(r.client, P.encode(P.GenerateTokens(v=P.PROTOCOL_VERSION, id=r.req_id, start=msg.start,
+            self._stream(r.client, P.encode(P.GenerateTokens(v=P.PROTOCOL_VERSION, id=r.req_id, start=msg.start,
                                                             tokens=msg.tokens, logprobs=msg.logprobs,
                                                             prompt_logprobs=msg.prompt_logprobs)))
 

@@ -38,6 +38,7 @@ import zmq
 
 from . import protocol as P
 from . import status_report, transport
+from .client_replies import ClientReplies
 from .config import DispatcherConfig
 from .core import MAX_STATUS_WAIT_S, Batch, Rejected, RequestCore
 from .cost_model import CostCurve
@@ -78,6 +79,8 @@ def malformed_result(res: P.ItemResult, frames_left: int) -> str:
             return f"output {ref.name!r} names frame {ref.frame} of {res.n_frames}"
     return ""
 
+
+QUEUE_HWM = 100_000  # messages queued to or from one client or worker connection (ZeroMQ's high-water marks)
 
 # /dev/shm entries the orphan sweep looks at per housekeeping tick (~6 us each where it opens and
 # locks one: ~3 ms at most). Any local user may make 200,000 `batchyard_*` names there: swept at
@@ -122,10 +125,11 @@ class Dispatcher:
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
             s.setsockopt(zmq.LINGER, 500)
-            s.setsockopt(zmq.SNDHWM, 100_000)
-            s.setsockopt(zmq.RCVHWM, 100_000)
+            s.setsockopt(zmq.SNDHWM, QUEUE_HWM)
+            s.setsockopt(zmq.RCVHWM, QUEUE_HWM)
         # A send to a worker that is gone raises instead of vanishing: it is then declared dead.
         self.backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.replies = ClientReplies(self.frontend)  # (a client's full queue holds its replies)
         # The ZAP handler first: a CURVE handshake that raced a missing handler would pass.
         # (It runs on the event loop that run_dispatcher set; nothing runs before loop start.)
         self.authenticator = transport.start_authenticator(self.ctx, cfg)
@@ -148,7 +152,8 @@ class Dispatcher:
         self.grants = ShmGrants()
         self.timer = OneShotTimer()
         self.llm = LlmDesk(self._send_worker, self._reply, cfg.default_timeout_s, cfg.llm_interference_weight,
-                           cfg.worker_dead_after_s, self.metrics, models=llm_models, max_queue=cfg.max_queue)
+                           cfg.worker_dead_after_s, self.metrics, models=llm_models, max_queue=cfg.max_queue,
+                           stream=self.replies.send_droppable)
 
     @property
     def policy(self):
@@ -186,6 +191,7 @@ class Dispatcher:
             # Every message gets one reply: a status long poll still waiting gets the status as of
             # now (as if its wait had run out), sent before the sockets close (they linger for it).
             self._answer_status_waiters(math.inf)
+            self.replies.flush()  # (what a full queue held and takes now; the sockets linger for it)
         except Exception:
             log.exception("pending status requests could not be answered at shutdown")
         if getattr(self, "_reaping", None) is not None:
@@ -280,6 +286,9 @@ class Dispatcher:
         if core.status_waiters:
             self._answer_status_waiters(now)
         wake = min(core.next_wake(), self.llm.core.next_wake(), self._next_housekeeping)
+        if self.replies.holding:
+            self.replies.flush()
+            wake = min(wake, now + self.replies.retry_in())
         self._arm(min(wake, self._drain_deadline) if core.draining else wake, now)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
@@ -755,10 +764,7 @@ class Dispatcher:
         self._reply(req.client, P.error_reply(req.req_id, status, message, req.answered_in_flight))
 
     def _reply(self, identity: bytes, header: bytes) -> None:
-        try:
-            send_parts(self.frontend, [identity, header])
-        except zmq.ZMQError as e:
-            log.debug("reply to vanished client dropped: %s", e)
+        self.replies.send(identity, header)
 
     def render_metrics(self) -> str:
         return status_report.render_metrics(self)
