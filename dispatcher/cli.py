@@ -17,7 +17,7 @@ import re
 import sys
 from importlib.metadata import entry_points
 
-from .config import ConfigError, load_config
+from .config import ConfigError, config_source, load_config
 from .exit_codes import EX_CONFIG
 
 
@@ -45,7 +45,7 @@ def load_node(path: str, workers: tuple[str, ...] | None = (), control: bool = F
             try:
                 cfg.check_host(workers, control, binds)
             except ConfigError as e:
-                raise ConfigError(f"{path}: {e}") from None
+                raise ConfigError(f"{config_source(path)}: {e}") from None
         return cfg
     except ConfigError as e:
         print(f"batchyard: {e}", file=sys.stderr)
@@ -99,7 +99,7 @@ def _run_frontend(args) -> int:
         print(f"batchyard: {args.config}: no [frontend] table: nothing for `batchyard frontend` to serve",
               file=sys.stderr)
         raise SystemExit(EX_CONFIG)
-    return run_frontend(node)
+    return run_frontend(node, config_source(args.config))
 
 
 def _run_up(args) -> int:

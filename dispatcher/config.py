@@ -1188,6 +1188,24 @@ def _same_endpoint(a: str, b: str) -> bool:
     return same_port and _same_host(host_a, host_b)
 
 
+# The first line of the copy of a config `up` hands its children (supervisor.run_up), so that
+# their errors name the file the user wrote, not the copy in a private temp folder.
+SNAPSHOT_HEADER = "# {path} as `batchyard up` (pid {pid}) validated it at start: its children run this copy\n"
+_SNAPSHOT_HEADER = re.compile(r"# (/.*) as `batchyard up` \(pid \d+\) validated it at start: its children run this copy")
+
+
+def config_source(path: str | Path) -> str:
+    """The config file ``path`` stands for: the one `up` validated where ``path`` is its copy,
+    else ``path`` itself."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = f.readline(4096)
+    except OSError:
+        return str(path)
+    found = _SNAPSHOT_HEADER.fullmatch(first.rstrip("\n"))
+    return found.group(1) if found else str(path)
+
+
 def load_config(path: str | Path) -> NodeConfig:
     try:
         data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
@@ -1197,7 +1215,7 @@ def load_config(path: str | Path) -> NodeConfig:
         raise ConfigError(f"{path}: not UTF-8 (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return parse_config(data, source=str(path))
+    return parse_config(data, source=config_source(path))
 
 
 def to_toml(cfg: NodeConfig) -> str:

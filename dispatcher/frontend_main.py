@@ -191,7 +191,8 @@ def keep_freed_memory() -> None:
     mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
-def run_frontend(node: NodeConfig) -> int:
+def run_frontend(node: NodeConfig, source: str = "") -> int:
+    """``source``: the config's file, which a config error found here names."""
     from .proctitle import set_title
 
     set_title("batchyard::frontend")
@@ -219,10 +220,13 @@ def run_frontend(node: NodeConfig) -> int:
     try:
         loop.run_until_complete(serve_until_signalled())
     except OSError as e:  # a port taken by something that is not a front door of this node
-        log.error("front door cannot start: %s", e)
         from .kserve_tls import TlsFileError
 
-        return EX_CONFIG if isinstance(e, TlsFileError) else 1  # (no restart reads the file better)
+        if isinstance(e, TlsFileError):  # (no restart reads the file better)
+            log.error("front door cannot start: %s", f"{source}: {e}" if source else e)
+            return EX_CONFIG
+        log.error("front door cannot start: %s", e)
+        return 1
     finally:
         loop.close()
     return 0

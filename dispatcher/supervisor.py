@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 from .exit_codes import EX_CONFIG, EX_SOFTWARE
-from .config import NodeConfig, to_toml
+from .config import SNAPSHOT_HEADER, NodeConfig, to_toml
 from .private_tmp import PrivateDir
 from .sd_notify import child_env, notify, watchdog_interval_s
 from .transport import node_client_keys
@@ -751,8 +751,7 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
     # the front door's).
     snapshot_dir = PrivateDir("by-up-")  # an `up` killed outright leaves it to the next one's start
     snapshot = snapshot_dir.path / Path(config_path).name
-    snapshot.write_text(f"# {os.path.abspath(config_path)} as `batchyard up` (pid {os.getpid()}) validated it at "
-                        "start: its children run this copy\n" + to_toml(node))
+    snapshot.write_text(SNAPSHOT_HEADER.format(path=os.path.abspath(config_path), pid=os.getpid()) + to_toml(node))
     sup = Supervisor(snapshot, node, log_level, child_watchdog=True)
     try:
         sup.start()

@@ -544,6 +544,20 @@ def test_a_worker_misconfigured_exits_78_in_one_line(tmp_path, case):
     r = subprocess.run([*prefix, sys.executable, "-m", "batchyard.cli", "worker", "--config", str(path), "--name",
                         name], capture_output=True, text=True, timeout=300)
     assert r.returncode == 78 and "Traceback" not in r.stderr and want in r.stderr, r.stderr
+    if case.startswith("factory "):  # (the file too, found when the worker loads the model)
+        assert f"{tmp_path}/node.toml: {want.removeprefix('node.toml: ')}" in r.stderr, r.stderr
+
+
+def test_a_config_error_a_child_of_up_finds_names_the_file_up_was_given(tmp_path):
+    """The children run a copy of the config in a private folder: an error only a child finds
+    (a factory's function misspelt) named no file, and a check the child repeats named the copy."""
+    path = tmp_path / "node.toml"
+    path.write_text(NODE.replace("/tmp/by-test", str(tmp_path)).replace("models:mlp", "models:mlpp"))
+    r = subprocess.run([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 78, r.stderr
+    assert f"{path}: [[models]] 'sum': cannot load model factory 'batchyard.workers.models:mlpp'" in r.stderr, r.stderr
+    assert "by-up-" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("command", ["up", "frontend"])

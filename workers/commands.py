@@ -9,10 +9,11 @@ import sys
 
 def _run_worker(args) -> int:
     from batchyard.cli import load_node
+    from batchyard.config import config_source
 
     from .main import run_worker
 
-    return run_worker(load_node(args.config, workers=(args.name,)), args.name)
+    return run_worker(load_node(args.config, workers=(args.name,)), args.name, config_source(args.config))
 
 
 def _run_calibrate(args) -> int:

@@ -18,7 +18,8 @@ from batchyard.exit_codes import EX_CONFIG, EX_UNAVAILABLE
 log = logging.getLogger("batchyard.worker")
 
 
-def run_worker(node: NodeConfig, name: str) -> int:
+def run_worker(node: NodeConfig, name: str, source: str = "") -> int:
+    """``source``: the config's file, which a config error found here names."""
     wcfg = node.worker(name)
     title = "gpu-worker" if wcfg.kind in ("triton", "cuda", "tensorrt") else f"{wcfg.kind}-worker"
     set_title(f"batchyard::{title}[{name}]")
@@ -56,7 +57,7 @@ def run_worker(node: NodeConfig, name: str) -> int:
                 raise CannotStart(f"[[models]] {model!r}: {e}") from None
             specs[model] = spec
     except CannotStart as e:
-        log.error("worker %s cannot start: %s", name, e)
+        log.error("worker %s cannot start: %s", name, f"{source}: {e}" if source else e)
         if executor is not None and hasattr(executor, "close"):
             executor.close()  # what it registered for models loaded before the failing one
         return EX_CONFIG
@@ -75,7 +76,7 @@ def run_worker(node: NodeConfig, name: str) -> int:
         try:
             rt.warmup(warm)
         except CannotStart as e:  # (a bare traceback and exit 1, restarted for ever)
-            log.error("worker %s cannot start: %s", name, e)
+            log.error("worker %s cannot start: %s", name, f"{source}: {e}" if source else e)
             if hasattr(executor, "close"):
                 executor.close()
             return EX_CONFIG
