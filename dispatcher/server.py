@@ -191,7 +191,7 @@ class Dispatcher:
             # Every message gets one reply: a status long poll still waiting gets the status as of
             # now (as if its wait had run out), sent before the sockets close (they linger for it).
             self._answer_status_waiters(math.inf)
-            self.replies.flush()  # (what a full queue held and takes now; the sockets linger for it)
+            self.replies.flush(force=True)  # (what a full queue held and takes now; the sockets linger for it)
         except Exception:
             log.exception("pending status requests could not be answered at shutdown")
         if getattr(self, "_reaping", None) is not None:
@@ -287,8 +287,8 @@ class Dispatcher:
             self._answer_status_waiters(now)
         wake = min(core.next_wake(), self.llm.core.next_wake(), self._next_housekeeping)
         if self.replies.holding:
-            self.replies.flush()
-            wake = min(wake, now + self.replies.retry_in())
+            self.replies.flush(now)
+            wake = min(wake, self.replies.next_try())
         self._arm(min(wake, self._drain_deadline) if core.draining else wake, now)
         # ZeroMQ's FD is edge-triggered and our own sends can consume the edge: if input is
         # pending now, run again rather than wait for an edge that already happened.
@@ -298,7 +298,7 @@ class Dispatcher:
     def _drained(self) -> bool:
         """Nothing left that the drain can still serve (LLM requests included)."""
         return ((self.core.drained() or self.core.unservable()) and not self.llm.core.requests
-                and not self.llm.busy())
+                and not self.llm.busy() and not self.replies.holding)  # (and every reply sent)
 
     def _end_drain(self) -> None:
         """Every request still open gets its one reply, UNAVAILABLE, then the sockets close."""
@@ -488,7 +488,6 @@ class Dispatcher:
         by_seq = {r.seq: r for r in batch.requests}
         finish = self.core.finish
         pos = 2
-        fe = self.frontend
         unavailable = bool(msg.results) and all(r.status == Status.UNAVAILABLE for r in msg.results)
         if unavailable:
             backoff = self.core.batch_health(w, True, now, batch.model)
@@ -528,7 +527,7 @@ class Dispatcher:
                 metrics.request_failed(req.model, status, req.asked_priority)
             header = P.encode(P.InferReply(v=P.PROTOCOL_VERSION, id=req.req_id, status=status,
                                            message=message, outputs=outputs, timing=timing))
-            send_parts(fe, [req.client, header, *out_frames])
+            self.replies.send(req.client, header, *out_frames)
         if served:
             # As Triton's backends report a batch (nv_inference_exec_count) unless every response
             # in it failed, so that count / exec_count is the mean batch and the front door's
