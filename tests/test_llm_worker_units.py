@@ -69,7 +69,8 @@ def test_the_sweep_removes_only_the_connectors_entries(tmp_path):
     (tmp_path / ("b" * 32) / "inner").mkdir()  # (a folder in it)
     (tmp_path / ("c" * 32)).symlink_to(_entry(tmp_path, "elsewhere", past))
     _entry(tmp_path, "d" * 64, past)  # (a longer digest: the connector's)
-    assert sweep_stale(tmp_path, older_than_s=600) == 1
+    _entry(tmp_path, "e" * 32, past, files=("layer0.safetensors", ".tmp5UsP2T"))  # (a crash mid-write: its)
+    assert sweep_stale(tmp_path, older_than_s=600) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a" * 32, "b" * 32, "c" * 32, "elsewhere", "notes.txt", "sub"]
 
 

@@ -119,14 +119,16 @@ def set_bad_words(params, sampling: P.Sampling | None) -> None:
 
 def is_kv_entry(entry: Path) -> bool:
     """Whether ``entry`` is one the connector writes: a folder named by a hash of token ids
-    (kv_entry), holding layers' safetensors files and the COMPLETE marker only."""
+    (kv_entry), holding layers' safetensors files, the COMPLETE marker, and the temporary file
+    safetensors writes a layer's to before renaming it (one a crash mid-write left) only."""
     if not (_KV_ENTRY_NAME.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
         return False
-    return all(f.name == COMPLETE or f.name.endswith(".safetensors") and f.is_file() and not f.is_symlink()
-               for f in entry.iterdir())
+    return all((f.name == COMPLETE or f.name.endswith(".safetensors") or _WRITING.fullmatch(f.name))
+               and f.is_file() and not f.is_symlink() for f in entry.iterdir())
 
 
 _KV_ENTRY_NAME = re.compile(r"[0-9a-f]{32,128}")  # (vLLM's safe_hash hex digest)
+_WRITING = re.compile(r"\.tmp\w{6,12}")  # (safetensors' save_file: a tempfile in the folder, renamed)
 
 
 def sweep_stale(root: Path, older_than_s: float = KV_STALE_S, now: float | None = None, keep=()) -> int:
