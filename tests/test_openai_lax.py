@@ -77,16 +77,19 @@ def test_tokenize_routes():
     assert as_vllm_reads({"tokens": [-1]}, openai_lax.DETOKENIZE) == {"tokens": [-1]}
 
 
-def test_a_long_list_is_read_item_by_item_up_to_the_first_refused_and_not_past_the_prompt_limit():
-    """Whole, pydantic gathers an error an item for each of a prompt's four types (a refused
-    list of 100,000 ids cost 260 ms); past the limit of a prompt's ids, a list is left as sent
-    unless it is ids already."""
+def test_a_request_s_lists_are_read_whole_and_not_past_a_prompt_s_worth_of_items_in_all():
+    """Read through the prompt's union of four types, a refused list of 100,000 ids cost the
+    front door's loop 260 ms; past the limit of a prompt's ids (all of a request's lists
+    together), a list is left as sent unless it is ints already."""
     refused = [1.0] * 10 + ["a"] + [2.0] * 100_000
     assert as_vllm_reads({"prompt": refused}, openai_lax.COMPLETION)["prompt"] is refused
     long = [1.0] * (openai_lax.MAX_ITEMS_READ + 1)
     assert as_vllm_reads({"prompt": long}, openai_lax.COMPLETION)["prompt"] is long
     rows = [[1.0] * (openai_lax.MAX_ITEMS_READ // 2 + 1)] * 2  # (the limit holds over all rows together)
     assert as_vllm_reads({"prompt": rows}, openai_lax.COMPLETION)["prompt"] is rows
+    half = [1.0] * (openai_lax.MAX_ITEMS_READ // 2 + 1)  # (and over all members together)
+    got = as_vllm_reads({"prompt": half, "stop_token_ids": half}, openai_lax.COMPLETION)
+    assert sorted(type(got[k][0]).__name__ for k in ("prompt", "stop_token_ids")) == ["float", "int"]
     ints = list(range(openai_lax.MAX_ITEMS_READ * 2))
     assert as_vllm_reads({"prompt": ints}, openai_lax.COMPLETION)["prompt"] is ints
 
