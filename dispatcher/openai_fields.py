@@ -126,10 +126,8 @@ def stream_options(body: dict) -> tuple[bool, bool, bool]:
     if not isinstance(options, dict):
         raise OpenAiError(400, f"stream_options must be an object, got {options!r:.80}", param="stream_options")
     # Other keys are ignored and {} is taken without stream, as vLLM's (its StreamOptions allows
-    # extra keys, OpenAI's include_obfuscation among them; its check refuses a non-empty one):
-    # both were a 400.
-    if options and not stream:
-        raise OpenAiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    # extra keys, OpenAI's include_obfuscation among them): both were a 400. A non-empty one
+    # without stream is refused before (openai_lax's raw check, on the value as sent, as vLLM's).
     include = flag(options, "include_usage", "stream_options")
     continuous = flag(options, "continuous_usage_stats", "stream_options")
     return stream, include, include and continuous

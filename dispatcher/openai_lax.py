@@ -19,6 +19,7 @@ from typing import Annotated, Optional, Union
 
 import pydantic
 
+from .openai_fields import OpenAiError
 from .protocol import MAX_PROMPT_TOKENS
 
 _INT, _FLOAT, _BOOL = Optional[int], Optional[float], Optional[bool]
@@ -45,10 +46,43 @@ _SAMPLING = {
     **dict.fromkeys(("stop_token_ids", "allowed_token_ids", "logprob_token_ids"), _TOKEN_IDS),
     "logit_bias": _BIASES, "prompt_logprobs": _NUMBER,
 }
-COMPLETION = {**_SAMPLING, "logprobs": _NUMBER, "prompt": _PROMPT}
+class Members(dict):
+    """A route's typed members (name: vLLM's type), and ``raw_check``: vLLM's checks of the
+    request as it came, which its models run before converting anything (their
+    mode="before" validators), so on values' raw truthiness: "stream": "false" is a true
+    value there."""
+
+    def __init__(self, types: dict, raw_check=None):
+        super().__init__(types)
+        self.raw_check = raw_check
+
+
+def _stream_options_raw(body: dict) -> None:
+    if body.get("stream_options") and not body.get("stream"):
+        raise OpenAiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+
+
+def _completion_raw(body: dict) -> None:
+    _stream_options_raw(body)
+    prompt_logprobs = body.get("prompt_logprobs")
+    if isinstance(prompt_logprobs, (int, float)) and body.get("stream") and (prompt_logprobs > 0
+                                                                            or prompt_logprobs == -1):
+        raise OpenAiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+
+def _chat_raw(body: dict) -> None:
+    _stream_options_raw(body)
+    top = body.get("top_logprobs")
+    if isinstance(top, (int, float)) and (top == -1 or top > 0) and not body.get("logprobs"):
+        raise OpenAiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise OpenAiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+
+
+COMPLETION = Members({**_SAMPLING, "logprobs": _NUMBER, "prompt": _PROMPT}, _completion_raw)
 _CHAT_TEMPLATE = dict.fromkeys(("add_generation_prompt", "continue_final_message"), _BOOL)
-CHAT = {**_SAMPLING, **_CHAT_TEMPLATE, "logprobs": _BOOL, "top_logprobs": _NUMBER, "max_completion_tokens": _INT,
-        **dict.fromkeys(("include_reasoning", "parallel_tool_calls", "return_prompt_text"), _BOOL)}
+CHAT = Members({**_SAMPLING, **_CHAT_TEMPLATE, "logprobs": _BOOL, "top_logprobs": _NUMBER, "max_completion_tokens": _INT,
+                **dict.fromkeys(("include_reasoning", "parallel_tool_calls", "return_prompt_text"), _BOOL)}, _chat_raw)
 # /tokenize's two requests (by messages or prompt) in one, /detokenize's
 TOKENIZE = {**_CHAT_TEMPLATE, "add_special_tokens": _BOOL, "return_token_strs": _BOOL}
 DETOKENIZE = {"tokens": _TOKENS}
@@ -62,7 +96,11 @@ def _adapter(annotation) -> pydantic.TypeAdapter:
 
 def as_vllm_reads(body: dict, members: dict) -> dict:
     """``body`` with each of its ``members`` (name: vLLM's type) that pydantic converts
-    converted, and stream_options' too; the others as they came."""
+    converted, and stream_options' too; the others as they came. OpenAiError where the members'
+    raw_check refuses the body as it came."""
+    raw_check = getattr(members, "raw_check", None)
+    if raw_check is not None:
+        raw_check(body)
     out, budget = dict(body), [MAX_ITEMS_READ]
     for name, annotation in members.items():
         value = body.get(name)

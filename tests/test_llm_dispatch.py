@@ -898,6 +898,16 @@ def test_loosely_typed_members_are_read_as_vllms_server_reads_them(llm_node):
     for member, value in (("max_tokens", "3.5"), ("logprobs", "1")):
         status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": [5, 6], member: value})
         assert status == 400 and err["error"]["param"] == member, (member, err)
+    # vLLM's checks of the request as sent see "false" as a true value: as its server answers
+    status, out = _http(url + "/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": 2,
+                                                  "stream": "false", "stream_options": {"include_usage": True}})
+    assert status == 200 and out["object"] == "text_completion", out  # (not streamed)
+    status, out = _http(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 2, "logprobs": "false", "top_logprobs": 2})
+    assert status == 200 and out["choices"][0]["logprobs"] is None, out
+    status, err = _http(url + "/v1/completions", {"model": "tiny", "prompt": [5, 6], "prompt_logprobs": 1,
+                                                  "stream": "false"})
+    assert status == 400 and err["error"]["param"] == "prompt_logprobs", err
 
 
 @given(st.lists(_fuzzed_completion(), min_size=1, max_size=6))

@@ -50,7 +50,7 @@ def test_a_completions_member_is_read_as_vllms_server_reads_it(member, sent, rea
 
 @pytest.mark.parametrize(("member", "sent", "read"), CHAT_CASES)
 def test_a_chat_member_is_read_as_vllms_server_reads_it(member, sent, read):
-    assert _read(as_vllm_reads({member: sent}, openai_lax.CHAT)[member], sent, read)
+    assert _read(as_vllm_reads({"logprobs": True, member: sent}, openai_lax.CHAT)[member], sent, read)
 
 
 def test_chat_reads_its_own_types_and_null_is_left_out():
@@ -92,6 +92,35 @@ def test_a_request_s_lists_are_read_whole_and_not_past_a_prompt_s_worth_of_items
     assert sorted(type(got[k][0]).__name__ for k in ("prompt", "stop_token_ids")) == ["float", "int"]
     ints = list(range(openai_lax.MAX_ITEMS_READ * 2))
     assert as_vllm_reads({"prompt": ints}, openai_lax.COMPLETION)["prompt"] is ints
+
+
+# vLLM's checks of the request as sent, on raw truthiness ("false" is a true value there):
+# (route, body, the param its refusal names, or None where it passes)
+RAW = [
+    ("completion", {"stream": "false", "stream_options": {"include_usage": True}}, None),
+    ("completion", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completion", {"stream_options": {}}, None),
+    ("completion", {"stream": "false", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completion", {"stream": True, "prompt_logprobs": 0}, None),
+    ("chat", {"logprobs": "false", "top_logprobs": 2}, None),
+    ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"top_logprobs": 0}, None),
+    ("chat", {"continue_final_message": "false", "add_generation_prompt": True}, ""),
+    ("chat", {"continue_final_message": True}, None),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), RAW)
+def test_vllms_checks_of_the_request_as_sent_are_made_on_it_as_sent(route, body, param):
+    from batchyard.openai_fields import OpenAiError
+
+    members = openai_lax.COMPLETION if route == "completion" else openai_lax.CHAT
+    if param is None:
+        as_vllm_reads(body, members)
+    else:
+        with pytest.raises(OpenAiError) as e:
+            as_vllm_reads(body, members)
+        assert (e.value.status, e.value.param) == (400, param)
 
 
 # ------------------------------------------------------------------ against vLLM's models
@@ -140,7 +169,7 @@ def test_the_member_table_is_vllms_and_reads_as_its_models_do():
     for model, table, base, cases in ((CompletionRequest, openai_lax.COMPLETION, {"prompt": "x"}, CASES),
                                       (ChatCompletionRequest, openai_lax.CHAT, chat, CHAT_CASES)):
         for member, sent, read in cases:
-            assert _read(as_vllm_reads({member: sent}, table)[member], sent, read), (member, sent)
+            assert _read(as_vllm_reads({**base, member: sent}, table)[member], sent, read), (member, sent)
             try:
                 got = getattr(model.model_validate({**base, member: sent}), member)
             except ValidationError as e:  # (a member's type)
@@ -151,3 +180,12 @@ def test_the_member_table_is_vllms_and_reads_as_its_models_do():
                 continue
             assert read is not REFUSED and _read(got, sent, read), (member, sent, got)
     assert math.isnan(CompletionRequest.model_validate({"prompt": "x", "temperature": "nan"}).temperature)
+    for route, body, param in RAW:
+        model, base = (CompletionRequest, {"prompt": "x"}) if route == "completion" else (ChatCompletionRequest, chat)
+        base = {k: v for k, v in base.items() if k != "logprobs"}
+        try:
+            model.model_validate({**base, **body})
+        except VLLMValidationError as e:
+            assert param is not None and (e.parameter or "") == param, (body, e)
+        else:
+            assert param is None, body
