@@ -129,7 +129,7 @@ class OpenAiChat:
 
             generation = flag(body, "add_generation_prompt", default=True)
             shape = CHAT if generation else ChatShape(body["messages"][-1]["role"])
-            return await oa.serve(request, body, model, checked, max_tokens, prompt, shape)
+            return await oa.serve(request, body, model, checked, max_tokens, prompt, shape, from_text=True)
         except Exception as e:  # noqa: BLE001 -- OpenAI's shape for every error of this route (a 500 logged once)
             return oa.as_openai(e).response()
 

@@ -188,9 +188,11 @@ class OpenAiCompletions:
         self.check_context(model, max_tokens, "max_tokens")
         special = flag(body, "add_special_tokens", default=True)  # vLLM's: the tokenizer's BOS, ...
         prompt = body.get("prompt")
+        from_text = isinstance(prompt, str) or (isinstance(prompt, list) and all(type(p) is str for p in prompt))
         return await self.serve(request, body, model, checked, max_tokens,
                                 lambda: self._prompts(model, prompt, special), TEXT,
-                                echoed=(lambda ids: self._prompt_texts(model, prompt, ids)) if echo else None)
+                                echoed=(lambda ids: self._prompt_texts(model, prompt, ids)) if echo else None,
+                                from_text=from_text)
 
     async def serve(self, *args, **kwargs) -> web.StreamResponse:
         """``_serve``, counted in ``in_flight`` while it runs."""
@@ -202,7 +204,8 @@ class OpenAiCompletions:
 
     async def _serve(self, request, body: dict, model: str, checked: tuple, max_tokens: Optional[int],
                      prompts: Callable[[], Awaitable[list]], shape: "AnswerShape",
-                     echoed: Optional[Callable[[list], Awaitable[list]]] = None) -> web.StreamResponse:
+                     echoed: Optional[Callable[[list], Awaitable[list]]] = None,
+                     from_text: bool = False) -> web.StreamResponse:
         """The completions of a request whose fields are ``checked`` (its sampling and ``n``,
         check_supported) and ``max_tokens`` (None: vLLM's, max_tokens_for), of the ``prompts``
         (token ids) that function gives, answered in the ``shape`` of its route. ``echoed``: the
@@ -231,7 +234,7 @@ class OpenAiCompletions:
             sampling = msgspec.structs.replace(sampling, prompt_logprobs=sampling.logprobs)
         prompts = await prompts()
         for ids in prompts:
-            self.check_prompt_fits(model, ids)
+            self.check_prompt_fits(model, ids, from_text)
         sampling = await self.with_bad_words(model, sampling, words)
         if len(prompts) * n > MAX_PROMPTS:
             raise OpenAiError(400, f"{len(prompts)} prompts of n {n} make {len(prompts) * n} completions; at most "
@@ -360,15 +363,17 @@ class OpenAiCompletions:
             raise OpenAiError(400, f"{name}={max_tokens} cannot be greater than max_model_len={context}. Please "
                                    "request fewer output tokens.", param=name)
 
-    def check_prompt_fits(self, model: str, ids: list) -> None:
+    def check_prompt_fits(self, model: str, ids: list, from_text: bool = False) -> None:
         """A prompt longer than the model's context is refused in vLLM's words, naming vLLM's
         parameter (its TokenizeParams' token length check); the dispatcher's refusal was
-        Batchyard's, without a parameter. (One of the context's length exactly leaves no token
-        to decode: the dispatcher's refusal.)"""
+        Batchyard's, without a parameter. ``from_text``: the prompt was text, which vLLM
+        tokenizes cut to one token past the context, so it says "at least" that many. (One of
+        the context's length exactly leaves no token to decode: the dispatcher's refusal.)"""
         context = self.max_model_len.get(model)
         if context and len(ids) > context:
+            count = f"at least {context + 1}" if from_text else str(len(ids))
             raise OpenAiError(400, f"This model's maximum context length is {context} tokens. However, your prompt "
-                                   f"contains {len(ids)} input tokens, which exceeds this limit even without any "
+                                   f"contains {count} input tokens, which exceeds this limit even without any "
                                    "output tokens. Please reduce the length of the input prompt.", param="input_tokens")
 
     def max_tokens_for(self, model: str, ids: list, max_tokens: Optional[int],
