@@ -27,7 +27,7 @@ from typing import Optional
 
 import zmq
 
-from .zmq_frames import send_parts
+from .zmq_frames import NOBLOCK, send_parts
 
 log = logging.getLogger("batchyard.dispatcher")
 
@@ -70,21 +70,29 @@ class ClientReplies:
     def send(self, identity: bytes, *parts) -> None:
         """The message ``parts`` (a header, then any frames) to the client ``identity``: now, or
         once its queue has room."""
-        held = self._held.get(identity)
-        if held is not None:
-            if len(held.messages) < MAX_HELD:
-                held.messages.append(parts)
-            else:
-                self.replies_dropped += 1
+        if self._held:  # (the common case, none held, costs one test)
+            held = self._held.get(identity)
+            if held is not None:
+                if len(held.messages) < MAX_HELD:
+                    held.messages.append(parts)
+                else:
+                    self.replies_dropped += 1
+                return
+        try:
+            send_parts(self.sock, [identity, *parts], NOBLOCK)
             return
-        if self._try(identity, parts) is _FULL:
-            now = self.clock()
-            if not self._held:
-                self._tries, self._next_try = 0, now + HELD_RETRY_S
-            self._held[identity] = _Held(parts, now)
-            log.warning("client %s reads slower than its replies come: its queue of unread messages is full; its "
-                        "replies wait for room and its streamed tokens are dropped meanwhile (each generation's "
-                        "reply holds them all)", identity.hex())
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as e:  # EHOSTUNREACH: no such client connected (any more)
+            log.debug("reply to vanished client dropped: %s", e)
+            return
+        now = self.clock()
+        if not self._held:
+            self._tries, self._next_try = 0, now + HELD_RETRY_S
+        self._held[identity] = _Held(parts, now)
+        log.warning("client %s reads slower than its replies come: its queue of unread messages is full; its "
+                    "replies wait for room and its streamed tokens are dropped meanwhile (each generation's "
+                    "reply holds them all)", identity.hex())
 
     def send_droppable(self, identity: bytes, header: bytes) -> None:
         """A streamed generation's tokens: sent if the client's queue has room, else dropped."""
@@ -125,7 +133,7 @@ class ClientReplies:
     def _try(self, identity: bytes, parts: tuple) -> object:
         """_SENT, _FULL (the client's queue), or _GONE (no such client connected any more)."""
         try:
-            send_parts(self.sock, [identity, *parts], zmq.NOBLOCK)
+            send_parts(self.sock, [identity, *parts], NOBLOCK)
         except zmq.Again:
             return _FULL
         except zmq.ZMQError as e:  # EHOSTUNREACH

@@ -52,7 +52,7 @@ from .shm_grants import ShmGrants, peer_uid
 from .state import QUEUED, Request, WorkerState, same_process
 from .timer import OneShotTimer
 from .validation import RequestInvalid, registration_problem, validate_infer
-from .zmq_frames import Truncated, recv_parts, send_parts, waiting
+from .zmq_frames import NOBLOCK, Truncated, recv_parts, send_parts, waiting
 
 log = logging.getLogger("batchyard.dispatcher")
 
@@ -693,7 +693,7 @@ class Dispatcher:
         frames[1] = P.encode(P.Batch(batch_id=batch.batch_id, model=batch.model, seqs=seqs, n_frames=n_frames,
                                      files=files))
         try:
-            send_parts(self.backend, frames, zmq.NOBLOCK)
+            send_parts(self.backend, frames, NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the connection is gone; EAGAIN: it reads nothing
             log.warning("worker %s unreachable (%s)", batch.worker.name, e)
             return str(e) or "unreachable"
@@ -705,7 +705,7 @@ class Dispatcher:
         on the workers' socket that sent heartbeats and never read the answers held the
         dispatcher's one thread for good (no client answered, SIGTERM unheard)."""
         try:
-            send_parts(self.backend, [identity, header], zmq.NOBLOCK)
+            send_parts(self.backend, [identity, header], NOBLOCK)
         except zmq.ZMQError:
             return False
         return True
