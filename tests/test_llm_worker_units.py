@@ -360,3 +360,28 @@ def test_a_generate_job_stops_at_the_models_end_of_sequence_ids_unless_it_ignore
                                sampling=P.Sampling(bad_words_token_ids=[[4, 5], [6]])))
     p8 = server.engine.params["8"]
     assert p8._bad_words_token_ids == [[4, 5], [6]] and not hasattr(p8, "bad_words_token_ids")
+
+
+def test_requests_in_the_engine_are_stopped_when_the_dispatcher_asks_the_worker_to_register_again(tmp_path,
+                                                                                               monkeypatch):
+    """A dispatcher that restarted (or took the worker out of rotation) knows none of the jobs
+    the engine runs: they decoded on up to their max_tokens for nobody, holding its slots."""
+    _stub_vllm(monkeypatch)
+
+    class Engine:
+        def __init__(self):
+            self.added, self.aborted = [], []
+
+        def add_request(self, rid, prompt, params, priority=0):
+            self.added.append(rid)
+
+        def abort_request(self, rids):
+            self.aborted.extend(rids)
+
+    engine = Engine()
+    server = _gpu_server(tmp_path, engine)
+    server.registered = True
+    server._start_job(P.LlmJob(job_id=1, kind="generate", seqs=[1, 2], prompts=[[1, 5], [2, 5]], max_tokens=[400, 400]))
+    assert len(engine.added) == 2 and len(server.reqs) == 2
+    server._on_message(P.encode(P.Reregister(worker="v0")))
+    assert sorted(engine.aborted) == sorted(engine.added) and not server.reqs and not server.registered

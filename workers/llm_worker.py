@@ -158,6 +158,7 @@ class LlmServer:
             if self.hb.reregister.is_set():
                 self.hb.reregister.clear()
                 self.registered, next_register = False, 0.0
+                self._forget_jobs()
             now = time.monotonic()
             if not self.registered and now >= next_register:
                 self.sock.send(self.register)
@@ -208,6 +209,7 @@ class LlmServer:
                 self.hb.start()
         elif type(msg) is P.Reregister:
             self.registered = False
+            self._forget_jobs()
         elif type(msg) is P.RegisterRejected:
             log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
             return EX_CONFIG
@@ -275,6 +277,18 @@ class LlmServer:
             if req.job.msg.job_id == msg.job_id and req.seq in seqs:
                 self.engine.abort_request([rid])
                 self._finish(rid, Status.CANCELLED, "stopped by the dispatcher (its client was answered)")
+
+    def _forget_jobs(self) -> None:
+        """Asked to register again, by a dispatcher that restarted (or that took this worker
+        out of rotation, failing its jobs over): nobody waits for the requests in the engine any
+        more, so out of it now. They decoded on, up to their max_tokens, holding slots and KV
+        blocks the new dispatcher's jobs then waited for."""
+        if self.reqs:
+            log.warning("worker %s: asked to register again; the %d requests in its engine are stopped (their "
+                        "dispatcher is gone or failed them over)", self.name, len(self.reqs))
+        for rid in list(self.reqs):
+            self.engine.abort_request([rid])
+            self._finish(rid, Status.CANCELLED, "stopped: the dispatcher asked this worker to register again")
 
     def _step(self) -> bool:
         """One engine step; False when the engine failed (its state is not to be trusted: every
