@@ -11,10 +11,11 @@ dropping (and never blocks the dispatcher's one thread). Streamed tokens are the
 docs/protocol.md allows (the client finds the gap and takes them from the reply), and every
 other message is held, in order, until the client's queue has room. ZeroMQ says when a ROUTER
 has room for some peer, not for which, so held replies are tried again after a wait that
-doubles, from HELD_RETRY_S to HELD_RETRY_MAX_S, while none is taken. A client that took none of its held replies for HELD_GIVE_UP_S is
-taken as gone, its held replies dropped: ZeroMQ may keep the queue of a client that left with
-messages in flight "full" for ever, never saying it is gone (so one still there that reads
-nothing for a minute loses them too; its requests' default timeout is 30 s).
+doubles, from HELD_RETRY_S to HELD_RETRY_MAX_S, while none is taken. A client that took none of
+its held replies for HELD_GIVE_UP_S is taken as gone, its held replies dropped: ZeroMQ may keep
+the queue of a client that left with messages in flight "full" for ever, never saying it is
+gone (so one still there that reads nothing for a minute loses them too; its requests' default
+timeout is 30 s).
 """
 
 from __future__ import annotations

@@ -1191,7 +1191,8 @@ def _same_endpoint(a: str, b: str) -> bool:
 # The first line of the copy of a config `up` hands its children (supervisor.run_up), so that
 # their errors name the file the user wrote, not the copy in a private temp folder.
 SNAPSHOT_HEADER = "# {path} as `batchyard up` (pid {pid}) validated it at start: its children run this copy\n"
-_SNAPSHOT_HEADER = re.compile(r"# (/.*) as `batchyard up` \(pid \d+\) validated it at start: its children run this copy")
+_SNAPSHOT_HEADER = re.compile(r"# (/.*) as `batchyard up` \(pid \d+\) validated it at start: "
+                              r"its children run this copy")
 
 
 def config_source(path: str | Path) -> str:
