@@ -183,6 +183,19 @@ class LlmCore:
                     self.on_fail(r, Status.UNAVAILABLE, f"LLM worker {name} lost while running this request ({reason})")
                     failed.append(r)
         model = w.engine.model
+        if not self._instances(model, GPU):
+            # Nothing left to decode them: the requests waiting for a CPU prefill, and those a
+            # prefill job runs, failed only once their prefill ended (their KV then left on disk
+            # until the sweep). Now, their prefills stopped in the engine.
+            prefilling = [r for job in self.jobs.values() if job.kind == "prefill" for r in job.requests
+                          if r.model == model]
+            queued, self.cpu_queue[model] = self.cpu_queue.get(model, []), []
+            for r in (*queued, *prefilling):
+                if self._end(r):
+                    self.on_fail(r, Status.UNAVAILABLE, f"no 'gpu' LLM instance of {model!r} is up to decode it "
+                                                        f"(LLM worker {name} lost: {reason})")
+                    self._abort(r)
+                    failed.append(r)
         if not self._instances(model, PREFILL_CPU):
             queued, self.cpu_queue[model] = self.cpu_queue.get(model, []), []
             failed += self._off_the_cpu_path(queued, now)

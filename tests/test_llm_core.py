@@ -920,3 +920,18 @@ def test_bytes_that_make_no_character_are_decoded_a_bounded_window_at_a_time():
     for t in generated:
         stream.push([t])
     assert max(widths) <= 2 * MAX_HELD + 2, max(widths)  # (the window from the last piece given, and its held tokens)
+
+
+def test_losing_the_last_gpu_instance_fails_the_cpu_paths_requests_at_once_and_stops_their_prefills():
+    """They failed only once their prefill ended, each a prefill for nobody (and its KV left on
+    disk until the sweep)."""
+    h = Harness()
+    rids = [h.submit(1500, route=PREFILL_CPU)[0] for _ in range(3)]  # (one a prefill job: the rest queued)
+    [prefill] = h.jobs()
+    assert prefill.worker.name == "cpu0" and len(prefill.job.seqs) < 3
+    h.core.worker_lost("gpu0", "connection closed", h.now)
+    assert sorted(rid for rid, status, _ in h.failed if status == Status.UNAVAILABLE) == rids
+    assert "no 'gpu' LLM instance of 'm'" in h.failed[0][2]
+    [abort] = h.jobs()
+    assert abort.worker.name == "cpu0" and type(abort.job) is P.LlmAbort and abort.job.seqs == prefill.job.seqs
+    assert h.done(prefill) == [] and not h.core.requests and len(h.failed) == 3  # (its end answers nothing again)
