@@ -29,7 +29,7 @@ import tomli_w
 
 from .addresses import host_port
 from .llm_model_files import generation_defaults
-from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, Name, TensorSpec
+from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, TensorSpec
 from .validation import validate_spec
 
 
@@ -63,19 +63,22 @@ MIN_HEARTBEAT_S = 0.01  # [dispatcher] heartbeat_interval_s
 MIN_DEAD_AFTER_S = 0.5  # [dispatcher] worker_dead_after_s
 Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
 # Empty (a model no worker of this node builds itself) or "package.module:function".
+# A model's or tensor's name: no control characters (a NUL or a newline was taken, and went into
+# logs, metric labels and the front door's paths as it was).
+ConfigName = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
 Factory = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?\Z")]
 # Worker names end up in process titles and Triton region names.
 WorkerName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")]
 
 
 class TensorConfig(_Table):
-    name: Name
+    name: ConfigName
     dtype: Dtype
     shape: tuple[Annotated[int, msgspec.Meta(ge=0, le=2**31)], ...]
 
 
 class ModelConfig(_Table):
-    name: Name
+    name: ConfigName
     inputs: tuple[TensorConfig, ...]
     outputs: tuple[TensorConfig, ...]
     # "module:function" building the model for an amx or cuda worker (workers/models.py).
@@ -135,7 +138,7 @@ class CudaConfig(_Table):
 class LlmModelConfig(_Table):
     """An LLM served by vLLM workers (LLM mode, workers/llm_worker.py): a Hugging Face model folder."""
 
-    name: Name
+    name: ConfigName
     path: str  # model folder (config, safetensors, tokenizer)
     block_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 32  # vLLM's CPU attention: multiples of 32
     max_model_len: Annotated[int, msgspec.Meta(ge=64)] = 2048
@@ -1209,7 +1212,9 @@ def config_source(path: str | Path) -> str:
 
 def load_config(path: str | Path) -> NodeConfig:
     try:
-        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
+        # A UTF-8 byte-order mark (some editors write one) is taken and dropped: tomllib refused
+        # it as "Invalid statement (at line 1, column 1)", a message that did not name it.
+        data = tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
     except UnicodeDecodeError as e:  # TOML is UTF-8

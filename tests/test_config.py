@@ -94,6 +94,8 @@ def test_the_base_config_loads(tmp_path):
     path = tmp_path / "node.toml"
     path.write_text(NODE)
     cfg = load_config(path)
+    path.write_bytes(b"\xef\xbb\xbf" + NODE.encode())  # (a byte-order mark, as some editors write: taken)
+    assert load_config(path) == cfg
     assert [w.name for w in cfg.workers] == ["amx0", "amx1", "gpu0", "sim0"]
     assert cfg.workers[3].sim.launch_us == 100.0
 
@@ -187,6 +189,10 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
      "node.toml: [dispatcher] drain_timeout_s: expected float <= 1000000000.0, got inf"),
     # "$" let a trailing newline through
     (edited('name = "amx1"', 'name = "amx1\\n"'), "node.toml: [[workers]] #2 (name 'amx1\\n'): name: expected str matching regex"),
+    # a NUL or a newline went into logs, metric labels and the front door's paths as it was
+    (edited('name = "sum"', 'name = "s\\u0000um"'), "node.toml: [[models]] #1 (name 's\\x00um'): name: expected str matching"),
+    (edited('{ name = "x", dtype', '{ name = "x\\n", dtype'), "node.toml: [[models]] #1 (name 'sum'): inputs[0].name: "
+                                                              "expected str matching"),
     (edited('frontend = "ipc:', 'frontend = "inproc:'), "node.toml: [dispatcher] frontend: expected str matching regex"),
     # a node of one simulated worker spun 72 % of a core; a healthy worker left rotation many times a second
     (edited("max_queue = 100", "heartbeat_interval_s = 1e-9"),
