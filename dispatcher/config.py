@@ -352,6 +352,11 @@ class NodeConfig(_Table):
         if d.max_message_bytes and d.max_message_bytes <= d.max_inline_bytes:
             raise ConfigError(f"[dispatcher] max_message_bytes ({d.max_message_bytes}) must exceed "
                               f"max_inline_bytes ({d.max_inline_bytes})")
+        if int(d.ipc_mode, 8) & 0o600 != 0o600:
+            # Connecting to a unix socket takes write permission: without the owner's read and
+            # write, the node's own user (the front door, `status`, its clients) could not connect.
+            raise ConfigError(f"[dispatcher] ipc_mode {d.ipc_mode!r} must give the owner read and write (0600 at "
+                              "least): the node's own processes and clients connect as its user")
         for key in ("frontend", "backend"):
             _check_address(f"[dispatcher] {key}", getattr(d, key))
         if d.backend.startswith("tcp://") and not d.curve_secret_key:

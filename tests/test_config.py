@@ -189,6 +189,9 @@ def test_a_value_of_the_wrong_type_names_the_key(tmp_path, text, message):
      "node.toml: [dispatcher] drain_timeout_s: expected float <= 1000000000.0, got inf"),
     # "$" let a trailing newline through
     (edited('name = "amx1"', 'name = "amx1\\n"'), "node.toml: [[workers]] #2 (name 'amx1\\n'): name: expected str matching regex"),
+    # the node's own user could not connect (root could: it passed as root)
+    (edited("max_queue = 100", 'ipc_mode = "000"'), "node.toml: [dispatcher] ipc_mode '000' must give the owner read and "
+                                                    "write"),
     # a NUL or a newline went into logs, metric labels and the front door's paths as it was
     (edited('name = "sum"', 'name = "s\\u0000um"'), "node.toml: [[models]] #1 (name 's\\x00um'): name: expected str matching"),
     (edited('{ name = "x", dtype', '{ name = "x\\n", dtype'), "node.toml: [[models]] #1 (name 'sum'): inputs[0].name: "
