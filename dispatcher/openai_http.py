@@ -224,8 +224,6 @@ class OpenAiCompletions:
                         flag(body, "include_stop_str_in_output"),  # vLLM's: the stop string ends the text
                         flag(body, "skip_special_tokens", default=True))  # vLLM's
         words = bad_words_field(body.get("bad_words"))
-        if sampling.prompt_logprobs and stream:  # (vLLM's refusal; 0 is computed and not sent)
-            raise OpenAiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(sampling, name) is not None:
                 self.tokenizer(model, name)  # (their tokens' texts)

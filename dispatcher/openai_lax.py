@@ -57,13 +57,10 @@ class Members(dict):
         self.raw_check = raw_check
 
 
-def _stream_options_raw(body: dict) -> None:
+def _shared_raw(body: dict) -> None:
+    """vLLM's checks that its completion and chat models both make."""
     if body.get("stream_options") and not body.get("stream"):
         raise OpenAiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
-
-
-def _completion_raw(body: dict) -> None:
-    _stream_options_raw(body)
     prompt_logprobs = body.get("prompt_logprobs")
     if isinstance(prompt_logprobs, (int, float)) and body.get("stream") and (prompt_logprobs > 0
                                                                             or prompt_logprobs == -1):
@@ -71,7 +68,7 @@ def _completion_raw(body: dict) -> None:
 
 
 def _chat_raw(body: dict) -> None:
-    _stream_options_raw(body)
+    _shared_raw(body)
     top = body.get("top_logprobs")
     if isinstance(top, (int, float)) and (top == -1 or top > 0) and not body.get("logprobs"):
         raise OpenAiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
@@ -79,7 +76,7 @@ def _chat_raw(body: dict) -> None:
         raise OpenAiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
 
-COMPLETION = Members({**_SAMPLING, "logprobs": _NUMBER, "prompt": _PROMPT}, _completion_raw)
+COMPLETION = Members({**_SAMPLING, "logprobs": _NUMBER, "prompt": _PROMPT}, _shared_raw)
 _CHAT_TEMPLATE = dict.fromkeys(("add_generation_prompt", "continue_final_message"), _BOOL)
 CHAT = Members({**_SAMPLING, **_CHAT_TEMPLATE, "logprobs": _BOOL, "top_logprobs": _NUMBER, "max_completion_tokens": _INT,
                 **dict.fromkeys(("include_reasoning", "parallel_tool_calls", "return_prompt_text"), _BOOL)}, _chat_raw)

@@ -105,6 +105,8 @@ RAW = [
     ("chat", {"logprobs": "false", "top_logprobs": 2}, None),
     ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
     ("chat", {"top_logprobs": 0}, None),
+    ("chat", {"stream": "false", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat", {"stream": True, "prompt_logprobs": 0}, None),
     ("chat", {"continue_final_message": "false", "add_generation_prompt": True}, ""),
     ("chat", {"continue_final_message": True}, None),
 ]
