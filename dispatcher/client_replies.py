@@ -79,13 +79,7 @@ class ClientReplies:
                 else:
                     self.replies_dropped += 1
                 return
-        try:
-            send_parts(self.sock, [identity, *parts], NOBLOCK)
-            return
-        except zmq.Again:
-            pass
-        except zmq.ZMQError as e:  # EHOSTUNREACH: no such client connected (any more)
-            log.debug("reply to vanished client dropped: %s", e)
+        if self._try(identity, parts) is not _FULL:
             return
         now = self.clock()
         if not self._held:
