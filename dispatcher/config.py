@@ -1203,15 +1203,16 @@ _SNAPSHOT_HEADER = re.compile(r"# (/.*) as `batchyard up` \(pid \d+\) validated 
                               r"its children run this copy")
 
 
-def config_source(path: str | Path) -> str:
+def config_source(path: str | Path, first_line: Optional[str] = None) -> str:
     """The config file ``path`` stands for: the one `up` validated where ``path`` is its copy,
-    else ``path`` itself."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            first = f.readline(4096)
-    except OSError:
-        return str(path)
-    found = _SNAPSHOT_HEADER.fullmatch(first.rstrip("\n"))
+    else ``path`` itself. ``first_line``: the file's, where the caller has read it."""
+    if first_line is None:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                first_line = f.readline(4096)
+        except OSError:
+            return str(path)
+    found = _SNAPSHOT_HEADER.fullmatch(first_line.rstrip("\n"))
     return found.group(1) if found else str(path)
 
 
@@ -1219,14 +1220,15 @@ def load_config(path: str | Path) -> NodeConfig:
     try:
         # A UTF-8 byte-order mark (some editors write one) is taken and dropped: tomllib refused
         # it as "Invalid statement (at line 1, column 1)", a message that did not name it.
-        data = tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
+        text = Path(path).read_bytes().decode("utf-8-sig")
+        data = tomllib.loads(text)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
     except UnicodeDecodeError as e:  # TOML is UTF-8
         raise ConfigError(f"{path}: not UTF-8 (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return parse_config(data, source=config_source(path))
+    return parse_config(data, source=config_source(path, text.partition("\n")[0]))
 
 
 def to_toml(cfg: NodeConfig) -> str:
