@@ -29,7 +29,7 @@ import tomli_w
 
 from .addresses import host_port
 from .llm_model_files import generation_defaults
-from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, TensorSpec
+from .protocol import DTYPES, MAX_TIMEOUT_S, ModelSpec, Name, TensorSpec
 from .validation import validate_spec
 
 
@@ -65,7 +65,7 @@ Dtype = Literal[tuple(sorted(DTYPES))]  # type: ignore[valid-type]
 # Empty (a model no worker of this node builds itself) or "package.module:function".
 # A model's or tensor's name: no control characters (a NUL or a newline was taken, and went into
 # logs, metric labels and the front door's paths as it was).
-ConfigName = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
+ConfigName = Annotated[Name, msgspec.Meta(pattern=r"^[^\x00-\x1f\x7f]*\Z")]
 Factory = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?\Z")]
 # Worker names end up in process titles and Triton region names.
 WorkerName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")]
