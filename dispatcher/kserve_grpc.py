@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
@@ -26,7 +27,7 @@ from .client_codec import dtype_name
 from .kserve_common import (EXTENSIONS, KSERVE_TO_NP, MALFORMED, NP_TO_KSERVE, SERVER_NAME, KServeCore, KServeError, as_kserve,
                             byte_view, check_declared_input, check_element_count, check_input_name, check_new_input,
                             check_parameter_names,
-                            cuda_shm_refused, cuda_shm_status, invalid, model_control_refused,
+                            cuda_shm_refused, cuda_shm_status, invalid, model_control_refused, repository_named,
                             in_model_order, model_metadata, np_dtype, output_nbytes, tensor_from_bytes, tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_grpc_wire import InferAnswer, parse_infer_request, serialize_answer
@@ -276,6 +277,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---------------------------------------------------------------- repository (control mode NONE)
     async def RepositoryIndex(self, request, context):
+        if request.repository_name:
+            e = repository_named()
+            await context.abort(e.code, e.message)
         index = await self._call(context, self.core.repository_index(request.ready))
         out = service_pb2.RepositoryIndexResponse()
         for m in index:
@@ -283,11 +287,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return out
 
     async def RepositoryModelLoad(self, request, context):
-        e = model_control_refused(request.model_name)
-        await context.abort(e.code, e.message)
+        await self._refuse_model_control(request, context)
 
     async def RepositoryModelUnload(self, request, context):
-        e = model_control_refused(request.model_name)
+        await self._refuse_model_control(request, context)
+
+    @staticmethod
+    async def _refuse_model_control(request, context):
+        e = (repository_named() if request.repository_name
+             else model_control_refused(request.model_name))
         await context.abort(e.code, e.message)
 
     async def TraceSetting(self, request, context):
@@ -430,6 +438,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             nonlocal limit
             try:
                 async for request in request_iterator:
+                    if request is UNPARSABLE:  # the stream's end (_add_servicer)
+                        break
                     traced: list = []  # (known from the start: a stream cancelled before the answer lost it)
                     llm = self.core.serves_llm(request.model_name)
                     # A decoupled model's responses before its last are sent as they come (done
@@ -677,10 +687,38 @@ class _Handlers:
         self.service, self.handlers = service, dict(handlers)
 
 
+class _Unparsable:
+    """A request whose bytes protobuf could not parse (grpc.aio answered the failure UNKNOWN
+    "Unexpected <class 'google.protobuf.message.DecodeError'>", naming a class)."""
+
+
+UNPARSABLE = _Unparsable()
+
+
+def _parsing(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError:  # also a string field's invalid UTF-8
+            return UNPARSABLE
+    return parse
+
+
+def _refusing_unparsable(behaviour):
+    """A unary method that answers an unparsable request as Triton's gRPC server does."""
+    async def call(request, context):
+        if request is UNPARSABLE:
+            await context.abort(grpc.StatusCode.INTERNAL, "Unable to parse request")
+        return await behaviour(request, context)
+    return call
+
+
 def _add_servicer(servicer: KServeServicer, server) -> None:
     """``servicer`` on ``server`` as tritonclient's generated code adds it, except ModelInfer's
     and ModelStreamInfer's requests and answers, whose raw tensor bytes stay out of protobuf
-    (kserve_grpc_wire)."""
+    (kserve_grpc_wire), and requests protobuf cannot parse: INTERNAL "Unable to parse request",
+    and on a stream its end, after the answers of the requests before it, as Triton's (gRPC
+    C++ answers the one and ends the other's reads)."""
     taken = _Handlers()
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, taken)
     handlers = taken.handlers
@@ -688,6 +726,11 @@ def _add_servicer(servicer: KServeServicer, server) -> None:
                                                              response_serializer=serialize_answer)
     handlers["ModelStreamInfer"] = handlers["ModelStreamInfer"]._replace(request_deserializer=parse_infer_request,
                                                                          response_serializer=serialize_answer)
+    for name, h in handlers.items():
+        h = h._replace(request_deserializer=_parsing(h.request_deserializer))
+        if h.unary_unary is not None:
+            h = h._replace(unary_unary=_refusing_unparsable(h.unary_unary))
+        handlers[name] = h
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
     server.add_registered_method_handlers(taken.service, handlers)
 
