@@ -206,6 +206,12 @@ def model_control_refused(model: str) -> KServeError:
                        "worker of the node's config serves it (start or stop that worker instead)")
 
 
+def repository_named() -> KServeError:
+    """Triton's answer to repository index, load or unload naming a repository (its HTTP index
+    does not read the name, and answers)."""
+    return KServeError(grpc.StatusCode.UNIMPLEMENTED, "'repository_name' specification is not supported")
+
+
 def np_dtype(datatype: str, what: str) -> str:
     dt = KSERVE_TO_NP.get(datatype)
     if dt is None:

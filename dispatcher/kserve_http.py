@@ -21,7 +21,7 @@ from typing import Optional
 
 import grpc
 import numpy as np
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from . import __version__
 from .addresses import asyncio_listen_host
@@ -29,7 +29,7 @@ from .client_codec import dtype_name
 from .http_body import BODY_STALL_S, MAX_JSON_BYTES, read_body, too_large
 from .kserve_common import (EXTENSIONS, MALFORMED, NP_TO_KSERVE, SERVER_NAME, UINT64_MAX, KServeCore, KServeError, as_kserve,
                             batch_input_bytes, check_declared_input, check_input_name, check_new_input, check_parameter_names, cuda_shm_refused, cuda_shm_status, invalid,
-                            in_model_order, model_control_refused, model_metadata, output_nbytes, tensor_from_bytes,
+                            in_model_order, model_control_refused, repository_named, model_metadata, output_nbytes, tensor_from_bytes,
                             tensor_from_list, timeout_s)
 from .kserve_classify import answer_ranked, check_classifiable, class_count
 from .kserve_generate import serve_generate
@@ -115,15 +115,16 @@ def _kind_of(v) -> str:
     return json.dumps(v[:80] + "..." if isinstance(v, str) and len(v) > 80 else v)
 
 
-def _field(obj, key: str, kind: type, default=_REQUIRED):
-    """``obj[key]`` when it is a JSON value of ``kind`` (``default`` when absent or null, if there
-    is one): another kind, a missing required member, or a parent that is no object is the request's
-    fault, in Triton's words ("Unable to parse 'shape'"). Unchecked, these failed as Python's own
-    exceptions, named in the error ("AttributeError: 'str' object has no attribute 'get'")."""
+def _field(obj, key: str, kind: type, default=_REQUIRED, null_is_absent: bool = True):
+    """``obj[key]`` when it is a JSON value of ``kind`` (``default`` when absent, or null where
+    ``null_is_absent``, if there is one): another kind, a missing required member, or a parent that
+    is no object is the request's fault, in Triton's words ("Unable to parse 'shape'"). Unchecked,
+    these failed as Python's own exceptions, named in the error ("AttributeError: 'str' object has
+    no attribute 'get'")."""
     if not isinstance(obj, dict):
         raise invalid(f"Unable to parse '{key}': it belongs to an object, got {_kind_of(obj)}")
     v = obj.get(key)
-    if v is None:  # absent, or null: an optional member's null reads as its absence
+    if v is None and (null_is_absent or key not in obj):
         if default is _REQUIRED:
             raise invalid(f"Unable to parse '{key}': " + ("it is null" if key in obj else
                                                           f"the object has no member '{key}'"))
@@ -183,24 +184,34 @@ def _data_source(name: str, t: dict, tp: dict) -> str:
     return given[0]
 
 
-_ASCII_DIGITS = re.compile(r"[0-9]+")
+# C's atoi: blanks, a sign, ASCII digits, and nothing read past them (int() also reads "6_9" and
+# other scripts' digits: "\u0663" was 3).
+_ATOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)?")
+
+
+def _header_length(request: web.Request) -> Optional[int]:
+    """``Inference-Header-Content-Length`` as Triton reads it, with ``std::atoi``: "104abc" is 104,
+    "abc" 0 (a raw binary request), and glibc's atoi is strtol's long cut to an int, so past
+    int32 it wraps ("4294967296" is 0). None where the header is absent."""
+    text = request.headers.get(HEADER_LENGTH)
+    if text is None:
+        return None
+    digits = _ATOI.match(text).group(1)
+    n = max(-(1 << 63), min((1 << 63) - 1, int(digits))) if digits else 0  # strtol saturates
+    return (n + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def _is_raw(request: web.Request) -> bool:
     """Triton's raw binary request: ``Inference-Header-Content-Length: 0``, the whole body being
     the one input's bytes."""
-    n = request.headers.get(HEADER_LENGTH, "").strip()
-    return _ASCII_DIGITS.fullmatch(n) is not None and int(n) == 0
+    return _header_length(request) == 0
 
 
 def _split(request: web.Request, body: bytes) -> tuple[dict, memoryview]:
     """The JSON header and the binary tensor data after it."""
-    n = request.headers.get(HEADER_LENGTH)
+    n = _header_length(request)
     try:
-        # int() also reads "6_9", "+6" and other scripts' digits ("\u0663" was 3); isdigit() took "\u00b2"
-        if n is not None and _ASCII_DIGITS.fullmatch(n.strip()) is None:
-            raise ValueError(f"{HEADER_LENGTH} {n!r} is not a byte count")
-        n = len(body) if n is None else int(n)
+        n = len(body) if n is None else n
         if not 0 <= n <= len(body):
             raise ValueError(f"{HEADER_LENGTH} {n} is beyond the body's {len(body)} bytes")
         if n > MAX_JSON_BYTES:
@@ -242,9 +253,10 @@ class KServeHttp:
                 web.post(c + "/region/{name}/register", self.cuda_register),
                 web.post(c + "/region/{name}/unregister", self.cuda_unregister),
                 web.post(c + "/unregister", self.cuda_unregister),
-                web.post("/v2/repository/index", self.repository_index),
-                web.post("/v2/repository/models/{model}/load", self.model_control),
-                web.post("/v2/repository/models/{model}/unload", self.model_control),
+                # (Triton's HTTP index does not read a repository's name; its load and unload refuse one)
+                *[web.post(p + "/index", self.repository_index) for p in ("/v2/repository", "/v2/repository/{repo}")],
+                *[web.post(f"{p}/models/{{model}}/{action}", self.model_control)
+                  for p in ("/v2/repository", "/v2/repository/{repo}") for action in ("load", "unload")],
                 get("/v2/trace/setting", self.trace_setting), web.post("/v2/trace/setting", self.trace_setting),
                 get(m + "/trace/setting", self.trace_setting), web.post(m + "/trace/setting", self.trace_setting),
                 get("/v2/logging", self.log_settings), web.post("/v2/logging", self.log_settings),
@@ -300,6 +312,8 @@ class KServeHttp:
             return _error(as_kserve(e, "repository index request"))
 
     async def model_control(self, request):
+        if "repo" in request.match_info:
+            return _error(repository_named())
         return _error(model_control_refused(request.match_info["model"]))
 
     # ---------------------------------------------------------------- trace settings (kserve_trace)
@@ -404,7 +418,9 @@ class KServeHttp:
             wanted = [(t.name, True, None, None) for t in spec.outputs]  # Triton answers a raw request in binary
         else:
             header, binary = _split(request, body)
-            params = _field(header, "parameters", dict, {})
+            # A request's own id and parameters may not be null (Triton 2.51 refuses both; a tensor's
+            # parameters may be)
+            params = _field(header, "parameters", dict, {}, null_is_absent=False)
             check_parameter_names(params)
             uid = _client_uid(request) if _uses_shm(header) else None
             inputs = self._inputs(spec, header, binary, uid)
@@ -444,7 +460,7 @@ class KServeHttp:
         ranked = [(name, classes, binary_out) for name, binary_out, classes, _ in wanted if classes is not None]
 
         try:
-            rid = _field(header, "id", str, "")
+            rid = _field(header, "id", str, "", null_is_absent=False)
             if trace is not None:
                 trace.request_id = rid
             _, (outputs, chunks, finite) = await self.core.infer(
@@ -545,6 +561,37 @@ class KServeHttp:
         return in_model_order(spec, wanted)
 
 
+class _AnswersAfterHalfClose(web_protocol.RequestHandler):
+    """aiohttp's connection, except that a client that half-closes after its request (``nc -N``,
+    socat, some probes and proxies) still gets its answer, as Triton's: aiohttp let the transport
+    close on the client's FIN, which cancelled the request unanswered. An idle connection, or one
+    whose request's body was cut short by the FIN, still closes as before."""
+
+    __slots__ = ()
+
+    def eof_received(self):
+        request = self._current_request
+        if self._waiter is not None and not self._messages:  # idle, between requests
+            return None
+        if any(not payload.is_eof() for _, payload in self._messages) or (
+                request is not None and not request.content.is_eof()):
+            return None
+        self.close()  # aiohttp's own: no more requests; the transport closes after the answers
+        return True  # keep writing
+
+
+class _ServerAnsweringAfterHalfClose(web.Server):
+    """aiohttp's server (the runner's, made by the application), whose connections are
+    ``_AnswersAfterHalfClose``. Both classes add no state, so the objects aiohttp made take them."""
+
+    __slots__ = ()
+
+    def __call__(self):
+        handler = super().__call__()
+        handler.__class__ = _AnswersAfterHalfClose
+        return handler
+
+
 async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int = (1 << 31) - 1,
                      extra_routes=(), idle_timeout_s: float = 75.0, restricted_apis=()) -> web.AppRunner:
     """A started aiohttp site on host:port, sharing the port with this node's other front-door
@@ -566,5 +613,6 @@ async def start_http(core: KServeCore, host: str, port: int, max_body_bytes: int
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, auto_decompress=False,
                            keepalive_timeout=idle_timeout_s, lingering_time=min(10.0, idle_timeout_s))
     await runner.setup()
+    runner.server.__class__ = _ServerAnsweringAfterHalfClose
     await web.TCPSite(runner, asyncio_listen_host(host), port, reuse_port=True).start()
     return runner

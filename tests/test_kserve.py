@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gzip
 import http.client
 import importlib.util
 import json
@@ -217,12 +218,17 @@ def test_a_body_that_does_not_decompress_is_a_bad_request(front_door):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "cannot be read" in json.loads(e.value.read())["error"]
-    # An encoding it does not take: Triton's UNSUPPORTED, 501, saying which it takes (it was 400)
-    req = urllib.request.Request(f"http://{front_door.http_url}/v2/models/sum/infer", data=b"x",
-                                 headers={"Content-Encoding": "br"}, method="POST")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=30)
-    assert e.value.code == 501 and e.value.headers["Accept-Encoding"] == "gzip, deflate"
+    # An encoding it does not take: Triton's UNSUPPORTED, 501, saying which it takes (it was 400).
+    # Triton 2.51 compares the names as they are: "GZIP", "Identity", "x-gzip" or an empty value is
+    # one (they were taken here).
+    body = json.dumps({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}]})
+    for encoding, data in (("br", b"x"), ("GZIP", gzip.compress(body.encode())), ("x-gzip", gzip.compress(body.encode())),
+                           ("Identity", body.encode()), ("", body.encode())):
+        req = urllib.request.Request(f"http://{front_door.http_url}/v2/models/sum/infer", data=data,
+                                     headers={"Content-Encoding": encoding}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 501 and e.value.headers["Accept-Encoding"] == "gzip, deflate", encoding
 
 
 def test_a_compressed_body_inflates_only_up_to_the_limit():
@@ -655,24 +661,37 @@ def test_json_data_nested_unlike_its_shape_is_read_in_order_as_triton_reads_it(f
     assert status == 400 and "unexpected number of elements" in json.loads(body)["error"].lower(), body
 
 
-def test_a_header_length_of_other_scripts_digits_is_no_byte_count(front_door):
-    """"\u0663" (ARABIC-INDIC DIGIT THREE) was read as 3 and "\u00b2" as a digit that int() then
-    refused in Python's words."""
-    import socket
-
-    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}).encode()
+def _half_closed_exchange(front_door, request: bytes) -> bytes:
+    """``request`` sent whole, the sending side shut (a FIN), then everything the server sends
+    until it closes."""
     host, port = front_door.http_url.split(":")
-    for value in ("\u0663".encode(), "\u00b2".encode(), b"1\xc2\xb2"):
-        with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                         b"Inference-Header-Content-Length: " + value + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
-                         + body)
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
-        head, _, rest = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 400"), answer
-        assert "is not a byte count" in json.loads(rest)["error"], rest
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_client_that_half_closes_after_its_request_gets_its_answer(front_door):
+    """As Triton 2.51 answers it (nc -N, socat, some probes and proxies half-close): the answer
+    comes, and the connection closes after it, with or without keep-alive. aiohttp closed the
+    connection on the FIN and cancelled the request: 0 bytes came back. A body cut short by the FIN
+    still closes the connection unanswered at once (it is not held for the body's stall timeout)."""
+    body = json.dumps({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist()}]})
+    for model in ("sum", "slow"):
+        for connection in (b"Connection: close\r\n", b""):
+            answer = _half_closed_exchange(front_door, b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\n%s"
+                                           b"Content-Length: %d\r\n\r\n%s" % (model.encode(), connection, len(body),
+                                                                            body.encode()))
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), (model, connection, answer)
+            assert json.loads(rest)["outputs"][0]["data"] == front_door.sdk(model, X).ravel().tolist()
+    assert _half_closed_exchange(front_door, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+        b"HTTP/1.1 200")
+    assert _half_closed_exchange(front_door, b"POST /v2/models/sum/infer HTTP/1.1\r\nHost: x\r\n"
+                                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10].encode())) == b""
 
 
 def test_a_stream_answers_in_the_order_its_requests_came(front_door):
@@ -1938,6 +1957,36 @@ def test_fuzzed_grpc_infer_gets_tritons_codes_never_an_internal_one_and_the_node
     np.testing.assert_array_equal(g.infer("sum", [_grpc_input(X)]).as_numpy("y"), front_door.sdk("sum", X))
 
 
+def test_a_request_protobuf_cannot_parse_is_internal_as_tritons_and_ends_a_stream_after_the_answers_before_it(
+        front_door):
+    """Bytes that are not the method's message (or a string field of invalid UTF-8) get Triton
+    2.51's INTERNAL "Unable to parse request" on every unary method (grpc.aio answered UNKNOWN
+    naming protobuf's DecodeError class); on a stream, as Triton's, the requests before it are
+    answered and the stream ends OK there (it failed, UNKNOWN)."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="sum")
+    request.inputs.add(name="x", datatype="FP32", shape=[3, 4])
+    request.raw_input_contents.append(X.tobytes())
+    good = request.SerializeToString()
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        # (field 1 is a string in the first three: its bytes are not UTF-8; ServerLive's request has no fields)
+        for method, junks in (("ModelInfer", 2), ("ModelMetadata", 2), ("SystemSharedMemoryStatus", 2), ("ServerLive", 1)):
+            call = ch.unary_unary(f"/inference.GRPCInferenceService/{method}")
+            for junk in (b"\xff\xff\xff", b"\x0a\x03\xff\xfe\xfd")[:junks]:
+                with pytest.raises(grpc.RpcError) as e:
+                    call(junk, timeout=30)
+                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, "Unable to parse request")
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        answers = stream(iter([good, b"\xff\xff\xff", good]), timeout=30)
+        got = [service_pb2.ModelStreamInferResponse.FromString(a) for a in answers]
+        assert answers.code() == grpc.StatusCode.OK
+    assert len(got) == 1 and got[0].error_message == ""
+    want = front_door.sdk("sum", X)
+    np.testing.assert_array_equal(np.frombuffer(got[0].infer_response.raw_output_contents[0], want.dtype), want.ravel())
+
+
 def test_bad_shm_region_is_not_found(front_door):
     g = tgrpc.InferenceServerClient(front_door.grpc_url)
     i = tgrpc.InferInput("x", [3, 4], "FP32")
@@ -2177,13 +2226,48 @@ def test_an_http_class_count_past_uint64_is_refused(front_door):
     assert r.status_code == 400 and b"expected an unsigned 64-bit integer" in r.read()
 
 
-def test_an_optional_member_that_is_null_reads_as_absent(front_door):
-    """``"parameters": null`` on the request, an input or an output means none, as leaving it out."""
-    body = {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist(),
-                        "parameters": None}], "outputs": [{"name": "y", "parameters": None}], "parameters": None}
-    r = thttp.InferenceServerClient(front_door.http_url)._post("v2/models/sum/infer", json.dumps(body), None, None)
+def test_a_tensors_null_parameters_read_as_absent_and_the_requests_own_id_and_parameters_may_not_be_null(
+        front_door):
+    """As Triton 2.51 reads them, side by side: ``"parameters": null`` on an input or an output
+    means none, as leaving it out; on the request, and a null ``id``, are refused (Triton: 500
+    "Unable to parse 'id': attempt to access JSON non-string as string"; here 400, as every
+    member of the wrong kind: docs/frontend.md). Both were served."""
+    tensors = {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": X.ravel().tolist(),
+                           "parameters": None}], "outputs": [{"name": "y", "parameters": None}]}
+    client = thttp.InferenceServerClient(front_door.http_url)
+    r = client._post("v2/models/sum/infer", json.dumps(tensors), None, None)
     assert r.status_code == 200, r.read()
     np.testing.assert_allclose(json.loads(r.read())["outputs"][0]["data"], front_door.sdk("sum", X).ravel())
+    for member in ("id", "parameters"):
+        r = client._post("v2/models/sum/infer", json.dumps({**tensors, member: None}), None, None)
+        assert r.status_code == 400 and json.loads(r.read())["error"].startswith(f"Unable to parse '{member}'"), member
+
+
+def test_repository_calls_naming_a_repository_answer_as_tritons(front_door):
+    """Triton 2.51, side by side: gRPC's index, load and unload naming a repository are
+    UNIMPLEMENTED "'repository_name' specification is not supported" (the index was answered);
+    over HTTP, load and unload under /v2/repository/<name>/ are 501 with those words, and the index
+    there is answered, as Triton's HTTP index does not read the name (all three were 404s)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    says = "'repository_name' specification is not supported"
+    with grpc.insecure_channel(front_door.grpc_url) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        for call, request in ((stub.RepositoryIndex, service_pb2.RepositoryIndexRequest(repository_name="r")),
+                              (stub.RepositoryModelLoad,
+                               service_pb2.RepositoryModelLoadRequest(repository_name="r", model_name="sum")),
+                              (stub.RepositoryModelUnload,
+                               service_pb2.RepositoryModelUnloadRequest(repository_name="r", model_name="sum"))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=30)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNIMPLEMENTED, says)
+    client = thttp.InferenceServerClient(front_door.http_url)
+    for action in ("load", "unload"):
+        r = client._post(f"v2/repository/r/models/sum/{action}", "{}", None, None)
+        assert (r.status_code, json.loads(r.read())) == (501, {"error": says})
+    r = client._post("v2/repository/r/index", "{}", None, None)
+    assert r.status_code == 200 and "sum" in {m["name"] for m in json.loads(r.read())}
 
 
 @pytest.mark.parametrize("case", list(MALFORMED_BODIES))
@@ -2632,13 +2716,27 @@ def test_the_dispatcher_and_the_front_door_run_on_their_configured_cpus():
     assert sum("::frontend" in t for t in procs.values()) == 2
 
 
-def test_a_header_length_is_plain_digits(front_door):
-    """Python's int() reads "6_9" as 69 and "+6" as 6: Triton takes digits only."""
-    body, n = _binary_body({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
-    for bad in (f"{n // 10}_{n % 10}", f"+{n}"):
-        status, _, text = _post_infer(front_door, body, header_length=bad)
-        assert status == 400 and b"is not a byte count" in text, (bad, text)
-    assert _post_infer(front_door, body, header_length=n)[0] == 200
+def test_a_header_length_is_read_as_tritons_atoi_reads_it(front_door):
+    """Triton 2.51 reads Inference-Header-Content-Length with std::atoi (side by side with a
+    tritonserver): digits after blanks and a sign, up to the first other character ("104abc" and
+    "+104" are 104, and were 400s here), wrapping past int32 as glibc's atoi does; no digits is
+    0, a raw binary request (so is another script's digit, "\u0663", once read as 3)."""
+    body, n = _binary_body({"inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 4],
+                                        "parameters": {"binary_data_size": X.nbytes}}]}, X.tobytes())
+    want = front_door.sdk("sum", X)
+    for value in (f"{n}abc", f"+{n}", f" {n}", f"0{n}", str(n + (1 << 32))):
+        status, headers, text = _post_infer(front_door, body, header_length=value)
+        assert status == 200, (value, text)
+        assert json.loads(text)["outputs"][0]["data"] == want.ravel().tolist(), (value, text)
+    item = X[:1]
+    for value in ("abc", "\u0663".encode().decode("latin-1"), "-0"):  # the body: one item's raw bytes
+        status, headers, text = _post_infer(front_door, item.tobytes(), header_length=value)
+        assert status == 200, (value, text)
+        n_head = int(headers["Inference-Header-Content-Length"])  # (a raw request's answer is binary)
+        want = front_door.sdk("sum", item)
+        assert np.frombuffer(text[n_head:], want.dtype).tolist() == want.ravel().tolist(), (value, text)
+    status, _, text = _post_infer(front_door, body, header_length=f"{n // 10}_{n % 10}")  # 10: JSON cut short
+    assert status == 400 and b"failed to parse the request JSON buffer" in text, text
 
 
 # ---------------------------------------------------------------- against Triton itself
