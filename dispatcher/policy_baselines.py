@@ -74,9 +74,10 @@ class Escape(PerModelPolicy):
 
 
 class TimeWindow(PerModelPolicy):
-    """Triton's dynamic-batcher rule: dispatch when ``max_batch`` items are queued or the oldest
-    request has waited ``max_delay``, to whichever worker is free (as Triton feeds whichever of
-    its KIND_CPU / KIND_GPU instances is free); otherwise wake when the delay runs out."""
+    """Triton's dynamic-batcher rule: dispatch when ``max_batch`` items (or the worker's max
+    batch, if smaller) are queued or the oldest request has waited ``max_delay``, to whichever
+    worker is free (as Triton feeds whichever of its KIND_CPU / KIND_GPU instances is free);
+    otherwise wake when the delay runs out."""
 
     def __init__(self, max_delay_s: float, max_batch: int):
         self.max_delay_s = max_delay_s
@@ -86,7 +87,10 @@ class TimeWindow(PerModelPolicy):
     def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
         targets = state.serving.get(model, ())
         for w in targets:
-            while w.free and q.requests and (q.items >= self.max_batch or state.closed
+            # A full batch is at most the worker's max batch, as Triton's is the model's
+            # max_batch_size: past it, a free worker waited out the delay beside full batches.
+            full = min(self.max_batch, w.models[model])
+            while w.free and q.requests and (q.items >= full or state.closed
                                              or now >= q.oldest_arrival() + self.max_delay_s):
                 if not send(state, d, w, q, self.max_batch, now):
                     break

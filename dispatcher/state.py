@@ -95,6 +95,19 @@ class ModelQueue:
         self.class_items[req.priority] -= req.items
         return True
 
+    def pop_newest_below(self, priority: int) -> Optional[Request]:
+        """The newest request of the lowest class below ``priority`` (a larger class number),
+        out of the queue; None where every queued request is of ``priority`` or above."""
+        for prio in range(N_PRIORITIES - 1, priority, -1):
+            dq = self.by_priority[prio]
+            if dq:
+                req = dq.pop()
+                self.requests -= 1
+                self.items -= req.items
+                self.class_items[prio] -= req.items
+                return req
+        return None
+
     def remove_many(self, reqs: list[Request]) -> None:
         """Remove ``reqs`` (all queued here): one pass over each class they are in, not a scan
         per request. A thousand requests expiring behind ten thousand patient ones of their class

@@ -169,6 +169,40 @@ def test_admission_bounds_the_queue_and_refuses_impossible_deadlines():
     assert type(got) is Rejected and got.status == Status.OVERLOADED
 
 
+def test_a_full_queue_takes_a_higher_priority_request_in_place_of_its_newest_lowest_one():
+    """High requests were OVERLOADED behind a queue full of low ones (one a departed client left
+    among them: 16 of 20 high requests refused behind 100 low; an outside review). Now the newest
+    request of the lowest class below the arrival's makes room, answered OVERLOADED; a request of
+    the lowest class queued (or of a class no queued request is below) is still refused."""
+    high, normal, low = 0, 1, 2
+    ends = Ends()
+    core = make_core(ends, max_queue=3)
+    core.state.workers["gpu0"].capacity = 0  # busy: requests queue
+    for rid in (1, 2, 3):
+        assert type(core.admit("m", 1, low, 1.0, 0.0, client=b"a", req_id=rid)) is not Rejected
+    assert type(core.admit("m", 1, high, 1.0, 0.0, client=b"b", req_id=4)) is not Rejected
+    assert ends.failed == {3: Status.OVERLOADED}  # the newest low one
+    got = core.admit("m", 1, low, 1.0, 0.0, client=b"a", req_id=5)
+    assert type(got) is Rejected and got.status == Status.OVERLOADED
+    assert type(core.admit("m", 1, normal, 1.0, 0.0, client=b"b", req_id=6)) is not Rejected
+    assert ends.failed == {3: Status.OVERLOADED, 2: Status.OVERLOADED}
+    got = core.admit("m", 1, low, 1.0, 0.0, client=b"a", req_id=7)
+    assert type(got) is Rejected and got.status == Status.OVERLOADED
+    assert type(core.admit("m", 1, high, 1.0, 0.0, client=b"b", req_id=8)) is not Rejected  # past the last low
+    assert ends.failed == {3: Status.OVERLOADED, 2: Status.OVERLOADED, 1: Status.OVERLOADED}
+    got = core.admit("m", 1, normal, 1.0, 0.0, client=b"b", req_id=9)  # nothing below normal is left
+    assert type(got) is Rejected and got.status == Status.OVERLOADED
+    q = core.state.queue("m")
+    assert q.requests == 3 and q.items == 3 and [len(c) for c in q.by_priority] == [2, 1, 0]
+    core.state.workers["gpu0"].capacity = 1
+    while core.state.queue("m").requests:
+        for batch in core.decide(0.5):
+            core.complete(batch.batch_id, 0.001, 0.5)
+            for r in batch.requests:
+                ends.finish(core, r)
+    assert ends.finished == {4, 6, 8} and not ends.twice
+
+
 def test_status_long_poll_is_due_on_registration_or_expiry():
     core = RequestCore(make_policy("greedy"), lambda *a: None)
     core.add_status_waiter("a", 1, 5.0)

@@ -54,6 +54,20 @@ def test_window_and_fixed_feed_every_free_worker(spec):
     assert st.queue("m").requests == 2
 
 
+@pytest.mark.parametrize("spec", ["window:500000,100", "window:300000,16", "fixed:100", "fixed:16"])
+def test_window_and_fixed_send_a_full_batch_of_a_worker_whose_max_batch_is_below_n(spec):
+    """A full batch is the worker's max batch where that is below N, as Triton's dynamic batcher
+    sends at the model's max_batch_size: with N past it, an idle worker beside 3 full batches
+    waited out the whole window (100 to 500 ms, live; an outside review)."""
+    st = SchedulerState()
+    st.costs[("m", "cpu")] = CostCurve(launch_s=1e-3, per_item_s=1e-3)
+    st.add_worker(WorkerState("cpu0", "cpu", {"m": 4}))
+    for i in range(12):
+        st.queue("m").push(Request(i, "m", 1, 1, 1.0, math.inf))
+    d = make_policy(spec).decide(st, 1.0)
+    assert sizes(d) == [("cpu0", 4)] and st.queue("m").requests == 8
+
+
 def test_make_policy_knows_escape():
     assert make_policy("escape:3").name == "escape:3"
     with pytest.raises(ValueError, match="escape:<K>"):
