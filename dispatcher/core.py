@@ -136,7 +136,7 @@ class RequestCore:
         timeout = timeout_s or self.default_timeout_s
         probe = False
         if not feasible(self.state, model, items, now + timeout, now):
-            if not self.state.probe_due(model, now):
+            if not (self.state.probe_due(model, now) or self.state.size_probe_due(model, items, now)):
                 return Rejected(Status.DEADLINE_EXCEEDED,
                                 f"no path can finish {items} item(s) of {model!r} within "
                                 f"{timeout * 1e3:.1f} ms (rejected on arrival)")

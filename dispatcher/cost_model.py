@@ -192,6 +192,11 @@ class CostCurve:
         return ((below is not None and k[0] / b > STALE_DEAR * self._knots[below][0] / below)
                 or (above is not None and k[0] > STALE_DEAR * self._knots[above][0]))
 
+    def largest_measured(self) -> int:
+        """The largest batch size measured (a knot's; a calibration point counts); 0 for none.
+        Past it, ``predict`` extrapolates."""
+        return self._sizes[-1] if self._sizes else 0
+
     def stale(self, b: int) -> bool:
         """Whether size ``b``'s knot was last measured more than ``STALE_SAMPLES`` samples ago."""
         return self.samples - self._seen.get(b, 0) > STALE_SAMPLES

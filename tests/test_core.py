@@ -874,6 +874,38 @@ def test_a_model_its_curves_call_too_slow_for_every_timeout_is_probed_once_a_sec
     assert not ends.twice
 
 
+def test_a_request_of_a_size_never_measured_is_probed_though_other_sizes_keep_teaching_the_curve():
+    """A line fitted at B=1 alone cannot tell launch from per-item time: with one-item requests
+    always flowing (so the model's once-a-second probe never came due), every 64-item request was
+    refused on arrival on a prediction of 197 ms against a true 69 ms (live, SIMULATED worker at
+    5 ms + 1 ms an item; an outside review). One such request a second is now run as a probe, and
+    once its size is measured the next is judged on the measurement."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)
+    core.add_worker(WorkerState("w", "cpu", {"m": 64}), 0.0)
+    curve = core.state.cost("m", "cpu")
+    curve.launch_s, curve.per_item_s = 0.003, 0.003  # as the review's dispatcher had split T(1)
+    for _ in range(50):
+        curve.observe(1, 0.006)
+    assert curve.predict(64) > 0.15
+    now = 0.0
+    core.state.learned_at["m"] = now  # a one-item batch just taught the curve: no model probe due
+    big = core.admit("m", 64, 1, 0.1035, now, req_id=1)
+    assert type(big) is not Rejected and big.probe
+    second = core.admit("m", 64, 1, 0.1035, now + 0.001, req_id=2)  # within the second: refused
+    assert type(second) is Rejected and second.status == Status.DEADLINE_EXCEEDED
+    (batch,) = core.decide(now + 0.001)
+    assert batch.requests == [big]  # run, not shed as late
+    core.complete(batch.batch_id, 0.069, now + 0.070)
+    ends.finish(core, big)
+    assert curve.largest_measured() == 64
+    core.state.learned_at["m"] = now + 0.9
+    for rid in range(3, 13):  # measured now: admitted on the curve itself, as no probe
+        got = core.admit("m", 64, 1, 0.1035, now + 0.9 + rid * 1e-3, req_id=rid)
+        assert type(got) is not Rejected and not got.probe, got
+    assert ends.finished == {1} and not ends.twice
+
+
 @pytest.mark.parametrize("ending", ["served", "cancelled"])
 def test_a_request_that_ended_holds_no_payload_however_long_its_deadline(ending):
     """MCB's deadline index held every request until its deadline passed and reached the top of
