@@ -70,3 +70,7 @@ class DeadlineIndex:
             # 64 KiB requests). Still queued, it is at most walked again by ``sync``.
             self._known.discard(heapq.heappop(h)[2])
         return h[0][0] if h else math.inf
+
+    def tightest_request(self, now: float):
+        """The request of ``tightest``'s deadline (None if none)."""
+        return self._heap[0][2] if self.tightest(now) < math.inf else None

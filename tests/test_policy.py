@@ -710,19 +710,44 @@ def test_a_deadline_at_stake_may_use_the_worker_mcb_reserves_for_urgent_arrivals
 
 
 @pytest.mark.parametrize("gpu_busy_s", [0.0, 8e-3])
-def test_a_reserved_worker_is_lent_no_batch_bigger_than_the_reservation_allows(gpu_busy_s):
+def test_a_reserved_worker_is_the_escape_route_of_a_request_no_eligible_worker_could_end_in_time(gpu_busy_s):
     """60 urgent requests/s allow the reserved CPU batches of one item (60/s x 0.1 ms); a 3-item
-    low request went there whole (8b), met by an urgent arrival 1.8 % of the time."""
+    low request due in 5 ms is more than that, but the GPU (10 ms) could not have ended it had it
+    started at its arrival: the CPU is its only way out, and takes it. Kept for urgent arrivals,
+    such requests failed beside the idle CPU (live, SIMULATED devices: 167 of 168 low requests of
+    15 ms timeouts, the CPU busy 20 % of the time; an outside review)."""
     from batchyard.policy_mcb import RESERVE_BLOCKING
 
     st = _cpu_reserved_for_urgent_arrivals(gpu_busy_s)
     st.queue("m").push(Request(1, "m", 3, 2, 0.0, 5e-3))  # low, 3 items, 5 ms
-    d = MarginalCost().decide(st, 0.0)
     lam_u = st.urgent_rate("m", 0.0)
-    assert lam_u * st.cost("m", "cpu").predict(3) > RESERVE_BLOCKING  # (what the reservation refuses)
-    # Kept for urgent arrivals: the request is not lent the CPU (the GPU cannot end it in time
-    # either: it fails at its deadline, as the reservation's rule has it).
-    assert d.dispatches == []
+    assert lam_u * st.cost("m", "cpu").predict(3) > RESERVE_BLOCKING  # (what the reservation alone refuses)
+    d = MarginalCost().decide(st, 0.0)
+    assert not d.late
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("cpu0", [1])]
+
+
+@pytest.mark.parametrize("low_per_s, lent", [(100.0, True), (10_000.0, False)])
+def test_a_reserved_worker_takes_a_deadline_at_stake_far_from_a_flood_only(low_per_s, lent):
+    """600 urgent requests/s keep the CPU (6 % of its time for lone urgent arrivals, past the
+    reservation's 1 %). A low request due in 12 ms that the GPU could have ended in time, at
+    stake because the GPU is busy until 8 ms: lent the CPU while urgent and low arrivals together
+    would keep it busy at most LEND_LOAD of the time (7 % at 100 low/s; failed, 77 of 201 low
+    requests of 25 ms timeouts waited for the GPU beside the CPU, live, SIMULATED; an outside
+    review), not under a flood (106 %), whose lent batches took the high class's p99 from 1.00 to
+    2.14 times its own (sim_report)."""
+    from batchyard.policy_mcb import URGENT_RATE
+
+    st = _slow_gpu_fast_cpu()
+    st.arrivals["m#urgent"] = ArrivalRate(tau_s=0.25, initial=30 * URGENT_RATE)
+    st.arrivals["m#urgent"]._t = 0.0
+    st.arrivals["m#low"] = ArrivalRate(tau_s=0.25, initial=low_per_s)
+    st.arrivals["m#low"]._t = 0.0
+    gpu = st.workers["gpu0"]
+    gpu.inflight, gpu.busy_until = 1, 8e-3
+    st.queue("m").push(Request(1, "m", 1, 2, 0.0, 12e-3))  # low, 12 ms: the GPU's plan ends at ~18 ms
+    d = MarginalCost().decide(st, 0.0)
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == ([("cpu0", [1])] if lent else [])
 
 
 @pytest.mark.parametrize("quiet_s, lent", [(5e-3, False), (0.2, True)])
@@ -737,7 +762,14 @@ def test_the_reservation_for_urgent_arrivals_lapses_once_their_stream_has_gone_q
     for i in range(170):
         st.note_arrival("m", 1, 1, i * 0.5 / 170)
     now = 169 * 0.5 / 170 + quiet_s
-    st.queue("m").push(Request(1, "m", 1, 2, now, now + 5e-3))  # low, 5 ms: the GPU takes 10
+    # A low flood beside, and a GPU busy for 8 ms more: a low request due in 15 ms, which the GPU
+    # alone could have ended in time (10 ms), is at stake, and the held CPU is not lent to it
+    # (MarginalCost._lendable); one the GPU could not have ended is, held or not.
+    st.arrivals["m#low"] = ArrivalRate(tau_s=0.25, initial=10_000.0)
+    st.arrivals["m#low"]._t = now
+    gpu = st.workers["gpu0"]
+    gpu.inflight, gpu.busy_until = 1, now + 8e-3
+    st.queue("m").push(Request(1, "m", 1, 2, now, now + 15e-3))
     d = MarginalCost().decide(st, now)
     assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == ([("cpu0", [1])] if lent else [])
 
