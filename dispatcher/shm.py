@@ -123,7 +123,14 @@ class Segment:
                                f"(replaced since; register it again)")
             mm = None
             if SegmentCache.maps(st) and st.st_size:
-                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+                try:
+                    mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+                except (ValueError, OSError) as e:
+                    # Shrunk by its client since the fstat ("mmap length is greater than file
+                    # size"), or too large to map: the request's fault, not the worker's end (a
+                    # client shrinking and growing its segment in a loop took a worker down 3
+                    # times in 2 runs with this ValueError; an outside review).
+                    raise ShmError(f"cannot map shared-memory segment {name!r}: {e}") from None
         except BaseException:
             os.close(fd)
             raise

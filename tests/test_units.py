@@ -247,6 +247,31 @@ def test_segment_cache_reports_missing_and_out_of_bounds():
         pool.close()
 
 
+def test_a_segment_shrunk_between_its_fstat_and_its_mapping_is_the_requests_shm_error(monkeypatch):
+    """A client shrinking its segment in a loop raced the worker's fstat and mmap: the mmap's
+    ValueError ("mmap length is greater than file size") was no ShmError, so it ended the worker
+    (3 restarts in 2 runs; an outside review) instead of failing the request INVALID_ARGUMENT."""
+    import batchyard.shm as shm_module
+
+    pool = ShmPool(segment_bytes=4096)
+    cache = SegmentCache()
+    real_fstat = os.fstat
+
+    def fstat_then_shrunk(fd):  # the size seen before the client shrank the file
+        st = real_fstat(fd)
+        return os.stat_result((*st[:6], st.st_size + (1 << 20), *st[7:]))
+
+    try:
+        r = pool.alloc(128)
+        monkeypatch.setattr(shm_module.os, "fstat", fstat_then_shrunk)
+        with pytest.raises(ShmError, match="cannot map shared-memory segment"):
+            cache.view(r.segment, r.offset, 4)
+    finally:
+        monkeypatch.undo()
+        cache.close()
+        pool.close()
+
+
 def test_reap_orphans_removes_only_segments_no_live_owner_holds():
     # In a folder of its own: a dispatcher running beside the test (its orphan sweep reaps the
     # shared /dev/shm) took the dead owner's segment first, and this reap's list missed it.
