@@ -58,6 +58,12 @@ _PR_SET_PDEATHSIG = 1
 # its children to PR_SET_PDEATHSIG, with no drain and no cleanup.
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 RESTART_BACKOFF_MAX_S = 10.0
+# A child that ran this long since its start has its restarts in a row forgotten: its next death
+# is restarted at once. One that dies sooner is restarted after a back-off doubling from 0.5 s
+# to RESTART_BACKOFF_MAX_S. (Counted from 5 s, a model that loads for longer, as real ones do,
+# and then died at its first batch was restarted at once for ever: 9 restarts a minute, each
+# loading its weights again; an outside review.)
+RESTART_STABLE_S = 60.0
 STOP_TIMEOUT_S = 10.0  # for each group of children in turn: front doors, the dispatcher, workers
 # The dispatcher's stop waits at least its drain_timeout_s plus this (SIGKILL cut a longer drain).
 DRAIN_MARGIN_S = 5.0
@@ -289,6 +295,11 @@ class LostWorkers:
             for pid in self._seen - registered:
                 self._out_since.setdefault(pid, now)
 
+    def seen(self, pid: int) -> bool:
+        """Whether ``pid`` was seen registered."""
+        with self._lock:
+            return pid in self._seen
+
     def lost(self) -> dict[int, float]:
         """pid -> seconds out of rotation, of the workers out at least ``grace_s`` by the latest answer."""
         with self._lock:
@@ -329,6 +340,14 @@ class LostWorkers:
             self._thread.join(READY_REPLY_S)
 
 
+def restart_delay(restarts: int, ran_s: float) -> tuple[float, int]:
+    """(seconds to wait before starting a child again, its count of restarts in a row then), for
+    a child that died after ``ran_s`` seconds, ``restarts`` restarts in a row so far."""
+    if ran_s >= RESTART_STABLE_S:
+        return 0.0, 0
+    return min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** restarts), restarts + 1
+
+
 class Supervisor:
     def __init__(self, config_path: str | Path, node: NodeConfig, log_level: str = "INFO",
                  child_watchdog: bool = False):
@@ -338,8 +357,11 @@ class Supervisor:
         self.dispatcher: Optional[subprocess.Popen] = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
-        self.given_up: set[str] = set()
         self._last_start: dict[str, float] = {}
+        # A child started again after the node was ready -> by when it must have registered (a
+        # worker) or said READY=1 (a front door); past it, it is hung starting, and killed.
+        self._starting: dict[int, float] = {}
+        self.start_timeout_s = READY_TIMEOUT_S
         self._notifications: Optional[ChildNotifications] = None
         # Only where run_forever reads the pings (run_up): running_node's children pinged nobody.
         self.child_watchdog_s = child_watchdog_s() if child_watchdog else None
@@ -395,7 +417,7 @@ class Supervisor:
             env = {NODE_INSTANCE_ENV: self.instance} | (self._watchdog_env() if self._notifications is not None else {})
         self.workers[name] = self._spawn(*args, python=self._python(name), env=env)
         self._last_start[name] = time.monotonic()
-        log.info("started worker %s (pid %d)", name, self.workers[name].pid)
+        log.info("started %s %s (pid %d)", "front door" if front_door else "worker", name, self.workers[name].pid)
 
     def _python(self, name: str) -> str:
         """A vLLM worker runs under the interpreter that has vLLM (its own virtualenv: vLLM's CPU
@@ -523,37 +545,38 @@ class Supervisor:
                 now = time.monotonic()
                 wake_at = self._end_hung(now)
                 for name, proc in list(self.workers.items()):
-                    if proc.poll() is None or name in pending_restart or name in self.given_up:
+                    if proc.poll() is None or name in pending_restart:
                         continue
                     self._notifications.forget(proc.pid)
                     self._aborted.pop(proc.pid, None)
                     self._killed.pop(proc.pid, None)
-                    if proc.returncode == EX_CONFIG:
-                        if name.startswith(FRONTEND_NAME):
-                            # Given up, its ports stayed dead while `up` went on pinging the
-                            # watchdog: a unit systemd saw healthy served no KServe client.
-                            log.error("front door %s cannot run on this host as configured (exit %d, see its "
-                                      "log); stopping the node", name, EX_CONFIG)
-                            return EX_CONFIG
-                        log.error("worker %s cannot run on this host as configured (exit %d, see its log); "
-                                  "not restarting it", name, EX_CONFIG)
-                        self.given_up.add(name)
-                        continue
-                    # Back off only when a worker keeps dying right after start.
-                    quick = now - self._last_start.get(name, 0.0) < 5.0
-                    n = self.restarts.get(name, 0)
-                    delay = min(RESTART_BACKOFF_MAX_S, 0.5 * 2 ** n) if quick else 0.0
-                    self.restarts[name] = n + 1 if quick else 0
+                    self._starting.pop(proc.pid, None)
+                    kind = "front door" if name.startswith(FRONTEND_NAME) else "worker"
+                    if proc.returncode == EX_CONFIG and kind == "front door":
+                        # Given up, its ports stayed dead while `up` went on pinging the
+                        # watchdog: a unit systemd saw healthy served no KServe client.
+                        log.error("front door %s cannot run on this host as configured (exit %d, see its "
+                                  "log); stopping the node", name, EX_CONFIG)
+                        return EX_CONFIG
+                    # A worker's EX_CONFIG after the node was ready comes of the same config that
+                    # started it (up's snapshot): of the host, or of its model's factory failing for
+                    # a while, which a restart may get past. Given up for good, a worker whose
+                    # factory raised once was gone while systemd saw a healthy node (an outside
+                    # review); restarted with the back-off, it comes back once the cause goes.
+                    delay, self.restarts[name] = restart_delay(self.restarts.get(name, 0),
+                                                               now - self._last_start.get(name, 0.0))
                     why = (" (killed by up: hung)" if proc.pid in self._ended else
-                           " (the dispatcher declared it hung)" if proc.returncode == EX_SOFTWARE else "")
+                           " (the dispatcher declared it hung)" if proc.returncode == EX_SOFTWARE else
+                           " (it cannot start as configured: see its log)" if proc.returncode == EX_CONFIG else "")
                     self._ended.discard(proc.pid)
-                    log.warning("worker %s (pid %d) exited with %s%s; restart in %.1f s",
-                                name, proc.pid, proc.returncode, why, delay)
+                    log.warning("%s %s (pid %d) exited with %s%s; restart in %.1f s",
+                                kind, name, proc.pid, proc.returncode, why, delay)
                     pending_restart[name] = now + delay
                 for name, at in list(pending_restart.items()):
                     if at <= now:
                         del pending_restart[name]
                         self.start_worker(name)
+                        self._starting[self.workers[name].pid] = now + self.start_timeout_s
                 self._lost.watch(self._worker_pids(pending_restart), restarting=bool(pending_restart))
                 wake_at += list(pending_restart.values())
                 if watchdog_s is not None:
@@ -618,6 +641,23 @@ class Supervisor:
                     wake_at.append(self._killed[proc.pid] + 1.0)
             else:
                 wake_at.append(aborted + CHILD_ABORT_GRACE_S)
+        for pid, due in list(self._starting.items()):
+            name = next((n for n, p in self.workers.items() if p.pid == pid and p.poll() is None), None)
+            front_door = name is not None and name.startswith(FRONTEND_NAME)
+            if name is None or (self._notifications.ready_among({pid}) if front_door else self._lost.seen(pid)):
+                del self._starting[pid]  # up and serving (or gone: its death is news of its own)
+            elif now >= due:
+                # A restart hanging in its start (a model factory that never returns) was never
+                # noticed: no registration, so never lost, and its model's requests waited out
+                # their deadlines (an outside review). The node's first start has wait_ready's.
+                log.error("%s %s (pid %d) not %s %.0f s after its start: hung starting; killing it",
+                          "front door" if front_door else "worker", name, pid,
+                          "serving" if front_door else "registered", now - self._last_start[name])
+                del self._starting[pid]
+                self._ended.add(pid)
+                self.workers[name].kill()
+            else:
+                wake_at.append(due)
         for pid, out_s in self._lost.lost().items():
             name = next((n for n, p in self.workers.items() if p.pid == pid and p.poll() is None), None)
             if name is not None and pid not in self._ended:
@@ -762,7 +802,11 @@ def run_up(config_path: str, node: NodeConfig, log_level: str = "INFO",
             log.error("node did not start: %s", why)
             return e.exit_code if isinstance(e, NodeNotReady) else 1
         log.info("node ready: %d workers, models %s", len(st.workers), st.models)
-        print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
+        try:
+            print(f"batchyard up: ready, clients connect to {node.dispatcher.frontend}", flush=True)
+        except OSError as e:  # nobody reads stdout any more (`up | head`): not the node's failure
+            log.warning("cannot write the ready line to stdout (%s); serving on", e)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor a second failure at exit)
         notify(f"READY=1\nSTATUS=ready: {len(st.workers)} workers, clients at {node.dispatcher.frontend}")
         return sup.run_forever()
     finally:

@@ -95,3 +95,11 @@ def out_of_memory(spec=None) -> nn.Module:
 def store_down(spec=None) -> nn.Module:
     """Its weights store refuses the connection: a failure a restart may not meet again."""
     raise ConnectionRefusedError("the weights store refused the connection")
+
+
+def fails_while_flagged(spec=None) -> nn.Module:
+    """Raises while the file BATCHYARD_TEST_FAIL_FLAG names exists (a factory failing for a while:
+    tests/test_up_lifecycle.py); else ``Poisoned``."""
+    if os.path.exists(os.environ.get("BATCHYARD_TEST_FAIL_FLAG", "")):
+        raise RuntimeError("the test's flag is up")
+    return Poisoned()

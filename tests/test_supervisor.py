@@ -416,6 +416,28 @@ def test_up_tells_systemd_it_is_ready_and_alive(run_dir, notify_socket):
             up.wait()
 
 
+def test_up_whose_stdout_nobody_reads_serves_on(run_dir, notify_socket):
+    """`batchyard up ... | head -c 0`: the ready line's write failed (EPIPE), and `up` stopped the
+    node with a traceback instead of telling systemd it was ready (an outside review)."""
+    path, recv = notify_socket
+    node, up = spawn_up(run_dir, [sim_worker("w0", ("sum",))], [SUM_MODEL], env=_spawn_env(path, 200_000),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        up.stdout.close()  # nobody reads it
+        pid, msg = recv(180)
+        assert (pid, msg.splitlines()[0]) == (up.pid, "READY=1"), (msg, up.stderr.read() if up.poll() else "")
+        with Client(node.dispatcher.frontend) as c:
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[4.0, 4.0]]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+        log = up.stderr.read()
+        assert b"cannot write the ready line" in log and b"Traceback" not in log, log
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
 def test_dispatcher_tells_systemd_it_is_ready_and_alive(run_dir, notify_socket):
     path, recv = notify_socket
     node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be"),

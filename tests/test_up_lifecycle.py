@@ -34,7 +34,8 @@ from conftest import ROOT, SUM_MODEL, free_port, sim_worker
 
 # ---------------------------------------------------------------- helpers
 
-def _up(run_dir, workers, frontend=False, env=None, new_session=False, **dkw) -> tuple[NodeConfig, subprocess.Popen]:
+def _up(run_dir, workers, frontend=False, env=None, new_session=False, models=(SUM_MODEL,),
+        **dkw) -> tuple[NodeConfig, subprocess.Popen]:
     """A `batchyard up` on private ipc paths (and, with ``frontend``, an HTTP-only front door),
     stderr piped for its log; returns once it said ready. ``new_session``: `up` leads a process
     group of its own, as in a terminal (a signal to the group spares the tests)."""
@@ -42,7 +43,7 @@ def _up(run_dir, workers, frontend=False, env=None, new_session=False, **dkw) ->
     dkw.setdefault("worker_dead_after_s", 0.6)
     fe = FrontendConfig(grpc_port=0, http_port=free_port()) if frontend else None
     node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{run_dir}/fe", backend=f"ipc://{run_dir}/be", **dkw),
-                      models=(SUM_MODEL,), workers=tuple(workers), frontend=fe).validate()
+                      models=tuple(models), workers=tuple(workers), frontend=fe).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(node))
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
@@ -212,6 +213,82 @@ def test_up_kills_and_restarts_a_worker_that_hangs(run_dir):
         if victim is not None and psutil.pid_exists(victim):
             os.kill(victim, signal.SIGKILL)
         _kill(up)
+
+
+def test_a_worker_whose_factory_fails_at_a_restart_is_started_again_with_a_back_off_until_it_starts(run_dir):
+    """A restart whose model factory raised (exit 78) was given up for good, the node serving on
+    without the worker while systemd saw it healthy (an outside review); the config is the one
+    that started it, so the cause is of the moment: restarted with the back-off, it comes back."""
+    from batchyard.config import ModelConfig, TensorConfig, WorkerConfig
+
+    flag = Path(run_dir) / "fail"
+    model = ModelConfig(name="sum", factory="tests.poison_model:fails_while_flagged", max_batch=4,
+                        inputs=(TensorConfig("x", "float32", (4,)),), outputs=(TensorConfig("y", "float32", (2,)),))
+    worker = WorkerConfig(name="w0", kind="amx", models=("sum",), threads=1, warmup_sizes=(1,))
+    node, up = _up(run_dir, [worker], models=(model,), env=os.environ | {"BATCHYARD_TEST_FAIL_FLAG": str(flag)})
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            st = c.status()
+            flag.touch()
+            os.kill(st.workers[0].pid, signal.SIGKILL)
+            said = _line_with(up.stderr, b"cannot start as configured", 120)
+            assert b"restart in" in said, said
+            flag.unlink()
+            back = c.status(min_registrations=st.registrations + 1, wait=120)
+            assert [w.name for w in back.workers] == ["w0"] and back.workers[0].pid != st.workers[0].pid
+            assert c.infer("sum", {"x": np.ones((1, 4), np.float32)})["y"].tolist() == [[2.0, 2.0]]
+        assert _stop(up) < 30 and up.returncode == 0
+    finally:
+        _kill(up)
+
+
+def test_a_child_that_keeps_dying_is_restarted_with_a_back_off_until_it_ran_a_minute():
+    """Backed off only when it died within 5 s of its start, a worker that loads its model for
+    longer (real ones do) and dies at its first batch was restarted at once for ever: 9 restarts
+    a minute (an outside review)."""
+    delays, n = [], 0
+    for _ in range(7):
+        delay, n = supervisor.restart_delay(n, ran_s=7.0)
+        delays.append(delay)
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert supervisor.restart_delay(n, ran_s=supervisor.RESTART_STABLE_S) == (0.0, 0)
+
+
+def test_a_restart_that_hangs_in_its_start_is_killed_past_the_start_timeout(tmp_path):
+    """A restarted worker whose factory never returned was never noticed (never registered, so
+    never lost) and its model's requests waited out their deadlines (an outside review)."""
+    node = NodeConfig(dispatcher=DispatcherConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be"),
+                      models=(SUM_MODEL,), workers=(sim_worker("w0", ("sum",)),)).validate()
+    sup = supervisor.Supervisor(tmp_path / "node.toml", node)
+
+    class Nobody:  # no ping, no READY=1, no registration
+        alive_at: dict = {}
+
+        @staticmethod
+        def ready_among(pids):
+            return set()
+
+        @staticmethod
+        def seen(pid):
+            return False
+
+        @staticmethod
+        def lost():
+            return {}
+
+    sup._notifications = sup._lost = Nobody()
+    stuck = subprocess.Popen(["sleep", "600"])
+    try:
+        sup.dispatcher = stuck  # (watched for pings: it sends none, so it is left alone)
+        sup.workers["w0"] = stuck
+        sup._last_start["w0"] = 0.0
+        sup._starting[stuck.pid] = sup.start_timeout_s
+        assert sup._end_hung(sup.start_timeout_s - 1.0)[-1] == sup.start_timeout_s  # a wake-up then
+        assert stuck.poll() is None
+        sup._end_hung(sup.start_timeout_s)
+        assert stuck.wait(10) == -signal.SIGKILL and stuck.pid in sup._ended and not sup._starting
+    finally:
+        _kill(stuck)
 
 
 def test_a_restarted_worker_runs_the_config_up_started_with_not_the_file_edited_since(run_dir):
