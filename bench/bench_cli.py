@@ -4,6 +4,7 @@ arguments are declared in bench/commands.py."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -163,6 +164,37 @@ def main(args) -> int:
         raise SystemExit("bench: choose a load: --concurrency, --request-rate, --sweep-rates, "
                          "--request-intervals or --profile")
     reports, gone = [], []
+    try:
+        _run_all(args, address, rates, reports, gone)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Ctrl-C, or SIGTERM (cli.exit_on_sigterm's SystemExit): one line, and the loads measured
+        # whole written (a traceback said it, and a sweep's finished rates were lost).
+        code = 130 if isinstance(e, KeyboardInterrupt) else e.code
+        if isinstance(e, SystemExit) and code != 128 + signal.SIGTERM:
+            raise  # the harness's own words for a failure
+        print(f"batchyard bench: interrupted{'' if reports else ', nothing measured'}", file=sys.stderr)
+        if reports and args.out:
+            write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model} (interrupted)")
+            print(f"(the {len(reports)} loads measured whole written to {Path(args.out)}/)", file=sys.stderr)
+        return code
+    print()
+    print(table(reports))
+    if args.out:
+        write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model}")
+        print(f"(written to {Path(args.out)}/)")
+    lost = sum(unavailable_of_sent(r) for r in reports)
+    if lost:  # the node went away or could not be reached mid-run: the numbers do not measure it (it exited 0)
+        print(f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE (the node went away or "
+              "could not be reached): the run does not measure it", file=sys.stderr)
+    if gone:
+        print(f"bench: the node stopped answering during {', '.join(gone)} (it went away): the run does not "
+              "measure it", file=sys.stderr)
+    return 1 if lost or gone else 0
+
+
+def _run_all(args, address: str, rates: list, reports: list, gone: list) -> None:
+    """Every load of the run, one after the other, each's report appended to ``reports`` once
+    measured whole (and its label to ``gone`` where the node stopped answering after it)."""
     for policy, address, keys in _targets(args, address):
         for rate in rates:
             spec = spec_from(args, rate)
@@ -181,16 +213,3 @@ def main(args) -> int:
             # left no UNAVAILABLE behind, and the run exited 0 with nothing measured.
             if not node_answers(address, keys, args.target):
                 gone.append(label)
-    print()
-    print(table(reports))
-    if args.out:
-        write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model}")
-        print(f"(written to {Path(args.out)}/)")
-    lost = sum(unavailable_of_sent(r) for r in reports)
-    if lost:  # the node went away or could not be reached mid-run: the numbers do not measure it (it exited 0)
-        print(f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE (the node went away or "
-              "could not be reached): the run does not measure it", file=sys.stderr)
-    if gone:
-        print(f"bench: the node stopped answering during {', '.join(gone)} (it went away): the run does not "
-              "measure it", file=sys.stderr)
-    return 1 if lost or gone else 0

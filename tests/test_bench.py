@@ -187,6 +187,37 @@ def test_a_node_gone_mid_run_is_counted_and_makes_bench_exit_1(monkeypatch, caps
     assert f"bench: {lost} requests sent in the measured windows failed UNAVAILABLE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (SystemExit(143), 143)])
+def test_a_sweep_interrupted_writes_the_loads_it_measured_whole_and_says_so_in_one_line(monkeypatch, capsys,
+                                                                                       tmp_path, stop, code):
+    """Ctrl-C during a sweep's second rate printed a KeyboardInterrupt traceback, died of the
+    signal, and wrote nothing, the first rate's measurement lost with it; SIGTERM (SystemExit 143,
+    cli.exit_on_sigterm) wrote nothing either (an outside review)."""
+    from batchyard.bench import bench_cli
+    from batchyard.cli import build_parser
+
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=2.0, windows=1, stable_windows=1)
+    sent = schedule(spec)[0]
+    calls = []
+
+    def run_load(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise stop
+        return rows_of(sent, 1000.0)
+
+    monkeypatch.setattr(bench_cli, "run_load", run_load)
+    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys, target: True)
+    args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--sweep-rates",
+                                      "50,60", "--distribution", "constant", "--warmup", "1", "--window", "2",
+                                      "--windows", "1", "--out", str(tmp_path / "out")])
+    assert bench_cli.main(args) == code
+    err = capsys.readouterr().err
+    assert "batchyard bench: interrupted" in err and "Traceback" not in err, err
+    written = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    assert "@50/s" in json.dumps(written) and "@60/s" not in json.dumps(written)
+
+
 @pytest.mark.parametrize("answers", [True, False])
 def test_a_node_gone_between_requests_makes_bench_exit_1_though_none_failed_unavailable(monkeypatch, capsys, answers):
     """Killed between two requests (or in the warm-up), a node leaves none running to fail
