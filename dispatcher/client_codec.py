@@ -270,9 +270,16 @@ class EncodedInputs:
 
 
 def checked_inputs(inputs) -> Mapping:
+    """``inputs`` with plain str names (a numpy or pandas string, a str subclass, is one; it
+    was a TypeError from the encoder, and each such call leaked the pool it had taken)."""
     if not isinstance(inputs, Mapping):
         raise InvalidArgument(f"inputs must be a dict of input name -> array, got {type(inputs).__name__}")
-    return inputs
+    if all(type(name) is str for name in inputs):
+        return inputs
+    if not all(isinstance(name, str) for name in inputs):
+        bad = next(name for name in inputs if not isinstance(name, str))
+        raise InvalidArgument(f"input names must be strings, got {type(bad).__name__} {bad!r}")
+    return {str(name): value for name, value in inputs.items()}
 
 
 def refused(e: ShmError) -> Overloaded:
@@ -489,18 +496,22 @@ class ClientCodec:
                 refs, frames, used, n_items = encoded.refs, encoded.frames, encoded.used, encoded.n_items
             self._refuse_over_inline_limit(frames)
             self._output_regions(model, n_items, outputs, out_refs, used)
+            rid = self.next_id()
+            try:
+                header = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=rid, model=str(model), inputs=refs,
+                                                 priority=priority, timeout_us=timeout_us(timeout),
+                                                 outputs=out_refs))
+            except (TypeError, ValueError) as e:  # (UnicodeEncodeError: a name with a lone surrogate)
+                raise InvalidArgument(f"the request cannot be encoded: {e}") from None
         except BaseException as e:
-            # Refused half-way (a later input's dtype, a full /dev/shm): what was allocated for the
-            # earlier ones goes back, or each refused call leaked it (and the pool grew a segment).
+            # Refused half-way (a later input's dtype, a full /dev/shm, a name the encoder refuses):
+            # what was allocated for the earlier ones goes back, or each refused call leaked it
+            # (and the pool grew a segment).
             for region in (*regions, *outputs.values()):
                 self.free(region)
             if isinstance(e, ShmError):
                 raise refused(e) from None
             raise
-        rid = self.next_id()
-        header = P.encode(P.InferRequest(v=P.PROTOCOL_VERSION, id=rid, model=model, inputs=refs,
-                                         priority=priority, timeout_us=timeout_us(timeout),
-                                         outputs=out_refs))
         return rid, [header, *frames], regions, outputs, timeout, used - self.granted
 
     def encode_inputs(self, inputs) -> EncodedInputs:
