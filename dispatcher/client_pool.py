@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import collections
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -36,12 +38,26 @@ class ShmPool:
         self._segments: dict[str, Segment] = {}
         self._free: dict[str, list[tuple[int, int]]] = {}  # sorted (offset, size) per segment
         self._lock = threading.Lock()
+        self._holder = None  # the thread holding _lock
+        self._deferred: collections.deque = collections.deque()  # frees that came while it held it
         self._closed = False
         atexit.register(self.close)
 
+    @contextlib.contextmanager
+    def _held(self):
+        """The lock, and at its release the frees deferred meanwhile (``free``)."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                while self._deferred:
+                    self._free_locked(self._deferred.popleft())
+                self._holder = None
+
     def alloc(self, nbytes: int) -> Region:
         size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        with self._lock:
+        with self._held():
             if self._closed:  # the client's: its alloc_array and requests after close() get its error
                 raise Cancelled("client closed")
             for name, free in self._free.items():
@@ -59,23 +75,33 @@ class ShmPool:
             return Region(seg.name, ALIGN, nbytes)
 
     def free(self, region: Region) -> None:
+        if self._holder == threading.get_ident():
+            # A result array's finalizer, run by a garbage collection that started inside this
+            # thread's own alloc or free: waiting for the lock, the thread waited on itself for
+            # ever (an outside review; on the I/O thread it would have stopped every request).
+            # Freed when that alloc or free lets the lock go.
+            self._deferred.append(region)
+            return
+        with self._held():
+            self._free_locked(region)
+
+    def _free_locked(self, region: Region) -> None:
         size = max(ALIGN, (region.nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        with self._lock:
-            free = self._free.get(region.segment)
-            if free is None:
-                return
-            i = bisect.bisect_left(free, (region.offset, 0))
-            free.insert(i, (region.offset, size))
-            # Coalesce with the right, then the left neighbour.
-            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-                free[i] = (free[i][0], free[i][1] + free[i + 1][1])
-                del free[i + 1]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-                free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
-                del free[i]
-            seg = self._segments[region.segment]
-            if seg.size > self.segment_bytes and free == [(ALIGN, seg.size - ALIGN)]:
-                self._keep_largest_spares()
+        free = self._free.get(region.segment)
+        if free is None:
+            return
+        i = bisect.bisect_left(free, (region.offset, 0))
+        free.insert(i, (region.offset, size))
+        # Coalesce with the right, then the left neighbour.
+        if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+            free[i] = (free[i][0], free[i][1] + free[i + 1][1])
+            del free[i + 1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+            del free[i]
+        seg = self._segments[region.segment]
+        if seg.size > self.segment_bytes and free == [(ALIGN, seg.size - ALIGN)]:
+            self._keep_largest_spares()
 
     def _keep_largest_spares(self) -> None:
         """A segment made for one request bigger than segment_bytes is free again: of those wholly
@@ -110,10 +136,12 @@ class ShmPool:
     def forked_off(self) -> None:
         """In a forked child (see ClientCodec.forked_off): closed, its memory left to the parent."""
         self._lock = threading.Lock()
+        self._holder = None
+        self._deferred.clear()
         self._closed = True
 
     def close(self) -> None:
-        with self._lock:
+        with self._held():
             if self._closed:
                 return
             self._closed = True

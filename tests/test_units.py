@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import select
 import subprocess
 import sys
@@ -219,6 +220,35 @@ def test_the_pool_keeps_the_two_largest_free_oversize_segments():
         assert again.segment in made[-2:]
         pool.free(again)
         assert removed == made[:-2]
+    finally:
+        pool.close()
+
+
+def test_a_region_freed_by_a_collection_inside_the_pools_own_alloc_is_freed_not_waited_for(monkeypatch):
+    """Result arrays give their region back from a finalizer, which a garbage collection may run
+    on any thread, also one inside ShmPool.alloc or free, which hold the pool's lock: the thread
+    waited for that lock, its own, for ever (an outside review, forced with a low GC threshold).
+    Here the collection is a free from inside alloc's making of a segment."""
+    import batchyard.client_pool as client_pool
+
+    pool = ShmPool(segment_bytes=4096)
+    first = pool.alloc(3000)
+    real_create = client_pool.Segment.create
+
+    def create_after_a_collection(size):
+        pool.free(first)  # what the finalizer of first's array does
+        return real_create(size)
+
+    monkeypatch.setattr(client_pool.Segment, "create", create_after_a_collection)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.alloc(3000)), daemon=True)
+    try:
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the thread waits on its own lock"
+        monkeypatch.undo()
+        again = pool.alloc(3000)  # first's place, given back once alloc let the lock go
+        assert (again.segment, again.offset) == (first.segment, first.offset)
     finally:
         pool.close()
 
