@@ -177,6 +177,15 @@ class AsyncClient(CodecAccess):
     def _send_nowait(self, frames: list) -> None:
         send_parts(self.sock, frames, NOBLOCK)
 
+    def _in_another_loop(self) -> bool:
+        """Called from a running event loop other than its own (another thread's asyncio.run):
+        the request went out on this loop's socket from that thread (sockets are not
+        thread-safe), and its caller got asyncio's "attached to a different loop"."""
+        try:
+            return asyncio.get_running_loop() is not self.loop
+        except RuntimeError:  # no running loop: submit's task, or a call from this loop's own code
+            return False
+
     def _refuse_if_unusable(self) -> None:
         if self.closed:
             raise closed_error()
@@ -185,10 +194,13 @@ class AsyncClient(CodecAccess):
             # pending and its memory taken before the loop's own error.
             raise RuntimeError("this AsyncClient's event loop is closed: an AsyncClient serves the loop it was "
                                "made in; make one in this loop")
+        if self._in_another_loop():
+            raise RuntimeError("this AsyncClient belongs to another event loop: an AsyncClient serves the loop it "
+                               "was made in; make one in this loop")
 
     def _send(self, kind: str, rid: int, frames: list, regions: list, outputs: dict, timeout: float,
               on_tokens: Optional[Callable[[list], None]] = None) -> asyncio.Future:
-        if self.closed or self.loop.is_closed():
+        if self.closed or self.loop.is_closed() or self._in_another_loop():
             if not self._forked:  # (a fork's child frees nothing of the parent's pool)
                 for region in (*regions, *outputs.values()):
                     self._codec.free(region)

@@ -407,6 +407,37 @@ def test_an_input_name_the_encoder_refuses_frees_the_pool_it_took_and_a_numpy_st
     asyncio.run(main())
 
 
+def test_an_async_client_called_from_another_running_loop_is_refused_before_anything_is_sent(fake):
+    """Its rule is to serve the loop it was made in; awaited from another thread's loop, the
+    request went out on its loop's socket from that thread, and the caller got asyncio's
+    "attached to a different loop" after the dispatcher had run it (an outside review)."""
+    f = fake()
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    try:
+        async def make():
+            return AsyncClient(f.address)
+
+        c = asyncio.run_coroutine_threadsafe(make(), home).result(10)
+        asyncio.run_coroutine_threadsafe(c.infer("big", {"x": BIG_X}), home).result(10)  # at home: served
+        sent = sum(type(m) is P.InferRequest for m in f.seen)
+        used = _pool_in_use(c)
+
+        async def elsewhere():
+            for call in (lambda: c.infer("big", {"x": BIG_X}), lambda: c.model_info("sum"),
+                         lambda: c.submit("sum", {"x": ONE})):
+                with pytest.raises(RuntimeError, match="belongs to another event loop"):
+                    await call()
+
+        asyncio.run(elsewhere())
+        assert sum(type(m) is P.InferRequest for m in f.seen) == sent and _pool_in_use(c) == used
+        home.call_soon_threadsafe(c.close)
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join(10)
+
+
 def _never_grant(grant_asked: threading.Event):
     def answer(msg):
         if type(msg) is P.ShmRegisterRequest:
