@@ -154,6 +154,10 @@ class Client(CodecAccess):
         """Fail every request in flight with Cancelled("client closed"), stop the I/O thread
         (waiting up to CLOSE_JOIN_TIMEOUT_S) and release the shared-memory pool."""
         self._finalizer()
+        # Called by another thread at the same time, the finalizer was that one's to run, and
+        # this call returned with the thread and the pool still there (an outside review): it
+        # waits for the same end (at once where it is over).
+        self._io.close(CLOSE_JOIN_TIMEOUT_S)
 
     def submit(self, model: str, inputs: dict, *, priority="normal", timeout: Optional[float] = None) -> InferFuture:
         """Send a request and return its future at once (a model's first call fetches its spec

@@ -95,6 +95,7 @@ class SocketThread:
         # Held only around "still open?" + append + wake, so nothing is queued behind the stop
         # marker and nobody writes to the eventfd after the thread closed it.
         self._lock = threading.Lock()
+        self._posting = None  # the thread in _post, holding _lock
         self._closing = False
         self._forked = False
         self._wakeup = _Wakeup()
@@ -154,17 +155,32 @@ class SocketThread:
 
     def _post(self, item: tuple) -> bool:
         with self._lock:
-            if self._closing:
-                return False
-            self._inbox.append(item)
-            if not self._wake_armed:
-                self._wake_armed = True
-                self._wakeup.set()
-            return True
+            self._posting = threading.get_ident()
+            try:
+                if self._closing:
+                    return False
+                self._inbox.append(item)
+                if not self._wake_armed:
+                    self._wake_armed = True
+                    self._wakeup.set()
+                return True
+            finally:
+                self._posting = None
 
     def close(self, timeout: float) -> None:
         """Stop the thread (every request in flight gets Cancelled("client closed")) and wait
-        up to ``timeout`` s for it; from the thread itself (a done-callback), do not wait."""
+        up to ``timeout`` s for it; from the thread itself (a done-callback), do not wait; from
+        a signal handler that interrupted this thread's own ``_post`` (a graceful stop's
+        handler, as gunicorn's and uvicorn's workers have, while the thread submits), neither
+        take the lock that ``_post`` holds below it nor wait: it waited on itself for ever (an
+        outside review). The stop is queued (the I/O thread cannot close the wake-up while
+        that lock is held) and the thread ends once the handler returns."""
+        if self._posting == threading.get_ident():
+            if not self._closing:
+                self._closing = True
+                self._inbox.append((_STOP, None, None, None, None))
+                self._wakeup.set()
+            return
         with self._lock:
             if not self._closing:
                 self._closing = True

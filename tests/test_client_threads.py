@@ -128,6 +128,83 @@ def test_close_with_requests_in_flight_fails_every_one_promptly_with_a_clear_err
     c.close()  # twice is fine
 
 
+def test_close_from_a_signal_handler_that_interrupted_a_submit_on_its_thread_does_not_wait_on_itself(start_node):
+    """A graceful stop's handler (gunicorn's, uvicorn's workers) calling close() while its
+    thread was in submit, inside the lock that queues a request: close() took that lock, its
+    own, and the process hung for ever (an outside review). The handler's run is simulated
+    where it interrupted: at the wake-up of the I/O thread, the lock held."""
+    node = start_node([sim_worker("w", models=("sum",))], models=(SUM_MODEL,))
+    c = node.client()
+    c.model_info("sum")
+    io = c._io
+    wake = io._wakeup.set
+    interrupted = []
+
+    def set_then_handler():
+        wake()
+        if not interrupted:
+            interrupted.append(1)
+            c.close()  # the signal handler
+
+    io._wakeup.set = set_then_handler
+    outcome = []
+
+    def submit():
+        try:
+            outcome.append(c.submit("sum", {"x": ONE}).result(timeout=30))
+        except Cancelled as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "close() waits on its own thread's lock"
+    assert interrupted and outcome == ["CANCELLED: client closed"], outcome
+    c.close()
+    assert not io._thread.is_alive()
+
+
+def test_two_threads_closing_a_client_at_once_both_return_once_it_is_closed(start_node):
+    """The second of two close() calls at once returned at once, the I/O thread still running
+    and the pool still in /dev/shm, while the first waited for them (20 of 20 rounds, a
+    done-callback holding the I/O thread; an outside review)."""
+    node = start_node([sim_worker("w", models=("sum",))], models=(SUM_MODEL,))
+    c = node.client()
+    c.model_info("sum")
+    held, release = threading.Event(), threading.Event()
+    c.submit("sum", {"x": ONE}).add_done_callback(lambda _: (held.set(), release.wait(30)))
+    assert held.wait(30)  # the I/O thread is in the callback: no close() can end it yet
+    io, real_close, real_wake = c._io, c._io.close, c._io._wakeup.set
+    first_in, progress, seen = threading.Event(), threading.Event(), []
+
+    def wake():  # the first close() asks the I/O thread to stop (and then waits for it)
+        first_in.set()
+        real_wake()
+
+    def close_entered(timeout):  # the second one waits for it too (the first's finalizer holds its own)
+        progress.set()
+        real_close(timeout)
+
+    io._wakeup.set, io.close = wake, close_entered
+
+    def close(who):
+        c.close()
+        seen.append((who, io._thread.is_alive()))
+        if who == "second":
+            progress.set()
+
+    a = threading.Thread(target=close, args=("first",), daemon=True)
+    a.start()
+    assert first_in.wait(30)
+    b = threading.Thread(target=close, args=("second",), daemon=True)
+    b.start()
+    assert progress.wait(30)
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert sorted(seen) == [("first", False), ("second", False)], seen
+
+
 UNCLOSED_CLIENT = """
 import sys, threading, numpy as np
 from batchyard.client import Client
