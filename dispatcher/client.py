@@ -7,7 +7,9 @@ memory pool; smaller ones ride inline in the message. Arrays made with ``alloc_a
 in that pool already and are sent by reference with no copy at all (the fast path for big
 tensors: fill them in place). Large outputs are written by the worker straight into the
 pool; the returned array is a view of it, and its region goes back to the pool when the
-array is garbage-collected.
+array is garbage-collected. An output that came inline (under ``shm_threshold``, and every one
+over tcp) is a read-only view of the reply's frame, as tritonclient's ``as_numpy`` arrays are:
+``np.array(out)`` (or ``out.copy()``) before writing into it in place.
 
 ``Client``'s socket is owned by one I/O thread (dispatcher/client_io.py): ``submit`` encodes
 on the caller's thread, hands the frames over and returns a future at once; a thread waiting
@@ -24,6 +26,7 @@ flight with Cancelled("client closed").
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -38,6 +41,8 @@ from .client_codec import (DEFAULT_SHM_THRESHOLD, DEFAULT_TIMEOUT_S, PRIORITIES,
                            ClientCodec, CodecAccess, Generation, InferResult, Pending, checked_timeout, checked_wait,
                            open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import SocketThread
+
+log = logging.getLogger("batchyard.client")
 from .errors import DeadlineExceeded, InvalidArgument
 
 __all__ = ["Client", "AsyncClient", "InferFuture", "InferResult", "DEFAULT_TIMEOUT_S", "DEFAULT_SHM_THRESHOLD",
@@ -62,6 +67,16 @@ class InferFuture(Future):
         self.id = rid
         self.deadline = deadline  # monotonic; the I/O thread fails it with DeadlineExceeded then
         client._io.futures.add(self)
+
+    def _invoke_callbacks(self) -> None:
+        # concurrent.futures lets a callback's BaseException through (asyncio.CancelledError is
+        # one, SystemExit too): on the I/O thread it ended the client for every thread, and each
+        # later call was told "client closed" (an outside review). Logged, as an Exception is.
+        for callback in self._done_callbacks:
+            try:
+                callback(self)
+            except BaseException:  # noqa: BLE001
+                log.exception("done-callback %r of request %d raised", callback, self.id)
 
     def _settle(self, value) -> None:
         if isinstance(value, BaseException):

@@ -205,6 +205,25 @@ def test_two_threads_closing_a_client_at_once_both_return_once_it_is_closed(star
     assert sorted(seen) == [("first", False), ("second", False)], seen
 
 
+def test_a_done_callback_that_raises_a_base_exception_leaves_the_client_serving(start_node):
+    """concurrent.futures lets a callback's BaseException through (asyncio.CancelledError is
+    one): on the I/O thread it ended the client, and every later call of every thread was told
+    "client closed" (an outside review)."""
+    import asyncio
+
+    node = start_node([sim_worker("w", models=("sum",))], models=(SUM_MODEL,))
+    with node.client() as c:
+        ran = threading.Event()
+
+        def cancelled(_):
+            ran.set()
+            raise asyncio.CancelledError
+
+        c.submit("sum", {"x": ONE}).add_done_callback(cancelled)
+        assert ran.wait(30)
+        assert c.infer("sum", {"x": ONE})["y"].shape == (1, 2) and not c.closed
+
+
 UNCLOSED_CLIENT = """
 import sys, threading, numpy as np
 from batchyard.client import Client
