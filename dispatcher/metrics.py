@@ -324,7 +324,7 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"  # the text format's,
 
 
 class _MetricsHTTP(asyncio.Protocol):
-    """Just enough HTTP/1.1: GET /metrics -> 200 text, anything else -> 404; then close."""
+    """Just enough HTTP/1.1: GET (or HEAD) /metrics -> 200 text, anything else -> 404; then close."""
 
     def __init__(self, render: Callable[[], str], open_now: dict, encoded: list):
         self.render = render
@@ -350,7 +350,8 @@ class _MetricsHTTP(asyncio.Protocol):
         if b"\r\n\r\n" not in self.buf and len(self.buf) < 8192:
             return
         line = self.buf.split(b"\r\n", 1)[0].split()
-        if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+        # HEAD as GET without the body (a probe's; it was a 404 beside GET's 200)
+        if len(line) >= 2 and line[0] in (b"GET", b"HEAD") and line[1].split(b"?")[0] == b"/metrics":
             text = self.render()
             if text is not self.encoded[0]:
                 self.encoded[:] = [text, text.encode()]
@@ -358,7 +359,8 @@ class _MetricsHTTP(asyncio.Protocol):
         else:
             body, status, ctype = b"not found; try /metrics\n", b"404 Not Found", b"text/plain"
         self.transport.writelines([b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
-                                   + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n", body])
+                                   + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n",
+                                   b"" if line[:1] == [b"HEAD"] else body])
         self.transport.close()
 
 

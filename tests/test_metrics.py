@@ -58,6 +58,9 @@ def test_metrics_count_a_known_load(start_node):
     assert total(m, "nv_inference_request_failure") == 3
     assert 1 <= total(m, "nv_inference_exec_count") <= 10
     assert total(m, "nv_inference_queue_duration_us") > 0
+    # HEAD, a probe's, is GET without the body (it was a 404 beside GET's 200)
+    head = urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD"), timeout=30)
+    assert head.status == 200 and int(head.headers["Content-Length"]) > 0 and head.read() == b""
     assert total(m, "nv_inference_compute_infer_duration_us") > 0
     assert total(m, "nv_inference_request_duration_us") >= total(m, "nv_inference_queue_duration_us")
     assert total(m, "nv_inference_pending_request_count") == 0
