@@ -422,7 +422,7 @@ def test_up_ends_a_hung_front_door_and_starts_another(run_dir):
         front.suspend()
         # watchdog 2 s, SIGABRT (pending: it is stopped), SIGKILL 5 s later, started again
         assert _line_with(up.stderr, b"(killed by up: hung)", 60), "the hung front door was not ended"
-        assert _line_with(up.stderr, b"started worker frontend#0", 30), "no new front door"
+        assert _line_with(up.stderr, b"started front door frontend#0", 30), "no new front door"
         assert not front.is_running()
         # the new one serves once its ports are bound
         deadline = time.monotonic() + 60
