@@ -154,18 +154,26 @@ class SocketThread:
         self._post((_CANCEL, rid, None, None, None))
 
     def _post(self, item: tuple) -> bool:
+        if self._posting == threading.get_ident():
+            # A signal handler that interrupted this thread's own _post (a submit from it): the
+            # lock is held below, by this thread, so no other can be in here; taken again, the
+            # thread waited on itself for ever.
+            return self._queue(item)
         with self._lock:
             self._posting = threading.get_ident()
             try:
-                if self._closing:
-                    return False
-                self._inbox.append(item)
-                if not self._wake_armed:
-                    self._wake_armed = True
-                    self._wakeup.set()
-                return True
+                return self._queue(item)
             finally:
                 self._posting = None
+
+    def _queue(self, item: tuple) -> bool:
+        if self._closing:
+            return False
+        self._inbox.append(item)
+        if not self._wake_armed:
+            self._wake_armed = True
+            self._wakeup.set()
+        return True
 
     def close(self, timeout: float) -> None:
         """Stop the thread (every request in flight gets Cancelled("client closed")) and wait

@@ -164,6 +164,31 @@ def test_close_from_a_signal_handler_that_interrupted_a_submit_on_its_thread_doe
     assert not io._thread.is_alive()
 
 
+def test_a_submit_from_a_signal_handler_that_interrupted_a_submit_on_its_thread_is_sent(start_node):
+    """As close() from such a handler (above), a submit from it took the lock its own thread
+    held below it, and waited for ever. The handler's run is simulated where it interrupted."""
+    node = start_node([sim_worker("w", models=("sum",))], models=(SUM_MODEL,))
+    with node.client() as c:
+        c.model_info("sum")
+        io = c._io
+        wake = io._wakeup.set
+        from_handler = []
+
+        def set_then_handler():
+            wake()
+            if not from_handler:
+                from_handler.append(c.submit("sum", {"x": ONE * 2}))
+
+        io._wakeup.set = set_then_handler
+        got = []
+        t = threading.Thread(target=lambda: got.append(c.submit("sum", {"x": ONE}).result(timeout=30)), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "submit() waits on its own thread's lock"
+        io._wakeup.set = wake
+        assert got[0]["y"].shape == (1, 2) and from_handler[0].result(timeout=30)["y"].shape == (1, 2)
+
+
 def test_two_threads_closing_a_client_at_once_both_return_once_it_is_closed(start_node):
     """The second of two close() calls at once returned at once, the I/O thread still running
     and the pool still in /dev/shm, while the first waited for them (20 of 20 rounds, a
