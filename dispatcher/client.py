@@ -112,7 +112,7 @@ class InferFuture(Future):
         too. Unlike a local Future's, True means the ask was sent, not that the call is
         cancelled: only the dispatcher knows whether it is still queued, and ``cancelled()``
         stays False (the future is settled by the reply). False if it was already done."""
-        if self.done():
+        if self.done() or self._client._io.closing:  # (a closed client, or a fork's child: nothing is sent)
             return False
         self._client._io.cancel(self.id)
         return True

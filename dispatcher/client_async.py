@@ -17,7 +17,7 @@ import zmq
 from . import protocol as P
 from .client_codec import (DEFAULT_SHM_THRESHOLD, LOST_GRACE_S, REPLY_GRACE_S, ClientCodec, CodecAccess,
                            EncodedInputs, Generation, InferResult, Pending, checked_model, checked_priority,
-                           checked_timeout, checked_wait, close_connection, closed_error, connection_lost, lost_error,
+                           checked_timeout, checked_wait, close_connection, closed_error, connection_lost, forked_error, lost_error,
                            no_reply_error, open_dealer, setup_step_timeout, setup_timeout_error, time_left)
 from .client_io import watch_forks
 from .errors import DeadlineExceeded
@@ -136,7 +136,7 @@ class AsyncClient(CodecAccess):
         if not self.closed:
             self._close_now()
         elif self._forked:  # in a fork's child: the parent's requests are never answered here
-            self._codec.fail_all_forked(closed_error)
+            self._codec.fail_all_forked(forked_error)
         return _CLOSED
 
     def _close_now(self) -> None:
@@ -188,7 +188,8 @@ class AsyncClient(CodecAccess):
 
     def _refuse_if_unusable(self) -> None:
         if self.closed:
-            raise closed_error()
+            # (in a fork's child, the parent's client: said so, as the blocking Client says it)
+            raise forked_error() if self._forked else closed_error()
         if self.loop.is_closed():
             # Used again after its loop ended (a second asyncio.run): each call left its request
             # pending and its memory taken before the loop's own error.

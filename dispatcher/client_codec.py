@@ -211,6 +211,11 @@ def closed_error() -> Cancelled:
     return Cancelled("client closed")
 
 
+def forked_error() -> Cancelled:
+    """``closed_error`` of a client used in the child of a fork of the process that made it."""
+    return Cancelled("client closed: it was made in the parent of this forked process; make a new client here")
+
+
 def no_reply_error(address: str) -> DeadlineExceeded:
     return DeadlineExceeded(f"no reply from the dispatcher at {address} before the deadline (is it running?)")
 

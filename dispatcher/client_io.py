@@ -23,7 +23,7 @@ from typing import Callable
 import zmq
 
 from .client_codec import (LOST_GRACE_S, ClientCodec, Pending, close_connection, closed_error, connection_lost,
-                           lost_error, no_reply_error)
+                           forked_error, lost_error, no_reply_error)
 from .errors import Cancelled, Unavailable
 from .zmq_frames import waiting
 
@@ -145,10 +145,7 @@ class SocketThread:
             raise self.closed_error()
 
     def closed_error(self) -> Cancelled:
-        if self._forked:
-            return Cancelled("client closed: it was made in the parent of this forked process; make a new Client "
-                             "here")
-        return closed_error()
+        return forked_error() if self._forked else closed_error()
 
     def cancel(self, rid: int) -> None:
         self._post((_CANCEL, rid, None, None, None))

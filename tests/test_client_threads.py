@@ -356,12 +356,14 @@ if pid == 0:
     signal.alarm(60)  # a hang ends the child (and fails the test) here
     if sys.argv[2] == "close":  # close() settles them; else the wait itself does
         c.close()
+    asked = second.cancel()  # nothing can be sent from here: False (it said True, "sent")
     for f in (first, second):
         try:
             f.result(timeout=20)
             print("child: answered", flush=True)
         except Exception as e:
             print("child:", type(e).__name__, e, flush=True)
+    print("child cancel:", asked, flush=True)
     os._exit(0)
 release.set()
 assert os.waitpid(pid, 0)[1] == 0
@@ -380,13 +382,13 @@ def test_requests_in_flight_at_a_fork_fail_in_the_child_and_are_answered_in_the_
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 3, proc.stdout
+    assert len(lines) == 4, proc.stdout
     if then == "settled":  # answered before the fork: its answer stands in the child
         assert lines[0] == "child: answered", proc.stdout
     else:
         assert lines[0].startswith("child: Cancelled") and "forked process" in lines[0], proc.stdout
     assert lines[1].startswith("child: Cancelled") and "forked process" in lines[1], proc.stdout
-    assert lines[2] == "parent: [[4.0, 4.0]] [[4.0, 4.0]]", proc.stdout
+    assert lines[2:] == ["child cancel: False", "parent: [[4.0, 4.0]] [[4.0, 4.0]]"], proc.stdout
 
 
 ASYNC_FORKED_CHILD = """
@@ -404,6 +406,10 @@ async def main():
             print("child alloc: OK", flush=True)
         except Exception as e:
             print("child alloc:", type(e).__name__, flush=True)
+        try:
+            c.submit("sum", {"x": None})
+        except Exception as e:  # as the blocking Client says it (it said "client closed")
+            print("child submit:", type(e).__name__, "forked process" in str(e), flush=True)
         os._exit(0)
     os.waitpid(pid, 0)
     mine = c.alloc_array((1024,), "float32")
@@ -421,7 +427,8 @@ def test_a_forked_childs_async_client_does_not_share_its_parents_memory(run_dir)
     proc = subprocess.run([sys.executable, "-c", ASYNC_FORKED_CHILD, f"ipc://{run_dir}/none"], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["child alloc: Cancelled", "parent's next array: its own"], proc.stdout
+    assert proc.stdout.splitlines() == ["child alloc: Cancelled", "child submit: Cancelled True",
+                                        "parent's next array: its own"], proc.stdout
 
 
 def test_a_calls_set_up_steps_take_from_its_timeout(run_dir, monkeypatch):
