@@ -86,14 +86,18 @@ class TimeWindow(PerModelPolicy):
 
     def decide_model(self, state: SchedulerState, model: str, q: ModelQueue, now: float, d: Decision) -> None:
         targets = state.serving.get(model, ())
-        for w in targets:
-            # A full batch is at most the worker's max batch, as Triton's is the model's
-            # max_batch_size: past it, a free worker waited out the delay beside full batches.
-            full = min(self.max_batch, w.models[model])
-            while w.free and q.requests and (q.items >= full or state.closed
-                                             or now >= q.oldest_arrival() + self.max_delay_s):
-                if not send(state, d, w, q, self.max_batch, now):
-                    break
+        sent = True
+        while sent:  # again while a pass sent: what it took changes what is full or due for the workers before
+            sent = False
+            for w in targets:
+                # A full batch is at most the worker's max batch, as Triton's is the model's
+                # max_batch_size: past it, a free worker waited out the delay beside full batches.
+                full = min(self.max_batch, w.models[model])
+                while w.free and q.requests and (q.items >= full or state.closed
+                                                 or now >= q.oldest_arrival() + self.max_delay_s):
+                    if not send(state, d, w, q, self.max_batch, now):
+                        break
+                    sent = True
         # Only a free worker makes the clock matter; otherwise a completion wakes us. So does
         # one after a delay already run out: what is left is what no free worker takes (more
         # items than its max batch), and a wake-up now would only repeat this decision.

@@ -68,6 +68,21 @@ def test_window_and_fixed_send_a_full_batch_of_a_worker_whose_max_batch_is_below
     assert sizes(d) == [("cpu0", 4)] and st.queue("m").requests == 8
 
 
+def test_window_sends_to_a_worker_it_passed_when_a_later_ones_batch_leaves_a_due_request():
+    """Workers of max batch 1 sent their full batches after a worker of max batch 3 had been
+    looked at and found nothing full or due; what they left, a request past its delay, then sat
+    beside that free worker with no wake-up (the property test's state, found by hypothesis)."""
+    st = SchedulerState()
+    st.costs[("m", "gpu")] = CostCurve(launch_s=0.0, per_item_s=0.125e-3)
+    for name, max_batch in (("w0", 1), ("w1", 1), ("w2", 3), ("w3", 3), ("w4", 1)):
+        st.add_worker(WorkerState(name, "gpu", {"m": max_batch}))
+    for seq, arrival in ((0, 1.0), (1, 1.0), (2, 1.0), (3, 0.999)):
+        st.queue("m").push(Request(seq, "m", 1, 0, arrival, math.inf))
+    d = make_policy("window:200,16").decide(st, 1.0)
+    assert sorted((x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches) == [
+        ("w0", [0]), ("w1", [1]), ("w2", [3]), ("w4", [2])]
+
+
 def test_make_policy_knows_escape():
     assert make_policy("escape:3").name == "escape:3"
     with pytest.raises(ValueError, match="escape:<K>"):
