@@ -163,6 +163,13 @@ class SocketThread:
             finally:
                 self._posting = None
 
+    def _queue_stop(self) -> None:
+        """With _lock held (or by this thread, below a signal handler)."""
+        if not self._closing:
+            self._closing = True
+            self._inbox.append((_STOP, None, None, None, None))
+            self._wakeup.set()  # unconditionally: the stop must not wait for anything
+
     def _queue(self, item: tuple) -> bool:
         if self._closing:
             return False
@@ -181,16 +188,10 @@ class SocketThread:
         outside review). The stop is queued (the I/O thread cannot close the wake-up while
         that lock is held) and the thread ends once the handler returns."""
         if self._posting == threading.get_ident():
-            if not self._closing:
-                self._closing = True
-                self._inbox.append((_STOP, None, None, None, None))
-                self._wakeup.set()
+            self._queue_stop()
             return
         with self._lock:
-            if not self._closing:
-                self._closing = True
-                self._inbox.append((_STOP, None, None, None, None))
-                self._wakeup.set()  # unconditionally: the stop must not wait for anything
+            self._queue_stop()
         if self._forked:
             self.settle_in_child()
             return

@@ -128,6 +128,21 @@ def test_close_with_requests_in_flight_fails_every_one_promptly_with_a_clear_err
     c.close()  # twice is fine
 
 
+def _handler_at_wake_up(io, handler):
+    """Run ``handler`` once, as a signal handler that interrupted this thread's submit where it
+    wakes the I/O thread (the queueing lock held); returns the real wake-up."""
+    wake, ran = io._wakeup.set, []
+
+    def set_then_handler():
+        wake()
+        if not ran:
+            ran.append(1)
+            handler()
+
+    io._wakeup.set = set_then_handler
+    return wake
+
+
 def test_close_from_a_signal_handler_that_interrupted_a_submit_on_its_thread_does_not_wait_on_itself(start_node):
     """A graceful stop's handler (gunicorn's, uvicorn's workers) calling close() while its
     thread was in submit, inside the lock that queues a request: close() took that lock, its
@@ -137,16 +152,8 @@ def test_close_from_a_signal_handler_that_interrupted_a_submit_on_its_thread_doe
     c = node.client()
     c.model_info("sum")
     io = c._io
-    wake = io._wakeup.set
     interrupted = []
-
-    def set_then_handler():
-        wake()
-        if not interrupted:
-            interrupted.append(1)
-            c.close()  # the signal handler
-
-    io._wakeup.set = set_then_handler
+    _handler_at_wake_up(io, lambda: interrupted.append(1) or c.close())
     outcome = []
 
     def submit():
@@ -171,15 +178,8 @@ def test_a_submit_from_a_signal_handler_that_interrupted_a_submit_on_its_thread_
     with node.client() as c:
         c.model_info("sum")
         io = c._io
-        wake = io._wakeup.set
         from_handler = []
-
-        def set_then_handler():
-            wake()
-            if not from_handler:
-                from_handler.append(c.submit("sum", {"x": ONE * 2}))
-
-        io._wakeup.set = set_then_handler
+        wake = _handler_at_wake_up(io, lambda: from_handler.append(c.submit("sum", {"x": ONE * 2})))
         got = []
         t = threading.Thread(target=lambda: got.append(c.submit("sum", {"x": ONE}).result(timeout=30)), daemon=True)
         t.start()
