@@ -153,6 +153,10 @@ def checked_sampling(sampling) -> Optional[P.Sampling]:
         checked = msgspec.convert(dict(sampling), P.Sampling)
     except msgspec.ValidationError as e:
         raise InvalidArgument(f"sampling: {e}") from None
+    if checked.seed == -1:
+        # vLLM's "no seed" (SamplingParams), read before anything derives seeds from it (the
+        # k-th of n completions gets seed + k: -1 gave its second completion seed 0, its first none)
+        checked = msgspec.structs.replace(checked, seed=None)
     if "temperature" not in sampling:
         # vLLM samples at 1 without one; greedy here, these would be taken and do nothing.
         asked = [k for k, default in _SAMPLES_ONLY if sampling.get(k, default) not in (default, None)

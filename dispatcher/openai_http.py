@@ -716,7 +716,9 @@ def _usage(prompts: list, outs: list) -> dict:
 def _nth(sampling: P.Sampling, k: int) -> P.Sampling:
     if sampling.seed is None or k == 0:
         return sampling
-    return msgspec.structs.replace(sampling, seed=(sampling.seed + k) % 2**63)
+    # vLLM's server gives the k-th seed + k (ParentRequest), past int64 as torch reads it: the
+    # same 64 bits, which keep it on the wire's int64 (2**63 - 1 + 1 is -2**63)
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + k + 2**63) % 2**64 - 2**63)
 
 
 def _timing(out: Completion) -> dict:

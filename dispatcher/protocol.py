@@ -19,6 +19,7 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec bounds fit int64
+I64 = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -210,7 +211,8 @@ Route = Annotated[str, msgspec.Meta(pattern=r"^(|prefill-cpu|gpu)\Z")]
 class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """How a generation picks each token: vLLM's SamplingParams of these names, within the
     bounds vLLM checks (``repetition_penalty`` from 0.01: below, float32 logits overflow and
-    every token comes out 0; ``seed`` from 0: vLLM takes -1 for none). Temperature 0 (the
+    every token comes out 0; ``seed`` any int64, as vLLM's server takes it: -1 is none, and
+    torch seeds its generator with a negative one's 64 bits). Temperature 0 (the
     default) is greedy; ``seed`` makes a sampled generation the same each time its logits are
     (the decode instance draws every token, on either route). ``stop_token_ids``: tokens that
     end the generation as an end-of-sequence token does ("stop", that token the last);
@@ -232,7 +234,7 @@ class Sampling(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=1e6)] = 1.0
-    seed: Optional[U64] = None
+    seed: Optional[I64] = None  # (checked_sampling makes -1 None, as vLLM's SamplingParams does)
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     logit_bias: Optional[Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],

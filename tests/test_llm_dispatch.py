@@ -1121,7 +1121,7 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
         assert engines["gpu0"].jobs[-1].sampling is None
         for bad, word in (({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
                           ({"tempature": 1}, "tempature"), ({"seed": 1.5}, "seed"), ([0.5], "dict"),
-                          ({"seed": -1}, "seed"), ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+                          ({"seed": 2**63}, "seed"), ({"repetition_penalty": 1e-40}, "repetition_penalty"),
                           # greedy without a temperature, where vLLM samples at 1: refused, not ignored
                           ({"top_p": 0.5, "seed": 3}, "top_p is given without a temperature")):
             with pytest.raises(InvalidArgument, match=word):
@@ -1150,6 +1150,22 @@ def test_sampling_parameters_reach_the_engine_from_every_protocol_and_bad_ones_a
     assert engines["gpu0"].jobs[-1].sampling.top_k == 40
     status, out = _http(url + "/v2/models/tiny/generate", {"text_input": "the", "top_p": 1.5})
     assert status == 400 and "top_p" in out["error"]
+
+
+def test_a_negative_seed_is_taken_as_vllms_server_takes_it(llm_node):
+    """vLLM's server takes any int64 seed (-1: none) and gives the k-th of n completions
+    seed + k; a negative seed was a 400 here ("Expected `int` >= 0"), side by side with vLLM's."""
+    address, engines, url = llm_node
+    body = {"model": "tiny", "prompt": [40, 10], "max_tokens": 2, "temperature": 1.0}
+    status, out = _http(url + "/v1/completions", {**body, "seed": -5})
+    assert status == 200 and engines["gpu0"].jobs[-1].sampling.seed == -5, out
+    status, out = _http(url + "/v1/completions", {**body, "seed": -1, "n": 2})
+    assert status == 200 and [j.sampling.seed for j in engines["gpu0"].jobs[-2:]] == [None, None], out
+    # past int64 as torch reads the seed: the same 64 bits
+    status, out = _http(url + "/v1/completions", {**body, "seed": 2**63 - 1, "n": 2})
+    assert status == 200 and [j.sampling.seed for j in engines["gpu0"].jobs[-2:]] == [2**63 - 1, -2**63], out
+    status, out = _http(url + "/v1/completions", {**body, "seed": 2**63})
+    assert status == 400 and out["error"]["param"] == "seed"
 
 
 @pytest.mark.parametrize("llm_node", [{"temperature": 0.5, "top_k": 7, "top_p": None, "max_new_tokens": 3,
@@ -1244,6 +1260,22 @@ def test_a_chat_answer_without_a_generation_prompt_has_the_last_messages_role(ll
     assert status == 200 and json.loads(events[0])["choices"][0]["delta"] == {"role": "user", "content": ""}, events
     status, out = _http(url + "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert status == 200 and out["choices"][0]["message"]["role"] == "assistant", out
+
+
+def test_a_chat_continues_its_final_message_as_vllms_server_does(llm_node):
+    """continue_final_message (a 400 here before): the prompt ends inside the last message,
+    the answer in its role, on the chat route and /tokenize alike."""
+    address, engines, url = llm_node
+    messages = [{"role": "user", "content": "the"}, {"role": "assistant", "content": "the cache"}]
+    ids = _chat_ids(engines, messages, add_generation_prompt=False)[:-1]  # (CHATML's "\n" after the content cut)
+    body = {"model": "tiny", "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    status, out = _http(url + "/tokenize", body)
+    assert status == 200 and out["tokens"] == ids, out
+    status, out = _http(url + "/v1/chat/completions", {**body, "max_tokens": 2})
+    assert status == 200 and out["choices"][0]["message"]["role"] == "assistant", out
+    assert list(engines["gpu0"].jobs[-1].prompts[0]) == ids
+    status, err = _http(url + "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert status == 400 and "Cannot set both" in err["error"]["message"], err
 
 
 def _chat_ids(engines, messages, add_generation_prompt=True) -> list:
