@@ -114,6 +114,7 @@ class ChatTemplate:
         self.special = special
         # (vLLM's test of whether a template knows the role)
         self.knows_developer = '"developer"' in source or "'developer'" in source
+        self.reads_content = "content" in source  # (transformers' test before it continues a message)
 
     @classmethod
     def load(cls, folder: str | Path) -> Optional["ChatTemplate"]:
@@ -142,9 +143,34 @@ class ChatTemplate:
                     special[name] = token
         return cls(source, special)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: Optional[dict] = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: Optional[dict] = None,
+               continue_final_message: bool = False) -> str:
         """The conversation as the model's prompt text; ChatTemplateError where the template
-        refuses it. ``kwargs`` (chat_template_kwargs) cannot replace what this passes."""
+        refuses it. ``kwargs`` (chat_template_kwargs) cannot replace what this passes.
+        ``continue_final_message``: the text ends inside the last message, where its content
+        ends (what the template writes after it cut off), for the model to go on with it."""
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, kwargs)
+        return self._continued(messages, add_generation_prompt, kwargs)
+
+    def _continued(self, messages: list[dict], add_generation_prompt: bool, kwargs: Optional[dict]) -> str:
+        """As transformers' render_jinja_template continues the final message (vLLM's server
+        renders with it): a tag after the last content, the text cut where the tag is, and before
+        whitespace the template trimmed off that content's end."""
+        if not self.reads_content:
+            raise ChatTemplateError('continue_final_message is set to "content" but this is not an accepted field '
+                                    "in the chat_template")
+        final = messages[-1]["content"]
+        rendered = self._render([*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}],
+                                add_generation_prompt, kwargs)
+        tag = CONTINUE_TAG.strip()
+        if final.strip() not in rendered or tag not in rendered:
+            raise ChatTemplateError("continue_final_message is set but the final message does not appear in the chat "
+                                    "after applying the chat template: the template deletes portions of it")
+        at = rendered.rindex(tag)
+        return rendered[:at] if rendered.startswith(CONTINUE_TAG, at) else rendered[:at].rstrip()
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: Optional[dict]) -> str:
         import jinja2
 
         if not self.knows_developer and any(m.get("role") == "developer" for m in messages):
@@ -158,6 +184,9 @@ class ChatTemplate:
         except Exception as e:  # noqa: BLE001 -- the template's own fault (1/0, a recursion): the request's answer
             raise ChatTemplateError(f"the model's chat template failed on the conversation: "
                                     f"{type(e).__name__}: {e}") from None
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' own marker: a template treats it as it does theirs
 
 
 def _developer_as_system(messages: list[dict]) -> list[dict]:

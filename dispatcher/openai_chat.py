@@ -18,8 +18,9 @@ a template that loops over a message's parts, which vLLM would give the list, ge
 reach the template. At most MAX_MESSAGES messages, their text within /v1/completions'
 character limit; the template is rendered off the front door's loop. Refused with a 400 naming
 the field, rather than ignored: anything but text parts, tools and tool calls,
-``response_format`` other than text, a request's own ``chat_template``,
-``continue_final_message``, ``echo``. A model folder without a chat template is a 400 on this
+``response_format`` other than text, a request's own ``chat_template``, ``echo``.
+``continue_final_message`` (with ``add_generation_prompt`` false) ends the prompt inside the
+last message, as transformers' renderer cuts it for vLLM's server. A model folder without a chat template is a 400 on this
 route, as vLLM answers one; one whose template does not compile stops the front door's start.
 """
 
@@ -43,16 +44,16 @@ MAX_MESSAGES = 1024  # messages in one conversation
 # rule): beside /v1/completions' own (less those chat has not, or reads otherwise), OpenAI's and
 # vLLM's chat fields not served.
 CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "suffix"}, "tools": None, "functions": None,
-                     "echo": False, "continue_final_message": False, "chat_template": None, "documents": None,
+                     "echo": False, "chat_template": None, "documents": None,
                      "media_io_kwargs": None, "mm_processor_kwargs": None, "return_prompt_text": False}
 # What /tokenize refuses of a conversation, as the chat route refuses them (vLLM would apply them).
-TOKENIZE_CHAT_UNSUPPORTED = {k: CHAT_UNSUPPORTED[k] for k in ("tools", "continue_final_message", "chat_template",
-                                                              "documents", "mm_processor_kwargs")}
+TOKENIZE_CHAT_UNSUPPORTED = {k: CHAT_UNSUPPORTED[k] for k in ("tools", "chat_template", "documents",
+                                                              "mm_processor_kwargs")}
 # Taken and left alone, beside /v1/completions' (no tools, no reasoning parser: nothing they change)
 CHAT_IGNORED = (*IGNORED, "parallel_tool_calls", "include_reasoning")
 CHAT_SERVED = (*(f for f in SERVED if f not in ("prompt", "echo")), "messages", "max_completion_tokens",
                "tool_choice", "function_call", "reasoning_effort", "add_generation_prompt", "chat_template_kwargs",
-               "top_logprobs")
+               "top_logprobs", "continue_final_message")
 
 
 class ChatShape(AnswerShape):
@@ -135,7 +136,8 @@ class OpenAiChat:
 
     async def prompt_text(self, body: dict, model: str) -> str:
         """A request's conversation (``messages``, ``add_generation_prompt``,
-        ``chat_template_kwargs``, ``reasoning_effort``) as its model's prompt text, rendered off
+        ``continue_final_message``, ``chat_template_kwargs``, ``reasoning_effort``) as its model's
+        prompt text, rendered off
         the loop (a template's cost grows with the conversation as it is written: one of
         nested loops took 35 s over 4096 messages); OpenAiError, ChatTemplateError."""
         messages = chat_messages(body.get("messages"))
@@ -155,7 +157,8 @@ class OpenAiChat:
             kwargs["reasoning_effort"] = effort
             kwargs.setdefault("enable_thinking", effort != "none")  # (templates that need it asked)
         template = self._template(model)
-        return await asyncio.to_thread(template.render, messages, add_generation_prompt, kwargs)
+        return await asyncio.to_thread(template.render, messages, add_generation_prompt, kwargs,
+                                       flag(body, "continue_final_message"))
 
     def _template(self, model: str) -> ChatTemplate:
         got = self._templates.get(model)

@@ -78,6 +78,35 @@ def test_a_conversation_renders_as_transformers_renders_it(tmp_path, template):
     check()
 
 
+# LLAMA trims the content (the tag's space goes); a template that writes no content at all
+@pytest.mark.parametrize("template", [LLAMA, CHATML, OTHER, "{% for m in messages %}{{ m.role }};{% endfor %}"])
+def test_a_final_message_is_continued_as_transformers_continues_it(tmp_path, template):
+    """continue_final_message (vLLM's chat field; it was a 400 here): the prompt ends where the
+    last message's content ends, as transformers' apply_chat_template cuts it, or is refused by
+    both (a template that drops that content)."""
+    from transformers import PreTrainedTokenizerFast
+
+    _folder(tmp_path, template)
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    mine = ChatTemplate.load(tmp_path)
+
+    @settings(max_examples=60, deadline=None)
+    @given(_messages)
+    def check(messages):
+        try:
+            expected = theirs.apply_chat_template(messages, tokenize=False, continue_final_message=True, extra="X")
+        except Exception:  # noqa: BLE001 -- transformers' refusal (or the template's): ours must refuse as well
+            with pytest.raises(ChatTemplateError):
+                mine.render(messages, False, {"extra": "X"}, continue_final_message=True)
+            return
+        assert mine.render(messages, False, {"extra": "X"}, continue_final_message=True) == expected
+
+    check()
+    if template == CHATML:
+        assert mine.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}],
+                           False, continue_final_message=True).endswith("<|im_start|>assistant\nThe answer is")
+
+
 def test_a_template_is_found_where_transformers_looks_and_a_broken_one_is_said_so(tmp_path):
     assert ChatTemplate.load(tmp_path) is None  # no tokenizer_config.json
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
