@@ -405,7 +405,7 @@ class WorkerRuntime:
         self._sizes_run.add((msg.model, n_items))
         if getattr(self.executor, "submit", None) is not None:
             self._submit(msg.model, inputs, functools.partial(self._submitted_done, msg, items, spec, first,
-                                                              self._term), self._term)
+                                                              self._term, True), self._term)
             return None
         t0 = time.perf_counter()  # (CLOCK_MONOTONIC, as the dispatcher's and front door's clocks)
         try:
@@ -436,11 +436,21 @@ class WorkerRuntime:
         self._by_term[term] += 1
         self.executor.submit(model, inputs, done)
 
-    def _submitted_done(self, msg: P.Batch, items: list, spec, first: bool, term: int, raw,
+    def _submitted_done(self, msg: P.Batch, items: list, spec, first: bool, term: int, again: bool, raw,
                         compute_us: int, end_ns: int = 0) -> list | None:
         """A batch the asynchronous executor completed. One the model failed runs again one
         request at a time, as ``_each_alone`` does for the others: one request Triton refused
-        failed every client's request batched with it."""
+        failed every client's request batched with it. One the backend never ran (NotRun) is
+        submitted ``again`` once: the first batch after Triton restarted while this worker was
+        idle failed UNAVAILABLE, with no other worker to take it."""
+        if again and isinstance(raw, NotRun):
+            try:  # (assembled anew: the cache the first assembly used may hold a later batch's by now)
+                inputs = assemble(items, spec, self.cache)
+            except Exception as e:  # on the loop: raised here, it ended the worker
+                return self._finish(msg, items, spec, None, 0, (Status.INTERNAL, f"assembling inputs: {e}"))
+            self._submit(msg.model, inputs, functools.partial(self._submitted_done, msg, items, spec, first, term,
+                                                              False), term)
+            return None
         if isinstance(raw, Exception) and not isinstance(raw, ExecutorUnavailable):
             good = [it for it in items if it.error is None]
             if len(good) >= 2:
@@ -586,6 +596,12 @@ class CannotStart(RuntimeError):
 class ExecutorUnavailable(Exception):
     """The executor's backend (e.g. a Triton server) cannot be reached: the batch's requests
     get UNAVAILABLE, not INTERNAL, and the worker stays up."""
+
+
+class NotRun(ExecutorUnavailable):
+    """The backend refused the batch before running any of it, for a cause the executor has
+    already set right for its next call (a restarted Triton that lost this worker's regions):
+    the runtime submits it once more."""
 
 
 def powers_of_two(max_batch: int) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ import numpy as np
 from batchyard.protocol import ModelSpec
 from batchyard.validation import item_nbytes
 
-from .runtime import CannotStart, ExecutorUnavailable
+from .runtime import CannotStart, ExecutorUnavailable, NotRun
 from .triton_model_check import TRITON_DTYPE, check_model_config
 from .triton_regions import make_region, resolve_kind
 
@@ -59,6 +59,8 @@ UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 DOWN = (*UNREACHABLE, "StatusCode.CANCELLED", "StatusCode.UNKNOWN", None)
 # What Triton (2.51) says when asked to unregister a region a request still holds.
 IN_USE = "currently in use"
+# What it answers a request naming a region it does not know (it checks before it runs any of it).
+LOST_REGION = "Unable to find shared memory region"
 # A slot held for a batch Triton may still run is asked back at most this often (one call per
 # region), and each such call waits this long at most: it runs on the worker's main thread.
 HELD_PROBE_S, PROBE_TIMEOUT_S = 1.0, 5.0
@@ -418,11 +420,15 @@ class TritonExecutor:
         and the reconnect after it cancelled the healthy batches in flight."""
         status = err.status() if callable(getattr(err, "status", None)) else None
         msg = err.message() if callable(getattr(err, "message", None)) else str(err)
-        if status in DOWN or self.region_prefix in msg:
+        if status not in DOWN and LOST_REGION in msg and self.region_prefix in msg:
             # A Triton that lost our regions (restarted while this worker was idle, gRPC
-            # reconnected by itself) answers every batch "Unable to find shared memory region":
-            # an outage, so that the reconnect registers them again. As a model error, the
-            # worker failed every batch for good.
+            # reconnected by itself) answers every batch so, before it runs any of it: the next
+            # call reconnects and registers them again (no back-off: Triton answers), and the
+            # runtime sends this batch once more. As a model error, the worker failed every
+            # batch for good; as an outage, the first batch after the restart failed UNAVAILABLE.
+            self._mark_down(err, gen, backoff=False)
+            return NotRun(f"Triton at {self.url} had lost this worker's regions (restarted): {msg}")
+        if status in DOWN or self.region_prefix in msg:
             return self._mark_down(err, gen)
         if status == "StatusCode.RESOURCE_EXHAUSTED":
             # Past the gRPC message limit: this batch cannot go to this worker, another (a CPU
@@ -438,14 +444,18 @@ class TritonExecutor:
         error = TritonRefusedInput if status == "StatusCode.INVALID_ARGUMENT" else TritonAnswerError
         return error(f"Triton failed the batch ({status.removeprefix('StatusCode.')}): {msg}")
 
-    def _mark_down(self, err, gen: int) -> ExecutorUnavailable:
-        """Record a failure of client ``gen``; returns the error the batch gets."""
+    def _mark_down(self, err, gen: int, backoff: bool = True) -> ExecutorUnavailable:
+        """Record a failure of client ``gen`` (``backoff``: the next call waits out the back-off;
+        else it reconnects at once); returns the error the batch gets."""
         msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
         if gen == self._gen and not self._stale:
             self._stale, self._registered = True, False
-            self._down_until = time.monotonic() + self._backoff
-            log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, msg, self._backoff)
-            self._backoff = min(self.backoff_max_s, self._backoff * 2)
+            if backoff:
+                self._down_until = time.monotonic() + self._backoff
+                log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, msg, self._backoff)
+                self._backoff = min(self.backoff_max_s, self._backoff * 2)
+            else:
+                log.warning("Triton at %s lost this worker's regions (%s): reconnecting", self.url, msg)
         return ExecutorUnavailable(f"Triton at {self.url} is unavailable: {msg}")
 
     # ------------------------------------------------------------------ running
@@ -511,8 +521,17 @@ class TritonExecutor:
             try:
                 res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
             except Exception as e:
-                err = e
-                raise self._failure(e, gen) from None
+                failure = self._failure(e, gen)
+                if not isinstance(failure, NotRun):
+                    err = e
+                    raise failure from None
+                self._ensure_up()  # (reconnects and registers the regions again: the slot's too)
+                gen = self._gen
+                try:
+                    res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
+                except Exception as e2:
+                    err = e2
+                    raise self._failure(e2, gen) from None
             self._backoff = self.backoff_min_s
             return self._read(res, layout, n, slot)
         finally:
