@@ -1371,6 +1371,28 @@ def test_tritons_invalid_argument_is_a_refusal_its_other_answers_may_pass():
     assert type(internal) is TritonAnswerError and internal.restart_may_help
 
 
+def test_a_call_cut_by_the_workers_own_reconnect_is_sent_again_not_failed():
+    """After a restart of Triton, the first of two batches in flight reconnected the worker,
+    which cut the second's call ("Channel closed!", CANCELLED on the old channel): it failed
+    UNAVAILABLE (5 of a burst of 50). Sent again now; a call Triton itself failed is an outage."""
+    import threading
+
+    from batchyard.workers.runtime import SendAgain
+    from batchyard.workers.triton_executor import TritonExecutor
+
+    ex = TritonExecutor.__new__(TritonExecutor)
+    ex.url, ex.region_prefix, ex._gen, ex._stale = "127.0.0.1:1", "by_triton_test-", 2, False
+    ex._backoff, ex.backoff_max_s, ex._lock = 0.5, 5.0, threading.Lock()
+    cut = types.SimpleNamespace(status=lambda: "StatusCode.CANCELLED", message=lambda: "Channel closed!")
+    assert type(ex._failure(cut, 1)) is SendAgain and not ex._stale
+    lost = types.SimpleNamespace(status=lambda: "StatusCode.NOT_FOUND", message=lambda: (
+        "Unable to find shared memory region: 'by_triton_test-0-in'"))
+    assert type(ex._failure(lost, 2)) is SendAgain and ex._stale  # (reconnect at the next call)
+    ex._stale = False
+    down = types.SimpleNamespace(status=lambda: "StatusCode.UNAVAILABLE", message=lambda: "Connection refused")
+    assert type(ex._failure(down, 2)) is not SendAgain and ex._stale
+
+
 @pytest.mark.parametrize("error, exits", [
     ("answer", "restarted"),  # Triton's error status: a crashed python-backend stub, say
     ("contract", "not restarted"),  # an output unlike the spec: the same at every start

@@ -440,10 +440,10 @@ class WorkerRuntime:
                         compute_us: int, end_ns: int = 0) -> list | None:
         """A batch the asynchronous executor completed. One the model failed runs again one
         request at a time, as ``_each_alone`` does for the others: one request Triton refused
-        failed every client's request batched with it. One the backend never ran (NotRun) is
-        submitted ``again`` once: the first batch after Triton restarted while this worker was
+        failed every client's request batched with it. One to send again (SendAgain) is
+        submitted ``again``, once: the first batch after Triton restarted while this worker was
         idle failed UNAVAILABLE, with no other worker to take it."""
-        if again and isinstance(raw, NotRun):
+        if again and isinstance(raw, SendAgain):
             try:  # (assembled anew: the cache the first assembly used may hold a later batch's by now)
                 inputs = assemble(items, spec, self.cache)
             except Exception as e:  # on the loop: raised here, it ended the worker
@@ -598,10 +598,11 @@ class ExecutorUnavailable(Exception):
     get UNAVAILABLE, not INTERNAL, and the worker stays up."""
 
 
-class NotRun(ExecutorUnavailable):
-    """The backend refused the batch before running any of it, for a cause the executor has
-    already set right for its next call (a restarted Triton that lost this worker's regions):
-    the runtime submits it once more."""
+class SendAgain(ExecutorUnavailable):
+    """The batch failed for a cause the executor has already set right for its next call (a
+    restarted Triton that lost this worker's regions, refused before it ran any of it; a call cut
+    by the reconnect that followed): the runtime submits it once more. (A model's run is a pure
+    function of its inputs: one that did run, its outputs left in a held slot, runs again.)"""
 
 
 def powers_of_two(max_batch: int) -> tuple[int, ...]:

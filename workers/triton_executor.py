@@ -43,7 +43,7 @@ import numpy as np
 from batchyard.protocol import ModelSpec
 from batchyard.validation import item_nbytes
 
-from .runtime import CannotStart, ExecutorUnavailable, NotRun
+from .runtime import CannotStart, ExecutorUnavailable, SendAgain
 from .triton_model_check import TRITON_DTYPE, check_model_config
 from .triton_regions import make_region, resolve_kind
 
@@ -427,7 +427,12 @@ class TritonExecutor:
             # runtime sends this batch once more. As a model error, the worker failed every
             # batch for good; as an outage, the first batch after the restart failed UNAVAILABLE.
             self._mark_down(err, gen, backoff=False)
-            return NotRun(f"Triton at {self.url} had lost this worker's regions (restarted): {msg}")
+            return SendAgain(f"Triton at {self.url} had lost this worker's regions (restarted): {msg}")
+        if status in DOWN and gen != self._gen:
+            # Cut by this worker's own reconnect since it was sent (the old channel's calls end
+            # CANCELLED, "Channel closed!"), not by Triton: it goes again on the new one. After a
+            # restart of Triton, the second of two batches in flight failed UNAVAILABLE so.
+            return SendAgain(f"Triton at {self.url}: the call was cut by a reconnect: {msg}")
         if status in DOWN or self.region_prefix in msg:
             return self._mark_down(err, gen)
         if status == "StatusCode.RESOURCE_EXHAUSTED":
@@ -522,7 +527,7 @@ class TritonExecutor:
                 res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
             except Exception as e:
                 failure = self._failure(e, gen)
-                if not isinstance(failure, NotRun):
+                if not isinstance(failure, SendAgain):
                     err = e
                     raise failure from None
                 self._ensure_up()  # (reconnects and registers the regions again: the slot's too)
