@@ -161,17 +161,23 @@ class RequestCore:
 
     def _expired_queued(self, req: Request, now: float, why: str) -> tuple[Status, str]:
         """A queued request's failure at (or just before) its deadline: DEADLINE_EXCEEDED, but
-        UNAVAILABLE where every worker of its model is out of rotation by the breaker (its
-        backend failed batches UNAVAILABLE: Triton down, say), as Triton answers for a model that
-        is not available. Its client then retries elsewhere, not with a longer deadline; a
-        request still queued when the only GPU worker's back-off (2, 4, 8 s) outlived its timeout
-        was a DEADLINE_EXCEEDED "in queue", as if the node were only slow."""
+        UNAVAILABLE where no worker serving its model is registered, or every one is out of
+        rotation by the breaker (its backend failed batches UNAVAILABLE: Triton down, say), as
+        Triton answers for a model that is not available. Its client then retries elsewhere, not
+        with a longer deadline; a request still queued when the only GPU worker's back-off (2, 4,
+        8 s) outlived its timeout was a DEADLINE_EXCEEDED "in queue", as if the node were only
+        slow."""
+        if self.state.serving.get(req.model):
+            return Status.DEADLINE_EXCEEDED, why
         out = [(until, name) for (name, model), (until, _) in self.suspended.items() if model == req.model]
-        if out and not self.state.serving.get(req.model):
+        if out:
             until, name = min(out)
             return Status.UNAVAILABLE, (f"{why}: every worker of {req.model!r} is out of rotation, its backend "
                                         f"failing batches UNAVAILABLE ({name} back in {max(until - now, 0.0):.1f} s)")
-        return Status.DEADLINE_EXCEEDED, why
+        # None registered (starting, restarting after a crash or a hang, or none configured): as
+        # Triton answers a model that is not ready. A DEADLINE_EXCEEDED "in queue" read as a slow
+        # node, and clients that retry on UNAVAILABLE did not (an outside review).
+        return Status.UNAVAILABLE, f"{why}: no worker serves {req.model!r} now (none is registered for it)"
 
     def _fastest(self, model: str, items: int) -> float:
         """The time the fastest path serving ``model`` that takes ``items`` in one batch now takes

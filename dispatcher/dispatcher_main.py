@@ -75,7 +75,7 @@ def run_dispatcher(node: NodeConfig) -> int:
                  os.getpid(), node.dispatcher.frontend, node.dispatcher.backend, d.policy.name, cpus)
         for name in node.unserved_models():
             log.warning("model %r is served by none of the config's [[workers]]: no worker of this node can "
-                        "register for it, and its requests wait in the queue until their timeout", name)
+                        "register for it, and its requests wait in the queue until their timeout (then UNAVAILABLE)", name)
         try:
             await d.stopped
         finally:

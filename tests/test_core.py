@@ -366,6 +366,18 @@ def test_a_request_that_outlives_its_models_only_worker_out_of_rotation_is_unava
     assert ends.failed[2] == Status.DEADLINE_EXCEEDED
 
 
+def test_a_request_that_outlives_a_time_with_no_worker_of_its_model_registered_is_unavailable():
+    """No worker of the model registered (its only one restarting after a crash or a hang, or
+    Triton down at its start) until a queued request's timeout: DEADLINE_EXCEEDED "in queue",
+    as if the node were only slow (an outside review); UNAVAILABLE, as Triton answers a model
+    that is not ready."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail)
+    core.admit("m", 1, 1, 1.0, 0.0, req_id=1)
+    core.decide(1.5)
+    assert ends.failed == {1: Status.UNAVAILABLE}
+
+
 def test_unavailable_requests_are_retried_on_another_worker_once():
     ends = Ends()
     core = make_core(ends)
