@@ -425,6 +425,9 @@ class Register(msgspec.Struct, tag="register", tag_field="type", omit_defaults=T
     # Drawn once per process start: tells a restart from a registration's retry where pid and
     # connection do not (pid 1 in a container, over tcp: the peer is its address alone).
     started: str = ""
+    # The longest the worker may hold one batch before it answers it whatever its backend does
+    # (a Triton worker's own call timeout, and a wait for a slot before it): none while 0.
+    batch_bound_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):

@@ -465,7 +465,7 @@ class Dispatcher:
                             "of it are capped at %d", msg.worker, s.max_batch, s.name, caps[s.name], caps[s.name])
         w = WorkerState(name=msg.worker, path=msg.path, models=caps,
                         capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity, peer=peer,
-                        started=msg.started)
+                        started=msg.started, batch_bound_s=msg.batch_bound_s)
         self.core.add_worker(w, now)
         for model in w.models:
             self.metrics.model_served(model, w.path)

@@ -234,6 +234,7 @@ class WorkerState:
     identity: bytes = b""
     peer: str = ""  # the kernel's credentials of the connection it registered on (transport.connection)
     started: str = ""  # its process's Register.started
+    batch_bound_s: float = 0.0  # its Register.batch_bound_s: it answers a batch within this (0: no bound)
 
     @property
     def free(self) -> bool:

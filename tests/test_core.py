@@ -600,6 +600,25 @@ def test_a_batch_queued_in_its_worker_behind_a_long_one_is_not_taken_for_hung():
     assert 1 not in ends.failed
 
 
+def test_a_worker_that_bounds_its_batches_is_not_taken_for_hung_within_its_bound():
+    """A Triton worker's call to a slow Triton model (15 s a batch, 2 s deadlines) ends within its
+    own timeout: judged at the last deadline plus worker_dead_after_s, the healthy worker was made
+    to exit and restarted, its other models' requests failed meanwhile (an outside review). It
+    declares its bound (Register.batch_bound_s); past it and worker_dead_after_s, it is hung."""
+    ends = Ends()
+    core = RequestCore(make_policy("greedy"), ends.on_fail, worker_dead_after_s=10.0)
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}, capacity=2, batch_bound_s=62.0), 0.0)
+    core.admit("m", 1, 1, 2.0, 0.0, client=b"c", req_id=1)
+    core.decide(0.0)
+    for t in (2.5, 12.5, 40.0, 71.9):
+        core.heartbeat("gpu0", t)
+        core.decide(t)
+        assert core.check_liveness(t) == [], t
+    core.heartbeat("gpu0", 72.1)
+    (lost,) = core.check_liveness(72.1)
+    assert lost[0].name == "gpu0" and "never came back" in lost[1]
+
+
 def test_a_batch_that_never_comes_back_does_not_hold_its_worker_for_good():
     """A worker heartbeats from a thread of its own: one whose batch never came back kept its
     slot, and every later request was refused "cannot finish before its deadline on any path"."""

@@ -178,7 +178,8 @@ class WorkerRuntime:
         return P.encode(P.Register(v=P.PROTOCOL_VERSION, worker=self.name, pid=os.getpid(),
                                    path=self.executor.path, models=list(self.specs.values()),
                                    max_inflight=self.max_inflight, numa_node=self.numa_node,
-                                   simulated=self.executor.simulated, started=self.started))
+                                   simulated=self.executor.simulated, started=self.started,
+                                   batch_bound_s=getattr(self.executor, "batch_bound_s", 0.0)))
 
     def serve(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: it died with its batch

@@ -185,6 +185,15 @@ class TritonExecutor:
         return self.shm_kind != "none"
 
     # ------------------------------------------------------------------ setup
+    @property
+    def batch_bound_s(self) -> float:
+        """The longest this worker holds one batch (Register.batch_bound_s): a wait for a slot
+        held by a timed-out call (_take_slot), then its own call, each ``timeout_s`` at most.
+        The dispatcher takes the worker for hung only past it: a slow Triton model (15 s a batch,
+        2 s deadlines) got the healthy worker killed and restarted, its other models' requests
+        failed meanwhile."""
+        return 2 * self.timeout_s + 1.0 + 1.0
+
     def _connect(self) -> None:
         old, self.client = self.client, None
         if old is not None:
