@@ -8,6 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
+from batchyard.protocol import Status
+
 from .harness import LoadSpec, analyse, run_load, scrape, server_split
 from .report import table, unavailable_of_sent, write_outputs
 
@@ -156,6 +158,11 @@ def main(args) -> int:
         print(f"load generator ceiling: {rps:,.0f} requests/s ({args.processes} processes, closed loop, "
               f"256 in flight, no-op worker behind a dispatcher on this machine)")
         return 0
+    if args.compare and args.target == "triton":
+        # (it started the node, then gave its ZeroMQ address to the gRPC client: "Misformatted
+        # domain name")
+        raise SystemExit("bench: --compare measures the nodes it starts through Batchyard's own protocol: "
+                         "not with --target triton")
     address = args.triton_url if args.target == "triton" else args.address
     if not address and not args.compare:
         raise SystemExit("bench: give --address, --compare with --config, or --target triton --triton-url")
@@ -168,14 +175,21 @@ def main(args) -> int:
         _run_all(args, address, rates, reports, gone)
     except (KeyboardInterrupt, SystemExit) as e:
         # Ctrl-C, or SIGTERM (cli.exit_on_sigterm's SystemExit): one line, and the loads measured
-        # whole written (a traceback said it, and a sweep's finished rates were lost).
+        # whole written (a traceback said it, and a sweep's finished rates were lost). So are they
+        # where the harness failed a later load (a node gone, unreachable at the next rate: the
+        # loads before it were lost).
         code = 130 if isinstance(e, KeyboardInterrupt) else e.code
-        if isinstance(e, SystemExit) and code != 128 + signal.SIGTERM:
-            raise  # the harness's own words for a failure
-        print(f"batchyard bench: interrupted{'' if reports else ', nothing measured'}", file=sys.stderr)
+        interrupted = not isinstance(e, SystemExit) or code == 128 + signal.SIGTERM
+        if interrupted:
+            # (a load cut short is not written: its replies are still in its generators)
+            print(f"\nbatchyard bench: interrupted{'' if reports else ' before a load was measured whole'}",
+                  file=sys.stderr)
         if reports and args.out:
-            write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model} (interrupted)")
+            why = "interrupted" if interrupted else "ended by an error"
+            write_outputs(reports, Path(args.out), f"batchyard bench: {args.target} {args.model} ({why})")
             print(f"(the {len(reports)} loads measured whole written to {Path(args.out)}/)", file=sys.stderr)
+        if not interrupted:
+            raise  # the harness's own words for the failure
         return code
     print()
     print(table(reports))
@@ -189,7 +203,18 @@ def main(args) -> int:
     if gone:
         print(f"bench: the node stopped answering during {', '.join(gone)} (it went away): the run does not "
               "measure it", file=sys.stderr)
-    return 1 if lost or gone else 0
+    failed = [r for r in reports if r.summary.get("requests") and not r.summary.get("served")]
+    for r in failed:  # (it exited 0, "errors 35" its only sign)
+        statuses = ", ".join(f"{_status_name(k)} {n}" for k, n in r.summary["errors"].items())
+        print(f"bench: every request of {r.label} failed ({statuses}): the run measures nothing", file=sys.stderr)
+    return 1 if lost or gone or failed else 0
+
+
+def _status_name(code: str) -> str:
+    try:
+        return Status(int(code)).name
+    except ValueError:
+        return f"status {code}"
 
 
 def _run_all(args, address: str, rates: list, reports: list, gone: list) -> None:
@@ -205,7 +230,10 @@ def _run_all(args, address: str, rates: list, reports: list, gone: list) -> None
                             keys=keys)
             rep = analyse(rows, spec, args.target, label)
             if before is not None:
-                rep.summary["server_split"] = server_split(before, scrape_metrics(args.metrics_url))
+                try:
+                    rep.summary["server_split"] = server_split(before, scrape_metrics(args.metrics_url))
+                except SystemExit as e:  # (a node gone: the run was lost, and the error blamed the URL)
+                    print(f"{e.code}: {label} is written without its server split", file=sys.stderr)
             reports.append(rep)
             print(table(reports[-1:]), flush=True)
             # Requests sent after a node died wait in the client and fail DEADLINE_EXCEEDED, only
@@ -213,3 +241,4 @@ def _run_all(args, address: str, rates: list, reports: list, gone: list) -> None
             # left no UNAVAILABLE behind, and the run exited 0 with nothing measured.
             if not node_answers(address, keys, args.target):
                 gone.append(label)
+                return  # (the next load's start found no node, and its error lost these)

@@ -139,8 +139,16 @@ COLUMNS = ("sent", "latency_us", "status", "path", "priority", "queue_us", "comp
 SEND_LAG_MAX_MS = 5.0
 
 
-def _make_inputs(kind: str, spec_inputs):
+MINILM_INPUTS = ("input_ids", "attention_mask")
+
+
+def _make_inputs(kind: str, spec_inputs, model: str = ""):
     if kind == "minilm":
+        names = tuple(t.name for t in spec_inputs)
+        if sorted(names) != sorted(MINILM_INPUTS):
+            # (every request failed INVALID_ARGUMENT and the run exited 0, or, at Triton, a KeyError)
+            raise SystemExit(f"bench: --inputs minilm makes {' and '.join(MINILM_INPUTS)}; model {model!r} takes "
+                             f"{', '.join(names) or 'none'}: give --inputs zeros")
         from batchyard.workers.models import tokenize
 
         from .demo import SENTENCES
@@ -161,7 +169,7 @@ async def _run_batchyard(address, model, inputs_kind, spec: LoadSpec, part: int,
             mspec = await c.model_info(model, timeout=3.0)
         except BatchyardError as e:
             raise SystemExit(f"bench: cannot reach a dispatcher serving {model!r} at {address}: {e}")
-        make = _make_inputs(inputs_kind, mspec.inputs)
+        make = _make_inputs(inputs_kind, mspec.inputs, model)
 
         async def one(i, prio, timeout, due=None):
             sent = time.monotonic()
@@ -192,7 +200,7 @@ async def _run_triton(url, model, inputs_kind, spec: LoadSpec, part: int, ready)
             raise SystemExit(f"bench: cannot reach Triton model {model!r} at {url}: {e}")
         dt = {"INT64": "int64", "FP32": "float32", "INT32": "int32", "FP16": "float16"}
         ins = [TensorSpec(i["name"], dt[i["datatype"]], tuple(int(x) for x in i["shape"][1:])) for i in meta["inputs"]]
-        make = _make_inputs(inputs_kind, ins)
+        make = _make_inputs(inputs_kind, ins, model)
         out_name = meta["outputs"][0]["name"]
         policy, error_status = _triton_policy(spec.schedule_policy)
         rows = []

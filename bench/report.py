@@ -60,10 +60,16 @@ def unavailable_of_sent(r: Report) -> int:
     return r.summary.get("failed_of_sent", {}).get(str(int(Status.UNAVAILABLE)), 0)
 
 
+_LATENCIES = (("p50", "p50_ms"), ("p90", "p90_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))
+
+
 def table(reports: list[Report]) -> str:
     width = max([26, *(len(r.label) + 1 for r in reports)])  # (a longer label pushed every column out of line)
-    head = (f"{'target':<{width}}{'offered/s':>10}{'tput/s':>9}{'good/s':>9}{'p50':>8}{'p90':>8}{'p99':>8}{'p99.9':>8}"
-            f"{'errors':>8}  stable")
+    # Each latency column as wide as its widest figure and a space: at 8, latencies of 10 s and
+    # more ran into each other ("7005.5311322.73").
+    lat = {key: max([8, *(len(f"{r.summary[key]:.2f}") + 1 for r in reports)]) for _, key in _LATENCIES}
+    head = (f"{'target':<{width}}{'offered/s':>10}{'tput/s':>9}{'good/s':>9}"
+            + "".join(f"{name:>{lat[key]}}" for name, key in _LATENCIES) + f"{'errors':>8}  stable")
     lines = [head, "-" * len(head)]
     for r in reports:
         s = r.summary
@@ -71,8 +77,8 @@ def table(reports: list[Report]) -> str:
         offered = f"{r.offered_rps:>10.1f}" if r.offered_rps else f"{'-':>10}"  # a closed loop offers no rate
         stable = "n/a" if r.stable is None else "yes" if r.stable else "NO"
         lost = unavailable_of_sent(r)
-        lines.append(f"{r.label:<{width}}{offered}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}{s['p50_ms']:>8.2f}"
-                     f"{s['p90_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['p999_ms']:>8.2f}{errs:>8}  "
+        lines.append(f"{r.label:<{width}}{offered}{s['throughput_rps']:>9.1f}{s['goodput_rps']:>9.1f}"
+                     + "".join(f"{s[key]:>{lat[key]}.2f}" for _, key in _LATENCIES) + f"{errs:>8}  "
                      f"{stable}{'' if r.schedule_kept else ' (generator behind schedule)'}"
                      f"{f' ({lost} sent in the windows failed UNAVAILABLE)' if lost else ''}")
     return "\n".join(lines)

@@ -218,6 +218,108 @@ def test_a_sweep_interrupted_writes_the_loads_it_measured_whole_and_says_so_in_o
     assert "@50/s" in json.dumps(written) and "@60/s" not in json.dumps(written)
 
 
+def _sweep(monkeypatch, tmp_path, run_load, answers=lambda: True, metrics=None, extra=()):
+    """bench_cli.main on a sweep of 50,60/s (1 s warm-up, one 2 s window) with ``run_load`` and
+    the node's answer faked; -> (its exit status or SystemExit, stderr's text via capsys later)."""
+    from batchyard.bench import bench_cli
+    from batchyard.cli import build_parser
+
+    monkeypatch.setattr(bench_cli, "run_load", run_load)
+    monkeypatch.setattr(bench_cli, "node_answers", lambda address, keys, target: answers())
+    if metrics is not None:
+        monkeypatch.setattr(bench_cli, "scrape_metrics", metrics)
+    args = build_parser().parse_args(["bench", "--address", "ipc:///nowhere", "--model", "sum", "--sweep-rates",
+                                      "50,60", "--distribution", "constant", "--warmup", "1", "--window", "2",
+                                      "--windows", "1", "--out", str(tmp_path / "out"), *extra])
+    try:
+        return bench_cli.main(args)
+    except SystemExit as e:
+        return e
+
+
+def _written(tmp_path) -> str:
+    return json.dumps(json.loads(next((tmp_path / "out").glob("*.json")).read_text()))
+
+
+def test_a_load_the_harness_fails_after_loads_measured_whole_keeps_those(monkeypatch, capsys, tmp_path):
+    """The second rate of a sweep could not start (its node gone: "cannot reach a dispatcher"):
+    the harness's error, exit 1, and the first rate, measured whole, was not written (an outside
+    review). It is written now, and the error is still the harness's."""
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=2.0, windows=1, stable_windows=1)
+    calls = []
+
+    def run_load(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise SystemExit("bench: cannot reach a dispatcher serving 'sum' at ipc:///nowhere")
+        return rows_of(schedule(spec)[0], 1000.0)
+
+    got = _sweep(monkeypatch, tmp_path, run_load)
+    assert isinstance(got, SystemExit) and "cannot reach a dispatcher" in str(got.code)
+    assert "@50/s" in _written(tmp_path) and "@60/s" not in _written(tmp_path)
+
+
+def test_a_node_gone_after_a_load_ends_the_sweep_and_the_measured_load_is_written(monkeypatch, capsys, tmp_path):
+    """Gone after the first rate, the node failed the next one's start, whose error lost the
+    first (and never said the node went away). The sweep stops there now."""
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=2.0, windows=1, stable_windows=1)
+    calls = []
+
+    def run_load(*a, **k):
+        calls.append(1)
+        return rows_of(schedule(spec)[0], 1000.0)
+
+    assert _sweep(monkeypatch, tmp_path, run_load, answers=lambda: False) == 1
+    assert calls == [1] and "@50/s" in _written(tmp_path)
+    assert "the node stopped answering during batchyard:sum @50/s" in capsys.readouterr().err
+
+
+def test_a_metrics_url_gone_after_a_load_leaves_its_server_split_out_not_the_load(monkeypatch, capsys, tmp_path):
+    """--metrics-url of a node that died mid-run: the scrape after the load failed, and its error
+    ("cannot read --metrics-url") lost the measured load and blamed the URL."""
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=2.0, windows=1, stable_windows=1)
+    scrapes = []
+
+    def metrics(url):
+        scrapes.append(url)
+        if len(scrapes) == 2:
+            raise SystemExit(f"bench: cannot read --metrics-url {url}: Connection refused")
+        return []
+
+    got = _sweep(monkeypatch, tmp_path, lambda *a, **k: rows_of(schedule(spec)[0], 1000.0), answers=lambda: False,
+                 metrics=metrics, extra=("--metrics-url", "http://127.0.0.1:9/metrics"))
+    err = capsys.readouterr().err
+    assert got == 1 and "@50/s" in _written(tmp_path) and "written without its server split" in err
+    assert "the node stopped answering" in err
+
+
+def test_a_load_whose_every_request_failed_exits_1_and_says_so(monkeypatch, capsys, tmp_path):
+    """35 of 35 requests failed INVALID_ARGUMENT, "errors 35", and the run exited 0."""
+    spec = LoadSpec(rate=50.0, distribution="constant", warmup_s=1.0, window_s=2.0, windows=1, stable_windows=1)
+    got = _sweep(monkeypatch, tmp_path, lambda *a, **k: rows_of(schedule(spec)[0], 1000.0, status=3))
+    err = capsys.readouterr().err
+    assert got == 1 and "bench: every request of batchyard:sum @50/s failed (INVALID_ARGUMENT" in err, err
+
+
+def test_minilm_inputs_for_a_model_of_other_inputs_are_refused_before_the_load():
+    from batchyard.bench.harness import _make_inputs
+    from batchyard.protocol import TensorSpec
+
+    with pytest.raises(SystemExit, match="--inputs minilm makes input_ids and attention_mask; model 'm' takes x"):
+        _make_inputs("minilm", [TensorSpec("x", "float32", (4,))], "m")
+
+
+def test_compare_is_refused_with_the_triton_target(monkeypatch, tmp_path):
+    """It started the node, then gave its ZeroMQ address to the gRPC client ("Misformatted domain name")."""
+    from batchyard.bench import bench_cli
+    from batchyard.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--compare", "mcb", "--config", "x.toml", "--target", "triton",
+                                      "--model", "m", "--request-rate", "5"])
+    with pytest.raises(SystemExit, match="not with --target triton"):
+        bench_cli.main(args)
+
+
 @pytest.mark.parametrize("answers", [True, False])
 def test_a_node_gone_between_requests_makes_bench_exit_1_though_none_failed_unavailable(monkeypatch, capsys, answers):
     """Killed between two requests (or in the warm-up), a node leaves none running to fail
@@ -277,6 +379,14 @@ def test_a_long_label_keeps_the_tables_columns_in_line():
                    analyse(rows, spec, "batchyard", "short")]).splitlines()
     # both rows as long, their "stable" column where the header's is
     assert len({len(line) for line in lines[2:]}) == 1 and lines[0].index("  stable") == len(lines[2]) - len("  n/a")
+
+
+def test_latencies_of_ten_seconds_and_more_keep_their_columns_apart():
+    """At 8 characters a column, "7005.5311322.7312244.96": p50, p90 and p99 run together."""
+    spec = LoadSpec(rate=10.0, warmup_s=0.0, window_s=20.0, windows=1, stable_windows=1)
+    rows = rows_of(schedule(spec)[0], 12_345_678.0)  # (those sent in the first 7.7 s end in the window)
+    line = table([analyse(rows, spec, "batchyard", "x")]).splitlines()[2]
+    assert line.split()[4:8] == ["12345.68"] * 4, line
 
 
 def test_bench_against_a_stopped_dispatcher_fails_clearly(run_dir):
