@@ -341,6 +341,13 @@ def _progress(total_s: float, enabled: bool):
     return bar
 
 
+def drain_limit_s(spec: LoadSpec) -> float:
+    """How long after its schedule ends a run waits for its last replies: they may come as late
+    as the longest deadline asked (a saturated run with 300 s deadlines was given up 120 s after
+    its windows, nothing written)."""
+    return max(120.0, max(spec.deadlines_ms) / 1e3 + 30.0)
+
+
 def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard", inputs: str = "zeros",
              progress: bool = False, keys: Optional[dict] = None) -> np.ndarray:
     """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS).
@@ -367,7 +374,8 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
                 kind, payload = q.get(timeout=1.0)  # the 1 s tick only moves the progress bar
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise SystemExit("bench: load generator processes did not finish in time") from None
+                    raise SystemExit("bench: load generator processes did not finish in time (requests without "
+                                     "--deadlines-ms wait up to the node's default_timeout_s for their replies)") from None
                 bar.update_to(time.monotonic() - start.value)
                 continue
             if kind == "ready":
@@ -375,7 +383,7 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
                 if n_ready == len(ps):
                     start.value = time.monotonic() + 0.05  # time.monotonic is one clock for all processes
                     go.set()
-                    deadline = start.value + spec.duration + 120
+                    deadline = start.value + spec.duration + drain_limit_s(spec)
                     bar = _progress(spec.duration, progress)
                 continue
             (parts if kind == "ok" else errors).append(payload)

@@ -309,6 +309,13 @@ def test_minilm_inputs_for_a_model_of_other_inputs_are_refused_before_the_load()
         _make_inputs("minilm", [TensorSpec("x", "float32", (4,))], "m")
 
 
+def test_a_run_waits_for_replies_as_long_as_the_deadlines_it_asked():
+    from batchyard.bench.harness import drain_limit_s
+
+    assert drain_limit_s(LoadSpec(rate=1.0, deadlines_ms=(0.0, 300_000.0, 0.0))) == 330.0
+    assert drain_limit_s(LoadSpec(rate=1.0)) == 120.0
+
+
 def test_compare_is_refused_with_the_triton_target(monkeypatch, tmp_path):
     """It started the node, then gave its ZeroMQ address to the gRPC client ("Misformatted domain name")."""
     from batchyard.bench import bench_cli
