@@ -1371,6 +1371,40 @@ def test_tritons_invalid_argument_is_a_refusal_its_other_answers_may_pass():
     assert type(internal) is TritonAnswerError and internal.restart_may_help
 
 
+def test_a_worker_stopped_after_triton_was_taken_for_down_unregisters_its_regions(triton):
+    """Taken for down (a call past its timeout), the executor forgot its regions were registered:
+    a clean stop then left all four registered in Triton, their memory pinned there (an outside
+    review)."""
+    ex = TritonExecutor(triton.grpc_url, {"tri": "dense_amx"}, shm="system")
+    try:
+        ex.load(TRI.spec())
+        names = {r.name for s in ex._slots for r in s.regions}
+        assert names and names <= _regions(triton)
+        ex._mark_down(RuntimeError("Deadline Exceeded"), ex._gen)
+    finally:
+        ex.close()
+    assert not names & _regions(triton)
+
+
+def test_slots_that_do_not_fit_in_dev_shm_are_a_reason_not_to_start_not_a_traceback(triton, monkeypatch):
+    """/dev/shm of 64 MiB (Docker's default) and slots of 37 MiB: ShmError escaped load(), a
+    traceback and exit 1, restarted for ever. Now CannotStart (exit 78) naming what to change."""
+    from batchyard.shm import ShmError
+    from batchyard.workers import triton_executor
+    from batchyard.workers.runtime import CannotStart
+
+    def no_room(kind, name, size, device):
+        raise ShmError(f"cannot allocate {size} bytes of shared memory in /dev/shm: No space left on device")
+
+    monkeypatch.setattr(triton_executor, "make_region", no_room)
+    ex = TritonExecutor(triton.grpc_url, {"tri": "dense_amx"}, shm="system")
+    try:
+        with pytest.raises(CannotStart, match="cannot allocate .* lower \\[\\[models\\]\\] max_batch"):
+            ex.load(TRI.spec())
+    finally:
+        ex.close()
+
+
 def test_a_call_cut_by_the_workers_own_reconnect_is_sent_again_not_failed():
     """After a restart of Triton, the first of two batches in flight reconnected the worker,
     which cut the second's call ("Channel closed!", CANCELLED on the old channel): it failed

@@ -41,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from batchyard.protocol import ModelSpec
+from batchyard.shm import ShmError
 from batchyard.validation import item_nbytes
 
 from .runtime import CannotStart, ExecutorUnavailable, SendAgain
@@ -223,7 +224,12 @@ class TritonExecutor:
         if self.use_shm:
             in_b = max(sum(item_nbytes(t) for t in s.inputs) * s.max_batch for s in self.specs.values())
             out_b = max(sum(item_nbytes(t) for t in s.outputs) * s.max_batch for s in self.specs.values())
-            self._at_start("registering shared memory", self._make_slots, in_b, out_b)
+            try:
+                self._at_start("registering shared memory", self._make_slots, in_b, out_b)
+            except ShmError as e:  # (a traceback and exit 1, restarted for ever: /dev/shm too small for the slots)
+                raise CannotStart(f"the shared-memory slots for batches to Triton cannot be made: {e} (each slot "
+                                  f"holds a batch of the largest max_batch; lower [[models]] max_batch or "
+                                  f"triton.inflight, give /dev/shm more room, or set triton.shm = \"none\")") from None
 
     def _at_start(self, what: str, call, *args) -> None:
         """``call`` during load: a refusal of Triton's is ExecutorUnavailable (one line, exit 69, the
@@ -624,17 +630,24 @@ class TritonExecutor:
 
     # ------------------------------------------------------------------ shutdown
     def _drop_slots(self) -> None:
-        if self.client is not None and self._registered:
+        # Asked whatever _registered says: it turns False when Triton is taken for down, while the
+        # regions stay registered there (a call past its timeout, then a clean stop: all four
+        # left registered, their memory pinned in Triton). One Triton does not know is no error.
+        if self.client is not None and self._slots:
             try:  # one Triton still uses is left to this worker's next process
                 self._let_go_of_leftovers()
             except Exception:
                 pass  # Triton gone: nothing registered any more
-            for s in self._slots:
-                for r in s.regions:
-                    try:
-                        r.unregister(self.client, 5.0)
-                    except Exception:
-                        pass  # Triton gone: nothing registered any more
+            try:
+                for s in self._slots:
+                    for r in s.regions:
+                        try:
+                            r.unregister(self.client, 5.0)
+                        except Exception as e:
+                            if _may_still_run(e):  # no answer: Triton gone or hung, the rest would wait too
+                                raise
+            except Exception:
+                pass  # Triton gone: nothing registered any more
         for s in self._slots:
             for r in s.regions:
                 r.close()
