@@ -8,10 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from batchyard.protocol import Status
-
 from .harness import LoadSpec, analyse, run_load, scrape, server_split
-from .report import table, unavailable_of_sent, write_outputs
+from .report import status_name, table, unavailable_of_sent, write_outputs
 
 # The load modes, one a run: (flag, argument). The harness lets the closed loop win over the
 # rest, and a file of intervals or a profile over a rate, so a second mode was dropped unsaid and
@@ -205,16 +203,9 @@ def main(args) -> int:
               "measure it", file=sys.stderr)
     failed = [r for r in reports if r.summary.get("requests") and not r.summary.get("served")]
     for r in failed:  # (it exited 0, "errors 35" its only sign)
-        statuses = ", ".join(f"{_status_name(k)} {n}" for k, n in r.summary["errors"].items())
+        statuses = ", ".join(f"{status_name(int(k))} {n}" for k, n in r.summary["errors"].items())
         print(f"bench: every request of {r.label} failed ({statuses}): the run measures nothing", file=sys.stderr)
     return 1 if lost or gone or failed else 0
-
-
-def _status_name(code: str) -> str:
-    try:
-        return Status(int(code)).name
-    except ValueError:
-        return f"status {code}"
 
 
 def _run_all(args, address: str, rates: list, reports: list, gone: list) -> None:

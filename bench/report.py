@@ -42,12 +42,12 @@ def latency_table(summary: dict, sent: int) -> str:
               v["throughput_rps"], v["mean_batch"]) for name, v in paths]
     for name, n, p50, p90, p99, rps, b in rows:
         lines.append(f"{name:<18}{n:>7}{p50:>9.2f}{p90:>9.2f}{p99:>9.2f}{rps:>9.1f}{b:>8.1f}")
-    errors = {_status_name(int(s)): n for s, n in summary["errors"].items()}
+    errors = {status_name(int(s)): n for s, n in summary["errors"].items()}
     lines.append(f"errors: {errors or 'none'}  (sent {sent})")
     return "\n".join(lines)
 
 
-def _status_name(status: int) -> str:
+def status_name(status: int) -> str:
     try:
         return Status(status).name
     except ValueError:

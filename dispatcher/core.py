@@ -451,7 +451,7 @@ class RequestCore:
         for b in list(self.batches.values()):
             if self.batches.get(b.batch_id) is not b or any(r.state != DONE for r in b.requests):
                 continue
-            if now - b.sent_at <= b.worker.batch_bound_s + self.worker_dead_after_s:
+            if b.worker.batch_bound_s and now - b.sent_at <= b.worker.batch_bound_s + self.worker_dead_after_s:
                 continue  # (the worker answers it by then itself, whatever its backend does)
             last_deadline = max(r.deadline for r in b.requests)
             first = oldest[b.worker.name]

@@ -20,8 +20,9 @@ character limit; the template is rendered off the front door's loop. Refused wit
 the field, rather than ignored: anything but text parts, tools and tool calls,
 ``response_format`` other than text, a request's own ``chat_template``, ``echo``.
 ``continue_final_message`` (with ``add_generation_prompt`` false) ends the prompt inside the
-last message, as transformers' renderer cuts it for vLLM's server. A model folder without a chat template is a 400 on this
-route, as vLLM answers one; one whose template does not compile stops the front door's start.
+last message, as transformers' renderer cuts it for vLLM's server. A model folder without a
+chat template is a 400 on this route, as vLLM answers one; one whose template does not compile
+stops the front door's start.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ class OpenAiChat:
     async def prompt_text(self, body: dict, model: str) -> str:
         """A request's conversation (``messages``, ``add_generation_prompt``,
         ``continue_final_message``, ``chat_template_kwargs``, ``reasoning_effort``) as its model's
-        prompt text, rendered off
-        the loop (a template's cost grows with the conversation as it is written: one of
-        nested loops took 35 s over 4096 messages); OpenAiError, ChatTemplateError."""
+        prompt text, rendered off the loop (a template's cost grows with the conversation as it
+        is written: one of nested loops took 35 s over 4096 messages); OpenAiError,
+        ChatTemplateError."""
         messages = chat_messages(body.get("messages"))
         add_generation_prompt = flag(body, "add_generation_prompt", default=True)
         kwargs = body.get("chat_template_kwargs")

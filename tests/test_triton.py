@@ -1335,7 +1335,8 @@ def test_a_worker_restarted_while_triton_runs_its_killed_predecessors_batch_star
     t0 = time.monotonic()
     while not held.running.exists():
         assert time.monotonic() - t0 < 30, "the batch never reached the model"
-    old._registered = False  # killed: nothing unregistered, its batch runs on in Triton
+    old.client.close()  # killed: nothing unregistered (no client to ask), its batch runs on in Triton
+    old.client = None
     old.close()
     new = TritonExecutor(triton.grpc_url, {"m": "held"}, inflight=2, shm="system", region_prefix=prefix)
     try:

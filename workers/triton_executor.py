@@ -68,6 +68,7 @@ HELD_PROBE_S, PROBE_TIMEOUT_S = 1.0, 5.0
 # How often a batch waiting for a running one's slot (while another is held) looks whether the
 # worker is stopping (see _take_slot).
 SLOT_WAIT_SLICE_S = 0.1
+SLOT_WAIT_MARGIN_S = 1.0  # past the call timeout a running batch's slot is waited for
 # gRPC's reconnect back-off must not add to ours (see the module docstring); a channel of its own
 # (no shared subchannel) so that a fresh client really opens a fresh connection.
 RECONNECT_ARGS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -179,7 +180,6 @@ class TritonExecutor:
         self.stopping: Callable[[], bool] = lambda: False  # the worker runtime's stop, once it is set
         self._down_until = 0.0
         self._backoff = self.backoff_min_s
-        self._registered = False
 
     @property
     def use_shm(self) -> bool:
@@ -193,7 +193,7 @@ class TritonExecutor:
         The dispatcher takes the worker for hung only past it: a slow Triton model (15 s a batch,
         2 s deadlines) got the healthy worker killed and restarted, its other models' requests
         failed meanwhile."""
-        return 2 * self.timeout_s + 1.0 + 1.0
+        return (self.timeout_s + SLOT_WAIT_MARGIN_S) + self.timeout_s + 1.0  # (and a second for the answer's way)
 
     def _connect(self) -> None:
         old, self.client = self.client, None
@@ -323,7 +323,6 @@ class TritonExecutor:
         return tags
 
     def _register_slots(self) -> None:
-        self._registered = True  # before: close() unregisters what a failure halfway left registered
         for s in self._slots:
             for r in s.regions:
                 r.register(self.client, self.timeout_s)
@@ -376,7 +375,6 @@ class TritonExecutor:
             for r in s.regions:
                 if r.name not in listed:
                     r.register(self.client, self.timeout_s)
-        self._registered = True
 
     def _let_go_of_leftovers(self) -> None:
         """Unregister the predecessor's regions Triton has let go of since."""
@@ -469,7 +467,7 @@ class TritonExecutor:
         else it reconnects at once); returns the error the batch gets."""
         msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
         if gen == self._gen and not self._stale:
-            self._stale, self._registered = True, False
+            self._stale = True
             if backoff:
                 self._down_until = time.monotonic() + self._backoff
                 log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, msg, self._backoff)
@@ -537,21 +535,17 @@ class TritonExecutor:
         err = None
         try:
             name, ti, to, layout, n = self._prepare(model, inputs, slot)
-            gen = self._gen
-            try:
-                res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
-            except Exception as e:
-                failure = self._failure(e, gen)
-                if not isinstance(failure, SendAgain):
-                    err = e
-                    raise failure from None
-                self._ensure_up()  # (reconnects and registers the regions again: the slot's too)
+            for again in (True, False):  # a SendAgain goes once more, as the runtime sends a submitted one
                 gen = self._gen
                 try:
                     res = self.client.infer(name, ti, outputs=to, client_timeout=self.timeout_s)
-                except Exception as e2:
-                    err = e2
-                    raise self._failure(e2, gen) from None
+                    break
+                except Exception as e:
+                    failure = self._failure(e, gen)
+                    if not (again and isinstance(failure, SendAgain)):
+                        err = e
+                        raise failure from None
+                self._ensure_up()  # (reconnects and registers the regions again: the slot's too)
             self._backoff = self.backoff_min_s
             return self._read(res, layout, n, slot)
         finally:
@@ -607,7 +601,7 @@ class TritonExecutor:
             # hung (half of a 10 s load, 27 requests failed with no other worker). In slices: this
             # is the worker's main thread, and a stop meanwhile (a SIGTERM) must not wait for the
             # call's timeout (the stop grace's hard exit came first, with no leaving or goodbye).
-            until = time.monotonic() + self.timeout_s + 1.0
+            until = time.monotonic() + self.timeout_s + SLOT_WAIT_MARGIN_S
             while (not self._free and self._held and len(self._held) < len(self._slots) and not self.stopping()
                    and time.monotonic() < until):
                 self._slot_back.wait(min(SLOT_WAIT_SLICE_S, max(0.0, until - time.monotonic())))
@@ -630,28 +624,24 @@ class TritonExecutor:
 
     # ------------------------------------------------------------------ shutdown
     def _drop_slots(self) -> None:
-        # Asked whatever _registered says: it turns False when Triton is taken for down, while the
-        # regions stay registered there (a call past its timeout, then a clean stop: all four
-        # left registered, their memory pinned in Triton). One Triton does not know is no error.
+        # Asked whether or not Triton was taken for down: its regions stay registered there (a
+        # flag cleared then left all four registered after a call past its timeout and a clean
+        # stop, their memory pinned in Triton). One Triton does not know is no error.
         if self.client is not None and self._slots:
             try:  # one Triton still uses is left to this worker's next process
                 self._let_go_of_leftovers()
             except Exception:
                 pass  # Triton gone: nothing registered any more
-            try:
-                for s in self._slots:
-                    for r in s.regions:
-                        try:
-                            r.unregister(self.client, 5.0)
-                        except Exception as e:
-                            if _may_still_run(e):  # no answer: Triton gone or hung, the rest would wait too
-                                raise
-            except Exception:
-                pass  # Triton gone: nothing registered any more
+            for r in (r for s in self._slots for r in s.regions):
+                try:
+                    r.unregister(self.client, 5.0)
+                except Exception as e:
+                    if _may_still_run(e):
+                        break  # no answer: Triton gone or hung, the rest would wait as long
         for s in self._slots:
             for r in s.regions:
                 r.close()
-        self._slots, self._free, self._held, self._registered = [], [], [], False
+        self._slots, self._free, self._held = [], [], []
 
     def close(self) -> None:
         self._drop_slots()
