@@ -1017,6 +1017,11 @@ def test_a_batch_triton_fails_fails_alone_and_a_short_output_is_never_read_as_wh
         short = np.full((2, 16), 999.0, np.float32)
         with pytest.raises(RuntimeError, match=r"'y' is FP32 \[2, 8\]; the spec says FP32 \[2, 16\]"):
             ex.run("m", {"x": short})
+        # A model that raises: the exception's text reaches the client, its stack (the server's
+        # file paths and lines, which Triton appends after "At:") does not.
+        with pytest.raises(RuntimeError, match="ValueError: seven hundred and seventy-seven") as e:
+            ex.run("m", {"x": np.full((2, 16), 777.0, np.float32)})
+        assert "model.py" not in str(e.value) and "At:" not in str(e.value), str(e.value)
         np.testing.assert_array_equal(ex.run("m", {"x": good})["y"], good * 2)
     finally:
         ex.close()
