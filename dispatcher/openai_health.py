@@ -7,11 +7,15 @@ orchestrators set up for a vLLM server:
   answer the same.
 - ``GET /load``: ``{"server_load": n}``, the completions (``/v1/completions`` and chat) this
   front-door process is serving now, as vLLM's API server counts its own.
+- ``GET /version``: ``{"version": ...}``, as vLLM's (Batchyard's version: clients that log it or
+  check it is there got a 404).
 """
 
 from __future__ import annotations
 
 from aiohttp import web
+
+from . import __version__
 
 
 class OpenAiHealth:
@@ -20,7 +24,8 @@ class OpenAiHealth:
 
     def routes(self) -> list:
         return [web.get("/health", self.health, allow_head=False), web.get("/ping", self.health, allow_head=False),
-                web.post("/ping", self.health), web.get("/load", self.load, allow_head=False)]
+                web.post("/ping", self.health), web.get("/load", self.load, allow_head=False),
+                web.get("/version", self.version, allow_head=False)]
 
     async def health(self, request) -> web.Response:
         ready = await self.core.ready_models()  # (None: the dispatcher did not answer)
@@ -28,3 +33,6 @@ class OpenAiHealth:
 
     async def load(self, request) -> web.Response:
         return web.json_response({"server_load": self.completions.in_flight})
+
+    async def version(self, request) -> web.Response:
+        return web.json_response({"version": __version__})

@@ -21,6 +21,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import batchyard
 from batchyard import protocol as P
 from batchyard.client import AsyncClient, Client
 from batchyard.errors import Cancelled, InvalidArgument, Unavailable, UnknownModel
@@ -571,6 +572,7 @@ def test_losing_the_gpu_instance_makes_requests_unavailable_not_stranded(llm_nod
     address, engines, url = llm_node
     assert _ready(url + "/v2/models/tiny/ready") == 200
     assert [_ready(url + path) for path in ("/health", "/ping")] == [200, 200]  # (vLLM's probes)
+    assert _http(url + "/version") == (200, {"version": batchyard.__version__})  # (as vLLM's: it was a 404)
     gpu = engines["gpu0"]
     with Client(address) as c:
         gone_before = c.status().departures
