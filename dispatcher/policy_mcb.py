@@ -28,8 +28,8 @@ AMORTISED_SHARE = 0.05
 BACKLOG_BATCHES = 2
 FUTURE_ROUNDS = 4  # fixed-point steps for the arrivals expected while the plan runs
 # Share of the lambda*H arrivals expected over the plan's horizon H that the plan counts beside
-# the queue (step 3 in docs/policy.md says why it lies between 1/2 and 1, and how 0.7 was chosen).
-FUTURE_SHARE = 0.7
+# the queue (step 3 in docs/policy.md says why it lies between 1/2 and 1, and how 0.6 was chosen).
+FUTURE_SHARE = 0.6
 
 
 class _Memo:
