@@ -436,7 +436,7 @@ class TritonExecutor:
         # Triton's python backend appends the model's stack ("At:", then the server's file paths
         # and lines) to an exception's message; the client gets the exception, not the server's
         # layout.
-        msg = msg.split("\n\nAt:\n", 1)[0].split("\nAt:\n", 1)[0].rstrip()
+        msg = msg.split("\nAt:\n", 1)[0].rstrip()
         if status not in DOWN and LOST_REGION in msg and self.region_prefix in msg:
             # A Triton that lost our regions (restarted while this worker was idle, gRPC
             # reconnected by itself) answers every batch so, before it runs any of it: the next
