@@ -1433,6 +1433,36 @@ def test_a_call_cut_by_the_workers_own_reconnect_is_sent_again_not_failed():
     assert type(ex._failure(down, 2)) is not SendAgain and ex._stale
 
 
+def test_a_call_cut_while_the_reconnect_closes_the_old_channel_is_sent_again():
+    """close() of the old channel ends its calls in flight at once, on gRPC threads: a callback
+    that ran before the reconnect moved the generation on took its cut batch for an outage and
+    failed it UNAVAILABLE ("Channel closed!"): the first burst after a restart of Triton, in CI."""
+    import threading
+
+    from batchyard.workers.runtime import SendAgain
+    from batchyard.workers.triton_executor import TritonExecutor
+
+    ex = TritonExecutor.__new__(TritonExecutor)
+    ex.url, ex.region_prefix, ex._gen, ex._stale = "127.0.0.1:1", "by_triton_test-", 1, True
+    ex._backoff, ex.backoff_max_s, ex._lock, ex.channel_args = 0.5, 5.0, threading.Lock(), []
+    cut = types.SimpleNamespace(status=lambda: "StatusCode.CANCELLED", message=lambda: "Channel closed!")
+    outcomes = []
+
+    class Client:
+        def __init__(self, url, channel_args=None):
+            self.in_flight = []
+
+        def close(self):  # as gRPC does: the calls in flight end CANCELLED, now
+            for gen in self.in_flight:
+                outcomes.append(ex._failure(cut, gen))
+
+    ex.grpc = types.SimpleNamespace(InferenceServerClient=Client)
+    ex.client = Client(ex.url)
+    ex.client.in_flight.append(ex._gen)  # a batch sent on generation 1, still running
+    ex._connect()
+    assert [type(o) for o in outcomes] == [SendAgain] and ex._gen == 2 and not ex._stale
+
+
 @pytest.mark.parametrize("error, exits", [
     ("answer", "restarted"),  # Triton's error status: a crashed python-backend stub, say
     ("contract", "not restarted"),  # an output unlike the spec: the same at every start

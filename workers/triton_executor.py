@@ -196,15 +196,18 @@ class TritonExecutor:
         return (self.timeout_s + SLOT_WAIT_MARGIN_S) + self.timeout_s + 1.0  # (and a second for the answer's way)
 
     def _connect(self) -> None:
-        old, self.client = self.client, None
+        old = self.client
+        new = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
+        # The generation moves on before the old channel closes: close() ends its calls in flight
+        # CANCELLED ("Channel closed!") on gRPC threads at once, and a callback that still read
+        # the old generation took its cut batch for an outage (UNAVAILABLE, not sent again).
+        self._gen += 1
+        self.client, self._stale = new, False
         if old is not None:
             try:
-                old.close()  # its in-flight calls end CANCELLED; their generation is stale
+                old.close()
             except Exception:
                 pass
-        self.client = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
-        self._gen += 1
-        self._stale = False
 
     def load(self, spec: ModelSpec, factory: str = "") -> None:
         self.specs[spec.name] = spec
