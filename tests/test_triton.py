@@ -1433,34 +1433,172 @@ def test_a_call_cut_by_the_workers_own_reconnect_is_sent_again_not_failed():
     assert type(ex._failure(down, 2)) is not SendAgain and ex._stale
 
 
-def test_a_call_cut_while_the_reconnect_closes_the_old_channel_is_sent_again():
-    """close() of the old channel ends its calls in flight at once, on gRPC threads: a callback
-    that ran before the reconnect moved the generation on took its cut batch for an outage and
-    failed it UNAVAILABLE ("Channel closed!"): the first burst after a restart of Triton, in CI."""
-    import threading
+class _FakeTritonClient:
+    """One gRPC channel to a Triton that is up: calls end when the test answers them; close()
+    cuts the calls still in flight CANCELLED, each on a thread of its own, as gRPC does."""
 
-    from batchyard.workers.runtime import SendAgain
-    from batchyard.workers.triton_executor import TritonExecutor
+    def __init__(self, *args, **kwargs):
+        self.calls, self.regions, self.closed, self.cut = [], set(), False, []
 
-    ex = TritonExecutor.__new__(TritonExecutor)
-    ex.url, ex.region_prefix, ex._gen, ex._stale = "127.0.0.1:1", "by_triton_test-", 1, True
-    ex._backoff, ex.backoff_max_s, ex._lock, ex.channel_args = 0.5, 5.0, threading.Lock(), []
-    cut = types.SimpleNamespace(status=lambda: "StatusCode.CANCELLED", message=lambda: "Channel closed!")
-    outcomes = []
+    def register_system_shared_memory(self, name, key, size, client_timeout=None):
+        self.regions.add(name)
 
-    class Client:
-        def __init__(self, url, channel_args=None):
-            self.in_flight = []
+    def unregister_system_shared_memory(self, name, client_timeout=None):
+        self.regions.discard(name)
 
-        def close(self):  # as gRPC does: the calls in flight end CANCELLED, now
-            for gen in self.in_flight:
-                outcomes.append(ex._failure(cut, gen))
+    def get_system_shared_memory_status(self, client_timeout=None):
+        return types.SimpleNamespace(regions={r: None for r in self.regions})
 
-    ex.grpc = types.SimpleNamespace(InferenceServerClient=Client)
-    ex.client = Client(ex.url)
-    ex.client.in_flight.append(ex._gen)  # a batch sent on generation 1, still running
+    def async_infer(self, name, inputs, callback, outputs=None, client_timeout=None):
+        self.calls.append({"callback": callback, "n": inputs[0].shape()[0], "done": False})
+
+    def answer(self, i, error=None):
+        call = self.calls[i]
+        call["done"] = True
+        told = types.SimpleNamespace(get_output=lambda name: types.SimpleNamespace(datatype="FP32",
+                                                                                   shape=[call["n"], 8]))
+        call["callback"](None if error else told, error)
+
+    def close(self):
+        from tritonclient.utils import InferenceServerException
+
+        self.closed = True
+        for call in (c for c in self.calls if not c["done"]):
+            call["done"] = True
+            t = threading.Thread(target=call["callback"], args=(
+                None, InferenceServerException("Channel closed!", status="StatusCode.CANCELLED")))
+            self.cut.append(t)
+            t.start()
+
+
+def _fake_triton_executor(inflight: int, backoff_s=(0.0, 0.0)) -> TritonExecutor:
+    spec = ModelConfig(name="tri", factory="", max_batch=4, inputs=(TensorConfig("x", "float32", (8,)),),
+                       outputs=(TensorConfig("y", "float32", (8,)),)).spec()
+    ex = TritonExecutor("127.0.0.1:1", {"tri": "m"}, inflight=inflight, shm="system", backoff_s=backoff_s)
+    ex.grpc = types.SimpleNamespace(InferenceServerClient=_FakeTritonClient, InferInput=grpcclient.InferInput,
+                                    InferRequestedOutput=grpcclient.InferRequestedOutput)
     ex._connect()
-    assert [type(o) for o in outcomes] == [SendAgain] and ex._gen == 2 and not ex._stale
+    ex.specs["tri"] = spec
+    ex._make_slots(4 * 32, 4 * 32)
+    return ex
+
+
+def test_a_reconnect_lets_the_old_channels_healthy_calls_end_instead_of_cutting_them():
+    """A reconnect closed the old channel at once: a batch running well in Triton was cut
+    (CANCELLED), its slot held until Triton ended it, and after one call timed out the next
+    batches found every slot held and failed UNAVAILABLE with Triton up (an outside review). The
+    old client now stays open until its calls end; closed by the next call after that."""
+    from tritonclient.utils import InferenceServerException
+
+    ex = _fake_triton_executor(inflight=3)
+    try:
+        out = {}
+        x = {"x": np.ones((2, 8), np.float32)}
+        for name in ("timed-out", "healthy"):
+            ex.submit("tri", x, lambda o, us, name=name: out.__setitem__(name, o))
+        old = ex.client
+        old.answer(0, InferenceServerException("Deadline Exceeded", status="StatusCode.DEADLINE_EXCEEDED"))
+        assert isinstance(out["timed-out"], ExecutorUnavailable) and ex._stale
+        ex.submit("tri", x, lambda o, us: out.__setitem__("next", o))  # reconnects (back-off 0 here)
+        assert ex.client is not old and not old.closed and "healthy" not in out
+        old.answer(1)  # Triton ends the healthy batch on the old channel
+        assert out["healthy"]["y"].shape == (2, 8)
+        ex.client.answer(0)
+        assert out["next"]["y"].shape == (2, 8)
+        ex.submit("tri", x, lambda o, us: out.__setitem__("last", o))
+        assert old.closed and not old.cut  # closed once nothing ran on it, cutting nothing
+    finally:
+        ex.close()
+
+
+def test_a_failure_marks_triton_down_and_starts_the_back_off_as_one_step():
+    """A callback's _mark_down set the stale flag, then the back-off: a reconnect on the
+    runtime's thread between the two went ahead at once, and the back-off then landed on the new,
+    healthy client (its batches failed UNAVAILABLE for the back-off, up to 5 s). Both now change
+    under the executor's lock, which the runtime's check takes too."""
+    from tritonclient.utils import InferenceServerException
+
+    from batchyard.workers import triton_executor as te
+
+    ex = _fake_triton_executor(inflight=2, backoff_s=(30.0, 60.0))
+    parked, go, seen = threading.Event(), threading.Event(), []
+    real = time.monotonic
+
+    def monotonic():  # the callback's first clock read inside _mark_down: park it there
+        if threading.current_thread().name == "grpc-callback" and not go.is_set():
+            seen.append(ex._lock.locked())
+            parked.set()
+            go.wait()
+        return real()
+
+    try:
+        out = {}
+        ex.submit("tri", {"x": np.ones((1, 8), np.float32)}, lambda o, us: out.__setitem__("a", o))
+        te.time, saved = types.SimpleNamespace(monotonic=monotonic, perf_counter=time.perf_counter), te.time
+        try:
+            cb = threading.Thread(name="grpc-callback", target=ex.client.answer, args=(
+                0, InferenceServerException("Socket closed", status="StatusCode.UNAVAILABLE")))
+            cb.start()
+            parked.wait()
+            assert seen == [True]  # the runtime's _ensure_up cannot read the state half-changed
+            go.set()
+            cb.join()
+        finally:
+            te.time = saved
+        ex.submit("tri", {"x": np.ones((1, 8), np.float32)}, lambda o, us: out.__setitem__("b", o))
+        assert "retrying in" in str(out["b"]) and ex._gen == 1  # in back-off, no reconnect
+    finally:
+        go.set()
+        ex.close()
+
+
+def test_a_lone_run_cut_by_a_reconnect_is_sent_again_and_an_outage_meanwhile_is_unavailable(monkeypatch):
+    """A batch Triton failed runs its requests alone; a lone run cut by the executor's own
+    reconnect (SendAgain) was not sent again, and the batch got its first error, INTERNAL for
+    every request (good ones too), where an outage should be UNAVAILABLE (the dispatcher queues
+    those again). An outside review."""
+    from batchyard.workers import runtime
+    from batchyard.workers.runtime import SendAgain, WorkerRuntime
+    from batchyard.workers.triton_executor import TritonRefusedInput
+
+    monkeypatch.setattr(runtime, "assemble", lambda items, spec, cache: {"x": items[0].value})
+    monkeypatch.setattr(runtime, "check_outputs", lambda raw, spec, n: raw)
+
+    class Executor:
+        path, simulated, timeout_s = "gpu", False, 30.0
+
+        def __init__(self):
+            self.sent = []
+
+        def submit(self, model, inputs, done):
+            self.sent.append((inputs["x"], done))
+
+    def outcome(answers) -> object:
+        ex = Executor()
+        rt = WorkerRuntime("w", "inproc://unused", ex, {})
+        got = []
+        rt._finish = lambda msg, items, spec, raw, *rest: got.append(raw)
+        items = [types.SimpleNamespace(error=None, items=1, value=v) for v in (1, 2, 3)]
+        refused = TritonRefusedInput("Triton failed the batch (INVALID_ARGUMENT): token out of range")
+        spec = types.SimpleNamespace(outputs=[types.SimpleNamespace(name="y")])
+        rt._submitted_done(types.SimpleNamespace(model="tri", batch_id=1), items, spec, False, 0, True, refused, 0)
+        for answer in answers:
+            value, done = ex.sent.pop(0)
+            done(answer(value), 0)
+            rt._send_completed(types.SimpleNamespace(send_multipart=lambda *a, **k: None))
+        assert not ex.sent
+        return got[0]
+
+    def ok(value):
+        return {"y": np.array([value])}
+
+    # The first lone run cut once, then served; the other two served: every request's output.
+    cut = iter([SendAgain("the call was cut by a reconnect: Channel closed!")])
+    got = outcome([lambda v: next(cut), ok, ok, ok])
+    assert list(got["y"]) == [1, 2, 3]
+    # Triton down during the lone runs: UNAVAILABLE for the batch, not the model's INTERNAL.
+    got = outcome([ok, lambda v: ExecutorUnavailable("Triton at 127.0.0.1:1 is unavailable: Socket closed")])
+    assert type(got) is ExecutorUnavailable
 
 
 @pytest.mark.parametrize("error, exits", [

@@ -468,13 +468,22 @@ class WorkerRuntime:
             except Exception as e:  # on the loop: raised here, it ended the worker
                 runs.failed.append((it, e))
                 continue
-            self._submit(runs.msg.model, inputs, functools.partial(self._alone_done, runs, it), runs.term)
+            self._submit(runs.msg.model, inputs, functools.partial(self._alone_done, runs, it, True), runs.term)
             return None
         raw = self._alone_outcome(runs.msg.model, runs.spec, runs.good, runs.outs, runs.failed, runs.batch_failure)
         # Nothing to learn from it: the time is the failed batch's plus the lone runs'.
         return self._finish(runs.msg, runs.items, runs.spec, raw, 0, None)
 
-    def _alone_done(self, runs: "_LoneRuns", it, raw, compute_us: int, end_ns: int = 0) -> list | None:
+    def _alone_done(self, runs: "_LoneRuns", it, again: bool, raw, compute_us: int,
+                    end_ns: int = 0) -> list | None:
+        if again and isinstance(raw, SendAgain):  # once, as a batch is (_submitted_done)
+            try:
+                inputs = assemble([it], runs.spec, self.cache)
+            except Exception as e:
+                raw = e
+            else:
+                self._submit(runs.msg.model, inputs, functools.partial(self._alone_done, runs, it, False), runs.term)
+                return None
         if not isinstance(raw, BaseException):
             try:
                 runs.outs.append(check_outputs(raw, runs.spec, it.items))
@@ -508,8 +517,13 @@ class WorkerRuntime:
     @staticmethod
     def _alone_outcome(model: str, spec, good: list, outs: list, failed: list, batch_failure: Exception):
         """What a failed batch whose requests ran alone gets: the outputs of those that ran (the
-        others fail INVALID_ARGUMENT), or ``batch_failure`` when all failed or the backend did."""
-        if len(failed) == len(good) or any(isinstance(e, ExecutorUnavailable) for _, e in failed):
+        others fail INVALID_ARGUMENT); ``batch_failure`` when all failed; the backend's failure
+        when it failed meanwhile (UNAVAILABLE: another worker may take them; as the model's error,
+        INTERNAL, the dispatcher failed every request of the batch for good)."""
+        down = next((e for _, e in failed if isinstance(e, ExecutorUnavailable)), None)
+        if down is not None:
+            return down
+        if len(failed) == len(good):
             return batch_failure
         for it, e in failed:
             it.error = (Status.INVALID_ARGUMENT, f"model {model!r} failed on this request: {error_text(e)}")

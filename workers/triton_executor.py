@@ -169,6 +169,9 @@ class TritonExecutor:
         self.specs: dict[str, ModelSpec] = {}
         self.client = None
         self._gen = 0  # which client: a failure seen on an older one says nothing about the current
+        self._calls: dict[int, int] = {}  # generation -> its calls in flight
+        # Clients a reconnect replaced while calls of theirs were in flight: closed once those end.
+        self._retired: dict[int, object] = {}
         self._stale = False  # the current client saw Triton fail: the next attempt opens a fresh one
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
@@ -196,18 +199,51 @@ class TritonExecutor:
         return (self.timeout_s + SLOT_WAIT_MARGIN_S) + self.timeout_s + 1.0  # (and a second for the answer's way)
 
     def _connect(self) -> None:
-        old = self.client
         new = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
-        # The generation moves on before the old channel closes: close() ends its calls in flight
-        # CANCELLED ("Channel closed!") on gRPC threads at once, and a callback that still read
-        # the old generation took its cut batch for an outage (UNAVAILABLE, not sent again).
-        self._gen += 1
-        self.client, self._stale = new, False
-        if old is not None:
+        with self._lock:
+            old, gen = self.client, self._gen
+            # The generation moves on before the old client is let go: a callback of its calls
+            # that still read the old generation took its batch for an outage (UNAVAILABLE, not
+            # sent again).
+            self._gen += 1
+            self.client, self._stale = new, False
+            if old is not None and self._calls.get(gen):
+                # Its calls in flight run on: closed, the channel cut them (CANCELLED), and a
+                # healthy batch running in Triton was failed and its slot held until Triton ended
+                # it; after one call timed out, the next batches found both slots held and failed
+                # UNAVAILABLE. A dead Triton ends them within timeout_s anyway.
+                self._retired[gen], old = old, None
+        self._close_client(old)
+        self._close_retired()
+
+    @staticmethod
+    def _close_client(client) -> None:
+        if client is not None:
             try:
-                old.close()
+                client.close()
             except Exception:
                 pass
+
+    def _call_started(self, gen: int) -> None:
+        with self._lock:
+            self._calls[gen] = self._calls.get(gen, 0) + 1
+
+    def _call_ended(self, gen: int) -> None:
+        with self._lock:
+            left = self._calls.get(gen, 1) - 1
+            if left > 0:
+                self._calls[gen] = left
+            else:
+                self._calls.pop(gen, None)
+
+    def _close_retired(self) -> None:
+        """Close the replaced clients whose calls have all ended. On the runtime's thread (not in
+        a gRPC callback of the very channel being closed)."""
+        with self._lock:
+            done = [g for g in self._retired if not self._calls.get(g)]
+            clients = [self._retired.pop(g) for g in done]
+        for c in clients:
+            self._close_client(c)
 
     def load(self, spec: ModelSpec, factory: str = "") -> None:
         self.specs[spec.name] = spec
@@ -412,10 +448,14 @@ class TritonExecutor:
     def _ensure_up(self) -> None:
         """Fail fast during back-off; after it, reconnect on a fresh channel and re-register."""
         now = time.monotonic()
-        if now < self._down_until:
+        with self._lock:  # (both as one _mark_down left them)
+            down_until, stale = self._down_until, self._stale
+        if now < down_until:
             raise ExecutorUnavailable(f"Triton at {self.url} is unreachable; retrying in "
-                                      f"{self._down_until - now:.1f} s")
-        if self._stale:
+                                      f"{down_until - now:.1f} s")
+        if self._retired:
+            self._close_retired()
+        if stale:
             try:
                 self._connect()
                 if self._slots:
@@ -473,14 +513,21 @@ class TritonExecutor:
         """Record a failure of client ``gen`` (``backoff``: the next call waits out the back-off;
         else it reconnects at once); returns the error the batch gets."""
         msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
-        if gen == self._gen and not self._stale:
-            self._stale = True
-            if backoff:
-                self._down_until = time.monotonic() + self._backoff
-                log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, msg, self._backoff)
-                self._backoff = min(self.backoff_max_s, self._backoff * 2)
-            else:
-                log.warning("Triton at %s lost this worker's regions (%s): reconnecting", self.url, msg)
+        # Under the lock: callbacks on gRPC threads and the runtime's reconnect meet here. Unlocked,
+        # a reconnect between this check and the back-off's write left the new, healthy client in
+        # back-off (every batch failed UNAVAILABLE for up to backoff_max_s), and two failures of one
+        # client both doubled the back-off.
+        with self._lock:
+            fresh = gen == self._gen and not self._stale
+            if fresh:
+                self._stale = True
+                if backoff:
+                    self._down_until = time.monotonic() + self._backoff
+                    waited, self._backoff = self._backoff, min(self.backoff_max_s, self._backoff * 2)
+        if fresh and backoff:
+            log.warning("Triton at %s failed (%s); backing off %.1f s", self.url, msg, waited)
+        elif fresh:
+            log.warning("Triton at %s lost this worker's regions (%s): reconnecting", self.url, msg)
         return ExecutorUnavailable(f"Triton at {self.url} is unavailable: {msg}")
 
     # ------------------------------------------------------------------ running
@@ -578,6 +625,7 @@ class TritonExecutor:
 
         def callback(result, error):
             us = int((time.perf_counter() - t0) * 1e6)
+            self._call_ended(gen)
             try:
                 if error is not None:
                     outcome, us = self._failure(error, gen), 0
@@ -592,9 +640,11 @@ class TritonExecutor:
                 self._give_slot(slot, error)
             done(outcome, us)
 
+        self._call_started(gen)
         try:
             self.client.async_infer(name, ti, callback, outputs=to, client_timeout=self.timeout_s)
         except Exception as e:
+            self._call_ended(gen)
             self._give_slot(slot)
             done(self._failure(e, gen), 0)
 
@@ -652,6 +702,8 @@ class TritonExecutor:
 
     def close(self) -> None:
         self._drop_slots()
-        if self.client is not None:
-            self.client.close()
+        with self._lock:
+            clients, self._retired = [self.client, *self._retired.values()], {}
             self.client = None
+        for c in clients:
+            self._close_client(c)
