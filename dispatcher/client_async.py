@@ -303,10 +303,22 @@ class AsyncClient(CodecAccess):
             return await fut
         except asyncio.CancelledError:
             # The caller gave up: withdraw it if still queued (the late reply frees its regions).
-            if not self.closed:
-                self._codec.expire_local(rid)
-                self._send_frames([self._codec.encode_cancel(rid)])
+            self._withdraw(rid)
             raise
+        finally:
+            # The future holds the error, whose traceback holds this frame: a cycle that kept the
+            # inputs (the front door's pool memory) until the cycle collector ran.
+            del fut
+
+    def _withdraw(self, rid: int) -> None:
+        """A request its caller cancelled: its local timeout goes (left, it lived for the whole
+        timeout: up to 10^9 s as a Triton client may ask), and the dispatcher is told."""
+        h = self._timers.pop(rid, None)
+        if h is not None:
+            h.cancel()
+        if not self.closed:
+            self._codec.expire_local(rid)
+            self._send_frames([self._codec.encode_cancel(rid)])
 
     async def _register_segments(self, model: str, segments: set[str], deadline: float) -> None:
         """See Client._register_segments."""
@@ -314,8 +326,11 @@ class AsyncClient(CodecAccess):
         # made and never awaited (a RuntimeWarning on the user's stderr).
         left = time_left(deadline, model)
         try:
-            await asyncio.wait_for(self._grant_lock.acquire(), left)
-        except asyncio.TimeoutError:
+            # Not wait_for: Python 3.11's swallows a cancellation that comes after the lock was
+            # handed over and before this task ran again, and the cancelled request went on.
+            async with asyncio.timeout(left):
+                await self._grant_lock.acquire()
+        except TimeoutError:
             raise setup_timeout_error(model) from None
         try:
             codec, connection = self._codec, self._codec.connection
@@ -347,10 +362,10 @@ class AsyncClient(CodecAccess):
         except asyncio.CancelledError:
             # As infer's: withdrawn from the dispatcher too, which stops it in its engine. Only
             # forgotten here, it decoded to its max_tokens for nobody (an HTTP client that hung up).
-            if not self.closed:
-                self._codec.expire_local(rid)
-                self._send_frames([self._codec.encode_cancel(rid)])
+            self._withdraw(rid)
             raise
+        finally:
+            del fut  # (as infer's)
 
     async def model_info(self, model: str, timeout: float = 10.0) -> P.ModelSpec:
         timeout = checked_timeout(timeout)

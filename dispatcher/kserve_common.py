@@ -745,7 +745,12 @@ class KServeCore:
                 log.debug("infer %s: %s after %.3f ms", model, type(e).__name__, (time.perf_counter_ns() - t0) / 1e6)
             err = self._stopped(e) or from_batchyard(e, model, grpc_deadline)
             err.ran = True
-            raise err from None
+            try:
+                raise err from None
+            finally:
+                # Kept as a local, the error's traceback holds this frame and the frame the error:
+                # a cycle that kept the inputs (the pool's memory) until the cycle collector ran.
+                del err
         except asyncio.CancelledError:  # the client went away: Triton counts it a failure (CANCELED)
             _count_failure(c, t0)
             raise

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import shutil
 import warnings
 from multiprocessing import shared_memory
@@ -252,6 +253,46 @@ def test_a_compressed_body_inflates_only_up_to_the_limit():
         inflate(gzip.compress(b"abc" * 100)[:-12], _WBITS["gzip"], 1000)
     with pytest.raises(KServeError, match="data follows"):  # a second member was dropped silently
         inflate(gzip.compress(b"abc") + gzip.compress(b"def"), _WBITS["gzip"], 1000)
+
+
+def test_a_client_that_hangs_up_while_its_body_inflates_keeps_its_inflation_slot_until_it_ends(monkeypatch):
+    """A hang-up cancels the handler, which let go of its slot of the INFLATING (2) bodies inflated
+    at once while its thread went on inflating: 16 clients that sent gzip bodies and hung up ran
+    5-6 inflations at once, each up to a route's limit of memory (an outside review)."""
+    from batchyard import http_body
+
+    entered, go = threading.Semaphore(0), threading.Event()
+
+    def inflate(raw, wbits, limit):
+        entered.release()
+        go.wait(30)
+        return raw
+
+    async def raw_body(request, raw_limit=0):
+        return b"{}"
+
+    monkeypatch.setattr(http_body, "inflate", inflate)
+    monkeypatch.setattr(http_body, "_read_raw", raw_body)
+    monkeypatch.setattr(http_body, "_inflating", None)
+    request = types.SimpleNamespace(headers={"Content-Encoding": "gzip"}, client_max_size=1 << 20)
+
+    async def main():
+        gone = [asyncio.ensure_future(http_body.read_body(request)) for _ in range(http_body.INFLATING)]
+        for _ in gone:
+            await asyncio.to_thread(entered.acquire, timeout=30)  # both inflating
+        for handler in gone:
+            handler.cancel()  # their clients hang up
+        waiting = asyncio.ensure_future(http_body.read_body(request))
+        for _ in range(5):
+            await asyncio.sleep(0)  # (the loop's steps that the cancellations take)
+        queued = len(http_body._inflating._waiters or ())
+        go.set()
+        return queued, await waiting
+
+    try:
+        assert asyncio.run(main()) == (1, b"{}")  # the third waited for a slot
+    finally:
+        go.set()
 
 
 _any_json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 80, 2 ** 80) | st.floats() | st.text(),
@@ -2337,6 +2378,43 @@ def test_a_request_without_timeout_gets_the_nodes_default_deadline(tmp_path, giv
     finally:
         core.close()
     assert seen == [sent]
+
+
+def test_a_request_the_dispatcher_refuses_lets_go_of_its_inputs_with_its_answer(tmp_path):
+    """The front door's error, kept as a local, held the frame that held it: the request's inputs
+    (read into the Batchyard client's pool from the caller's shared memory) lived on until the
+    cycle collector ran; 200 requests refused for their timeout held 24-44 MiB, and a second
+    pool segment of 64 MiB over gRPC (an outside review)."""
+    import gc
+    import weakref
+
+    from batchyard.errors import DeadlineExceeded
+
+    spec = P.ModelSpec("m", (P.TensorSpec("x", "float32", (2,)),), (P.TensorSpec("y", "float32", (2,)),))
+
+    class FakeClient:
+        specs = {"m": spec}
+
+        async def infer(self, model, inputs, priority, timeout):
+            raise DeadlineExceeded("Request timeout expired: no path can finish 1 item(s) in time")
+
+    async def refused(core):
+        x = np.zeros((1, 2), np.float32)
+        kept = weakref.ref(x)
+        try:
+            await core.infer("m", {"x": x}, timeout=1e-6)
+        except KServeError as e:  # the answer, as the servicers give it
+            assert e.code == grpc.StatusCode.UNAVAILABLE  # (Triton's for a timeout in the queue)
+        del x
+        return kept() is None
+
+    core = KServeCore(FakeClient(), ShmRegions(str(tmp_path / "registry")))
+    gc.disable()
+    try:
+        assert asyncio.run(refused(core)), "the refused request's inputs outlive its answer"
+    finally:
+        gc.enable()
+        core.close()
 
 
 def test_a_client_that_leaves_while_its_classes_are_ranked_counts_a_success_as_in_triton(tmp_path):
