@@ -395,14 +395,18 @@ class RequestCore:
                 self.state.resume(w, [key[1]])  # half-open: its next batch of the model decides
 
     # ------------------------------------------------------------------ workers
-    def add_worker(self, w: WorkerState, now: float) -> None:
+    def add_worker(self, w: WorkerState, now: float, replaced: Optional[WorkerState] = None) -> None:
+        """``replaced``: the process of the same name this one replaces, already taken out
+        (``worker_lost(..., returning=True)``, as the server does after releasing its batches)."""
         # Too-big requests are failed only where a worker of the model registered before: a queue
         # that built up with no worker at all (starting) waits for each of them to register.
-        again = w.name in self.state.workers
-        served = set(w.models) if again else {m for m in w.models if self.state.largest_batch.get(m, 0)}
-        if again:
+        if w.name in self.state.workers:
             # Same name registering again: the old process is gone (restart) or reconnected.
-            self.worker_lost(w.name, "worker re-registered", now)
+            replaced = self.worker_lost(w.name, "worker re-registered", now, returning=True)
+        if replaced is not None:  # (its models too: one it no longer serves may leave requests too big)
+            served = set(w.models) | set(replaced.models)
+        else:
+            served = {m for m in w.models if self.state.largest_batch.get(m, 0)}
         self._forget_breaker(w.name)
         self.hung.pop(w.name, None)
         self.leaving_workers.discard(w.name)
@@ -412,7 +416,8 @@ class RequestCore:
         # A worker registering again with a smaller max batch may leave queued requests no worker
         # takes (worker_lost's check ran with none left, and passed): they waited for their deadline.
         for model in sorted(served):
-            self._fail_too_big(model, f"worker {w.name} registered with a max batch of {w.models[model]}")
+            self._fail_too_big(model, f"worker {w.name} registered with a max batch of {w.models[model]}"
+                               if model in w.models else f"worker {w.name} registered again without it")
 
     def heartbeat(self, name: str, now: float) -> bool:
         """False when the worker is unknown (declared dead): it must register again."""
@@ -490,7 +495,8 @@ class RequestCore:
                 req.state = QUEUED
                 self.state.queue(req.model).push_front(req)
 
-    def worker_lost(self, name: str, reason: str, now: float, may_run_on: bool = False) -> Optional[WorkerState]:
+    def worker_lost(self, name: str, reason: str, now: float, may_run_on: bool = False,
+                    returning: bool = False) -> Optional[WorkerState]:
         """Fail over every batch the worker had: each request goes back to the head of its
         queue once if its deadline allows, otherwise it fails UNAVAILABLE. Nothing is left
         waiting on a worker that is gone. A request that goes back goes as a ``suspect``: it
@@ -501,7 +507,12 @@ class RequestCore:
         request whose outputs go to its client's shared memory is then not run again: answered
         by another worker, its client took the region back, handed it out again, and the first
         worker, resumed, wrote its old output over the next request's result. It fails
-        UNAVAILABLE in flight instead, its memory reserved (no release follows)."""
+        UNAVAILABLE in flight instead, its memory reserved (no release follows).
+
+        ``returning``: the worker is registering again (``add_worker`` follows, and checks the
+        queues against the max batches then): checked here, with it gone, a request only it could
+        take (workers of different max batches) failed UNAVAILABLE as it came back, the one it was
+        running too."""
         w = self.state.remove_worker(name)
         if w is None:
             return None
@@ -525,8 +536,9 @@ class RequestCore:
                     # come (it was answered in flight, and the release promised never followed).
                     self.fail(req, Status.UNAVAILABLE, f"worker {name} failed while running the batch ({reason})",
                               batch_ended=not may_run_on)
-        for model in w.models:
-            self._fail_too_big(model, f"worker {name} left ({reason})")
+        if not returning:
+            for model in w.models:
+                self._fail_too_big(model, f"worker {name} left ({reason})")
         return w
 
     def _fail_too_big(self, model: str, why: str) -> None:

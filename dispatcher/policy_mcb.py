@@ -476,9 +476,21 @@ class MarginalCost(PerModelPolicy):
         finishes it soonest (it waited beside that worker until its deadline). False if none is
         free, or the plan has a worker for it: ``chunks`` are the plan's workers the pass may
         send to (a GPU step 6b left no share is none: counted, a head only the GPUs take waited
-        beside them, idle, with no wake-up, until its deadline)."""
+        beside them, idle, with no wake-up, until its deadline). A plan's worker that takes the
+        head but does not end it by its deadline (as fit_deadlines reads it) counts as none: the
+        plan's items split where the request cannot (two lone items in time on a CPU whose T(2)
+        is more than 2 T(1)), the CPU's send set the whole request aside for the GPU that ends
+        it in time, the plan gave the GPU nothing, and the request waited beside it, idle, with
+        no wake-up, until it failed (an outside review's fuzzing)."""
         head = head_request(q)
-        if head is None or any(x.models[model] >= head.items for _, x, _ in chunks):
+        if head is None:
+            return False
+
+        def ends_in_time(x: WorkerState) -> bool:
+            cost = state.cost(model, x.path).predict(head.items)
+            return state.start_time(x, now) + (1 - LATE_MARGIN) * cost <= head.deadline
+
+        if any(x.models[model] >= head.items and ends_in_time(x) for _, x, _ in chunks):
             return False
         fits = [x for x in ws if x.free and x.models[model] >= head.items]
         if not fits:

@@ -451,8 +451,7 @@ class Dispatcher:
             self.core.heartbeat(msg.worker, now)
             self._send_worker(identity, P.encode(P.Registered(worker=msg.worker)))
             return
-        if known is not None:
-            self._worker_lost(msg.worker, "worker re-registered", now)
+        replaced = self._worker_lost(msg.worker, "worker re-registered", now, returning=True) if known is not None else None
         for spec in msg.models:
             self.specs.setdefault(spec.name, spec)
         # A worker's max batch is capped at the model's (the node's config, else the first
@@ -466,7 +465,7 @@ class Dispatcher:
         w = WorkerState(name=msg.worker, path=msg.path, models=caps,
                         capacity=msg.max_inflight, pid=msg.pid, simulated=msg.simulated, identity=identity, peer=peer,
                         started=msg.started, batch_bound_s=msg.batch_bound_s)
-        self.core.add_worker(w, now)
+        self.core.add_worker(w, now, replaced)
         for model in w.models:
             self.metrics.model_served(model, w.path)
         log.info("worker %s registered: pid %d, path %s, models %s", w.name, w.pid, w.path, list(w.models))
@@ -745,17 +744,18 @@ class Dispatcher:
                 req.answered_in_flight = False
                 self._reply(req.client, P.encode(P.Release(v=P.PROTOCOL_VERSION, id=req.req_id)))
 
-    def _worker_lost(self, name: str, reason: str, now: float) -> None:
+    def _worker_lost(self, name: str, reason: str, now: float, returning: bool = False) -> Optional[WorkerState]:
         # Gone for sure (stopped, restarted, connection closed): it touches no memory any more.
         # (A worker only silent past worker_dead_after_s may be alive: no release then; the
         # clients keep those regions reserved.)
         for b in list(self.core.batches.values()):
             if b.worker.name == name:
                 self._release(b.requests)
-        w = self.core.worker_lost(name, reason, now)
+        w = self.core.worker_lost(name, reason, now, returning=returning)
         if w is not None:
             log.log(logging.INFO if reason == "worker stopped" else logging.WARNING,
                     "worker %s (pid %d) out of rotation: %s", name, w.pid, reason)
+        return w
 
     # ------------------------------------------------------------------ replies
     def _on_fail(self, req: Request, status: Status, message: str) -> None:

@@ -702,6 +702,33 @@ def test_a_worker_back_with_a_smaller_max_batch_fails_the_requests_no_worker_tak
         assert _sent(core, 0.002) == [("cpu0", [3])], policy
 
 
+@pytest.mark.parametrize("path", ["core", "server"])
+def test_a_bigger_worker_that_restarts_keeps_the_requests_only_it_takes(path):
+    """gpu0 (max batch 8) restarts beside cpu0 (2) with a 4-item request running and another
+    queued: its loss was checked against cpu0 alone, before it registered again in the same
+    call, and both failed UNAVAILABLE "more than any worker left takes" (an outside review).
+    "server": as the dispatcher does it, the old process taken out first (its batches'
+    memory released), then the new one added."""
+    for policy in ("greedy", "mcb"):
+        ends = Ends()
+        core = RequestCore(make_policy(policy), ends.on_fail)
+        core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}, pid=100), 0.0)
+        core.add_worker(WorkerState("cpu0", "cpu", {"m": 2}, pid=200), 0.0)
+        core.admit("m", 4, 1, 5.0, 0.0, client=b"c", req_id=1)
+        assert _sent(core, 0.0) == [("gpu0", [1])], policy
+        core.admit("m", 4, 1, 5.0, 0.001, client=b"c", req_id=2)
+        back = WorkerState("gpu0", "gpu", {"m": 8}, pid=101)
+        if path == "core":
+            core.add_worker(back, 0.05)
+        else:
+            core.add_worker(back, 0.05, core.worker_lost("gpu0", "worker re-registered", 0.05, returning=True))
+        assert not ends.failed, (policy, ends.failed)
+        (first,) = core.decide(0.05)  # request 1, back from the lost worker, runs alone
+        assert (first.worker.name, [r.req_id for r in first.requests]) == ("gpu0", [1]), policy
+        core.complete(first.batch_id, 1e-3, 0.06)
+        assert _sent(core, 0.06) == [("gpu0", [2])], policy
+
+
 def test_requests_queued_before_any_worker_wait_for_every_worker_to_register():
     """Queued while no worker was up (starting): a smaller worker registering first must not fail
     what a bigger one registering next takes."""

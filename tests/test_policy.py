@@ -1168,3 +1168,23 @@ def test_a_request_failed_late_behind_a_busy_worker_is_told_the_wait_too():
     assert not kept and [why for _, why in d.late] == [
         "would finish after its deadline: cpu worker cpu0 predicted free in 20.0 ms, then to take 1.2 ms for it "
         "alone, 12.9 ms were left"]
+
+
+def test_a_request_the_plan_splits_where_it_cannot_goes_whole_to_the_worker_that_ends_it_in_time():
+    """A CPU whose T(2) is more than 2 T(1) (1.0 and 2.6 ms: a calibrated curve's cache spill, or a
+    fit with a negative launch) beside a GPU of 2.0 ms + 0.1 ms an item, both free: the plan gave a
+    2-item request's items to the CPU one at a time (in time), the CPU's send set the whole request
+    aside for the GPU (it ends it in time, the CPU whole does not), and the GPU, given nothing by
+    the plan, stayed idle with no wake-up until the request failed DEADLINE_EXCEEDED (an outside
+    review's fuzzing of the dispatcher's core)."""
+    from batchyard.core import RequestCore
+
+    failed = []
+    core = RequestCore(make_policy("mcb"), lambda r, s, m: failed.append((r.req_id, s.name)))
+    core.state.costs[("m", "cpu")] = CostCurve.from_points([(1, 1.0 * MS), (2, 2.6 * MS)])
+    core.state.costs[("m", "gpu")] = CostCurve.from_points([(1, 2.1 * MS), (2, 2.2 * MS)])
+    core.add_worker(WorkerState("gpu0", "gpu", {"m": 8}), 0.0)
+    core.add_worker(WorkerState("cpu0", "cpu", {"m": 2}), 0.0)
+    core.admit("m", 2, 1, 2.3 * MS, 10.0, client=b"c", req_id=1)
+    sent = core.decide(10.0)
+    assert [(b.worker.name, [r.req_id for r in b.requests]) for b in sent] == [("gpu0", [1])] and not failed
