@@ -146,7 +146,7 @@ class LlmCore:
             # they failed and their answers were dropped.
             self.workers[name].last_seen = now
             return []
-        lost = self.worker_lost(name, "worker re-registered", now) if name in self.workers else []
+        lost = self.worker_lost(name, "worker re-registered", now, engine) if name in self.workers else []
         self.hung.pop(name, None)
         self.workers[name] = LlmWorker(name, identity, engine, now, pid=pid, peer=peer, started=started)
         # Its calibration replaces what it sent before: appended at every registration, a worker's
@@ -171,7 +171,11 @@ class LlmCore:
         w.last_seen = now
         return True
 
-    def worker_lost(self, name: str, reason: str, now: float) -> list:
+    def worker_lost(self, name: str, reason: str, now: float, returning: Optional[P.LlmEngine] = None) -> list:
+        """Fail what the worker was running. ``returning``: the engine it registers again with
+        (a restart), counted as up for its model and role: counted as gone, a GPU instance's
+        restart failed every request waiting for or running a CPU prefill, UNAVAILABLE "no 'gpu'
+        instance is up", though it was up again in the same call (an outside review)."""
         w = self.workers.pop(name, None)
         if w is None:
             return []
@@ -183,7 +187,12 @@ class LlmCore:
                     self.on_fail(r, Status.UNAVAILABLE, f"LLM worker {name} lost while running this request ({reason})")
                     failed.append(r)
         model = w.engine.model
-        if not self._instances(model, GPU):
+
+        def up(role: str) -> bool:
+            return bool(self._instances(model, role)) or (returning is not None and returning.model == model
+                                                            and returning.role == role)
+
+        if not up(GPU):
             # Nothing left to decode them: the requests waiting for a CPU prefill, and those a
             # prefill job runs, failed only once their prefill ended (their KV then left on disk
             # until the sweep). Now, their prefills stopped in the engine.
@@ -196,7 +205,7 @@ class LlmCore:
                                                         f"(LLM worker {name} lost: {reason})")
                     self._abort(r)
                     failed.append(r)
-        if not self._instances(model, PREFILL_CPU):
+        if not up(PREFILL_CPU):
             queued, self.cpu_queue[model] = self.cpu_queue.get(model, []), []
             failed += self._off_the_cpu_path(queued, now)
         return failed
@@ -501,6 +510,12 @@ class LlmCore:
         by_seq = {r.seq: r for r in job.requests}
         finished: list = []
         curves = self.curves[job.requests[0].model]
+        if job.kind != "prefill" and not job.worker.jobs:
+            # A GPU with no job left has no prefill backlog either: the predicted prefills of jobs
+            # that ended early (cancelled, past their deadline) were never given back, and 300
+            # cancelled long prompts left an idle GPU predicted busy for 13 s, new requests sent
+            # to the slower CPU path meanwhile (an outside review).
+            job.worker.busy_until = min(job.worker.busy_until, now)
         if job.kind == "prefill":
             job.worker.busy_until = now
             ok = [res for res in msg.results if res.status == Status.OK]

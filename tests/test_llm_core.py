@@ -935,3 +935,58 @@ def test_losing_the_last_gpu_instance_fails_the_cpu_paths_requests_at_once_and_s
     [abort] = h.jobs()
     assert abort.worker.name == "cpu0" and type(abort.job) is P.LlmAbort and abort.job.seqs == prefill.job.seqs
     assert h.done(prefill) == [] and not h.core.requests and len(h.failed) == 3  # (its end answers nothing again)
+
+
+@pytest.mark.parametrize("restarted", ["gpu0", "cpu0"])
+def test_an_engine_that_registers_again_fails_only_what_it_was_running(restarted):
+    """An engine's restart (same name, new pid) was counted as its model's loss of that role
+    before the new process was added in the same call: a GPU instance's restart failed the CPU
+    prefill path's requests, queued and prefilling, UNAVAILABLE "no 'gpu' instance is up" (and
+    aborted their prefills); the CPU instance's sent its queued requests to the GPU path (an
+    outside review). Now only what ran on the old process fails."""
+    failed = []
+    core = LlmCore(lambda r, s, m, param="": failed.append(r.req_id))
+    core.add_worker("cpu0", b"cpu0", CPU, 0.0, pid=10, started="a")
+    core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0, pid=20, started="b")
+    for i in (1, 2, 3):
+        assert core.admit(P.GenerateRequest(v=1, id=i, model="m", prompt=[7] * 64, max_tokens=4, route="prefill-cpu",
+                                            timeout_us=30_000_000), b"client", 0.0) is None
+    core.decide(0.0)
+    running = sorted(r.req_id for job in core.jobs.values() for r in job.requests)
+    queued = sorted(r.req_id for q in core.cpu_queue.values() for r in q)
+    assert running and queued  # cpu0 prefills some, the rest wait for it
+    engine = GPU_ENGINE if restarted == "gpu0" else CPU
+    core.add_worker(restarted, restarted.encode(), engine, 1.0, pid=99, started="c")
+    assert failed == ([] if restarted == "gpu0" else running)
+    assert sorted(r.req_id for q in core.cpu_queue.values() for r in q) == queued
+    assert all(r.route == PREFILL_CPU for q in core.cpu_queue.values() for r in q)
+
+
+def test_an_idle_gpu_instance_is_not_predicted_busy_by_jobs_that_ended_early():
+    """Each generate job adds its predicted prefill to the GPU's backlog (busy_until); one that
+    ended early (cancelled, past its deadline) never gave it back: 300 long prompts cancelled at
+    once left the idle GPU predicted busy for 13 s, and a short prompt went to the slower CPU
+    prefill path (an outside review)."""
+    core = LlmCore(lambda r, s, m, param="": None)
+    core.add_worker("cpu0", b"cpu0", CPU, 0.0)
+    core.add_worker("gpu0", b"gpu0", GPU_ENGINE, 0.0)
+
+    def request(i, n, route=""):
+        return P.GenerateRequest(v=1, id=i, model="m", prompt=[7] * n, max_tokens=1, route=route,
+                                 timeout_us=30_000_000)
+
+    assert core.admit(request(0, 48), b"c", 0.0) is None
+    assert core.requests[next(iter(core.requests))].route == GPU  # a short prompt, the GPU idle
+    for s in core.decide(0.0):
+        core.complete(P.LlmDone(job_id=s.job.job_id, worker="gpu0", compute_s=0.01, results=[
+            P.LlmResult(seq=s.job.seqs[0], status=0, tokens=[1], first_token_s=0.005)]), 0.0)
+    for i in range(1, 301):
+        assert core.admit(request(i, 1500, route=GPU), b"c", 0.0) is None
+        core.cancel(b"c", i)
+    for s in core.decide(0.0):  # the engine ends each (aborted): nothing runs on the GPU
+        if type(s.job) is P.LlmJob:
+            core.complete(P.LlmDone(job_id=s.job.job_id, worker="gpu0", compute_s=0.0, results=[
+                P.LlmResult(seq=q, status=int(Status.CANCELLED)) for q in s.job.seqs]), 0.0)
+    assert not core.workers["gpu0"].jobs and core.workers["gpu0"].busy_until <= 0.0
+    assert core.admit(request(1000, 48), b"c", 0.5) is None
+    assert max(core.requests.values(), key=lambda r: r.seq).route == GPU
