@@ -199,6 +199,11 @@ def checked_priority(priority) -> int:
 PRIORITIES = {name: level for level, name in enumerate(P.PRIORITY_NAMES)}  # "high" -> 0, ...
 
 
+# The reply each kind of request gets when it succeeds.
+_REPLY_OF = {"infer": P.InferReply, "shm": P.ShmReply, "model_info": P.ModelInfoReply, "status": P.StatusReply,
+             "generate": P.GenerateReply}
+
+
 class Borrowed:
     """An ``alloc_array`` array a request sends by reference, in the request's list of regions:
     held, not freed, until the reply or the release (its own finalizer frees its region)."""
@@ -743,7 +748,10 @@ class ClientCodec:
             pend.prompt_logprobs += prompt_logprobs
             try:
                 enough = pend.on_tokens(StepTokens(msg.tokens, logprobs, prompt_logprobs))
-            except Exception:  # the caller's: its generation's reply still comes
+            except BaseException:  # noqa: BLE001 -- the caller's: its generation's reply still comes
+                # (a BaseException too, as a done-callback's: asyncio.CancelledError from a callback
+                # that bridged into a cancelled task ended the I/O thread, and with it the client
+                # for every thread)
                 log.exception("on_tokens of request %d raised", msg.id)
                 return
             if enough is True:
@@ -754,6 +762,8 @@ class ClientCodec:
                 pend.resolve(Generation(list(pend.streamed), None, "stop", list(pend.streamed_logprobs),
                                         list(pend.prompt_logprobs)))
             return
+        if type(msg) is P.Release and msg.id in self.pending:
+            return  # a release follows an in_flight answer: one for a request still waiting is not its answer
         pend = self.pending.pop(msg.id, None) if msg.id is not None else None
         if pend is None:  # a late reply, or the release of an answered request's batch
             if type(msg) is P.InferReply and msg.in_flight:
@@ -769,6 +779,15 @@ class ClientCodec:
             return
         for region in pend.regions:
             self.free(region)
+        if type(msg) is not _REPLY_OF[pend.kind] and (type(msg) is not P.InferReply or msg.status == Status.OK):
+            # A reply of another kind (an error comes as an InferReply to any request): read as
+            # this request's, it raised on the I/O thread, which ended the client for every
+            # thread, and this request, already taken from the pending ones, was never settled.
+            for region in pend.outputs.values():
+                self.free(region)
+            pend.resolve(error_for(Status.INTERNAL, f"malformed reply from the dispatcher: a {type(msg).__name__} "
+                                                    f"to a {pend.kind} request"))
+            return
         if msg.status != Status.OK:
             for region in pend.outputs.values():
                 self.free(region)

@@ -931,6 +931,45 @@ def test_a_timeout_of_weeks_is_taken_by_the_sync_client(start_node):
         assert c.infer("sum", {"x": np.ones((1, 4), np.float32)}, timeout=5)["y"].tolist() == [[4.0, 4.0]]
 
 
+def test_an_on_tokens_callback_that_raises_a_base_exception_fails_nothing_else(run_dir):
+    """on_tokens runs on the I/O thread; only an Exception of it was caught: an
+    asyncio.CancelledError (a callback bridging into a cancelled task) ended the I/O thread, and
+    every request of every thread failed UNAVAILABLE, the client closed (an outside review)."""
+    from batchyard.client_codec import ClientCodec, Pending
+
+    codec = ClientCodec(f"ipc://{run_dir}/nobody")
+    got = []
+
+    def on_tokens(tokens):
+        raise asyncio.CancelledError()
+
+    codec.pending[7] = Pending("generate", [], {}, got.append, on_tokens)
+    codec.on_reply([P.encode(P.GenerateTokens(v=1, id=7, tokens=[1], start=0))])  # (the I/O thread's call)
+    codec.on_reply([P.encode(P.GenerateReply(v=1, id=7, status=0, tokens=[1, 2], finish_reason="length"))])
+    assert [list(g) for g in got] == [[1, 2]]
+
+
+def test_a_message_of_another_kind_for_a_waiting_request_ends_it_once_and_fails_nothing_else(run_dir):
+    """The request was taken from the pending ones before the reply was read as its kind's: a
+    Release (or a reply of another kind) with its id raised AttributeError on the I/O thread, which
+    ended the client for every thread, and that request was never settled, its call waiting for
+    ever (an outside review). A stray release is not an answer; a reply of another kind fails its
+    request INTERNAL."""
+    from batchyard.client_codec import ClientCodec, Pending
+    from batchyard.errors import InternalError
+
+    codec = ClientCodec(f"ipc://{run_dir}/nobody")
+    got = []
+    codec.pending[1] = Pending("infer", [], {}, got.append)
+    codec.on_reply([P.encode(P.Release(v=1, id=1))])
+    assert not got and 1 in codec.pending  # still waiting for its answer (or its timeout)
+    codec.on_reply([P.encode(P.ShmReply(v=1, id=1, status=0))])
+    assert len(got) == 1 and isinstance(got[0], InternalError) and "a ShmReply to a infer request" in str(got[0])
+    codec.pending[2] = Pending("model_info", [], {}, got.append)  # an error comes as an InferReply to any kind
+    codec.on_reply([P.error_reply(2, P.Status.UNKNOWN_MODEL, "unknown model")])
+    assert "unknown model" in str(got[1]) and not codec.pending
+
+
 # ---------------------------------------------------------------- the dispatcher away
 
 def test_an_async_client_whose_send_queue_is_full_keeps_its_event_loop_running(fake, run_dir, monkeypatch):
