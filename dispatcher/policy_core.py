@@ -258,15 +258,17 @@ def fit_deadlines(state: SchedulerState, d: Decision, w: WorkerState, model: str
     return kept[:fits], kept[fits:], elsewhere
 
 
+def ends_in_time(state: SchedulerState, x: WorkerState, model: str, r: Request, now: float) -> bool:
+    """Whether ``x`` would end ``r`` alone by its deadline from when it can start, ``LATE_MARGIN``
+    faster than predicted (as fit_deadlines reads it)."""
+    return state.start_time(x, now) + (1 - LATE_MARGIN) * state.cost(model, x.path).predict(r.items) <= r.deadline
+
+
 def ends_in_time_elsewhere(state: SchedulerState, w: WorkerState, model: str, r: Request, now: float) -> bool:
     """Whether a worker serving ``model`` other than ``w``, one that takes ``r`` whole, would end
-    ``r`` alone by its deadline from when it can start (``LATE_MARGIN`` as in fit_deadlines)."""
-    for x in state.serving.get(model, ()):
-        if x is not w and x.models[model] >= r.items:
-            start = state.start_time(x, now)
-            if start + (1 - LATE_MARGIN) * state.cost(model, x.path).predict(r.items) <= r.deadline:
-                return True
-    return False
+    ``r`` alone by its deadline (``ends_in_time``)."""
+    return any(x is not w and x.models[model] >= r.items and ends_in_time(state, x, model, r, now)
+               for x in state.serving.get(model, ()))
 
 
 def aging_period(state: SchedulerState, model: str) -> float:

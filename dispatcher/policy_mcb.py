@@ -11,8 +11,8 @@ from typing import Optional
 
 from .deadline_index import DeadlineIndex
 from .policy_baselines import wait_pays
-from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, head_request, queues_by_urgency,
-                          send, servers_for, shortest_full_batch)
+from .policy_core import (LATE_MARGIN, SET_ASIDE_MAX, Decision, PerModelPolicy, ends_in_time, head_request,
+                          queues_by_urgency, send, servers_for, shortest_full_batch)
 from .state import ModelQueue, Request, SchedulerState, WorkerState
 
 URGENT_RATE = 20.0  # req/s of high+normal traffic above which low-only batches leave workers free
@@ -483,14 +483,8 @@ class MarginalCost(PerModelPolicy):
         it in time, the plan gave the GPU nothing, and the request waited beside it, idle, with
         no wake-up, until it failed (an outside review's fuzzing)."""
         head = head_request(q)
-        if head is None:
-            return False
-
-        def ends_in_time(x: WorkerState) -> bool:
-            cost = state.cost(model, x.path).predict(head.items)
-            return state.start_time(x, now) + (1 - LATE_MARGIN) * cost <= head.deadline
-
-        if any(x.models[model] >= head.items and ends_in_time(x) for _, x, _ in chunks):
+        if head is None or any(x.models[model] >= head.items and ends_in_time(state, x, model, head, now)
+                               for _, x, _ in chunks):
             return False
         fits = [x for x in ws if x.free and x.models[model] >= head.items]
         if not fits:

@@ -201,19 +201,17 @@ class TritonExecutor:
     def _connect(self) -> None:
         new = self.grpc.InferenceServerClient(self.url, channel_args=self.channel_args)
         with self._lock:
-            old, gen = self.client, self._gen
             # The generation moves on before the old client is let go: a callback of its calls
             # that still read the old generation took its batch for an outage (UNAVAILABLE, not
             # sent again).
+            if self.client is not None:
+                # Closed once its calls in flight end, not now: closed, the channel cut them
+                # (CANCELLED), and a healthy batch running in Triton was failed and its slot held
+                # until Triton ended it; after one call timed out, the next batches found both
+                # slots held and failed UNAVAILABLE. A dead Triton ends them within timeout_s anyway.
+                self._retired[self._gen] = self.client
             self._gen += 1
             self.client, self._stale = new, False
-            if old is not None and self._calls.get(gen):
-                # Its calls in flight run on: closed, the channel cut them (CANCELLED), and a
-                # healthy batch running in Triton was failed and its slot held until Triton ended
-                # it; after one call timed out, the next batches found both slots held and failed
-                # UNAVAILABLE. A dead Triton ends them within timeout_s anyway.
-                self._retired[gen], old = old, None
-        self._close_client(old)
         self._close_retired()
 
     @staticmethod
