@@ -209,6 +209,63 @@ def _share_before_next_launch(state: SchedulerState, model: str, ws: list[Worker
     return {id(w): items for _, w, items in chunks}
 
 
+def _served_by_the_others(state: SchedulerState, model: str, ws: list[WorkerState], w: WorkerState,
+                          head_items: int, until: float, now: float) -> int:
+    """How many queued items the busy eligible workers other than ``w`` (those sent a batch
+    this pass among them) end by ``until``, taking them FIFO from their predicted free time in
+    batches of their cap, a worker with no launch one request after another: what a
+    launch-heavy worker's batch leaves at the head (steps 6a and 7). A free worker is not
+    counted: the pass may send it nothing (6b sizes some to none), and the head left for it
+    waited beside it; nor is one whose max batch is below the head request's items."""
+    n = 0
+    for x in ws:
+        if x is w or x.free or x.models[model] < head_items:
+            continue
+        t = until - state.start_time(x, now)
+        if t <= 0:
+            continue
+        curve = state.cost(model, x.path)
+        cap = state.batch_cap(model, x)
+        if not amortises_launch(curve):
+            n += int(t / curve.predict(1))
+            continue
+        full = curve.predict(cap)
+        n += cap * int(t / full)
+        t -= full * int(t / full)
+        lo, hi = 0, cap  # the largest batch that still ends in the time left
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if curve.predict(mid) <= t:
+                lo = mid
+            else:
+                hi = mid - 1
+        n += lo
+    return n
+
+
+def _head_items(q: ModelQueue) -> int:
+    """The head request's items (1 for an empty queue: requests shed as late leave this pass's
+    count above what is queued)."""
+    head = head_request(q)
+    return head.items if head else 1
+
+
+def _beyond_the_others(state: SchedulerState, model: str, ws: list[WorkerState], w: WorkerState, items: int,
+                       head_items: int, cap: int, now: float) -> int:
+    """The largest batch ``q`` of ``w`` (at most ``cap`` and ``items``) such that the other
+    eligible workers, serving the head of the ``items`` queued in order, have not reached the
+    ``q`` at the back when it ends (step 6a): ``q`` + what they end by ``now + T_w(q)`` ≤ ``items``."""
+    curve = state.cost(model, w.path)
+    lo, hi = 0, min(cap, items)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid + _served_by_the_others(state, model, ws, w, head_items, now + curve.predict(mid), now) <= items:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
     """When to look again at items waiting for busy ``w``: when it is expected to free (for an
     overdue worker, once its overrun has doubled: ``SchedulerState.start_time``), else after the
@@ -403,10 +460,8 @@ class MarginalCost(PerModelPolicy):
             sent = False
             left = b  # this pass sends the b items only: the plan's shares include expected arrivals
             held = 0  # head items planned for busy workers that finish them before this one
-            after = sum(c[2] for c in chunks)
             takers = chunks  # the plan's workers this pass may send to (8b)
             for finish, w, items in chunks:  # earliest finish first: it gets the FIFO head
-                after -= items
                 if not w.free:
                     # 5. Items planned for a busy worker wait for it; its completion (or, if
                     #    it is overdue, a look after its batch time) decides again. They are
@@ -431,11 +486,14 @@ class MarginalCost(PerModelPolicy):
                         takers = [c for c in takers if c[1] is not w]
                         continue
                 elif w in batching:
-                    # 6a. A launch-heavy worker also takes what no other worker's first
-                    #     batch holds (up to its cap): those items would otherwise wait for
-                    #     a later decision, and under a burst its next launch is the
-                    #     bottleneck.
-                    queued = max(queued, min(cap, left - held - after))
+                    # 6a. A launch-heavy worker also takes the items the other workers will
+                    #     not have reached, serving the head in order, by the time its batch
+                    #     ends (up to its cap): those would otherwise wait for a later
+                    #     decision, and under a burst its next launch is the bottleneck. The
+                    #     items the others end first are theirs: taken too (all that no other
+                    #     worker's first batch held, as before 2026-12-02), they made its batch
+                    #     long while later arrivals were served before them.
+                    queued = max(queued, _beyond_the_others(state, model, ws, w, left, _head_items(q), cap, now))
                 if queued <= 0:
                     break
                 if not flush and queued < cap:
@@ -459,7 +517,25 @@ class MarginalCost(PerModelPolicy):
                     trial = 0 if background else min(curve.trial_size(w.models[model]), cap)
                     queued = max(queued, trial or curve.probe_size(min(cap, left - held)))
                 # 7. Send now, past the held head.
-                reqs = send_behind(state, d, w, q, queued, min(held, left - queued), now)
+                keep = min(held, left - queued)
+                if w in batching and id(w) not in sized:
+                    # A launch-heavy worker's batch ends after the others have served the
+                    # queue's head one by one: it takes the items they will not have reached
+                    # by then, and leaves them the ones they end first. Taken from behind the
+                    # held head only, its oldest items waited for its batch while later
+                    # arrivals were served before them by the others; which items go where
+                    # leaves every finish time, and so the mean, as it was, and the order
+                    # serves the tail. The items lifted off are at most SET_ASIDE_MAX, which
+                    # bounds the decision's cost under a deep backlog.
+                    ends = now + state.cost(model, w.path).predict(queued)
+                    ahead = _served_by_the_others(state, model, ws, w, _head_items(q), ends, now)
+                    reqs = send_behind(state, d, w, q, queued, max(keep, min(left - queued, ahead, SET_ASIDE_MAX)), now)
+                    if not reqs:
+                        # Nothing behind them it could take (too big, or shed as late): the
+                        # head is not left to the others on that account.
+                        reqs = send_behind(state, d, w, q, queued, keep, now)
+                else:
+                    reqs = send_behind(state, d, w, q, queued, keep, now)
                 left -= sum(r.items for r in reqs)
                 idx.discard(reqs)
                 idx.discard([r for r, _ in d.late])

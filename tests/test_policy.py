@@ -120,6 +120,49 @@ def test_busy_gpu_gets_the_tail_and_the_free_cpu_the_head():
     assert st.queue("m").requests == 19 and d.wake_at == pytest.approx(1.0 + 0.1 * MS)
 
 
+def test_a_free_gpu_takes_the_items_the_busy_cpus_will_not_reach_before_its_batch_ends():
+    # Two CPUs at 0.08 ms an item, busy for 0.01 ms more; a free GPU of max batch 8 (0.15 ms +
+    # 0.02 ms an item); 20 queued. The GPU's batch of 8 ends at 0.31 ms, by when the CPUs have
+    # served 6 items one by one. Taken from behind the 2 items held for the CPUs (2..9), its
+    # oldest waited for it while the CPUs served 10..13 before it ended: newer requests done
+    # before older ones, the tail longer for the same finish times. It takes 6..13; taking the
+    # newest (12..19) would leave 6..11 waiting past its end for the CPUs.
+    st = seeds_state(n_queued=20, lam_per_s=5_000, cpu=False)
+    st.workers["gpu0"].models["m"] = 8
+    for name in ("cpu0", "cpu1"):
+        cpu = WorkerState(name, "cpu", {"m": 64})
+        st.add_worker(cpu)
+        cpu.inflight, cpu.busy_until = 1, 1.0 + 0.01 * MS
+    d = MarginalCost().decide(st, 1.0)
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("gpu0", list(range(6, 14)))]
+    assert [r.seq for r in st.queue("m").by_priority[1]] == list(range(6)) + list(range(14, 20))
+
+
+def test_a_burst_beside_fast_cpus_gives_a_launch_heavy_gpu_only_what_they_cannot_end_before_it():
+    # Held-out seed 16's scenario 6: a GPU of 0.579 ms + 0.0267 ms an item beside three CPUs at
+    # 0.046 ms an item, busy for 0.01 ms more; a burst has queued 45. The GPU used to take every
+    # item no CPU's first batch held, 42 of them, in a batch ending at 1.70 ms, while the CPUs,
+    # done with the 3 they held by 0.06 ms, served the arrivals after them: the burst's oldest
+    # requests were its slowest (SIMULATED there at 60 % load: p99 1.64 ms, 1.42x window:0,8's).
+    # The CPUs end 41 of them by 0.69 ms; the GPU takes the 4 they would reach last, ending then.
+    st = SchedulerState()
+    st.costs[("m", "gpu")] = CostCurve(launch_s=0.579 * MS, per_item_s=0.0267 * MS)
+    st.costs[("m", "cpu")] = CostCurve(launch_s=0.0, per_item_s=0.046 * MS)
+    st.costs[("m", "gpu")].samples = st.costs[("m", "cpu")].samples = 100
+    st.add_worker(WorkerState("gpu0", "gpu", {"m": 64}))
+    for name in ("cpu0", "cpu1", "cpu2"):
+        cpu = WorkerState(name, "cpu", {"m": 64})
+        st.add_worker(cpu)
+        cpu.inflight, cpu.busy_until = 1, 1.0 + 0.01 * MS
+    st.arrivals["m"] = ArrivalRate(tau_s=0.25, initial=16_800)
+    st.arrivals["m"]._t = 1.0
+    for i in range(45):
+        st.queue("m").push(Request(i, "m", 1, 1, 1.0 - 1e-6 * (45 - i), math.inf))
+    d = MarginalCost().decide(st, 1.0)
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("gpu0", [41, 42, 43, 44])]
+    assert st.queue("m").requests == 41 and d.wake_at == pytest.approx(1.0 + 0.01 * MS)  # the CPUs' ends
+
+
 def test_a_queue_waiting_on_busy_workers_only_sets_no_wake_up():
     # Every worker busy, one of them past its predicted end: nothing can be sent before a
     # completion, which decides again. A wake-up at a busy worker's predicted end (and, once it
@@ -150,16 +193,18 @@ def test_oldest_request_waits_for_the_busy_worker_that_finishes_it_first():
     # The CPU frees in 0.02 ms and serves one request in 0.08 ms (done at 0.10 ms); the free
     # GPU's batch takes at least 0.17 ms. The plan gives the head to the CPU, so the GPU's
     # batch is taken from behind it. Before, the free GPU took the FIFO head and the oldest
-    # request finished later than the plan said it could: the whole of MCB's p99 tail.
+    # request finished later than the plan said it could: the whole of MCB's p99 tail. By the
+    # end of the GPU's batch of 4 (0.23 ms) the CPU has served two (0.10 and 0.18 ms): the GPU
+    # takes the 4 behind them (step 6a; until 2026-12-02 it took 1..5 and ended at 0.25 ms).
     st = seeds_state(n_queued=6, lam_per_s=1000)
     cpu = st.workers["cpu0"]
     cpu.inflight, cpu.busy_until = 1, 1.0 + 0.02 * MS
     d = MarginalCost().decide(st, 1.0)
     assert [x.worker.name for x in d.dispatches] == ["gpu0"]
     sent = [r.seq for r in d.dispatches[0].requests]
-    assert 0 not in sent and sent[0] == 1
+    assert sent == [2, 3, 4, 5]
     q = st.queue("m")
-    assert q.by_priority[1][0].seq == 0 and q.requests == 6 - len(sent)
+    assert [r.seq for r in q.by_priority[1]] == [0, 1]
     assert d.wake_at == pytest.approx(cpu.busy_until)
 
 
@@ -318,7 +363,10 @@ def test_a_gpu_beside_cpus_cheaper_per_item_is_not_sized_as_if_they_batched():
     # GPU as if the arrivals it left would join a CPU's next batch; a linear CPU has none, so the
     # GPU took only its share of the queue alone (none of 10) and idled while a burst queued for
     # the CPUs: at 90 % load MCB's p50 was 0.294 ms against escape:1's 0.077, its mean 0.307 against
-    # 0.174. The GPU takes what the CPUs' next slots (their free times: 10 and 20 us) do not.
+    # 0.174. The GPU takes its share of the plan with the burst's expected arrivals, 3 items: the
+    # newest, since the CPUs (free at 10 and 20 us) end the other 7 by 0.13 ms, before its batch
+    # (0.28 ms). Until 2026-12-02 step 6a gave it all 8 their first slots did not hold, ending at
+    # 0.44 ms, while the CPUs served newer arrivals before it.
     now = 1.0
     st = SchedulerState()
     st.costs[("m", "gpu")] = CostCurve(launch_s=0.181 * MS, per_item_s=0.0321 * MS)
@@ -334,8 +382,9 @@ def test_a_gpu_beside_cpus_cheaper_per_item_is_not_sized_as_if_they_batched():
     for i in range(10):
         st.queue("m").push(Request(i, "m", 1, 1, now - 1e-6 * (10 - i), math.inf))
     d = MarginalCost().decide(st, now)
-    assert paths(d) == [("gpu", 8)] and st.queue("m").items == 2
-    assert d.wake_at == pytest.approx(now + 0.01 * MS)  # the first CPU's end looks at the 2 again
+    assert [(x.worker.name, [r.seq for r in x.requests]) for x in d.dispatches] == [("gpu0", [7, 8, 9])]
+    assert st.queue("m").items == 7
+    assert d.wake_at == pytest.approx(now + 0.01 * MS)  # the first CPU's end looks at the 7 again
 
 
 def test_expiring_deadline_flushes_instead_of_waiting():
