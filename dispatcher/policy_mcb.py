@@ -4,6 +4,7 @@ docs/policy.md ("MCB"); the numbered comments below are those steps.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -231,15 +232,8 @@ def _served_by_the_others(state: SchedulerState, model: str, ws: list[WorkerStat
             continue
         full = curve.predict(cap)
         n += cap * int(t / full)
-        t -= full * int(t / full)
-        lo, hi = 0, cap  # the largest batch that still ends in the time left
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if curve.predict(mid) <= t:
-                lo = mid
-            else:
-                hi = mid - 1
-        n += lo
+        # and the largest batch that still ends in the time left
+        n += bisect.bisect_right(range(1, cap + 1), t - full * int(t / full), key=curve.predict)
     return n
 
 
@@ -256,14 +250,9 @@ def _beyond_the_others(state: SchedulerState, model: str, ws: list[WorkerState],
     eligible workers, serving the head of the ``items`` queued in order, have not reached the
     ``q`` at the back when it ends (step 6a): ``q`` + what they end by ``now + T_w(q)`` ≤ ``items``."""
     curve = state.cost(model, w.path)
-    lo, hi = 0, min(cap, items)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if mid + _served_by_the_others(state, model, ws, w, head_items, now + curve.predict(mid), now) <= items:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return bisect.bisect_right(
+        range(1, min(cap, items) + 1), items,
+        key=lambda q: q + _served_by_the_others(state, model, ws, w, head_items, now + curve.predict(q), now))
 
 
 def _due(state: SchedulerState, model: str, w: WorkerState, items: int, now: float) -> float:
@@ -471,6 +460,7 @@ class MarginalCost(PerModelPolicy):
                     continue
                 queued = min(items, left)
                 cap = state.batch_cap(model, w, background)
+                behind_the_others = False  # step 6a's worker: step 7 takes its items from behind theirs
                 if id(w) in sized:
                     # 6b. A launch-heavy worker that is not the cheapest place for added
                     #     items (a CPU with a launch beside a GPU) takes at most its first
@@ -494,6 +484,7 @@ class MarginalCost(PerModelPolicy):
                     #     worker's first batch held, as before 2026-12-02), they made its batch
                     #     long while later arrivals were served before them.
                     queued = max(queued, _beyond_the_others(state, model, ws, w, left, _head_items(q), cap, now))
+                    behind_the_others = True
                 if queued <= 0:
                     break
                 if not flush and queued < cap:
@@ -518,7 +509,7 @@ class MarginalCost(PerModelPolicy):
                     queued = max(queued, trial or curve.probe_size(min(cap, left - held)))
                 # 7. Send now, past the held head.
                 keep = min(held, left - queued)
-                if w in batching and id(w) not in sized:
+                if behind_the_others:
                     # A launch-heavy worker's batch ends after the others have served the
                     # queue's head one by one: it takes the items they will not have reached
                     # by then, and leaves them the ones they end first. Taken from behind the
