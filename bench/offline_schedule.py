@@ -216,18 +216,25 @@ def main(argv=None) -> None:
     from . import sim_report
 
     sim_report.TRACE_SEEDS = args.trace_seeds  # before the pool forks
+    out = Path(args.out)
+    # Checked before the search, which takes minutes a point; the merge itself passed the path
+    # where the report belonged and failed with a TypeError after every point was searched.
+    to_merge = sim_report.report_to_merge(out / "offline_schedule.json", args.requests) if args.merge else None
+    if to_merge is not None and to_merge.get("full", 100_000) != args.full:
+        raise SystemExit(f"{out / 'offline_schedule.json'} was run with --full {to_merge.get('full', 100_000)}, "
+                         f"not {args.full}: cannot merge")
     t0 = time.perf_counter()
     tasks = [(s, load, args.requests, args.full) for s in args.scenarios.split(",") for load in SCENARIOS[s][2]]
     with Pool(args.jobs) as pool:
         rows = pool.map(point, tasks, chunksize=1)
-    out = Path(args.out)
-    rep = {"simulated": True, "n": args.requests, "full": args.full, "trace_seeds": args.trace_seeds, "rows": rows,
-           "wall_s": 0.0}
-    if args.merge:
-        from .sim_report import merged
-
-        rep = merged(out / "offline_schedule.json", rows, args.requests)
-    rep["wall_s"] += time.perf_counter() - t0
+    if to_merge is not None:
+        rep = sim_report.merged(to_merge, rows)
+        rep.setdefault("full", args.full)
+        rep.setdefault("trace_seeds", args.trace_seeds)
+    else:
+        rep = {"simulated": True, "n": args.requests, "full": args.full, "trace_seeds": args.trace_seeds,
+               "rows": sim_report.in_order(rows)}
+    rep["wall_s"] = rep.get("wall_s", 0.0) + time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "offline_schedule.json").write_text(json.dumps(rep, indent=1))
     (out / "offline_schedule.md").write_text(markdown(rep))

@@ -430,7 +430,7 @@ def report_to_merge(path: Path, n: int) -> dict:
     except (OSError, ValueError) as e:
         raise SystemExit(f"--merge: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(rep, dict) or not isinstance(rep.get("rows"), list) or "n" not in rep:
-        raise SystemExit(f"--merge: {path} is no report of sim_report (it has no 'n' and 'rows')")
+        raise SystemExit(f"--merge: {path} is no report of {path.stem} (it has no 'n' and 'rows')")
     if rep["n"] != n:
         raise SystemExit(f"{path} was run with --requests {rep['n']}, not {n}: cannot merge")
     if rep.get("trace_seeds", "legacy") != TRACE_SEEDS:

@@ -64,3 +64,34 @@ def test_a_device_given_by_measured_points_may_run_its_whole_max_batch():
     found = search(np.zeros(12), [gpu], beam=4, weight=1.0)
     assert [length for _, length, _, _ in found.blocks] == [12]
     assert found.mean_s == pytest.approx(gpu.curve().predict(12))
+
+
+def test_merge_replaces_only_the_scenarios_run_and_keeps_the_rest(tmp_path):
+    """``--merge`` passed the report's path where the report belonged: a TypeError after every
+    point had been searched (minutes a point at the documented size), and nothing written."""
+    import json
+
+    from batchyard.bench import offline_schedule
+
+    kept = {"scenario": "seeds", "load": 0.1, "requests": 200, "policies_ms": {"mcb": 1.0}, "searched_ms": 1.0,
+            "offline_ms": 1.0, "mcb_over_offline": 1.0, "lower_bound_ms": 0.08}
+    (tmp_path / "offline_schedule.json").write_text(json.dumps(
+        {"simulated": True, "n": 200, "full": 1000, "trace_seeds": "named", "rows": [kept], "wall_s": 5.0}))
+    offline_schedule.main(["--merge", "--scenarios", "1-cpu", "--requests", "200", "--full", "1000", "--jobs", "1",
+                           "--out", str(tmp_path)])
+    rep = json.loads((tmp_path / "offline_schedule.json").read_text())
+    assert [(r["scenario"], r["load"]) for r in rep["rows"]] == [("seeds", 0.1)] + [("1-cpu", x) for x in (0.3, 0.6, 0.9)]
+    assert rep["rows"][0] == kept and rep["wall_s"] > 5.0
+    assert "| 1-cpu | 90% |" in (tmp_path / "offline_schedule.md").read_text()
+
+
+def test_merge_checks_the_report_before_it_searches(tmp_path, monkeypatch):
+    from batchyard.bench import offline_schedule
+
+    monkeypatch.setattr(offline_schedule, "Pool", lambda *a, **k: pytest.fail("searched before the report was checked"))
+    argv = ["--merge", "--scenarios", "1-cpu", "--requests", "200", "--full", "1000", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="cannot read .*offline_schedule.json: No such file"):
+        offline_schedule.main(argv)
+    (tmp_path / "offline_schedule.json").write_text('{"n": 200, "full": 2000, "trace_seeds": "named", "rows": []}')
+    with pytest.raises(SystemExit, match="was run with --full 2000, not 1000: cannot merge"):
+        offline_schedule.main(argv)
