@@ -20,8 +20,11 @@ table, JSON, Markdown, PNG): bench/report.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import queue
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -348,6 +351,29 @@ def drain_limit_s(spec: LoadSpec) -> float:
     return max(120.0, max(spec.deadlines_ms) / 1e3 + 30.0)
 
 
+@contextlib.contextmanager
+def _stops_deferred():
+    """Hold a SIGTERM or SIGINT that comes in the block until it ends, then take it as it came.
+
+    A spawn context's Queue, Event and Value are named semaphores in /dev/shm, unlinked at exit
+    only once registered, and the first one registered starts the resource tracker (a process:
+    tens of ms on a busy box). A demo stopped by SIGTERM in that window left its semaphore in
+    /dev/shm for good (exit_on_sigterm raises there)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
+        yield
+        return
+    got: list[int] = []
+    held = (signal.SIGTERM, signal.SIGINT)
+    before = {s: signal.signal(s, lambda signo, _frame: got.append(signo)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+        if got:
+            signal.raise_signal(got[0])  # to the handler it would have met
+
+
 def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard", inputs: str = "zeros",
              progress: bool = False, keys: Optional[dict] = None) -> np.ndarray:
     """Run the load from ``spec.processes`` processes; return one row per request (COLUMNS).
@@ -356,7 +382,8 @@ def run_load(address: str, model: str, spec: LoadSpec, target: str = "batchyard"
     if n > MAX_SCHEDULED:  # a rate or duration no argument check bounds alone: 1e6/s over 1e7 s was 284 TiB
         raise SystemExit(f"bench: a run of {n:.3g} requests (rate x duration); at most {MAX_SCHEDULED:.3g} in one run")
     ctx = mp.get_context("spawn")
-    q, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    with _stops_deferred():
+        q, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     ps = [ctx.Process(target=_proc, args=(target, address, model, inputs, asdict(spec), k, q, go, start,
                                                    keys or {}), daemon=True)
           for k in range(spec.processes)]
