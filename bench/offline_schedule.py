@@ -220,20 +220,19 @@ def main(argv=None) -> None:
     # Checked before the search, which takes minutes a point; the merge itself passed the path
     # where the report belonged and failed with a TypeError after every point was searched.
     to_merge = sim_report.report_to_merge(out / "offline_schedule.json", args.requests) if args.merge else None
-    if to_merge is not None and to_merge.get("full", 100_000) != args.full:
-        raise SystemExit(f"{out / 'offline_schedule.json'} was run with --full {to_merge.get('full', 100_000)}, "
-                         f"not {args.full}: cannot merge")
+    full = to_merge.get("full", 100_000) if to_merge is not None else args.full  # files before "full": 100000
+    if full != args.full:
+        raise SystemExit(f"{out / 'offline_schedule.json'} was run with --full {full}, not {args.full}: cannot merge")
     t0 = time.perf_counter()
     tasks = [(s, load, args.requests, args.full) for s in args.scenarios.split(",") for load in SCENARIOS[s][2]]
     with Pool(args.jobs) as pool:
         rows = pool.map(point, tasks, chunksize=1)
     if to_merge is not None:
         rep = sim_report.merged(to_merge, rows)
-        rep.setdefault("full", args.full)
-        rep.setdefault("trace_seeds", args.trace_seeds)
     else:
-        rep = {"simulated": True, "n": args.requests, "full": args.full, "trace_seeds": args.trace_seeds,
-               "rows": sim_report.in_order(rows)}
+        rep = {"simulated": True, "rows": sim_report.in_order(rows)}
+    # All three checked equal to the merged report's (an older file lacks the last two: written here).
+    rep.update(n=args.requests, full=args.full, trace_seeds=args.trace_seeds)
     rep["wall_s"] = rep.get("wall_s", 0.0) + time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "offline_schedule.json").write_text(json.dumps(rep, indent=1))
