@@ -534,6 +534,14 @@ class LeavingNoted(msgspec.Struct, tag="leaving_noted", tag_field="type"):
     worker: str
 
 
+class Closing(msgspec.Struct, tag="closing", tag_field="type"):
+    """From a dispatcher ending its drain, to each registered worker, before it exits: no answer
+    to ``leaving`` will come, nor any batch. The worker is no longer registered; it registers
+    again when a dispatcher asks (``reregister``, the answer to a heartbeat)."""
+
+    worker: str
+
+
 class Restart(msgspec.Struct, tag="restart", tag_field="type"):
     """To a worker's heartbeat socket: a batch of it never came back, so its model is stuck.
     The worker exits (EX_SOFTWARE) and its supervisor starts it again."""
@@ -581,8 +589,8 @@ class LlmAbort(msgspec.Struct, tag="llm_abort", tag_field="type"):
     seqs: list[int]
 
 
-DispatcherToWorker = Union[Batch, Registered, Reregister, LeavingNoted, Restart, RegisterRejected, LlmJob,
-                           LlmAbort]
+DispatcherToWorker = Union[Batch, Registered, Reregister, LeavingNoted, Closing, Restart, RegisterRejected,
+                           LlmJob, LlmAbort]
 
 
 # ---------------------------------------------------------------- codecs

@@ -313,10 +313,14 @@ class Dispatcher:
         self.core.fail_queued(Status.UNAVAILABLE, f"dispatcher shut down before the request reached a worker ({why})")
         self.core.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the batch finished")
         self.llm.fail_all(Status.UNAVAILABLE, "dispatcher shut down before the request finished", _now())
-        # Its workers outlive it (`up` stops them next; one stopped then waits 1 s for an answer
-        # to its `leaving`, LEAVING_NOTED_WAIT_S). Not told to register again: one left running
-        # (separate units) sent `register` to nobody every 2 s, and after ~1,000 of them its sends
-        # blocked; heartbeats, whose queue is bounded, find the next dispatcher, which asks.
+        # Its workers outlive it (`up` stops them next). Each is told that nobody will answer its
+        # `leaving` (it waited 1 s for that answer, LEAVING_NOTED_WAIT_S, and its goodbye lingered
+        # 0.5 s in a socket nobody read: `up` took 2 s to stop a node of idle workers). Not told to
+        # register again: one left running (separate units) sent `register` to nobody every 2 s,
+        # and after ~1,000 of them its sends blocked; heartbeats, whose queue is bounded, find the
+        # next dispatcher, which asks. (The backend socket lingers for these on close.)
+        for w in self.state.workers.values():
+            self._send_worker(w.identity, P.encode(P.Closing(worker=w.name)))
         self.close()
 
     def _arm(self, when: float, decided_at: float) -> None:

@@ -675,8 +675,8 @@ class Supervisor:
         """Front doors first (their requests in flight finish while the dispatcher and the
         workers still serve them), then the dispatcher (it drains: the requests it already
         took, queued or running, are served by the workers, still up, for up to
-        drain_timeout_s), then the workers (they finish their batch; with no dispatcher to
-        answer their `leaving`, an idle one exits after a 1 s wait for it, workers/runtime.py);
+        drain_timeout_s), then the workers (they finish their batch; the dispatcher told each
+        that it was closing, so none waits for an answer to its `leaving`, workers/runtime.py);
         each group bounded. Stopped before the drain, the workers left the queue to nobody: 22
         of 30 requests queued behind a 1 s batch failed UNAVAILABLE. Then the shared memory of
         children that were killed, which no process of this node would reap any more.

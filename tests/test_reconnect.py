@@ -444,6 +444,24 @@ def test_a_leaving_worker_is_answered_and_gets_no_new_batch_while_another_serves
         leaving.close()
 
 
+def test_a_dispatcher_ending_its_drain_tells_each_registered_worker_it_is_closing(run_dir, processes):
+    # `up` stops the workers after the dispatcher: each sent `leaving` to nobody and waited 1 s
+    # for the answer. Told `closing`, it owes the dispatcher nothing (workers/runtime.py).
+    from batchyard import protocol as P
+
+    node = dispatcher_alone(processes, run_dir)
+    workers = [registered_worker(node, name) for name in ("w0", "w1")]
+    try:
+        with Client(node.dispatcher.frontend) as c:
+            os.kill(c.status().dispatcher_pid, signal.SIGTERM)
+        for name, w in zip(("w0", "w1"), workers):
+            assert w.poll(30_000), f"{name} was not told"
+            assert P.to_worker_decoder.decode(w.recv_multipart()[0]) == P.Closing(worker=name)
+    finally:
+        for w in workers:
+            w.close()
+
+
 def test_a_drain_with_no_worker_for_its_queue_fails_it_at_once(run_dir, processes):
     """Workers stopped with the dispatcher (separate units with no ordering) left its queue to
     nobody, and the drain held it for the whole drain_timeout_s (60 s here) before failing it."""

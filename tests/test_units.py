@@ -707,6 +707,88 @@ def test_a_registered_worker_whose_dispatcher_is_gone_stops_at_once(run_dir):
     assert took < 5.0, f"stopped {took:.1f} s after it was asked"
 
 
+def test_a_worker_told_its_dispatcher_is_closing_stops_at_once_and_registers_again_only_when_asked(run_dir, monkeypatch):
+    """A dispatcher ending its drain tells its workers so (`closing`): `up` stops the dispatcher
+    before the workers, and each then sent `leaving` to nobody and waited for the answer
+    (LEAVING_NOTED_WAIT_S), then lingered on its `goodbye`: a node of idle workers took 2 s to
+    stop. Told, a worker owes that dispatcher nothing, and registers again only when a
+    dispatcher asks (its heartbeat answered `reregister`), not on its own retry timer."""
+    import zmq
+
+    from batchyard.config import SimConfig
+    from batchyard.workers import runtime
+    from batchyard.workers.executors import SimulatedExecutor
+
+    monkeypatch.setattr(runtime, "LEAVING_NOTED_WAIT_S", 60.0)  # a wait for the answer would be plain
+    monkeypatch.setattr(runtime, "STOP_GRACE_S", 120.0)
+    monkeypatch.setattr(runtime, "REGISTER_RETRY_S", 0.01)  # a worker registering on its own would soon
+    monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)
+    backend = f"ipc://{run_dir}/be"
+    spec = P.ModelSpec(name="sum", max_batch=4, inputs=[P.TensorSpec("x", "float32", [4])],
+                       outputs=[P.TensorSpec("y", "float32", [2])])
+    ex = SimulatedExecutor(SimConfig(launch_us=10, per_item_us=1))
+    ex.load(spec, "")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(backend)
+    rt = runtime.WorkerRuntime("w", backend, ex, {"sum": spec}, heartbeat_interval_s=0.05)
+    after_closing: list = []  # what the worker's main socket sent after each `closing`
+    stopped_at: list = []
+
+    def recv():
+        assert router.poll(30_000), "the worker went silent"
+        ident, *frames = router.recv_multipart()
+        return ident, type(P.worker_message_decoder.decode(frames[0]))
+
+    def until(ident, kind, seen):
+        while True:
+            got = recv()
+            if got == (ident, kind):
+                return
+            if got[0] == b"w":
+                seen.append(got[1].__name__)
+
+    def dispatcher():
+        try:
+            until(b"w", P.Register, [])
+            router.send_multipart([b"w", P.encode(P.Registered(worker="w"))])
+            until(b"w#hb", P.Heartbeat, [])
+            router.send_multipart([b"w", P.encode(P.Closing(worker="w"))])
+            quiet: list = []
+            for _ in range(3):  # heartbeats go on; the main socket stays quiet
+                until(b"w#hb", P.Heartbeat, quiet)
+            after_closing.append(quiet)
+            router.send_multipart([b"w#hb", P.encode(P.Reregister(worker="w"))])  # a dispatcher asks
+            until(b"w", P.Register, after_closing[0])
+            router.send_multipart([b"w", P.encode(P.Registered(worker="w"))])
+            until(b"w#hb", P.Heartbeat, [])
+            router.send_multipart([b"w", P.encode(P.Closing(worker="w"))])
+            until(b"w#hb", P.Heartbeat, [])  # (the worker has had time to read it)
+        finally:
+            stopped_at.append(time.monotonic())
+            rt.request_stop()
+            os.write(rt._wake_w, b"x")
+
+    t = threading.Thread(target=dispatcher, daemon=True)
+    t.start()
+    try:
+        assert rt.serve() == 0
+        took = time.monotonic() - stopped_at[0]
+        rest: list = []
+        while router.poll(0):
+            ident, *frames = router.recv_multipart()
+            if ident == b"w":
+                rest.append(type(P.worker_message_decoder.decode(frames[0])).__name__)
+    finally:
+        t.join(10)
+        router.close()
+        ctx.term()
+    assert after_closing == [[]], "the worker registered on its own after `closing`, before it was asked"
+    assert rest == [], f"it sent {rest} to a dispatcher that had closed"
+    assert took < 30.0, f"stopped {took:.1f} s after it was asked: it waited for an answer to `leaving`"
+
+
 def test_free_ports_are_never_handed_out_twice_even_when_the_kernel_repeats_one(monkeypatch):
     """The kernel may give two binds in a row the same port once the first socket is closed: a
     tritonserver given such a pair for gRPC and HTTP would not start (a CI run's failure)."""

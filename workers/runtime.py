@@ -190,7 +190,7 @@ class WorkerRuntime:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
-        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.secure(sock)
         sock.connect(self.backend)
         hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s, self.secure, self._wake)
@@ -204,6 +204,9 @@ class WorkerRuntime:
         # that were lost. A dispatcher that does not know it answers `leaving` and drops `goodbye`.
         announced = False
         next_register = next_sweep = 0.0
+        # The dispatcher said it is closing (`closing`): no registration is sent until a dispatcher
+        # asks for one (`reregister`), and nothing is owed to the one that closed.
+        closed = False
         unanswered = 0  # registrations sent since the last answer
         first_unanswered = 0.0  # when the first of them was sent
         rc = 0
@@ -212,10 +215,11 @@ class WorkerRuntime:
                 now = time.monotonic()
                 if hb.reregister.is_set():
                     hb.reregister.clear()
+                    closed = self._reopened(sock, closed)
                     if registered:  # at once; one already sent and unanswered keeps its retry
                         next_register = 0.0
                     registered = self._asked_to_register_again(registered, now)
-                if not registered and now >= next_register and not self._holds_earlier_batches(now):
+                if not registered and not closed and now >= next_register and not self._holds_earlier_batches(now):
                     sock.send(self._register_msg())
                     next_register = now + REGISTER_RETRY_S
                     if not unanswered:
@@ -229,7 +233,7 @@ class WorkerRuntime:
                 # Until the next timed step (the sweep, a registration's retry, the end of its hold);
                 # batches, completions, a stop and a `reregister` wake it before that.
                 due = next_sweep
-                if not registered:
+                if not registered and not closed:
                     due = min(due, max(next_register, self._hold_until) if self._in_executor else next_register)
                 events = dict(poller.poll(max(0.0, due - now) * 1000))
                 if now >= next_sweep:  # at most once a second (an fstat per segment held), idle too:
@@ -255,7 +259,15 @@ class WorkerRuntime:
                     if not hb.is_alive() and not hb.stop.is_set():
                         hb.start()
                 elif type(msg) is P.Reregister:
+                    closed = self._reopened(sock, closed)
                     registered, next_register = self._asked_to_register_again(registered, now), 0.0
+                elif type(msg) is P.Closing:
+                    log.info("worker %s: the dispatcher is closing; registering again when one asks", self.name)
+                    registered = announced = False
+                    closed = True
+                    # What is still sent to it (a batch's answer the executor held) is for nobody:
+                    # the socket's close must not linger for it.
+                    sock.setsockopt(zmq.LINGER, 0)
                 elif type(msg) is P.RegisterRejected:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
@@ -267,7 +279,7 @@ class WorkerRuntime:
                 # socket (max_inflight > 1: one behind the one running): left there, the dispatcher
                 # took it for a batch the worker died running, spent its requests' retry and ran
                 # them as suspects, alone.
-                self._finish_in_flight(sock, poller, announced)
+                announced = self._finish_in_flight(sock, poller, announced)
         finally:
             if announced:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
@@ -279,7 +291,7 @@ class WorkerRuntime:
                 # and ctx.term() below waited for it for ever (a rejected worker, or one stopped
                 # before the dispatcher answered, never exited).
                 hb.sock.close()
-            sock.close(linger=500)
+            sock.close()  # its LINGER: LINGER_MS, or 0 once the dispatcher closed
             self.cache.close()
             close = getattr(self.executor, "close", None)
             if close is not None:
@@ -291,6 +303,14 @@ class WorkerRuntime:
             os.close(wake_w)
             ctx.term()
         return rc
+
+    @staticmethod
+    def _reopened(sock, closed: bool) -> bool:
+        """A dispatcher asked this worker to register: its socket lingers again for what it sends
+        (a `goodbye` at the stop). Returns the new ``closed``: False."""
+        if closed:
+            sock.setsockopt(zmq.LINGER, LINGER_MS)
+        return False
 
     def _asked_to_register_again(self, registered: bool, now: float) -> bool:
         """The dispatcher does not know this worker (it restarted, or declared it dead): none of
@@ -344,12 +364,13 @@ class WorkerRuntime:
                 self._run_and_reply(sock, msg, frames)
         return registered
 
-    def _finish_in_flight(self, sock, poller, announced: bool) -> None:
+    def _finish_in_flight(self, sock, poller, announced: bool) -> bool:
         """Stopping with batches in an asynchronous executor (Triton): their replies go out
         before the goodbye. Gone without them, the dispatcher ran their requests again, and one
         that had spent its retry failed UNAVAILABLE. The dispatcher is told first (``leaving``)
         to send no new batch; one it sent before it knew is run too. exit_after_grace bounds
-        the wait."""
+        the wait. Returns whether the dispatcher is still owed a ``goodbye`` (not after its
+        ``closing``: it has gone)."""
         if self._in_executor:
             log.info("worker %s stopping: waiting for %d batch(es) in flight", self.name, self._in_executor)
         noted = not announced  # the dispatcher's answer to `leaving`: no batch comes after it
@@ -374,8 +395,14 @@ class WorkerRuntime:
                 msg = P.to_worker_decoder.decode(frames[0].buffer)
                 if type(msg) is P.LeavingNoted:
                     noted = True
+                elif type(msg) is P.Closing:
+                    # Read only now (the stop came first): the `leaving` sent above stays unread,
+                    # and the socket's close must not linger for it.
+                    noted, announced = True, False
+                    sock.setsockopt(zmq.LINGER, 0)
                 elif type(msg) is P.Batch:
                     self._run_and_reply(sock, msg, frames)
+        return announced
 
     def _run_and_reply(self, sock, msg: P.Batch, frames: list) -> None:
         """Run a batch from the socket (``frames``: its header first); its reply goes out now,
@@ -558,6 +585,7 @@ class WorkerRuntime:
 # hard) is read by the loop between batches; a batch that never ends would keep the process for
 # good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
 STOP_GRACE_S = 15.0
+LINGER_MS = 500  # how long the worker's socket, closed, keeps sending what it holds for the dispatcher
 LEAVING_NOTED_WAIT_S = 1.0  # an idle stopping worker's wait for the dispatcher's `leaving_noted`
 # A worker stopped with its registration unanswered waits this long for the answer (a dispatcher
 # that is there answers within milliseconds; one that is not costs the stop this much).
