@@ -660,12 +660,9 @@ def test_a_stopping_worker_replies_for_the_batches_its_executor_holds_before_its
     assert seen == ["Leaving", "BatchDone", "BatchDone", "Goodbye"]
 
 
-def test_a_registered_worker_whose_dispatcher_is_gone_stops_at_once(run_dir):
-    """A stopping worker tells the dispatcher it is leaving and waits for the answer; one whose
-    dispatcher had already stopped (both stopped together, as systemd does) waited for an answer
-    that never came for its whole 15 s grace."""
-    import threading
-
+def _sim_worker_beside_a_router(run_dir, heartbeat_interval_s: float):
+    """(context, a ROUTER bound where a dispatcher's workers' socket would be, a worker runtime
+    "w" of a simulated `sum` connecting to it); the caller runs ``serve()`` and closes both."""
     import zmq
 
     from batchyard.config import SimConfig
@@ -681,7 +678,16 @@ def test_a_registered_worker_whose_dispatcher_is_gone_stops_at_once(run_dir):
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(backend)
-    rt = runtime.WorkerRuntime("w", backend, ex, {"sum": spec}, heartbeat_interval_s=0.1)
+    return ctx, router, runtime.WorkerRuntime("w", backend, ex, {"sum": spec}, heartbeat_interval_s=heartbeat_interval_s)
+
+
+def test_a_registered_worker_whose_dispatcher_is_gone_stops_at_once(run_dir):
+    """A stopping worker tells the dispatcher it is leaving and waits for the answer; one whose
+    dispatcher had already stopped (both stopped together, as systemd does) waited for an answer
+    that never came for its whole 15 s grace."""
+    import threading
+
+    ctx, router, rt = _sim_worker_beside_a_router(run_dir, heartbeat_interval_s=0.1)
     asked_at = []
 
     def dispatcher_that_goes_away():
@@ -713,26 +719,13 @@ def test_a_worker_told_its_dispatcher_is_closing_stops_at_once_and_registers_aga
     (LEAVING_NOTED_WAIT_S), then lingered on its `goodbye`: a node of idle workers took 2 s to
     stop. Told, a worker owes that dispatcher nothing, and registers again only when a
     dispatcher asks (its heartbeat answered `reregister`), not on its own retry timer."""
-    import zmq
-
-    from batchyard.config import SimConfig
     from batchyard.workers import runtime
-    from batchyard.workers.executors import SimulatedExecutor
 
     monkeypatch.setattr(runtime, "LEAVING_NOTED_WAIT_S", 60.0)  # a wait for the answer would be plain
     monkeypatch.setattr(runtime, "STOP_GRACE_S", 120.0)
     monkeypatch.setattr(runtime, "REGISTER_RETRY_S", 0.01)  # a worker registering on its own would soon
     monkeypatch.setattr(runtime, "exit_after_grace", lambda: None)
-    backend = f"ipc://{run_dir}/be"
-    spec = P.ModelSpec(name="sum", max_batch=4, inputs=[P.TensorSpec("x", "float32", [4])],
-                       outputs=[P.TensorSpec("y", "float32", [2])])
-    ex = SimulatedExecutor(SimConfig(launch_us=10, per_item_us=1))
-    ex.load(spec, "")
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(backend)
-    rt = runtime.WorkerRuntime("w", backend, ex, {"sum": spec}, heartbeat_interval_s=0.05)
+    ctx, router, rt = _sim_worker_beside_a_router(run_dir, heartbeat_interval_s=0.05)
     after_closing: list = []  # what the worker's main socket sent after each `closing`
     stopped_at: list = []
 
