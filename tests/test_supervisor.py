@@ -277,8 +277,28 @@ def test_heartbeats_go_on_while_the_model_computes():
         assert beats >= busy_s / 0.02 / 4, (beats, busy_s)
     finally:
         torch.set_num_threads(threads)
-        hb.stop.set()
-        hb.join(5)
+        hb.end(5)
+        router.close(0)
+        ctx.term()
+
+
+def test_a_heartbeat_thread_ends_when_asked_not_at_the_end_of_its_interval(run_dir):
+    """A worker's stop joined its heartbeat thread, which noticed the stop only once its wait on
+    the socket (one heartbeat interval, 0.2 s by default) was over."""
+    from batchyard.workers.runtime import Heartbeat
+
+    ctx = zmq.Context()
+    endpoint = f"ipc://{run_dir}/be"
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    hb = Heartbeat(ctx, endpoint, "w0", interval_s=600.0)
+    try:
+        hb.start()
+        assert router.poll(10_000), "no first heartbeat"  # the thread now waits out its 600 s
+        hb.end(timeout=60)
+        assert not hb.is_alive(), "the heartbeat thread went on waiting out its interval"
+    finally:
+        hb.end(5)
         router.close(0)
         ctx.term()
 
@@ -301,8 +321,7 @@ def test_heartbeats_resume_after_the_dispatcher_was_away(run_dir):
             assert router.poll(5000), "heartbeats stopped after the dispatcher was away"
             router.recv_multipart()
     finally:
-        hb.stop.set()
-        hb.join(5)
+        hb.end(5)
         router.close(0)
         ctx.term()
 

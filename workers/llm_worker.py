@@ -135,13 +135,7 @@ class LlmServer:
             signal.set_wakeup_fd(-1)
             if self.registered:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
-            hb.stop.set()
-            if hb.is_alive():
-                hb.join(timeout=2)
-            elif hb.ident is None:
-                # Never started (stopped before the dispatcher answered): its socket is still
-                # open, and ctx.term() below waited for it until the stop grace killed us.
-                hb.sock.close()
+            hb.end()  # (closes the socket of one never started: ctx.term() below waited for it)
             sock.close(linger=500)
             ctx.term()
             os.close(wake_r)

@@ -62,9 +62,35 @@ class Heartbeat(threading.Thread):
         self.interval_ms = int(interval_s * 1000)
         self.stop = threading.Event()
         self.reregister = threading.Event()
+        # end() wakes the wait on the socket: a worker's stop otherwise waited up to one interval
+        # for this thread (0.2 s by default).
+        self._woken, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
+
+    def end(self, timeout: float = 2.0) -> None:
+        """Stop beating, join the thread (at most ``timeout``), and close what it leaves: the
+        socket of a thread never started (a context's term() waits for every socket)."""
+        self.stop.set()
+        if self._wake < 0:  # ended already
+            return
+        try:
+            os.write(self._wake, b"x")
+        except BlockingIOError:  # (a full pipe is woken already)
+            pass
+        if self.is_alive():
+            self.join(timeout=timeout)
+        elif self.ident is None:
+            self.sock.close()
+        if not self.is_alive():
+            os.close(self._woken)
+            os.close(self._wake)
+            self._woken = self._wake = -1
 
     def run(self) -> None:
         next_beat = 0.0
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._woken, zmq.POLLIN)
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -80,7 +106,7 @@ class Heartbeat(threading.Thread):
                 # Waiting on the socket doubles as the heartbeat period, which an answer does not
                 # cut short: beaten again at once, a restarted dispatcher's `reregister` drew the
                 # next beat, whose `reregister` drew the next (hundreds in 40 ms).
-                if self.sock.poll(max(0.0, next_beat - now) * 1000):
+                if self.sock in dict(poller.poll(max(0.0, next_beat - now) * 1000)):
                     msg = P.to_worker_decoder.decode(self.sock.recv())
                     if type(msg) is P.Reregister:
                         self.reregister.set()
@@ -283,14 +309,10 @@ class WorkerRuntime:
         finally:
             if announced:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
-            hb.stop.set()
-            if hb.is_alive():
-                hb.join(timeout=2)
-            elif hb.ident is None:
-                # Never started (the worker was not registered yet): its socket is still open,
-                # and ctx.term() below waited for it for ever (a rejected worker, or one stopped
-                # before the dispatcher answered, never exited).
-                hb.sock.close()
+            # (Never started, the worker not registered yet, its socket stayed open, and ctx.term()
+            # below waited for it for ever: a rejected worker, or one stopped before the dispatcher
+            # answered, never exited. end() closes it.)
+            hb.end()
             sock.close()  # its LINGER: LINGER_MS, or 0 once the dispatcher closed
             self.cache.close()
             close = getattr(self.executor, "close", None)
