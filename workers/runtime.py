@@ -216,7 +216,7 @@ class WorkerRuntime:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)  # (the stop's close sets its own)
         self.secure(sock)
         sock.connect(self.backend)
         hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s, self.secure, self._wake)
@@ -241,7 +241,7 @@ class WorkerRuntime:
                 now = time.monotonic()
                 if hb.reregister.is_set():
                     hb.reregister.clear()
-                    closed = self._reopened(sock, closed)
+                    closed = False
                     if registered:  # at once; one already sent and unanswered keeps its retry
                         next_register = 0.0
                     registered = self._asked_to_register_again(registered, now)
@@ -285,15 +285,12 @@ class WorkerRuntime:
                     if not hb.is_alive() and not hb.stop.is_set():
                         hb.start()
                 elif type(msg) is P.Reregister:
-                    closed = self._reopened(sock, closed)
+                    closed = False
                     registered, next_register = self._asked_to_register_again(registered, now), 0.0
                 elif type(msg) is P.Closing:
                     log.info("worker %s: the dispatcher is closing; registering again when one asks", self.name)
                     registered = announced = False
                     closed = True
-                    # What is still sent to it (a batch's answer the executor held) is for nobody:
-                    # the socket's close must not linger for it.
-                    sock.setsockopt(zmq.LINGER, 0)
                 elif type(msg) is P.RegisterRejected:
                     log.error("dispatcher rejected worker %s: %s", self.name, msg.message)
                     rc = 2
@@ -309,11 +306,11 @@ class WorkerRuntime:
         finally:
             if announced:
                 sock.send(P.encode(P.Goodbye(worker=self.name)), zmq.NOBLOCK)
-            # (Never started, the worker not registered yet, its socket stayed open, and ctx.term()
-            # below waited for it for ever: a rejected worker, or one stopped before the dispatcher
-            # answered, never exited. end() closes it.)
-            hb.end()
-            sock.close()  # its LINGER: LINGER_MS, or 0 once the dispatcher closed
+            hb.end()  # (closes the socket of one never started: ctx.term() below waited for it for ever)
+            # Lingering only for a dispatcher owed the goodbye: what else is queued (a registration
+            # nobody answered, a batch's answer for a dispatcher that said `closing`) is for
+            # nobody, and lingering for it held the stop 0.5 s.
+            sock.close(linger=LINGER_MS if announced else 0)
             self.cache.close()
             close = getattr(self.executor, "close", None)
             if close is not None:
@@ -325,14 +322,6 @@ class WorkerRuntime:
             os.close(wake_w)
             ctx.term()
         return rc
-
-    @staticmethod
-    def _reopened(sock, closed: bool) -> bool:
-        """A dispatcher asked this worker to register: its socket lingers again for what it sends
-        (a `goodbye` at the stop). Returns the new ``closed``: False."""
-        if closed:
-            sock.setsockopt(zmq.LINGER, LINGER_MS)
-        return False
 
     def _asked_to_register_again(self, registered: bool, now: float) -> bool:
         """The dispatcher does not know this worker (it restarted, or declared it dead): none of
@@ -417,11 +406,8 @@ class WorkerRuntime:
                 msg = P.to_worker_decoder.decode(frames[0].buffer)
                 if type(msg) is P.LeavingNoted:
                     noted = True
-                elif type(msg) is P.Closing:
-                    # Read only now (the stop came first): the `leaving` sent above stays unread,
-                    # and the socket's close must not linger for it.
+                elif type(msg) is P.Closing:  # read only now (the stop came first): nobody answers
                     noted, announced = True, False
-                    sock.setsockopt(zmq.LINGER, 0)
                 elif type(msg) is P.Batch:
                     self._run_and_reply(sock, msg, frames)
         return announced
@@ -607,7 +593,7 @@ class WorkerRuntime:
 # hard) is read by the loop between batches; a batch that never ends would keep the process for
 # good (an orphan, its memory held). Past `up`'s own stop timeout (10 s, then SIGKILL) it exits.
 STOP_GRACE_S = 15.0
-LINGER_MS = 500  # how long the worker's socket, closed, keeps sending what it holds for the dispatcher
+LINGER_MS = 500  # how long the worker's socket, closed, keeps sending its `goodbye`
 LEAVING_NOTED_WAIT_S = 1.0  # an idle stopping worker's wait for the dispatcher's `leaving_noted`
 # A worker stopped with its registration unanswered waits this long for the answer (a dispatcher
 # that is there answers within milliseconds; one that is not costs the stop this much).
