@@ -1,4 +1,4 @@
-"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|c|d|e|f|g|h|all]``.
+"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|...|i|all]``.
 
 (a) added latency, one request in flight, no-op worker: client -> dispatcher -> worker minus
     client -> worker directly; the same for pyzmq's C ``zmq.proxy`` and a bare Python uvloop
@@ -15,6 +15,9 @@
 (h) the sender's CPU for one ZeroMQ send on ipc (two frames, as a request's) back to back, after
     a 10 ms idle gap slept, and after one spun, against a pipe write that wakes a thread after a
     gap: what each message of a hop costs at a low rate, where the processes sleep between them
+(i) one MCB plan (``policy_mcb.plan``, the decision's inner loop: a decision makes one to six)
+    of 1 to 1,000 queued items over the seeds' devices, a GPU and two CPUs, all free (the
+    decision code alone, no sockets)
 
 The paths are built in bench/noop_paths.py. Each mode runs ``--runs`` times, alternating the
 paths inside a run; medians are reported, and written to ``--json``. This machine is shared
@@ -392,6 +395,30 @@ def bench_g(runs: int = 3) -> dict:
     return out
 
 
+def bench_i(runs: int = 3, reps: int = 300) -> dict:
+    from batchyard.policy_mcb import plan
+    from batchyard.state import SchedulerState, WorkerState
+
+    from .simulator import seeds_devices
+
+    state, ws = SchedulerState(), []
+    for dev in seeds_devices(2):
+        ws.append(WorkerState(dev.name, dev.path, {"m": dev.max_batch}))
+        state.add_worker(ws[-1])
+        state.costs.setdefault(("m", dev.path), dev.curve())
+    out = {}
+    for n in (1, 4, 16, 64, 192, 1000):
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                plan(state, "m", ws, n, 1.0)
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+        out[str(n)] = {"plan_us_median": float(np.median(times)), "runs_us": times}
+        print(f"(i) a plan of {n:>5} queued items: {np.median(times):.1f} us (median of {runs} runs of {reps})")
+    return out
+
+
 def bench_h(runs: int = 3, n: int = 200, gap_s: float = 0.01) -> dict:
     import threading
 
@@ -469,12 +496,12 @@ def record(path: str, results: dict) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "h", "all"])
+    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "h", "i", "all"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--capacity", type=float, default=0.0, help="(e): routed capacity in req/s (0: measure it)")
     ap.add_argument("--json", default="bench/results/dispatch_bench.json", help="merge results here ('' : don't)")
     args = ap.parse_args(argv)
-    which = {"a", "b", "c", "d", "e", "f", "g", "h"} if "all" in args.which else set(args.which)
+    which = {"a", "b", "c", "d", "e", "f", "g", "h", "i"} if "all" in args.which else set(args.which)
     meta = {"command": "python -m batchyard.bench.dispatch_bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
     load = ", ".join(f"{x:.1f}" for x in meta["loadavg_at_start"])
@@ -502,6 +529,8 @@ def main(argv=None) -> None:
         out["g_expiry_decision_ms"] = bench_g(runs=args.runs)
     if "h" in which:
         out["h_send_after_idle_us"] = bench_h(runs=args.runs)
+    if "i" in which:
+        out["i_plan_us"] = bench_i(runs=args.runs)
     if args.json:
         record(args.json, {k: {"meta": meta, "result": v} for k, v in out.items()})
 
