@@ -40,15 +40,34 @@ class TextPieces:
     def push(self, tokens: list) -> str:
         self.tokens.extend(tokens)
         before = self.decode(self.tokens[self.prefix:self.read])
+        end = len(self.tokens)
         now = self.decode(self.tokens[self.prefix:])
-        # (held while it ends inside a character, but not past MAX_HELD tokens: bytes that never
-        # make one, as a client can ask with allowed_token_ids, grew the window without bound)
-        if len(now) <= len(before) or now.endswith(_PARTIAL) and len(self.tokens) - self.read <= MAX_HELD:
+        if now.endswith(_PARTIAL):
+            if end - self.read <= MAX_HELD:
+                return ""  # held while it ends inside a character
+            # Not held past MAX_HELD tokens: bytes that never make a character, as a client can
+            # ask with allowed_token_ids, grew the window without bound. Given then up to the last
+            # token whose text ends in a whole character: steps that each ended inside one (a run
+            # of multi-byte text, several tokens a step) had held 32 tokens, and the character
+            # still incomplete at the end went out as U+FFFD, in the middle of the joined text.
+            end, now = self._to_last_whole(before, end, now)
+        if len(now) <= len(before):
             return ""
         piece = now[len(before):]
-        self.prefix, self.read = self.read, len(self.tokens)
+        self.prefix, self.read = self.read, end
         self.text += piece
         return piece
+
+    def _to_last_whole(self, before: str, end: int, now: str) -> tuple[int, str]:
+        """(the last token boundary past ``read`` whose window text ends in a whole character and
+        is longer than ``before``, its text); ``(end, now)`` where there is none."""
+        for e in range(end - 1, self.read, -1):
+            text = self.decode(self.tokens[self.prefix:e])
+            if len(text) <= len(before):
+                break
+            if not text.endswith(_PARTIAL):
+                return e, text
+        return end, now
 
     def rest(self, tokens: list) -> str:
         whole = whole_text(self.decode, tokens)
