@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import logging
 import os
 import re
@@ -227,5 +228,20 @@ def main(argv=None) -> int:
     return args.run(args)
 
 
+def run_and_exit() -> None:
+    """The program (``batchyard``, ``python -m batchyard.cli``): ``main()``, then the exit
+    without the interpreter's last garbage collections over every object the process made.
+    Those collections are most of a process's exit, and the command has closed what it
+    opened by then: a front door took 0.25-0.39 s from its last statement to its end, 45 ms
+    with ``gc.freeze()``; a process with torch imported (a model's worker) 0.88-1.17 s, 0.24 s;
+    the dispatcher and `up` 0.06-0.15 s, 0.02 s. A node stops its processes one after the
+    other, so each stop of a node paid it three times or more. ``atexit`` handlers (logging's
+    flush, ``weakref.finalize``) still run, and objects freed by their reference counts still
+    are; only what sits in a reference cycle is left to the exit to reclaim."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()
