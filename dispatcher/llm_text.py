@@ -47,10 +47,12 @@ class TextPieces:
                 return ""  # held while it ends inside a character
             # Not held past MAX_HELD tokens: bytes that never make a character, as a client can
             # ask with allowed_token_ids, grew the window without bound. Given then up to the last
-            # token whose text ends in a whole character: steps that each ended inside one (a run
-            # of multi-byte text, several tokens a step) had held 32 tokens, and the character
-            # still incomplete at the end went out as U+FFFD, in the middle of the joined text.
-            end, now = self._to_last_whole(before, end, now)
+            # token whose text ends in a whole character, or short of the last PARTIAL_TOKENS
+            # where none does: given whole, steps that each ended inside a character (a run of
+            # multi-byte text, several tokens a step) sent the one incomplete at the end as
+            # U+FFFD, in the middle of the joined text; so did bytes that make none followed by
+            # the first bytes of one.
+            end, now = self._short_of_the_last_character(end)
         if len(now) <= len(before):
             return ""
         piece = now[len(before):]
@@ -58,16 +60,15 @@ class TextPieces:
         self.text += piece
         return piece
 
-    def _to_last_whole(self, before: str, end: int, now: str) -> tuple[int, str]:
-        """(the last token boundary past ``read`` whose window text ends in a whole character and
-        is longer than ``before``, its text); ``(end, now)`` where there is none."""
-        for e in range(end - 1, self.read, -1):
+    def _short_of_the_last_character(self, end: int) -> tuple[int, str]:
+        """(a token boundary before ``end``, the window's text up to it): the last of the last
+        PARTIAL_TOKENS boundaries whose text ends in a whole character, else the earliest of
+        them: the character incomplete at ``end`` began within those tokens."""
+        for e in range(end - 1, end - PARTIAL_TOKENS - 1, -1):
             text = self.decode(self.tokens[self.prefix:e])
-            if len(text) <= len(before):
-                break
             if not text.endswith(_PARTIAL):
-                return e, text
-        return end, now
+                break
+        return e, text
 
     def rest(self, tokens: list) -> str:
         whole = whole_text(self.decode, tokens)
@@ -81,6 +82,7 @@ class TextPieces:
 CONTEXT_TOKENS = 5  # the prompt's last tokens a generation is decoded after (vLLM's slow detokenizer's offset)
 MAX_CONTEXT_TOKENS = 64  # ... more where those are text of none (special tokens skipped), up to this many
 MAX_HELD = 32  # tokens held while the text ends inside a character (one: at most 4 bytes; special tokens count)
+PARTIAL_TOKENS = 3  # the bytes of a character but its last (UTF-8: at most 4), a token each at most
 
 
 def decoding_after(decode: Callable[[list], str], prompt: list) -> Callable[[list], str]:

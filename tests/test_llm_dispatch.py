@@ -773,6 +773,9 @@ def test_streamed_text_pieces_join_to_the_whole_decoding(tmp_path):
     # Each step ends inside a "€" (at 1 mod 3): held until MAX_HELD tokens, the pieces then given
     # ended in U+FFFD, in the middle of the joined text (hypothesis found a case of it in a run of `make test`).
     @example(parts=[euro] * 12, steps=[1] + [3] * 29, held=0)
+    # ... and bytes that make no character, then the first two of a "€": given at MAX_HELD tokens
+    # with the rest, which made the "€" a U+FFFD (found by a review).
+    @example(parts=[95] * 32 + [euro, 65], steps=[1] * 32 + [2, 1, 1] + [1] * 30, held=0)
     @given(st.lists(st.one_of(st.integers(0, 299), st.just(e_acute), st.just(euro)), min_size=1, max_size=30),
            st.lists(st.integers(1, 4), min_size=30, max_size=30), st.integers(0, 30))
     def check(parts, steps, held):
