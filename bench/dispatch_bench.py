@@ -15,7 +15,7 @@
 (h) the sender's CPU for one ZeroMQ send on ipc (two frames, as a request's) back to back, after
     a 10 ms idle gap slept, and after one spun, against a pipe write that wakes a thread after a
     gap: what each message of a hop costs at a low rate, where the processes sleep between them
-(i) one MCB plan (``policy_mcb.plan``, the decision's inner loop: a decision makes one to six)
+(i) one MCB plan (``policy_mcb.plan``, the decision's inner loop: up to seven a model's pass)
     of 1 to 1,000 queued items over the seeds' devices, a GPU and two CPUs, all free (the
     decision code alone, no sockets)
 
