@@ -216,7 +216,6 @@ class WorkerRuntime:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
-        sock.setsockopt(zmq.LINGER, LINGER_MS)  # (the stop's close sets its own)
         self.secure(sock)
         sock.connect(self.backend)
         hb = Heartbeat(ctx, self.backend, self.name, self.heartbeat_interval_s, self.secure, self._wake)
