@@ -8,8 +8,10 @@ in /dev/shm afterwards.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -132,6 +134,26 @@ def spawn_up(run_dir, workers, models, dispatcher=None, **popen_kw) -> tuple[Nod
     path.write_text(to_toml(node))
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT, **popen_kw)
     return node, up
+
+
+def ready_notify_socket(run_dir) -> tuple[socket.socket, dict]:
+    """A datagram socket in ``run_dir`` on which `up` and `frontend` say READY=1 the systemd way,
+    and the environment that names it to them; the caller closes the socket."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(f"{run_dir}/notify")
+    return notify, os.environ | {"NOTIFY_SOCKET": f"{run_dir}/notify"}
+
+
+def said_ready(notify: socket.socket, proc: subprocess.Popen, limit_s: float = 180.0) -> bool:
+    """Whether ``proc`` said READY=1 on ``notify`` before it exited (or ``limit_s`` passed). Where
+    a test waited instead for a gRPC channel to the front door, gRPC's reconnect backoff (1 s after
+    a connection refused before the port was bound) added about a second to each node's start."""
+    exited = os.pidfd_open(proc.pid)
+    try:
+        readable, _, _ = select.select([notify, exited], [], [], limit_s)
+    finally:
+        os.close(exited)
+    return notify in readable and b"READY=1" in notify.recv(4096).split(b"\n")
 
 
 def registered_while_up(address: str, up: subprocess.Popen, count: int, limit_s: float = 180.0):

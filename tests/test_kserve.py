@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import re
-import select
 import signal
 import socket
 import struct
@@ -48,7 +47,7 @@ from batchyard.kserve_common import KServeCore, KServeError, tensor_from_list
 from batchyard.kserve_shm import ShmRegions
 from batchyard.kserve_trace import Tracer
 
-from conftest import ROOT, SUM_MODEL, Node, perf_analyzer_ran, sim_worker
+from conftest import ROOT, SUM_MODEL, Node, perf_analyzer_ran, ready_notify_socket, said_ready, sim_worker
 
 SLOW_MODEL = ModelConfig(name="slow", max_batch=16, inputs=(TensorConfig("x", "float32", (4,)),),
                          outputs=(TensorConfig("y", "float32", (2,)),))
@@ -95,19 +94,12 @@ def _node_with_front_door(dispatcher=None, models=None, workers=None, **frontend
     path.write_text(to_toml(cfg))
     # `up` says READY=1 the systemd way once every worker has registered and every front-door
     # process serves its ports: wait for that datagram, or for `up` to exit.
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(f"{run_dir}/notify")
+    notify, env = ready_notify_socket(run_dir)
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
-                          stdout=subprocess.DEVNULL, env=os.environ | {"NOTIFY_SOCKET": f"{run_dir}/notify"})
+                          stdout=subprocess.DEVNULL, env=env)
     node = Node(cfg, up, run_dir)
     try:
-        up_exited = os.pidfd_open(up.pid)
-        try:
-            readable, _, _ = select.select([notify, up_exited], [], [], 180)
-        finally:
-            os.close(up_exited)
-        assert notify in readable, f"`up` did not become ready (exit code {up.poll()})"
-        assert b"READY=1" in notify.recv(4096).split(b"\n")
+        assert said_ready(notify, up), f"`up` did not become ready (exit code {up.poll()})"
         n = cfg.frontend.processes
         assert len(_listeners(up.pid, grpc_port)) == n and len(_listeners(up.pid, http_port)) == n
         yield FrontDoor(node, grpc_port, http_port)
@@ -3145,12 +3137,7 @@ def _start_front_door(path: Path, notify: socket.socket, env: dict = {}) -> tupl
     p = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "frontend", "--config", str(path)], cwd=ROOT,
                          stderr=subprocess.PIPE, text=True,
                          env=os.environ | {"NOTIFY_SOCKET": notify.getsockname()} | env)
-    exited = os.pidfd_open(p.pid)
-    try:
-        readable, _, _ = select.select([notify, exited], [], [], 120)
-    finally:
-        os.close(exited)
-    return p, notify in readable and b"READY=1" in notify.recv(4096).split(b"\n")
+    return p, said_ready(notify, p, 120)
 
 
 def test_a_second_node_on_a_running_nodes_ports_exits_naming_them(front_door, tmp_path):

@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-import grpc
 import numpy as np
 import psutil
 import pytest
@@ -28,7 +27,7 @@ from batchyard.errors import Cancelled, InvalidArgument, Unavailable, UnknownMod
 
 from batchyard.config import DispatcherConfig, FrontendConfig, LlmModelConfig, NodeConfig, to_toml
 
-from conftest import ROOT, free_port, perf_analyzer_ran, sim_worker
+from conftest import ROOT, free_port, perf_analyzer_ran, ready_notify_socket, said_ready, sim_worker
 
 BAD_TOKEN = 4095  # a prompt holding it makes the scripted engine fail that request
 HOLD_TOKEN = 4094  # ... or hold it, unanswered, until the dispatcher aborts it
@@ -213,8 +212,9 @@ def llm_node(run_dir, request):
                      frontend=FrontendConfig(grpc_port=grpc_port, http_port=port)).validate()
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
+    notify, env = ready_notify_socket(run_dir)
     up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
-                          stdout=subprocess.DEVNULL)
+                          stdout=subprocess.DEVNULL, env=env)
     engines = [ScriptedEngine(cfg.dispatcher.backend, "cpu0", "prefill-cpu"),
                ScriptedEngine(cfg.dispatcher.backend, "gpu0", "gpu")]
     try:
@@ -223,9 +223,8 @@ def llm_node(run_dir, request):
             for e in engines:
                 e.start()
             assert c.status(min_registrations=2, wait=30).registrations >= 2
-        # The front door binds HTTP before gRPC: a ready gRPC channel means HTTP is serving too.
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
-            grpc.channel_ready_future(ch).result(timeout=60)
+        # READY=1 once the front door serves both its ports (the node has no workers of its own).
+        assert said_ready(notify, up), f"`up` did not become ready (exit code {up.poll()})"
         yield cfg.dispatcher.frontend, {e.name_: e for e in engines}, f"http://127.0.0.1:{port}"
     finally:
         for e in engines:
@@ -233,6 +232,7 @@ def llm_node(run_dir, request):
             e.join(timeout=5)
         up.terminate()
         up.wait(timeout=30)
+        notify.close()
 
 
 def test_routed_request_prefills_on_cpu_and_decodes_on_gpu_with_the_kv(llm_node):
