@@ -1,4 +1,4 @@
-"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|...|i|all]``.
+"""Dispatcher micro-benchmarks (issues 2 and 9): ``python -m batchyard.bench.dispatch_bench [a|b|...|j|all]``.
 
 (a) added latency, one request in flight, no-op worker: client -> dispatcher -> worker minus
     client -> worker directly; the same for pyzmq's C ``zmq.proxy`` and a bare Python uvloop
@@ -18,6 +18,9 @@
 (i) one MCB plan (``policy_mcb.plan``, the decision's inner loop: up to seven a model's pass)
     of 1 to 1,000 queued items over the seeds' devices, a GPU and two CPUs, all free (the
     decision code alone, no sockets)
+(j) MCB's whole decision (``decide``, every pass and plan of it) over a simulated trace of the
+    seeds' devices at 50 %, 80 % and 90 % of the GPU's capacity, 20,000 Poisson arrivals: mean,
+    p50 and p99 of a decision (the simulator's own time left out)
 
 The paths are built in bench/noop_paths.py. Each mode runs ``--runs`` times, alternating the
 paths inside a run; medians are reported, and written to ``--json``. This machine is shared
@@ -419,6 +422,37 @@ def bench_i(runs: int = 3, reps: int = 300) -> dict:
     return out
 
 
+def bench_j(runs: int = 3, n: int = 20_000) -> dict:
+    from batchyard.policy_mcb import MarginalCost
+
+    from .sim_report import scenario_trace, SCENARIOS
+    from .simulator import simulate
+
+    out = {}
+    for load in (0.5, 0.8, 0.9):
+        trace, rows = scenario_trace("seeds", load, n), []
+        for _ in range(runs):
+            policy, times = MarginalCost(), []
+            decide = policy.decide
+
+            def timed(state, now, decide=decide, times=times):
+                t0 = time.perf_counter()
+                d = decide(state, now)
+                times.append(time.perf_counter() - t0)
+                return d
+
+            policy.decide = timed
+            simulate(policy, trace, SCENARIOS["seeds"][0])
+            us = np.asarray(times) * 1e6
+            rows.append({"mean": float(us.mean()), "p50": float(np.percentile(us, 50)),
+                         "p99": float(np.percentile(us, 99)), "decisions": len(us)})
+        med = {k: float(np.median([r[k] for r in rows])) for k in ("mean", "p50", "p99")}
+        out[f"{load:.0%}"] = {**{f"{k}_us_median": v for k, v in med.items()}, "runs": rows}
+        print(f"(j) MCB's decision at {load:.0%} of the seeds' load: mean {med['mean']:.1f} us, p50 {med['p50']:.1f}, "
+              f"p99 {med['p99']:.0f} (medians of {runs} runs, {rows[0]['decisions']} decisions each)")
+    return out
+
+
 def bench_h(runs: int = 3, n: int = 200, gap_s: float = 0.01) -> dict:
     import threading
 
@@ -496,12 +530,12 @@ def record(path: str, results: dict) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "h", "i", "all"])
+    ap.add_argument("which", nargs="*", default=["all"], choices=["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "all"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--capacity", type=float, default=0.0, help="(e): routed capacity in req/s (0: measure it)")
     ap.add_argument("--json", default="bench/results/dispatch_bench.json", help="merge results here ('' : don't)")
     args = ap.parse_args(argv)
-    which = {"a", "b", "c", "d", "e", "f", "g", "h", "i"} if "all" in args.which else set(args.which)
+    which = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"} if "all" in args.which else set(args.which)
     meta = {"command": "python -m batchyard.bench.dispatch_bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
     load = ", ".join(f"{x:.1f}" for x in meta["loadavg_at_start"])
@@ -531,6 +565,8 @@ def main(argv=None) -> None:
         out["h_send_after_idle_us"] = bench_h(runs=args.runs)
     if "i" in which:
         out["i_plan_us"] = bench_i(runs=args.runs)
+    if "j" in which:
+        out["j_decision_us"] = bench_j(runs=args.runs)
     if args.json:
         record(args.json, {k: {"meta": meta, "result": v} for k, v in out.items()})
 

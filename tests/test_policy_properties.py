@@ -78,3 +78,17 @@ def test_no_request_is_stranded(policy, state):
         f"queued (seq, items, free workers that take it): {takers}, no wake-up; "
         f"dispatched {[(x.worker.name, len(x.requests)) for x in d.dispatches]}")
     assert d.wake_at > NOW  # a wake-up at or before now would spin the live dispatcher's timer
+
+
+@settings(max_examples=300, deadline=None)
+@given(state=states(), sizes=st_.lists(st_.integers(0, 1000), min_size=1, max_size=6), background=st_.booleans())
+def test_a_plan_continued_for_more_items_is_the_plan_made_afresh(state, sizes, background):
+    """A pass asks its Planner for plans of several sizes (the queue, then with the arrivals it
+    expects), and each goes on from the last where it can: every answer must be the plan a fresh
+    ``plan()`` of that size makes, across the backlog bound (2 x the max batches) and back."""
+    from batchyard.policy_mcb import Planner, plan
+
+    ws = state.serving["m"]
+    planner = Planner(state, "m", ws, NOW, background)
+    for n in sizes:
+        assert planner.plan(n) == plan(state, "m", ws, n, NOW, background), (n, sizes)
