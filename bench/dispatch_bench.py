@@ -15,7 +15,7 @@
 (h) the sender's CPU for one ZeroMQ send on ipc (two frames, as a request's) back to back, after
     a 10 ms idle gap slept, and after one spun, against a pipe write that wakes a thread after a
     gap: what each message of a hop costs at a low rate, where the processes sleep between them
-(i) one MCB plan (``policy_mcb.plan``, the decision's inner loop: up to seven a model's pass)
+(i) one MCB plan (``policy_mcb.plan``, the decision's inner loop: up to eight a model's pass)
     of 1 to 1,000 queued items over the seeds' devices, a GPU and two CPUs, all free (the
     decision code alone, no sockets)
 (j) MCB's whole decision (``decide``, every pass and plan of it) over a simulated trace of the
@@ -368,7 +368,9 @@ def summary(a: dict | None, b: dict | None) -> dict:
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     amx = any("amx" in line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # "-dirty" where the working tree differs from HEAD: the numbers are then not HEAD's
+    rev = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                         text=True).stdout.strip()
     return {"cpu": cpu, "amx": amx, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "git_head": rev,
             "python": sys.version.split()[0], "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
 

@@ -5,6 +5,7 @@ sees: routes, the KV hand-off between the two instances, timings, errors, status
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -213,26 +214,26 @@ def llm_node(run_dir, request):
     path = Path(run_dir) / "node.toml"
     path.write_text(to_toml(cfg))
     notify, env = ready_notify_socket(run_dir)
-    up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
-                          stdout=subprocess.DEVNULL, env=env)
-    engines = [ScriptedEngine(cfg.dispatcher.backend, "cpu0", "prefill-cpu"),
-               ScriptedEngine(cfg.dispatcher.backend, "gpu0", "gpu")]
-    try:
-        with Client(cfg.dispatcher.frontend) as c:
-            c.status(wait=30)  # the dispatcher is up
+    with contextlib.closing(notify):  # (also where stopping `up` below fails)
+        up = subprocess.Popen([sys.executable, "-m", "batchyard.cli", "up", "--config", str(path)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, env=env)
+        engines = [ScriptedEngine(cfg.dispatcher.backend, "cpu0", "prefill-cpu"),
+                   ScriptedEngine(cfg.dispatcher.backend, "gpu0", "gpu")]
+        try:
+            with Client(cfg.dispatcher.frontend) as c:
+                c.status(wait=30)  # the dispatcher is up
+                for e in engines:
+                    e.start()
+                assert c.status(min_registrations=2, wait=30).registrations >= 2
+            # READY=1 once the front door serves both its ports (the node has no workers of its own).
+            assert said_ready(notify, up), f"`up` did not become ready (exit code {up.poll()})"
+            yield cfg.dispatcher.frontend, {e.name_: e for e in engines}, f"http://127.0.0.1:{port}"
+        finally:
             for e in engines:
-                e.start()
-            assert c.status(min_registrations=2, wait=30).registrations >= 2
-        # READY=1 once the front door serves both its ports (the node has no workers of its own).
-        assert said_ready(notify, up), f"`up` did not become ready (exit code {up.poll()})"
-        yield cfg.dispatcher.frontend, {e.name_: e for e in engines}, f"http://127.0.0.1:{port}"
-    finally:
-        for e in engines:
-            e.stop.set()
-            e.join(timeout=5)
-        up.terminate()
-        up.wait(timeout=30)
-        notify.close()
+                e.stop.set()
+                e.join(timeout=5)
+            up.terminate()
+            up.wait(timeout=30)
 
 
 def test_routed_request_prefills_on_cpu_and_decodes_on_gpu_with_the_kv(llm_node):

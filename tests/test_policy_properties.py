@@ -81,14 +81,23 @@ def test_no_request_is_stranded(policy, state):
 
 
 @settings(max_examples=300, deadline=None)
-@given(state=states(), sizes=st_.lists(st_.integers(0, 1000), min_size=1, max_size=6), background=st_.booleans())
-def test_a_plan_continued_for_more_items_is_the_plan_made_afresh(state, sizes, background):
+@given(state=states(), background=st_.booleans(), data=st_.data())
+def test_a_plan_continued_for_more_items_is_the_plan_made_afresh(state, background, data):
     """A pass asks its Planner for plans of several sizes (the queue, then with the arrivals it
     expects), and each goes on from the last where it can: every answer must be the plan a fresh
     ``plan()`` of that size makes, across the backlog bound (2 x the max batches) and back."""
-    from batchyard.policy_mcb import Planner, plan
+    from batchyard.policy_mcb import BACKLOG_BATCHES, Planner, plan
 
     ws = state.serving["m"]
+    for path in ("gpu", "cpu"):
+        if data.draw(st_.booleans()):
+            # A launch of a few items' time, amortised within a max batch: where the plan opens
+            # a second batch depends on whether it is in a backlog.
+            c = state.costs[("m", path)]
+            c.launch_s = c.per_item_s * data.draw(st_.floats(0.02, 2.0))
     planner = Planner(state, "m", ws, NOW, background)
+    bound = BACKLOG_BATCHES * planner.room
+    size = st_.one_of(st_.integers(0, bound + planner.room), st_.sampled_from([planner.room, bound, bound + 1]))
+    sizes = data.draw(st_.lists(size, min_size=2, max_size=6))
     for n in sizes:
         assert planner.plan(n) == plan(state, "m", ws, n, NOW, background), (n, sizes)
