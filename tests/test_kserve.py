@@ -3150,8 +3150,7 @@ def test_a_second_node_on_a_running_nodes_ports_exits_naming_them(front_door, tm
     grpc_port, http_port = (int(url.rsplit(":", 1)[1]) for url in (front_door.grpc_url, front_door.http_url))
     pids = _listeners(front_door.node.up.pid, grpc_port)
     assert len(pids) == 2
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify"))
+    notify, _ = ready_notify_socket(tmp_path)
     with notify:
         for ports, what, port in (((grpc_port, http_port), "gRPC", grpc_port), ((0, http_port), "HTTP", http_port)):
             p, ready = _start_front_door(_other_node_config(tmp_path, f"other-{what}", *ports), notify)
@@ -3175,8 +3174,7 @@ def test_a_second_node_on_a_running_nodes_ports_exits_naming_them(front_door, tm
 def started_front_door(tmp_path):
     """Starts `batchyard frontend` of a config (with extra environment), returned once it said
     READY=1; every one it started is killed at the end."""
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify"))
+    notify, _ = ready_notify_socket(tmp_path)
     procs = []
 
     def start_ready(path: Path, env: dict = {}) -> subprocess.Popen:
